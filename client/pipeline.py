@@ -1,0 +1,334 @@
+"""``Pipeline``: train one model across stage servers as if it were local.
+
+::
+
+    with Pipeline(coordinator="127.0.0.1:7100", model="mlp",
+                  model_kwargs={"sizes": [32, 64, 64, 10]}, micro_batches=4) as pipe:
+        loss = pipe.train_step(inputs, targets)   # the mini-batch's mean loss
+        out = pipe.predict(inputs)                # forward only
+        sd = pipe.state_dict()                    # same keys as the local nn.Sequential
+
+The job is set up on first use (the first micro-batch doubles as the profiling sample).
+When the coordinator moves layers between stages, the stages refuse the old epoch; the
+pipeline discards the interrupted attempt (nothing of it was committed), picks up the new
+partition, logs the change, and runs the step again -- the script notices nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import grpc
+import structlog
+import torch
+
+from client import driver
+from client.driver import Chain, StageClients
+from elasticpipe import codec, rpc
+from elasticpipe.errors import (
+    ElasticPipeError,
+    InvalidRequest,
+    NotReady,
+    Rebalancing,
+    StaleEpoch,
+)
+from elasticpipe.job import JobConfig
+from elasticpipe.schedule import split_sizes
+from elasticpipe.training import check_optimizer
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+
+log = structlog.get_logger()
+
+RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """Where the layers are: boundaries, stages in chain order, and the epoch."""
+
+    epoch: int
+    boundaries: tuple[int, ...]
+    stages: tuple[str, ...]  # addresses in chain order
+    stage_ids: tuple[str, ...] = ()
+
+    def layers_of(self, stage: int) -> range:
+        """The layers stage ``stage`` (chain position) owns."""
+        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+
+@dataclass
+class StepStats:
+    """What the last step measured on each stage (chain order)."""
+
+    reports: list[stage_pb2.StepReport] = field(default_factory=list)
+    seconds: float = 0.0
+    attempts: int = 1
+
+
+class Pipeline:
+    """A model trained across the stage servers of one coordinator."""
+
+    def __init__(
+        self,
+        coordinator: str,
+        model: str,
+        model_kwargs: dict[str, Any] | None = None,
+        seed: int = 0,
+        optimizer: str = "adam",
+        optimizer_kwargs: dict[str, Any] | None = None,
+        loss: str = "cross_entropy",
+        micro_batches: int = 4,
+        schedule: str = "1f1b",
+        stages: int | None = None,
+        step_timeout: float = 120.0,
+        setup_timeout: float = 60.0,
+        rebalance_timeout: float = 300.0,
+    ):
+        """Describes the job; nothing is contacted until first use.
+
+        Args:
+            coordinator: "host:port" of the coordinator.
+            model: built-in name ("mlp", "gpt", "cnn") or "package.module:function".
+            model_kwargs: JSON-able arguments of the model factory.
+            seed: layer i's initial weights depend only on (seed, i).
+            optimizer: "sgd", "adam" or "adamw"; ``optimizer_kwargs`` its arguments.
+            loss: "cross_entropy" or "mse" (mean over the mini-batch).
+            micro_batches: micro-batches per mini-batch (fewer if the batch is smaller).
+            schedule: "1f1b" (bounded activation memory) or "gpipe".
+            stages: how many stages to use (default: every live stage).
+            step_timeout: deadline of one step on every stage.
+            setup_timeout: how long to wait for stages at job setup.
+            rebalance_timeout: how long a step may wait for an epoch change to finish.
+
+        Raises:
+            InvalidRequest: an argument that no stage would accept (checked here).
+        """
+        self._job = JobConfig(
+            model=model,
+            model_kwargs=dict(model_kwargs or {}),
+            seed=seed,
+            optimizer=optimizer,
+            optimizer_kwargs=dict(optimizer_kwargs or {}),
+            loss=loss,
+            micro_batches=micro_batches,
+            schedule=schedule,
+        )
+        check_optimizer(optimizer, self._job.optimizer_kwargs)
+        for what, value in (("model_kwargs", model_kwargs), ("optimizer_kwargs", optimizer_kwargs)):
+            try:
+                json.dumps(value or {})
+            except TypeError as exc:
+                raise InvalidRequest(f"{what} must be JSON-able: {exc}") from exc
+        if stages is not None and stages < 1:
+            raise InvalidRequest(f"stages must be >= 1 (got {stages})")
+        if step_timeout <= 0:
+            raise InvalidRequest(f"step_timeout must be > 0 (got {step_timeout})")
+        self.coordinator = coordinator
+        self._num_stages = stages or 0
+        self._step_timeout = step_timeout
+        self._setup_timeout = setup_timeout
+        self._rebalance_timeout = rebalance_timeout
+        self._channel = rpc.channel(coordinator)
+        self._coord = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._clients = StageClients()
+        self._chain: Chain | None = None
+        self._stage_ids: tuple[str, ...] = ()
+        self._step = 0
+        self._runs = itertools.count(random.randrange(1, 1 << 40))
+        self.num_layers = 0
+        self.last_step = StepStats()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channels (the stages keep the trained layers)."""
+        self._clients.close()
+        self._channel.close()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps committed so far."""
+        return self._step
+
+    @property
+    def partition(self) -> PartitionInfo:
+        """The current boundaries, stages and epoch (sets the job up if needed)."""
+        chain = self._ensure_job(None)
+        return PartitionInfo(chain.epoch, chain.boundaries, chain.addresses, self._stage_ids)
+
+    # ---- job and partition ---------------------------------------------------------------
+
+    def _ensure_job(self, sample: torch.Tensor | None) -> Chain:
+        if self._chain is not None:
+            return self._chain
+        spec = self._job.to_proto()
+        if sample is not None:
+            spec.sample_input.CopyFrom(codec.to_proto(sample))
+        reply = rpc.call(
+            self.coordinator, self._coord.SetupJob,
+            coordinator_pb2.SetupJobRequest(job=spec, num_stages=self._num_stages,
+                                            wait_s=self._setup_timeout),
+            timeout=self._setup_timeout + 120.0,
+        )
+        self.num_layers = reply.num_layers
+        self._adopt(reply.partition)
+        assert self._chain is not None
+        log.info("pipeline_ready", model=self._job.model, layers=self.num_layers,
+                 boundaries=list(self._chain.boundaries), epoch=self._chain.epoch,
+                 stages=len(self._chain.addresses))
+        return self._chain
+
+    def _adopt(self, p: coordinator_pb2.Partition) -> None:
+        self._chain = Chain(p.epoch, tuple(p.addresses), tuple(p.boundaries))
+        self._stage_ids = tuple(p.stage_ids)
+
+    def _refresh(self, old: Chain, deadline: float) -> None:
+        """Waits (until ``deadline``) for a partition newer than ``old`` and adopts it."""
+        started = time.monotonic()
+        wait = min(RETRY_WAIT_S, max(0.0, deadline - started))
+        reply = rpc.call(
+            self.coordinator, self._coord.GetPartition,
+            coordinator_pb2.GetPartitionRequest(newer_than=old.epoch, timeout_s=wait),
+            timeout=wait + 10.0,
+        )
+        self._adopt(reply)
+        assert self._chain is not None
+        if self._chain.epoch != old.epoch:
+            log.info("partition_changed", old_epoch=old.epoch, new_epoch=self._chain.epoch,
+                     old=list(old.boundaries), new=list(self._chain.boundaries),
+                     pause_s=round(time.monotonic() - started, 3))
+
+    # ---- training ----------------------------------------------------------------------
+
+    def _split(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[
+        list[torch.Tensor], list[torch.Tensor] | None, list[float]
+    ]:
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
+            raise InvalidRequest("inputs must be a tensor with a batch dimension")
+        sizes = split_sizes(inputs.shape[0], self._job.micro_batches)
+        xs = list(inputs.detach().cpu().split(sizes))
+        ys = None
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.shape[:1] != inputs.shape[:1]:
+                raise InvalidRequest(
+                    f"targets must have the batch size of the inputs ({inputs.shape[0]}), got "
+                    f"{list(getattr(targets, 'shape', []))}"
+                )
+            ys = list(targets.detach().cpu().split(sizes))
+        scales = [n / inputs.shape[0] for n in sizes]
+        return xs, ys, scales
+
+    def _attempt(self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None,
+                 scales: list[float]) -> tuple[list[stage_pb2.StepReport], Chain, int]:
+        chain = self._ensure_job(xs[0])
+        deadline = time.monotonic() + self._rebalance_timeout
+        attempts = 0
+        while True:
+            attempts += 1
+            run_id = next(self._runs)
+            try:
+                reports = driver.run(self._clients, chain, run_id, self._step + 1, xs, ys,
+                                     scales, self._job.schedule, self._step_timeout)
+                self.last_step.attempts = attempts
+                return reports, chain, run_id
+            except (StaleEpoch, Rebalancing) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("step_retried", step=self._step + 1, epoch=chain.epoch,
+                         reason=str(exc))
+                self._refresh(chain, deadline)
+                chain = self._chain or chain
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One synchronous training step on a mini-batch.
+
+        Splits the batch into micro-batches, runs forward and backward through every stage
+        (the loss is computed on the last stage), then commits the optimizer step on every
+        stage. Gradients are accumulated so that the result equals ordinary training on the
+        whole mini-batch.
+
+        Returns:
+            The mini-batch's mean loss.
+
+        Raises:
+            InvalidRequest: inputs or targets the model cannot take (message names them).
+            StageUnavailable / DeadlineExceeded: a stage died or stalled; nothing was
+                committed.
+        """
+        started = time.perf_counter()
+        xs, ys, scales = self._split(inputs, targets)
+        reports, chain, run_id = self._attempt(xs, ys, scales)
+        driver.commit(self._clients, chain, run_id, self._step + 1)
+        self._step += 1
+        self.last_step = StepStats(reports, time.perf_counter() - started,
+                                   self.last_step.attempts)
+        return float(sum(reports[-1].losses))
+
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output on ``inputs`` (forward only; changes nothing)."""
+        xs, _, scales = self._split(inputs, None)
+        _, chain, run_id = self._attempt(xs, None, scales)
+        outs = [driver.fetch_output(self._clients, chain.addresses[-1], run_id, i,
+                                    self._step_timeout) for i in range(len(xs))]
+        return torch.cat(outs)
+
+    # ---- state -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights and buffers, keyed like the local ``nn.Sequential``."""
+        chain = self._ensure_job(None)
+        for _ in range(10):
+            try:
+                return self._collect(chain)
+            except (StaleEpoch, NotReady) as exc:
+                log.info("state_dict_retried", epoch=chain.epoch, reason=str(exc))
+                self._refresh(chain, time.monotonic() + RETRY_WAIT_S)
+                chain = self._chain or chain
+        raise NotReady("the partition kept changing while reading the state")
+
+    def _collect(self, chain: Chain) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for s, address in enumerate(chain.addresses):
+            layers = list(range(chain.boundaries[s], chain.boundaries[s + 1]))
+            request = stage_pb2.ExportLayersRequest(epoch=chain.epoch, layers=layers)
+            blobs: dict[int, codec.BlobAssembler] = {}
+            try:
+                for chunk in self._clients.stub(address).ExportLayers(
+                    request, timeout=self._step_timeout
+                ):
+                    if chunk.layer not in blobs:
+                        blobs[chunk.layer] = codec.BlobAssembler(
+                            chunk.total_bytes, codec.DEFAULT_MAX_TENSOR_BYTES,
+                            f"layer {chunk.layer}")
+                    blobs[chunk.layer].add(chunk.offset, chunk.data, chunk.crc32)
+                    if chunk.sha256:
+                        layer_state = codec.unpack_state(blobs[chunk.layer].finish(chunk.sha256))
+                        for name, tensor in layer_state["model"].items():
+                            state[f"{chunk.layer}.{name}"] = tensor
+            except grpc.RpcError as exc:
+                raise rpc.translate(exc, address) from exc
+        return state
+
+    def stage_stats(self) -> list[stage_pb2.StageStats]:
+        """Each stage's own report (epoch, layers, timings, peak activations)."""
+        chain = self._ensure_job(None)
+        return [
+            rpc.call(a, self._clients.stub(a).GetStats, stage_pb2.StatsRequest(), timeout=10.0)
+            for a in chain.addresses
+        ]
+
+
+__all__ = ["ElasticPipeError", "PartitionInfo", "Pipeline", "StepStats"]

@@ -1,0 +1,1 @@
+"""The control plane: membership, planner, epochs, rebalancing policy, admin."""

@@ -1,0 +1,94 @@
+"""Turning what stages measure into the planner's inputs: per-layer unit costs, stage speeds.
+
+A stage reports, per layer it ran, smoothed forward and backward seconds (its slowdown
+included). The profiling pass at job start times *every* layer on *every* stage, which
+fixes both unknowns: stage s's speed is how much faster it ran the whole model than the
+slowest stage, and layer l's unit cost is its time on a speed-1 device (averaged over
+stages). In training each stage only runs its own layers; its live speed is then the unit
+cost of the layers it ran divided by the time it took::
+
+    costs = [1, 2, 1]          (seconds on a speed-1 device)
+    stage A ran layers 0-1 in 1.5 s  ->  speed (1 + 2) / 1.5 = 2.0
+    stage B ran layer 2 in 2.0 s     ->  speed 1 / 2.0 = 0.5
+
+A stage with no measurement yet (it just joined, or its layers just arrived) keeps its
+last known speed, else its profiled speed, else the mean of the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from coordinator.planner import Plan
+
+Timing = tuple[float, float, int, int]  # (forward_s, backward_s, output_bytes, samples)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Unit costs of every layer, and each profiled stage's speed."""
+
+    costs: tuple[float, ...]
+    speeds: dict[str, float]
+
+
+def from_profiles(profiles: Mapping[str, Sequence[Timing]]) -> Profile:
+    """Combines the full-model profiles of several stages.
+
+    Args:
+        profiles: stage id -> one timing per layer of the whole model.
+
+    Returns:
+        Unit costs (seconds on a speed-1 device) and speeds (the slowest stage is 1).
+    """
+    totals = {sid: sum(t[0] + t[1] for t in timings) for sid, timings in profiles.items()}
+    slowest = max(totals.values())
+    speeds = {sid: slowest / total if total > 0 else 1.0 for sid, total in totals.items()}
+    num_layers = len(next(iter(profiles.values())))
+    costs = []
+    for layer in range(num_layers):
+        per_stage = [(t[layer][0] + t[layer][1]) * speeds[s] for s, t in profiles.items()]
+        costs.append(max(sum(per_stage) / len(per_stage), 1e-9))
+    return Profile(costs=tuple(costs), speeds=speeds)
+
+
+def fallback_costs(param_bytes: Sequence[int]) -> tuple[float, ...]:
+    """Unit costs when nothing was profiled: proportional to parameters (at least 1)."""
+    scale = max(max(param_bytes, default=1), 1)
+    return tuple(max(b / scale, 0.05) for b in param_bytes)
+
+
+def live_speed(costs: Sequence[float], timings: Mapping[int, Timing]) -> float | None:
+    """A stage's speed from its reported per-layer times, or None without measurements."""
+    unit = spent = 0.0
+    for layer, (fwd, bwd, _, samples) in timings.items():
+        if samples > 0 and 0 <= layer < len(costs) and fwd + bwd > 0:
+            unit += costs[layer]
+            spent += fwd + bwd
+    if spent <= 0 or not math.isfinite(unit / spent):
+        return None
+    return unit / spent
+
+
+def fill_speeds(known: Sequence[float | None]) -> list[float]:
+    """Replaces unknown speeds by the mean of the known ones (1.0 if none is known)."""
+    values = [v for v in known if v is not None and v > 0]
+    mean = sum(values) / len(values) if values else 1.0
+    return [v if v is not None and v > 0 else mean for v in known]
+
+
+def evaluate(boundaries: Sequence[int], costs: Sequence[float], speeds: Sequence[float]) -> Plan:
+    """The times of a given partition (no optimisation), as a ``Plan``."""
+    stage_times = tuple(
+        math.fsum(costs[boundaries[s] : boundaries[s + 1]]) / speeds[s]
+        for s in range(len(speeds))
+    )
+    link_times = tuple(0.0 for _ in range(len(speeds) - 1))
+    return Plan(
+        boundaries=tuple(boundaries),
+        stage_times=stage_times,
+        link_times=link_times,
+        bottleneck=max(stage_times),
+    )

@@ -1,0 +1,71 @@
+"""A running coordinator: state store, domain object, gRPC service, policy loop."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import structlog
+
+from coordinator.coordinator import Coordinator
+from coordinator.policy import PolicyConfig
+from coordinator.service import CoordinatorServicer
+from coordinator.store import Store
+from elasticpipe.serving import RunningServer, start_server
+from elasticpipe.v1 import coordinator_pb2
+
+log = structlog.get_logger()
+
+
+class CoordinatorServer:
+    """Serves a ``Coordinator`` (a context manager)."""
+
+    def __init__(self, listen: str = "127.0.0.1:0", state: str = ":memory:",
+                 policy: PolicyConfig | None = None, dead_after_s: float = 5.0,
+                 heartbeat_interval_s: float = 1.0):
+        self._listen = listen
+        self._state = state
+        self._policy = policy
+        self._dead_after_s = dead_after_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self.coordinator: Coordinator | None = None
+        self._server: RunningServer | None = None
+
+    @property
+    def address(self) -> str:
+        """Where the CoordinatorService listens."""
+        assert self._server is not None, "server not started"
+        return self._server.address
+
+    def start(self) -> CoordinatorServer:
+        """Opens the state file, binds the port and starts the policy loop."""
+        self.coordinator = Coordinator(Store(self._state), self._policy, self._dead_after_s,
+                                       self._heartbeat_interval_s)
+        self._server = start_server(
+            self._listen,
+            [(coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"],
+              CoordinatorServicer(self.coordinator))],
+        )
+        self.coordinator.start_policy()
+        log.info("coordinator_listening", address=self.address, state=self._state,
+                 auto_rebalance=self.coordinator.policy.enabled)
+        return self
+
+    def stop(self) -> None:
+        """Stops the server and closes the state file."""
+        if self._server is not None:
+            self._server.stop()
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator.store.close()
+
+    def wait(self) -> None:
+        """Blocks until the server stops."""
+        assert self._server is not None
+        self._server.server.wait_for_termination()
+
+    def __enter__(self) -> CoordinatorServer:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

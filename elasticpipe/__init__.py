@@ -1,0 +1,28 @@
+"""ElasticPipe: pipeline model parallelism over gRPC that re-partitions while it trains.
+
+The facade: ``from elasticpipe import Pipeline, LocalCluster``. Imports are lazy so that
+``import elasticpipe`` stays light and the core modules never import the services.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from client.pipeline import PartitionInfo, Pipeline
+    from elasticpipe.cluster import LocalCluster
+
+__all__ = ["LocalCluster", "PartitionInfo", "Pipeline"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Pipeline", "PartitionInfo"):
+        from client import pipeline
+
+        return getattr(pipeline, name)
+    if name == "LocalCluster":
+        from elasticpipe.cluster import LocalCluster
+
+        return LocalCluster
+    raise AttributeError(f"module 'elasticpipe' has no attribute {name!r}")

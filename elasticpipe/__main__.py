@@ -1,0 +1,7 @@
+"""``python -m elasticpipe``: the same as the ``elasticpipe`` command."""
+
+import sys
+
+from elasticpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,226 @@
+"""The ``elasticpipe`` command: coordinator, stage, admin and demo.
+
+Logging is configured here, once, for whichever command runs (console or JSON lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import structlog
+
+from elasticpipe.errors import ElasticPipeError
+
+ENV_LOG_FORMAT = "ELASTICPIPE_LOG_FORMAT"
+ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
+
+
+def configure_logging(fmt: str, level: str) -> None:
+    """Sets up structlog for a command: human-readable console or JSON lines, on stderr."""
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S.%f" if fmt != "json" else "iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def _write_ready(path: str | None, address: str) -> None:
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+        tmp.replace(path)
+
+
+def _serve_until_signalled(stop: threading.Event) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    stop.wait()
+
+
+# ---- commands --------------------------------------------------------------------------
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    """Runs the coordinator until SIGTERM/SIGINT."""
+    from coordinator.policy import PolicyConfig
+    from coordinator.server import CoordinatorServer
+
+    policy = PolicyConfig(
+        enabled=args.auto_rebalance,
+        threshold=args.rebalance_threshold,
+        horizon_steps=args.rebalance_horizon,
+        cooldown_s=args.rebalance_cooldown,
+        interval_s=args.policy_interval,
+    )
+    server = CoordinatorServer(args.listen, args.state, policy, args.dead_after,
+                               args.heartbeat_interval).start()
+    _write_ready(args.ready_file, server.address)
+    stop = threading.Event()
+    try:
+        _serve_until_signalled(stop)
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    """Runs a stage server until SIGTERM/SIGINT."""
+    import torch
+
+    from stage_server.server import StageServer
+    from stage_server.stage import StageConfig
+
+    threads = os.environ.get(ENV_TORCH_THREADS)
+    if threads:
+        torch.set_num_threads(int(threads))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this host")
+    config = StageConfig(
+        name=args.name or f"stage-{os.getpid()}",
+        device=args.device,
+        allow_models=tuple(args.allow_models),
+        slowdown=args.slowdown,
+        max_tensor_bytes=args.max_tensor_bytes,
+        enable_fault_injection=args.enable_fault_injection,
+    )
+    server = StageServer(config, args.coordinator, args.listen).start()
+    _write_ready(args.ready_file, server.address)
+    stop = threading.Event()
+    try:
+        _serve_until_signalled(stop)
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Trains the small GPT on the standard library's source on a local cluster."""
+    from elasticpipe.demo import run_demo
+
+    return run_demo(stages=args.stages, steps=args.steps, batch_size=args.batch_size,
+                    seq_len=args.seq_len, micro_batches=args.micro_batches,
+                    n_layers=args.layers, d_model=args.d_model, log_dir=args.log_dir)
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    """Runs one admin command against the coordinator and prints the result."""
+    from elasticpipe.admin import run_admin
+
+    return run_admin(args)
+
+
+# ---- parser ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line."""
+    parser = argparse.ArgumentParser(prog="elasticpipe", description=__doc__)
+    parser.add_argument("--log-format", choices=["console", "json"],
+                        default=os.environ.get(ENV_LOG_FORMAT, "console"))
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    co = sub.add_parser("coordinator", help="run the coordinator (control plane)")
+    co.add_argument("--listen", default="127.0.0.1:7100", help="HOST:PORT (port 0: any)")
+    co.add_argument("--state", default="elasticpipe-coordinator.sqlite",
+                    help="SQLite file holding stages, job and partition (':memory:' for none)")
+    co.add_argument("--auto-rebalance", action=argparse.BooleanOptionalAction, default=True)
+    co.add_argument("--rebalance-threshold", type=float, default=0.10,
+                    help="minimum predicted step-time gain (fraction) to move layers")
+    co.add_argument("--rebalance-horizon", type=int, default=50,
+                    help="steps over which a move must pay back its pause")
+    co.add_argument("--rebalance-cooldown", type=float, default=5.0,
+                    help="seconds between two automatic moves")
+    co.add_argument("--policy-interval", type=float, default=1.0,
+                    help="seconds between two re-plans")
+    co.add_argument("--dead-after", type=float, default=5.0,
+                    help="seconds without heartbeat before a stage counts as dead")
+    co.add_argument("--heartbeat-interval", type=float, default=1.0)
+    co.add_argument("--ready-file", help=argparse.SUPPRESS)
+    co.set_defaults(func=cmd_coordinator)
+
+    st = sub.add_parser("stage", help="run a stage server (one per device)")
+    st.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    st.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
+    st.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    st.add_argument("--name", default="", help="stable name of this host (default: stage-PID)")
+    st.add_argument("--allow-models", nargs="*", default=[], metavar="PREFIX",
+                    help="module prefixes whose model factories may be built here")
+    st.add_argument("--slowdown", type=float, default=1.0,
+                    help="emulate a device this many times slower")
+    st.add_argument("--max-tensor-bytes", type=int, default=1 << 31)
+    st.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    st.add_argument("--ready-file", help=argparse.SUPPRESS)
+    st.set_defaults(func=cmd_stage)
+
+    de = sub.add_parser("demo", help="train a small GPT on a local cluster")
+    de.add_argument("--stages", type=int, default=4)
+    de.add_argument("--steps", type=int, default=150)
+    de.add_argument("--batch-size", type=int, default=16)
+    de.add_argument("--seq-len", type=int, default=64)
+    de.add_argument("--micro-batches", type=int, default=4)
+    de.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    de.add_argument("--d-model", type=int, default=128)
+    de.add_argument("--log-dir", default=None, help="keep the processes' logs here")
+    de.set_defaults(func=cmd_demo)
+
+    ad = sub.add_parser("admin", help="inspect and rebalance a running cluster")
+    ad.add_argument("--coordinator", default="127.0.0.1:7100")
+    ad.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    adsub = ad.add_subparsers(dest="admin_command", required=True)
+    adsub.add_parser("status", help="stages, partition, epoch history")
+    adsub.add_parser("plan", help="current vs optimal partition (dry run)")
+    rb = adsub.add_parser("rebalance", help="move to the optimal partition now")
+    rb.add_argument("--dry-run", action="store_true")
+    sp = adsub.add_parser("set-partition", help="e.g. 0:6,6:12,12:18")
+    sp.add_argument("ranges")
+    sp.add_argument("--stages", nargs="*", default=[], help="chain order (names or ids)")
+    dr = adsub.add_parser("drain", help="move every layer off a stage")
+    dr.add_argument("stage")
+    ud = adsub.add_parser("undrain", help="let a drained stage back in")
+    ud.add_argument("stage")
+    sl = adsub.add_parser("slowdown", help="emulate a slower device on a stage")
+    sl.add_argument("stage")
+    sl.add_argument("factor", type=float)
+    au = adsub.add_parser("auto", help="turn automatic rebalancing on or off")
+    au.add_argument("state", choices=["on", "off"])
+    ad.set_defaults(func=cmd_admin)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``elasticpipe`` command."""
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    try:
+        return int(args.func(args))
+    except ElasticPipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

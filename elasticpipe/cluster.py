@@ -1,0 +1,192 @@
+"""``LocalCluster``: a coordinator and N stage servers as separate processes on loopback.
+
+::
+
+    with LocalCluster(stages=4) as cluster:
+        with Pipeline(coordinator=cluster.coordinator, model="gpt") as pipe:
+            ...
+
+Each process is a real ``elasticpipe`` command (the same an operator runs on each host);
+they bind port 0 and report the address they got through a ready file. Leaving the block
+(or Ctrl-C) stops every process: SIGTERM first, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+
+from elasticpipe import rpc
+from elasticpipe.errors import DeadlineExceeded, StageUnavailable
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+START_TIMEOUT_S = 60.0
+
+
+def _wait_ready(path: Path, proc: subprocess.Popen[bytes], what: str, log: Path,
+                timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise StageUnavailable(f"{what} exited with code {proc.returncode}:\n{tail}")
+        if path.exists() and path.stat().st_size > 0:
+            return str(json.loads(path.read_text())["address"])
+        time.sleep(0.05)
+    raise DeadlineExceeded(f"{what} did not start within {timeout:.0f}s (log: {log})")
+
+
+class LocalCluster:
+    """A coordinator plus ``stages`` stage servers, each its own process."""
+
+    def __init__(
+        self,
+        stages: int = 2,
+        slowdowns: Sequence[float] | None = None,
+        coordinator_args: Sequence[str] = (),
+        stage_args: Sequence[str] = (),
+        log_dir: str | os.PathLike[str] | None = None,
+        threads_per_stage: int = 1,
+    ):
+        """Describes the cluster; ``start`` (or ``with``) launches it.
+
+        Args:
+            stages: number of stage servers.
+            slowdowns: per-stage emulated slowdown factors (default all 1).
+            coordinator_args: extra flags for ``elasticpipe coordinator``.
+            stage_args: extra flags for every ``elasticpipe stage``.
+            log_dir: where each process writes its log (default: a temporary folder).
+            threads_per_stage: torch intra-op threads of each stage (they share the host).
+        """
+        self.num_stages = stages
+        self.slowdowns = list(slowdowns or [1.0] * stages)
+        if len(self.slowdowns) != stages:
+            raise ValueError(f"{len(self.slowdowns)} slowdowns given for {stages} stages")
+        self._coordinator_args = list(coordinator_args)
+        self._stage_args = list(stage_args)
+        self._tmp = tempfile.TemporaryDirectory(prefix="elasticpipe-")
+        self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._threads = threads_per_stage
+        self.coordinator = ""
+        self.stage_addresses: list[str] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        ready = Path(self._tmp.name) / f"{name}.ready"
+        log = self.log_dir / f"{name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": str(self._threads),
+               "ELASTICPIPE_TORCH_THREADS": str(self._threads)}
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "elasticpipe", *args, "--ready-file", str(ready)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        self.procs[name] = proc
+        return proc, ready, log
+
+    def start(self) -> LocalCluster:
+        """Starts every process and waits until all stages have registered."""
+        try:
+            proc, ready, log = self._spawn(
+                "coordinator",
+                ["coordinator", "--listen", "127.0.0.1:0", *self._coordinator_args],
+            )
+            self.coordinator = _wait_ready(ready, proc, "coordinator", log, START_TIMEOUT_S)
+            pending = []
+            for i in range(self.num_stages):
+                name = f"stage-{i}"
+                pending.append((name, *self._spawn(name, [
+                    "stage", "--coordinator", self.coordinator, "--listen", "127.0.0.1:0",
+                    "--name", name, "--slowdown", str(self.slowdowns[i]), *self._stage_args,
+                ])))
+            self.stage_addresses = [
+                _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
+                for name, proc, ready, log in pending
+            ]
+            self.wait_for_stages(self.num_stages, START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def status(self, timeout: float = 10.0) -> coordinator_pb2.StatusResponse:
+        """The coordinator's status."""
+        with rpc.channel(self.coordinator) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            return rpc.call(self.coordinator, stub.Status, coordinator_pb2.StatusRequest(),
+                            timeout=timeout)
+
+    def wait_for_stages(self, count: int, timeout: float) -> None:
+        """Waits until ``count`` stages are registered and alive."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                alive = sum(s.alive for s in self.status().stages)
+            except StageUnavailable:
+                alive = 0
+            if alive >= count:
+                return
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{alive} of {count} stages registered after "
+                                       f"{timeout:.0f}s (logs in {self.log_dir})")
+            time.sleep(0.1)
+
+    def kill(self, name: str) -> None:
+        """Kills one process at once (SIGKILL), as a crash would."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stops every process: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+    def logs(self) -> str:
+        """Every process's log, for a failing test's report."""
+        return "\n".join(f"==> {p.name} <==\n{p.read_text(errors='replace')[-4000:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+    def close(self) -> None:
+        """Stops the processes and removes the temporary folder."""
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def channel_ready(address: str, timeout: float) -> bool:
+    """Whether a gRPC server answers at ``address`` within ``timeout`` seconds."""
+    with rpc.channel(address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False

@@ -1,0 +1,278 @@
+"""The wire codec: tensors as dtype + shape + raw bytes, and layer state as msgpack.
+
+Nothing here unpickles or evaluates: a receiver checks the declared dtype, shape and byte
+count against each other and against its size limit *before* it allocates, then fills a
+buffer of exactly that size from the chunks it is sent.
+
+Worked example: a float32 tensor of shape (2, 3) travels as
+``TensorMeta(dtype=FLOAT32, shape=[2, 3], nbytes=24)`` followed by 24 bytes, possibly split
+over several chunks; a receiver whose limit is 16 bytes refuses it with ``TooLarge`` before
+reading any data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import msgpack
+import torch
+
+from elasticpipe.errors import InvalidRequest, TooLarge, TransferError
+from elasticpipe.v1 import tensor_pb2
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: grpcio streams fastest around this size
+DEFAULT_MAX_TENSOR_BYTES = 1 << 31  # 2 GiB per tensor unless the operator says otherwise
+
+_TO_WIRE: dict[torch.dtype, int] = {
+    torch.float32: tensor_pb2.FLOAT32,
+    torch.float16: tensor_pb2.FLOAT16,
+    torch.bfloat16: tensor_pb2.BFLOAT16,
+    torch.int64: tensor_pb2.INT64,
+    torch.int32: tensor_pb2.INT32,
+    torch.float64: tensor_pb2.FLOAT64,
+    torch.uint8: tensor_pb2.UINT8,
+    torch.bool: tensor_pb2.BOOL,
+}
+_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
+_DTYPE_NAMES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in _TO_WIRE}
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    """Returns the wire enum of a torch dtype, or raises InvalidRequest naming it."""
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        raise InvalidRequest(
+            f"dtype {dtype} cannot travel on the wire (supported: {sorted(_DTYPE_NAMES)})"
+        ) from None
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 CPU tensor (no copy when already contiguous on CPU)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def tensor_meta(tensor: torch.Tensor) -> tensor_pb2.TensorMeta:
+    """Describes a tensor for the wire."""
+    return tensor_pb2.TensorMeta(
+        dtype=wire_dtype(tensor.dtype),  # type: ignore[arg-type]
+        shape=list(tensor.shape),
+        nbytes=tensor.numel() * tensor.element_size(),
+    )
+
+
+def tensor_chunks(
+    tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> tuple[tensor_pb2.TensorMeta, Iterator[bytes]]:
+    """Splits a tensor into its wire description and an iterator of byte chunks.
+
+    Args:
+        tensor: any tensor of a supported dtype, on any device.
+        chunk_bytes: the largest chunk to yield.
+
+    Returns:
+        The ``TensorMeta`` and an iterator over the raw bytes (one empty chunk never
+        appears; a zero-size tensor yields nothing).
+    """
+    meta = tensor_meta(tensor)
+    raw = _raw(tensor)
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, raw.numel(), chunk_bytes):
+            yield raw[start : start + chunk_bytes].numpy().tobytes()
+
+    return meta, chunks()
+
+
+def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    """Encodes a (small) tensor in one message."""
+    return tensor_pb2.Tensor(meta=tensor_meta(tensor), data=_raw(tensor).numpy().tobytes())
+
+
+def from_proto(
+    message: tensor_pb2.Tensor, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES
+) -> torch.Tensor:
+    """Decodes a one-message tensor, checking it like any other."""
+    assembler = TensorAssembler(message.meta, max_bytes)
+    assembler.add(message.data)
+    return assembler.finish()
+
+
+def check_meta(meta: tensor_pb2.TensorMeta, max_bytes: int) -> torch.dtype:
+    """Validates a declared tensor before anything is allocated for it.
+
+    Raises:
+        InvalidRequest: unknown dtype, negative dimension, or byte count that disagrees
+            with dtype and shape.
+        TooLarge: the declared size is over ``max_bytes``.
+    """
+    dtype = _FROM_WIRE.get(meta.dtype)
+    if dtype is None:
+        raise InvalidRequest(f"unknown tensor dtype {meta.dtype} on the wire")
+    shape = list(meta.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"tensor shape {shape} has a negative dimension")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if expected != meta.nbytes:
+        raise InvalidRequest(
+            f"tensor of dtype {_name(dtype)} and shape {shape} needs {expected} bytes, "
+            f"but {meta.nbytes} were declared"
+        )
+    if meta.nbytes > max_bytes:
+        raise TooLarge(f"tensor of {meta.nbytes} bytes is over the limit of {max_bytes} bytes")
+    return dtype
+
+
+class TensorAssembler:
+    """Receives a declared tensor chunk by chunk into a buffer of exactly its size."""
+
+    def __init__(self, meta: tensor_pb2.TensorMeta, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES):
+        self._dtype = check_meta(meta, max_bytes)
+        self._shape = tuple(meta.shape)
+        self._buffer = bytearray(meta.nbytes)
+        self._filled = 0
+
+    def add(self, chunk: bytes) -> None:
+        """Appends a chunk; raises InvalidRequest if it overflows the declared size."""
+        end = self._filled + len(chunk)
+        if end > len(self._buffer):
+            raise InvalidRequest(
+                f"received {end} bytes for a tensor declared as {len(self._buffer)} bytes"
+            )
+        self._buffer[self._filled : end] = chunk
+        self._filled = end
+
+    def finish(self) -> torch.Tensor:
+        """Returns the tensor; raises InvalidRequest if bytes are missing."""
+        if self._filled != len(self._buffer):
+            raise InvalidRequest(
+                f"received {self._filled} bytes for a tensor declared as "
+                f"{len(self._buffer)} bytes"
+            )
+        if not self._buffer:
+            return torch.empty(self._shape, dtype=self._dtype)
+        flat = torch.frombuffer(self._buffer, dtype=self._dtype)
+        return flat.reshape(self._shape)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- layer state: nested dicts/lists of scalars and tensors, as msgpack ----------------
+
+_TENSOR_EXT = 1
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        header = msgpack.packb([_name(obj.dtype), list(obj.shape)])
+        return msgpack.ExtType(_TENSOR_EXT, header + _raw(obj).numpy().tobytes())
+    raise InvalidRequest(f"cannot encode a {type(obj).__name__} in layer state")
+
+
+def pack_state(state: Any) -> bytes:
+    """Encodes nested dicts/lists of numbers, strings and tensors (no pickle)."""
+    return bytes(msgpack.packb(state, default=_default, strict_types=False))
+
+
+def unpack_state(blob: bytes, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Any:
+    """Decodes what ``pack_state`` wrote, checking every tensor's size against its header."""
+    if len(blob) > max_bytes:
+        raise TooLarge(f"layer state of {len(blob)} bytes is over the limit of {max_bytes}")
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != _TENSOR_EXT:
+            raise InvalidRequest(f"unknown msgpack extension {code} in layer state")
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data))
+        unpacker.feed(data)
+        header = unpacker.unpack()
+        if not (isinstance(header, list) and len(header) == 2):
+            raise InvalidRequest(f"malformed tensor header {header!r} in layer state")
+        name, shape = header
+        dtype = _DTYPE_NAMES.get(name) if isinstance(name, str) else None
+        if dtype is None or not isinstance(shape, list):
+            raise InvalidRequest(f"malformed tensor header {header!r} in layer state")
+        meta = tensor_pb2.TensorMeta(
+            dtype=_TO_WIRE[dtype],  # type: ignore[arg-type]
+            shape=shape,
+            nbytes=len(data) - unpacker.tell(),
+        )
+        assembler = TensorAssembler(meta, max_bytes)
+        assembler.add(data[unpacker.tell() :])
+        return assembler.finish().clone()
+
+    try:
+        return msgpack.unpackb(blob, ext_hook=ext_hook, raw=False, strict_map_key=False)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest(f"malformed layer state ({len(blob)} bytes): {exc}") from exc
+
+
+# ---- checksummed chunking of blobs (layer migration) -----------------------------------
+
+
+def blob_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """Yields (offset, chunk) over a blob; an empty blob yields one empty chunk."""
+    if not blob:
+        yield 0, b""
+        return
+    view = memoryview(blob)
+    for start in range(0, len(blob), chunk_bytes):
+        yield start, bytes(view[start : start + chunk_bytes])
+
+
+def crc32(data: bytes) -> int:
+    """CRC-32 of one chunk."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def sha256(data: bytes) -> bytes:
+    """SHA-256 of a whole blob."""
+    return hashlib.sha256(data).digest()
+
+
+class BlobAssembler:
+    """Reassembles a checksummed blob from ordered chunks, refusing anything inconsistent."""
+
+    def __init__(self, total_bytes: int, max_bytes: int, what: str):
+        if total_bytes > max_bytes:
+            raise TooLarge(f"{what}: {total_bytes} bytes is over the limit of {max_bytes}")
+        self._what = what
+        self._buffer = bytearray(total_bytes)
+        self._filled = 0
+
+    def add(self, offset: int, data: bytes, chunk_crc: int) -> None:
+        """Adds the next chunk; raises TransferError on a gap, overflow or bad CRC."""
+        if offset != self._filled or offset + len(data) > len(self._buffer):
+            raise TransferError(
+                f"{self._what}: chunk at offset {offset} (+{len(data)} bytes) does not follow "
+                f"{self._filled} of {len(self._buffer)} bytes"
+            )
+        if crc32(data) != chunk_crc:
+            raise TransferError(f"{self._what}: chunk at offset {offset} failed its CRC-32")
+        self._buffer[offset : offset + len(data)] = data
+        self._filled += len(data)
+
+    def finish(self, digest: bytes) -> bytes:
+        """Returns the blob once complete and matching its SHA-256, else raises TransferError."""
+        if self._filled != len(self._buffer):
+            raise TransferError(
+                f"{self._what}: transfer stopped at {self._filled} of {len(self._buffer)} bytes"
+            )
+        blob = bytes(self._buffer)
+        if sha256(blob) != digest:
+            raise TransferError(f"{self._what}: SHA-256 mismatch after {len(blob)} bytes")
+        return blob
+
+
+def join_chunks(chunks: Iterable[bytes]) -> bytes:
+    """Concatenates chunks (used by tests and small transfers)."""
+    return b"".join(chunks)

@@ -1,0 +1,95 @@
+"""A training job's description, parsed once from its protobuf form and validated."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.schedule import SCHEDULES
+from elasticpipe.training import LOSSES, OPTIMIZERS
+from elasticpipe.v1 import job_pb2
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{what} is not valid JSON ({text[:80]!r}): {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{what} must be a JSON object, got {text[:80]!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything a stage needs to build and train its layers."""
+
+    model: str
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    optimizer: str = "adam"
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: str = "cross_entropy"
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    job_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise InvalidRequest("job has no model")
+        if self.optimizer not in OPTIMIZERS:
+            raise InvalidRequest(
+                f"unknown optimizer {self.optimizer!r} (choose from {sorted(OPTIMIZERS)})"
+            )
+        if self.loss not in LOSSES:
+            raise InvalidRequest(f"unknown loss {self.loss!r} (choose from {sorted(LOSSES)})")
+        if self.schedule not in SCHEDULES:
+            raise InvalidRequest(
+                f"unknown schedule {self.schedule!r} (choose from {list(SCHEDULES)})"
+            )
+        if self.micro_batches < 1:
+            raise InvalidRequest(f"micro_batches must be >= 1 (got {self.micro_batches})")
+        if self.seed < 0:
+            raise InvalidRequest(f"seed must be >= 0 (got {self.seed})")
+
+    def with_id(self) -> JobConfig:
+        """A copy with a fresh job id (a new job re-initialises every layer)."""
+        return JobConfig(**{**self.__dict__, "job_id": uuid.uuid4().hex[:12]})
+
+    def to_proto(self) -> job_pb2.JobSpec:
+        """The wire form."""
+        return job_pb2.JobSpec(
+            job_id=self.job_id,
+            model=self.model,
+            model_kwargs_json=json.dumps(self.model_kwargs, sort_keys=True),
+            seed=self.seed,
+            optimizer=self.optimizer,
+            optimizer_kwargs_json=json.dumps(self.optimizer_kwargs, sort_keys=True),
+            loss=self.loss,
+            micro_batches=self.micro_batches,
+            schedule=self.schedule,
+        )
+
+    @classmethod
+    def from_proto(cls, spec: job_pb2.JobSpec) -> JobConfig:
+        """Parses and validates the wire form.
+
+        Raises:
+            InvalidRequest: malformed JSON or an unknown optimizer, loss or schedule.
+        """
+        return cls(
+            model=spec.model,
+            model_kwargs=_json_object(spec.model_kwargs_json, "model_kwargs"),
+            seed=spec.seed,
+            optimizer=spec.optimizer or "adam",
+            optimizer_kwargs=_json_object(spec.optimizer_kwargs_json, "optimizer_kwargs"),
+            loss=spec.loss or "cross_entropy",
+            micro_batches=spec.micro_batches or 1,
+            schedule=spec.schedule or "1f1b",
+            job_id=spec.job_id,
+        )

@@ -1,0 +1,170 @@
+"""The one boundary between gRPC and the domain: serving servicers, and calling peers.
+
+Server side: ``add_service`` registers a servicer through a generic handler that parses
+requests itself, so malformed bytes become ``INVALID_ARGUMENT`` naming the message type
+(grpcio would answer a bare ``INTERNAL``), domain errors become their status code with
+their message, and anything unexpected becomes ``INTERNAL`` without a traceback.
+
+Client side: ``translate`` maps a ``grpc.RpcError`` to the domain error tree, and
+``channel`` opens a channel with the project's message limits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from google.protobuf import message as pb_message
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
+
+from elasticpipe import errors
+
+log = structlog.get_logger()
+
+# Messages carry at most one chunk of a tensor plus headers; whole tensors are streamed.
+MAX_MESSAGE_BYTES = 64 << 20
+# HTTP/2 "rapid reset" (CVE-2023-44487): bound what one connection can ask of a server.
+MAX_CONCURRENT_STREAMS = 256
+
+T = TypeVar("T")
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options shared by every server and channel of the project."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel options plus the server-only limits."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """Opens an insecure channel to a peer on the cluster network."""
+    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+def translate(exc: grpc.RpcError, peer: str) -> errors.ElasticPipeError:
+    """Maps a failed call to the domain error tree, naming the peer."""
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) and (
+        details.startswith((errors.STALE_EPOCH_PREFIX, errors.REBALANCING_PREFIX))
+    ):
+        return errors.from_status(code, details)
+    if "(from " not in details:  # name the peer once, where the error started
+        details = f"{details} (from {peer}, {code.name})"
+    return errors.from_status(code, details)
+
+
+def call(peer: str, fn: Callable[..., T], request: Any, timeout: float, **kwargs: Any) -> T:
+    """Calls a unary (or client-streaming) stub method with a deadline, translating errors."""
+    try:
+        return fn(request, timeout=timeout, **kwargs)
+    except grpc.RpcError as exc:
+        raise translate(exc, peer) from exc
+
+
+# ---- server side -------------------------------------------------------------------
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, errors.ElasticPipeError):
+        context.abort(exc.code, str(exc))
+    log.error("rpc_failed", method=method, error=repr(exc), exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
+
+
+def _parse(cls: type[pb_message.Message], raw: bytes) -> Any:
+    msg = cls()
+    try:
+        msg.ParseFromString(raw)
+    except Exception as exc:  # protobuf raises DecodeError and, for some inputs, others
+        raise errors.InvalidRequest(
+            f"malformed {cls.DESCRIPTOR.full_name} ({len(raw)} bytes): {exc}"
+        ) from exc
+    return msg
+
+
+def _parsed_stream(cls: type[pb_message.Message], raw_iter: Iterator[bytes]) -> Iterator[Any]:
+    for raw in raw_iter:
+        yield _parse(cls, raw)
+
+
+def _handler(method: MethodDescriptor, impl: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    req_cls = GetMessageClass(method.input_type)
+    name = method.full_name
+    serialize = GetMessageClass(method.output_type).SerializeToString
+
+    def unary_in(raw: bytes, context: grpc.ServicerContext) -> Any:
+        return _parse(req_cls, raw)
+
+    if method.client_streaming:
+
+        def body(raw_iter: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            try:
+                return impl(_parsed_stream(req_cls, raw_iter), context)
+            except Exception as exc:
+                _abort(context, exc, name)
+
+    else:
+
+        def body(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                return impl(unary_in(raw, context), context)
+            except Exception as exc:
+                _abort(context, exc, name)
+
+    if method.server_streaming:
+        stream_body = body
+
+        def body(arg: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from stream_body(arg, context)
+            except Exception as exc:
+                _abort(context, exc, name)
+
+    factory = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(method.client_streaming, method.server_streaming)]
+    return factory(  # type: ignore[operator]
+        functools.wraps(impl)(body),
+        request_deserializer=None,
+        response_serializer=serialize,
+    )
+
+
+def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: object) -> None:
+    """Registers ``servicer`` (methods named as in the .proto) for ``service`` on ``server``.
+
+    Raises:
+        TypeError: the servicer lacks a method of the service.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in service.methods:
+        impl = getattr(servicer, method.name, None)
+        if impl is None:
+            raise TypeError(f"{type(servicer).__name__} does not implement {method.full_name}")
+        handlers[method.name] = _handler(method, impl)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )

@@ -1,0 +1,48 @@
+"""Sending one tensor to a stage: the header-then-chunks stream of Forward/Backward/Targets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from elasticpipe import codec, rpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One tensor to send to a peer."""
+
+    method: str  # "Forward", "Backward" or "Targets"
+    epoch: int
+    run: int
+    step: int
+    micro_batch: int
+    tensor: torch.Tensor
+    loss_scale: float = 0.0
+
+
+def data_stream(
+    msg: Outgoing, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
+) -> Iterator[stage_pb2.DataChunk]:
+    """The header-then-chunks stream for one tensor."""
+    meta, chunks = codec.tensor_chunks(msg.tensor, chunk_bytes)
+    header = stage_pb2.DataHeader(
+        epoch=msg.epoch,
+        run=msg.run,
+        step=msg.step,
+        micro_batch=msg.micro_batch,
+        meta=meta,
+        loss_scale=msg.loss_scale,
+    )
+    yield stage_pb2.DataChunk(header=header)
+    for chunk in chunks:
+        yield stage_pb2.DataChunk(data=chunk)
+
+
+def send(stub: stage_pb2_grpc.StageServiceStub, address: str, msg: Outgoing, timeout: float) -> None:
+    """Sends one tensor synchronously, translating failures to the domain tree."""
+    method = getattr(stub, msg.method)
+    rpc.call(address, method, data_stream(msg), timeout=timeout)

@@ -1,0 +1,1 @@
+"""The data plane: a stage server holding a slice of layers, with forward/backward RPCs."""

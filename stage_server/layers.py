@@ -1,0 +1,250 @@
+"""The layers a stage owns: per-layer compute with timing and slowdown, optimizers, state.
+
+Each owned layer is run on its own, with its input detached, so that the stage can time
+the forward *and* the backward of every layer it holds (what the planner needs) and can
+hand any single layer, with its optimizer state, to another stage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from elasticpipe import models
+from elasticpipe.errors import InvalidRequest, ModelError
+from elasticpipe.job import JobConfig
+from elasticpipe.training import make_optimizer
+
+EWMA_ALPHA = 0.3
+
+
+@dataclass
+class LayerTiming:
+    """Smoothed measurements of one layer on this stage (slowdown included)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    output_bytes: int = 0
+    samples: int = 0
+
+    def observe(self, forward_s: float | None, backward_s: float | None, out: int) -> None:
+        """Folds one measurement in (EWMA; the first sample is taken as is)."""
+        first = self.samples == 0
+        if forward_s is not None:
+            a = 1.0 if first else EWMA_ALPHA
+            self.forward_s += a * (forward_s - self.forward_s)
+            self.output_bytes = out
+            self.samples += 1
+        if backward_s is not None:
+            a = 1.0 if self.backward_s == 0.0 else EWMA_ALPHA
+            self.backward_s += a * (backward_s - self.backward_s)
+
+
+@dataclass
+class Stash:
+    """What backward needs of one micro-batch: each layer's (detached input, output)."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        """Bytes of the activations held (inputs and outputs of every layer)."""
+        return sum(t.numel() * t.element_size() for pair in self.pairs for t in pair)
+
+
+class Slowdown:
+    """Emulates a slower device: after each compute of t seconds, wait (factor - 1) * t."""
+
+    def __init__(self, factor: float = 1.0):
+        self.set(factor)
+
+    def set(self, factor: float) -> None:
+        """Changes the factor (>= 1) while the stage runs."""
+        if not factor >= 1.0:
+            raise InvalidRequest(f"slowdown factor must be >= 1 (got {factor})")
+        self.factor = float(factor)
+
+    def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, float]:
+        """Runs ``fn``, applies the slowdown, and returns (result, seconds incl. slowdown)."""
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        compute = time.perf_counter() - start
+        if self.factor > 1.0:
+            time.sleep((self.factor - 1.0) * compute)
+        return result, time.perf_counter() - start
+
+
+def _describe_failure(index: int, layer: nn.Module, x: torch.Tensor, exc: Exception) -> str:
+    return (
+        f"layer {index} ({type(layer).__name__}) failed on input of shape "
+        f"{list(x.shape)} and dtype {str(x.dtype).removeprefix('torch.')}: {exc}"
+    )
+
+
+class LayerSlice:
+    """Layers [lo, hi) of a job's model on one device, with one optimizer per layer."""
+
+    def __init__(self, job: JobConfig, device: torch.device, slowdown: Slowdown):
+        self.job = job
+        self.device = device
+        self.slowdown = slowdown
+        self.layers: dict[int, nn.Module] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.timings: dict[int, LayerTiming] = {}
+        self._lock = threading.Lock()
+
+    # ---- building ---------------------------------------------------------------------
+
+    def build(self, lo: int, hi: int, allow: Iterable[str]) -> None:
+        """Builds layers [lo, hi) fresh from the job's factory (new job)."""
+        built = models.build_layers(
+            self.job.model, self.job.seed, self.job.model_kwargs, lo, hi, self.device, tuple(allow)
+        )
+        self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
+        self.optimizers = {
+            i: opt for i, layer in self.layers.items() if (opt := self._optimizer(layer))
+        }
+        self.timings = {i: LayerTiming() for i in self.layers}
+
+    def _optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
+        """The layer's own optimizer; None for a layer without parameters (an activation)."""
+        params = [p for p in layer.parameters() if p.requires_grad]
+        if not params:
+            return None
+        return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs)
+
+    @property
+    def indices(self) -> list[int]:
+        """Owned layer indices, ascending."""
+        return sorted(self.layers)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- compute ------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, Stash | None]:
+        """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
+
+        Raises:
+            InvalidRequest: a layer could not run on the input it was given.
+        """
+        stash = Stash() if train else None
+        with torch.set_grad_enabled(train):
+            for i in self.indices:
+                layer = self.layers[i]
+                if train and x.is_floating_point():
+                    x = x.detach().requires_grad_(True)
+                try:
+                    y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)  # noqa: B023
+                except RuntimeError as exc:
+                    raise InvalidRequest(_describe_failure(i, layer, x, exc)) from exc
+                if not isinstance(y, torch.Tensor):
+                    raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
+                self.timings[i].observe(seconds, None, y.numel() * y.element_size())
+                if stash is not None:
+                    stash.pairs.append((x, y))
+                x = y
+        return x, stash
+
+    def backward(self, stash: Stash, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
+
+        Returns:
+            The gradient of the slice's input, or None where the input needs none.
+        """
+        for i, (x, y) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+            if not y.requires_grad or grad is None:
+                grad = None
+                continue
+            g = grad
+            _, seconds = self.slowdown.timed(
+                lambda: torch.autograd.backward(y, g),  # noqa: B023
+                self._sync,
+            )
+            self.timings[i].observe(None, seconds, 0)
+            grad = x.grad if x.requires_grad else None
+        stash.pairs.clear()
+        return grad
+
+    def step(self) -> None:
+        """Applies the accumulated gradients (one optimizer step) and clears them."""
+        for opt in self.optimizers.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def zero_grad(self) -> None:
+        """Discards accumulated gradients (an aborted step)."""
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+
+    # ---- state, for migration and state_dict --------------------------------------------
+
+    def export_layer(self, index: int, include_optimizer: bool) -> dict[str, Any]:
+        """One layer's full state: weights and buffers, and optionally optimizer state."""
+        layer = self.layers[index]
+        state: dict[str, Any] = {
+            "index": index,
+            "model": {k: v.detach().cpu() for k, v in layer.state_dict().items()},
+        }
+        if include_optimizer and index in self.optimizers:
+            state["optimizer"] = _tensors_to_cpu(self.optimizers[index].state_dict())
+        return state
+
+    def load_layer(
+        self, index: int, state: dict[str, Any]
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Builds a layer from exported state without installing it (staged).
+
+        Raises:
+            InvalidRequest: the state does not fit the layer the job's model defines.
+        """
+        if state.get("index") != index:
+            raise InvalidRequest(f"state for layer {state.get('index')} sent as layer {index}")
+        skeleton = models.build_skeleton(self.job.model, self.job.model_kwargs)
+        if not 0 <= index < len(skeleton):
+            raise InvalidRequest(f"layer {index} out of range (model has {len(skeleton)})")
+        layer = models.materialize_layer(skeleton[index], self.device).train()
+        try:
+            layer.load_state_dict(state["model"], strict=True)
+        except (RuntimeError, KeyError, TypeError) as exc:
+            raise InvalidRequest(f"state of layer {index} does not fit the model: {exc}") from exc
+        optimizer = self._optimizer(layer)
+        if optimizer is not None and "optimizer" in state:
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise InvalidRequest(f"optimizer state of layer {index} is unusable: {exc}") from exc
+        return layer, optimizer
+
+    def install(
+        self, index: int, layer: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        """Takes ownership of a staged layer."""
+        self.layers[index] = layer
+        if optimizer is not None:
+            self.optimizers[index] = optimizer
+        self.timings.setdefault(index, LayerTiming())
+
+    def drop(self, index: int) -> None:
+        """Frees a layer that now lives elsewhere."""
+        self.layers.pop(index, None)
+        self.optimizers.pop(index, None)
+        self.timings.pop(index, None)
+
+
+def _tensors_to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _tensors_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_tensors_to_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,80 @@
+"""Links to the neighbouring stages: ordered, asynchronous sends of activations and gradients.
+
+The executor never waits for the network: it queues a tensor and goes on computing; one
+sender thread per link streams the tensor in chunks with a deadline. A failed send fails
+the run it belonged to, naming the peer, so the step ends with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import grpc
+import structlog
+from elasticpipe import rpc
+from elasticpipe.errors import ElasticPipeError
+from elasticpipe.transport import Outgoing, send
+from elasticpipe.v1 import stage_pb2_grpc
+
+log = structlog.get_logger()
+
+
+class Link:
+    """An ordered queue of sends to one peer, drained by its own thread."""
+
+    def __init__(
+        self,
+        address: str,
+        on_failure: Callable[[int, ElasticPipeError], None],
+        timeout: float,
+    ):
+        self.address = address
+        self._channel = rpc.channel(address)
+        self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
+        self._on_failure = on_failure
+        self._timeout = timeout
+        self._queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._drain, name=f"link-{address}", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: Outgoing) -> None:
+        """Queues a send; returns at once."""
+        with self._idle:
+            self._pending += 1
+        self._queue.put(msg)
+
+    def flush(self, timeout: float) -> bool:
+        """Waits until every queued send is done (delivered or failed); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        """Stops the sender thread and closes the channel."""
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._channel.close()
+
+    def _drain(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                send(self._stub, self.address, msg, self._timeout)
+            except ElasticPipeError as exc:
+                log.warning(
+                    "send_failed",
+                    peer=self.address,
+                    method=msg.method,
+                    run=msg.run,
+                    micro_batch=msg.micro_batch,
+                    error=str(exc),
+                )
+                self._on_failure(msg.run, exc)
+            except grpc.RpcError as exc:  # defensive: rpc.call translates these already
+                self._on_failure(msg.run, rpc.translate(exc, self.address))
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()

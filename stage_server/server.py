@@ -1,0 +1,135 @@
+"""A running stage server: the gRPC service, and its registration and heartbeats."""
+
+from __future__ import annotations
+
+import random
+import threading
+from types import TracebackType
+
+import structlog
+
+from elasticpipe import rpc
+from elasticpipe.errors import ElasticPipeError
+from elasticpipe.serving import RunningServer, start_server
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from stage_server.service import StageServicer, timings_to_proto
+from stage_server.stage import Stage, StageConfig
+
+log = structlog.get_logger()
+
+REGISTER_TIMEOUT_S = 5.0
+BACKOFF_START_S = 0.2
+BACKOFF_MAX_S = 5.0
+
+
+class StageServer:
+    """Serves a ``Stage`` and keeps it registered with the coordinator (a context manager)."""
+
+    def __init__(self, config: StageConfig, coordinator: str, listen: str = "127.0.0.1:0"):
+        self.coordinator = coordinator
+        self._listen = listen
+        self._config = config
+        self.stage: Stage | None = None
+        self._server: RunningServer | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stage_id = ""
+        self.registered = threading.Event()
+
+    @property
+    def address(self) -> str:
+        """The address the StageService is reachable at."""
+        assert self._server is not None, "server not started"
+        return self._server.address
+
+    def start(self) -> StageServer:
+        """Binds the port and starts registering in the background."""
+        servicer = StageServicer(Stage(self._config))
+        self._server = start_server(
+            self._listen, [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], servicer)]
+        )
+        config = StageConfig(**{**vars(self._config), "address": self._server.address})
+        servicer.stage.config = config
+        self.stage = servicer.stage
+        log.info("stage_listening", name=config.name, address=self.address,
+                 device=config.device, coordinator=self.coordinator)
+        self._thread = threading.Thread(target=self._membership_loop, name="membership",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops heartbeats and the server."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.stop()
+        if self.stage is not None:
+            self.stage.close()
+
+    def wait(self) -> None:
+        """Blocks until the server stops."""
+        assert self._server is not None
+        self._server.server.wait_for_termination()
+
+    def __enter__(self) -> StageServer:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # ---- membership --------------------------------------------------------------------
+
+    def _membership_loop(self) -> None:
+        backoff, interval = BACKOFF_START_S, 1.0
+        with rpc.channel(self.coordinator) as chan:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
+            attempt = 0
+            while not self._stop.is_set():
+                try:
+                    if not self.stage_id:
+                        interval = self._register(stub)
+                        backoff, attempt = BACKOFF_START_S, 0
+                    else:
+                        self._heartbeat(stub, interval)
+                    self._stop.wait(interval)
+                except ElasticPipeError as exc:
+                    attempt += 1
+                    delay = backoff * (0.5 + random.random())
+                    log.warning("coordinator_unreachable", coordinator=self.coordinator,
+                                attempt=attempt, retry_in_s=round(delay, 2), error=str(exc))
+                    self._stop.wait(delay)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _register(self, stub: coordinator_pb2_grpc.CoordinatorServiceStub) -> float:
+        assert self.stage is not None
+        reply = rpc.call(
+            self.coordinator, stub.Register,
+            coordinator_pb2.RegisterRequest(
+                name=self._config.name, address=self.address, device=str(self.stage.device)
+            ),
+            timeout=REGISTER_TIMEOUT_S,
+        )
+        self.stage_id = reply.stage_id
+        self.registered.set()
+        log.info("stage_registered", stage_id=self.stage_id, coordinator=self.coordinator)
+        return reply.heartbeat_interval_s or 1.0
+
+    def _heartbeat(self, stub: coordinator_pb2_grpc.CoordinatorServiceStub,
+                   interval: float) -> None:
+        assert self.stage is not None
+        stage = self.stage
+        reply = rpc.call(
+            self.coordinator, stub.Heartbeat,
+            coordinator_pb2.HeartbeatRequest(
+                stage_id=self.stage_id, epoch=stage.epoch,
+                timings=timings_to_proto(stage.timings()),
+                committed_step=stage.committed_step, slowdown=stage.slowdown.factor,
+            ),
+            timeout=max(1.0, interval * 2),
+        )
+        if reply.reregister:
+            log.warning("stage_reregistering", stage_id=self.stage_id)
+            self.stage_id = ""

@@ -1,0 +1,241 @@
+"""The StageService adapter: protobuf in, ``Stage`` domain calls, protobuf out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from elasticpipe import codec
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.job import JobConfig
+from elasticpipe.v1 import stage_pb2
+from stage_server.layers import LayerTiming
+from stage_server.mailbox import Slot
+from stage_server.stage import Fault, Placement, Stage
+
+_SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
+MAX_STEP_TIMEOUT_S = 3600.0
+
+
+def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTiming]:
+    """Per-layer measurements in wire form."""
+    return [
+        stage_pb2.LayerTiming(
+            layer=i,
+            forward_s=t.forward_s,
+            backward_s=t.backward_s,
+            output_bytes=t.output_bytes,
+            samples=t.samples,
+        )
+        for i, t in sorted(timings.items())
+    ]
+
+
+def placement_from_proto(a: stage_pb2.Assignment) -> Placement:
+    """Parses an assignment, checking its layer range and chain position."""
+    if a.layer_hi < a.layer_lo or (a.num_stages and a.index >= a.num_stages):
+        raise InvalidRequest(
+            f"bad assignment: layers [{a.layer_lo}, {a.layer_hi}), index {a.index} of "
+            f"{a.num_stages} stages"
+        )
+    return Placement(
+        epoch=a.epoch,
+        index=a.index,
+        num_stages=a.num_stages,
+        lo=a.layer_lo,
+        hi=a.layer_hi,
+        prev=a.prev.address,
+        next=a.next.address,
+    )
+
+
+class StageServicer:
+    """Implements elasticpipe.v1.StageService on top of a ``Stage``."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def _receive(self, chunks: Iterator[stage_pb2.DataChunk]) -> tuple[
+        stage_pb2.DataHeader, torch.Tensor
+    ]:
+        first = next(chunks, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidRequest("a data stream must start with a DataHeader")
+        header = first.header
+        assembler = codec.TensorAssembler(header.meta, self.stage.config.max_tensor_bytes)
+        for chunk in chunks:
+            if chunk.WhichOneof("part") != "data":
+                raise InvalidRequest(
+                    f"second DataHeader in the stream of micro-batch {header.micro_batch}"
+                )
+            assembler.add(chunk.data)
+        return header, assembler.finish()
+
+    def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
+        header, tensor = self._receive(chunks)
+        self.stage.deliver(
+            slot, header.epoch, header.run, header.micro_batch, tensor, header.loss_scale
+        )
+        return stage_pb2.Ack()
+
+    # ---- data path -------------------------------------------------------------------
+
+    def Forward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+        return self._deliver(Slot.INPUT, chunks)
+
+    def Backward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+        return self._deliver(Slot.GRAD, chunks)
+
+    def Targets(self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+        return self._deliver(Slot.TARGET, chunks)
+
+    def RunStep(self, req: stage_pb2.RunStepRequest, ctx: grpc.ServicerContext) -> stage_pb2.StepReport:  # noqa: E501
+        if req.mode not in (stage_pb2.TRAIN, stage_pb2.INFER):
+            raise InvalidRequest(f"unknown run mode {req.mode}")
+        train = req.mode == stage_pb2.TRAIN
+        if train and req.schedule not in _SCHEDULES:
+            raise InvalidRequest(f"unknown schedule {req.schedule}")
+        if not 0 < req.timeout_s <= MAX_STEP_TIMEOUT_S:
+            raise InvalidRequest(
+                f"timeout_s must be in (0, {MAX_STEP_TIMEOUT_S}] (got {req.timeout_s})"
+            )
+        remaining = ctx.time_remaining()
+        timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
+        result = self.stage.run_step(
+            req.epoch,
+            req.run,
+            req.step,
+            req.micro_batches,
+            _SCHEDULES.get(req.schedule, "gpipe"),
+            train,
+            timeout,
+        )
+        return stage_pb2.StepReport(
+            run=result.run,
+            losses=result.losses,
+            peak_stashed=result.peak_stashed,
+            peak_stashed_bytes=result.peak_stashed_bytes,
+            compute_s=result.compute_s,
+            wall_s=result.wall_s,
+            timings=timings_to_proto(self.stage.timings()),
+        )
+
+    def FetchOutput(self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext) -> Iterator[stage_pb2.DataChunk]:  # noqa: E501
+        tensor = self.stage.fetch_output(req.run, req.micro_batch)
+        meta, chunks = codec.tensor_chunks(tensor)
+        yield stage_pb2.DataChunk(
+            header=stage_pb2.DataHeader(
+                epoch=self.stage.epoch, run=req.run, micro_batch=req.micro_batch, meta=meta
+            )
+        )
+        for chunk in chunks:
+            yield stage_pb2.DataChunk(data=chunk)
+
+    def CommitStep(self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext) -> stage_pb2.CommitStepResponse:  # noqa: E501
+        return stage_pb2.CommitStepResponse(
+            committed_step=self.stage.commit_step(req.epoch, req.run, req.step)
+        )
+
+    def AbortStep(self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+        self.stage.abort_step(req.run, req.reason or "aborted by the client")
+        return stage_pb2.Ack()
+
+    # ---- control ---------------------------------------------------------------------
+
+    def Describe(self, req: stage_pb2.DescribeRequest, ctx: grpc.ServicerContext) -> stage_pb2.DescribeResponse:  # noqa: E501
+        num_layers, param_bytes = self.stage.describe(JobConfig.from_proto(req.job))
+        return stage_pb2.DescribeResponse(num_layers=num_layers, param_bytes=param_bytes)
+
+    def Profile(self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext) -> stage_pb2.ProfileResponse:  # noqa: E501
+        job = JobConfig.from_proto(req.job)
+        if not req.job.HasField("sample_input"):
+            raise InvalidRequest("Profile needs job.sample_input (one micro-batch of inputs)")
+        sample = codec.from_proto(req.job.sample_input, self.stage.config.max_tensor_bytes)
+        if not 0 < req.repeats <= 100:
+            raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
+        timings = self.stage.profile(job, sample, req.repeats)
+        return stage_pb2.ProfileResponse(timings=timings_to_proto(dict(enumerate(timings))))
+
+    def Assign(self, req: stage_pb2.AssignRequest, ctx: grpc.ServicerContext) -> stage_pb2.AssignResponse:  # noqa: E501
+        job = JobConfig.from_proto(req.job)
+        placement = placement_from_proto(req.assignment)
+        return stage_pb2.AssignResponse(num_layers=self.stage.assign(job, placement))
+
+    # ---- migration -------------------------------------------------------------------
+
+    def Freeze(self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.FreezeResponse:  # noqa: E501
+        remaining = ctx.time_remaining() or 30.0
+        return stage_pb2.FreezeResponse(
+            committed_step=self.stage.freeze(req.epoch, max(0.0, remaining - 0.5))
+        )
+
+    def PrepareEpoch(self, req: stage_pb2.PrepareEpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.PrepareEpochResponse:  # noqa: E501
+        job = JobConfig.from_proto(req.job)
+        placement = placement_from_proto(req.assignment)
+        if placement.epoch != req.epoch:
+            raise InvalidRequest(
+                f"assignment epoch {placement.epoch} differs from request epoch {req.epoch}"
+            )
+        incoming = [(src.layer, src.address) for src in req.incoming]
+        remaining = ctx.time_remaining() or req.timeout_s or 60.0
+        received, seconds = self.stage.prepare_epoch(
+            req.epoch, placement, job, incoming, req.committed_step, max(0.1, remaining - 0.5)
+        )
+        return stage_pb2.PrepareEpochResponse(
+            committed_step=self.stage.committed_step, bytes_received=received, transfer_s=seconds
+        )
+
+    def CommitEpoch(self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.EpochResponse:  # noqa: E501
+        return stage_pb2.EpochResponse(epoch=self.stage.commit_epoch(req.epoch))
+
+    def AbortEpoch(self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.EpochResponse:  # noqa: E501
+        return stage_pb2.EpochResponse(epoch=self.stage.abort_epoch(req.epoch))
+
+    def ExportLayers(self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext) -> Iterator[stage_pb2.LayerChunk]:  # noqa: E501
+        for layer, blob in self.stage.export_layers(
+            req.epoch, list(req.layers), req.include_optimizer
+        ):
+            digest = codec.sha256(blob)
+            pieces = list(codec.blob_chunks(blob))
+            for n, (offset, data) in enumerate(pieces):
+                yield stage_pb2.LayerChunk(
+                    layer=layer,
+                    total_bytes=len(blob),
+                    offset=offset,
+                    data=data,
+                    crc32=codec.crc32(data),
+                    sha256=digest if n == len(pieces) - 1 else b"",
+                )
+
+    # ---- stats and admin -------------------------------------------------------------
+
+    def GetStats(self, req: stage_pb2.StatsRequest, ctx: grpc.ServicerContext) -> stage_pb2.StageStats:  # noqa: E501
+        stage = self.stage
+        placement = stage.placement
+        return stage_pb2.StageStats(
+            name=stage.config.name,
+            epoch=stage.epoch,
+            layer_lo=placement.lo if placement else 0,
+            layer_hi=placement.hi if placement else 0,
+            committed_step=stage.committed_step,
+            slowdown=stage.slowdown.factor,
+            peak_stashed=stage.last_peak[0],
+            peak_stashed_bytes=stage.last_peak[1],
+            timings=timings_to_proto(stage.timings()),
+            device=str(stage.device),
+            frozen=stage.frozen,
+        )
+
+    def SetSlowdown(self, req: stage_pb2.SlowdownRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+        self.stage.slowdown.set(req.factor)
+        return stage_pb2.Ack()
+
+    def InjectFault(self, req: stage_pb2.FaultRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+        try:
+            fault = Fault(req.fault)
+        except ValueError:
+            raise InvalidRequest(f"unknown fault {req.fault}") from None
+        self.stage.inject_fault(fault)
+        return stage_pb2.Ack()
