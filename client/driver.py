@@ -19,8 +19,8 @@ import torch
 
 from elasticpipe import codec, rpc
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, StepAborted
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.transport import Outgoing, send
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger()
 
@@ -41,8 +41,9 @@ class StageClients:
 
     def __init__(self, max_workers: int = 32):
         self._channels: dict[str, grpc.Channel] = {}
-        self.executor = cf.ThreadPoolExecutor(max_workers=max_workers,
-                                              thread_name_prefix="pipeline")
+        self.executor = cf.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="pipeline"
+        )
 
     def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
         """A stub for ``address`` over a cached channel."""
@@ -82,25 +83,39 @@ def run(
         raise InvalidRequest(f"unknown schedule {schedule!r}")
     train = targets is not None
     request = stage_pb2.RunStepRequest(
-        epoch=chain.epoch, run=run_id, step=step, micro_batches=len(inputs),
-        schedule=_SCHEDULE[schedule],  # type: ignore[arg-type]
-        mode=stage_pb2.TRAIN if train else stage_pb2.INFER, timeout_s=timeout,
+        epoch=chain.epoch,
+        run=run_id,
+        step=step,
+        micro_batches=len(inputs),
+        schedule=_SCHEDULE[schedule],
+        mode=stage_pb2.TRAIN if train else stage_pb2.INFER,
+        timeout_s=timeout,
     )
     first, last = chain.addresses[0], chain.addresses[-1]
 
     def run_stage(address: str) -> stage_pb2.StepReport:
         return rpc.call(address, clients.stub(address).RunStep, request, timeout=timeout + 5.0)
 
-    def feed() -> None:
+    def feed() -> stage_pb2.StepReport | None:
         for i, x in enumerate(inputs):
-            send(clients.stub(first), first,
-                 Outgoing("Forward", chain.epoch, run_id, step, i, x), timeout)
+            send(
+                clients.stub(first),
+                first,
+                Outgoing("Forward", chain.epoch, run_id, step, i, x),
+                timeout,
+            )
             if targets is not None:
-                send(clients.stub(last), last,
-                     Outgoing("Targets", chain.epoch, run_id, step, i, targets[i], scales[i]),
-                     timeout)
+                send(
+                    clients.stub(last),
+                    last,
+                    Outgoing("Targets", chain.epoch, run_id, step, i, targets[i], scales[i]),
+                    timeout,
+                )
+        return None
 
-    pending = {clients.executor.submit(run_stage, a): a for a in chain.addresses}
+    pending: dict[cf.Future[stage_pb2.StepReport | None], str] = {
+        clients.executor.submit(run_stage, a): a for a in chain.addresses
+    }
     pending[clients.executor.submit(feed)] = "client"
     reports: dict[str, stage_pb2.StepReport] = {}
     errors: list[tuple[str, ElasticPipeError]] = []
@@ -156,12 +171,13 @@ def commit(clients: StageClients, chain: Chain, run_id: int, step: int) -> None:
         raise StepAborted(f"step {step} was not committed on every stage: {failures}")
 
 
-def fetch_output(clients: StageClients, address: str, run_id: int, micro_batch: int,
-                 timeout: float) -> torch.Tensor:
+def fetch_output(
+    clients: StageClients, address: str, run_id: int, micro_batch: int, timeout: float
+) -> torch.Tensor:
     """Downloads one inference output from the last stage."""
     request = stage_pb2.FetchOutputRequest(run=run_id, micro_batch=micro_batch)
     try:
-        stream = clients.stub(address).FetchOutput(request, timeout=timeout)
+        stream = iter(clients.stub(address).FetchOutput(request, timeout=timeout))
         header = next(stream).header
         assembler = codec.TensorAssembler(header.meta)
         for chunk in stream:

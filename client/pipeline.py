@@ -149,8 +149,9 @@ class Pipeline:
     def __enter__(self) -> Pipeline:
         return self
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -178,17 +179,24 @@ class Pipeline:
         if sample is not None:
             spec.sample_input.CopyFrom(codec.to_proto(sample))
         reply = rpc.call(
-            self.coordinator, self._coord.SetupJob,
-            coordinator_pb2.SetupJobRequest(job=spec, num_stages=self._num_stages,
-                                            wait_s=self._setup_timeout),
+            self.coordinator,
+            self._coord.SetupJob,
+            coordinator_pb2.SetupJobRequest(
+                job=spec, num_stages=self._num_stages, wait_s=self._setup_timeout
+            ),
             timeout=self._setup_timeout + 120.0,
         )
         self.num_layers = reply.num_layers
         self._adopt(reply.partition)
         assert self._chain is not None
-        log.info("pipeline_ready", model=self._job.model, layers=self.num_layers,
-                 boundaries=list(self._chain.boundaries), epoch=self._chain.epoch,
-                 stages=len(self._chain.addresses))
+        log.info(
+            "pipeline_ready",
+            model=self._job.model,
+            layers=self.num_layers,
+            boundaries=list(self._chain.boundaries),
+            epoch=self._chain.epoch,
+            stages=len(self._chain.addresses),
+        )
         return self._chain
 
     def _adopt(self, p: coordinator_pb2.Partition) -> None:
@@ -200,26 +208,32 @@ class Pipeline:
         started = time.monotonic()
         wait = min(RETRY_WAIT_S, max(0.0, deadline - started))
         reply = rpc.call(
-            self.coordinator, self._coord.GetPartition,
+            self.coordinator,
+            self._coord.GetPartition,
             coordinator_pb2.GetPartitionRequest(newer_than=old.epoch, timeout_s=wait),
             timeout=wait + 10.0,
         )
         self._adopt(reply)
         assert self._chain is not None
         if self._chain.epoch != old.epoch:
-            log.info("partition_changed", old_epoch=old.epoch, new_epoch=self._chain.epoch,
-                     old=list(old.boundaries), new=list(self._chain.boundaries),
-                     pause_s=round(time.monotonic() - started, 3))
+            log.info(
+                "partition_changed",
+                old_epoch=old.epoch,
+                new_epoch=self._chain.epoch,
+                old=list(old.boundaries),
+                new=list(self._chain.boundaries),
+                pause_s=round(time.monotonic() - started, 3),
+            )
 
     # ---- training ----------------------------------------------------------------------
 
-    def _split(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[
-        list[torch.Tensor], list[torch.Tensor] | None, list[float]
-    ]:
+    def _split(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[float]]:
         if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
             raise InvalidRequest("inputs must be a tensor with a batch dimension")
         sizes = split_sizes(inputs.shape[0], self._job.micro_batches)
-        xs = list(inputs.detach().cpu().split(sizes))
+        xs = list(torch.split(inputs.detach().cpu(), sizes))
         ys = None
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.shape[:1] != inputs.shape[:1]:
@@ -227,12 +241,13 @@ class Pipeline:
                     f"targets must have the batch size of the inputs ({inputs.shape[0]}), got "
                     f"{list(getattr(targets, 'shape', []))}"
                 )
-            ys = list(targets.detach().cpu().split(sizes))
+            ys = list(torch.split(targets.detach().cpu(), sizes))
         scales = [n / inputs.shape[0] for n in sizes]
         return xs, ys, scales
 
-    def _attempt(self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None,
-                 scales: list[float]) -> tuple[list[stage_pb2.StepReport], Chain, int]:
+    def _attempt(
+        self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None, scales: list[float]
+    ) -> tuple[list[stage_pb2.StepReport], Chain, int]:
         chain = self._ensure_job(xs[0])
         deadline = time.monotonic() + self._rebalance_timeout
         attempts = 0
@@ -240,15 +255,23 @@ class Pipeline:
             attempts += 1
             run_id = next(self._runs)
             try:
-                reports = driver.run(self._clients, chain, run_id, self._step + 1, xs, ys,
-                                     scales, self._job.schedule, self._step_timeout)
+                reports = driver.run(
+                    self._clients,
+                    chain,
+                    run_id,
+                    self._step + 1,
+                    xs,
+                    ys,
+                    scales,
+                    self._job.schedule,
+                    self._step_timeout,
+                )
                 self.last_step.attempts = attempts
                 return reports, chain, run_id
             except (StaleEpoch, Rebalancing) as exc:
                 if time.monotonic() > deadline:
                     raise
-                log.info("step_retried", step=self._step + 1, epoch=chain.epoch,
-                         reason=str(exc))
+                log.info("step_retried", step=self._step + 1, epoch=chain.epoch, reason=str(exc))
                 self._refresh(chain, deadline)
                 chain = self._chain or chain
 
@@ -273,16 +296,17 @@ class Pipeline:
         reports, chain, run_id = self._attempt(xs, ys, scales)
         driver.commit(self._clients, chain, run_id, self._step + 1)
         self._step += 1
-        self.last_step = StepStats(reports, time.perf_counter() - started,
-                                   self.last_step.attempts)
+        self.last_step = StepStats(reports, time.perf_counter() - started, self.last_step.attempts)
         return float(sum(reports[-1].losses))
 
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output on ``inputs`` (forward only; changes nothing)."""
         xs, _, scales = self._split(inputs, None)
         _, chain, run_id = self._attempt(xs, None, scales)
-        outs = [driver.fetch_output(self._clients, chain.addresses[-1], run_id, i,
-                                    self._step_timeout) for i in range(len(xs))]
+        outs = [
+            driver.fetch_output(self._clients, chain.addresses[-1], run_id, i, self._step_timeout)
+            for i in range(len(xs))
+        ]
         return torch.cat(outs)
 
     # ---- state -------------------------------------------------------------------------
@@ -311,8 +335,10 @@ class Pipeline:
                 ):
                     if chunk.layer not in blobs:
                         blobs[chunk.layer] = codec.BlobAssembler(
-                            chunk.total_bytes, codec.DEFAULT_MAX_TENSOR_BYTES,
-                            f"layer {chunk.layer}")
+                            chunk.total_bytes,
+                            codec.DEFAULT_MAX_TENSOR_BYTES,
+                            f"layer {chunk.layer}",
+                        )
                     blobs[chunk.layer].add(chunk.offset, chunk.data, chunk.crc32)
                     if chunk.sha256:
                         layer_state = codec.unpack_state(blobs[chunk.layer].finish(chunk.sha256))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -56,8 +57,13 @@ class MoveOutcome:
 class Coordinator:
     """Membership, job, partition, planner and rebalancing policy, behind one lock."""
 
-    def __init__(self, store: Store, policy: PolicyConfig | None = None,
-                 dead_after_s: float = 5.0, heartbeat_interval_s: float = 1.0):
+    def __init__(
+        self,
+        store: Store,
+        policy: PolicyConfig | None = None,
+        dead_after_s: float = 5.0,
+        heartbeat_interval_s: float = 1.0,
+    ):
         self.store = store
         self.policy = policy or PolicyConfig()
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -71,8 +77,9 @@ class Coordinator:
         self.num_layers: int = store.get("num_layers") or 0
         self.param_bytes: list[int] = store.get("param_bytes") or []
         raw_profile = store.get("profile")
-        self.profile = (Profile(tuple(raw_profile["costs"]), raw_profile["speeds"])
-                        if raw_profile else None)
+        self.profile = (
+            Profile(tuple(raw_profile["costs"]), raw_profile["speeds"]) if raw_profile else None
+        )
         self._last_move = time.monotonic()
         self._last_pause: float | None = None
         self._last_decision = ""
@@ -84,26 +91,33 @@ class Coordinator:
     def register(self, name: str, address: str, device: str) -> str:
         """Registers a stage (same name = same host, same id)."""
         if not name or not address:
-            raise InvalidRequest(f"register needs a name and an address (got {name!r}, "
-                                 f"{address!r})")
+            raise InvalidRequest(
+                f"register needs a name and an address (got {name!r}, {address!r})"
+            )
         stage_id = self.members.register(name, address, device)
         log.info("stage_registered", stage_id=stage_id, name=name, address=address)
         return stage_id
 
-    def heartbeat(self, stage_id: str, epoch: int, timings: dict[int, Timing],
-                  committed_step: int, slowdown: float) -> bool:
+    def heartbeat(
+        self,
+        stage_id: str,
+        epoch: int,
+        timings: dict[int, Timing],
+        committed_step: int,
+        slowdown: float,
+    ) -> bool:
         """Records a stage's measurements; False asks it to re-register."""
         return self.members.heartbeat(stage_id, epoch, timings, committed_step, slowdown)
 
     def live_members(self) -> list[Member]:
         """Stages heard from recently and not drained, in registration order."""
-        return [m for m in self.members.members()
-                if self.members.alive(m) and not m.row.drained]
+        return [m for m in self.members.members() if self.members.alive(m) and not m.row.drained]
 
     # ---- job setup -------------------------------------------------------------------
 
-    def setup_job(self, job: JobConfig, sample: torch.Tensor | None, num_stages: int,
-                  wait_s: float) -> PartitionRow:
+    def setup_job(
+        self, job: JobConfig, sample: torch.Tensor | None, num_stages: int, wait_s: float
+    ) -> PartitionRow:
         """Starts a job: picks stages, profiles them, plans, and assigns layers.
 
         Raises:
@@ -117,19 +131,26 @@ class Coordinator:
             if len(live) >= max(num_stages, 1):
                 break
             if time.monotonic() >= deadline:
-                raise NotReady(f"need {max(num_stages, 1)} live stages, have {len(live)} "
-                               f"({[m.row.name for m in live]}) after waiting {wait_s:.0f}s")
+                raise NotReady(
+                    f"need {max(num_stages, 1)} live stages, have {len(live)} "
+                    f"({[m.row.name for m in live]}) after waiting {wait_s:.0f}s"
+                )
             time.sleep(0.1)
         chosen = live[:num_stages] if num_stages else live
         job = job.with_id()
         with self._move_lock:
             spec = job.to_proto()
-            described = self.pool.call(chosen[0].row.address, "Describe",
-                                       stage_pb2.DescribeRequest(job=spec), STAGE_CALL_TIMEOUT_S)
+            described = self.pool.call(
+                chosen[0].row.address,
+                "Describe",
+                stage_pb2.DescribeRequest(job=spec),
+                STAGE_CALL_TIMEOUT_S,
+            )
             num_layers, param_bytes = described.num_layers, list(described.param_bytes)
             if num_layers < len(chosen):
-                raise PlanError(f"too few layers for the stages (layers: {num_layers}, "
-                                f"stages: {len(chosen)})")
+                raise PlanError(
+                    f"too few layers for the stages (layers: {num_layers}, stages: {len(chosen)})"
+                )
             profile = None
             if sample is not None:
                 profile = self._profile(job, sample, chosen)
@@ -139,7 +160,9 @@ class Coordinator:
             ordered = [chosen[i] for i in order]
             epoch = self.store.max_epoch() + 1
             partition = PartitionRow(
-                epoch=epoch, job_id=job.job_id, boundaries=best.boundaries,
+                epoch=epoch,
+                job_id=job.job_id,
+                boundaries=best.boundaries,
                 stage_ids=tuple(m.row.stage_id for m in ordered),
                 addresses=tuple(m.row.address for m in ordered),
                 predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
@@ -147,47 +170,64 @@ class Coordinator:
             chain = Chain(epoch, partition.addresses, partition.boundaries)
             self.pool.each(
                 lambda a: self.pool.call(
-                    a, "Assign",
+                    a,
+                    "Assign",
                     stage_pb2.AssignRequest(job=spec, assignment=chain.assignment(a)),
-                    STAGE_CALL_TIMEOUT_S),
+                    STAGE_CALL_TIMEOUT_S,
+                ),
                 list(partition.addresses),
             )
             self.store.put("job", {k: v for k, v in vars(job).items()})
             self.store.put("num_layers", num_layers)
             self.store.put("param_bytes", param_bytes)
             if profile:
-                self.store.put("profile", {"costs": list(profile.costs),
-                                           "speeds": profile.speeds})
-            self._install(partition, EpochRow(epoch=epoch, at=time.time(),
-                                              reason=f"job {job.job_id} started",
-                                              boundaries=partition.boundaries,
-                                              stage_ids=partition.stage_ids))
+                self.store.put("profile", {"costs": list(profile.costs), "speeds": profile.speeds})
+            self._install(
+                partition,
+                EpochRow(
+                    epoch=epoch,
+                    at=time.time(),
+                    reason=f"job {job.job_id} started",
+                    boundaries=partition.boundaries,
+                    stage_ids=partition.stage_ids,
+                ),
+            )
             self.job, self.num_layers, self.param_bytes = job, num_layers, param_bytes
             self.profile = profile
             for member in chosen:
                 member.timings, member.speed = {}, None
             self._last_move = time.monotonic()
-        log.info("job_started", job=job.job_id, model=job.model, layers=num_layers,
-                 boundaries=list(partition.boundaries),
-                 stages=[m.row.name for m in ordered], epoch=epoch)
+        log.info(
+            "job_started",
+            job=job.job_id,
+            model=job.model,
+            layers=num_layers,
+            boundaries=list(partition.boundaries),
+            stages=[m.row.name for m in ordered],
+            epoch=epoch,
+        )
         return partition
 
-    def _profile(self, job: JobConfig, sample: torch.Tensor,
-                 chosen: Sequence[Member]) -> Profile:
+    def _profile(self, job: JobConfig, sample: torch.Tensor, chosen: Sequence[Member]) -> Profile:
         spec = job.to_proto()
         spec.sample_input.CopyFrom(codec.to_proto(sample))
         profiles: dict[str, list[Timing]] = {}
         # One stage at a time: stages sharing a host would otherwise slow each other down.
         for member in chosen:
-            reply = self.pool.call(member.row.address, "Profile",
-                                   stage_pb2.ProfileRequest(job=spec, repeats=PROFILE_REPEATS),
-                                   STAGE_CALL_TIMEOUT_S)
+            reply = self.pool.call(
+                member.row.address,
+                "Profile",
+                stage_pb2.ProfileRequest(job=spec, repeats=PROFILE_REPEATS),
+                STAGE_CALL_TIMEOUT_S,
+            )
             profiles[member.row.stage_id] = [
                 (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in reply.timings
             ]
         profile = estimates.from_profiles(profiles)
-        log.info("stages_profiled", speeds={self._name(s): round(v, 3)
-                                            for s, v in profile.speeds.items()})
+        log.info(
+            "stages_profiled",
+            speeds={self._name(s): round(v, 3) for s, v in profile.speeds.items()},
+        )
         return profile
 
     def _name(self, stage_id: str) -> str:
@@ -274,10 +314,13 @@ class Coordinator:
         old = Chain(current.epoch, current.addresses, current.boundaries)
         new = Chain(current.epoch + 1, current.addresses, best.boundaries)
         return PlanView(
-            current=current, optimal=best,
+            current=current,
+            optimal=best,
             current_step_s=predict_step_time(now, job.micro_batches, job.schedule),
             optimal_step_s=predict_step_time(best, job.micro_batches, job.schedule),
-            speeds=speeds, costs=costs, bytes_to_move=self._bytes_to_move(old, new),
+            speeds=speeds,
+            costs=costs,
+            bytes_to_move=self._bytes_to_move(old, new),
         )
 
     # ---- rebalancing -----------------------------------------------------------------
@@ -293,14 +336,19 @@ class Coordinator:
         view = self.plan_view()
         decision = decide(
             replace(self.policy, enabled=True, threshold=-1.0, cooldown_s=0.0, horizon_steps=10**9)
-            if force else self.policy,
-            view.current_step_s, view.optimal_step_s, view.bytes_to_move,
-            time.monotonic() - self._last_move, self._last_pause,
+            if force
+            else self.policy,
+            view.current_step_s,
+            view.optimal_step_s,
+            view.bytes_to_move,
+            time.monotonic() - self._last_move,
+            self._last_pause,
         )
         self._log_decision(decision, reason)
         if not decision.move or dry_run:
-            return MoveOutcome(False, view.current, decision.reason, decision.gain,
-                               view.bytes_to_move)
+            return MoveOutcome(
+                False, view.current, decision.reason, decision.gain, view.bytes_to_move
+            )
         return self._move(view.current.stage_ids, view.optimal.boundaries, reason, decision.gain)
 
     def _log_decision(self, decision: Decision, reason: str) -> None:
@@ -308,13 +356,20 @@ class Coordinator:
         if decision.bytes_to_move == 0 and decision.reason == self._last_decision:
             return  # "already optimal" every second is noise; log it once per change
         self._last_decision = decision.reason
-        log.info(event, reason=reason, why=decision.reason, gain=round(decision.gain, 4),
-                 current_step_s=round(decision.current_step_s, 4),
-                 proposed_step_s=round(decision.proposed_step_s, 4),
-                 bytes_to_move=decision.bytes_to_move, pause_s=round(decision.pause_s, 3))
+        log.info(
+            event,
+            reason=reason,
+            why=decision.reason,
+            gain=round(decision.gain, 4),
+            current_step_s=round(decision.current_step_s, 4),
+            proposed_step_s=round(decision.proposed_step_s, 4),
+            bytes_to_move=decision.bytes_to_move,
+            pause_s=round(decision.pause_s, 3),
+        )
 
-    def set_partition(self, boundaries: Sequence[int], stages: Sequence[str],
-                      reason: str) -> MoveOutcome:
+    def set_partition(
+        self, boundaries: Sequence[int], stages: Sequence[str], reason: str
+    ) -> MoveOutcome:
         """Moves to an operator-given partition (and optionally chain order)."""
         _, current = self._require_job()
         stage_ids = current.stage_ids
@@ -329,11 +384,16 @@ class Coordinator:
 
     def _check_boundaries(self, boundaries: Sequence[int], num_stages: int) -> None:
         b = list(boundaries)
-        if (len(b) != num_stages + 1 or b[0] != 0 or b[-1] != self.num_layers
-                or any(x >= y for x, y in zip(b, b[1:], strict=False))):
+        if (
+            len(b) != num_stages + 1
+            or b[0] != 0
+            or b[-1] != self.num_layers
+            or any(x >= y for x, y in itertools.pairwise(b))
+        ):
             raise InvalidRequest(
                 f"boundaries {b} must be {num_stages + 1} increasing values from 0 to "
-                f"{self.num_layers} (every stage owns at least one layer)")
+                f"{self.num_layers} (every stage owns at least one layer)"
+            )
 
     def drain(self, key: str) -> MoveOutcome:
         """Moves every layer off a stage and keeps it out of the chain."""
@@ -357,8 +417,7 @@ class Coordinator:
         if member.row.stage_id in current.stage_ids:
             return MoveOutcome(False, current, f"{member.row.name} is already in the chain")
         order = [m.row.stage_id for m in self.members.members()]
-        stage_ids = tuple(s for s in order
-                          if s in current.stage_ids or s == member.row.stage_id)
+        stage_ids = tuple(s for s in order if s in current.stage_ids or s == member.row.stage_id)
         return self._replan(stage_ids, f"undrain {member.row.name}")
 
     def _replan(self, stage_ids: tuple[str, ...], reason: str) -> MoveOutcome:
@@ -372,8 +431,9 @@ class Coordinator:
             raise InvalidRequest(f"unknown stage {key!r} (stages: {names})")
         return member
 
-    def _move(self, stage_ids: Sequence[str], boundaries: Sequence[int], reason: str,
-              gain: float) -> MoveOutcome:
+    def _move(
+        self, stage_ids: Sequence[str], boundaries: Sequence[int], reason: str, gain: float
+    ) -> MoveOutcome:
         job, current = self._require_job()
         addresses = []
         for sid in stage_ids:
@@ -383,36 +443,58 @@ class Coordinator:
             addresses.append(member.row.address)
         with self._move_lock:
             current = self.partition or current
-            if (tuple(boundaries) == current.boundaries
-                    and tuple(stage_ids) == current.stage_ids):
+            if tuple(boundaries) == current.boundaries and tuple(stage_ids) == current.stage_ids:
                 return MoveOutcome(False, current, "the partition is already that one", gain)
             epoch = self.store.max_epoch() + 1
             old = Chain(current.epoch, current.addresses, current.boundaries)
             new = Chain(epoch, tuple(addresses), tuple(boundaries))
             speeds = self._speeds(stage_ids)
-            predicted = predict_step_time(estimates.evaluate(boundaries, self.costs(), speeds),
-                                          job.micro_batches, job.schedule)
-            partition = PartitionRow(epoch=epoch, job_id=job.job_id,
-                                     boundaries=tuple(boundaries), stage_ids=tuple(stage_ids),
-                                     addresses=tuple(addresses), predicted_step_s=predicted)
+            predicted = predict_step_time(
+                estimates.evaluate(boundaries, self.costs(), speeds),
+                job.micro_batches,
+                job.schedule,
+            )
+            partition = PartitionRow(
+                epoch=epoch,
+                job_id=job.job_id,
+                boundaries=tuple(boundaries),
+                stage_ids=tuple(stage_ids),
+                addresses=tuple(addresses),
+                predicted_step_s=predicted,
+            )
             result: MoveResult = change_epoch(
                 self.pool, job, old, new, commit_point=lambda: self.store.put_partition(partition)
             )
-            self._install(partition, EpochRow(
-                epoch=epoch, at=time.time(), reason=reason, boundaries=partition.boundaries,
-                stage_ids=partition.stage_ids, layers_moved=result.layers_moved,
-                bytes_moved=result.bytes_moved, pause_s=result.pause_s,
-                extra={"committed_step": result.committed_step},
-            ))
+            self._install(
+                partition,
+                EpochRow(
+                    epoch=epoch,
+                    at=time.time(),
+                    reason=reason,
+                    boundaries=partition.boundaries,
+                    stage_ids=partition.stage_ids,
+                    layers_moved=result.layers_moved,
+                    bytes_moved=result.bytes_moved,
+                    pause_s=result.pause_s,
+                    extra={"committed_step": result.committed_step},
+                ),
+            )
             self._last_move, self._last_pause = time.monotonic(), result.pause_s
             for sid in stage_ids:  # speeds of moved-into stages are re-measured from now
                 member = self.members.by_id(sid)
                 if member is not None:
                     member.timings = {}
-        log.info("layers_migrated", epoch=epoch, reason=reason, boundaries=list(boundaries),
-                 stages=[self._name(s) for s in stage_ids], layers_moved=result.layers_moved,
-                 bytes_moved=result.bytes_moved, pause_s=round(result.pause_s, 3),
-                 step=result.committed_step)
+        log.info(
+            "layers_migrated",
+            epoch=epoch,
+            reason=reason,
+            boundaries=list(boundaries),
+            stages=[self._name(s) for s in stage_ids],
+            layers_moved=result.layers_moved,
+            bytes_moved=result.bytes_moved,
+            pause_s=round(result.pause_s, 3),
+            step=result.committed_step,
+        )
         return MoveOutcome(True, partition, reason, gain, result.bytes_moved, result.pause_s)
 
     # ---- admin -----------------------------------------------------------------------
@@ -420,8 +502,9 @@ class Coordinator:
     def slowdown(self, key: str, factor: float) -> str:
         """Changes a stage's emulated slowdown."""
         member = self._member(key)
-        self.pool.call(member.row.address, "SetSlowdown",
-                       stage_pb2.SlowdownRequest(factor=factor), 10.0)
+        self.pool.call(
+            member.row.address, "SetSlowdown", stage_pb2.SlowdownRequest(factor=factor), 10.0
+        )
         log.info("slowdown_set", stage=member.row.name, factor=factor)
         return f"{member.row.name} slowdown set to {factor:g}"
 
@@ -435,8 +518,7 @@ class Coordinator:
 
     def start_policy(self) -> None:
         """Starts re-planning continually in the background."""
-        self._policy_thread = threading.Thread(target=self._policy_loop, name="policy",
-                                               daemon=True)
+        self._policy_thread = threading.Thread(target=self._policy_loop, name="policy", daemon=True)
         self._policy_thread.start()
 
     def _policy_loop(self) -> None:

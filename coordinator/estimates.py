@@ -82,8 +82,7 @@ def fill_speeds(known: Sequence[float | None]) -> list[float]:
 def evaluate(boundaries: Sequence[int], costs: Sequence[float], speeds: Sequence[float]) -> Plan:
     """The times of a given partition (no optimisation), as a ``Plan``."""
     stage_times = tuple(
-        math.fsum(costs[boundaries[s] : boundaries[s + 1]]) / speeds[s]
-        for s in range(len(speeds))
+        math.fsum(costs[boundaries[s] : boundaries[s + 1]]) / speeds[s] for s in range(len(speeds))
     )
     link_times = tuple(0.0 for _ in range(len(speeds) - 1))
     return Plan(

@@ -29,8 +29,9 @@ class Member:
 class Membership:
     """Registered stages (persisted) and their liveness (in memory)."""
 
-    def __init__(self, store: Store, dead_after_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, store: Store, dead_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ):
         self._store = store
         self._dead_after = dead_after_s
         self._clock = clock
@@ -56,8 +57,14 @@ class Membership:
             self._members[stage_id] = member
             return stage_id
 
-    def heartbeat(self, stage_id: str, epoch: int, timings: dict[int, Timing],
-                  committed_step: int, slowdown: float) -> bool:
+    def heartbeat(
+        self,
+        stage_id: str,
+        epoch: int,
+        timings: dict[int, Timing],
+        committed_step: int,
+        slowdown: float,
+    ) -> bool:
         """Records a heartbeat; False if the id is unknown (the stage must re-register)."""
         with self._lock:
             member = self._members.get(stage_id)
@@ -75,8 +82,7 @@ class Membership:
     def members(self) -> list[Member]:
         """Every registered stage in registration order."""
         with self._lock:
-            return sorted(self._members.values(),
-                          key=lambda m: (m.row.registered_at, m.row.name))
+            return sorted(self._members.values(), key=lambda m: (m.row.registered_at, m.row.name))
 
     def find(self, key: str) -> Member | None:
         """A stage by id, name or address."""

@@ -151,9 +151,11 @@ def change_epoch(
     moved = moves(old, new)
     try:
         steps = pool.each(
-            lambda a: pool.call(
-                a, "Freeze", stage_pb2.EpochRequest(epoch=new.epoch), freeze_timeout_s
-            ).committed_step,
+            lambda a: (
+                pool.call(
+                    a, "Freeze", stage_pb2.EpochRequest(epoch=new.epoch), freeze_timeout_s
+                ).committed_step
+            ),
             involved,
         )
         chain_steps = {s for a, s in zip(involved, steps, strict=True) if a in old.addresses}
@@ -211,6 +213,8 @@ def change_epoch(
 def _abort_all(pool: StagePool, addresses: Sequence[str], epoch: int, reason: str) -> None:
     for address in addresses:
         try:
-            pool.call(address, "AbortEpoch", stage_pb2.EpochRequest(epoch=epoch, reason=reason), 10.0)
+            pool.call(
+                address, "AbortEpoch", stage_pb2.EpochRequest(epoch=epoch, reason=reason), 10.0
+            )
         except ElasticPipeError as exc:
             log.error("abort_epoch_failed", stage=address, epoch=epoch, error=str(exc))

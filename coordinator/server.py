@@ -19,9 +19,14 @@ log = structlog.get_logger()
 class CoordinatorServer:
     """Serves a ``Coordinator`` (a context manager)."""
 
-    def __init__(self, listen: str = "127.0.0.1:0", state: str = ":memory:",
-                 policy: PolicyConfig | None = None, dead_after_s: float = 5.0,
-                 heartbeat_interval_s: float = 1.0):
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        state: str = ":memory:",
+        policy: PolicyConfig | None = None,
+        dead_after_s: float = 5.0,
+        heartbeat_interval_s: float = 1.0,
+    ):
         self._listen = listen
         self._state = state
         self._policy = policy
@@ -38,16 +43,25 @@ class CoordinatorServer:
 
     def start(self) -> CoordinatorServer:
         """Opens the state file, binds the port and starts the policy loop."""
-        self.coordinator = Coordinator(Store(self._state), self._policy, self._dead_after_s,
-                                       self._heartbeat_interval_s)
+        self.coordinator = Coordinator(
+            Store(self._state), self._policy, self._dead_after_s, self._heartbeat_interval_s
+        )
         self._server = start_server(
             self._listen,
-            [(coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"],
-              CoordinatorServicer(self.coordinator))],
+            [
+                (
+                    coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"],
+                    CoordinatorServicer(self.coordinator),
+                )
+            ],
         )
         self.coordinator.start_policy()
-        log.info("coordinator_listening", address=self.address, state=self._state,
-                 auto_rebalance=self.coordinator.policy.enabled)
+        log.info(
+            "coordinator_listening",
+            address=self.address,
+            state=self._state,
+            auto_rebalance=self.coordinator.policy.enabled,
+        )
         return self
 
     def stop(self) -> None:
@@ -66,6 +80,7 @@ class CoordinatorServer:
     def __enter__(self) -> CoordinatorServer:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

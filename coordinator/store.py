@@ -78,7 +78,9 @@ class Store:
         self.path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA foreign_keys=ON")
+        self._db.execute(
+            "PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA foreign_keys=ON"
+        )
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
@@ -95,15 +97,22 @@ class Store:
                 "INSERT INTO stages (stage_id, name, address, device, registered_at, drained) "
                 "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
                 "address=excluded.address, device=excluded.device",
-                (row.stage_id, row.name, row.address, row.device, row.registered_at,
-                 int(row.drained)),
+                (
+                    row.stage_id,
+                    row.name,
+                    row.address,
+                    row.device,
+                    row.registered_at,
+                    int(row.drained),
+                ),
             )
 
     def set_drained(self, stage_id: str, drained: bool) -> None:
         """Marks a stage as drained (kept out of partitions) or not."""
         with self._lock:
-            self._db.execute("UPDATE stages SET drained=? WHERE stage_id=?",
-                             (int(drained), stage_id))
+            self._db.execute(
+                "UPDATE stages SET drained=? WHERE stage_id=?", (int(drained), stage_id)
+            )
 
     def stages(self) -> list[StageRow]:
         """Every registered stage, in registration order."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from typing import Any
@@ -30,8 +31,9 @@ def parse_ranges(text: str) -> list[int]:
         except ValueError:
             raise InvalidRequest(f"bad range {part!r} in {text!r} (expected LO:HI)") from None
         if bounds and lo != bounds[-1]:
-            raise InvalidRequest(f"range {part!r} does not start where the previous ended "
-                                 f"({bounds[-1]})")
+            raise InvalidRequest(
+                f"range {part!r} does not start where the previous ended ({bounds[-1]})"
+            )
         if hi <= lo:
             raise InvalidRequest(f"range {part!r} is empty")
         bounds = [*bounds, hi] if bounds else [lo, hi]
@@ -39,7 +41,7 @@ def parse_ranges(text: str) -> list[int]:
 
 
 def _ranges(boundaries: list[int]) -> str:
-    return ",".join(f"{a}:{b}" for a, b in zip(boundaries, boundaries[1:], strict=False))
+    return ",".join(f"{a}:{b}" for a, b in itertools.pairwise(boundaries))
 
 
 def _ago(unix: float) -> str:
@@ -64,9 +66,12 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
             f"{_ago(st.last_heartbeat_unix)}"
         )
     if s.history:
-        lines += ["", "epoch history:",
-                  f"{'epoch':>6}  {'when':<20}{'partition':<28}{'moved':>6}{'bytes':>12}"
-                  f"{'pause':>8}  reason"]
+        lines += [
+            "",
+            "epoch history:",
+            f"{'epoch':>6}  {'when':<20}{'partition':<28}{'moved':>6}{'bytes':>12}"
+            f"{'pause':>8}  reason",
+        ]
         for r in s.history:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at_unix))
             lines.append(
@@ -82,8 +87,10 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
     optimal = list(p.optimal_boundaries)
     lines = [f"{'stage':<8}{'speed':>8}{'current':>12}{'optimal':>12}"]
     for s, speed in enumerate(p.stage_speeds):
-        lines.append(f"{s:<8}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
-                     f"{optimal[s]:>5}:{optimal[s + 1]:<6}")
+        lines.append(
+            f"{s:<8}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
+            f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
+        )
     gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
     lines += [
         f"predicted step: current {p.current_step_s * 1e3:.1f} ms, optimal "
@@ -96,9 +103,11 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
 def format_move(r: coordinator_pb2.RebalanceResponse) -> str:
     """The outcome of rebalance / set-partition / drain."""
     what = "moved" if r.changed else "unchanged"
-    return (f"{what}: epoch {r.partition.epoch}, partition "
-            f"{_ranges(list(r.partition.boundaries))}; {r.decision}"
-            + (f"; {r.bytes_moved} bytes in {r.pause_s:.2f}s" if r.changed else ""))
+    return (
+        f"{what}: epoch {r.partition.epoch}, partition "
+        f"{_ranges(list(r.partition.boundaries))}; {r.decision}"
+        + (f"; {r.bytes_moved} bytes in {r.pause_s:.2f}s" if r.changed else "")
+    )
 
 
 def run_admin(args: argparse.Namespace) -> int:
@@ -118,24 +127,34 @@ def run_admin(args: argparse.Namespace) -> int:
             reply = call(stub.Plan, coordinator_pb2.PlanRequest())
             text = format_plan(reply)
         elif command == "rebalance":
-            reply = call(stub.Rebalance, coordinator_pb2.RebalanceRequest(
-                dry_run=args.dry_run, reason="admin rebalance"))
+            reply = call(
+                stub.Rebalance,
+                coordinator_pb2.RebalanceRequest(dry_run=args.dry_run, reason="admin rebalance"),
+            )
             text = format_move(reply)
         elif command == "set-partition":
-            reply = call(stub.SetPartition, coordinator_pb2.SetPartitionRequest(
-                boundaries=parse_ranges(args.ranges), stage_ids=args.stages))
+            reply = call(
+                stub.SetPartition,
+                coordinator_pb2.SetPartitionRequest(
+                    boundaries=parse_ranges(args.ranges), stage_ids=args.stages
+                ),
+            )
             text = format_move(reply)
         elif command in ("drain", "undrain"):
             method = stub.Drain if command == "drain" else stub.Undrain
             reply = call(method, coordinator_pb2.DrainRequest(stage=args.stage))
             text = format_move(reply)
         elif command == "slowdown":
-            reply = call(stub.Slowdown, coordinator_pb2.AdminSlowdownRequest(
-                stage=args.stage, factor=args.factor))
+            reply = call(
+                stub.Slowdown,
+                coordinator_pb2.AdminSlowdownRequest(stage=args.stage, factor=args.factor),
+            )
             text = reply.message
         else:
-            reply = call(stub.SetAutoRebalance,
-                         coordinator_pb2.AutoRebalanceRequest(enabled=args.state == "on"))
+            reply = call(
+                stub.SetAutoRebalance,
+                coordinator_pb2.AutoRebalanceRequest(enabled=args.state == "on"),
+            )
             text = reply.message
     if args.json:
         print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))

@@ -27,7 +27,8 @@ ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
 def configure_logging(fmt: str, level: str) -> None:
     """Sets up structlog for a command: human-readable console or JSON lines, on stderr."""
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if fmt == "json"
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
     structlog.configure(
@@ -77,8 +78,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         cooldown_s=args.rebalance_cooldown,
         interval_s=args.policy_interval,
     )
-    server = CoordinatorServer(args.listen, args.state, policy, args.dead_after,
-                               args.heartbeat_interval).start()
+    server = CoordinatorServer(
+        args.listen, args.state, policy, args.dead_after, args.heartbeat_interval
+    ).start()
     _write_ready(args.ready_file, server.address)
     stop = threading.Event()
     try:
@@ -122,9 +124,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Trains the small GPT on the standard library's source on a local cluster."""
     from elasticpipe.demo import run_demo
 
-    return run_demo(stages=args.stages, steps=args.steps, batch_size=args.batch_size,
-                    seq_len=args.seq_len, micro_batches=args.micro_batches,
-                    n_layers=args.layers, d_model=args.d_model, log_dir=args.log_dir)
+    return run_demo(
+        stages=args.stages,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        micro_batches=args.micro_batches,
+        n_layers=args.layers,
+        d_model=args.d_model,
+        log_dir=args.log_dir,
+    )
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -140,26 +149,46 @@ def cmd_admin(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
     parser = argparse.ArgumentParser(prog="elasticpipe", description=__doc__)
-    parser.add_argument("--log-format", choices=["console", "json"],
-                        default=os.environ.get(ENV_LOG_FORMAT, "console"))
+    parser.add_argument(
+        "--log-format",
+        choices=["console", "json"],
+        default=os.environ.get(ENV_LOG_FORMAT, "console"),
+    )
     parser.add_argument("--log-level", default="info")
     sub = parser.add_subparsers(dest="command", required=True)
 
     co = sub.add_parser("coordinator", help="run the coordinator (control plane)")
     co.add_argument("--listen", default="127.0.0.1:7100", help="HOST:PORT (port 0: any)")
-    co.add_argument("--state", default="elasticpipe-coordinator.sqlite",
-                    help="SQLite file holding stages, job and partition (':memory:' for none)")
+    co.add_argument(
+        "--state",
+        default="elasticpipe-coordinator.sqlite",
+        help="SQLite file holding stages, job and partition (':memory:' for none)",
+    )
     co.add_argument("--auto-rebalance", action=argparse.BooleanOptionalAction, default=True)
-    co.add_argument("--rebalance-threshold", type=float, default=0.10,
-                    help="minimum predicted step-time gain (fraction) to move layers")
-    co.add_argument("--rebalance-horizon", type=int, default=50,
-                    help="steps over which a move must pay back its pause")
-    co.add_argument("--rebalance-cooldown", type=float, default=5.0,
-                    help="seconds between two automatic moves")
-    co.add_argument("--policy-interval", type=float, default=1.0,
-                    help="seconds between two re-plans")
-    co.add_argument("--dead-after", type=float, default=5.0,
-                    help="seconds without heartbeat before a stage counts as dead")
+    co.add_argument(
+        "--rebalance-threshold",
+        type=float,
+        default=0.10,
+        help="minimum predicted step-time gain (fraction) to move layers",
+    )
+    co.add_argument(
+        "--rebalance-horizon",
+        type=int,
+        default=50,
+        help="steps over which a move must pay back its pause",
+    )
+    co.add_argument(
+        "--rebalance-cooldown", type=float, default=5.0, help="seconds between two automatic moves"
+    )
+    co.add_argument(
+        "--policy-interval", type=float, default=1.0, help="seconds between two re-plans"
+    )
+    co.add_argument(
+        "--dead-after",
+        type=float,
+        default=5.0,
+        help="seconds without heartbeat before a stage counts as dead",
+    )
     co.add_argument("--heartbeat-interval", type=float, default=1.0)
     co.add_argument("--ready-file", help=argparse.SUPPRESS)
     co.set_defaults(func=cmd_coordinator)
@@ -169,10 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
     st.add_argument("--device", default="cpu", help="cpu or cuda:N")
     st.add_argument("--name", default="", help="stable name of this host (default: stage-PID)")
-    st.add_argument("--allow-models", nargs="*", default=[], metavar="PREFIX",
-                    help="module prefixes whose model factories may be built here")
-    st.add_argument("--slowdown", type=float, default=1.0,
-                    help="emulate a device this many times slower")
+    st.add_argument(
+        "--allow-models",
+        nargs="*",
+        default=[],
+        metavar="PREFIX",
+        help="module prefixes whose model factories may be built here",
+    )
+    st.add_argument(
+        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+    )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31)
     st.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     st.add_argument("--ready-file", help=argparse.SUPPRESS)

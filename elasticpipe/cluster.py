@@ -13,6 +13,7 @@ they bind port 0 and report the address they got through a ready file. Leaving t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,8 +34,9 @@ from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 START_TIMEOUT_S = 60.0
 
 
-def _wait_ready(path: Path, proc: subprocess.Popen[bytes], what: str, log: Path,
-                timeout: float) -> str:
+def _wait_ready(
+    path: Path, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float
+) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -85,12 +87,18 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path, Path]:
         ready = Path(self._tmp.name) / f"{name}.ready"
         log = self.log_dir / f"{name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": str(self._threads),
-               "ELASTICPIPE_TORCH_THREADS": str(self._threads)}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self._threads),
+            "ELASTICPIPE_TORCH_THREADS": str(self._threads),
+        }
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "elasticpipe", *args, "--ready-file", str(ready)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         self.procs[name] = proc
         return proc, ready, log
@@ -106,10 +114,26 @@ class LocalCluster:
             pending = []
             for i in range(self.num_stages):
                 name = f"stage-{i}"
-                pending.append((name, *self._spawn(name, [
-                    "stage", "--coordinator", self.coordinator, "--listen", "127.0.0.1:0",
-                    "--name", name, "--slowdown", str(self.slowdowns[i]), *self._stage_args,
-                ])))
+                pending.append(
+                    (
+                        name,
+                        *self._spawn(
+                            name,
+                            [
+                                "stage",
+                                "--coordinator",
+                                self.coordinator,
+                                "--listen",
+                                "127.0.0.1:0",
+                                "--name",
+                                name,
+                                "--slowdown",
+                                str(self.slowdowns[i]),
+                                *self._stage_args,
+                            ],
+                        ),
+                    )
+                )
             self.stage_addresses = [
                 _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
                 for name, proc, ready, log in pending
@@ -124,8 +148,9 @@ class LocalCluster:
         """The coordinator's status."""
         with rpc.channel(self.coordinator) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            return rpc.call(self.coordinator, stub.Status, coordinator_pb2.StatusRequest(),
-                            timeout=timeout)
+            return rpc.call(
+                self.coordinator, stub.Status, coordinator_pb2.StatusRequest(), timeout=timeout
+            )
 
     def wait_for_stages(self, count: int, timeout: float) -> None:
         """Waits until ``count`` stages are registered and alive."""
@@ -138,8 +163,10 @@ class LocalCluster:
             if alive >= count:
                 return
             if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"{alive} of {count} stages registered after "
-                                       f"{timeout:.0f}s (logs in {self.log_dir})")
+                raise DeadlineExceeded(
+                    f"{alive} of {count} stages registered after "
+                    f"{timeout:.0f}s (logs in {self.log_dir})"
+                )
             time.sleep(0.1)
 
     def kill(self, name: str) -> None:
@@ -152,10 +179,8 @@ class LocalCluster:
         """Stops every process: SIGTERM, then SIGKILL after ``grace`` seconds."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             try:
@@ -166,8 +191,10 @@ class LocalCluster:
 
     def logs(self) -> str:
         """Every process's log, for a failing test's report."""
-        return "\n".join(f"==> {p.name} <==\n{p.read_text(errors='replace')[-4000:]}"
-                         for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"==> {p.name} <==\n{p.read_text(errors='replace')[-4000:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
 
     def close(self) -> None:
         """Stops the processes and removes the temporary folder."""
@@ -177,8 +204,9 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 

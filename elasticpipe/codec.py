@@ -152,8 +152,7 @@ class TensorAssembler:
         """Returns the tensor; raises InvalidRequest if bytes are missing."""
         if self._filled != len(self._buffer):
             raise InvalidRequest(
-                f"received {self._filled} bytes for a tensor declared as "
-                f"{len(self._buffer)} bytes"
+                f"received {self._filled} bytes for a tensor declared as {len(self._buffer)} bytes"
             )
         if not self._buffer:
             return torch.empty(self._shape, dtype=self._dtype)

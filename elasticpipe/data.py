@@ -177,7 +177,7 @@ class CharCorpus:
         return windows[:, :-1], windows[:, 1:]
 
 
-def sample_text(  # noqa: PLR0917 - the signature callers were promised
+def sample_text(
     logits_fn: Callable[[torch.Tensor], torch.Tensor],
     corpus: CharCorpus,
     prompt: str,

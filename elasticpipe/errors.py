@@ -2,18 +2,18 @@
 
 ::
 
-    ElasticPipeError                      (INTERNAL unless a subclass says otherwise)
-    ├── InvalidRequest(ValueError)        INVALID_ARGUMENT    bad shape, dtype, size, name, argument
-    │   └── ModelError                    INVALID_ARGUMENT    a factory that fails or returns no layers
-    ├── PermissionDenied(PermissionError) PERMISSION_DENIED   a model factory outside --allow-models
-    ├── TooLarge                          RESOURCE_EXHAUSTED  a declared or received size over a limit
-    ├── StaleEpoch                        FAILED_PRECONDITION request of another partition epoch (retry)
-    ├── NotReady                          FAILED_PRECONDITION no job / layers / step in the needed state
-    ├── Rebalancing                       UNAVAILABLE         layers are moving; retry in a moment
-    ├── StageUnavailable                  UNAVAILABLE         a peer or stage cannot be reached / died
-    ├── StepAborted                       ABORTED             the step was discarded on every stage
-    ├── TransferError                     DATA_LOSS           a migrated layer failed its checksum / was cut
-    └── DeadlineExceeded(TimeoutError)    DEADLINE_EXCEEDED   a wait ran past its deadline
+    ElasticPipeError                  INTERNAL unless a subclass says otherwise
+    ├── InvalidRequest(ValueError)    INVALID_ARGUMENT     bad shape, dtype, size, name, argument
+    │   └── ModelError                INVALID_ARGUMENT     a factory that fails or has no layers
+    ├── PermissionDenied              PERMISSION_DENIED    model outside --allow-models
+    ├── TooLarge                      RESOURCE_EXHAUSTED   declared or received size over a limit
+    ├── StaleEpoch                    FAILED_PRECONDITION  request of another epoch (retryable)
+    ├── NotReady                      FAILED_PRECONDITION  no job / layers / step in that state
+    ├── Rebalancing                   UNAVAILABLE          layers are moving; retry shortly
+    ├── StageUnavailable              UNAVAILABLE          a stage cannot be reached or died
+    ├── StepAborted                   ABORTED              the step was discarded everywhere
+    ├── TransferError                 DATA_LOSS            a moved layer failed its checksum
+    └── DeadlineExceeded(TimeoutError) DEADLINE_EXCEEDED   a wait ran past its deadline
 
 Remote errors are translated into this tree in exactly one place, ``elasticpipe.rpc``; a
 servicer raises these and the adapter turns them into a status + message, never a traceback.

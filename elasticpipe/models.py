@@ -372,7 +372,7 @@ def _as_device(device: str | torch.device) -> torch.device:
         raise InvalidRequest(f"invalid device {device!r}: {exc}") from exc
 
 
-def build_layers(  # noqa: PLR0917 - the signature the stage server calls positionally
+def build_layers(
     name_or_path: str,
     seed: int,
     kwargs: Mapping[str, Any],
@@ -579,7 +579,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        # No bias on q/k/v: a key bias cannot change softmax, so its gradient is pure rounding
+        # noise, which Adam would amplify into random-sign updates (and it is 0 % useful).
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model)
 
     def reset_parameters(self) -> None:

@@ -107,50 +107,40 @@ def _parsed_stream(cls: type[pb_message.Message], raw_iter: Iterator[bytes]) -> 
         yield _parse(cls, raw)
 
 
-def _handler(method: MethodDescriptor, impl: Callable[..., Any]) -> grpc.RpcMethodHandler:
+def _handler(method: MethodDescriptor, impl: Callable[..., Any]) -> grpc.RpcMethodHandler[Any, Any]:
     req_cls = GetMessageClass(method.input_type)
     name = method.full_name
     serialize = GetMessageClass(method.output_type).SerializeToString
 
-    def unary_in(raw: bytes, context: grpc.ServicerContext) -> Any:
-        return _parse(req_cls, raw)
+    def parse(arg: Any) -> Any:
+        # Unary requests arrive as bytes, streamed ones as an iterator of bytes.
+        return _parsed_stream(req_cls, arg) if method.client_streaming else _parse(req_cls, arg)
 
-    if method.client_streaming:
+    def unary_out(arg: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return impl(parse(arg), context)
+        except Exception as exc:
+            _abort(context, exc, name)
 
-        def body(raw_iter: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-            try:
-                return impl(_parsed_stream(req_cls, raw_iter), context)
-            except Exception as exc:
-                _abort(context, exc, name)
+    def stream_out(arg: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from impl(parse(arg), context)
+        except Exception as exc:
+            _abort(context, exc, name)
 
-    else:
-
-        def body(raw: bytes, context: grpc.ServicerContext) -> Any:
-            try:
-                return impl(unary_in(raw, context), context)
-            except Exception as exc:
-                _abort(context, exc, name)
-
-    if method.server_streaming:
-        stream_body = body
-
-        def body(arg: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            try:
-                yield from stream_body(arg, context)
-            except Exception as exc:
-                _abort(context, exc, name)
-
-    factory = {
+    factory: Any = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (True, False): grpc.stream_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(method.client_streaming, method.server_streaming)]
-    return factory(  # type: ignore[operator]
+    body = stream_out if method.server_streaming else unary_out
+    handler: grpc.RpcMethodHandler[Any, Any] = factory(
         functools.wraps(impl)(body),
         request_deserializer=None,
         response_serializer=serialize,
     )
+    return handler
 
 
 def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: object) -> None:
@@ -159,7 +149,7 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: objec
     Raises:
         TypeError: the servicer lacks a method of the service.
     """
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         impl = getattr(servicer, method.name, None)
         if impl is None:

@@ -85,6 +85,6 @@ def reference_step(
     """One ordinary single-process training step: the behaviour a pipeline must reproduce."""
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(loss_name)(model(inputs), targets)
-    loss.backward()
+    torch.autograd.backward(loss)
     optimizer.step()
     return float(loss.detach())

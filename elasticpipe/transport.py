@@ -42,7 +42,9 @@ def data_stream(
         yield stage_pb2.DataChunk(data=chunk)
 
 
-def send(stub: stage_pb2_grpc.StageServiceStub, address: str, msg: Outgoing, timeout: float) -> None:
+def send(
+    stub: stage_pb2_grpc.StageServiceStub, address: str, msg: Outgoing, timeout: float
+) -> None:
     """Sends one tensor synchronously, translating failures to the domain tree."""
     method = getattr(stub, msg.method)
     rpc.call(address, method, data_stream(msg), timeout=timeout)

@@ -90,8 +90,10 @@ def _describe_failure(index: int, layer: nn.Module, x: torch.Tensor, exc: Except
 class LayerSlice:
     """Layers [lo, hi) of a job's model on one device, with one optimizer per layer."""
 
-    def __init__(self, job: JobConfig, device: torch.device, slowdown: Slowdown):
+    def __init__(self, job: JobConfig, device: torch.device, slowdown: Slowdown,
+                 allow: Iterable[str] = ()):
         self.job = job
+        self.allow = tuple(allow)
         self.device = device
         self.slowdown = slowdown
         self.layers: dict[int, nn.Module] = {}
@@ -101,10 +103,10 @@ class LayerSlice:
 
     # ---- building ---------------------------------------------------------------------
 
-    def build(self, lo: int, hi: int, allow: Iterable[str]) -> None:
+    def build(self, lo: int, hi: int) -> None:
         """Builds layers [lo, hi) fresh from the job's factory (new job)."""
         built = models.build_layers(
-            self.job.model, self.job.seed, self.job.model_kwargs, lo, hi, self.device, tuple(allow)
+            self.job.model, self.job.seed, self.job.model_kwargs, lo, hi, self.device, self.allow
         )
         self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
         self.optimizers = {
@@ -208,7 +210,7 @@ class LayerSlice:
         """
         if state.get("index") != index:
             raise InvalidRequest(f"state for layer {state.get('index')} sent as layer {index}")
-        skeleton = models.build_skeleton(self.job.model, self.job.model_kwargs)
+        skeleton = models.build_skeleton(self.job.model, self.job.model_kwargs, self.allow)
         if not 0 <= index < len(skeleton):
             raise InvalidRequest(f"layer {index} out of range (model has {len(skeleton)})")
         layer = models.materialize_layer(skeleton[index], self.device).train()
@@ -221,7 +223,9 @@ class LayerSlice:
             try:
                 optimizer.load_state_dict(state["optimizer"])
             except (ValueError, KeyError, TypeError) as exc:
-                raise InvalidRequest(f"optimizer state of layer {index} is unusable: {exc}") from exc
+                raise InvalidRequest(
+                    f"optimizer state of layer {index} is unusable: {exc}"
+                ) from exc
         return layer, optimizer
 
     def install(

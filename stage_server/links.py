@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 import structlog
+
 from elasticpipe import rpc
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.transport import Outgoing, send

@@ -51,10 +51,16 @@ class StageServer:
         config = StageConfig(**{**vars(self._config), "address": self._server.address})
         servicer.stage.config = config
         self.stage = servicer.stage
-        log.info("stage_listening", name=config.name, address=self.address,
-                 device=config.device, coordinator=self.coordinator)
-        self._thread = threading.Thread(target=self._membership_loop, name="membership",
-                                        daemon=True)
+        log.info(
+            "stage_listening",
+            name=config.name,
+            address=self.address,
+            device=config.device,
+            coordinator=self.coordinator,
+        )
+        self._thread = threading.Thread(
+            target=self._membership_loop, name="membership", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -76,8 +82,9 @@ class StageServer:
     def __enter__(self) -> StageServer:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # ---- membership --------------------------------------------------------------------
@@ -98,15 +105,21 @@ class StageServer:
                 except ElasticPipeError as exc:
                     attempt += 1
                     delay = backoff * (0.5 + random.random())
-                    log.warning("coordinator_unreachable", coordinator=self.coordinator,
-                                attempt=attempt, retry_in_s=round(delay, 2), error=str(exc))
+                    log.warning(
+                        "coordinator_unreachable",
+                        coordinator=self.coordinator,
+                        attempt=attempt,
+                        retry_in_s=round(delay, 2),
+                        error=str(exc),
+                    )
                     self._stop.wait(delay)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     def _register(self, stub: coordinator_pb2_grpc.CoordinatorServiceStub) -> float:
         assert self.stage is not None
         reply = rpc.call(
-            self.coordinator, stub.Register,
+            self.coordinator,
+            stub.Register,
             coordinator_pb2.RegisterRequest(
                 name=self._config.name, address=self.address, device=str(self.stage.device)
             ),
@@ -117,16 +130,20 @@ class StageServer:
         log.info("stage_registered", stage_id=self.stage_id, coordinator=self.coordinator)
         return reply.heartbeat_interval_s or 1.0
 
-    def _heartbeat(self, stub: coordinator_pb2_grpc.CoordinatorServiceStub,
-                   interval: float) -> None:
+    def _heartbeat(
+        self, stub: coordinator_pb2_grpc.CoordinatorServiceStub, interval: float
+    ) -> None:
         assert self.stage is not None
         stage = self.stage
         reply = rpc.call(
-            self.coordinator, stub.Heartbeat,
+            self.coordinator,
+            stub.Heartbeat,
             coordinator_pb2.HeartbeatRequest(
-                stage_id=self.stage_id, epoch=stage.epoch,
+                stage_id=self.stage_id,
+                epoch=stage.epoch,
                 timings=timings_to_proto(stage.timings()),
-                committed_step=stage.committed_step, slowdown=stage.slowdown.factor,
+                committed_step=stage.committed_step,
+                slowdown=stage.slowdown.factor,
             ),
             timeout=max(1.0, interval * 2),
         )

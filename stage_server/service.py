@@ -57,9 +57,9 @@ class StageServicer:
     def __init__(self, stage: Stage):
         self.stage = stage
 
-    def _receive(self, chunks: Iterator[stage_pb2.DataChunk]) -> tuple[
-        stage_pb2.DataHeader, torch.Tensor
-    ]:
+    def _receive(
+        self, chunks: Iterator[stage_pb2.DataChunk]
+    ) -> tuple[stage_pb2.DataHeader, torch.Tensor]:
         first = next(chunks, None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidRequest("a data stream must start with a DataHeader")
@@ -82,16 +82,24 @@ class StageServicer:
 
     # ---- data path -------------------------------------------------------------------
 
-    def Forward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+    def Forward(
+        self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext
+    ) -> stage_pb2.Ack:
         return self._deliver(Slot.INPUT, chunks)
 
-    def Backward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+    def Backward(
+        self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext
+    ) -> stage_pb2.Ack:
         return self._deliver(Slot.GRAD, chunks)
 
-    def Targets(self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+    def Targets(
+        self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext
+    ) -> stage_pb2.Ack:
         return self._deliver(Slot.TARGET, chunks)
 
-    def RunStep(self, req: stage_pb2.RunStepRequest, ctx: grpc.ServicerContext) -> stage_pb2.StepReport:  # noqa: E501
+    def RunStep(
+        self, req: stage_pb2.RunStepRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.StepReport:
         if req.mode not in (stage_pb2.TRAIN, stage_pb2.INFER):
             raise InvalidRequest(f"unknown run mode {req.mode}")
         train = req.mode == stage_pb2.TRAIN
@@ -122,7 +130,9 @@ class StageServicer:
             timings=timings_to_proto(self.stage.timings()),
         )
 
-    def FetchOutput(self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext) -> Iterator[stage_pb2.DataChunk]:  # noqa: E501
+    def FetchOutput(
+        self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.DataChunk]:
         tensor = self.stage.fetch_output(req.run, req.micro_batch)
         meta, chunks = codec.tensor_chunks(tensor)
         yield stage_pb2.DataChunk(
@@ -133,22 +143,30 @@ class StageServicer:
         for chunk in chunks:
             yield stage_pb2.DataChunk(data=chunk)
 
-    def CommitStep(self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext) -> stage_pb2.CommitStepResponse:  # noqa: E501
+    def CommitStep(
+        self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.CommitStepResponse:
         return stage_pb2.CommitStepResponse(
             committed_step=self.stage.commit_step(req.epoch, req.run, req.step)
         )
 
-    def AbortStep(self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+    def AbortStep(
+        self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.Ack:
         self.stage.abort_step(req.run, req.reason or "aborted by the client")
         return stage_pb2.Ack()
 
     # ---- control ---------------------------------------------------------------------
 
-    def Describe(self, req: stage_pb2.DescribeRequest, ctx: grpc.ServicerContext) -> stage_pb2.DescribeResponse:  # noqa: E501
+    def Describe(
+        self, req: stage_pb2.DescribeRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.DescribeResponse:
         num_layers, param_bytes = self.stage.describe(JobConfig.from_proto(req.job))
         return stage_pb2.DescribeResponse(num_layers=num_layers, param_bytes=param_bytes)
 
-    def Profile(self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext) -> stage_pb2.ProfileResponse:  # noqa: E501
+    def Profile(
+        self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.ProfileResponse:
         job = JobConfig.from_proto(req.job)
         if not req.job.HasField("sample_input"):
             raise InvalidRequest("Profile needs job.sample_input (one micro-batch of inputs)")
@@ -158,20 +176,26 @@ class StageServicer:
         timings = self.stage.profile(job, sample, req.repeats)
         return stage_pb2.ProfileResponse(timings=timings_to_proto(dict(enumerate(timings))))
 
-    def Assign(self, req: stage_pb2.AssignRequest, ctx: grpc.ServicerContext) -> stage_pb2.AssignResponse:  # noqa: E501
+    def Assign(
+        self, req: stage_pb2.AssignRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.AssignResponse:
         job = JobConfig.from_proto(req.job)
         placement = placement_from_proto(req.assignment)
         return stage_pb2.AssignResponse(num_layers=self.stage.assign(job, placement))
 
     # ---- migration -------------------------------------------------------------------
 
-    def Freeze(self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.FreezeResponse:  # noqa: E501
+    def Freeze(
+        self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.FreezeResponse:
         remaining = ctx.time_remaining() or 30.0
         return stage_pb2.FreezeResponse(
             committed_step=self.stage.freeze(req.epoch, max(0.0, remaining - 0.5))
         )
 
-    def PrepareEpoch(self, req: stage_pb2.PrepareEpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.PrepareEpochResponse:  # noqa: E501
+    def PrepareEpoch(
+        self, req: stage_pb2.PrepareEpochRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.PrepareEpochResponse:
         job = JobConfig.from_proto(req.job)
         placement = placement_from_proto(req.assignment)
         if placement.epoch != req.epoch:
@@ -187,13 +211,19 @@ class StageServicer:
             committed_step=self.stage.committed_step, bytes_received=received, transfer_s=seconds
         )
 
-    def CommitEpoch(self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.EpochResponse:  # noqa: E501
+    def CommitEpoch(
+        self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.EpochResponse:
         return stage_pb2.EpochResponse(epoch=self.stage.commit_epoch(req.epoch))
 
-    def AbortEpoch(self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext) -> stage_pb2.EpochResponse:  # noqa: E501
+    def AbortEpoch(
+        self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.EpochResponse:
         return stage_pb2.EpochResponse(epoch=self.stage.abort_epoch(req.epoch))
 
-    def ExportLayers(self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext) -> Iterator[stage_pb2.LayerChunk]:  # noqa: E501
+    def ExportLayers(
+        self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.LayerChunk]:
         for layer, blob in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer
         ):
@@ -211,7 +241,9 @@ class StageServicer:
 
     # ---- stats and admin -------------------------------------------------------------
 
-    def GetStats(self, req: stage_pb2.StatsRequest, ctx: grpc.ServicerContext) -> stage_pb2.StageStats:  # noqa: E501
+    def GetStats(
+        self, req: stage_pb2.StatsRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.StageStats:
         stage = self.stage
         placement = stage.placement
         return stage_pb2.StageStats(
@@ -228,11 +260,13 @@ class StageServicer:
             frozen=stage.frozen,
         )
 
-    def SetSlowdown(self, req: stage_pb2.SlowdownRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+    def SetSlowdown(
+        self, req: stage_pb2.SlowdownRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.Ack:
         self.stage.slowdown.set(req.factor)
         return stage_pb2.Ack()
 
-    def InjectFault(self, req: stage_pb2.FaultRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:  # noqa: E501
+    def InjectFault(self, req: stage_pb2.FaultRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:
         try:
             fault = Fault(req.fault)
         except ValueError:

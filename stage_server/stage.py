@@ -37,9 +37,9 @@ from elasticpipe.errors import (
 from elasticpipe.job import JobConfig
 from elasticpipe.schedule import Op, OpKind, forward_ops, stage_ops
 from elasticpipe.training import loss_fn
+from elasticpipe.transport import Outgoing
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from stage_server.layers import LayerSlice, LayerTiming, Slowdown, Stash
-from elasticpipe.transport import Outgoing
 from stage_server.links import Link
 from stage_server.mailbox import Mailbox, Slot
 
@@ -148,8 +148,8 @@ class Stage:
 
     def assign(self, job: JobConfig, placement: Placement) -> int:
         """Starts a job on this stage: builds layers [lo, hi) fresh, at step 0."""
-        new_slice = LayerSlice(job, self.device, self.slowdown)
-        new_slice.build(placement.lo, placement.hi, self.config.allow_models)
+        new_slice = LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
+        new_slice.build(placement.lo, placement.hi)
         with self._cond:
             self._abort_active("a new job was assigned")
             self.job, self.slice = job, new_slice
@@ -158,14 +158,20 @@ class Stage:
             self._mailbox = Mailbox(self.config.mailbox_bytes)
             self._set_placement(placement)
             self._cond.notify_all()
-        log.info("job_assigned", job=job.job_id, epoch=placement.epoch, lo=placement.lo,
-                 hi=placement.hi, index=placement.index)
+        log.info(
+            "job_assigned",
+            job=job.job_id,
+            epoch=placement.epoch,
+            lo=placement.lo,
+            hi=placement.hi,
+            index=placement.index,
+        )
         return placement.hi - placement.lo
 
     def profile(self, job: JobConfig, sample: torch.Tensor, repeats: int) -> list[LayerTiming]:
         """Times forward and backward of every layer of the whole model on this device."""
         model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
-        probe = LayerSlice(job, self.device, self.slowdown)
+        probe = LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
         probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
         probe.timings = {i: LayerTiming() for i in probe.layers}
         for _ in range(max(1, repeats)):
@@ -202,41 +208,73 @@ class Stage:
         if self.slice is None or self.placement is None:
             raise NotReady(f"stage {self.config.name} has no job assigned")
 
-    def deliver(self, slot: Slot, epoch: int, run: int, micro_batch: int,
-                tensor: torch.Tensor, loss_scale: float = 0.0) -> None:
+    def deliver(
+        self,
+        slot: Slot,
+        epoch: int,
+        run: int,
+        micro_batch: int,
+        tensor: torch.Tensor,
+        loss_scale: float = 0.0,
+    ) -> None:
         """Accepts an activation, gradient or target for a run (maybe before its RunStep)."""
         with self._cond:
             self._check_epoch(epoch)
             mailbox = self._mailbox
         if slot is Slot.TARGET and not loss_scale > 0.0:
-            raise InvalidRequest(f"targets of micro-batch {micro_batch} need a loss_scale > 0 "
-                                 f"(got {loss_scale})")
+            raise InvalidRequest(
+                f"targets of micro-batch {micro_batch} need a loss_scale > 0 (got {loss_scale})"
+            )
         value = (tensor, loss_scale) if slot is Slot.TARGET else tensor
         mailbox.put(run, slot, micro_batch, value, tensor.numel() * tensor.element_size())
 
-    def run_step(self, epoch: int, run: int, step: int, micro_batches: int, schedule: str,
-                 train: bool, timeout: float) -> StepResult:
+    def run_step(
+        self,
+        epoch: int,
+        run: int,
+        step: int,
+        micro_batches: int,
+        schedule: str,
+        train: bool,
+        timeout: float,
+    ) -> StepResult:
         """Runs this stage's ops of one step (or inference pass) and reports."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
         with self._cond:
             self._check_epoch(epoch)
             if self.phase is not Phase.IDLE:
-                raise NotReady(f"stage {self.config.name} is busy with run {self.active_run} "
-                               f"({self.phase.value}); abort it first")
+                raise NotReady(
+                    f"stage {self.config.name} is busy with run {self.active_run} "
+                    f"({self.phase.value}); abort it first"
+                )
             if train and step != self.committed_step + 1:
-                raise NotReady(f"step {step} is not the next step of stage {self.config.name} "
-                               f"(committed: {self.committed_step})")
+                raise NotReady(
+                    f"step {step} is not the next step of stage {self.config.name} "
+                    f"(committed: {self.committed_step})"
+                )
             assert self.slice is not None and self.placement is not None
             self.phase, self.active_run = Phase.RUNNING, run
             self._outputs.clear()
             placement, layer_slice, mailbox = self.placement, self.slice, self._mailbox
             links = dict(self._links)
-        ops = (stage_ops(schedule, placement.num_stages, placement.index, micro_batches)
-               if train else forward_ops(micro_batches))
+        ops = (
+            stage_ops(schedule, placement.num_stages, placement.index, micro_batches)
+            if train
+            else forward_ops(micro_batches)
+        )
         try:
-            result = self._execute(ops, placement, layer_slice, mailbox, links, run, step,
-                                   train, time.monotonic() + timeout)
+            result = self._execute(
+                ops,
+                placement,
+                layer_slice,
+                mailbox,
+                links,
+                run,
+                step,
+                train,
+                time.monotonic() + timeout,
+            )
         except BaseException as exc:
             with self._cond:
                 layer_slice.zero_grad()
@@ -253,9 +291,18 @@ class Stage:
             self._cond.notify_all()
         return result
 
-    def _execute(self, ops: Sequence[Op], placement: Placement, layer_slice: LayerSlice,
-                 mailbox: Mailbox, links: dict[str, Link], run: int, step: int,
-                 train: bool, deadline: float) -> StepResult:
+    def _execute(
+        self,
+        ops: Sequence[Op],
+        placement: Placement,
+        layer_slice: LayerSlice,
+        mailbox: Mailbox,
+        links: dict[str, Link],
+        run: int,
+        step: int,
+        train: bool,
+        deadline: float,
+    ) -> StepResult:
         first, last = placement.index == 0, placement.index == placement.num_stages - 1
         criterion = loss_fn(layer_slice.job.loss)
         result = StepResult(run=run)
@@ -283,16 +330,18 @@ class Stage:
                         raise InvalidRequest(
                             f"loss {layer_slice.job.loss!r} failed on output {list(y.shape)} "
                             f"and target {list(target.shape)} "
-                            f"({str(target.dtype).removeprefix('torch.')}): {exc}") from exc
-                    loss.backward()
+                            f"({str(target.dtype).removeprefix('torch.')}): {exc}"
+                        ) from exc
+                    torch.autograd.backward(loss)
                     assert out.grad is not None
                     loss_grads[i] = out.grad
                     losses[i] = float(loss.detach())
                 elif last:
                     self._outputs[i] = y.detach().cpu()
                 else:
-                    links[placement.next].put(Outgoing("Forward", placement.epoch, run, step,
-                                                       i, y.detach()))
+                    links[placement.next].put(
+                        Outgoing("Forward", placement.epoch, run, step, i, y.detach())
+                    )
                 if stash is not None:
                     stashes[i] = stash
                     result.peak_stashed = max(result.peak_stashed, len(stashes))
@@ -303,13 +352,15 @@ class Stage:
                 t0 = time.perf_counter()
                 grad_in = layer_slice.backward(stashes.pop(i), grad.to(self.device))
                 if not first and grad_in is not None:
-                    links[placement.prev].put(Outgoing("Backward", placement.epoch, run, step,
-                                                       i, grad_in.detach()))
+                    links[placement.prev].put(
+                        Outgoing("Backward", placement.epoch, run, step, i, grad_in.detach())
+                    )
             result.compute_s += time.perf_counter() - t0
         for link in links.values():
             if not link.flush(max(0.0, deadline - time.monotonic())):
-                raise DeadlineExceeded(f"run {run}: sends to {link.address} still pending "
-                                       "at the deadline")
+                raise DeadlineExceeded(
+                    f"run {run}: sends to {link.address} still pending at the deadline"
+                )
         if (failure := mailbox.failure(run)) is not None:
             raise failure
         result.losses = [losses[i] for i in sorted(losses)]
@@ -320,19 +371,24 @@ class Stage:
         """An inference output kept by the last stage."""
         with self._cond:
             if self.active_run != run or micro_batch not in self._outputs:
-                raise NotReady(f"no output of run {run}, micro-batch {micro_batch} here "
-                               f"(last run: {self.active_run})")
+                raise NotReady(
+                    f"no output of run {run}, micro-batch {micro_batch} here "
+                    f"(last run: {self.active_run})"
+                )
             return self._outputs[micro_batch]
 
     def commit_step(self, epoch: int, run: int, step: int) -> int:
         """Applies the run's accumulated gradients: one optimizer step."""
         with self._cond:
             if epoch != self.epoch:
-                raise StaleEpoch(f"stale epoch {epoch}: stage {self.config.name} is at "
-                                 f"epoch {self.epoch}")
+                raise StaleEpoch(
+                    f"stale epoch {epoch}: stage {self.config.name} is at epoch {self.epoch}"
+                )
             if self.phase is not Phase.AWAITING_COMMIT or self.active_run != run:
-                raise NotReady(f"run {run} is not awaiting commit on stage {self.config.name} "
-                               f"(run {self.active_run} is {self.phase.value})")
+                raise NotReady(
+                    f"run {run} is not awaiting commit on stage {self.config.name} "
+                    f"(run {self.active_run} is {self.phase.value})"
+                )
             assert self.slice is not None
             self.slice.step()
             self.committed_step = step
@@ -370,13 +426,20 @@ class Stage:
             if not self._cond.wait_for(lambda: self.phase is Phase.IDLE, timeout):
                 raise DeadlineExceeded(
                     f"stage {self.config.name} did not reach a step boundary within "
-                    f"{timeout:.1f}s (run {self.active_run} is {self.phase.value})")
+                    f"{timeout:.1f}s (run {self.active_run} is {self.phase.value})"
+                )
             self._frozen_for = new_epoch
             return self.committed_step
 
-    def prepare_epoch(self, new_epoch: int, placement: Placement, job: JobConfig,
-                      incoming: Sequence[tuple[int, str]], committed_step: int,
-                      timeout: float) -> tuple[int, float]:
+    def prepare_epoch(
+        self,
+        new_epoch: int,
+        placement: Placement,
+        job: JobConfig,
+        incoming: Sequence[tuple[int, str]],
+        committed_step: int,
+        timeout: float,
+    ) -> tuple[int, float]:
         """Pulls the layers this stage will own in ``new_epoch`` and holds them aside."""
         with self._cond:
             if self._frozen_for != new_epoch:
@@ -386,7 +449,7 @@ class Stage:
             current_epoch = self.epoch
         new_slice = None
         if target is None:
-            new_slice = target = LayerSlice(job, self.device, self.slowdown)
+            new_slice = target = LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
         started, received = time.perf_counter(), 0
         staged: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]] = {}
         deadline = time.monotonic() + timeout
@@ -400,8 +463,10 @@ class Stage:
         owned = set(target.layers) | set(staged)
         missing = [i for i in placement.layers if i not in owned]
         if missing:
-            raise NotReady(f"epoch {new_epoch} gives stage {self.config.name} layers "
-                           f"{missing} that it neither holds nor receives")
+            raise NotReady(
+                f"epoch {new_epoch} gives stage {self.config.name} layers "
+                f"{missing} that it neither holds nor receives"
+            )
         with self._cond:
             if self._frozen_for != new_epoch:
                 raise NotReady(f"epoch {new_epoch} was aborted during the transfer")
@@ -411,8 +476,7 @@ class Stage:
     def _pull_layer(self, layer: int, address: str, epoch: int, deadline: float) -> bytes:
         fault, self._fault = self._fault, Fault.NONE
         what = f"layer {layer} from {address}"
-        request = stage_pb2.ExportLayersRequest(epoch=epoch, layers=[layer],
-                                                include_optimizer=True)
+        request = stage_pb2.ExportLayersRequest(epoch=epoch, layers=[layer], include_optimizer=True)
         with rpc.channel(address) as chan:
             stub = stage_pb2_grpc.StageServiceStub(chan)
             stream = stub.ExportLayers(request, timeout=max(0.1, deadline - time.monotonic()))
@@ -420,15 +484,17 @@ class Stage:
                 assembler: codec.BlobAssembler | None = None
                 for n, chunk in enumerate(stream):
                     if assembler is None:
-                        assembler = codec.BlobAssembler(chunk.total_bytes,
-                                                        self.config.max_tensor_bytes, what)
+                        assembler = codec.BlobAssembler(
+                            chunk.total_bytes, self.config.max_tensor_bytes, what
+                        )
                     data = chunk.data
                     if fault is Fault.CORRUPT_NEXT_IMPORT and n == 0 and data:
                         data = bytes([data[0] ^ 0xFF]) + data[1:]
                     if fault is Fault.CANCEL_NEXT_IMPORT and n == 0:
-                        stream.cancel()
-                        raise TransferError(f"{what}: transfer cancelled after "
-                                            f"{len(data)} bytes (injected fault)")
+                        stream.cancel()  # type: ignore[no-untyped-call]
+                        raise TransferError(
+                            f"{what}: transfer cancelled after {len(data)} bytes (injected fault)"
+                        )
                     assembler.add(chunk.offset, data, chunk.crc32)
                     if chunk.sha256:
                         return assembler.finish(chunk.sha256)
@@ -443,8 +509,7 @@ class Stage:
                 return self.epoch  # already committed (a retried commit)
             staged = self._staged
             if staged is None or staged.epoch != new_epoch:
-                raise NotReady(f"nothing staged for epoch {new_epoch} on stage "
-                               f"{self.config.name}")
+                raise NotReady(f"nothing staged for epoch {new_epoch} on stage {self.config.name}")
             if staged.new_slice is not None:
                 self.job, self.slice = staged.job, staged.new_slice
             self.committed_step = staged.committed_step
@@ -456,8 +521,13 @@ class Stage:
             self._set_placement(staged.placement)
             self._staged, self._frozen_for = None, None
             self._cond.notify_all()
-        log.info("epoch_committed", epoch=new_epoch, lo=staged.placement.lo,
-                 hi=staged.placement.hi, received=sorted(staged.layers))
+        log.info(
+            "epoch_committed",
+            epoch=new_epoch,
+            lo=staged.placement.lo,
+            hi=staged.placement.hi,
+            received=sorted(staged.layers),
+        )
         return new_epoch
 
     def abort_epoch(self, new_epoch: int) -> int:
@@ -469,19 +539,23 @@ class Stage:
             self._cond.notify_all()
             return self.epoch
 
-    def export_layers(self, epoch: int, layers: Sequence[int],
-                      include_optimizer: bool) -> Iterator[tuple[int, bytes]]:
+    def export_layers(
+        self, epoch: int, layers: Sequence[int], include_optimizer: bool
+    ) -> Iterator[tuple[int, bytes]]:
         """Packs the full state of owned layers, one blob each."""
         with self._cond:
             if epoch and epoch != self.epoch:
-                raise StaleEpoch(f"stale epoch {epoch}: stage {self.config.name} is at "
-                                 f"epoch {self.epoch}")
+                raise StaleEpoch(
+                    f"stale epoch {epoch}: stage {self.config.name} is at epoch {self.epoch}"
+                )
             if self.slice is None:
                 raise NotReady(f"stage {self.config.name} has no job assigned")
             missing = [i for i in layers if i not in self.slice.layers]
             if missing:
-                raise NotReady(f"stage {self.config.name} does not own layers {missing} "
-                               f"(owns {self.slice.indices})")
+                raise NotReady(
+                    f"stage {self.config.name} does not own layers {missing} "
+                    f"(owns {self.slice.indices})"
+                )
             states = [self.slice.export_layer(i, include_optimizer) for i in layers]
         for i, state in zip(layers, states, strict=True):
             yield i, codec.pack_state(state)
@@ -489,8 +563,9 @@ class Stage:
     def inject_fault(self, fault: Fault) -> None:
         """Arms a fault for the next layer import (tests only; off unless enabled)."""
         if not self.config.enable_fault_injection:
-            raise PermissionDenied(f"stage {self.config.name} was started without "
-                                   "--enable-fault-injection")
+            raise PermissionDenied(
+                f"stage {self.config.name} was started without --enable-fault-injection"
+            )
         self._fault = fault
 
     # ---- stats -----------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""Failures are visible and bounded: unreachable coordinators, dead stages, restarts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.pipeline import Pipeline
+from coordinator.server import CoordinatorServer
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.errors import DeadlineExceeded, StageUnavailable
+from stage_server.server import StageServer
+from stage_server.stage import StageConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(120)
+def test_stage_retries_an_unreachable_coordinator_with_backoff(tmp_path: Path) -> None:
+    """A stage whose coordinator is down logs each retry with a growing delay, then registers
+    as soon as the coordinator comes up."""
+    port = _free_port()
+    log = tmp_path / "stage.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elasticpipe", "--log-format", "json", "stage",
+             "--coordinator", f"127.0.0.1:{port}", "--name", "lonely"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while log.read_text().count("coordinator_unreachable") < 4:
+            assert time.monotonic() < deadline, log.read_text()
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        import json
+
+        retries = [json.loads(line) for line in log.read_text().splitlines()
+                   if "coordinator_unreachable" in line]
+        assert [r["attempt"] for r in retries[:4]] == [1, 2, 3, 4]
+        assert retries[3]["retry_in_s"] > retries[0]["retry_in_s"]
+        assert f"127.0.0.1:{port}" in retries[0]["coordinator"]
+        with CoordinatorServer(listen=f"127.0.0.1:{port}") as coordinator:
+            assert coordinator.coordinator is not None
+            deadline = time.monotonic() + 30
+            while not any(m.row.name == "lonely" for m in coordinator.coordinator.members.members()):
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.timeout(180)
+def test_client_gets_a_clear_error_when_a_stage_dies_mid_step() -> None:
+    """Killing a stage process during a step fails train_step quickly with an error naming
+    the dead stage, long before the step deadline, and nothing hangs."""
+    with LocalCluster(stages=2, slowdowns=[1.0, 1.0],
+                      coordinator_args=["--state", ":memory:", "--no-auto-rebalance"]) as cluster:
+        kwargs = {"sizes": [64, 256, 256, 256, 8]}
+        with Pipeline(coordinator=cluster.coordinator, model="mlp", model_kwargs=kwargs,
+                      micro_batches=8, stages=2, step_timeout=60) as pipe:
+            x, y = torch.randn(64, 64), torch.randint(0, 8, (64,))
+            pipe.train_step(x, y)
+            victim = pipe.partition.stages[1]
+            name = f"stage-{cluster.stage_addresses.index(victim)}"
+            errors: list[BaseException] = []
+            # Make steps long, so that the kill lands inside one.
+            from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+            from elasticpipe import rpc
+            with rpc.channel(cluster.coordinator) as channel:
+                coordinator_pb2_grpc.CoordinatorServiceStub(channel).Slowdown(
+                    coordinator_pb2.AdminSlowdownRequest(stage=name, factor=2000.0), timeout=10)
+
+            def train() -> None:
+                try:
+                    pipe.train_step(x, y)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            worker = threading.Thread(target=train)
+            worker.start()
+            time.sleep(1.0)
+            killed_at = time.monotonic()
+            cluster.kill(name)
+            worker.join(timeout=30)
+            assert not worker.is_alive(), "train_step hung after the stage died"
+            elapsed = time.monotonic() - killed_at
+            assert elapsed < 20, f"error took {elapsed:.1f}s (step deadline is 60s)"
+            assert len(errors) == 1
+            assert isinstance(errors[0], (StageUnavailable, DeadlineExceeded)), repr(errors[0])
+            assert victim in str(errors[0])
+
+
+@pytest.mark.timeout(120)
+def test_restarted_coordinator_remembers_stages_job_and_partition(tmp_path: Path) -> None:
+    """A coordinator restarted on the same state file knows the stages, the job, the
+    partition with its epoch, and the epoch history."""
+    state = str(tmp_path / "coordinator.sqlite")
+    with CoordinatorServer(state=state, heartbeat_interval_s=0.2) as first:
+        stages = [StageServer(StageConfig(name=f"host-{i}"), first.address).start()
+                  for i in range(2)]
+        try:
+            for s in stages:
+                assert s.registered.wait(10)
+            with Pipeline(coordinator=first.address, model="mlp",
+                          model_kwargs={"sizes": [4, 8, 2]}, stages=2) as pipe:
+                pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
+                partition = pipe.partition
+        finally:
+            for s in stages:
+                s.stop()
+    with CoordinatorServer(state=state) as second:
+        c = second.coordinator
+        assert c is not None
+        assert sorted(m.row.name for m in c.members.members()) == ["host-0", "host-1"]
+        assert c.job is not None and c.job.model == "mlp"
+        assert c.partition is not None
+        assert c.partition.epoch == partition.epoch
+        assert c.partition.boundaries == partition.boundaries
+        assert c.partition.addresses == partition.stages
+        assert [r.epoch for r in c.store.epochs()] == [partition.epoch]

@@ -1,0 +1,95 @@
+"""Pipeline training equals single-process training: same losses, same final parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticpipe import models
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.training import make_optimizer, reference_step
+from client.pipeline import Pipeline
+
+STEPS = 5
+MODELS = {
+    "mlp": ({"sizes": [12, 24, 24, 24, 6]}, "cross_entropy"),
+    "gpt": ({"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8},
+            "cross_entropy"),
+}
+OPTIMIZERS = {"sgd": {"lr": 0.1, "momentum": 0.9}, "adam": {"lr": 1e-2}}
+
+
+def _batch(model: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if model == "mlp":
+        return torch.randn(n, 12, generator=g), torch.randint(0, 6, (n,), generator=g)
+    tokens = torch.randint(0, 17, (n, 8), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_matches_single_process(cluster4: LocalCluster, model: str, optimizer: str,
+                                         schedule: str) -> None:
+    """Every stage count 1-4 and micro-batch count 1/3/8 (uneven batches too) matches local."""
+    kwargs, loss = MODELS[model]
+    failures = []
+    for stages in (1, 2, 3, 4):
+        for micro_batches, batch in ((1, 6), (3, 10), (8, 11)):
+            reference = models.build(model, seed=3, **kwargs)
+            ref_opt = make_optimizer(optimizer, reference.parameters(), OPTIMIZERS[optimizer])
+            g = torch.Generator().manual_seed(stages * 100 + micro_batches)
+            with Pipeline(coordinator=cluster4.coordinator, model=model, model_kwargs=kwargs,
+                          seed=3, optimizer=optimizer, optimizer_kwargs=OPTIMIZERS[optimizer],
+                          loss=loss, micro_batches=micro_batches, schedule=schedule,
+                          stages=stages) as pipe:
+                for step in range(STEPS):
+                    x, y = _batch(model, batch, g)
+                    got = pipe.train_step(x, y)
+                    want = reference_step(reference, ref_opt, loss, x, y)
+                    torch.testing.assert_close(torch.tensor(got), torch.tensor(want),
+                                               msg=f"loss of step {step}, {stages} stages, "
+                                                   f"{micro_batches} micro-batches")
+                assert len(pipe.partition.stages) == stages
+                state = pipe.state_dict()
+            expected = reference.state_dict()
+            assert state.keys() == expected.keys()
+            for key, value in expected.items():
+                try:
+                    torch.testing.assert_close(state[key], value)
+                except AssertionError as exc:
+                    failures.append(f"{stages} stages, m={micro_batches}, {key}: {exc}")
+    assert not failures, "\n".join(failures[:5])
+
+
+@pytest.mark.timeout(300)
+def test_predict_matches_local_forward_and_changes_nothing(cluster4: LocalCluster) -> None:
+    """predict() returns the local model's output and leaves the weights as they were."""
+    kwargs, _ = MODELS["gpt"]
+    reference = models.build("gpt", seed=0, **kwargs)
+    x, _ = _batch("gpt", 7, torch.Generator().manual_seed(0))
+    with Pipeline(coordinator=cluster4.coordinator, model="gpt", model_kwargs=kwargs,
+                  micro_batches=3, stages=3) as pipe:
+        before = pipe.state_dict()
+        out = pipe.predict(x)
+        torch.testing.assert_close(out, reference(x).detach())
+        after = pipe.state_dict()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_1f1b_keeps_at_most_s_minus_s_micro_batches_alive(cluster4: LocalCluster) -> None:
+    """With 1F1B stage s holds at most S - s micro-batches of activations; GPipe holds m."""
+    kwargs, loss = MODELS["mlp"]
+    x, y = _batch("mlp", 16, torch.Generator().manual_seed(0))
+    for schedule, expected in (("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])):
+        with Pipeline(coordinator=cluster4.coordinator, model="mlp", model_kwargs=kwargs,
+                      loss=loss, micro_batches=8, schedule=schedule, stages=4) as pipe:
+            pipe.train_step(x, y)
+            peaks = [report.peak_stashed for report in pipe.last_step.reports]
+            assert peaks == expected, schedule
+            stats = pipe.stage_stats()
+            assert [s.peak_stashed for s in stats] == expected
+            assert stats[0].peak_stashed_bytes > stats[-1].peak_stashed_bytes

@@ -1,0 +1,123 @@
+"""Tests of losses and optimizers by name, and of micro-batch loss scaling and accumulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.schedule import split_sizes
+from elasticpipe.training import (
+    LOSSES,
+    OPTIMIZERS,
+    check_optimizer,
+    loss_fn,
+    make_optimizer,
+    reference_step,
+)
+
+
+def test_cross_entropy_on_sequences_equals_flattened() -> None:
+    """(B, T, V) logits with (B, T) targets give the mean over every token of the batch."""
+    torch.manual_seed(0)
+    logits, targets = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
+    expected = F.cross_entropy(logits.reshape(15, 7), targets.reshape(15))
+    torch.testing.assert_close(loss_fn("cross_entropy")(logits, targets), expected)
+
+
+def test_cross_entropy_on_classes_is_torch_cross_entropy() -> None:
+    """(B, C) logits with (B,) targets give torch's mean cross-entropy."""
+    torch.manual_seed(0)
+    logits, targets = torch.randn(6, 4), torch.randint(0, 4, (6,))
+    torch.testing.assert_close(
+        loss_fn("cross_entropy")(logits, targets), F.cross_entropy(logits, targets)
+    )
+
+
+def test_mse_is_mean_squared_error() -> None:
+    """The mse loss is the mean of squared differences."""
+    a, b = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1.0, 0.0], [0.0, 4.0]])
+    torch.testing.assert_close(loss_fn("mse")(a, b), torch.tensor(13.0 / 4))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(loss: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(2)
+    x = torch.randn(n, 6)
+    y = torch.randint(0, 3, (n,)) if loss == "cross_entropy" else torch.randn(n, 3)
+    return x, y
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize(("batch", "m"), [(8, 4), (10, 4), (7, 3), (3, 5), (5, 1)])
+def test_scaled_micro_batch_losses_and_grads_match_the_full_batch(
+    loss: str, batch: int, m: int
+) -> None:
+    """Micro-batch losses scaled by n_i/N sum to the batch mean; accumulated grads match."""
+    x, y = _batch(loss, batch)
+    full = _model()
+    full_loss = loss_fn(loss)(full(x), y)
+    full_loss.backward()
+
+    piped = _model()
+    total = torch.zeros(())
+    for xs, ys in zip(x.split(split_sizes(batch, m)), y.split(split_sizes(batch, m))):
+        part = loss_fn(loss)(piped(xs), ys) * (xs.shape[0] / batch)
+        part.backward()
+        total += part.detach()
+
+    torch.testing.assert_close(total, full_loss.detach())
+    for a, b in zip(full.parameters(), piped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_make_optimizer_builds_the_named_class(name: str) -> None:
+    """Each optimizer name builds its torch class with the given arguments."""
+    param = nn.Parameter(torch.zeros(2))
+    opt = make_optimizer(name, [param], {"lr": 0.25})
+    assert type(opt) is OPTIMIZERS[name]
+    assert opt.param_groups[0]["lr"] == 0.25
+
+
+def test_reference_step_updates_and_returns_the_loss() -> None:
+    """One reference step returns the pre-step loss and moves the parameters by SGD's rule."""
+    model = _model()
+    x, y = _batch("mse", 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    expected = loss_fn("mse")(model(x), y)
+    expected.backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    opt = make_optimizer("sgd", model.parameters(), {"lr": 0.5})
+    loss = reference_step(model, opt, "mse", x, y)
+    assert loss == pytest.approx(float(expected.detach()))
+    for p, p0, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.5 * g)
+
+
+@pytest.mark.parametrize(
+    ("call", "value"),
+    [
+        (lambda: loss_fn("hinge"), "'hinge'"),
+        (lambda: make_optimizer("lamb", [], {}), "'lamb'"),
+        (lambda: check_optimizer("rmsprop", {}), "'rmsprop'"),
+        (lambda: check_optimizer("sgd", {"lr": -1.0}), "-1.0"),
+        (lambda: check_optimizer("adam", {"momentum": 0.9}), "momentum"),
+    ],
+    ids=["loss", "optimizer", "check-unknown", "bad-lr", "bad-kwarg"],
+)
+def test_unknown_names_and_bad_arguments_are_invalid(call: object, value: str) -> None:
+    """Unknown loss/optimizer names and rejected optimizer arguments raise InvalidRequest."""
+    with pytest.raises(InvalidRequest, match=value):
+        call()  # type: ignore[operator]
+
+
+def test_check_optimizer_accepts_good_arguments() -> None:
+    """check_optimizer passes silently for arguments the optimizer accepts."""
+    assert check_optimizer("adamw", {"lr": 0.1, "weight_decay": 0.01}) is None
