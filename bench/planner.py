@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -14,10 +15,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/planner.py`
 
-from coordinator.planner import plan  # noqa: E402 -- after the path fix above
+from coordinator.planner import plan
 
 STAGE_COUNTS = (4, 8)
-TIMING_REPEATS = 5
+TIMING_REPEATS = 7
 PLAN_REPEATS = 7
 GPT_KWARGS = {"vocab_size": 8192, "d_model": 256, "n_heads": 4, "n_layers": 12, "max_seq_len": 128}
 GPT_BATCH = (4, 128)  # micro-batch of 4 sequences of 128 tokens
@@ -40,10 +41,10 @@ def load_build() -> Callable[..., nn.Sequential]:
 
 
 def profile_layers(model: nn.Sequential, sample: torch.Tensor) -> list[float]:
-    """Median seconds of forward + backward of one micro-batch through each layer, on CPU.
+    """Seconds of forward + backward of one micro-batch through each layer, on CPU.
 
-    Every pass times every layer in order (the first pass is a warm-up), so that drift in the
-    machine's load touches all layers alike.
+    Every pass times every layer in order (the first pass is a warm-up); each layer keeps its
+    fastest pass, because on a shared machine other work only ever adds time.
     """
     samples: list[list[float]] = [[] for _ in model]
     for repeat in range(TIMING_REPEATS + 1):
@@ -57,7 +58,7 @@ def profile_layers(model: nn.Sequential, sample: torch.Tensor) -> list[float]:
             if repeat:
                 samples[i].append(elapsed)
             x = out.detach()
-    return [statistics.median(s) for s in samples]
+    return [min(s) for s in samples]
 
 
 def parameter_counts(model: nn.Sequential) -> list[int]:
@@ -178,12 +179,11 @@ def quality_table(models: dict[str, tuple[list[float], list[int]]]) -> None:
                 ours = stage_bottleneck(costs, speeds, best.boundaries) / best.bottleneck
                 unit = 1e3 if name != "random" else 1.0  # random costs are unitless
                 print(
-                    f"{name:<7}{n_layers:>4}{n_stages:>4}  {label:<14}{best.bottleneck * unit:>11.3f}"
-                    f"{ratios[0]:>9.3f}{ratios[1]:>9.3f}{ratios[2]:>11.3f}{ours:>7.3f}"
+                    f"{name:<7}{n_layers:>4}{n_stages:>4}  {label:<14}"
+                    f"{best.bottleneck * unit:>11.3f}{ratios[0]:>9.3f}{ratios[1]:>9.3f}"
+                    f"{ratios[2]:>11.3f}{ours:>7.3f}"
                 )
-    print(
-        "(random: 48 lognormal costs, unitless; its parameter counts are the costs times U(0.5, 1.5))"
-    )
+    print("(random: 48 lognormal costs, unitless; parameter counts = costs x U(0.5, 1.5))")
 
 
 def timing_table() -> None:
@@ -225,9 +225,9 @@ def timing_table() -> None:
 def main() -> None:
     """Runs the whole benchmark and prints its tables."""
     started = time.perf_counter()
-    torch.set_grad_enabled(True)
+    torch.set_num_threads(1)  # one thread: steadier per-layer times on a shared machine
     models = model_cases()
-    print(f"layer costs measured on CPU with {torch.get_num_threads()} threads")
+    print(f"layer costs measured on CPU, torch threads: {torch.get_num_threads()}")
     for name, (costs, params) in models.items():
         if name != "random":
             shown = ", ".join(f"{c * 1e3:.1f}" for c in costs)
@@ -235,7 +235,8 @@ def main() -> None:
     print()
     quality_table(models)
     timing_table()
-    print(f"\nbench took {time.perf_counter() - started:.1f} s")
+    took, load = time.perf_counter() - started, os.getloadavg()[0]
+    print(f"\nbench took {took:.1f} s; load average {load:.1f} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":

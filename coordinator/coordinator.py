@@ -25,7 +25,7 @@ from elasticpipe.v1 import stage_pb2
 
 log = structlog.get_logger()
 
-PROFILE_REPEATS = 3
+PROFILE_REPEATS = 5
 STAGE_CALL_TIMEOUT_S = 120.0
 
 

@@ -544,17 +544,31 @@ def _bounds(inst: _Instance, limit: float) -> tuple[list[float], list[int], list
     return budgets, fwd, back
 
 
-def _greedy(inst: _Instance, limit: float, fwd: list[int]) -> tuple[int, ...] | None:
-    """The forward bounds as a partition, when that is one (no empty stage, links fit)."""
-    n_layers, n_stages = inst.prefix.size - 1, inst.speeds.size
-    bounds = (0, *fwd)
-    if bounds[-1] != n_layers or any(bounds[s + 1] <= bounds[s] for s in range(n_stages)):
-        return None
-    if inst.link is not None:
-        cut = inst.link[np.arange(n_stages - 1), fwd[:-1]]
-        if np.any(cut > limit * (1 + _SLACK)):
-            return None
-    return bounds
+def _greedy(
+    inst: _Instance, limit: float, bounds: tuple[list[float], list[int], list[int]]
+) -> tuple[int, ...] | None:
+    """The forward or the backward bounds as a partition, when either is one.
+
+    Each is a partition within ``limit`` unless a hole got in the way (a stage left empty, or a
+    link too slow at its cut); then the probe has to look at the bands.
+    """
+    budgets, fwd, back = bounds
+    n_stages = len(budgets)
+    # The backward chain also needs stage 0 to hold [0, back[0]), which it did not check.
+    back_ok = (
+        _first_start(inst.prefix_list, back[0], budgets[0]) == 0 and inst.lo_mem[0, back[0]] == 0
+    )
+    for chain, ok in (((0, *fwd), True), ((0, *back), back_ok)):
+        if not ok or chain[-1] != inst.prefix.size - 1:
+            continue
+        if any(chain[s + 1] <= chain[s] for s in range(n_stages)):
+            continue
+        if inst.link is not None:
+            cut = inst.link[np.arange(n_stages - 1), chain[1:-1]]
+            if np.any(cut > limit * (1 + _SLACK)):
+                continue
+        return chain
+    return None
 
 
 def _probe(
@@ -570,12 +584,12 @@ def _probe(
     for s in range(n_stages):
         lo_end = max(back[s], s + 1)
         if lo_end > fwd[s]:
-            break
+            # An empty band: infeasible, and it stays so until a bound moves, which only the
+            # bounds' own events can do, so the reached sets are not needed.
+            none = np.zeros(0, dtype=np.int64)
+            return _Probe(limit, budgets, fwd, back, [], [0], none, none, none > 0, none > 0)
         first.append(lo_end)
         offset.append(offset[-1] + fwd[s] - lo_end + 1)
-    if not first:  # not even stage 0 has a possible end
-        none = np.zeros(0, dtype=np.int64)
-        return _Probe(limit, budgets, fwd, back, [], [0], none, none, none > 0, none > 0)
     n_bands, size = len(first), offset[-1]
     flat_at = np.asarray(offset, dtype=np.int64)
     width = np.diff(flat_at)
@@ -714,28 +728,34 @@ def _lower_bound(inst: _Instance) -> float:
 def _solve(inst: _Instance, current: tuple[int, ...] | None) -> tuple[int, ...] | None:
     """The optimal boundaries, or None when no partition fits the memory caps."""
     best = _proportional(inst)
-    if best is None:
-        unbounded = _probe(inst, math.inf)
-        if not unbounded.feasible:
-            return None
-        best = _walk_back(unbounded)
-    hi = _bottleneck(inst, best)
+    if best is not None:
+        hi = _bottleneck(inst, best)
+    else:  # over memory: any partition that fits is at most this slow
+        hi = float(inst.prefix[-1] / inst.speeds.min())
+        if inst.link is not None:
+            hi = max(hi, float(inst.link.max()))
     low = _lower_bound(inst)
     mid = low  # the lower bound is often the answer (a heavy layer on its only stage)
     for _ in range(_MAX_PROBES):
         if hi <= low * (1 + _GAP):
             break
         bounds = _bounds(inst, mid)
-        found = _greedy(inst, mid, bounds[1])  # cheap, and enough unless there are holes
+        found = _greedy(inst, mid, bounds)  # cheap, and enough unless there are holes
         if found is None:
             probe = _probe(inst, mid, bounds)
             if probe.feasible:
                 found = _walk_back(probe)
             else:
                 low = max(low, mid, _next_change(inst, probe))
-        if found is not None and _bottleneck(inst, found) < hi:
+        if found is not None and (best is None or _bottleneck(inst, found) < hi):
             best, hi = found, _bottleneck(inst, found)
         mid = math.sqrt(low * hi) if hi > 2 * low else 0.5 * (low + hi)
+    if best is None:  # every probe failed: is even the upper bound infeasible?
+        probe = _probe(inst, hi)
+        if not probe.feasible:
+            return None
+        best = _walk_back(probe)
+        hi = _bottleneck(inst, best)
     if current is None:
         return best
     limit = hi * (1 + _TIE)
@@ -752,7 +772,7 @@ def _fits(inst: _Instance, bounds: tuple[int, ...]) -> bool:
 def _feasible(inst: _Instance, limit: float) -> bool:
     """Tells whether some partition has a bottleneck within ``limit`` (and fits memory)."""
     bounds = _bounds(inst, limit)
-    return _greedy(inst, limit, bounds[1]) is not None or _probe(inst, limit, bounds).feasible
+    return _greedy(inst, limit, bounds) is not None or _probe(inst, limit, bounds).feasible
 
 
 def _fewest_moves(inst: _Instance, limit: float, current: tuple[int, ...]) -> tuple[int, ...]:

@@ -25,11 +25,12 @@ def parse_ranges(text: str) -> list[int]:
     """
     bounds: list[int] = []
     for part in text.split(","):
-        try:
-            lo_s, hi_s = part.split(":")
-            lo, hi = int(lo_s), int(hi_s)
-        except ValueError:
-            raise InvalidRequest(f"bad range {part!r} in {text!r} (expected LO:HI)") from None
+        lo_s, _, hi_s = part.partition(":")
+        if not (lo_s.strip().isdecimal() and hi_s.strip().isdecimal()):
+            raise InvalidRequest(
+                f"bad range {part!r} in {text!r} (expected LO:HI, two non-negative layer numbers)"
+            )
+        lo, hi = int(lo_s), int(hi_s)
         if bounds and lo != bounds[-1]:
             raise InvalidRequest(
                 f"range {part!r} does not start where the previous ended ({bounds[-1]})"

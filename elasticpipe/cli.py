@@ -107,6 +107,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         device=args.device,
         allow_models=tuple(args.allow_models),
         slowdown=args.slowdown,
+        timer=args.timer,
         max_tensor_bytes=args.max_tensor_bytes,
         enable_fault_injection=args.enable_fault_injection,
     )
@@ -207,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument(
         "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+    )
+    st.add_argument(
+        "--timer",
+        choices=["auto", "cpu", "wall"],
+        default="auto",
+        help="how layer compute is timed: thread CPU time (auto on CPU: stages "
+        "sharing a host do not see each other's load) or wall time (auto on CUDA)",
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31)
     st.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)

@@ -12,14 +12,20 @@ from elasticpipe.schedule import SCHEDULES
 from elasticpipe.training import LOSSES, OPTIMIZERS
 from elasticpipe.v1 import job_pb2
 
+MAX_KWARGS_JSON = 1 << 20
+
 
 def _json_object(text: str, what: str) -> dict[str, Any]:
     if not text:
         return {}
+    if len(text) > MAX_KWARGS_JSON:
+        raise InvalidRequest(f"{what} is {len(text)} characters of JSON (limit {MAX_KWARGS_JSON})")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"{what} is not valid JSON ({text[:80]!r}): {exc}") from exc
+    except RecursionError:
+        raise InvalidRequest(f"{what} is nested too deeply ({text[:80]!r}...)") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"{what} must be a JSON object, got {text[:80]!r}")
     return value

@@ -7,6 +7,7 @@ hand any single layer, with its optimizer state, to another stage.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -58,26 +59,43 @@ class Stash:
 
 
 class Slowdown:
-    """Emulates a slower device: after each compute of t seconds, wait (factor - 1) * t."""
+    """Emulates a device ``factor`` times slower: each compute of t seconds owes (factor - 1) * t.
 
-    def __init__(self, factor: float = 1.0):
+    The time reported for a layer is ``factor * t``, what the emulated device would take.
+    The waits a layer owes are paid together at the end of the op (one micro-batch through
+    the slice): sleeping between layers would also evict the caches of the next layer, and
+    on a shared CPU host that made an emulated 2x straggler measure 2.5-3x. ``t`` comes from
+    ``clock``: on CPU stages the thread's CPU time, so that stages sharing one host (tests,
+    benchmarks, the demo) do not take each other's load for their own slowness; on CUDA,
+    wall time after a synchronize.
+    """
+
+    def __init__(self, factor: float = 1.0, clock: Callable[[], float] = time.perf_counter):
         self.set(factor)
+        self.clock = clock
+        self._owed = 0.0
 
     def set(self, factor: float) -> None:
         """Changes the factor (>= 1) while the stage runs."""
-        if not factor >= 1.0:
-            raise InvalidRequest(f"slowdown factor must be >= 1 (got {factor})")
+        if not factor >= 1.0 or not math.isfinite(factor):
+            raise InvalidRequest(f"slowdown factor must be a finite number >= 1 (got {factor})")
         self.factor = float(factor)
 
     def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, float]:
-        """Runs ``fn``, applies the slowdown, and returns (result, seconds incl. slowdown)."""
-        start = time.perf_counter()
+        """Runs ``fn`` and returns (result, emulated seconds); the extra time is owed."""
+        start = self.clock()
         result = fn()
         sync()
-        compute = time.perf_counter() - start
-        if self.factor > 1.0:
-            time.sleep((self.factor - 1.0) * compute)
-        return result, time.perf_counter() - start
+        compute = self.clock() - start
+        factor = self.factor
+        self._owed += (factor - 1.0) * compute
+        return result, factor * compute
+
+    def pay(self) -> None:
+        """Waits for what the op's layers owe."""
+        owed, self._owed = self._owed, 0.0
+        if owed > 0:
+            time.sleep(owed)
 
 
 def _describe_failure(index: int, layer: nn.Module, x: torch.Tensor, exc: Exception) -> str:
@@ -90,8 +108,9 @@ def _describe_failure(index: int, layer: nn.Module, x: torch.Tensor, exc: Except
 class LayerSlice:
     """Layers [lo, hi) of a job's model on one device, with one optimizer per layer."""
 
-    def __init__(self, job: JobConfig, device: torch.device, slowdown: Slowdown,
-                 allow: Iterable[str] = ()):
+    def __init__(
+        self, job: JobConfig, device: torch.device, slowdown: Slowdown, allow: Iterable[str] = ()
+    ):
         self.job = job
         self.allow = tuple(allow)
         self.device = device
@@ -154,6 +173,7 @@ class LayerSlice:
                 if stash is not None:
                     stash.pairs.append((x, y))
                 x = y
+        self.slowdown.pay()
         return x, stash
 
     def backward(self, stash: Stash, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -174,6 +194,7 @@ class LayerSlice:
             self.timings[i].observe(None, seconds, 0)
             grad = x.grad if x.requires_grad else None
         stash.pairs.clear()
+        self.slowdown.pay()
         return grad
 
     def step(self) -> None:

@@ -49,7 +49,11 @@ class Mailbox:
                     f"mailbox full: {self._bytes} bytes waiting, {nbytes} more would pass "
                     f"the limit of {self._max_bytes}"
                 )
-            self._items.setdefault(run, {})[(slot, micro_batch)] = (value, nbytes)
+            box = self._items.setdefault(run, {})
+            replaced = box.get((slot, micro_batch))
+            if replaced is not None:  # a re-sent message replaces the first copy
+                self._bytes -= replaced[1]
+            box[(slot, micro_batch)] = (value, nbytes)
             self._bytes += nbytes
             self._cond.notify_all()
 

@@ -13,9 +13,10 @@ incoming layers and holds them aside; ``commit_epoch`` installs them and switche
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -89,6 +90,7 @@ class StageConfig:
     device: str = "cpu"
     allow_models: tuple[str, ...] = ()
     slowdown: float = 1.0
+    timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
     mailbox_bytes: int = 4 << 30
     send_timeout_s: float = 30.0
@@ -117,13 +119,21 @@ class _Staged:
     new_slice: LayerSlice | None
 
 
+def _clock(timer: str, device: torch.device) -> Callable[[], float]:
+    if timer not in ("auto", "cpu", "wall"):
+        raise InvalidRequest(f"unknown timer {timer!r} (choose from auto, cpu, wall)")
+    if timer == "cpu" or (timer == "auto" and device.type == "cpu"):
+        return time.thread_time
+    return time.perf_counter
+
+
 class Stage:
     """A stage server's domain logic, independent of gRPC."""
 
     def __init__(self, config: StageConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.slowdown = Slowdown(config.slowdown)
+        self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device))
         self.job: JobConfig | None = None
         self.slice: LayerSlice | None = None
         self.placement: Placement | None = None
@@ -169,16 +179,30 @@ class Stage:
         return placement.hi - placement.lo
 
     def profile(self, job: JobConfig, sample: torch.Tensor, repeats: int) -> list[LayerTiming]:
-        """Times forward and backward of every layer of the whole model on this device."""
+        """Times forward and backward of every layer of the whole model on this device.
+
+        One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
+        """
         model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
         probe = LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
         probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
-        probe.timings = {i: LayerTiming() for i in probe.layers}
-        for _ in range(max(1, repeats)):
+        runs: list[dict[int, LayerTiming]] = []
+        for _ in range(max(1, repeats) + 1):
+            probe.timings = {i: LayerTiming() for i in probe.layers}
             out, stash = probe.forward(sample.to(self.device), train=True)
             assert stash is not None
             probe.backward(stash, torch.ones_like(out) if out.requires_grad else None)
-        return [probe.timings[i] for i in sorted(probe.timings)]
+            runs.append(probe.timings)
+        measured = runs[1:]
+        return [
+            LayerTiming(
+                forward_s=statistics.median(r[i].forward_s for r in measured),
+                backward_s=statistics.median(r[i].backward_s for r in measured),
+                output_bytes=measured[-1][i].output_bytes,
+                samples=len(measured),
+            )
+            for i in sorted(probe.layers)
+        ]
 
     def _set_placement(self, placement: Placement) -> None:
         self.placement = placement
@@ -449,7 +473,9 @@ class Stage:
             current_epoch = self.epoch
         new_slice = None
         if target is None:
-            new_slice = target = LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
+            new_slice = target = LayerSlice(
+                job, self.device, self.slowdown, self.config.allow_models
+            )
         started, received = time.perf_counter(), 0
         staged: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]] = {}
         deadline = time.monotonic() + timeout

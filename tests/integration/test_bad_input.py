@@ -22,11 +22,17 @@ KWARGS = {"sizes": [12, 16, 6]}
 
 
 @pytest.fixture
-def trained(coordinator_server: CoordinatorServer,
-            stage_servers: list[StageServer]) -> Iterator[tuple[Pipeline, StageServer]]:
+def trained(
+    coordinator_server: CoordinatorServer, stage_servers: list[StageServer]
+) -> Iterator[tuple[Pipeline, StageServer]]:
     """A 2-stage mlp job that has run one step, and its first stage."""
-    with Pipeline(coordinator=coordinator_server.address, model="mlp", model_kwargs=KWARGS,
-                  micro_batches=2, stages=2) as pipe:
+    with Pipeline(
+        coordinator=coordinator_server.address,
+        model="mlp",
+        model_kwargs=KWARGS,
+        micro_batches=2,
+        stages=2,
+    ) as pipe:
         pipe.train_step(torch.randn(4, 12), torch.randint(0, 6, (4,)))
         first = next(s for s in stage_servers if s.address == pipe.partition.stages[0])
         yield pipe, first
@@ -36,8 +42,9 @@ def _stub(server: StageServer) -> stage_pb2_grpc.StageServiceStub:
     return stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(server.address))
 
 
-def _forward(stub: stage_pb2_grpc.StageServiceStub, header: stage_pb2.DataHeader,
-             *chunks: bytes) -> None:
+def _forward(
+    stub: stage_pb2_grpc.StageServiceStub, header: stage_pb2.DataHeader, *chunks: bytes
+) -> None:
     messages = [stage_pb2.DataChunk(header=header)] + [stage_pb2.DataChunk(data=c) for c in chunks]
     stub.Forward(iter(messages), timeout=10)
 
@@ -56,7 +63,9 @@ def _assert_still_serving(pipe: Pipeline, server: StageServer) -> None:
     assert loss > 0
 
 
-def test_byte_count_disagreeing_with_shape_is_invalid(trained: tuple[Pipeline, StageServer]) -> None:
+def test_byte_count_disagreeing_with_shape_is_invalid(
+    trained: tuple[Pipeline, StageServer],
+) -> None:
     """A header whose nbytes disagrees with dtype and shape gets INVALID_ARGUMENT naming both."""
     pipe, server = trained
     meta = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[2, 3], nbytes=20)
@@ -92,10 +101,12 @@ def test_unknown_dtype_is_invalid(trained: tuple[Pipeline, StageServer]) -> None
     _assert_still_serving(pipe, server)
 
 
-@pytest.mark.parametrize("bad", [torch.randn(2, 5), torch.ones(2, 12, dtype=torch.int64)],
-                         ids=["shape", "dtype"])
-def test_input_the_model_cannot_take_is_invalid(trained: tuple[Pipeline, StageServer],
-                                                bad: torch.Tensor) -> None:
+@pytest.mark.parametrize(
+    "bad", [torch.randn(2, 5), torch.ones(2, 12, dtype=torch.int64)], ids=["shape", "dtype"]
+)
+def test_input_the_model_cannot_take_is_invalid(
+    trained: tuple[Pipeline, StageServer], bad: torch.Tensor
+) -> None:
     """Well-formed bytes of the wrong shape or dtype for the layer fail the run with
     INVALID_ARGUMENT naming the layer and the input, and the client gets that error."""
     pipe, server = trained
@@ -117,8 +128,15 @@ def test_request_of_another_epoch_is_failed_precondition(
     err = _status(_forward, _stub(server), header, b"\0" * 4)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"stale epoch {epoch + 7}" in err.details() and f"at epoch {epoch}" in err.details()
-    run = stage_pb2.RunStepRequest(epoch=epoch - 1, run=5, step=2, micro_batches=1,
-                                   schedule=stage_pb2.GPIPE, mode=stage_pb2.TRAIN, timeout_s=5)
+    run = stage_pb2.RunStepRequest(
+        epoch=epoch - 1,
+        run=5,
+        step=2,
+        micro_batches=1,
+        schedule=stage_pb2.GPIPE,
+        mode=stage_pb2.TRAIN,
+        timeout_s=5,
+    )
     err = _status(_stub(server).RunStep, run)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"stale epoch {epoch - 1}" in err.details()
@@ -126,7 +144,8 @@ def test_request_of_another_epoch_is_failed_precondition(
 
 
 def test_model_outside_allowed_prefixes_is_permission_denied(
-    trained: tuple[Pipeline, StageServer], coordinator_server: CoordinatorServer,
+    trained: tuple[Pipeline, StageServer],
+    coordinator_server: CoordinatorServer,
 ) -> None:
     """A factory path outside --allow-models gets PERMISSION_DENIED naming it, at the stage
     and through the coordinator to the client."""
@@ -136,8 +155,12 @@ def test_model_outside_allowed_prefixes_is_permission_denied(
     err = _status(_stub(server).Describe, spec)
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "os.path:join" in err.details()
-    with Pipeline(coordinator=coordinator_server.address, model="subprocess:getoutput",
-                  stages=2) as evil, pytest.raises(PermissionDenied, match="subprocess:getoutput"):
+    with (
+        Pipeline(
+            coordinator=coordinator_server.address, model="subprocess:getoutput", stages=2
+        ) as evil,
+        pytest.raises(PermissionDenied, match="subprocess:getoutput"),
+    ):
         evil.train_step(torch.zeros(2, 3), torch.zeros(2))
     _assert_still_serving(pipe, server)
 
@@ -152,16 +175,18 @@ def test_oversized_tensor_is_resource_exhausted(trained: tuple[Pipeline, StageSe
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(4 << 40) in err.details() and str(1 << 20) in err.details()
     big = stage_pb2.DataChunk(data=b"\0" * (65 << 20))
-    channel = grpc.insecure_channel(server.address,
-                                    options=[("grpc.max_send_message_length", 100 << 20)])
+    channel = grpc.insecure_channel(
+        server.address, options=[("grpc.max_send_message_length", 100 << 20)]
+    )
     err = _status(stage_pb2_grpc.StageServiceStub(channel).Forward, iter([big]))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     _assert_still_serving(pipe, server)
 
 
 @pytest.mark.parametrize("method", ["RunStep", "Assign", "ExportLayers", "Forward"])
-def test_garbage_bytes_are_invalid_argument(trained: tuple[Pipeline, StageServer],
-                                            method: str) -> None:
+def test_garbage_bytes_are_invalid_argument(
+    trained: tuple[Pipeline, StageServer], method: str
+) -> None:
     """Bytes that are not a protobuf message get INVALID_ARGUMENT naming the message type."""
     pipe, server = trained
     channel = grpc.insecure_channel(server.address)
@@ -184,8 +209,9 @@ def test_coordinator_survives_garbage_and_bad_arguments(
 ) -> None:
     """The coordinator answers garbage and empty registrations with INVALID_ARGUMENT."""
     channel = grpc.insecure_channel(coordinator_server.address)
-    err = _status(channel.unary_unary("/elasticpipe.v1.CoordinatorService/Register"),
-                  b"\xff\xff\xff", 5)
+    err = _status(
+        channel.unary_unary("/elasticpipe.v1.CoordinatorService/Register"), b"\xff\xff\xff", 5
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     err = _status(channel.unary_unary("/elasticpipe.v1.CoordinatorService/Register"), b"", 5)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in err.details()

@@ -34,9 +34,20 @@ def test_stage_retries_an_unreachable_coordinator_with_backoff(tmp_path: Path) -
     log = tmp_path / "stage.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "elasticpipe", "--log-format", "json", "stage",
-             "--coordinator", f"127.0.0.1:{port}", "--name", "lonely"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "elasticpipe",
+                "--log-format",
+                "json",
+                "stage",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--name",
+                "lonely",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 60
@@ -46,15 +57,20 @@ def test_stage_retries_an_unreachable_coordinator_with_backoff(tmp_path: Path) -
             time.sleep(0.2)
         import json
 
-        retries = [json.loads(line) for line in log.read_text().splitlines()
-                   if "coordinator_unreachable" in line]
+        retries = [
+            json.loads(line)
+            for line in log.read_text().splitlines()
+            if "coordinator_unreachable" in line
+        ]
         assert [r["attempt"] for r in retries[:4]] == [1, 2, 3, 4]
         assert retries[3]["retry_in_s"] > retries[0]["retry_in_s"]
         assert f"127.0.0.1:{port}" in retries[0]["coordinator"]
         with CoordinatorServer(listen=f"127.0.0.1:{port}") as coordinator:
             assert coordinator.coordinator is not None
             deadline = time.monotonic() + 30
-            while not any(m.row.name == "lonely" for m in coordinator.coordinator.members.members()):
+            while not any(
+                m.row.name == "lonely" for m in coordinator.coordinator.members.members()
+            ):
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
     finally:
@@ -66,22 +82,33 @@ def test_stage_retries_an_unreachable_coordinator_with_backoff(tmp_path: Path) -
 def test_client_gets_a_clear_error_when_a_stage_dies_mid_step() -> None:
     """Killing a stage process during a step fails train_step quickly with an error naming
     the dead stage, long before the step deadline, and nothing hangs."""
-    with LocalCluster(stages=2, slowdowns=[1.0, 1.0],
-                      coordinator_args=["--state", ":memory:", "--no-auto-rebalance"]) as cluster:
+    with LocalCluster(
+        stages=2,
+        slowdowns=[1.0, 1.0],
+        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+    ) as cluster:
         kwargs = {"sizes": [64, 256, 256, 256, 8]}
-        with Pipeline(coordinator=cluster.coordinator, model="mlp", model_kwargs=kwargs,
-                      micro_batches=8, stages=2, step_timeout=60) as pipe:
+        with Pipeline(
+            coordinator=cluster.coordinator,
+            model="mlp",
+            model_kwargs=kwargs,
+            micro_batches=8,
+            stages=2,
+            step_timeout=60,
+        ) as pipe:
             x, y = torch.randn(64, 64), torch.randint(0, 8, (64,))
             pipe.train_step(x, y)
             victim = pipe.partition.stages[1]
             name = f"stage-{cluster.stage_addresses.index(victim)}"
             errors: list[BaseException] = []
             # Make steps long, so that the kill lands inside one.
-            from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
             from elasticpipe import rpc
+            from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+
             with rpc.channel(cluster.coordinator) as channel:
                 coordinator_pb2_grpc.CoordinatorServiceStub(channel).Slowdown(
-                    coordinator_pb2.AdminSlowdownRequest(stage=name, factor=2000.0), timeout=10)
+                    coordinator_pb2.AdminSlowdownRequest(stage=name, factor=2000.0), timeout=10
+                )
 
             def train() -> None:
                 try:
@@ -109,13 +136,15 @@ def test_restarted_coordinator_remembers_stages_job_and_partition(tmp_path: Path
     partition with its epoch, and the epoch history."""
     state = str(tmp_path / "coordinator.sqlite")
     with CoordinatorServer(state=state, heartbeat_interval_s=0.2) as first:
-        stages = [StageServer(StageConfig(name=f"host-{i}"), first.address).start()
-                  for i in range(2)]
+        stages = [
+            StageServer(StageConfig(name=f"host-{i}"), first.address).start() for i in range(2)
+        ]
         try:
             for s in stages:
                 assert s.registered.wait(10)
-            with Pipeline(coordinator=first.address, model="mlp",
-                          model_kwargs={"sizes": [4, 8, 2]}, stages=2) as pipe:
+            with Pipeline(
+                coordinator=first.address, model="mlp", model_kwargs={"sizes": [4, 8, 2]}, stages=2
+            ) as pipe:
                 pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
                 partition = pipe.partition
         finally:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from client.pipeline import Pipeline
 from elasticpipe import models
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.training import make_optimizer, reference_step
-from client.pipeline import Pipeline
 
 STEPS = 5
 MODELS = {
     "mlp": ({"sizes": [12, 24, 24, 24, 6]}, "cross_entropy"),
-    "gpt": ({"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8},
-            "cross_entropy"),
+    "gpt": (
+        {"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8},
+        "cross_entropy",
+    ),
 }
 OPTIMIZERS = {"sgd": {"lr": 0.1, "momentum": 0.9}, "adam": {"lr": 1e-2}}
 
@@ -30,8 +32,9 @@ def _batch(model: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_matches_single_process(cluster4: LocalCluster, model: str, optimizer: str,
-                                         schedule: str) -> None:
+def test_pipeline_matches_single_process(
+    cluster4: LocalCluster, model: str, optimizer: str, schedule: str
+) -> None:
     """Every stage count 1-4 and micro-batch count 1/3/8 (uneven batches too) matches local."""
     kwargs, loss = MODELS[model]
     failures = []
@@ -40,17 +43,27 @@ def test_pipeline_matches_single_process(cluster4: LocalCluster, model: str, opt
             reference = models.build(model, seed=3, **kwargs)
             ref_opt = make_optimizer(optimizer, reference.parameters(), OPTIMIZERS[optimizer])
             g = torch.Generator().manual_seed(stages * 100 + micro_batches)
-            with Pipeline(coordinator=cluster4.coordinator, model=model, model_kwargs=kwargs,
-                          seed=3, optimizer=optimizer, optimizer_kwargs=OPTIMIZERS[optimizer],
-                          loss=loss, micro_batches=micro_batches, schedule=schedule,
-                          stages=stages) as pipe:
+            with Pipeline(
+                coordinator=cluster4.coordinator,
+                model=model,
+                model_kwargs=kwargs,
+                seed=3,
+                optimizer=optimizer,
+                optimizer_kwargs=OPTIMIZERS[optimizer],
+                loss=loss,
+                micro_batches=micro_batches,
+                schedule=schedule,
+                stages=stages,
+            ) as pipe:
                 for step in range(STEPS):
                     x, y = _batch(model, batch, g)
                     got = pipe.train_step(x, y)
                     want = reference_step(reference, ref_opt, loss, x, y)
-                    torch.testing.assert_close(torch.tensor(got), torch.tensor(want),
-                                               msg=f"loss of step {step}, {stages} stages, "
-                                                   f"{micro_batches} micro-batches")
+                    torch.testing.assert_close(
+                        torch.tensor(got),
+                        torch.tensor(want),
+                        msg=f"loss of step {step}, {stages} stages, {micro_batches} micro-batches",
+                    )
                 assert len(pipe.partition.stages) == stages
                 state = pipe.state_dict()
             expected = reference.state_dict()
@@ -69,8 +82,13 @@ def test_predict_matches_local_forward_and_changes_nothing(cluster4: LocalCluste
     kwargs, _ = MODELS["gpt"]
     reference = models.build("gpt", seed=0, **kwargs)
     x, _ = _batch("gpt", 7, torch.Generator().manual_seed(0))
-    with Pipeline(coordinator=cluster4.coordinator, model="gpt", model_kwargs=kwargs,
-                  micro_batches=3, stages=3) as pipe:
+    with Pipeline(
+        coordinator=cluster4.coordinator,
+        model="gpt",
+        model_kwargs=kwargs,
+        micro_batches=3,
+        stages=3,
+    ) as pipe:
         before = pipe.state_dict()
         out = pipe.predict(x)
         torch.testing.assert_close(out, reference(x).detach())
@@ -85,8 +103,15 @@ def test_1f1b_keeps_at_most_s_minus_s_micro_batches_alive(cluster4: LocalCluster
     kwargs, loss = MODELS["mlp"]
     x, y = _batch("mlp", 16, torch.Generator().manual_seed(0))
     for schedule, expected in (("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])):
-        with Pipeline(coordinator=cluster4.coordinator, model="mlp", model_kwargs=kwargs,
-                      loss=loss, micro_batches=8, schedule=schedule, stages=4) as pipe:
+        with Pipeline(
+            coordinator=cluster4.coordinator,
+            model="mlp",
+            model_kwargs=kwargs,
+            loss=loss,
+            micro_batches=8,
+            schedule=schedule,
+            stages=4,
+        ) as pipe:
             pipe.train_step(x, y)
             peaks = [report.peak_stashed for report in pipe.last_step.reports]
             assert peaks == expected, schedule

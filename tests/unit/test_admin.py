@@ -62,11 +62,6 @@ def test_parse_ranges_rejects_naming_the_bad_part(text: str, bad_part: str) -> N
     assert bad_part in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a negative layer index is accepted; the boundaries then crash "
-    "SetPartitionRequest (repeated uint32) with a bare ValueError",
-)
 def test_parse_ranges_rejects_negative_layers() -> None:
     """A range starting below layer 0 is malformed and raises InvalidRequest naming it."""
     with pytest.raises(InvalidRequest, match="'-2:3'"):

@@ -204,11 +204,6 @@ def test_bytes_return_to_zero_after_close_through() -> None:
     assert box.take(3, Slot.INPUT, 0, time.monotonic() + PATIENT) == "full"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a second put of the same (run, slot, micro-batch) replaces the message "
-    "but keeps counting the first one's bytes forever",
-)
 def test_duplicate_delivery_does_not_leak_bytes() -> None:
     """A re-delivered message replaces the first without leaking its bytes."""
     box = Mailbox(100)
@@ -232,10 +227,14 @@ def test_concurrent_puts_and_takes_lose_nothing() -> None:
             with lock:
                 got.append(value)
 
-    threads = [threading.Thread(target=consume, args=(range(k, n, 4),)) for k in range(4)]
-    threads += [
-        threading.Thread(target=lambda k=k: [box.put(1, Slot.INPUT, i, i, 1) for i in range(k, n, 4)])
+    def produce(mbs: range) -> None:
+        for i in mbs:
+            box.put(1, Slot.INPUT, i, i, 1)
+
+    threads = [
+        threading.Thread(target=work, args=(range(k, n, 4),))
         for k in range(4)
+        for work in (consume, produce)
     ]
     for t in threads:
         t.start()

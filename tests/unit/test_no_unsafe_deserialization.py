@@ -16,7 +16,9 @@ GENERATED = REPO / "elasticpipe" / "v1"
 def unsafe_uses(source: str) -> list[tuple[int, str]]:
     """(line, what) of every pickle, torch.load, eval( or exec( in code (not comments/strings)."""
     skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in skip]
+    tokens = [
+        t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type not in skip
+    ]
     found = []
     for i, tok in enumerate(tokens):
         if tok.type != tokenize.NAME:

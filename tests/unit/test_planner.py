@@ -123,7 +123,7 @@ TERMS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 @pytest.mark.parametrize(("links", "memory"), TERMS)
-@settings(deadline=None, max_examples=120)
+@settings(deadline=None, max_examples=80)
 @given(data=st.data())
 def test_bottleneck_is_the_brute_force_optimum(
     links: bool, memory: bool, data: st.DataObject
@@ -143,7 +143,7 @@ def test_bottleneck_is_the_brute_force_optimum(
 
 
 @pytest.mark.parametrize(("links", "memory"), TERMS)
-@settings(deadline=None, max_examples=80)
+@settings(deadline=None, max_examples=60)
 @given(data=st.data())
 def test_current_breaks_ties_by_fewest_moved_layers(
     links: bool, memory: bool, data: st.DataObject
@@ -164,7 +164,7 @@ def test_current_breaks_ties_by_fewest_moved_layers(
     assert result.layers_moved(current) <= fewest
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=40)
 @given(case=cases(links=True, memory=True, max_layers=30))
 def test_matches_a_quadratic_dp_on_larger_instances(case: Case) -> None:
     """On up to 30 layers the bottleneck equals a plain O(L^2 S) dynamic program's."""
@@ -350,7 +350,7 @@ def test_step_time_rejects_bad_arguments(micro_batches: int, schedule: str, mess
     assert message in str(info.value)
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=40)
 @given(case=cases(links=True, memory=True, max_layers=7))
 def test_order_hosts_is_optimal_over_all_orders(case: Case) -> None:
     """For up to 4 hosts, order_hosts matches the best order and partition found by brute force."""

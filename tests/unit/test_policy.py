@@ -80,7 +80,8 @@ def test_measured_pause_replaces_the_fixed_overhead() -> None:
 def test_disabled_policy_still_reports_the_gain() -> None:
     """When auto-rebalance is off, the decision still carries the would-be gain."""
     decision = decide(OFF, 2.0, 1.0, MB, 60.0)
-    assert (decision.move, decision.gain) == (False, pytest.approx(0.5))
+    assert decision.move is False
+    assert decision.gain == pytest.approx(0.5)
 
 
 def test_defaults_are_conservative() -> None:

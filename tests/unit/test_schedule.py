@@ -114,7 +114,7 @@ def _run(lists: list[list[Op]], pick: random.Random | None) -> list[str]:
     stages = len(lists)
     cursor = [0] * stages
     done: list[set[Op]] = [set() for _ in range(stages)]
-    trace = []
+    trace: list[str] = []
     while any(cursor[s] < len(lists[s]) for s in range(stages)):
         runnable = [
             s
@@ -204,7 +204,9 @@ def test_split_sizes_examples(batch: int, m: int, sizes: list[int]) -> None:
     assert split_sizes(batch, m) == sizes
 
 
-@pytest.mark.parametrize(("batch", "m", "value"), [(0, 4, "0"), (-2, 4, "-2"), (8, 0, "0"), (8, -3, "-3")])
+@pytest.mark.parametrize(
+    ("batch", "m", "value"), [(0, 4, "0"), (-2, 4, "-2"), (8, 0, "0"), (8, -3, "-3")]
+)
 def test_split_sizes_rejects_bad_arguments(batch: int, m: int, value: str) -> None:
     """An empty batch or fewer than one micro-batch raises InvalidRequest naming the value."""
     with pytest.raises(InvalidRequest, match=rf"\(got {value}\)"):

@@ -63,23 +63,25 @@ def test_scaled_micro_batch_losses_and_grads_match_the_full_batch(
     x, y = _batch(loss, batch)
     full = _model()
     full_loss = loss_fn(loss)(full(x), y)
-    full_loss.backward()
+    torch.autograd.backward(full_loss)
 
     piped = _model()
     total = torch.zeros(())
-    for xs, ys in zip(x.split(split_sizes(batch, m)), y.split(split_sizes(batch, m))):
+    sizes = split_sizes(batch, m)
+    for xs, ys in zip(torch.split(x, sizes), torch.split(y, sizes), strict=True):
         part = loss_fn(loss)(piped(xs), ys) * (xs.shape[0] / batch)
-        part.backward()
+        torch.autograd.backward(part)
         total += part.detach()
 
     torch.testing.assert_close(total, full_loss.detach())
-    for a, b in zip(full.parameters(), piped.parameters()):
+    for a, b in zip(full.parameters(), piped.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_make_optimizer_builds_the_named_class(name: str) -> None:
     """Each optimizer name builds its torch class with the given arguments."""
+    check_optimizer(name, {"lr": 0.25})  # the client-side check accepts what stages accept
     param = nn.Parameter(torch.zeros(2))
     opt = make_optimizer(name, [param], {"lr": 0.25})
     assert type(opt) is OPTIMIZERS[name]
@@ -92,12 +94,12 @@ def test_reference_step_updates_and_returns_the_loss() -> None:
     x, y = _batch("mse", 4)
     before = [p.detach().clone() for p in model.parameters()]
     expected = loss_fn("mse")(model(x), y)
-    expected.backward()
+    torch.autograd.backward(expected)
     grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     opt = make_optimizer("sgd", model.parameters(), {"lr": 0.5})
     loss = reference_step(model, opt, "mse", x, y)
     assert loss == pytest.approx(float(expected.detach()))
-    for p, p0, g in zip(model.parameters(), before, grads):
+    for p, p0, g in zip(model.parameters(), before, grads, strict=True):
         torch.testing.assert_close(p.detach(), p0 - 0.5 * g)
 
 
@@ -116,8 +118,3 @@ def test_unknown_names_and_bad_arguments_are_invalid(call: object, value: str) -
     """Unknown loss/optimizer names and rejected optimizer arguments raise InvalidRequest."""
     with pytest.raises(InvalidRequest, match=value):
         call()  # type: ignore[operator]
-
-
-def test_check_optimizer_accepts_good_arguments() -> None:
-    """check_optimizer passes silently for arguments the optimizer accepts."""
-    assert check_optimizer("adamw", {"lr": 0.1, "weight_decay": 0.01}) is None

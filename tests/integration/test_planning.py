@@ -1,0 +1,74 @@
+"""Heterogeneous stages get the partition the planner computes from their own measurements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.pipeline import Pipeline
+from coordinator.planner import plan
+from elasticpipe import rpc
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+SIZES = [512] * 9  # 8 equal Linear layers, 7 ReLUs: 15 layers
+
+
+@pytest.mark.timeout(300)
+def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> None:
+    """With --slowdown 1, 1, 2 the job starts on the planner's partition for the profiled
+    speeds, the live speeds the stages report are within 25% of 1:1:0.5, and the planner
+    run on those live reports keeps (or ties with) the partition in force."""
+    with (
+        LocalCluster(
+            stages=3,
+            slowdowns=[1.0, 1.0, 2.0],
+            coordinator_args=[
+                "--state",
+                ":memory:",
+                "--no-auto-rebalance",
+                "--heartbeat-interval",
+                "0.3",
+            ],
+        ) as cluster,
+        Pipeline(
+            coordinator=cluster.coordinator,
+            model="mlp",
+            model_kwargs={"sizes": SIZES},
+            optimizer="sgd",
+            optimizer_kwargs={"lr": 0.01},
+            loss="mse",
+            micro_batches=4,
+        ) as pipe,
+    ):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(12):
+            pipe.train_step(torch.randn(128, 512, generator=g), torch.randn(128, 512, generator=g))
+        import time
+
+        time.sleep(1.0)  # one more heartbeat with the latest timings
+        with rpc.channel(cluster.coordinator) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            status = stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+            view = stub.Plan(coordinator_pb2.PlanRequest(), timeout=10)
+        boundaries = pipe.partition.boundaries
+    by_name = {s.name: s for s in status.stages}
+    fast = [by_name["stage-0"].speed, by_name["stage-1"].speed]
+    slow = by_name["stage-2"].speed
+    ratio = slow / (sum(fast) / 2)
+    assert 0.375 <= ratio <= 0.625, f"slow/fast speed {ratio:.3f} (speeds {fast}, {slow})"
+    assert abs(fast[0] / fast[1] - 1.0) <= 0.25, f"fast stages differ: {fast}"
+    # The slow host holds about half the work of a fast one.
+    slow_stage = by_name["stage-2"]
+    costs = list(view.layer_costs)
+    work = {s.name: sum(costs[s.layer_lo : s.layer_hi]) for s in status.stages}
+    assert work["stage-2"] < 0.75 * min(work["stage-0"], work["stage-1"]), work
+    assert slow_stage.index >= 0
+    # The planner, fed the live reports, agrees with the partition in force.
+    best = plan(costs, list(view.stage_speeds))
+    assert tuple(view.optimal_boundaries) == best.boundaries or (
+        view.current_step_s <= view.optimal_step_s * 1.10
+    ), (boundaries, best.boundaries)
+    assert view.current_step_s <= view.optimal_step_s * 1.25, (
+        f"current {view.current_step_s:.4f}s vs optimal {view.optimal_step_s:.4f}s"
+    )
