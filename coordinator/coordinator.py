@@ -83,6 +83,9 @@ class Coordinator:
         self._last_move = time.monotonic()
         self._last_pause: float | None = None
         self._last_decision = ""
+        # An automatic move must be proposed twice, from measurements of two different
+        # committed steps: a speed change seen halfway through a step is only half-measured.
+        self._proposal: tuple[tuple[int, ...], int] | None = None
         self._stop = threading.Event()
         self._policy_thread: threading.Thread | None = None
 
@@ -344,12 +347,34 @@ class Coordinator:
             time.monotonic() - self._last_move,
             self._last_pause,
         )
+        if not decision.move:
+            self._proposal = None
+        elif not force:
+            decision = self._confirmed(decision, view)
         self._log_decision(decision, reason)
         if not decision.move or dry_run:
             return MoveOutcome(
                 False, view.current, decision.reason, decision.gain, view.bytes_to_move
             )
+        self._proposal = None
         return self._move(view.current.stage_ids, view.optimal.boundaries, reason, decision.gain)
+
+    def _confirmed(self, decision: Decision, view: PlanView) -> Decision:
+        """Holds a move back until a later step's measurements propose the same partition."""
+        steps = [
+            m.committed_step
+            for sid in view.current.stage_ids
+            if (m := self.members.by_id(sid)) is not None
+        ]
+        step = min(steps, default=0)
+        proposal = self._proposal
+        if proposal is not None and proposal[0] == view.optimal.boundaries and step > proposal[1]:
+            return decision
+        if proposal is None or proposal[0] != view.optimal.boundaries:
+            self._proposal = (view.optimal.boundaries, step)
+        return replace(
+            decision, move=False, reason=f"{decision.reason}; confirming at step {step + 1}"
+        )
 
     def _log_decision(self, decision: Decision, reason: str) -> None:
         event = "rebalance_decided" if decision.move else "rebalance_declined"
@@ -476,7 +501,11 @@ class Coordinator:
                     layers_moved=result.layers_moved,
                     bytes_moved=result.bytes_moved,
                     pause_s=result.pause_s,
-                    extra={"committed_step": result.committed_step},
+                    extra={
+                        "committed_step": result.committed_step,
+                        "wait_s": result.wait_s,
+                        "transfer_s": result.transfer_s,
+                    },
                 ),
             )
             self._last_move, self._last_pause = time.monotonic(), result.pause_s

@@ -104,12 +104,19 @@ class Chain:
 
 @dataclass(frozen=True)
 class MoveResult:
-    """What an epoch change did."""
+    """What an epoch change did.
+
+    ``pause_s`` is how long training stood still: from the moment every stage was frozen at
+    the cut to the moment the new epoch was committed everywhere. ``wait_s`` is how long the
+    freeze waited for the step in flight to finish (training went on meanwhile).
+    """
 
     layers_moved: int
     bytes_moved: int
     pause_s: float
     committed_step: int
+    wait_s: float = 0.0
+    transfer_s: float = 0.0
 
 
 def moves(old: Chain, new: Chain) -> list[tuple[int, str, str]]:
@@ -165,6 +172,7 @@ def change_epoch(
                 f"{sorted(chain_steps)}"
             )
         (cut,) = chain_steps
+        frozen_at = time.perf_counter()
         spec = job.to_proto()
 
         def prepare(address: str) -> int:
@@ -189,6 +197,7 @@ def change_epoch(
             return int(reply.bytes_received)
 
         received = pool.each(prepare, involved)
+        transferred_at = time.perf_counter()
         commit_point()
     except ElasticPipeError as exc:
         log.warning("epoch_change_aborted", epoch=new.epoch, kept=old.epoch, error=str(exc))
@@ -205,8 +214,10 @@ def change_epoch(
     return MoveResult(
         layers_moved=len(moved),
         bytes_moved=sum(received),
-        pause_s=time.perf_counter() - started,
+        pause_s=time.perf_counter() - frozen_at,
         committed_step=cut,
+        wait_s=frozen_at - started,
+        transfer_s=transferred_at - frozen_at,
     )
 
 

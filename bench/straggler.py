@@ -1,0 +1,209 @@
+"""A straggler appears and recovers: static partition vs ElasticPipe's live rebalancing.
+
+Four stage processes train a GPT with 16 blocks. Every stage emulates a device BASE times
+slower than one core of this host (``--slowdown``), so that four emulated devices fit on a
+2-core machine: each stage then spends most of its time waiting, like a real accelerator
+host whose CPU is idle, instead of fighting the others for the two cores. After a few
+steps one stage is slowed 3x (``admin slowdown``), later it recovers.
+
+Printed, from one run: steps/s before the slowdown; after it with the static partition
+(auto-rebalance off); after it with auto-rebalance on; the planner's predicted optimum;
+steps from the slowdown until rebalanced; the migration pause and bytes moved; the same
+after recovery. The last line is JSON.
+
+Usage: ``python bench/straggler.py [--measure-steps N] [--base F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from client.pipeline import Pipeline
+from elasticpipe import rpc
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+MODEL = {"vocab_size": 96, "d_model": 128, "n_heads": 4, "n_layers": 16, "max_seq_len": 64}
+
+
+class Bench:
+    """A cluster, a pipeline on it, and the admin levers."""
+
+    def __init__(self, cluster: LocalCluster, pipe: Pipeline, batch: int, seq: int):
+        self.cluster = cluster
+        self.pipe = pipe
+        self.channel = rpc.channel(cluster.coordinator)
+        self.admin = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
+        self.gen = torch.Generator().manual_seed(0)
+        self.batch, self.seq = batch, seq
+        self.step_times: list[float] = []
+
+    def call(self, method: str, request: Any) -> Any:
+        return rpc.call(self.cluster.coordinator, getattr(self.admin, method), request, timeout=300)
+
+    def train(self, steps: int) -> float:
+        """Trains ``steps`` steps; returns steps/s over them."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = torch.randint(
+                0, MODEL["vocab_size"], (self.batch, self.seq + 1), generator=self.gen
+            )
+            t0 = time.perf_counter()
+            self.pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+            self.step_times.append(time.perf_counter() - t0)
+        return steps / (time.perf_counter() - start)
+
+    def steps_until_epoch_changes(self, limit: int) -> int:
+        """Trains until the partition changes (auto-rebalance); returns the steps it took."""
+        epoch = self.pipe.partition.epoch
+        for n in range(1, limit + 1):
+            self.train(1)
+            if self.pipe.partition.epoch != epoch:
+                return n
+        return -1
+
+    def plan(self) -> coordinator_pb2.PlanResponse:
+        return self.call("Plan", coordinator_pb2.PlanRequest())
+
+    def last_move(self) -> coordinator_pb2.EpochRecord:
+        return self.call("Status", coordinator_pb2.StatusRequest()).history[-1]
+
+    def set_partition(self, boundaries: list[int]) -> None:
+        self.call("SetPartition", coordinator_pb2.SetPartitionRequest(boundaries=boundaries))
+
+    def auto(self, on: bool) -> None:
+        self.call("SetAutoRebalance", coordinator_pb2.AutoRebalanceRequest(enabled=on))
+
+    def slowdown(self, stage: str, factor: float) -> None:
+        self.call("Slowdown", coordinator_pb2.AdminSlowdownRequest(stage=stage, factor=factor))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure-steps", type=int, default=5)
+    parser.add_argument("--base", type=float, default=4.0, help="slowdown of every stage")
+    parser.add_argument("--micro-batches", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=64)
+    args = parser.parse_args()
+    n, base = args.measure_steps, args.base
+    out: dict[str, Any] = {}
+    with (
+        LocalCluster(
+            stages=4,
+            slowdowns=[base] * 4,
+            coordinator_args=[
+                "--state",
+                ":memory:",
+                "--heartbeat-interval",
+                "0.5",
+                "--policy-interval",
+                "0.5",
+                "--rebalance-cooldown",
+                "3",
+            ],
+        ) as cluster,
+        Pipeline(
+            coordinator=cluster.coordinator,
+            model="gpt",
+            model_kwargs=MODEL,
+            optimizer="adam",
+            optimizer_kwargs={"lr": 1e-3},
+            micro_batches=args.micro_batches,
+            schedule="1f1b",
+        ) as pipe,
+    ):
+        bench = Bench(cluster, pipe, args.batch, args.seq)
+        bench.train(2)  # warm-up and first measurements
+        initial = list(pipe.partition.boundaries)
+        out["before_steps_per_s"] = bench.train(n)
+        out["before_predicted_steps_per_s"] = 1.0 / bench.plan().current_step_s
+        print(
+            f"partition {initial}; before the slowdown: {out['before_steps_per_s']:.3f} "
+            f"steps/s (planner predicts {out['before_predicted_steps_per_s']:.3f})",
+            flush=True,
+        )
+
+        # The straggler: the stage holding the middle of the model, 3x slower.
+        victim = f"stage-{cluster.stage_addresses.index(pipe.partition.stages[1])}"
+        bench.slowdown(victim, 3 * base)
+        steps = bench.steps_until_epoch_changes(limit=20)
+        move = bench.last_move()
+        out["rebalance_steps"] = steps
+        out["pause_s"] = move.pause_s
+        out["bytes_moved"] = move.bytes_moved
+        elastic_bounds = list(pipe.partition.boundaries)
+        moves_before = len(bench.call("Status", coordinator_pb2.StatusRequest()).history)
+        print(
+            f"{victim} slowed 3x: rebalanced after {steps} steps to {elastic_bounds} "
+            f"({move.layers_moved} layers, {move.bytes_moved / 1e6:.1f} MB, pause "
+            f"{move.pause_s:.2f}s)",
+            flush=True,
+        )
+        bench.train(1)
+        out["elastic_steps_per_s"] = bench.train(n)
+        view = bench.plan()
+        out["optimal_steps_per_s"] = 1.0 / view.optimal_step_s
+        history = bench.call("Status", coordinator_pb2.StatusRequest()).history
+        out["extra_moves"] = len(history) - moves_before
+        print(
+            f"elastic: {out['elastic_steps_per_s']:.3f} steps/s; planner's optimum "
+            f"{out['optimal_steps_per_s']:.3f} steps/s",
+            flush=True,
+        )
+
+        # The same straggler on the static partition.
+        bench.auto(False)
+        bench.set_partition(initial)
+        bench.train(1)
+        out["static_steps_per_s"] = bench.train(n)
+        print(f"static partition {initial}: {out['static_steps_per_s']:.3f} steps/s", flush=True)
+        bench.set_partition(elastic_bounds)
+        bench.auto(True)
+        bench.train(1)
+
+        # Recovery: the stage is fast again; the layers should come back.
+        bench.slowdown(victim, base)
+        steps = bench.steps_until_epoch_changes(limit=20)
+        move = bench.last_move()
+        out["recovery_steps"] = steps
+        out["recovery_pause_s"] = move.pause_s
+        out["recovery_bytes_moved"] = move.bytes_moved
+        bench.train(1)
+        out["recovered_steps_per_s"] = bench.train(n)
+        print(
+            f"{victim} recovered: rebalanced after {steps} steps to "
+            f"{list(pipe.partition.boundaries)} (pause {move.pause_s:.2f}s); "
+            f"{out['recovered_steps_per_s']:.3f} steps/s",
+            flush=True,
+        )
+
+    out["elastic_vs_static"] = out["elastic_steps_per_s"] / out["static_steps_per_s"]
+    out["elastic_vs_optimal"] = out["elastic_steps_per_s"] / out["optimal_steps_per_s"]
+    print()
+    print(f"{'phase':<34}{'steps/s':>10}")
+    for key, label in (
+        ("before_steps_per_s", "before the slowdown"),
+        ("static_steps_per_s", "straggler, static partition"),
+        ("elastic_steps_per_s", "straggler, auto-rebalance"),
+        ("optimal_steps_per_s", "straggler, planner's optimum"),
+        ("recovered_steps_per_s", "after recovery"),
+    ):
+        print(f"{label:<34}{out[key]:>10.3f}")
+    print(
+        f"elastic / static: {out['elastic_vs_static']:.2f}x (goal >= 1.8x); "
+        f"elastic / optimum: {out['elastic_vs_optimal']:.0%} (goal >= 90%); "
+        f"rebalanced {out['rebalance_steps']} steps after the slowdown (goal <= 5)"
+    )
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
