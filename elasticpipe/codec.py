@@ -89,9 +89,14 @@ def tensor_chunks(
     return meta, chunks()
 
 
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's raw bytes (little-endian, C order)."""
+    return _raw(tensor).numpy().tobytes()
+
+
 def to_proto(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     """Encodes a (small) tensor in one message."""
-    return tensor_pb2.Tensor(meta=tensor_meta(tensor), data=_raw(tensor).numpy().tobytes())
+    return tensor_pb2.Tensor(meta=tensor_meta(tensor), data=tensor_bytes(tensor))
 
 
 def from_proto(

@@ -75,7 +75,17 @@ def run_demo(
                     inputs, targets = corpus.batch(batch_size, seq_len, generator)
                     loss = pipe.train_step(inputs, targets)
                     window_tokens += inputs.numel()
-                    if step == 1 or step % 10 == 0 or step == steps:
+                    if step == 1:
+                        part = pipe.partition
+                        print(
+                            f"step     1/{steps}  loss {loss:6.3f}  (job setup, profiling and "
+                            f"first step: {time.perf_counter() - started:.1f}s)  partition "
+                            f"{list(part.boundaries)}",
+                            file=out,
+                            flush=True,
+                        )
+                        window_start, window_tokens = time.perf_counter(), 0
+                    elif step % 10 == 0 or step == steps:
                         now = time.perf_counter()
                         rate = window_tokens / max(now - window_start, 1e-9)
                         part = pipe.partition

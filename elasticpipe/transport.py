@@ -42,9 +42,35 @@ def data_stream(
         yield stage_pb2.DataChunk(data=chunk)
 
 
+_SLOTS = {"Forward": stage_pb2.INPUT, "Backward": stage_pb2.GRAD, "Targets": stage_pb2.TARGET}
+
+
 def send(
-    stub: stage_pb2_grpc.StageServiceStub, address: str, msg: Outgoing, timeout: float
+    stub: stage_pb2_grpc.StageServiceStub,
+    address: str,
+    msg: Outgoing,
+    timeout: float,
+    chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
 ) -> None:
-    """Sends one tensor synchronously, translating failures to the domain tree."""
+    """Sends one tensor synchronously, translating failures to the domain tree.
+
+    A tensor of at most one chunk goes in a single unary ``Deliver`` call; a larger one is
+    streamed in chunks (grpcio runs a thread per client stream, a unary call needs none).
+    """
+    meta = codec.tensor_meta(msg.tensor)
+    if meta.nbytes <= chunk_bytes:
+        header = stage_pb2.DataHeader(
+            epoch=msg.epoch,
+            run=msg.run,
+            step=msg.step,
+            micro_batch=msg.micro_batch,
+            meta=meta,
+            loss_scale=msg.loss_scale,
+        )
+        request = stage_pb2.DataMessage(
+            slot=_SLOTS[msg.method], header=header, data=codec.tensor_bytes(msg.tensor)
+        )
+        rpc.call(address, stub.Deliver, request, timeout=timeout)
+        return
     method = getattr(stub, msg.method)
-    rpc.call(address, method, data_stream(msg), timeout=timeout)
+    rpc.call(address, method, data_stream(msg, chunk_bytes), timeout=timeout)

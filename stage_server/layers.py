@@ -151,18 +151,26 @@ class LayerSlice:
 
     # ---- compute ------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, Stash | None]:
+    def forward(
+        self, x: torch.Tensor, train: bool, input_grad: bool = True
+    ) -> tuple[torch.Tensor, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
+
+        Args:
+            x: the slice's input.
+            train: keep the graph for backward.
+            input_grad: whether backward must produce the gradient of ``x`` (not on the
+                first stage, whose input is data: computing it would waste a matmul).
 
         Raises:
             InvalidRequest: a layer could not run on the input it was given.
         """
         stash = Stash() if train else None
         with torch.set_grad_enabled(train):
-            for i in self.indices:
+            for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 if train and x.is_floating_point():
-                    x = x.detach().requires_grad_(True)
+                    x = x.detach().requires_grad_(input_grad or n > 0)
                 try:
                     y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)  # noqa: B023
                 except RuntimeError as exc:

@@ -16,6 +16,7 @@ from stage_server.mailbox import Slot
 from stage_server.stage import Fault, Placement, Stage
 
 _SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
+_SLOTS = {stage_pb2.INPUT: Slot.INPUT, stage_pb2.GRAD: Slot.GRAD, stage_pb2.TARGET: Slot.TARGET}
 MAX_STEP_TIMEOUT_S = 3600.0
 
 
@@ -96,6 +97,23 @@ class StageServicer:
         self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext
     ) -> stage_pb2.Ack:
         return self._deliver(Slot.TARGET, chunks)
+
+    def Deliver(self, msg: stage_pb2.DataMessage, ctx: grpc.ServicerContext) -> stage_pb2.Ack:
+        slot = _SLOTS.get(msg.slot)
+        if slot is None:
+            raise InvalidRequest(f"unknown slot {msg.slot} (expected INPUT, GRAD or TARGET)")
+        assembler = codec.TensorAssembler(msg.header.meta, self.stage.config.max_tensor_bytes)
+        assembler.add(msg.data)
+        header = msg.header
+        self.stage.deliver(
+            slot,
+            header.epoch,
+            header.run,
+            header.micro_batch,
+            assembler.finish(),
+            header.loss_scale,
+        )
+        return stage_pb2.Ack()
 
     def RunStep(
         self, req: stage_pb2.RunStepRequest, ctx: grpc.ServicerContext

@@ -189,7 +189,7 @@ class Stage:
         runs: list[dict[int, LayerTiming]] = []
         for _ in range(max(1, repeats) + 1):
             probe.timings = {i: LayerTiming() for i in probe.layers}
-            out, stash = probe.forward(sample.to(self.device), train=True)
+            out, stash = probe.forward(sample.to(self.device), train=True, input_grad=False)
             assert stash is not None
             probe.backward(stash, torch.ones_like(out) if out.requires_grad else None)
             runs.append(probe.timings)
@@ -342,7 +342,7 @@ class Stage:
             if op.kind is OpKind.FORWARD:
                 x = mailbox.take(run, Slot.INPUT, i, deadline)
                 t0 = time.perf_counter()
-                y, stash = layer_slice.forward(x.to(self.device), train)
+                y, stash = layer_slice.forward(x.to(self.device), train, input_grad=not first)
                 if last and train:
                     result.compute_s += time.perf_counter() - t0
                     target, scale = mailbox.take(run, Slot.TARGET, i, deadline)

@@ -21,6 +21,32 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _Slot:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SlotEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Slot.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SLOT_UNSPECIFIED: _Slot.ValueType  # 0
+    INPUT: _Slot.ValueType  # 1
+    """activations (or the client's inputs, on the first stage)"""
+    GRAD: _Slot.ValueType  # 2
+    """gradient of this stage's output"""
+    TARGET: _Slot.ValueType  # 3
+    """targets, on the last stage"""
+
+class Slot(_Slot, metaclass=_SlotEnumTypeWrapper):
+    """Which input of a micro-batch a message carries."""
+
+SLOT_UNSPECIFIED: Slot.ValueType  # 0
+INPUT: Slot.ValueType  # 1
+"""activations (or the client's inputs, on the first stage)"""
+GRAD: Slot.ValueType  # 2
+"""gradient of this stage's output"""
+TARGET: Slot.ValueType  # 3
+"""targets, on the last stage"""
+Global___Slot: _TypeAlias = Slot  # noqa: Y015
+
 class _Schedule:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -150,6 +176,34 @@ class DataChunk(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
 Global___DataChunk: _TypeAlias = DataChunk  # noqa: Y015
+
+@_typing.final
+class DataMessage(_message.Message):
+    """A small tensor (at most one chunk) in a single unary message: no stream to set up."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    slot: Global___Slot.ValueType
+    data: _builtins.bytes
+    @_builtins.property
+    def header(self) -> Global___DataHeader: ...
+    def __init__(
+        self,
+        *,
+        slot: Global___Slot.ValueType = ...,
+        header: Global___DataHeader | None = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "slot", b"slot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataMessage: _TypeAlias = DataMessage  # noqa: Y015
 
 @_typing.final
 class Ack(_message.Message):

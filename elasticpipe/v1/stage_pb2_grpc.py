@@ -49,6 +49,11 @@ class StageServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.DataChunk.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Deliver = channel.unary_unary(
+                '/elasticpipe.v1.StageService/Deliver',
+                request_serializer=elasticpipe_dot_v1_dot_stage__pb2.DataMessage.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
+                _registered_method=True)
         self.RunStep = channel.unary_unary(
                 '/elasticpipe.v1.StageService/RunStep',
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.RunStepRequest.SerializeToString,
@@ -144,6 +149,13 @@ class StageServiceServicer:
 
     def Targets(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deliver(self, request, context):
+        """any of the three, for tensors of one chunk
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -257,6 +269,11 @@ def add_StageServiceServicer_to_server(servicer, server):
             'Targets': grpc.stream_unary_rpc_method_handler(
                     servicer.Targets,
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.DataChunk.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.SerializeToString,
+            ),
+            'Deliver': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.DataMessage.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.SerializeToString,
             ),
             'RunStep': grpc.unary_unary_rpc_method_handler(
@@ -415,6 +432,33 @@ class StageService:
             target,
             '/elasticpipe.v1.StageService/Targets',
             elasticpipe_dot_v1_dot_stage__pb2.DataChunk.SerializeToString,
+            elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.StageService/Deliver',
+            elasticpipe_dot_v1_dot_stage__pb2.DataMessage.SerializeToString,
             elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -35,6 +35,8 @@ class StageServiceStub:
     """Data path."""
     Backward: _grpc.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]
     Targets: _grpc.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]
+    Deliver: _grpc.UnaryUnaryMultiCallable[_stage_pb2.DataMessage, _stage_pb2.Ack]
+    """any of the three, for tensors of one chunk"""
     RunStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.RunStepRequest, _stage_pb2.StepReport]
     FetchOutput: _grpc.UnaryStreamMultiCallable[_stage_pb2.FetchOutputRequest, _stage_pb2.DataChunk]
     CommitStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.CommitStepRequest, _stage_pb2.CommitStepResponse]
@@ -61,6 +63,8 @@ class StageServiceAsyncStub(StageServiceStub):
     """Data path."""
     Backward: _aio.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]  # type: ignore[assignment]
     Targets: _aio.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]  # type: ignore[assignment]
+    Deliver: _aio.UnaryUnaryMultiCallable[_stage_pb2.DataMessage, _stage_pb2.Ack]  # type: ignore[assignment]
+    """any of the three, for tensors of one chunk"""
     RunStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.RunStepRequest, _stage_pb2.StepReport]  # type: ignore[assignment]
     FetchOutput: _aio.UnaryStreamMultiCallable[_stage_pb2.FetchOutputRequest, _stage_pb2.DataChunk]  # type: ignore[assignment]
     CommitStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.CommitStepRequest, _stage_pb2.CommitStepResponse]  # type: ignore[assignment]
@@ -102,6 +106,14 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_stage_pb2.DataChunk],
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]: ...
+
+    @_abc_1.abstractmethod
+    def Deliver(
+        self,
+        request: _stage_pb2.DataMessage,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]:
+        """any of the three, for tensors of one chunk"""
 
     @_abc_1.abstractmethod
     def RunStep(

@@ -183,7 +183,7 @@ def test_oversized_tensor_is_resource_exhausted(trained: tuple[Pipeline, StageSe
     _assert_still_serving(pipe, server)
 
 
-@pytest.mark.parametrize("method", ["RunStep", "Assign", "ExportLayers", "Forward"])
+@pytest.mark.parametrize("method", ["RunStep", "Assign", "ExportLayers", "Forward", "Deliver"])
 def test_garbage_bytes_are_invalid_argument(
     trained: tuple[Pipeline, StageServer], method: str
 ) -> None:
@@ -217,3 +217,37 @@ def test_coordinator_survives_garbage_and_bad_arguments(
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in err.details()
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+
+
+def test_single_message_delivery_is_checked_like_a_stream(
+    trained: tuple[Pipeline, StageServer],
+) -> None:
+    """The unary Deliver path refuses a byte count that disagrees with the header, an
+    oversized declaration and an unknown slot, each with the precise status."""
+    pipe, server = trained
+    stub = _stub(server)
+    header = stage_pb2.DataHeader(
+        epoch=pipe.partition.epoch, run=1, meta=codec.tensor_meta(torch.zeros(2, 3))
+    )
+    err = _status(
+        stub.Deliver, stage_pb2.DataMessage(slot=stage_pb2.INPUT, header=header, data=b"\0" * 23), 5
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "23" in err.details()
+    err = _status(
+        stub.Deliver,
+        stage_pb2.DataMessage(
+            slot=7,
+            header=header,  # type: ignore[arg-type]
+            data=b"\0" * 24,
+        ),
+        5,
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "slot 7" in err.details()
+    huge = stage_pb2.DataHeader(
+        epoch=pipe.partition.epoch,
+        run=1,
+        meta=tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[1 << 30], nbytes=4 << 30),
+    )
+    err = _status(stub.Deliver, stage_pb2.DataMessage(slot=stage_pb2.INPUT, header=huge), 5)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(4 << 30) in err.details()
+    _assert_still_serving(pipe, server)
