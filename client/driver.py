@@ -20,7 +20,7 @@ import torch
 from elasticpipe import codec, rpc
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, StepAborted
 from elasticpipe.transport import Outgoing, send
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2
 
 log = structlog.get_logger()
 
@@ -36,27 +36,8 @@ class Chain:
     boundaries: tuple[int, ...]
 
 
-class StageClients:
-    """Channels to the stages, and a pool for calling them in parallel."""
-
-    def __init__(self, max_workers: int = 32):
-        self._channels: dict[str, grpc.Channel] = {}
-        self.executor = cf.ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix="pipeline"
-        )
-
-    def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
-        """A stub for ``address`` over a cached channel."""
-        if address not in self._channels:
-            self._channels[address] = rpc.channel(address)
-        return stage_pb2_grpc.StageServiceStub(self._channels[address])
-
-    def close(self) -> None:
-        """Closes every channel and the pool."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+class StageClients(rpc.StagePool):
+    """The client's channels to the stages, and its pool for calling them in parallel."""
 
 
 def run(

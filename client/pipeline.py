@@ -203,8 +203,11 @@ class Pipeline:
         self._chain = Chain(p.epoch, tuple(p.addresses), tuple(p.boundaries))
         self._stage_ids = tuple(p.stage_ids)
 
-    def _refresh(self, old: Chain, deadline: float) -> None:
-        """Waits (until ``deadline``) for a partition newer than ``old`` and adopts it."""
+    def _refresh(self, old: Chain, deadline: float, since: float | None = None) -> None:
+        """Waits (until ``deadline``) for a partition newer than ``old`` and adopts it.
+
+        ``since`` is when the old partition was first refused: the pause logged runs from then.
+        """
         started = time.monotonic()
         wait = min(RETRY_WAIT_S, max(0.0, deadline - started))
         reply = rpc.call(
@@ -222,7 +225,7 @@ class Pipeline:
                 new_epoch=self._chain.epoch,
                 old=list(old.boundaries),
                 new=list(self._chain.boundaries),
-                pause_s=round(time.monotonic() - started, 3),
+                pause_s=round(time.monotonic() - (since or started), 3),
             )
 
     # ---- training ----------------------------------------------------------------------
@@ -251,6 +254,7 @@ class Pipeline:
         chain = self._ensure_job(xs[0])
         deadline = time.monotonic() + self._rebalance_timeout
         attempts = 0
+        refused_at: float | None = None
         while True:
             attempts += 1
             run_id = next(self._runs)
@@ -271,8 +275,9 @@ class Pipeline:
             except (StaleEpoch, Rebalancing) as exc:
                 if time.monotonic() > deadline:
                     raise
+                refused_at = refused_at or time.monotonic()
                 log.info("step_retried", step=self._step + 1, epoch=chain.epoch, reason=str(exc))
-                self._refresh(chain, deadline)
+                self._refresh(chain, deadline, refused_at)
                 chain = self._chain or chain
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:

@@ -16,42 +16,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import grpc
 import structlog
 
 from elasticpipe import rpc
 from elasticpipe.errors import ElasticPipeError, TransferError
 from elasticpipe.job import JobConfig
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2
 
 log = structlog.get_logger()
 T = TypeVar("T")
 
 
-class StagePool:
-    """Cached channels to stages, and parallel calls with deadlines."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.Channel] = {}
-        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="stage-call")
-
-    def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
-        """A stub for the stage at ``address``."""
-        if address not in self._channels:
-            self._channels[address] = rpc.channel(address)
-        return stage_pb2_grpc.StageServiceStub(self._channels[address])
-
-    def call(self, address: str, method: str, request: Any, timeout: float) -> Any:
-        """One unary call with a deadline; errors translated."""
-        return rpc.call(address, getattr(self.stub(address), method), request, timeout=timeout)
+class StagePool(rpc.StagePool):
+    """The coordinator's channels to stages, with a parallel "call every stage" helper."""
 
     def each(self, fn: Callable[[str], T], addresses: Sequence[str]) -> list[T]:
         """Runs ``fn`` for every address in parallel; raises the first failure after all end."""
-        futures = [self._executor.submit(fn, a) for a in addresses]
+        futures = [self.executor.submit(fn, a) for a in addresses]
         results, first_error = [], None
         for future in futures:
             try:
@@ -61,12 +45,6 @@ class StagePool:
         if first_error is not None:
             raise first_error
         return results
-
-    def close(self) -> None:
-        """Closes every channel."""
-        self._executor.shutdown(wait=False)
-        for channel in self._channels.values():
-            channel.close()
 
 
 @dataclass(frozen=True)

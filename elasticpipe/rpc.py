@@ -12,7 +12,9 @@ Client side: ``translate`` maps a ``grpc.RpcError`` to the domain error tree, an
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -22,6 +24,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
 from elasticpipe import errors
+from elasticpipe.v1 import stage_pb2_grpc
 
 log = structlog.get_logger()
 
@@ -58,6 +61,34 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
 def channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
     """Opens an insecure channel to a peer on the cluster network."""
     return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+class StagePool:
+    """Cached channels to stages, a stub per call, and a thread pool for parallel calls."""
+
+    def __init__(self, max_workers: int = 32, name: str = "stage-call"):
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
+
+    def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
+        """A StageService stub for ``address`` over a cached channel."""
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = channel(address)
+            return stage_pb2_grpc.StageServiceStub(self._channels[address])
+
+    def call(self, address: str, method: str, request: Any, timeout: float) -> Any:
+        """One unary call with a deadline; errors translated."""
+        return call(address, getattr(self.stub(address), method), request, timeout=timeout)
+
+    def close(self) -> None:
+        """Closes every channel and the thread pool."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
 
 
 def translate(exc: grpc.RpcError, peer: str) -> errors.ElasticPipeError:

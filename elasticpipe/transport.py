@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from elasticpipe import codec, rpc
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,9 @@ class Outgoing:
     loss_scale: float = 0.0
 
 
-def data_stream(
-    msg: Outgoing, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
-) -> Iterator[stage_pb2.DataChunk]:
-    """The header-then-chunks stream for one tensor."""
-    meta, chunks = codec.tensor_chunks(msg.tensor, chunk_bytes)
-    header = stage_pb2.DataHeader(
+def header(msg: Outgoing, meta: tensor_pb2.TensorMeta) -> stage_pb2.DataHeader:
+    """The header every data message of ``msg`` starts with."""
+    return stage_pb2.DataHeader(
         epoch=msg.epoch,
         run=msg.run,
         step=msg.step,
@@ -37,7 +34,14 @@ def data_stream(
         meta=meta,
         loss_scale=msg.loss_scale,
     )
-    yield stage_pb2.DataChunk(header=header)
+
+
+def data_stream(
+    msg: Outgoing, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
+) -> Iterator[stage_pb2.DataChunk]:
+    """The header-then-chunks stream for one tensor."""
+    meta, chunks = codec.tensor_chunks(msg.tensor, chunk_bytes)
+    yield stage_pb2.DataChunk(header=header(msg, meta))
     for chunk in chunks:
         yield stage_pb2.DataChunk(data=chunk)
 
@@ -59,16 +63,8 @@ def send(
     """
     meta = codec.tensor_meta(msg.tensor)
     if meta.nbytes <= chunk_bytes:
-        header = stage_pb2.DataHeader(
-            epoch=msg.epoch,
-            run=msg.run,
-            step=msg.step,
-            micro_batch=msg.micro_batch,
-            meta=meta,
-            loss_scale=msg.loss_scale,
-        )
         request = stage_pb2.DataMessage(
-            slot=_SLOTS[msg.method], header=header, data=codec.tensor_bytes(msg.tensor)
+            slot=_SLOTS[msg.method], header=header(msg, meta), data=codec.tensor_bytes(msg.tensor)
         )
         rpc.call(address, stub.Deliver, request, timeout=timeout)
         return
