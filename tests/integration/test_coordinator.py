@@ -1,0 +1,105 @@
+"""Coordinator behaviour seen by clients: partition watches and user model factories."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from client.pipeline import Pipeline
+from coordinator.policy import PolicyConfig
+from coordinator.server import CoordinatorServer
+from elasticpipe import models
+from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+from stage_server.server import StageServer
+from stage_server.stage import StageConfig
+
+pytestmark = pytest.mark.timeout(120)
+CUSTOM = "tests.integration.custom_models:tiny"
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[CoordinatorServer, list[StageServer]]]:
+    """A coordinator and two stages that allow models under ``tests.integration``."""
+    with CoordinatorServer(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2) as c:
+        stages = [
+            StageServer(
+                StageConfig(name=f"s{i}", allow_models=("tests.integration",)), c.address
+            ).start()
+            for i in range(2)
+        ]
+        for s in stages:
+            assert s.registered.wait(10)
+        yield c, stages
+        for s in stages:
+            s.stop()
+
+
+def test_user_factory_under_an_allowed_prefix_trains_exactly(
+    cluster: tuple[CoordinatorServer, list[StageServer]],
+) -> None:
+    """A factory given by import path, allowed by --allow-models, trains like local code."""
+    coordinator, _ = cluster
+    reference = models.build(CUSTOM, seed=2, allow=("tests.integration",), width=8)
+    optimizer = make_optimizer("adamw", reference.parameters(), {"lr": 0.01})
+    g = torch.Generator().manual_seed(0)
+    with Pipeline(
+        coordinator=coordinator.address,
+        model=CUSTOM,
+        model_kwargs={"width": 8},
+        seed=2,
+        optimizer="adamw",
+        optimizer_kwargs={"lr": 0.01},
+        micro_batches=2,
+        stages=2,
+    ) as pipe:
+        for _ in range(3):
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+            got = pipe.train_step(x, y)
+            want = reference_step(reference, optimizer, "cross_entropy", x, y)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+        state = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value)
+
+
+def test_watch_partition_streams_every_new_epoch(
+    cluster: tuple[CoordinatorServer, list[StageServer]],
+) -> None:
+    """WatchPartition sends the current partition, then each new epoch as it is committed."""
+    coordinator, _ = cluster
+    with Pipeline(
+        coordinator=coordinator.address,
+        model="mlp",
+        model_kwargs={"sizes": [4, 8, 8, 2]},
+        micro_batches=2,
+        stages=2,
+    ) as pipe:
+        pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
+        first = pipe.partition
+        channel = grpc.insecure_channel(coordinator.address)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        stream = stub.WatchPartition(coordinator_pb2.GetPartitionRequest(), timeout=30)
+        seen: list[coordinator_pb2.Partition] = []
+        got_two = threading.Event()
+
+        def watch() -> None:
+            for partition in stream:
+                seen.append(partition)
+                if len(seen) == 2:
+                    got_two.set()
+                    return
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        target = [0, 1, 5] if first.boundaries != (0, 1, 5) else [0, 3, 5]
+        stub.SetPartition(coordinator_pb2.SetPartitionRequest(boundaries=target), timeout=30)
+        assert got_two.wait(15), f"watch saw {len(seen)} partitions"
+        stream.cancel()
+        assert seen[0].epoch == first.epoch
+        assert seen[1].epoch == first.epoch + 1 and list(seen[1].boundaries) == target
+        channel.close()
