@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -27,6 +28,13 @@ log = structlog.get_logger()
 
 PROFILE_REPEATS = 5
 STAGE_CALL_TIMEOUT_S = 120.0
+
+
+class LinkTerms(NamedTuple):
+    """The planner's optional link inputs (both None: links are free)."""
+
+    activation_bytes: list[int] | None = None
+    link_bandwidths: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,10 @@ class Coordinator:
         policy: PolicyConfig | None = None,
         dead_after_s: float = 5.0,
         heartbeat_interval_s: float = 1.0,
+        link_bandwidth: float = 0.0,
     ):
         self.store = store
+        self.link_bandwidth = link_bandwidth
         self.policy = policy or PolicyConfig()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.members = Membership(store, dead_after_s)
@@ -78,7 +88,13 @@ class Coordinator:
         self.param_bytes: list[int] = store.get("param_bytes") or []
         raw_profile = store.get("profile")
         self.profile = (
-            Profile(tuple(raw_profile["costs"]), raw_profile["speeds"]) if raw_profile else None
+            Profile(
+                tuple(raw_profile["costs"]),
+                raw_profile["speeds"],
+                tuple(raw_profile.get("activation_bytes", ())),
+            )
+            if raw_profile
+            else None
         )
         self._last_move = time.monotonic()
         self._last_pause: float | None = None
@@ -159,7 +175,8 @@ class Coordinator:
                 profile = self._profile(job, sample, chosen)
             costs = profile.costs if profile else estimates.fallback_costs(param_bytes)
             speeds = [profile.speeds[m.row.stage_id] if profile else 1.0 for m in chosen]
-            order, best = order_hosts(costs, speeds)
+            links = self._links(len(speeds), profile)
+            order, best = order_hosts(costs, speeds, links.activation_bytes, links.link_bandwidths)
             ordered = [chosen[i] for i in order]
             epoch = self.store.max_epoch() + 1
             partition = PartitionRow(
@@ -184,7 +201,14 @@ class Coordinator:
             self.store.put("num_layers", num_layers)
             self.store.put("param_bytes", param_bytes)
             if profile:
-                self.store.put("profile", {"costs": list(profile.costs), "speeds": profile.speeds})
+                self.store.put(
+                    "profile",
+                    {
+                        "costs": list(profile.costs),
+                        "speeds": profile.speeds,
+                        "activation_bytes": list(profile.activation_bytes),
+                    },
+                )
             self._install(
                 partition,
                 EpochRow(
@@ -232,6 +256,13 @@ class Coordinator:
             speeds={self._name(s): round(v, 3) for s, v in profile.speeds.items()},
         )
         return profile
+
+    def _links(self, num_stages: int, profile: Profile | None) -> LinkTerms:
+        """The planner's link terms, when the operator gave a link bandwidth."""
+        bandwidth = self.link_bandwidth
+        if not bandwidth or profile is None or not profile.activation_bytes or num_stages < 2:
+            return LinkTerms()
+        return LinkTerms(list(profile.activation_bytes), [bandwidth] * (num_stages - 1))
 
     def _name(self, stage_id: str) -> str:
         member = self.members.by_id(stage_id)
@@ -312,8 +343,9 @@ class Coordinator:
         job, current = self._require_job()
         costs = self.costs()
         speeds = self._speeds(current.stage_ids)
-        now = estimates.evaluate(current.boundaries, costs, speeds)
-        best = plan(costs, speeds, current=current.boundaries)
+        links = self._links(len(speeds), self.profile)
+        now = estimates.evaluate(current.boundaries, costs, speeds, *links)
+        best = plan(costs, speeds, *links, current=current.boundaries)
         old = Chain(current.epoch, current.addresses, current.boundaries)
         new = Chain(current.epoch + 1, current.addresses, best.boundaries)
         return PlanView(
@@ -446,7 +478,8 @@ class Coordinator:
         return self._replan(stage_ids, f"undrain {member.row.name}")
 
     def _replan(self, stage_ids: tuple[str, ...], reason: str) -> MoveOutcome:
-        best = plan(self.costs(), self._speeds(stage_ids))
+        speeds = self._speeds(stage_ids)
+        best = plan(self.costs(), speeds, *self._links(len(speeds), self.profile))
         return self._move(stage_ids, best.boundaries, reason, 0.0)
 
     def _member(self, key: str) -> Member:
@@ -475,7 +508,9 @@ class Coordinator:
             new = Chain(epoch, tuple(addresses), tuple(boundaries))
             speeds = self._speeds(stage_ids)
             predicted = predict_step_time(
-                estimates.evaluate(boundaries, self.costs(), speeds),
+                estimates.evaluate(
+                    boundaries, self.costs(), speeds, *self._links(len(speeds), self.profile)
+                ),
                 job.micro_batches,
                 job.schedule,
             )

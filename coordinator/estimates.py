@@ -28,10 +28,13 @@ Timing = tuple[float, float, int, int]  # (forward_s, backward_s, output_bytes, 
 
 @dataclass(frozen=True)
 class Profile:
-    """Unit costs of every layer, and each profiled stage's speed."""
+    """Unit costs of every layer, each profiled stage's speed, and the bytes at each cut."""
 
     costs: tuple[float, ...]
     speeds: dict[str, float]
+    # Bytes crossing a cut after layer l per micro-batch: the activation forward and its
+    # gradient backward (the same size).
+    activation_bytes: tuple[int, ...] = ()
 
 
 def from_profiles(profiles: Mapping[str, Sequence[Timing]]) -> Profile:
@@ -51,7 +54,10 @@ def from_profiles(profiles: Mapping[str, Sequence[Timing]]) -> Profile:
     for layer in range(num_layers):
         per_stage = [(t[layer][0] + t[layer][1]) * speeds[s] for s, t in profiles.items()]
         costs.append(max(sum(per_stage) / len(per_stage), 1e-9))
-    return Profile(costs=tuple(costs), speeds=speeds)
+    activation_bytes = tuple(
+        2 * max(t[layer][2] for t in profiles.values()) for layer in range(num_layers)
+    )
+    return Profile(costs=tuple(costs), speeds=speeds, activation_bytes=activation_bytes)
 
 
 def fallback_costs(param_bytes: Sequence[int]) -> tuple[float, ...]:
@@ -79,15 +85,26 @@ def fill_speeds(known: Sequence[float | None]) -> list[float]:
     return [v if v is not None and v > 0 else mean for v in known]
 
 
-def evaluate(boundaries: Sequence[int], costs: Sequence[float], speeds: Sequence[float]) -> Plan:
+def evaluate(
+    boundaries: Sequence[int],
+    costs: Sequence[float],
+    speeds: Sequence[float],
+    activation_bytes: Sequence[int] | None = None,
+    link_bandwidths: Sequence[float] | None = None,
+) -> Plan:
     """The times of a given partition (no optimisation), as a ``Plan``."""
     stage_times = tuple(
         math.fsum(costs[boundaries[s] : boundaries[s + 1]]) / speeds[s] for s in range(len(speeds))
     )
-    link_times = tuple(0.0 for _ in range(len(speeds) - 1))
+    link_times = tuple(
+        activation_bytes[boundaries[s + 1] - 1] / link_bandwidths[s]
+        if activation_bytes and link_bandwidths
+        else 0.0
+        for s in range(len(speeds) - 1)
+    )
     return Plan(
         boundaries=tuple(boundaries),
         stage_times=stage_times,
         link_times=link_times,
-        bottleneck=max(stage_times),
+        bottleneck=max(stage_times + link_times),
     )

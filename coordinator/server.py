@@ -26,12 +26,14 @@ class CoordinatorServer:
         policy: PolicyConfig | None = None,
         dead_after_s: float = 5.0,
         heartbeat_interval_s: float = 1.0,
+        link_bandwidth: float = 0.0,
     ):
         self._listen = listen
         self._state = state
         self._policy = policy
         self._dead_after_s = dead_after_s
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._link_bandwidth = link_bandwidth
         self.coordinator: Coordinator | None = None
         self._server: RunningServer | None = None
 
@@ -44,7 +46,11 @@ class CoordinatorServer:
     def start(self) -> CoordinatorServer:
         """Opens the state file, binds the port and starts the policy loop."""
         self.coordinator = Coordinator(
-            Store(self._state), self._policy, self._dead_after_s, self._heartbeat_interval_s
+            Store(self._state),
+            self._policy,
+            self._dead_after_s,
+            self._heartbeat_interval_s,
+            self._link_bandwidth,
         )
         self._server = start_server(
             self._listen,

@@ -79,7 +79,12 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         interval_s=args.policy_interval,
     )
     server = CoordinatorServer(
-        args.listen, args.state, policy, args.dead_after, args.heartbeat_interval
+        args.listen,
+        args.state,
+        policy,
+        args.dead_after,
+        args.heartbeat_interval,
+        args.link_bandwidth,
     ).start()
     _write_ready(args.ready_file, server.address)
     stop = threading.Event()
@@ -191,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without heartbeat before a stage counts as dead",
     )
     co.add_argument("--heartbeat-interval", type=float, default=1.0)
+    co.add_argument(
+        "--link-bandwidth",
+        type=float,
+        default=0.0,
+        metavar="BYTES_PER_S",
+        help="bandwidth between neighbouring hosts; when given, the planner counts the "
+        "activations and gradients crossing each cut (default: links are free)",
+    )
     co.add_argument("--ready-file", help=argparse.SUPPRESS)
     co.set_defaults(func=cmd_coordinator)
 

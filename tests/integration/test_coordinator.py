@@ -103,3 +103,31 @@ def test_watch_partition_streams_every_new_epoch(
         assert seen[0].epoch == first.epoch
         assert seen[1].epoch == first.epoch + 1 and list(seen[1].boundaries) == target
         channel.close()
+
+
+def test_slow_links_make_the_planner_cut_where_activations_are_small() -> None:
+    """Given --link-bandwidth, the partition avoids cutting after wide layers."""
+    with CoordinatorServer(
+        policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2, link_bandwidth=1e4
+    ) as coordinator:
+        stages = [
+            StageServer(StageConfig(name=f"s{i}"), coordinator.address).start() for i in range(2)
+        ]
+        try:
+            for s in stages:
+                assert s.registered.wait(10)
+            # Two heavy 512x512 layers (2 and 4): compute alone would cut between them (3-5),
+            # where activations are 512 wide; only the cuts at 7 and 8 are 4 wide.
+            with Pipeline(
+                coordinator=coordinator.address,
+                model="mlp",
+                model_kwargs={"sizes": [4, 512, 512, 512, 4, 4]},
+                loss="mse",
+                micro_batches=2,
+                stages=2,
+            ) as pipe:
+                pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
+                assert pipe.partition.boundaries[1] in (7, 8), pipe.partition.boundaries
+        finally:
+            for s in stages:
+                s.stop()

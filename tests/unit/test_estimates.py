@@ -118,3 +118,25 @@ def test_evaluate_single_stage() -> None:
     assert plan.stage_times == pytest.approx((1.0,))
     assert plan.link_times == ()
     assert plan.bottleneck == pytest.approx(1.0)
+
+
+def test_evaluate_counts_link_times_when_links_are_given() -> None:
+    """With activation bytes and link bandwidths, each cut's transfer time is a link term."""
+    result = evaluate(
+        [0, 1, 3],
+        [1.0, 2.0, 2.0],
+        [1.0, 2.0],
+        activation_bytes=[300, 10, 10],
+        link_bandwidths=[100.0],
+    )
+    assert result.stage_times == (1.0, 2.0)
+    assert result.link_times == (3.0,)
+    assert result.bottleneck == 3.0
+
+
+def test_profiles_give_bytes_of_forward_activation_and_backward_gradient() -> None:
+    """The bytes at a cut are twice the largest output a stage reported for that layer."""
+    profile = from_profiles(
+        {"a": [(1.0, 1.0, 40, 1), (1.0, 1.0, 8, 1)], "b": [(1.0, 1.0, 40, 1), (1.0, 1.0, 8, 1)]}
+    )
+    assert profile.activation_bytes == (80, 16)
