@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -45,7 +48,8 @@ from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger()
 
-RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
+RETRY_WAIT_S = 2.0
+CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"  # how long one wait for a newer partition may take
 
 
 @dataclass(frozen=True)
@@ -328,30 +332,116 @@ class Pipeline:
                 chain = self._chain or chain
         raise NotReady("the partition kept changing while reading the state")
 
+    def _export(self, chain: Chain, stage: int, include_optimizer: bool) -> dict[int, bytes]:
+        """Each layer of one stage as its checksummed state blob."""
+        address = chain.addresses[stage]
+        layers = list(range(chain.boundaries[stage], chain.boundaries[stage + 1]))
+        request = stage_pb2.ExportLayersRequest(
+            epoch=chain.epoch, layers=layers, include_optimizer=include_optimizer
+        )
+        try:
+            stream = self._clients.stub(address).ExportLayers(request, timeout=self._step_timeout)
+            return dict(codec.layer_blobs(stream, codec.DEFAULT_MAX_TENSOR_BYTES))
+        except grpc.RpcError as exc:
+            raise rpc.translate(exc, address) from exc
+
     def _collect(self, chain: Chain) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
-        for s, address in enumerate(chain.addresses):
-            layers = list(range(chain.boundaries[s], chain.boundaries[s + 1]))
-            request = stage_pb2.ExportLayersRequest(epoch=chain.epoch, layers=layers)
-            blobs: dict[int, codec.BlobAssembler] = {}
-            try:
-                for chunk in self._clients.stub(address).ExportLayers(
-                    request, timeout=self._step_timeout
-                ):
-                    if chunk.layer not in blobs:
-                        blobs[chunk.layer] = codec.BlobAssembler(
-                            chunk.total_bytes,
-                            codec.DEFAULT_MAX_TENSOR_BYTES,
-                            f"layer {chunk.layer}",
-                        )
-                    blobs[chunk.layer].add(chunk.offset, chunk.data, chunk.crc32)
-                    if chunk.sha256:
-                        layer_state = codec.unpack_state(blobs[chunk.layer].finish(chunk.sha256))
-                        for name, tensor in layer_state["model"].items():
-                            state[f"{chunk.layer}.{name}"] = tensor
-            except grpc.RpcError as exc:
-                raise rpc.translate(exc, address) from exc
+        for s in range(len(chain.addresses)):
+            for layer, blob in self._export(chain, s, include_optimizer=False).items():
+                for name, tensor in codec.unpack_state(blob)["model"].items():
+                    state[f"{layer}.{name}"] = tensor
         return state
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes a checkpoint: every layer's weights, buffers and optimizer state, and the
+        step count, so that ``load`` resumes training exactly where it was.
+
+        The file is msgpack (no pickle), written atomically; it does not depend on the
+        partition, so it can be loaded on any number of stages.
+        """
+        chain = self._ensure_job(None)
+        layers: dict[int, bytes] = {}
+        for s in range(len(chain.addresses)):
+            layers.update(self._export(chain, s, include_optimizer=True))
+        job = self._job
+        checkpoint = {
+            "format": CHECKPOINT_FORMAT,
+            "job": {
+                "model": job.model,
+                "model_kwargs": job.model_kwargs,
+                "seed": job.seed,
+                "optimizer": job.optimizer,
+                "optimizer_kwargs": job.optimizer_kwargs,
+            },
+            "step": self._step,
+            "layers": layers,
+        }
+        target = Path(path)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(codec.pack_state(checkpoint))
+        tmp.replace(target)
+        log.info("checkpoint_saved", path=str(target), step=self._step, layers=len(layers))
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Restores a checkpoint written by ``save`` for the same model and optimizer.
+
+        Raises:
+            InvalidRequest: not a checkpoint, or one of another model or optimizer.
+        """
+        raw = Path(path).read_bytes()
+        checkpoint = codec.unpack_state(raw, max(len(raw), 1))
+        if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+            raise InvalidRequest(f"{path} is not an ElasticPipe checkpoint")
+        job = self._job
+        mine = {
+            "model": job.model,
+            "model_kwargs": job.model_kwargs,
+            "optimizer": job.optimizer,
+            "optimizer_kwargs": job.optimizer_kwargs,
+        }
+        theirs = {k: checkpoint["job"].get(k) for k in mine}
+        if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
+            raise InvalidRequest(f"checkpoint {path} is of {theirs}, this pipeline trains {mine}")
+        layers: dict[int, bytes] = checkpoint["layers"]
+        chain = self._ensure_job(None)
+        if sorted(layers) != list(range(chain.boundaries[-1])):
+            raise InvalidRequest(
+                f"checkpoint {path} has layers {sorted(layers)}, the model {chain.boundaries[-1]}"
+            )
+        step = int(checkpoint["step"])
+        for s, address in enumerate(chain.addresses):
+            owned = range(chain.boundaries[s], chain.boundaries[s + 1])
+
+            def messages(owned: range = owned) -> Iterator[stage_pb2.RestoreChunk]:
+                first = True
+                for layer in owned:
+                    blob = layers[layer]
+                    for offset, data, crc, digest in codec.blob_pieces(blob):
+                        yield stage_pb2.RestoreChunk(
+                            epoch=chain.epoch if first else 0,
+                            committed_step=step if first else 0,
+                            chunk=stage_pb2.LayerChunk(
+                                layer=layer,
+                                total_bytes=len(blob),
+                                offset=offset,
+                                data=data,
+                                crc32=crc,
+                                sha256=digest,
+                            ),
+                        )
+                        first = False
+
+            rpc.call(
+                address,
+                self._clients.stub(address).RestoreLayers,
+                messages(),
+                timeout=self._step_timeout,
+            )
+        self._step = step
+        log.info("checkpoint_loaded", path=str(path), step=step, layers=len(layers))
 
     def stage_stats(self) -> list[stage_pb2.StageStats]:
         """Each stage's own report (epoch, layers, timings, peak activations)."""

@@ -16,7 +16,7 @@ import hashlib
 import math
 import zlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
@@ -275,6 +275,49 @@ class BlobAssembler:
         if sha256(blob) != digest:
             raise TransferError(f"{self._what}: SHA-256 mismatch after {len(blob)} bytes")
         return blob
+
+
+class LayerPiece(Protocol):
+    """What a ``LayerChunk`` message carries (a protocol so the codec needs no stubs)."""
+
+    layer: int
+    total_bytes: int
+    offset: int
+    data: bytes
+    crc32: int
+    sha256: bytes
+
+
+def blob_pieces(
+    blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[tuple[int, bytes, int, bytes]]:
+    """(offset, data, crc32, sha256-on-the-last-piece-else-empty) over a blob."""
+    digest = sha256(blob)
+    pieces = list(blob_chunks(blob, chunk_bytes))
+    for n, (offset, data) in enumerate(pieces):
+        yield offset, data, crc32(data), digest if n == len(pieces) - 1 else b""
+
+
+def layer_blobs(pieces: Iterable[LayerPiece], max_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """Reassembles (layer, blob) pairs from interleaved-free streams of checksummed pieces.
+
+    Raises:
+        TransferError: a gap, overflow, bad CRC or SHA-256 mismatch.
+        InvalidRequest: a layer sent twice.
+    """
+    open_: dict[int, BlobAssembler] = {}
+    done: set[int] = set()
+    for piece in pieces:
+        if piece.layer in done:
+            raise InvalidRequest(f"layer {piece.layer} sent twice")
+        if piece.layer not in open_:
+            open_[piece.layer] = BlobAssembler(piece.total_bytes, max_bytes, f"layer {piece.layer}")
+        open_[piece.layer].add(piece.offset, piece.data, piece.crc32)
+        if piece.sha256:
+            done.add(piece.layer)
+            yield piece.layer, open_.pop(piece.layer).finish(piece.sha256)
+    if open_:
+        raise TransferError(f"stream ended inside layers {sorted(open_)}")
 
 
 def join_chunks(chunks: Iterable[bytes]) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import grpc
@@ -245,17 +246,26 @@ class StageServicer:
         for layer, blob in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer
         ):
-            digest = codec.sha256(blob)
-            pieces = list(codec.blob_chunks(blob))
-            for n, (offset, data) in enumerate(pieces):
+            for offset, data, crc, digest in codec.blob_pieces(blob):
                 yield stage_pb2.LayerChunk(
                     layer=layer,
                     total_bytes=len(blob),
                     offset=offset,
                     data=data,
-                    crc32=codec.crc32(data),
-                    sha256=digest if n == len(pieces) - 1 else b"",
+                    crc32=crc,
+                    sha256=digest,
                 )
+
+    def RestoreLayers(
+        self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext
+    ) -> stage_pb2.RestoreResponse:
+        first = next(chunks, None)
+        if first is None:
+            raise InvalidRequest("empty restore stream")
+        pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
+        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes))
+        layers = self.stage.restore_layers(first.epoch, first.committed_step, blobs)
+        return stage_pb2.RestoreResponse(layers=layers)
 
     # ---- stats and admin -------------------------------------------------------------
 

@@ -506,24 +506,28 @@ class Stage:
         with rpc.channel(address) as chan:
             stub = stage_pb2_grpc.StageServiceStub(chan)
             stream = stub.ExportLayers(request, timeout=max(0.1, deadline - time.monotonic()))
-            try:
-                assembler: codec.BlobAssembler | None = None
+
+            def received() -> Iterator[stage_pb2.LayerChunk]:
                 for n, chunk in enumerate(stream):
-                    if assembler is None:
-                        assembler = codec.BlobAssembler(
-                            chunk.total_bytes, self.config.max_tensor_bytes, what
-                        )
-                    data = chunk.data
-                    if fault is Fault.CORRUPT_NEXT_IMPORT and n == 0 and data:
-                        data = bytes([data[0] ^ 0xFF]) + data[1:]
-                    if fault is Fault.CANCEL_NEXT_IMPORT and n == 0:
+                    if n == 0 and fault is Fault.CANCEL_NEXT_IMPORT:
                         stream.cancel()  # type: ignore[no-untyped-call]
                         raise TransferError(
-                            f"{what}: transfer cancelled after {len(data)} bytes (injected fault)"
+                            f"{what}: transfer cancelled after "
+                            f"{len(chunk.data)} bytes (injected fault)"
                         )
-                    assembler.add(chunk.offset, data, chunk.crc32)
-                    if chunk.sha256:
-                        return assembler.finish(chunk.sha256)
+                    if n == 0 and fault is Fault.CORRUPT_NEXT_IMPORT and chunk.data:
+                        corrupted = stage_pb2.LayerChunk()
+                        corrupted.CopyFrom(chunk)
+                        corrupted.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+                        yield corrupted
+                    else:
+                        yield chunk
+
+            try:
+                for got, blob in codec.layer_blobs(received(), self.config.max_tensor_bytes):
+                    if got != layer:
+                        raise TransferError(f"{what}: received layer {got} instead")
+                    return blob
             except grpc.RpcError as exc:
                 raise TransferError(f"{what}: {rpc.translate(exc, address)}") from exc
         raise TransferError(f"{what}: stream ended before the final checksum")
@@ -585,6 +589,43 @@ class Stage:
             states = [self.slice.export_layer(i, include_optimizer) for i in layers]
         for i, state in zip(layers, states, strict=True):
             yield i, codec.pack_state(state)
+
+    def restore_layers(self, epoch: int, committed_step: int, blobs: dict[int, bytes]) -> list[int]:
+        """Replaces owned layers' full state with a checkpoint's (between steps only).
+
+        Every layer is decoded and built before any is installed: a bad blob changes nothing.
+        """
+        with self._cond:
+            self._check_epoch(epoch)
+            if self.phase is not Phase.IDLE:
+                raise NotReady(
+                    f"stage {self.config.name} is in run {self.active_run} "
+                    f"({self.phase.value}); restore between steps"
+                )
+            assert self.slice is not None
+            layer_slice = self.slice
+            missing = [i for i in blobs if i not in layer_slice.layers]
+            if missing:
+                raise NotReady(
+                    f"stage {self.config.name} does not own layers {missing} "
+                    f"(owns {layer_slice.indices})"
+                )
+        built = {}
+        for index, blob in blobs.items():
+            state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+            if not isinstance(state, dict):
+                raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
+            built[index] = layer_slice.load_layer(index, state)
+        with self._cond:
+            self._check_epoch(epoch)
+            if self.phase is not Phase.IDLE:
+                raise NotReady(f"stage {self.config.name} started run {self.active_run}")
+            for index, (layer, optimizer) in built.items():
+                layer_slice.drop(index)
+                layer_slice.install(index, layer, optimizer)
+            self.committed_step = committed_step
+        log.info("layers_restored", layers=sorted(built), step=committed_step)
+        return sorted(built)
 
     def inject_fault(self, fault: Fault) -> None:
         """Arms a fault for the next layer import (tests only; off unless enabled)."""

@@ -849,6 +849,58 @@ class LayerChunk(_message.Message):
 Global___LayerChunk: _TypeAlias = LayerChunk  # noqa: Y015
 
 @_typing.final
+class RestoreChunk(_message.Message):
+    """Restoring a checkpoint: the first message names the epoch and step, then each layer's
+    state follows as LayerChunks (weights, buffers and optimizer state, as exported).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    COMMITTED_STEP_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """first message: the epoch the client computed in"""
+    committed_step: _builtins.int
+    """first message: the step the checkpoint was taken after"""
+    @_builtins.property
+    def chunk(self) -> Global___LayerChunk: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        committed_step: _builtins.int = ...,
+        chunk: Global___LayerChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "committed_step", b"committed_step", "epoch", b"epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreChunk: _TypeAlias = RestoreChunk  # noqa: Y015
+
+@_typing.final
+class RestoreResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        layers: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreResponse: _TypeAlias = RestoreResponse  # noqa: Y015
+
+@_typing.final
 class StatsRequest(_message.Message):
     """---- stats and admin -------------------------------------------------------"""
 

@@ -114,6 +114,11 @@ class StageServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.ExportLayersRequest.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.LayerChunk.FromString,
                 _registered_method=True)
+        self.RestoreLayers = channel.stream_unary(
+                '/elasticpipe.v1.StageService/RestoreLayers',
+                request_serializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreChunk.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/elasticpipe.v1.StageService/GetStats',
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.StatsRequest.SerializeToString,
@@ -234,6 +239,13 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreLayers(self, request_iterator, context):
+        """load a checkpoint
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Stats and admin.
         """
@@ -335,6 +347,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.ExportLayers,
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.ExportLayersRequest.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_stage__pb2.LayerChunk.SerializeToString,
+            ),
+            'RestoreLayers': grpc.stream_unary_rpc_method_handler(
+                    servicer.RestoreLayers,
+                    request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreChunk.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -784,6 +801,33 @@ class StageService:
             '/elasticpipe.v1.StageService/ExportLayers',
             elasticpipe_dot_v1_dot_stage__pb2.ExportLayersRequest.SerializeToString,
             elasticpipe_dot_v1_dot_stage__pb2.LayerChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreLayers(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/elasticpipe.v1.StageService/RestoreLayers',
+            elasticpipe_dot_v1_dot_stage__pb2.RestoreChunk.SerializeToString,
+            elasticpipe_dot_v1_dot_stage__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,8 @@ class StageServiceStub:
     CommitEpoch: _grpc.UnaryUnaryMultiCallable[_stage_pb2.EpochRequest, _stage_pb2.EpochResponse]
     AbortEpoch: _grpc.UnaryUnaryMultiCallable[_stage_pb2.EpochRequest, _stage_pb2.EpochResponse]
     ExportLayers: _grpc.UnaryStreamMultiCallable[_stage_pb2.ExportLayersRequest, _stage_pb2.LayerChunk]
+    RestoreLayers: _grpc.StreamUnaryMultiCallable[_stage_pb2.RestoreChunk, _stage_pb2.RestoreResponse]
+    """load a checkpoint"""
     GetStats: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StatsRequest, _stage_pb2.StageStats]
     """Stats and admin."""
     SetSlowdown: _grpc.UnaryUnaryMultiCallable[_stage_pb2.SlowdownRequest, _stage_pb2.Ack]
@@ -79,6 +81,8 @@ class StageServiceAsyncStub(StageServiceStub):
     CommitEpoch: _aio.UnaryUnaryMultiCallable[_stage_pb2.EpochRequest, _stage_pb2.EpochResponse]  # type: ignore[assignment]
     AbortEpoch: _aio.UnaryUnaryMultiCallable[_stage_pb2.EpochRequest, _stage_pb2.EpochResponse]  # type: ignore[assignment]
     ExportLayers: _aio.UnaryStreamMultiCallable[_stage_pb2.ExportLayersRequest, _stage_pb2.LayerChunk]  # type: ignore[assignment]
+    RestoreLayers: _aio.StreamUnaryMultiCallable[_stage_pb2.RestoreChunk, _stage_pb2.RestoreResponse]  # type: ignore[assignment]
+    """load a checkpoint"""
     GetStats: _aio.UnaryUnaryMultiCallable[_stage_pb2.StatsRequest, _stage_pb2.StageStats]  # type: ignore[assignment]
     """Stats and admin."""
     SetSlowdown: _aio.UnaryUnaryMultiCallable[_stage_pb2.SlowdownRequest, _stage_pb2.Ack]  # type: ignore[assignment]
@@ -200,6 +204,14 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _stage_pb2.ExportLayersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_stage_pb2.LayerChunk], _abc.AsyncIterator[_stage_pb2.LayerChunk]]: ...
+
+    @_abc_1.abstractmethod
+    def RestoreLayers(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.RestoreChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.RestoreResponse, _abc.Awaitable[_stage_pb2.RestoreResponse]]:
+        """load a checkpoint"""
 
     @_abc_1.abstractmethod
     def GetStats(

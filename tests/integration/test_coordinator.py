@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ from client.pipeline import Pipeline
 from coordinator.policy import PolicyConfig
 from coordinator.server import CoordinatorServer
 from elasticpipe import models
+from elasticpipe.errors import InvalidRequest
 from elasticpipe.training import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from stage_server.server import StageServer
@@ -131,3 +133,72 @@ def test_slow_links_make_the_planner_cut_where_activations_are_small() -> None:
         finally:
             for s in stages:
                 s.stop()
+
+
+def test_a_checkpoint_resumes_training_exactly_on_another_partition(
+    cluster: tuple[CoordinatorServer, list[StageServer]],
+    tmp_path: Path,
+) -> None:
+    """save() after 3 Adam steps, then load() into a fresh 1-stage job: the next 2 steps give
+    the same losses and weights as continuing the original 2-stage job."""
+    coordinator, _ = cluster
+    kwargs = {"sizes": [6, 16, 16, 3]}
+    g = torch.Generator().manual_seed(4)
+    batches = [
+        (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(5)
+    ]
+    path = tmp_path / "ckpt.msgpack"
+
+    def pipeline(stages: int) -> Pipeline:
+        return Pipeline(
+            coordinator=coordinator.address,
+            model="mlp",
+            model_kwargs=kwargs,
+            seed=9,
+            optimizer="adam",
+            optimizer_kwargs={"lr": 0.01},
+            micro_batches=2,
+            stages=stages,
+        )
+
+    with pipeline(2) as original:
+        for x, y in batches[:3]:
+            original.train_step(x, y)
+        original.save(path)
+        expected = [original.train_step(x, y) for x, y in batches[3:]]
+        expected_state = original.state_dict()
+    with pipeline(1) as resumed:
+        resumed.load(path)
+        assert resumed.step == 3
+        got = [resumed.train_step(x, y) for x, y in batches[3:]]
+        state = resumed.state_dict()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected))
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value)
+
+
+def test_loading_a_foreign_or_corrupt_checkpoint_is_refused(
+    cluster: tuple[CoordinatorServer, list[StageServer]],
+    tmp_path: Path,
+) -> None:
+    """A file that is not a checkpoint, or one of another model, raises InvalidRequest."""
+    coordinator, _ = cluster
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\x93\x01\x02garbage")
+    with Pipeline(
+        coordinator=coordinator.address, model="mlp", model_kwargs={"sizes": [4, 8, 2]}, stages=2
+    ) as pipe:
+        pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
+        with pytest.raises(InvalidRequest):
+            pipe.load(junk)
+        pipe.save(tmp_path / "small.msgpack")
+    with (
+        Pipeline(
+            coordinator=coordinator.address,
+            model="mlp",
+            model_kwargs={"sizes": [4, 16, 2]},
+            stages=2,
+        ) as other,
+        pytest.raises(InvalidRequest, match="sizes"),
+    ):
+        other.load(tmp_path / "small.msgpack")
