@@ -44,6 +44,7 @@ from elasticpipe.errors import (
 from elasticpipe.job import JobConfig
 from elasticpipe.schedule import split_sizes
 from elasticpipe.training import check_optimizer
+from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger()
@@ -418,19 +419,11 @@ class Pipeline:
             def messages(owned: range = owned) -> Iterator[stage_pb2.RestoreChunk]:
                 first = True
                 for layer in owned:
-                    blob = layers[layer]
-                    for offset, data, crc, digest in codec.blob_pieces(blob):
+                    for chunk in layer_chunks(layer, layers[layer]):
                         yield stage_pb2.RestoreChunk(
                             epoch=chain.epoch if first else 0,
                             committed_step=step if first else 0,
-                            chunk=stage_pb2.LayerChunk(
-                                layer=layer,
-                                total_bytes=len(blob),
-                                offset=offset,
-                                data=data,
-                                crc32=crc,
-                                sha256=digest,
-                            ),
+                            chunk=chunk,
                         )
                         first = False
 

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Protocol
 
 import structlog
 
@@ -54,13 +55,28 @@ def _write_ready(path: str | None, address: str) -> None:
         tmp.replace(path)
 
 
-def _serve_until_signalled(stop: threading.Event) -> None:
+class _Server(Protocol):
+    @property
+    def address(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+def _serve_until_signalled(server: _Server, ready_file: str | None) -> int:
+    """Announces the server's address, serves until SIGTERM/SIGINT, then stops it."""
+    stop = threading.Event()
+
     def handler(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    stop.wait()
+    _write_ready(ready_file, server.address)
+    try:
+        stop.wait()
+    finally:
+        server.stop()
+    return 0
 
 
 # ---- commands --------------------------------------------------------------------------
@@ -86,13 +102,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         args.heartbeat_interval,
         args.link_bandwidth,
     ).start()
-    _write_ready(args.ready_file, server.address)
-    stop = threading.Event()
-    try:
-        _serve_until_signalled(stop)
-    finally:
-        server.stop()
-    return 0
+    return _serve_until_signalled(server, args.ready_file)
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -117,13 +127,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         enable_fault_injection=args.enable_fault_injection,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
-    _write_ready(args.ready_file, server.address)
-    stop = threading.Event()
-    try:
-        _serve_until_signalled(stop)
-    finally:
-        server.stop()
-    return 0
+    return _serve_until_signalled(server, args.ready_file)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

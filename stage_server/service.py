@@ -11,6 +11,7 @@ import torch
 from elasticpipe import codec
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig
+from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 from stage_server.layers import LayerTiming
 from stage_server.mailbox import Slot
@@ -246,15 +247,7 @@ class StageServicer:
         for layer, blob in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer
         ):
-            for offset, data, crc, digest in codec.blob_pieces(blob):
-                yield stage_pb2.LayerChunk(
-                    layer=layer,
-                    total_bytes=len(blob),
-                    offset=offset,
-                    data=data,
-                    crc32=crc,
-                    sha256=digest,
-                )
+            yield from layer_chunks(layer, blob)
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext
