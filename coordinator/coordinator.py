@@ -308,13 +308,20 @@ class Coordinator:
         return estimates.fallback_costs(self.param_bytes or [1] * self.num_layers)
 
     def speed_of(self, member: Member) -> float | None:
-        """A stage's current speed: live if measured, else last known, else profiled."""
+        """A stage's current speed: live if measured, else last known, else profiled.
+
+        A live estimate needs a measurement of every layer the stage owns: right after a
+        move, a speed from only the layers it kept would rest on whichever layers happen to
+        be cheap or expensive, and could make a lopsided partition look optimal.
+        """
         costs = self.costs()
-        owned = {}
+        owned: dict[int, Timing] = {}
         if self.partition is not None and member.row.stage_id in self.partition.stage_ids:
             s = self.partition.stage_ids.index(member.row.stage_id)
             lo, hi = self.partition.boundaries[s], self.partition.boundaries[s + 1]
-            owned = {i: t for i, t in member.timings.items() if lo <= i < hi}
+            owned = {i: t for i, t in member.timings.items() if lo <= i < hi and t[3] > 0}
+            if len(owned) < hi - lo:
+                owned = {}
         live = estimates.live_speed(costs, owned)
         if live is not None:
             member.speed = live

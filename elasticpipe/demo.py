@@ -64,7 +64,7 @@ def run_demo(
                 model_kwargs=model_kwargs,
                 seed=0,
                 optimizer="adamw",
-                optimizer_kwargs={"lr": 3e-3, "weight_decay": 0.01},
+                optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.01},
                 loss="cross_entropy",
                 micro_batches=micro_batches,
                 schedule="1f1b",
@@ -105,7 +105,7 @@ def run_demo(
                     prompt="def ",
                     length=200,
                     max_seq_len=seq_len,
-                    temperature=0.8,
+                    temperature=0.6,
                     seed=0,
                 )
                 print("\n--- sample ---\n" + text + "\n--------------", file=out, flush=True)
