@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-import grpc
-
 from elasticpipe import rpc
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -208,13 +206,3 @@ class LocalCluster:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def channel_ready(address: str, timeout: float) -> bool:
-    """Whether a gRPC server answers at ``address`` within ``timeout`` seconds."""
-    with rpc.channel(address) as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-            return True
-        except grpc.FutureTimeoutError:
-            return False

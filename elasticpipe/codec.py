@@ -318,8 +318,3 @@ def layer_blobs(pieces: Iterable[LayerPiece], max_bytes: int) -> Iterator[tuple[
             yield piece.layer, open_.pop(piece.layer).finish(piece.sha256)
     if open_:
         raise TransferError(f"stream ended inside layers {sorted(open_)}")
-
-
-def join_chunks(chunks: Iterable[bytes]) -> bytes:
-    """Concatenates chunks (used by tests and small transfers)."""
-    return b"".join(chunks)

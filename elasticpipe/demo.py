@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -114,8 +113,3 @@ def run_demo(
         return 130
     print("cluster stopped cleanly", file=out)
     return 0
-
-
-def default_log_dir() -> Path:
-    """Where the demo keeps logs when asked to (``--log-dir``)."""
-    return Path.cwd() / "elasticpipe-demo-logs"

@@ -19,7 +19,6 @@ from elasticpipe.codec import (
     check_meta,
     crc32,
     from_proto,
-    join_chunks,
     pack_state,
     sha256,
     tensor_chunks,
@@ -436,7 +435,7 @@ def test_blob_chunks_cover_the_blob_and_reassemble(blob: bytes, chunk_bytes: int
         assert offset == offsets[-1]
         assert len(chunk) <= chunk_bytes
         offsets.append(offset + len(chunk))
-    assert join_chunks(c for _, c in chunks) == blob
+    assert b"".join(c for _, c in chunks) == blob
     assembler = BlobAssembler(len(blob), len(blob), "layer 3")
     for offset, chunk in chunks:
         assembler.add(offset, chunk, crc32(chunk))
