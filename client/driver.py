@@ -18,7 +18,13 @@ import structlog
 import torch
 
 from elasticpipe import codec, rpc
-from elasticpipe.errors import ElasticPipeError, InvalidRequest, StepAborted
+from elasticpipe.errors import (
+    DeadlineExceeded,
+    ElasticPipeError,
+    InvalidRequest,
+    StageUnavailable,
+    StepAborted,
+)
 from elasticpipe.transport import Outgoing, send
 from elasticpipe.v1 import stage_pb2
 
@@ -139,7 +145,11 @@ def commit(clients: StageClients, chain: Chain, run_id: int, step: int) -> None:
     request = stage_pb2.CommitStepRequest(epoch=chain.epoch, run=run_id, step=step)
 
     def one(address: str) -> None:
-        rpc.call(address, clients.stub(address).CommitStep, request, timeout=30.0)
+        # CommitStep is idempotent: a commit whose reply was lost is asked again.
+        try:
+            rpc.call(address, clients.stub(address).CommitStep, request, timeout=30.0)
+        except (StageUnavailable, DeadlineExceeded):
+            rpc.call(address, clients.stub(address).CommitStep, request, timeout=30.0)
 
     futures = [clients.executor.submit(one, a) for a in chain.addresses]
     failures = []

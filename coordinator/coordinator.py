@@ -178,7 +178,7 @@ class Coordinator:
             links = self._links(len(speeds), profile)
             order, best = order_hosts(costs, speeds, links.activation_bytes, links.link_bandwidths)
             ordered = [chosen[i] for i in order]
-            epoch = self.store.max_epoch() + 1
+            epoch = self.store.reserve_epoch()
             partition = PartitionRow(
                 epoch=epoch,
                 job_id=job.job_id,
@@ -377,15 +377,24 @@ class Coordinator:
         """
         view = self.plan_view()
         decision = decide(
-            replace(self.policy, enabled=True, threshold=-1.0, cooldown_s=0.0, horizon_steps=10**9)
-            if force
-            else self.policy,
+            self.policy,
             view.current_step_s,
             view.optimal_step_s,
             view.bytes_to_move,
             time.monotonic() - self._last_move,
             self._last_pause,
         )
+        if force:
+            # The operator asked for the planner's optimum (the smallest bottleneck): move
+            # whenever it differs, whatever the policy's thresholds would say.
+            differs = view.optimal.boundaries != view.current.boundaries
+            decision = replace(
+                decision,
+                move=differs,
+                reason="moving to the optimal partition on request"
+                if differs
+                else "the current partition is already optimal",
+            )
         if not decision.move:
             self._proposal = None
         elif not force:
@@ -510,7 +519,7 @@ class Coordinator:
             current = self.partition or current
             if tuple(boundaries) == current.boundaries and tuple(stage_ids) == current.stage_ids:
                 return MoveOutcome(False, current, "the partition is already that one", gain)
-            epoch = self.store.max_epoch() + 1
+            epoch = self.store.reserve_epoch()
             old = Chain(current.epoch, current.addresses, current.boundaries)
             new = Chain(epoch, tuple(addresses), tuple(boundaries))
             speeds = self._speeds(stage_ids)

@@ -28,6 +28,7 @@ from elasticpipe.v1 import stage_pb2
 
 log = structlog.get_logger()
 T = TypeVar("T")
+COMMIT_ATTEMPTS = 4
 
 
 class StagePool(rpc.StagePool):
@@ -183,10 +184,17 @@ def change_epoch(
         raise
     failures = []
     for address in involved:
-        try:
-            pool.call(address, "CommitEpoch", stage_pb2.EpochRequest(epoch=new.epoch), 30.0)
-        except ElasticPipeError as exc:  # past the commit point: report, cannot roll back
-            failures.append(f"{address}: {exc}")
+        # Past the commit point the change can only go forward: CommitEpoch is idempotent,
+        # so a stage that missed it is asked again before giving up on it.
+        for attempt in range(COMMIT_ATTEMPTS):
+            try:
+                pool.call(address, "CommitEpoch", stage_pb2.EpochRequest(epoch=new.epoch), 30.0)
+                break
+            except ElasticPipeError as exc:
+                if attempt == COMMIT_ATTEMPTS - 1:
+                    failures.append(f"{address}: {exc}")
+                else:
+                    time.sleep(0.5 * (attempt + 1))
     if failures:
         log.error("epoch_commit_incomplete", epoch=new.epoch, failures=failures)
     return MoveResult(

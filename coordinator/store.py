@@ -187,4 +187,12 @@ class Store:
         with self._lock:
             row = self._db.execute("SELECT MAX(epoch) FROM epochs").fetchone()
         stored = self.partition()
-        return max(row[0] or 0, stored.epoch if stored else 0)
+        attempted = self.get("epoch_attempted") or 0
+        return max(row[0] or 0, stored.epoch if stored else 0, attempted)
+
+    def reserve_epoch(self) -> int:
+        """A fresh epoch number, never handed out again (even if its change is abandoned,
+        so that a late message of an abandoned attempt can never match a new one)."""
+        epoch = self.max_epoch() + 1
+        self.put("epoch_attempted", epoch)
+        return epoch

@@ -299,22 +299,29 @@ def blob_pieces(
 
 
 def layer_blobs(pieces: Iterable[LayerPiece], max_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """Reassembles (layer, blob) pairs from interleaved-free streams of checksummed pieces.
+    """Reassembles (layer, blob) pairs from a stream of checksummed pieces, one layer at a
+    time (a layer's pieces are contiguous), so at most one layer is buffered while open.
 
     Raises:
-        TransferError: a gap, overflow, bad CRC or SHA-256 mismatch.
+        TransferError: a gap, overflow, bad CRC or SHA-256 mismatch, or a layer left open.
         InvalidRequest: a layer sent twice.
     """
-    open_: dict[int, BlobAssembler] = {}
+    current: tuple[int, BlobAssembler] | None = None
     done: set[int] = set()
     for piece in pieces:
         if piece.layer in done:
             raise InvalidRequest(f"layer {piece.layer} sent twice")
-        if piece.layer not in open_:
-            open_[piece.layer] = BlobAssembler(piece.total_bytes, max_bytes, f"layer {piece.layer}")
-        open_[piece.layer].add(piece.offset, piece.data, piece.crc32)
+        if current is None:
+            current = (
+                piece.layer,
+                BlobAssembler(piece.total_bytes, max_bytes, f"layer {piece.layer}"),
+            )
+        elif current[0] != piece.layer:
+            raise TransferError(f"layer {piece.layer} started before layer {current[0]} ended")
+        current[1].add(piece.offset, piece.data, piece.crc32)
         if piece.sha256:
             done.add(piece.layer)
-            yield piece.layer, open_.pop(piece.layer).finish(piece.sha256)
-    if open_:
-        raise TransferError(f"stream ended inside layers {sorted(open_)}")
+            yield piece.layer, current[1].finish(piece.sha256)
+            current = None
+    if current is not None:
+        raise TransferError(f"stream ended inside layer {current[0]}")

@@ -243,6 +243,9 @@ class LayerSlice:
         if not 0 <= index < len(skeleton):
             raise InvalidRequest(f"layer {index} out of range (model has {len(skeleton)})")
         layer = models.materialize_layer(skeleton[index], self.device).train()
+        # Initialise first: buffers that the state dict does not carry (non-persistent
+        # ones, such as causal masks) must not stay uninitialised memory.
+        models.init_layer(layer, self.job.seed, index)
         try:
             layer.load_state_dict(state["model"], strict=True)
         except (RuntimeError, KeyError, TypeError) as exc:

@@ -83,6 +83,16 @@ class Mailbox:
                     )
                 self._cond.wait(remaining)
 
+    def closed(self, run: int) -> bool:
+        """Whether ``run`` is over (committed or aborted): nothing of it may start now."""
+        with self._cond:
+            return run < self._closed_below
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more would fit under the byte limit (checked before allocating)."""
+        with self._cond:
+            return self._bytes + nbytes <= self._max_bytes
+
     def fail(self, run: int, error: ElasticPipeError) -> None:
         """Wakes every wait of ``run`` with ``error`` (first failure wins)."""
         with self._cond:

@@ -60,6 +60,12 @@ class StageServicer:
     def __init__(self, stage: Stage):
         self.stage = stage
 
+    def _admit(self, header: stage_pb2.DataHeader) -> codec.TensorAssembler:
+        """Checks the declared tensor, the epoch and the room left, then allocates for it."""
+        codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
+        self.stage.admit(header.epoch, header.meta.nbytes)
+        return codec.TensorAssembler(header.meta, self.stage.config.max_tensor_bytes)
+
     def _receive(
         self, chunks: Iterator[stage_pb2.DataChunk]
     ) -> tuple[stage_pb2.DataHeader, torch.Tensor]:
@@ -67,7 +73,7 @@ class StageServicer:
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidRequest("a data stream must start with a DataHeader")
         header = first.header
-        assembler = codec.TensorAssembler(header.meta, self.stage.config.max_tensor_bytes)
+        assembler = self._admit(header)
         for chunk in chunks:
             if chunk.WhichOneof("part") != "data":
                 raise InvalidRequest(
@@ -104,9 +110,15 @@ class StageServicer:
         slot = _SLOTS.get(msg.slot)
         if slot is None:
             raise InvalidRequest(f"unknown slot {msg.slot} (expected INPUT, GRAD or TARGET)")
-        assembler = codec.TensorAssembler(msg.header.meta, self.stage.config.max_tensor_bytes)
-        assembler.add(msg.data)
         header = msg.header
+        if len(msg.data) != header.meta.nbytes:
+            codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
+            raise InvalidRequest(
+                f"received {len(msg.data)} bytes for a tensor declared as "
+                f"{header.meta.nbytes} bytes"
+            )
+        assembler = self._admit(header)
+        assembler.add(msg.data)
         self.stage.deliver(
             slot,
             header.epoch,

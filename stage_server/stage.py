@@ -33,6 +33,8 @@ from elasticpipe.errors import (
     PermissionDenied,
     Rebalancing,
     StaleEpoch,
+    StepAborted,
+    TooLarge,
     TransferError,
 )
 from elasticpipe.job import JobConfig
@@ -149,6 +151,7 @@ class Stage:
         self._frozen_for: int | None = None
         self._staged: _Staged | None = None
         self._fault = Fault.NONE
+        self._last_commit = (0, 0)
 
     # ---- job -------------------------------------------------------------------------
 
@@ -232,6 +235,16 @@ class Stage:
         if self.slice is None or self.placement is None:
             raise NotReady(f"stage {self.config.name} has no job assigned")
 
+    def admit(self, epoch: int, nbytes: int) -> None:
+        """Checks a data message's epoch and size before anything is allocated for it."""
+        with self._cond:
+            self._check_epoch(epoch)
+            if not self._mailbox.has_room(nbytes):
+                raise TooLarge(
+                    f"stage {self.config.name} cannot hold {nbytes} more bytes of "
+                    f"waiting inputs (limit {self.config.mailbox_bytes})"
+                )
+
     def deliver(
         self,
         slot: Slot,
@@ -272,6 +285,10 @@ class Stage:
                     f"stage {self.config.name} is busy with run {self.active_run} "
                     f"({self.phase.value}); abort it first"
                 )
+            if self._mailbox.closed(run):
+                raise StepAborted(
+                    f"run {run} was aborted before it started on stage {self.config.name}"
+                )
             if train and step != self.committed_step + 1:
                 raise NotReady(
                     f"step {step} is not the next step of stage {self.config.name} "
@@ -309,6 +326,12 @@ class Stage:
                 log.error("step_crashed", run=run, error=repr(exc))
             raise
         with self._cond:
+            if mailbox.closed(run):  # aborted while the last ops computed: discard it
+                layer_slice.zero_grad()
+                if self.active_run == run:
+                    self.phase = Phase.IDLE
+                self._cond.notify_all()
+                raise StepAborted(f"run {run} was aborted on stage {self.config.name}")
             if self.active_run == run and self.phase is Phase.RUNNING:
                 self.phase = Phase.AWAITING_COMMIT if train else Phase.IDLE
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
@@ -408,6 +431,8 @@ class Stage:
                 raise StaleEpoch(
                     f"stale epoch {epoch}: stage {self.config.name} is at epoch {self.epoch}"
                 )
+            if self._last_commit == (run, step):
+                return self.committed_step  # a retried commit whose reply was lost
             if self.phase is not Phase.AWAITING_COMMIT or self.active_run != run:
                 raise NotReady(
                     f"run {run} is not awaiting commit on stage {self.config.name} "
@@ -416,6 +441,7 @@ class Stage:
             assert self.slice is not None
             self.slice.step()
             self.committed_step = step
+            self._last_commit = (run, step)
             self.phase = Phase.IDLE
             self._mailbox.close_through(run)
             self._cond.notify_all()
@@ -540,8 +566,9 @@ class Stage:
             staged = self._staged
             if staged is None or staged.epoch != new_epoch:
                 raise NotReady(f"nothing staged for epoch {new_epoch} on stage {self.config.name}")
-            if staged.new_slice is not None:
+            if staged.new_slice is not None:  # joining a job: its runs start afresh
                 self.job, self.slice = staged.job, staged.new_slice
+                self._mailbox = Mailbox(self.config.mailbox_bytes)
             self.committed_step = staged.committed_step
             assert self.slice is not None
             for index, (layer, optimizer) in staged.layers.items():

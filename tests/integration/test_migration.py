@@ -120,6 +120,9 @@ def test_training_is_exact_across_migrations(
             lopsided = [*range(stages), num_layers]
             assert admin.set_partition(lopsided).changed
         elif step == 4:
+            # Let a heartbeat carry fresh timings of the lopsided layout (sent every 1 s):
+            # the planner only trusts a stage's speed once every layer it owns is measured.
+            time.sleep(1.2)
             reply = admin.rebalance()
             assert reply.changed, reply.decision
         elif step == 7:
