@@ -223,11 +223,22 @@ class Stage:
 
     # ---- data path -------------------------------------------------------------------
 
-    def _check_epoch(self, epoch: int) -> None:
+    def _check_same_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             raise StaleEpoch(
                 f"stale epoch {epoch}: stage {self.config.name} is at epoch {self.epoch}"
             )
+
+    def _check_owned(self, layer_slice: LayerSlice, layers: Sequence[int]) -> None:
+        missing = [i for i in layers if i not in layer_slice.layers]
+        if missing:
+            raise NotReady(
+                f"stage {self.config.name} does not own layers {missing} "
+                f"(owns {layer_slice.indices})"
+            )
+
+    def _check_epoch(self, epoch: int) -> None:
+        self._check_same_epoch(epoch)
         if self._frozen_for is not None:
             raise Rebalancing(
                 f"rebalancing from epoch {self.epoch} to {self._frozen_for}: retry shortly"
@@ -427,10 +438,7 @@ class Stage:
     def commit_step(self, epoch: int, run: int, step: int) -> int:
         """Applies the run's accumulated gradients: one optimizer step."""
         with self._cond:
-            if epoch != self.epoch:
-                raise StaleEpoch(
-                    f"stale epoch {epoch}: stage {self.config.name} is at epoch {self.epoch}"
-                )
+            self._check_same_epoch(epoch)
             if self._last_commit == (run, step):
                 return self.committed_step  # a retried commit whose reply was lost
             if self.phase is not Phase.AWAITING_COMMIT or self.active_run != run:
@@ -601,18 +609,11 @@ class Stage:
     ) -> Iterator[tuple[int, bytes]]:
         """Packs the full state of owned layers, one blob each."""
         with self._cond:
-            if epoch and epoch != self.epoch:
-                raise StaleEpoch(
-                    f"stale epoch {epoch}: stage {self.config.name} is at epoch {self.epoch}"
-                )
+            if epoch:  # 0: no check (the client's state_dict between steps)
+                self._check_same_epoch(epoch)
             if self.slice is None:
                 raise NotReady(f"stage {self.config.name} has no job assigned")
-            missing = [i for i in layers if i not in self.slice.layers]
-            if missing:
-                raise NotReady(
-                    f"stage {self.config.name} does not own layers {missing} "
-                    f"(owns {self.slice.indices})"
-                )
+            self._check_owned(self.slice, layers)
             states = [self.slice.export_layer(i, include_optimizer) for i in layers]
         for i, state in zip(layers, states, strict=True):
             yield i, codec.pack_state(state)
@@ -631,12 +632,7 @@ class Stage:
                 )
             assert self.slice is not None
             layer_slice = self.slice
-            missing = [i for i in blobs if i not in layer_slice.layers]
-            if missing:
-                raise NotReady(
-                    f"stage {self.config.name} does not own layers {missing} "
-                    f"(owns {layer_slice.indices})"
-                )
+            self._check_owned(layer_slice, list(blobs))
         built = {}
         for index, blob in blobs.items():
             state = codec.unpack_state(blob, self.config.max_tensor_bytes)
