@@ -64,7 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/overhead.py`
 
-from client.pipeline import Pipeline
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.models import build
 from elasticpipe.schedule import split_sizes

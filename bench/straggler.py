@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from client.pipeline import Pipeline
 from elasticpipe import rpc
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 

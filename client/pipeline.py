@@ -31,9 +31,9 @@ import grpc
 import structlog
 import torch
 
-from client import driver
-from client.driver import Chain, StageClients
 from elasticpipe import codec, rpc
+from elasticpipe.client import driver
+from elasticpipe.client.driver import Chain, StageClients
 from elasticpipe.errors import (
     ElasticPipeError,
     InvalidRequest,

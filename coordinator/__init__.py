@@ -1,9 +1,9 @@
 """The control plane: membership, planner, epochs, rebalancing policy, admin."""
 
-from coordinator.coordinator import Coordinator
-from coordinator.planner import Plan, PlanError, order_hosts, plan, predict_step_time
-from coordinator.policy import PolicyConfig
-from coordinator.server import CoordinatorServer
+from elasticpipe.coordinator.coordinator import Coordinator
+from elasticpipe.coordinator.planner import Plan, PlanError, order_hosts, plan, predict_step_time
+from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.server import CoordinatorServer
 
 __all__ = [
     "Coordinator",

@@ -12,14 +12,14 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from coordinator import estimates
-from coordinator.estimates import Profile, Timing
-from coordinator.membership import Member, Membership
-from coordinator.migration import Chain, MoveResult, StagePool, change_epoch, moves
-from coordinator.planner import Plan, PlanError, order_hosts, plan, predict_step_time
-from coordinator.policy import Decision, PolicyConfig, decide
-from coordinator.store import EpochRow, PartitionRow, Store
 from elasticpipe import codec
+from elasticpipe.coordinator import estimates
+from elasticpipe.coordinator.estimates import Profile, Timing
+from elasticpipe.coordinator.membership import Member, Membership
+from elasticpipe.coordinator.migration import Chain, MoveResult, StagePool, change_epoch, moves
+from elasticpipe.coordinator.planner import Plan, PlanError, order_hosts, plan, predict_step_time
+from elasticpipe.coordinator.policy import Decision, PolicyConfig, decide
+from elasticpipe.coordinator.store import EpochRow, PartitionRow, Store
 from elasticpipe.errors import InvalidRequest, NotReady
 from elasticpipe.job import JobConfig
 from elasticpipe.v1 import stage_pb2

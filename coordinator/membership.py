@@ -8,8 +8,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.estimates import Timing
-from coordinator.store import StageRow, Store
+from elasticpipe.coordinator.estimates import Timing
+from elasticpipe.coordinator.store import StageRow, Store
 
 
 @dataclass

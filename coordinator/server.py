@@ -6,10 +6,10 @@ from types import TracebackType
 
 import structlog
 
-from coordinator.coordinator import Coordinator
-from coordinator.policy import PolicyConfig
-from coordinator.service import CoordinatorServicer
-from coordinator.store import Store
+from elasticpipe.coordinator.coordinator import Coordinator
+from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.service import CoordinatorServicer
+from elasticpipe.coordinator.store import Store
 from elasticpipe.serving import RunningServer, start_server
 from elasticpipe.v1 import coordinator_pb2
 

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from coordinator.coordinator import Coordinator, MoveOutcome
-from coordinator.store import PartitionRow
 from elasticpipe import codec
+from elasticpipe.coordinator.coordinator import Coordinator, MoveOutcome
+from elasticpipe.coordinator.store import PartitionRow
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig
 from elasticpipe.v1 import coordinator_pb2

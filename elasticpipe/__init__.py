@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from client.pipeline import PartitionInfo, Pipeline
+    from elasticpipe.client.pipeline import PartitionInfo, Pipeline
     from elasticpipe.cluster import LocalCluster
 
 __all__ = ["LocalCluster", "PartitionInfo", "Pipeline"]
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name in ("Pipeline", "PartitionInfo"):
-        from client import pipeline
+        from elasticpipe.client import pipeline
 
         return getattr(pipeline, name)
     if name == "LocalCluster":

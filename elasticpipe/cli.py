@@ -84,8 +84,8 @@ def _serve_until_signalled(server: _Server, ready_file: str | None) -> int:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """Runs the coordinator until SIGTERM/SIGINT."""
-    from coordinator.policy import PolicyConfig
-    from coordinator.server import CoordinatorServer
+    from elasticpipe.coordinator.policy import PolicyConfig
+    from elasticpipe.coordinator.server import CoordinatorServer
 
     policy = PolicyConfig(
         enabled=args.auto_rebalance,
@@ -109,8 +109,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
     """Runs a stage server until SIGTERM/SIGINT."""
     import torch
 
-    from stage_server.server import StageServer
-    from stage_server.stage import StageConfig
+    from elasticpipe.stage_server.server import StageServer
+    from elasticpipe.stage_server.stage import StageConfig
 
     threads = os.environ.get(ENV_TORCH_THREADS)
     if threads:

@@ -27,7 +27,7 @@ def run_demo(
     Returns:
         The process exit code (0 on success, 130 on Ctrl-C).
     """
-    from client.pipeline import Pipeline
+    from elasticpipe.client.pipeline import Pipeline
 
     out = sys.stdout
     corpus = CharCorpus.from_stdlib()

@@ -11,9 +11,9 @@ import structlog
 from elasticpipe import rpc
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.serving import RunningServer, start_server
+from elasticpipe.stage_server.service import StageServicer, timings_to_proto
+from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
-from stage_server.service import StageServicer, timings_to_proto
-from stage_server.stage import Stage, StageConfig
 
 log = structlog.get_logger()
 

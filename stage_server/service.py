@@ -11,11 +11,11 @@ import torch
 from elasticpipe import codec
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig
+from elasticpipe.stage_server.layers import LayerTiming
+from elasticpipe.stage_server.mailbox import Slot
+from elasticpipe.stage_server.stage import Fault, Placement, Stage
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
-from stage_server.layers import LayerTiming
-from stage_server.mailbox import Slot
-from stage_server.stage import Fault, Placement, Stage
 
 _SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
 _SLOTS = {stage_pb2.INPUT: Slot.INPUT, stage_pb2.GRAD: Slot.GRAD, stage_pb2.TARGET: Slot.TARGET}

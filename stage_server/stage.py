@@ -39,12 +39,12 @@ from elasticpipe.errors import (
 )
 from elasticpipe.job import JobConfig
 from elasticpipe.schedule import Op, OpKind, forward_ops, stage_ops
+from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown, Stash
+from elasticpipe.stage_server.links import Link
+from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.training import loss_fn
 from elasticpipe.transport import Outgoing
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
-from stage_server.layers import LayerSlice, LayerTiming, Slowdown, Stash
-from stage_server.links import Link
-from stage_server.mailbox import Mailbox, Slot
 
 log = structlog.get_logger()
 

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.server import CoordinatorServer
 from elasticpipe.cluster import LocalCluster
-from stage_server.server import StageServer
-from stage_server.stage import StageConfig
+from elasticpipe.coordinator.server import CoordinatorServer
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def cluster4() -> Iterator[LocalCluster]:
 @pytest.fixture
 def coordinator_server() -> Iterator[CoordinatorServer]:
     """An in-process coordinator on 127.0.0.1:0."""
-    from coordinator.policy import PolicyConfig
+    from elasticpipe.coordinator.policy import PolicyConfig
 
     with CoordinatorServer(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2) as c:
         yield c

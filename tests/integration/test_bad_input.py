@@ -9,12 +9,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.pipeline import Pipeline
-from coordinator.server import CoordinatorServer
 from elasticpipe import codec
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import PermissionDenied
+from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
-from stage_server.server import StageServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from client.pipeline import Pipeline
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)

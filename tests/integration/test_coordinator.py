@@ -10,15 +10,15 @@ import grpc
 import pytest
 import torch
 
-from client.pipeline import Pipeline
-from coordinator.policy import PolicyConfig
-from coordinator.server import CoordinatorServer
 from elasticpipe import models
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
-from stage_server.server import StageServer
-from stage_server.stage import StageConfig
 
 pytestmark = pytest.mark.timeout(120)
 CUSTOM = "tests.integration.custom_models:tiny"

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.pipeline import Pipeline
-from coordinator.server import CoordinatorServer
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
+from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable
-from stage_server.server import StageServer
-from stage_server.stage import StageConfig
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
 
 
 def _free_port() -> int:

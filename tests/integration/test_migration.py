@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from client.pipeline import Pipeline
 from elasticpipe import models, rpc
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import TransferError
 from elasticpipe.training import make_optimizer, reference_step

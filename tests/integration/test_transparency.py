@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.pipeline import Pipeline
 from elasticpipe import models
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.training import make_optimizer, reference_step
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable, StepAborted, TooLarge
-from stage_server.mailbox import Mailbox, Slot
+from elasticpipe.stage_server.mailbox import Mailbox, Slot
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.membership import Membership
-from coordinator.store import Store
+from elasticpipe.coordinator.membership import Membership
+from elasticpipe.coordinator.store import Store
 
 
 class FakeClock:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("elasticpipe", "coordinator", "stage_server", "client")
+PACKAGES = ("elasticpipe", "coordinator", "stage_server", "client")  # real folders (no links)
 GENERATED = REPO / "elasticpipe" / "v1"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.store import EpochRow, PartitionRow, StageRow, Store
+from elasticpipe.coordinator.store import EpochRow, PartitionRow, StageRow, Store
 
 A = StageRow("st-a", "host-a", "10.0.0.1:7000", "cuda", 100.0)
 B = StageRow("st-b", "host-b", "10.0.0.2:7000", "cpu", 200.0, drained=True)
