@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,8 +17,19 @@ SERVICES = ("client", "coordinator", "stage_server")
 
 @pytest.mark.timeout(300)
 def test_wheel_has_only_the_elasticpipe_top_level_package(tmp_path: Path) -> None:
-    """A built wheel's only top-level package is ``elasticpipe``, and the services sit
-    under it as ``elasticpipe.client``, ``elasticpipe.coordinator``, ``elasticpipe.stage_server``."""
+    """A built wheel's only top-level package is ``elasticpipe``; the services sit under it
+    as ``elasticpipe.client``, ``elasticpipe.coordinator`` and ``elasticpipe.stage_server``."""
+    source = tmp_path / "src"  # a copy, so that the build leaves nothing in the checkout
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.split()
+    for name in tracked:
+        target = source / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / name).is_symlink():
+            target.symlink_to((REPO / name).readlink())
+        else:
+            shutil.copy2(REPO / name, target)
     subprocess.run(
         [
             sys.executable,
@@ -29,7 +41,7 @@ def test_wheel_has_only_the_elasticpipe_top_level_package(tmp_path: Path) -> Non
             "-q",
             "-w",
             str(tmp_path),
-            str(REPO),
+            str(source),
         ],
         check=True,
         capture_output=True,
