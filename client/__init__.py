@@ -1,5 +1,5 @@
 """The client SDK: ``Pipeline`` drives micro-batches through the stage servers."""
 
-from elasticpipe.client.pipeline import PartitionInfo, Pipeline, StepStats
+from elasticpipe.client.pipeline import Pipeline, StageStep, StepStats
 
-__all__ = ["PartitionInfo", "Pipeline", "StepStats"]
+__all__ = ["Pipeline", "StageStep", "StepStats"]

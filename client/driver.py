@@ -1,7 +1,8 @@
 """Driving one run of a step through the chain: inputs in, targets to the end, reports back.
 
-The client starts every stage's ``RunStep`` at once, streams the micro-batches' inputs to
-the first stage and their targets to the last, and waits. The stages pass activations and
+The client starts every stage's ``RunStep`` at once (gRPC futures: no thread per stage, so
+chains of any length work), streams the micro-batches' inputs to the first stage and their
+targets to the last from one feeder thread, and waits. The stages pass activations and
 gradients among themselves. On the first failure anywhere the client aborts the run on
 every stage, so no stage is left waiting for data that will never come; the error it
 raises is the root cause, not the aborts it triggered.
@@ -9,9 +10,10 @@ raises is the root cause, not the aborts it triggered.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import queue
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -25,30 +27,32 @@ from elasticpipe.errors import (
     StageUnavailable,
     StepAborted,
 )
+from elasticpipe.partition import Partition
 from elasticpipe.transport import Outgoing, send
 from elasticpipe.v1 import stage_pb2
 
 log = structlog.get_logger()
 
 _SCHEDULE = {"gpipe": stage_pb2.GPIPE, "1f1b": stage_pb2.ONE_F_ONE_B}
-
-
-@dataclass(frozen=True)
-class Chain:
-    """The partition a run is computed under."""
-
-    epoch: int
-    addresses: tuple[str, ...]
-    boundaries: tuple[int, ...]
+ABORT_TIMEOUT_S = 15.0
+COMMIT_TIMEOUT_S = 30.0
 
 
 class StageClients(rpc.StagePool):
-    """The client's channels to the stages, and its pool for calling them in parallel."""
+    """The client's channels to the stages."""
+
+
+class CommitIncomplete(StepAborted):
+    """Some stages could not be told to commit (the step is decided: commit)."""
+
+    def __init__(self, message: str, failed: dict[str, ElasticPipeError]):
+        super().__init__(message)
+        self.failed = failed
 
 
 def run(
     clients: StageClients,
-    chain: Chain,
+    partition: Partition,
     run_id: int,
     step: int,
     inputs: Sequence[torch.Tensor],
@@ -56,8 +60,10 @@ def run(
     scales: Sequence[float],
     schedule: str,
     timeout: float,
+    client: int = 0,
+    previous: stage_pb2.StepDecision | None = None,
 ) -> list[stage_pb2.StepReport]:
-    """Runs one step (``targets`` given) or inference pass (``targets`` None) on ``chain``.
+    """Runs one step (``targets`` given) or inference pass (``targets`` None).
 
     Returns:
         One report per stage, in chain order.
@@ -70,96 +76,118 @@ def run(
         raise InvalidRequest(f"unknown schedule {schedule!r}")
     train = targets is not None
     request = stage_pb2.RunStepRequest(
-        epoch=chain.epoch,
+        epoch=partition.epoch,
         run=run_id,
         step=step,
         micro_batches=len(inputs),
         schedule=_SCHEDULE[schedule],
         mode=stage_pb2.TRAIN if train else stage_pb2.INFER,
         timeout_s=timeout,
+        client=client,
+        previous=previous,
     )
-    first, last = chain.addresses[0], chain.addresses[-1]
+    addresses = partition.addresses
+    first, last = addresses[0], addresses[-1]
+    done: queue.Queue[tuple[str, Any]] = queue.Queue()
 
-    def run_stage(address: str) -> stage_pb2.StepReport:
-        return rpc.call(address, clients.stub(address).RunStep, request, timeout=timeout + 5.0)
-
-    def feed() -> stage_pb2.StepReport | None:
-        for i, x in enumerate(inputs):
-            send(
-                clients.stub(first),
-                first,
-                Outgoing("Forward", chain.epoch, run_id, step, i, x),
-                timeout,
-            )
-            if targets is not None:
+    def feed() -> None:
+        try:
+            for i, x in enumerate(inputs):
                 send(
-                    clients.stub(last),
-                    last,
-                    Outgoing("Targets", chain.epoch, run_id, step, i, targets[i], scales[i]),
+                    clients.stub(first),
+                    first,
+                    Outgoing("Forward", partition.epoch, run_id, step, i, x),
                     timeout,
                 )
-        return None
+                if targets is not None:
+                    send(
+                        clients.stub(last),
+                        last,
+                        Outgoing(
+                            "Targets", partition.epoch, run_id, step, i, targets[i], scales[i]
+                        ),
+                        timeout,
+                    )
+        except ElasticPipeError as exc:
+            done.put(("client", exc))
+            return
+        done.put(("client", None))
 
-    pending: dict[cf.Future[stage_pb2.StepReport | None], str] = {
-        clients.executor.submit(run_stage, a): a for a in chain.addresses
-    }
-    pending[clients.executor.submit(feed)] = "client"
+    def on_done(address: str) -> Any:
+        return lambda future: done.put((address, future))
+
+    for address in addresses:
+        future = clients.stub(address).RunStep.future(request, timeout=timeout + 5.0)
+        future.add_done_callback(on_done(address))
+    threading.Thread(target=feed, name=f"feed-{run_id}", daemon=True).start()
+
     reports: dict[str, stage_pb2.StepReport] = {}
-    errors: list[tuple[str, ElasticPipeError]] = []
-    aborted = False
-    while pending:
-        done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-        for future in done:
-            address = pending.pop(future)
+    errors: list[ElasticPipeError] = []
+    for _ in range(len(addresses) + 1):
+        address, outcome = done.get()
+        error: ElasticPipeError | None = None
+        if address == "client":
+            error = outcome
+        else:
             try:
-                result = future.result()
-            except ElasticPipeError as exc:
-                errors.append((address, exc))
-                if not aborted:
-                    aborted = True
-                    abort(clients, chain.addresses, run_id, f"{address} failed: {exc}")
-                continue
-            if isinstance(result, stage_pb2.StepReport):
-                reports[address] = result
+                reports[address] = outcome.result()
+            except grpc.RpcError as exc:
+                error = rpc.translate(exc, address)
+        if error is not None:
+            if not errors:
+                abort(clients, addresses, run_id, f"{address} failed: {error}", client)
+            errors.append(error)
     if errors:
-        root = [e for _, e in errors if not isinstance(e, StepAborted)] or [errors[0][1]]
+        root = [e for e in errors if not isinstance(e, StepAborted)] or errors
         raise root[0]
-    return [reports[a] for a in chain.addresses]
+    return [reports[a] for a in addresses]
 
 
-def abort(clients: StageClients, addresses: Sequence[str], run_id: int, reason: str) -> None:
+def _all(
+    clients: StageClients, addresses: Sequence[str], method: str, request: Any, timeout: float
+) -> dict[str, ElasticPipeError]:
+    """Calls ``method`` on every stage at once; the failures by address."""
+    results = clients.each([(a, request) for a in addresses], method, timeout)
+    return {
+        a: r for a, r in zip(addresses, results, strict=True) if isinstance(r, ElasticPipeError)
+    }
+
+
+def abort(
+    clients: StageClients, addresses: Sequence[str], run_id: int, reason: str, client: int = 0
+) -> None:
     """Discards a run on every stage (best effort: a dead stage has nothing to discard)."""
-    request = stage_pb2.AbortStepRequest(run=run_id, reason=reason[:500])
-
-    def one(address: str) -> None:
-        try:
-            rpc.call(address, clients.stub(address).AbortStep, request, timeout=15.0)
-        except ElasticPipeError as exc:
-            log.debug("abort_not_delivered", stage=address, run=run_id, error=str(exc))
-
-    list(clients.executor.map(one, addresses))
+    request = stage_pb2.AbortStepRequest(run=run_id, reason=reason[:500], client=client)
+    for address, error in _all(clients, addresses, "AbortStep", request, ABORT_TIMEOUT_S).items():
+        log.debug("abort_not_delivered", stage=address, run=run_id, error=str(error))
 
 
-def commit(clients: StageClients, chain: Chain, run_id: int, step: int) -> None:
-    """Commits a completed step on every stage (each applies its optimizer step)."""
-    request = stage_pb2.CommitStepRequest(epoch=chain.epoch, run=run_id, step=step)
+def commit(
+    clients: StageClients, partition: Partition, run_id: int, step: int, client: int = 0
+) -> None:
+    """Commits a completed step on every stage (each applies its optimizer step).
 
-    def one(address: str) -> None:
-        # CommitStep is idempotent: a commit whose reply was lost is asked again.
-        try:
-            rpc.call(address, clients.stub(address).CommitStep, request, timeout=30.0)
-        except (StageUnavailable, DeadlineExceeded):
-            rpc.call(address, clients.stub(address).CommitStep, request, timeout=30.0)
+    CommitStep is idempotent: a stage whose commit (or its reply) was lost is asked once
+    more.
 
-    futures = [clients.executor.submit(one, a) for a in chain.addresses]
-    failures = []
-    for address, future in zip(chain.addresses, futures, strict=True):
-        try:
-            future.result()
-        except ElasticPipeError as exc:
-            failures.append(f"{address}: {exc}")
-    if failures:
-        raise StepAborted(f"step {step} was not committed on every stage: {failures}")
+    Raises:
+        CommitIncomplete: some stages still could not be told; the decision stands
+            (commit), and they learn it from the next run or from recovery.
+    """
+    request = stage_pb2.CommitStepRequest(
+        epoch=partition.epoch, run=run_id, step=step, client=client
+    )
+    failed = _all(clients, partition.addresses, "CommitStep", request, COMMIT_TIMEOUT_S)
+    retry = [a for a, e in failed.items() if isinstance(e, StageUnavailable | DeadlineExceeded)]
+    if retry:
+        failed = {a: e for a, e in failed.items() if a not in retry}
+        failed |= _all(clients, retry, "CommitStep", request, COMMIT_TIMEOUT_S)
+    if failed:
+        raise CommitIncomplete(
+            f"step {step} could not be committed on {sorted(failed)}: "
+            f"{next(iter(failed.values()))}",
+            failed,
+        )
 
 
 def fetch_output(

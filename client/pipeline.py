@@ -5,21 +5,34 @@
     with Pipeline(coordinator="127.0.0.1:7100", model="mlp",
                   model_kwargs={"sizes": [32, 64, 64, 10]}, micro_batches=4) as pipe:
         loss = pipe.train_step(inputs, targets)   # the mini-batch's mean loss
-        out = pipe.predict(inputs)                # forward only
+        out = pipe.predict(inputs)                # forward only, eval mode
         sd = pipe.state_dict()                    # same keys as the local nn.Sequential
 
 The job is set up on first use (the first micro-batch doubles as the profiling sample).
-When the coordinator moves layers between stages, the stages refuse the old epoch; the
-pipeline discards the interrupted attempt (nothing of it was committed), picks up the new
-partition, logs the change, and runs the step again -- the script notices nothing.
+Failures cost time, not results:
+
+* when the coordinator moves layers, the stages refuse the old epoch; the pipeline drops
+  the interrupted attempt (nothing of it was committed), adopts the new partition and runs
+  the step again;
+* when a stage dies, the pipeline reports it; the coordinator replaces or drops the stage
+  and rolls every survivor back to the last snapshot; the pipeline replays the
+  mini-batches it kept since then and carries on. ``train_step`` returns as if nothing
+  happened, with the same loss;
+* when the training script itself dies, ``Pipeline(..., resume=True)`` attaches to the
+  running job, and ``pipe.step`` says where to continue.
+
+The pipeline holds the job's *lease* while it lives (renewed in the background, released
+by ``close``): another ``Pipeline`` cannot take the job from under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
-import random
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,15 +46,23 @@ import torch
 
 from elasticpipe import codec, rpc
 from elasticpipe.client import driver
-from elasticpipe.client.driver import Chain, StageClients
+from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
+    CoordinatorUnavailable,
+    DeadlineExceeded,
     ElasticPipeError,
+    Fenced,
     InvalidRequest,
+    LayersLost,
     NotReady,
     Rebalancing,
+    StageUnavailable,
     StaleEpoch,
+    StepAborted,
+    TransferError,
 )
 from elasticpipe.job import JobConfig
+from elasticpipe.partition import Partition
 from elasticpipe.schedule import split_sizes
 from elasticpipe.training import check_optimizer
 from elasticpipe.transport import layer_chunks
@@ -49,31 +70,62 @@ from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger()
 
-RETRY_WAIT_S = 2.0
-CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"  # how long one wait for a newer partition may take
+RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
+CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"
+RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
+# Failures after which the step is retried once the job has recovered.
+RECOVERABLE = (StageUnavailable, DeadlineExceeded, StepAborted, TransferError, NotReady)
 
 
 @dataclass(frozen=True)
-class PartitionInfo:
-    """Where the layers are: boundaries, stages in chain order, and the epoch."""
+class StageStep:
+    """What one stage measured in the last step."""
 
-    epoch: int
-    boundaries: tuple[int, ...]
-    stages: tuple[str, ...]  # addresses in chain order
-    stage_ids: tuple[str, ...] = ()
+    address: str
+    compute_s: float  # computing its layers (slowdown included)
+    wait_s: float  # waiting for inputs, gradients and sends (its run's wall time - compute)
+    peak_stashed: int  # most micro-batches whose activations were alive at once
+    peak_stashed_bytes: int
 
-    def layers_of(self, stage: int) -> range:
-        """The layers stage ``stage`` (chain position) owns."""
-        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last step took, stage by stage (``pipe.last_step``).
+
+    Attributes:
+        step: the step committed.
+        loss: its mean loss.
+        seconds: wall time of ``train_step`` (replays and retries included).
+        attempts: runs it took (more than 1 after a rebalance or a failure).
+        replayed: earlier steps replayed first, after a recovery.
+        stages: per stage, in chain order.
+        reports: the raw reports (protobufs), for tools.
+    """
+
+    step: int = 0
+    loss: float = 0.0
+    seconds: float = 0.0
+    attempts: int = 0
+    replayed: int = 0
+    stages: tuple[StageStep, ...] = ()
+    reports: tuple[stage_pb2.StepReport, ...] = field(default=(), repr=False)
+
+    def __str__(self) -> str:
+        compute = "/".join(f"{s.compute_s * 1e3:.0f}" for s in self.stages)
+        wait = "/".join(f"{s.wait_s * 1e3:.0f}" for s in self.stages)
+        extra = f", {self.attempts} attempts" if self.attempts > 1 else ""
+        extra += f", {self.replayed} replayed" if self.replayed else ""
+        return (
+            f"step {self.step}: loss {self.loss:.4f} in {self.seconds * 1e3:.0f} ms{extra}; "
+            f"compute {compute} ms, waiting {wait} ms per stage"
+        )
 
 
 @dataclass
-class StepStats:
-    """What the last step measured on each stage (chain order)."""
-
-    reports: list[stage_pb2.StepReport] = field(default_factory=list)
-    seconds: float = 0.0
-    attempts: int = 1
+class _Batch:
+    xs: list[torch.Tensor]
+    ys: list[torch.Tensor]
+    scales: list[float]
 
 
 class Pipeline:
@@ -91,9 +143,13 @@ class Pipeline:
         micro_batches: int = 4,
         schedule: str = "1f1b",
         stages: int | None = None,
+        snapshot_every: int = 10,
+        resume: bool = False,
         step_timeout: float = 120.0,
         setup_timeout: float = 60.0,
         rebalance_timeout: float = 300.0,
+        recovery_timeout: float = 300.0,
+        lease_s: float = 15.0,
     ):
         """Describes the job; nothing is contacted until first use.
 
@@ -106,10 +162,21 @@ class Pipeline:
             loss: "cross_entropy" or "mse" (mean over the mini-batch).
             micro_batches: micro-batches per mini-batch (fewer if the batch is smaller).
             schedule: "1f1b" (bounded activation memory) or "gpipe".
-            stages: how many stages to use (default: every live stage).
+            stages: how many stages to use (default: every live stage); more live stages
+                are spares, which replace a stage that dies.
+            snapshot_every: committed steps between snapshots of every layer (kept in host
+                memory on two hosts); after a failure at most this many steps (plus the
+                snapshot in flight) are replayed. 0 turns snapshots off: then a dead stage
+                ends the job.
+            resume: attach to the running job of this description (after the training
+                script was restarted) instead of starting a new one; ``step`` then says
+                where it is.
             step_timeout: deadline of one step on every stage.
             setup_timeout: how long to wait for stages at job setup.
             rebalance_timeout: how long a step may wait for an epoch change to finish.
+            recovery_timeout: how long a step may wait for the job to recover from failures.
+            lease_s: how long the job stays reserved for this pipeline after it stops
+                renewing its lease (it renews every ``lease_s / 3`` seconds).
 
         Raises:
             InvalidRequest: an argument that no stage would accept (checked here).
@@ -123,6 +190,7 @@ class Pipeline:
             loss=loss,
             micro_batches=micro_batches,
             schedule=schedule,
+            snapshot_every=snapshot_every,
         )
         check_optimizer(optimizer, self._job.optimizer_kwargs)
         for what, value in (("model_kwargs", model_kwargs), ("optimizer_kwargs", optimizer_kwargs)):
@@ -132,20 +200,38 @@ class Pipeline:
                 raise InvalidRequest(f"{what} must be JSON-able: {exc}") from exc
         if stages is not None and stages < 1:
             raise InvalidRequest(f"stages must be >= 1 (got {stages})")
-        if step_timeout <= 0:
-            raise InvalidRequest(f"step_timeout must be > 0 (got {step_timeout})")
+        for what, seconds in (
+            ("step_timeout", step_timeout),
+            ("setup_timeout", setup_timeout),
+            ("recovery_timeout", recovery_timeout),
+            ("lease_s", lease_s),
+        ):
+            if not seconds > 0:
+                raise InvalidRequest(f"{what} must be > 0 (got {seconds})")
         self.coordinator = coordinator
         self._num_stages = stages or 0
+        self._resume = resume
         self._step_timeout = step_timeout
         self._setup_timeout = setup_timeout
         self._rebalance_timeout = rebalance_timeout
+        self._recovery_timeout = recovery_timeout
+        self._lease_s = lease_s
         self._channel = rpc.channel(coordinator)
         self._coord = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         self._clients = StageClients()
-        self._chain: Chain | None = None
-        self._stage_ids: tuple[str, ...] = ()
-        self._step = 0
-        self._runs = itertools.count(random.randrange(1, 1 << 40))
+        self._partition: Partition | None = None
+        self._client = 0
+        self._runs: Iterator[int] = itertools.count(1)
+        self._step = 0  # committed on the stages (drops when the job is rolled back)
+        self._done = 0  # steps train_step has returned (the script's view; never drops)
+        self._last_reports: list[stage_pb2.StepReport] = []
+        self._restore_epoch = 0
+        self._decision: stage_pb2.StepDecision | None = None
+        self._replay: dict[int, _Batch] = {}
+        self._safe_step = 0
+        self._lease_lost = False
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
         self.num_layers = 0
         self.last_step = StepStats()
 
@@ -160,89 +246,189 @@ class Pipeline:
         self.close()
 
     def close(self) -> None:
-        """Closes the channels (the stages keep the trained layers)."""
+        """Releases the job's lease and closes the channels (the stages keep the layers)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+        if self._partition is not None and not self._lease_lost:
+            try:
+                self._coordinator_call(
+                    "RenewLease",
+                    coordinator_pb2.LeaseRequest(
+                        job_id=self._partition.job_id, client=self._client, release=True
+                    ),
+                    timeout=5.0,
+                )
+            except ElasticPipeError as exc:
+                log.debug("lease_not_released", error=str(exc))
         self._clients.close()
         self._channel.close()
 
     @property
     def step(self) -> int:
-        """Optimizer steps committed so far."""
-        return self._step
+        """Optimizer steps done so far (attaches first when resuming)."""
+        if self._resume:
+            self._ensure_job(None)
+        return self._done
 
     @property
-    def partition(self) -> PartitionInfo:
+    def partition(self) -> Partition:
         """The current boundaries, stages and epoch (sets the job up if needed)."""
-        chain = self._ensure_job(None)
-        return PartitionInfo(chain.epoch, chain.boundaries, chain.addresses, self._stage_ids)
+        return self._ensure_job(None)
 
-    # ---- job and partition ---------------------------------------------------------------
+    def _coordinator_call(self, method: str, request: Any, timeout: float) -> Any:
+        return rpc.call(
+            self.coordinator,
+            getattr(self._coord, method),
+            request,
+            timeout=timeout,
+            unavailable=CoordinatorUnavailable,
+        )
 
-    def _ensure_job(self, sample: torch.Tensor | None) -> Chain:
-        if self._chain is not None:
-            return self._chain
+    # ---- job, lease and partition --------------------------------------------------------
+
+    def _ensure_job(self, sample: torch.Tensor | None) -> Partition:
+        if self._partition is not None:
+            return self._partition
         spec = self._job.to_proto()
         if sample is not None:
             spec.sample_input.CopyFrom(codec.to_proto(sample))
-        reply = rpc.call(
-            self.coordinator,
-            self._coord.SetupJob,
-            coordinator_pb2.SetupJobRequest(
-                job=spec, num_stages=self._num_stages, wait_s=self._setup_timeout
-            ),
-            timeout=self._setup_timeout + 120.0,
+        request = coordinator_pb2.SetupJobRequest(
+            job=spec,
+            num_stages=self._num_stages,
+            wait_s=self._setup_timeout,
+            resume=self._resume,
+            lease_s=self._lease_s,
+            client_name=f"{socket.gethostname()}:{os.getpid()}",
         )
+        deadline = time.monotonic() + self._setup_timeout
+        while True:
+            try:
+                reply = self._coordinator_call(
+                    "SetupJob", request, timeout=self._setup_timeout + 120.0
+                )
+                break
+            except (StageUnavailable, Rebalancing) as exc:
+                # Attaching while a stage died: the coordinator recovers it first.
+                if time.monotonic() > deadline:
+                    raise
+                log.info("setup_retried", reason=str(exc))
+                time.sleep(0.5)
+            except CoordinatorUnavailable as exc:
+                raise CoordinatorUnavailable(
+                    f"cannot reach the coordinator at {self.coordinator}: is it running, and "
+                    f"is that its --listen/--advertise address? ({exc})"
+                ) from exc
         self.num_layers = reply.num_layers
-        self._adopt(reply.partition)
-        assert self._chain is not None
+        self._client = reply.client
+        self._runs = itertools.count((reply.client << RUN_ID_BITS) + 1)
+        self._step = self._done = reply.committed_step
+        self._safe_step = reply.safe_step
+        self._adopt(Partition.from_proto(reply.partition))
+        partition = self._partition
+        assert partition is not None
+        self._restore_epoch = partition.restore_epoch
+        self._renewer = threading.Thread(target=self._renew_loop, name="lease", daemon=True)
+        self._renewer.start()
         log.info(
-            "pipeline_ready",
+            "pipeline_attached" if reply.resumed else "pipeline_ready",
+            job=partition.job_id,
             model=self._job.model,
             layers=self.num_layers,
-            boundaries=list(self._chain.boundaries),
-            epoch=self._chain.epoch,
-            stages=len(self._chain.addresses),
+            boundaries=list(partition.boundaries),
+            epoch=partition.epoch,
+            stages=partition.num_stages,
+            step=self._step,
         )
-        return self._chain
+        return partition
 
-    def _adopt(self, p: coordinator_pb2.Partition) -> None:
-        self._chain = Chain(p.epoch, tuple(p.addresses), tuple(p.boundaries))
-        self._stage_ids = tuple(p.stage_ids)
+    def _renew_loop(self) -> None:
+        interval = self._lease_s / 3
+        while not self._stop.wait(interval):
+            partition = self._partition
+            if partition is None:
+                continue
+            try:
+                reply = self._coordinator_call(
+                    "RenewLease",
+                    coordinator_pb2.LeaseRequest(job_id=partition.job_id, client=self._client),
+                    timeout=interval,
+                )
+            except ElasticPipeError as exc:
+                log.debug("lease_not_renewed", error=str(exc))
+                continue
+            if not reply.held:
+                self._lease_lost = True
+                log.warning("lease_lost", job=partition.job_id)
+                return
+            self._safe_step = max(self._safe_step, reply.safe_step)
 
-    def _refresh(self, old: Chain, deadline: float, since: float | None = None) -> None:
-        """Waits (until ``deadline``) for a partition newer than ``old`` and adopts it.
+    def _adopt(self, partition: Partition) -> None:
+        self._partition = partition.validate()
 
-        ``since`` is when the old partition was first refused: the pause logged runs from then.
-        """
+    def _refresh(self, deadline: float, since: float | None = None) -> Partition:
+        """Waits (until ``deadline``) for a partition newer than ours and adopts it."""
+        old = self._partition
+        assert old is not None
         started = time.monotonic()
         wait = min(RETRY_WAIT_S, max(0.0, deadline - started))
-        reply = rpc.call(
-            self.coordinator,
-            self._coord.GetPartition,
+        reply = self._coordinator_call(
+            "GetPartition",
             coordinator_pb2.GetPartitionRequest(newer_than=old.epoch, timeout_s=wait),
             timeout=wait + 10.0,
         )
-        self._adopt(reply)
-        assert self._chain is not None
-        if self._chain.epoch != old.epoch:
+        self._adopt(Partition.from_proto(reply))
+        new = self._partition
+        assert new is not None
+        if new.epoch != old.epoch:
             log.info(
                 "partition_changed",
                 old_epoch=old.epoch,
-                new_epoch=self._chain.epoch,
+                new_epoch=new.epoch,
                 old=list(old.boundaries),
-                new=list(self._chain.boundaries),
+                new=list(new.boundaries),
                 pause_s=round(time.monotonic() - (since or started), 3),
+            )
+        if new.restore_epoch > self._restore_epoch:
+            self._rolled_back(new)
+        return new
+
+    def _rolled_back(self, partition: Partition) -> None:
+        """The job was rolled back to ``partition.restored_step``: replay from there."""
+        self._restore_epoch = partition.restore_epoch
+        restored = partition.restored_step
+        missing = [s for s in range(restored + 1, self._done + 1) if s not in self._replay]
+        if missing:
+            raise LayersLost(
+                f"the job was rolled back to step {restored}, but this pipeline no longer "
+                f"holds the mini-batches of steps {missing[:5]}... to replay"
+            )
+        log.warning(
+            "pipeline_rolled_back",
+            to_step=restored,
+            from_step=self._step,
+            replay=max(0, self._step - restored),
+        )
+        self._step = min(self._step, restored)
+        self._decision = None
+
+    def _check_lease(self) -> None:
+        if self._lease_lost:
+            raise Fenced(
+                "this pipeline lost the job's lease (another client took the job over, or "
+                "this one stopped renewing it for too long)"
             )
 
     # ---- training ----------------------------------------------------------------------
 
     def _split(
         self, inputs: torch.Tensor, targets: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[float]]:
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
         if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
             raise InvalidRequest("inputs must be a tensor with a batch dimension")
         sizes = split_sizes(inputs.shape[0], self._job.micro_batches)
         xs = list(torch.split(inputs.detach().cpu(), sizes))
-        ys = None
+        ys: list[torch.Tensor] = []
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.shape[:1] != inputs.shape[:1]:
                 raise InvalidRequest(
@@ -253,37 +439,136 @@ class Pipeline:
         scales = [n / inputs.shape[0] for n in sizes]
         return xs, ys, scales
 
-    def _attempt(
-        self, xs: list[torch.Tensor], ys: list[torch.Tensor] | None, scales: list[float]
-    ) -> tuple[list[stage_pb2.StepReport], Chain, int]:
-        chain = self._ensure_job(xs[0])
+    def _run(
+        self, step: int, batch: _Batch, train: bool
+    ) -> tuple[list[stage_pb2.StepReport], Partition, int, int]:
+        """Runs one attempt after another until the stages accept the partition.
+
+        Returns:
+            Reports, the partition used, the run id, and the attempts it took.
+        """
+        partition = self._ensure_job(batch.xs[0])
         deadline = time.monotonic() + self._rebalance_timeout
-        attempts = 0
         refused_at: float | None = None
-        while True:
-            attempts += 1
+        for attempts in itertools.count(1):
+            self._check_lease()
             run_id = next(self._runs)
             try:
                 reports = driver.run(
                     self._clients,
-                    chain,
+                    partition,
                     run_id,
-                    self._step + 1,
-                    xs,
-                    ys,
-                    scales,
+                    step,
+                    batch.xs,
+                    batch.ys if train else None,
+                    batch.scales,
                     self._job.schedule,
                     self._step_timeout,
+                    self._client,
+                    self._decision,
                 )
-                self.last_step.attempts = attempts
-                return reports, chain, run_id
+                return reports, partition, run_id, attempts
             except (StaleEpoch, Rebalancing) as exc:
+                if train:
+                    self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=False)
                 if time.monotonic() > deadline:
                     raise
                 refused_at = refused_at or time.monotonic()
-                log.info("step_retried", step=self._step + 1, epoch=chain.epoch, reason=str(exc))
-                self._refresh(chain, deadline, refused_at)
-                chain = self._chain or chain
+                log.info("step_retried", step=step, epoch=partition.epoch, reason=str(exc))
+                partition = self._refresh(deadline, refused_at)
+                if train and self._step + 1 != step:
+                    raise _RolledBack() from exc
+            except ElasticPipeError:
+                if train:
+                    self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=False)
+                raise
+        raise AssertionError("unreachable")
+
+    def _train_one(self, step: int, batch: _Batch) -> tuple[float, list[stage_pb2.StepReport], int]:
+        """Runs and commits one step; returns its loss, reports and attempts."""
+        reports, partition, run_id, attempts = self._run(step, batch, train=True)
+        self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=True)
+        try:
+            driver.commit(self._clients, partition, run_id, step, self._client)
+        except CommitIncomplete as exc:
+            # The decision is commit: stages that missed it learn it from the next run's
+            # ``previous``, or are replaced by recovery if they are dead.
+            log.warning("commit_incomplete", step=step, stages=sorted(exc.failed), error=str(exc))
+            self._step = step
+            self._report_failure(exc)
+            return float(sum(reports[-1].losses)), reports, attempts
+        self._step = step
+        return float(sum(reports[-1].losses)), reports, attempts
+
+    def _report_failure(self, exc: ElasticPipeError) -> list[str]:
+        """Tells the coordinator; returns the stages it declared dead."""
+        partition = self._partition
+        assert partition is not None
+        try:
+            ack = self._coordinator_call(
+                "ReportFailure",
+                coordinator_pb2.FailureReport(
+                    job_id=partition.job_id,
+                    epoch=partition.epoch,
+                    suspects=list(partition.addresses),
+                    error=str(exc)[:1000],
+                ),
+                timeout=15.0,
+            )
+        except CoordinatorUnavailable as unreachable:
+            log.warning("failure_not_reported", error=str(unreachable))
+            return []
+        return list(ack.dead)
+
+    def _recover(self, exc: ElasticPipeError, deadline: float) -> None:
+        """After a failed attempt: reports it and waits for the job to recover."""
+        if isinstance(exc, Fenced | LayersLost):
+            raise exc
+        if time.monotonic() > deadline:
+            raise exc
+        dead = self._report_failure(exc)
+        log.warning("step_failed", step=self._step + 1, error=str(exc)[:300], dead=dead)
+        partition = self._partition
+        assert partition is not None
+        if not dead:
+            time.sleep(0.2)  # nobody died: a transient failure, try again
+            with contextlib.suppress(CoordinatorUnavailable):
+                self._refresh(time.monotonic() + 0.1)
+            return
+        while self._partition is not None and self._partition.epoch == partition.epoch:
+            if time.monotonic() > deadline:
+                raise exc
+            try:
+                self._refresh(deadline)
+            except CoordinatorUnavailable:
+                time.sleep(0.5)
+
+    def _catch_up(self, target: int, batch: _Batch | None) -> tuple[float, int, int]:
+        """Commits steps until ``target``: replays kept mini-batches after a rollback,
+        then ``batch`` as step ``target``. Survives failures until ``recovery_timeout``.
+
+        Returns:
+            The loss of step ``target``, the attempts it took, and the steps replayed.
+        """
+        deadline = time.monotonic() + self._recovery_timeout
+        attempts = replayed = 0
+        loss = float("nan")
+        while self._step < target:
+            step = self._step + 1
+            current = batch if step == target and batch is not None else self._replay[step]
+            try:
+                loss, reports, tries = self._train_one(step, current)
+                attempts += tries
+            except _RolledBack:
+                continue
+            except RECOVERABLE as exc:
+                self._recover(exc, deadline)
+                continue
+            if step < target:
+                replayed += 1
+            else:
+                self._last_reports = reports
+        return loss, attempts, replayed
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One synchronous training step on a mini-batch.
@@ -291,68 +576,114 @@ class Pipeline:
         Splits the batch into micro-batches, runs forward and backward through every stage
         (the loss is computed on the last stage), then commits the optimizer step on every
         stage. Gradients are accumulated so that the result equals ordinary training on the
-        whole mini-batch.
+        whole mini-batch. A failure on the way (a stage dying, a lost message) is recovered
+        from and replayed before this returns.
 
         Returns:
             The mini-batch's mean loss.
 
         Raises:
             InvalidRequest: inputs or targets the model cannot take (message names them).
-            StageUnavailable / DeadlineExceeded: a stage died or stalled; nothing was
-                committed.
+            LayersLost: the job cannot recover (every copy of some layers is gone).
+            Fenced: another client took the job over.
+            ElasticPipeError: the job did not recover within ``recovery_timeout``.
         """
         started = time.perf_counter()
         xs, ys, scales = self._split(inputs, targets)
-        reports, chain, run_id = self._attempt(xs, ys, scales)
-        driver.commit(self._clients, chain, run_id, self._step + 1)
-        self._step += 1
-        self.last_step = StepStats(reports, time.perf_counter() - started, self.last_step.attempts)
-        return float(sum(reports[-1].losses))
+        batch = _Batch(xs, ys, scales)
+        self._ensure_job(xs[0])
+        self._catch_up(self._done, None)  # a rollback since the last call: replay first
+        target = self._done + 1
+        if self._job.snapshot_every:
+            self._replay[target] = batch
+        loss, attempts, replayed = self._catch_up(target, batch)
+        self._done = target
+        for old in [s for s in self._replay if s <= min(self._safe_step, self._step)]:
+            del self._replay[old]
+        reports = self._last_reports
+        assert self._partition is not None
+        self.last_step = StepStats(
+            step=target,
+            loss=loss,
+            seconds=time.perf_counter() - started,
+            attempts=attempts,
+            replayed=replayed,
+            stages=tuple(
+                StageStep(
+                    address=address,
+                    compute_s=r.compute_s,
+                    wait_s=max(0.0, r.wall_s - r.compute_s),
+                    peak_stashed=r.peak_stashed,
+                    peak_stashed_bytes=r.peak_stashed_bytes,
+                )
+                for address, r in zip(self._partition.addresses, reports, strict=False)
+            ),
+            reports=tuple(reports),
+        )
+        return loss
 
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's output on ``inputs`` (forward only; changes nothing)."""
+        """The model's output on ``inputs``: forward only, in eval mode (dropout off,
+        batch-norm statistics used and left unchanged); changes nothing."""
         xs, _, scales = self._split(inputs, None)
-        _, chain, run_id = self._attempt(xs, None, scales)
-        outs = [
-            driver.fetch_output(self._clients, chain.addresses[-1], run_id, i, self._step_timeout)
-            for i in range(len(xs))
-        ]
-        return torch.cat(outs)
+        batch = _Batch(xs, [], scales)
+        self._ensure_job(xs[0])
+        deadline = time.monotonic() + self._recovery_timeout
+        while True:
+            self._catch_up(self._done, None)  # after a rollback, replay first
+            try:
+                _, partition, run_id, _ = self._run(self._step, batch, train=False)
+                return torch.cat(
+                    [
+                        driver.fetch_output(
+                            self._clients, partition.addresses[-1], run_id, i, self._step_timeout
+                        )
+                        for i in range(len(xs))
+                    ]
+                )
+            except RECOVERABLE as exc:
+                self._recover(exc, deadline)
 
     # ---- state -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights and buffers, keyed like the local ``nn.Sequential``."""
-        chain = self._ensure_job(None)
-        for _ in range(10):
+        self._ensure_job(None)
+        deadline = time.monotonic() + self._recovery_timeout
+        while True:
+            self._catch_up(self._done, None)
+            partition = self._partition
+            assert partition is not None
             try:
-                return self._collect(chain)
-            except (StaleEpoch, NotReady) as exc:
-                log.info("state_dict_retried", epoch=chain.epoch, reason=str(exc))
-                self._refresh(chain, time.monotonic() + RETRY_WAIT_S)
-                chain = self._chain or chain
-        raise NotReady("the partition kept changing while reading the state")
+                state: dict[str, torch.Tensor] = {}
+                for s in range(partition.num_stages):
+                    for layer, blob in self._export(partition, s, include_optimizer=False).items():
+                        for name, tensor in codec.unpack_state(blob)["model"].items():
+                            state[f"{layer}.{name}"] = tensor
+                return state
+            except (StaleEpoch, Rebalancing) as exc:
+                log.info("state_dict_retried", epoch=partition.epoch, reason=str(exc))
+                if time.monotonic() > deadline:
+                    raise
+                self._refresh(time.monotonic() + RETRY_WAIT_S)
+            except RECOVERABLE as exc:
+                self._recover(exc, deadline)
 
-    def _export(self, chain: Chain, stage: int, include_optimizer: bool) -> dict[int, bytes]:
+    def _export(
+        self, partition: Partition, stage: int, include_optimizer: bool
+    ) -> dict[int, bytes]:
         """Each layer of one stage as its checksummed state blob."""
-        address = chain.addresses[stage]
-        layers = list(range(chain.boundaries[stage], chain.boundaries[stage + 1]))
+        address = partition.addresses[stage]
         request = stage_pb2.ExportLayersRequest(
-            epoch=chain.epoch, layers=layers, include_optimizer=include_optimizer
+            epoch=partition.epoch,
+            layers=list(partition.layers_of(stage)),
+            include_optimizer=include_optimizer,
         )
         try:
             stream = self._clients.stub(address).ExportLayers(request, timeout=self._step_timeout)
             return dict(codec.layer_blobs(stream, codec.DEFAULT_MAX_TENSOR_BYTES))
         except grpc.RpcError as exc:
             raise rpc.translate(exc, address) from exc
-
-    def _collect(self, chain: Chain) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = {}
-        for s in range(len(chain.addresses)):
-            for layer, blob in self._export(chain, s, include_optimizer=False).items():
-                for name, tensor in codec.unpack_state(blob)["model"].items():
-                    state[f"{layer}.{name}"] = tensor
-        return state
 
     # ---- checkpoints -------------------------------------------------------------------
 
@@ -363,10 +694,21 @@ class Pipeline:
         The file is msgpack (no pickle), written atomically; it does not depend on the
         partition, so it can be loaded on any number of stages.
         """
-        chain = self._ensure_job(None)
-        layers: dict[int, bytes] = {}
-        for s in range(len(chain.addresses)):
-            layers.update(self._export(chain, s, include_optimizer=True))
+        self._ensure_job(None)
+        deadline = time.monotonic() + self._recovery_timeout
+        while True:
+            self._catch_up(self._done, None)
+            partition = self._partition
+            assert partition is not None
+            try:
+                layers: dict[int, bytes] = {}
+                for s in range(partition.num_stages):
+                    layers.update(self._export(partition, s, include_optimizer=True))
+                break
+            except (StaleEpoch, Rebalancing):
+                self._refresh(time.monotonic() + RETRY_WAIT_S)
+            except RECOVERABLE as exc:
+                self._recover(exc, deadline)
         job = self._job
         checkpoint = {
             "format": CHECKPOINT_FORMAT,
@@ -387,7 +729,8 @@ class Pipeline:
         log.info("checkpoint_saved", path=str(target), step=self._step, layers=len(layers))
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Restores a checkpoint written by ``save`` for the same model and optimizer.
+        """Restores a checkpoint written by ``save`` for the same model and optimizer, on
+        every stage or on none (an epoch change makes it take effect).
 
         Raises:
             InvalidRequest: not a checkpoint, or one of another model or optimizer.
@@ -407,42 +750,81 @@ class Pipeline:
         if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
             raise InvalidRequest(f"checkpoint {path} is of {theirs}, this pipeline trains {mine}")
         layers: dict[int, bytes] = checkpoint["layers"]
-        chain = self._ensure_job(None)
-        if sorted(layers) != list(range(chain.boundaries[-1])):
+        partition = self._ensure_job(None)
+        if sorted(layers) != list(range(partition.num_layers)):
             raise InvalidRequest(
-                f"checkpoint {path} has layers {sorted(layers)}, the model {chain.boundaries[-1]}"
+                f"checkpoint {path} has layers {sorted(layers)}, the model {partition.num_layers}"
             )
         step = int(checkpoint["step"])
-        for s, address in enumerate(chain.addresses):
-            owned = range(chain.boundaries[s], chain.boundaries[s + 1])
+        self._check_lease()
+        begun = self._coordinator_call(
+            "BeginRestore",
+            coordinator_pb2.RestoreBeginRequest(job_id=partition.job_id, client=self._client),
+            timeout=120.0,
+        )
+        owners = Partition.from_proto(begun.partition)
+        committed = False
+        try:
+            for s, address in enumerate(owners.addresses):
 
-            def messages(owned: range = owned) -> Iterator[stage_pb2.RestoreChunk]:
-                first = True
-                for layer in owned:
-                    for chunk in layer_chunks(layer, layers[layer]):
-                        yield stage_pb2.RestoreChunk(
-                            epoch=chain.epoch if first else 0,
-                            committed_step=step if first else 0,
-                            chunk=chunk,
-                        )
-                        first = False
+                def messages(
+                    owned: range = owners.layers_of(s),
+                ) -> Iterator[stage_pb2.RestoreChunk]:
+                    first = True
+                    for layer in owned:
+                        for chunk in layer_chunks(layer, layers[layer]):
+                            yield stage_pb2.RestoreChunk(
+                                epoch=begun.epoch if first else 0,
+                                committed_step=step if first else 0,
+                                chunk=chunk,
+                            )
+                            first = False
 
-            rpc.call(
-                address,
-                self._clients.stub(address).RestoreLayers,
-                messages(),
-                timeout=self._step_timeout,
+                rpc.call(
+                    address,
+                    self._clients.stub(address).RestoreLayers,
+                    messages(),
+                    timeout=self._step_timeout,
+                )
+            reply = self._coordinator_call(
+                "EndRestore",
+                coordinator_pb2.RestoreEndRequest(
+                    job_id=partition.job_id, epoch=begun.epoch, step=step, commit=True
+                ),
+                timeout=300.0,
             )
-        self._step = step
+            committed = True
+        finally:
+            if not committed:
+                try:
+                    self._coordinator_call(
+                        "EndRestore",
+                        coordinator_pb2.RestoreEndRequest(
+                            job_id=partition.job_id, epoch=begun.epoch, step=step, commit=False
+                        ),
+                        timeout=60.0,
+                    )
+                except ElasticPipeError as exc:
+                    log.warning("load_not_abandoned", error=str(exc))
+        new = Partition.from_proto(reply)
+        self._adopt(new)
+        self._restore_epoch = new.restore_epoch
+        self._step = self._done = step
+        self._decision = None
+        self._replay.clear()
         log.info("checkpoint_loaded", path=str(path), step=step, layers=len(layers))
 
     def stage_stats(self) -> list[stage_pb2.StageStats]:
         """Each stage's own report (epoch, layers, timings, peak activations)."""
-        chain = self._ensure_job(None)
+        partition = self._ensure_job(None)
         return [
             rpc.call(a, self._clients.stub(a).GetStats, stage_pb2.StatsRequest(), timeout=10.0)
-            for a in chain.addresses
+            for a in partition.addresses
         ]
 
 
-__all__ = ["ElasticPipeError", "PartitionInfo", "Pipeline", "StepStats"]
+class _RolledBack(Exception):
+    """The job was rolled back while a step waited: catch up from the step restored."""
+
+
+__all__ = ["Pipeline", "StageStep", "StepStats"]

@@ -1,4 +1,12 @@
-"""Who is in the cluster: registered stages, their heartbeats, liveness and measurements."""
+"""Who is in the cluster: stage incarnations, their heartbeats, liveness and measurements.
+
+Every start of a stage process is a new *incarnation* with a new id, even under the same
+name and address: the coordinator never confuses a restarted stage with the one that
+died (that one's layers, runs and snapshots are gone). Registering a name again declares
+its older incarnations dead. An incarnation is alive while it heartbeats; one that misses
+heartbeats for ``dead_after_s``, or that a failure report and a probe find unreachable,
+is declared dead for good: if it comes back it is told so and registers anew, as a spare.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +14,25 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from elasticpipe.coordinator.estimates import Timing
 from elasticpipe.coordinator.store import StageRow, Store
+from elasticpipe.v1 import stage_pb2
+
+
+class Heard(Enum):
+    """What a heartbeat told the coordinator."""
+
+    OK = "ok"
+    UNKNOWN = "unknown"  # no such incarnation: re-register
+    DEAD = "dead"  # declared dead: drop the job, re-register
 
 
 @dataclass
 class Member:
-    """A registered stage and what its last heartbeat said."""
+    """A registered stage incarnation and what its last heartbeat said."""
 
     row: StageRow
     last_seen: float | None = None  # monotonic time of the last heartbeat; None: not yet
@@ -24,10 +42,13 @@ class Member:
     committed_step: int = 0
     slowdown: float = 1.0
     speed: float | None = None  # last live estimate
+    state: stage_pb2.RunState = field(default_factory=stage_pb2.RunState)
+    snapshots: list[stage_pb2.SnapshotHolding] = field(default_factory=list)
+    dead_reason: str = ""
 
 
 class Membership:
-    """Registered stages (persisted) and their liveness (in memory)."""
+    """Registered incarnations (persisted) and their liveness (in memory)."""
 
     def __init__(
         self, store: Store, dead_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic
@@ -37,25 +58,37 @@ class Membership:
         self._clock = clock
         self._lock = threading.Lock()
         self._members = {row.stage_id: Member(row) for row in store.stages()}
+        # A restarted coordinator gives every known incarnation a fresh grace period.
+        now = clock()
+        for member in self._members.values():
+            if not member.row.dead:
+                member.last_seen = now
 
-    def register(self, name: str, address: str, device: str) -> str:
-        """Adds a stage, or updates the one of the same name; returns its stable id."""
+    def register(self, name: str, address: str, device: str) -> tuple[str, list[Member]]:
+        """Adds a new incarnation of ``name``.
+
+        Returns:
+            Its id, and the older incarnations of the name that this declared dead.
+        """
         with self._lock:
-            existing = next((m for m in self._members.values() if m.row.name == name), None)
-            stage_id = existing.row.stage_id if existing else f"st-{uuid.uuid4().hex[:8]}"
+            older = [m for m in self._members.values() if m.row.name == name and not m.row.dead]
+            drained = any(m.row.drained for m in older)
             row = StageRow(
-                stage_id=stage_id,
+                stage_id=f"st-{uuid.uuid4().hex[:8]}",
                 name=name,
                 address=address,
                 device=device,
-                registered_at=existing.row.registered_at if existing else time.time(),
-                drained=existing.row.drained if existing else False,
+                registered_at=time.time(),
+                drained=drained,
+                incarnation=self._store.max_incarnation(name) + 1,
             )
-            self._store.upsert_stage(row)
+            self._store.add_stage(row)
             member = Member(row)
             member.last_seen, member.last_seen_unix = self._clock(), time.time()
-            self._members[stage_id] = member
-            return stage_id
+            self._members[row.stage_id] = member
+        for old in older:
+            self.declare_dead(old.row.stage_id, f"replaced by incarnation {row.incarnation}")
+        return row.stage_id, older
 
     def heartbeat(
         self,
@@ -64,42 +97,75 @@ class Membership:
         timings: dict[int, Timing],
         committed_step: int,
         slowdown: float,
-    ) -> bool:
-        """Records a heartbeat; False if the id is unknown (the stage must re-register)."""
+        state: stage_pb2.RunState | None = None,
+        snapshots: list[stage_pb2.SnapshotHolding] | None = None,
+    ) -> Heard:
+        """Records a heartbeat."""
         with self._lock:
             member = self._members.get(stage_id)
             if member is None:
-                return False
+                return Heard.UNKNOWN
+            if member.row.dead:
+                return Heard.DEAD
             member.last_seen, member.last_seen_unix = self._clock(), time.time()
             member.epoch, member.committed_step, member.slowdown = epoch, committed_step, slowdown
             member.timings = timings
-            return True
+            if state is not None:
+                member.state = state
+            if snapshots is not None:
+                member.snapshots = snapshots
+            return Heard.OK
 
     def alive(self, member: Member) -> bool:
-        """Whether the stage has been heard from recently."""
-        return member.last_seen is not None and self._clock() - member.last_seen < self._dead_after
+        """Whether the incarnation is not declared dead and was heard from recently."""
+        return (
+            not member.row.dead
+            and member.last_seen is not None
+            and self._clock() - member.last_seen < self._dead_after
+        )
+
+    def silent(self, member: Member) -> bool:
+        """Whether a live-declared incarnation has missed its heartbeats."""
+        return not member.row.dead and not self.alive(member)
+
+    def declare_dead(self, stage_id: str, reason: str) -> bool:
+        """Declares an incarnation dead for good; False if it already was."""
+        with self._lock:
+            member = self._members.get(stage_id)
+            if member is None or member.row.dead:
+                return False
+            member.row = replace(member.row, dead=True)
+            member.dead_reason = reason
+            self._store.set_stage(stage_id, dead=True)
+            return True
 
     def members(self) -> list[Member]:
-        """Every registered stage in registration order."""
+        """Every incarnation not forgotten, in registration order."""
         with self._lock:
             return sorted(self._members.values(), key=lambda m: (m.row.registered_at, m.row.name))
 
     def find(self, key: str) -> Member | None:
-        """A stage by id, name or address."""
+        """An incarnation by id or address, or the newest one of a name."""
         with self._lock:
-            for member in self._members.values():
-                if key in (member.row.stage_id, member.row.name, member.row.address):
-                    return member
-        return None
+            if key in self._members:
+                return self._members[key]
+            by_name = [m for m in self._members.values() if key in (m.row.name, m.row.address)]
+        return max(by_name, key=lambda m: m.row.incarnation, default=None)
 
     def by_id(self, stage_id: str) -> Member | None:
-        """A stage by id."""
+        """An incarnation by id."""
         with self._lock:
             return self._members.get(stage_id)
 
     def set_drained(self, stage_id: str, drained: bool) -> None:
-        """Keeps a stage out of (or lets it back into) future partitions."""
+        """Keeps an incarnation out of (or lets it back into) future partitions."""
         with self._lock:
             member = self._members[stage_id]
-            member.row = StageRow(**{**vars(member.row), "drained": drained})
-            self._store.set_drained(stage_id, drained)
+            member.row = replace(member.row, drained=drained)
+            self._store.set_stage(stage_id, drained=drained)
+
+    def forget(self, stage_id: str) -> None:
+        """Removes a dead incarnation from membership (and from status)."""
+        with self._lock:
+            self._members.pop(stage_id, None)
+            self._store.set_stage(stage_id, forgotten=True)

@@ -47,6 +47,8 @@ def decide(
     bytes_to_move: int,
     seconds_since_last_move: float,
     measured_pause_s: float | None = None,
+    layers_to_move: int | None = None,
+    forced: bool = False,
 ) -> Decision:
     """Decides whether moving from the current partition to the proposed one pays off.
 
@@ -57,10 +59,15 @@ def decide(
         bytes_to_move: weights + optimizer state of the layers that change owner.
         seconds_since_last_move: time since the last epoch change.
         measured_pause_s: the fixed overhead measured on the last move, if any.
+        layers_to_move: how many layers change owner (default: as many as move bytes).
+        forced: an operator asked: move whenever the optimum differs.
 
     Returns:
         The decision, with the numbers that explain it.
     """
+    moves = layers_to_move if layers_to_move is not None else int(bytes_to_move > 0)
+    if moves == 0:
+        proposed_step_s = current_step_s  # the same partition: no gain to speak of
     gain = 1.0 - proposed_step_s / current_step_s if current_step_s > 0 else 0.0
     overhead = config.fixed_pause_s if measured_pause_s is None else measured_pause_s
     pause = bytes_to_move / config.bandwidth_bytes_per_s + overhead
@@ -69,8 +76,10 @@ def decide(
     def decision(move: bool, reason: str) -> Decision:
         return Decision(move, reason, gain, current_step_s, proposed_step_s, bytes_to_move, pause)
 
-    if bytes_to_move == 0:
+    if moves == 0:
         return decision(False, "the current partition is already optimal")
+    if forced:
+        return decision(True, f"moving to the optimal partition on request (gain {gain:.1%})")
     if not config.enabled:
         return decision(False, "auto-rebalance is off")
     if gain <= config.threshold:

@@ -27,6 +27,7 @@ class CoordinatorServer:
         dead_after_s: float = 5.0,
         heartbeat_interval_s: float = 1.0,
         link_bandwidth: float = 0.0,
+        pause_at: str = "",
     ):
         self._listen = listen
         self._state = state
@@ -34,6 +35,7 @@ class CoordinatorServer:
         self._dead_after_s = dead_after_s
         self._heartbeat_interval_s = heartbeat_interval_s
         self._link_bandwidth = link_bandwidth
+        self._pause_at = pause_at
         self.coordinator: Coordinator | None = None
         self._server: RunningServer | None = None
 
@@ -51,6 +53,7 @@ class CoordinatorServer:
             self._dead_after_s,
             self._heartbeat_interval_s,
             self._link_bandwidth,
+            self._pause_at,
         )
         self._server = start_server(
             self._listen,
@@ -61,12 +64,12 @@ class CoordinatorServer:
                 )
             ],
         )
-        self.coordinator.start_policy()
+        self.coordinator.start()
         log.info(
             "coordinator_listening",
             address=self.address,
             state=self._state,
-            auto_rebalance=self.coordinator.policy.enabled,
+            auto_rebalance=self.coordinator.rebalancer.policy.enabled,
         )
         return self
 

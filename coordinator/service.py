@@ -7,27 +7,22 @@ from collections.abc import Iterator
 import grpc
 
 from elasticpipe import codec
-from elasticpipe.coordinator.coordinator import Coordinator, MoveOutcome
-from elasticpipe.coordinator.store import PartitionRow
+from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator.coordinator import Coordinator
+from elasticpipe.coordinator.jobs import DEFAULT_LEASE_S
+from elasticpipe.coordinator.membership import Heard, Member
+from elasticpipe.coordinator.rebalancing import MoveOutcome
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig
+from elasticpipe.partition import Partition
 from elasticpipe.v1 import coordinator_pb2
 
 MAX_WAIT_S = 600.0
 
 
-def partition_to_proto(p: PartitionRow | None) -> coordinator_pb2.Partition:
+def partition_to_proto(p: Partition | None) -> coordinator_pb2.Partition:
     """Wire form of a partition (empty when there is none)."""
-    if p is None:
-        return coordinator_pb2.Partition()
-    return coordinator_pb2.Partition(
-        epoch=p.epoch,
-        job_id=p.job_id,
-        boundaries=list(p.boundaries),
-        stage_ids=list(p.stage_ids),
-        addresses=list(p.addresses),
-        predicted_step_s=p.predicted_step_s,
-    )
+    return coordinator_pb2.Partition() if p is None else p.to_proto()
 
 
 def _outcome(o: MoveOutcome) -> coordinator_pb2.RebalanceResponse:
@@ -53,6 +48,8 @@ class CoordinatorServicer:
     def __init__(self, coordinator: Coordinator):
         self.c = coordinator
 
+    # ---- stages ----------------------------------------------------------------------
+
     def Register(
         self, req: coordinator_pb2.RegisterRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RegisterResponse:
@@ -67,8 +64,39 @@ class CoordinatorServicer:
         timings = {
             t.layer: (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in req.timings
         }
-        known = self.c.heartbeat(req.stage_id, req.epoch, timings, req.committed_step, req.slowdown)
-        return coordinator_pb2.HeartbeatResponse(reregister=not known)
+        heard = self.c.heartbeat(
+            req.stage_id,
+            req.epoch,
+            timings,
+            req.committed_step,
+            req.slowdown,
+            req.state if req.HasField("state") else None,
+            list(req.snapshots),
+        )
+        return coordinator_pb2.HeartbeatResponse(
+            reregister=heard is not Heard.OK, dead=heard is Heard.DEAD
+        )
+
+    def ResolveRun(
+        self, req: coordinator_pb2.ResolveRunRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.ResolveRunResponse:
+        return coordinator_pb2.ResolveRunResponse(
+            decision=self.c.jobs.resolve_run(req.stage_id, req.run, req.step)
+        )
+
+    def EpochOutcome(
+        self, req: coordinator_pb2.EpochOutcomeRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.EpochOutcomeResponse:
+        return coordinator_pb2.EpochOutcomeResponse(
+            outcome=epochs.outcome(self.c.cluster, req.epoch)
+        )
+
+    def Leave(
+        self, req: coordinator_pb2.LeaveRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.RebalanceResponse:
+        return _outcome(self.c.leave(req.stage_id, _bounded(req.timeout_s, "timeout_s")))
+
+    # ---- clients ---------------------------------------------------------------------
 
     def SetupJob(
         self, req: coordinator_pb2.SetupJobRequest, ctx: grpc.ServicerContext
@@ -77,9 +105,49 @@ class CoordinatorServicer:
         sample = (
             codec.from_proto(req.job.sample_input) if req.job.HasField("sample_input") else None
         )
-        partition = self.c.setup_job(job, sample, req.num_stages, _bounded(req.wait_s, "wait_s"))
+        attached = self.c.jobs.setup(
+            job,
+            sample,
+            req.num_stages,
+            _bounded(req.wait_s, "wait_s"),
+            req.resume,
+            req.lease_s or DEFAULT_LEASE_S,
+            req.client_name[:200] or ctx.peer(),
+        )
         return coordinator_pb2.SetupJobResponse(
-            partition=partition_to_proto(partition), num_layers=self.c.num_layers
+            partition=partition_to_proto(attached.partition),
+            num_layers=attached.num_layers,
+            client=attached.client,
+            committed_step=attached.committed_step,
+            resumed=attached.resumed,
+            safe_step=attached.safe_step,
+        )
+
+    def RenewLease(
+        self, req: coordinator_pb2.LeaseRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.LeaseResponse:
+        held, safe = self.c.jobs.renew(req.job_id, req.client, req.release)
+        return coordinator_pb2.LeaseResponse(held=held, safe_step=safe)
+
+    def ReportFailure(
+        self, req: coordinator_pb2.FailureReport, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.FailureAck:
+        dead = self.c.recovery.report(list(req.suspects), req.error[:1000])
+        return coordinator_pb2.FailureAck(dead=dead)
+
+    def BeginRestore(
+        self, req: coordinator_pb2.RestoreBeginRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.RestoreBeginResponse:
+        epoch, partition = self.c.jobs.begin_restore(req.job_id, req.client)
+        return coordinator_pb2.RestoreBeginResponse(
+            epoch=epoch, partition=partition_to_proto(partition)
+        )
+
+    def EndRestore(
+        self, req: coordinator_pb2.RestoreEndRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.Partition:
+        return partition_to_proto(
+            self.c.jobs.end_restore(req.job_id, req.epoch, req.step, req.commit)
         )
 
     def GetPartition(
@@ -89,46 +157,60 @@ class CoordinatorServicer:
         remaining = ctx.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(0.0, remaining - 0.1))
-        return partition_to_proto(self.c.get_partition(req.newer_than, timeout))
+        return partition_to_proto(self.c.cluster.get_partition(req.newer_than, timeout))
 
     def WatchPartition(
         self, req: coordinator_pb2.GetPartitionRequest, ctx: grpc.ServicerContext
     ) -> Iterator[coordinator_pb2.Partition]:
         seen = req.newer_than
         while ctx.is_active():
-            partition = self.c.get_partition(seen, 1.0)
+            partition = self.c.cluster.get_partition(seen, 1.0)
             if partition.epoch > seen:
                 seen = partition.epoch
                 yield partition_to_proto(partition)
 
+    # ---- admin -----------------------------------------------------------------------
+
+    def _stage_info(self, m: Member) -> coordinator_pb2.StageInfo:
+        cluster = self.c.cluster
+        p = cluster.partition
+        index = p.index_of(m.row.stage_id) if p is not None else None
+        lo = hi = 0
+        if p is not None and index is not None:
+            lo, hi = p.boundaries[index], p.boundaries[index + 1]
+        alive = cluster.members.alive(m)
+        if m.row.dead or not alive:
+            state = "dead"
+        elif index is not None:
+            state = "chain"
+        elif m.row.drained:
+            state = "drained"
+        else:
+            state = "spare"
+        speed = cluster.speed_of(m) if cluster.job is not None and index is not None else None
+        return coordinator_pb2.StageInfo(
+            stage_id=m.row.stage_id,
+            name=m.row.name,
+            address=m.row.address,
+            device=m.row.device,
+            speed=speed or 0.0,
+            alive=alive,
+            last_heartbeat_unix=m.last_seen_unix,
+            index=-1 if index is None else index,
+            layer_lo=lo,
+            layer_hi=hi,
+            committed_step=m.committed_step,
+            slowdown=m.slowdown,
+            state=state,
+            incarnation=m.row.incarnation,
+        )
+
     def Status(
         self, req: coordinator_pb2.StatusRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.StatusResponse:
-        c = self.c
-        p = c.partition
-        stages = []
-        for m in c.members.members():
-            index, lo, hi = -1, 0, 0
-            if p is not None and m.row.stage_id in p.stage_ids:
-                index = p.stage_ids.index(m.row.stage_id)
-                lo, hi = p.boundaries[index], p.boundaries[index + 1]
-            speed = c.speed_of(m) if c.job is not None else None
-            stages.append(
-                coordinator_pb2.StageInfo(
-                    stage_id=m.row.stage_id,
-                    name=m.row.name,
-                    address=m.row.address,
-                    device=m.row.device,
-                    speed=speed or 0.0,
-                    alive=c.members.alive(m),
-                    last_heartbeat_unix=m.last_seen_unix,
-                    index=index,
-                    layer_lo=lo,
-                    layer_hi=hi,
-                    committed_step=m.committed_step,
-                    slowdown=m.slowdown,
-                )
-            )
+        cluster = self.c.cluster
+        p, job = cluster.partition, cluster.job
+        job_id = None if req.all_jobs or job is None else job.job_id
         history = [
             coordinator_pb2.EpochRecord(
                 epoch=r.epoch,
@@ -138,22 +220,37 @@ class CoordinatorServicer:
                 layers_moved=r.layers_moved,
                 bytes_moved=r.bytes_moved,
                 pause_s=r.pause_s,
+                kind=r.kind,
+                stages=list(r.stage_names),
+                restored_step=r.restored_step,
+                lost_steps=r.lost_steps,
+                job_id=r.job_id,
             )
-            for r in c.store.epochs()
+            for r in cluster.store.epochs(job_id=job_id)
+        ]
+        lease = self.c.jobs.lease()
+        steps = [
+            m.committed_step
+            for sid in (p.stage_ids if p is not None else ())
+            if (m := cluster.members.by_id(sid)) is not None
         ]
         return coordinator_pb2.StatusResponse(
-            stages=stages,
+            stages=[self._stage_info(m) for m in cluster.members.members()],
             partition=partition_to_proto(p),
             history=history,
-            job_model=c.job.model if c.job else "",
-            num_layers=c.num_layers,
-            auto_rebalance=c.policy.enabled,
+            job_model=job.model if job else "",
+            num_layers=cluster.num_layers,
+            auto_rebalance=self.c.rebalancer.policy.enabled,
+            job_id=job.job_id if job else "",
+            client=lease.holder if lease else "",
+            committed_step=min(steps, default=0),
+            job_failure=cluster.failure,
         )
 
     def Plan(
         self, req: coordinator_pb2.PlanRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.PlanResponse:
-        view = self.c.plan_view()
+        view = self.c.rebalancer.plan_view()
         return coordinator_pb2.PlanResponse(
             current=partition_to_proto(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
@@ -167,24 +264,28 @@ class CoordinatorServicer:
     def Rebalance(
         self, req: coordinator_pb2.RebalanceRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RebalanceResponse:
-        return _outcome(self.c.rebalance(req.dry_run, req.reason or "admin rebalance"))
+        return _outcome(
+            self.c.rebalancer.rebalance(req.dry_run, req.reason[:200] or "admin rebalance")
+        )
 
     def SetPartition(
         self, req: coordinator_pb2.SetPartitionRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RebalanceResponse:
         return _outcome(
-            self.c.set_partition(list(req.boundaries), list(req.stage_ids), "admin set-partition")
+            self.c.rebalancer.set_partition(
+                list(req.boundaries), list(req.stage_ids), "admin set-partition"
+            )
         )
 
     def Drain(
         self, req: coordinator_pb2.DrainRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RebalanceResponse:
-        return _outcome(self.c.drain(req.stage))
+        return _outcome(self.c.rebalancer.drain(req.stage))
 
     def Undrain(
         self, req: coordinator_pb2.DrainRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RebalanceResponse:
-        return _outcome(self.c.undrain(req.stage))
+        return _outcome(self.c.rebalancer.undrain(req.stage))
 
     def Slowdown(
         self, req: coordinator_pb2.AdminSlowdownRequest, ctx: grpc.ServicerContext
@@ -194,4 +295,9 @@ class CoordinatorServicer:
     def SetAutoRebalance(
         self, req: coordinator_pb2.AutoRebalanceRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.AdminAck:
-        return coordinator_pb2.AdminAck(message=self.c.set_auto(req.enabled))
+        return coordinator_pb2.AdminAck(message=self.c.rebalancer.set_auto(req.enabled))
+
+    def Forget(
+        self, req: coordinator_pb2.DrainRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.AdminAck:
+        return coordinator_pb2.AdminAck(message=self.c.forget(req.stage))

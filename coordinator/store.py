@@ -1,8 +1,10 @@
 """The coordinator's durable state in an embedded SQLite file: stages, job, partition, history.
 
-A restarted coordinator reloads all of it, so stages keep their ids (their heartbeats go
-on without re-registering), and the job, the partition with its epoch, and the epoch
-history survive. ``:memory:`` keeps everything in memory (tests).
+A restarted coordinator reloads all of it: stage incarnations keep their ids (their
+heartbeats go on without re-registering), the job, the partition with its epoch, the
+epoch history, the client's lease, the auto-rebalance switch, and any epoch change that
+was in flight (which it then rolls forward or back). ``:memory:`` keeps everything in
+memory (tests).
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from elasticpipe.partition import Partition
+
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS stages (
+CREATE TABLE IF NOT EXISTS incarnations (
     stage_id TEXT PRIMARY KEY,
-    name TEXT UNIQUE NOT NULL,
+    name TEXT NOT NULL,
+    incarnation INTEGER NOT NULL,
     address TEXT NOT NULL,
     device TEXT NOT NULL,
     registered_at REAL NOT NULL,
-    drained INTEGER NOT NULL DEFAULT 0
+    drained INTEGER NOT NULL DEFAULT 0,
+    dead INTEGER NOT NULL DEFAULT 0,
+    forgotten INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (name, incarnation)
 );
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS epochs (
@@ -34,7 +42,7 @@ CREATE TABLE IF NOT EXISTS epochs (
 
 @dataclass(frozen=True)
 class StageRow:
-    """A registered stage as stored."""
+    """A registered stage incarnation as stored."""
 
     stage_id: str
     name: str
@@ -42,23 +50,13 @@ class StageRow:
     device: str
     registered_at: float
     drained: bool = False
-
-
-@dataclass(frozen=True)
-class PartitionRow:
-    """One partition epoch: which stages, in which order, own which layers."""
-
-    epoch: int
-    job_id: str
-    boundaries: tuple[int, ...]
-    stage_ids: tuple[str, ...]
-    addresses: tuple[str, ...]
-    predicted_step_s: float = 0.0
+    incarnation: int = 1
+    dead: bool = False
 
 
 @dataclass(frozen=True)
 class EpochRow:
-    """Why and how the partition changed to an epoch."""
+    """Why and how the partition changed to an epoch (or why an attempt was abandoned)."""
 
     epoch: int
     at: float
@@ -69,6 +67,11 @@ class EpochRow:
     bytes_moved: int = 0
     pause_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    kind: str = "move"  # start, move, recovery, restore, abandoned
+    job_id: str = ""
+    stage_names: tuple[str, ...] = ()
+    restored_step: int = 0
+    lost_steps: int = 0
 
 
 class Store:
@@ -90,49 +93,67 @@ class Store:
 
     # ---- stages --------------------------------------------------------------------
 
-    def upsert_stage(self, row: StageRow) -> None:
-        """Adds a stage or updates its address and device (same name = same host)."""
+    def add_stage(self, row: StageRow) -> None:
+        """Records a new incarnation."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO stages (stage_id, name, address, device, registered_at, drained) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
-                "address=excluded.address, device=excluded.device",
+                "INSERT INTO incarnations (stage_id, name, incarnation, address, device, "
+                "registered_at, drained, dead) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     row.stage_id,
                     row.name,
+                    row.incarnation,
                     row.address,
                     row.device,
                     row.registered_at,
                     int(row.drained),
+                    int(row.dead),
                 ),
             )
 
-    def set_drained(self, stage_id: str, drained: bool) -> None:
-        """Marks a stage as drained (kept out of partitions) or not."""
-        with self._lock:
-            self._db.execute(
-                "UPDATE stages SET drained=? WHERE stage_id=?", (int(drained), stage_id)
-            )
+    def set_stage(self, stage_id: str, **flags: bool) -> None:
+        """Sets ``drained``, ``dead`` or ``forgotten`` of an incarnation."""
+        for name, value in flags.items():
+            if name not in ("drained", "dead", "forgotten"):
+                raise ValueError(f"unknown stage flag {name!r}")
+            with self._lock:
+                self._db.execute(
+                    f"UPDATE incarnations SET {name}=? WHERE stage_id=?",
+                    (int(value), stage_id),
+                )
 
     def stages(self) -> list[StageRow]:
-        """Every registered stage, in registration order."""
+        """Every incarnation not forgotten, in registration order."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT stage_id, name, address, device, registered_at, drained FROM stages "
-                "ORDER BY registered_at, name"
+                "SELECT stage_id, name, address, device, registered_at, drained, incarnation, "
+                "dead FROM incarnations WHERE forgotten=0 ORDER BY registered_at, name"
             ).fetchall()
-        return [StageRow(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in rows]
+        return [
+            StageRow(r[0], r[1], r[2], r[3], r[4], bool(r[5]), int(r[6]), bool(r[7])) for r in rows
+        ]
+
+    def max_incarnation(self, name: str) -> int:
+        """The latest incarnation number of a stage name (0: never registered)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MAX(incarnation) FROM incarnations WHERE name=?", (name,)
+            ).fetchone()
+        return int(row[0] or 0)
 
     # ---- job, partition, estimates -----------------------------------------------------
 
     def put(self, key: str, value: Any) -> None:
         """Stores a JSON-able value."""
         with self._lock:
-            self._db.execute(
-                "INSERT INTO kv (key, value) VALUES (?, ?) "
-                "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                (key, json.dumps(value)),
-            )
+            self._put(key, value)
+
+    def _put(self, key: str, value: Any) -> None:
+        self._db.execute(
+            "INSERT INTO kv (key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, json.dumps(value)),
+        )
 
     def get(self, key: str) -> Any:
         """A stored value, or None."""
@@ -140,23 +161,32 @@ class Store:
             row = self._db.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
 
-    def put_partition(self, partition: PartitionRow) -> None:
-        """Makes ``partition`` the durable current partition (the commit point of a move)."""
-        self.put("partition", asdict(partition))
+    def delete(self, key: str) -> None:
+        """Removes a stored value."""
+        with self._lock:
+            self._db.execute("DELETE FROM kv WHERE key=?", (key,))
 
-    def partition(self) -> PartitionRow | None:
+    def put_partition(self, partition: Partition) -> None:
+        """Makes ``partition`` the durable current partition."""
+        self.put("partition", partition.to_json())
+
+    def commit_change(self, partition: Partition, change: dict[str, Any]) -> None:
+        """The commit point of an epoch change: the new partition and the change's
+        "committed" record, written in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._put("partition", partition.to_json())
+                self._put("epoch_change", {**change, "phase": "committed"})
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def partition(self) -> Partition | None:
         """The current partition, if any."""
         raw = self.get("partition")
-        if raw is None:
-            return None
-        return PartitionRow(
-            epoch=raw["epoch"],
-            job_id=raw["job_id"],
-            boundaries=tuple(raw["boundaries"]),
-            stage_ids=tuple(raw["stage_ids"]),
-            addresses=tuple(raw["addresses"]),
-            predicted_step_s=raw.get("predicted_step_s", 0.0),
-        )
+        return None if raw is None else Partition.from_json(raw)
 
     # ---- history -----------------------------------------------------------------------
 
@@ -168,19 +198,21 @@ class Store:
                 (row.epoch, row.at or time.time(), json.dumps(asdict(row))),
             )
 
-    def epochs(self, limit: int = 100) -> list[EpochRow]:
-        """The most recent epoch changes, oldest first."""
+    def epochs(self, limit: int = 100, job_id: str | None = None) -> list[EpochRow]:
+        """The most recent epoch records (of one job, if given), oldest first."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT record FROM epochs ORDER BY epoch DESC LIMIT ?", (limit,)
-            ).fetchall()
+            rows = self._db.execute("SELECT record FROM epochs ORDER BY epoch DESC").fetchall()
         out = []
-        for (record,) in reversed(rows):
+        for (record,) in rows:
             raw = json.loads(record)
-            raw["boundaries"] = tuple(raw["boundaries"])
-            raw["stage_ids"] = tuple(raw.get("stage_ids", ()))
+            if job_id is not None and raw.get("job_id", "") != job_id:
+                continue
+            for key in ("boundaries", "stage_ids", "stage_names"):
+                raw[key] = tuple(raw.get(key, ()))
             out.append(EpochRow(**raw))
-        return out
+            if len(out) >= limit:
+                break
+        return list(reversed(out))
 
     def max_epoch(self) -> int:
         """The highest epoch ever used (epochs never repeat, across jobs too)."""
@@ -196,3 +228,9 @@ class Store:
         epoch = self.max_epoch() + 1
         self.put("epoch_attempted", epoch)
         return epoch
+
+    def next_client(self) -> int:
+        """A fresh client generation (fences every earlier client)."""
+        generation = int(self.get("client_generation") or 0) + 1
+        self.put("client_generation", generation)
+        return generation

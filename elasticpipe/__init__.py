@@ -9,18 +9,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from elasticpipe.client.pipeline import PartitionInfo, Pipeline
+    from elasticpipe.client.pipeline import Pipeline, StepStats
     from elasticpipe.cluster import LocalCluster
+    from elasticpipe.partition import Partition
 
-__all__ = ["LocalCluster", "PartitionInfo", "Pipeline"]
+__all__ = ["LocalCluster", "Partition", "Pipeline", "StepStats"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Pipeline", "PartitionInfo"):
+    if name in ("Pipeline", "StepStats"):
         from elasticpipe.client import pipeline
 
         return getattr(pipeline, name)
+    if name == "Partition":
+        from elasticpipe.partition import Partition
+
+        return Partition
     if name == "LocalCluster":
         from elasticpipe.cluster import LocalCluster
 

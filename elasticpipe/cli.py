@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Protocol
@@ -62,11 +62,16 @@ class _Server(Protocol):
     def stop(self) -> None: ...
 
 
-def _serve_until_signalled(server: _Server, ready_file: str | None) -> int:
-    """Announces the server's address, serves until SIGTERM/SIGINT, then stops it."""
+def _serve_until_signalled(
+    server: _Server, ready_file: str | None, before_stop: Callable[[], None] | None = None
+) -> int:
+    """Announces the server's address, serves until SIGTERM/SIGINT, then stops it (after
+    ``before_stop``, such as moving a stage's layers off)."""
     stop = threading.Event()
+    received: list[str] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)
@@ -74,8 +79,11 @@ def _serve_until_signalled(server: _Server, ready_file: str | None) -> int:
     _write_ready(ready_file, server.address)
     try:
         stop.wait()
+        if before_stop is not None:
+            before_stop()
     finally:
         server.stop()
+        structlog.get_logger().info("server_stopped", signal=received[0] if received else None)
     return 0
 
 
@@ -101,6 +109,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         args.dead_after,
         args.heartbeat_interval,
         args.link_bandwidth,
+        args.pause_at,
     ).start()
     return _serve_until_signalled(server, args.ready_file)
 
@@ -124,10 +133,13 @@ def cmd_stage(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
         timer=args.timer,
         max_tensor_bytes=args.max_tensor_bytes,
+        commit_lease_s=args.commit_lease,
         enable_fault_injection=args.enable_fault_injection,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
-    return _serve_until_signalled(server, args.ready_file)
+    return _serve_until_signalled(
+        server, args.ready_file, lambda: server.leave(args.drain_timeout)
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -209,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         "activations and gradients crossing each cut (default: links are free)",
     )
     co.add_argument("--ready-file", help=argparse.SUPPRESS)
+    co.add_argument("--pause-at", default="", help=argparse.SUPPRESS)  # tests: block there
     co.set_defaults(func=cmd_coordinator)
 
     st = sub.add_parser("stage", help="run a stage server (one per device)")
@@ -234,6 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
         "sharing a host do not see each other's load) or wall time (auto on CUDA)",
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31)
+    st.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, how long to wait for the coordinator to move this stage's layers "
+        "off before exiting (0: exit at once; recovery then replaces the stage)",
+    )
+    st.add_argument(
+        "--commit-lease",
+        type=float,
+        default=30.0,
+        help="seconds a finished step waits for its client's commit before the stage asks "
+        "the coordinator to settle it",
+    )
     st.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     st.add_argument("--ready-file", help=argparse.SUPPRESS)
     st.set_defaults(func=cmd_stage)

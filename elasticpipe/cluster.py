@@ -174,11 +174,19 @@ class LocalCluster:
         proc.wait(timeout=10)
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stops every process: SIGTERM, then SIGKILL after ``grace`` seconds."""
-        for proc in self.procs.values():
+        """Stops every process: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+        The coordinator goes first, so that stages shutting down do not wait for their
+        layers to be moved off (the whole cluster is going away).
+        """
+        ordered = sorted(self.procs.items(), key=lambda item: item[0] != "coordinator")
+        for name, proc in ordered:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
+            if name == "coordinator":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=grace)
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             try:

@@ -2,21 +2,30 @@
 
 ::
 
-    ElasticPipeError                  INTERNAL unless a subclass says otherwise
-    ├── InvalidRequest(ValueError)    INVALID_ARGUMENT     bad shape, dtype, size, name, argument
-    │   └── ModelError                INVALID_ARGUMENT     a factory that fails or has no layers
-    ├── PermissionDenied              PERMISSION_DENIED    model outside --allow-models
-    ├── TooLarge                      RESOURCE_EXHAUSTED   declared or received size over a limit
-    ├── StaleEpoch                    FAILED_PRECONDITION  request of another epoch (retryable)
-    ├── NotReady                      FAILED_PRECONDITION  no job / layers / step in that state
-    ├── Rebalancing                   UNAVAILABLE          layers are moving; retry shortly
-    ├── StageUnavailable              UNAVAILABLE          a stage cannot be reached or died
-    ├── StepAborted                   ABORTED              the step was discarded everywhere
-    ├── TransferError                 DATA_LOSS            a moved layer failed its checksum
-    └── DeadlineExceeded(TimeoutError) DEADLINE_EXCEEDED   a wait ran past its deadline
+    ElasticPipeError                   INTERNAL unless a subclass says otherwise
+    ├── InvalidRequest(ValueError)     INVALID_ARGUMENT     bad shape, dtype, size, name, argument
+    │   ├── ModelError                 INVALID_ARGUMENT     a factory that fails or has no layers
+    │   └── UserCodeError              INVALID_ARGUMENT     the user's model, loss or data raised
+    ├── PermissionDenied               PERMISSION_DENIED    not allowed here (model, role, fault)
+    ├── TooLarge                       RESOURCE_EXHAUSTED   declared or received size over a limit
+    ├── NotReady                       FAILED_PRECONDITION  no job / layers / step in that state
+    │   ├── StaleEpoch                 FAILED_PRECONDITION  request of another epoch (retryable)
+    │   ├── Fenced                     FAILED_PRECONDITION  a newer client holds the job
+    │   └── JobInUse                   FAILED_PRECONDITION  a live client holds the job's lease
+    ├── Unavailable                    UNAVAILABLE          a peer cannot be reached
+    │   ├── StageUnavailable           UNAVAILABLE          a stage cannot be reached or died
+    │   ├── CoordinatorUnavailable     UNAVAILABLE          the coordinator cannot be reached
+    │   └── Rebalancing                UNAVAILABLE          layers are moving; retry shortly
+    ├── StepAborted                    ABORTED              the step was discarded everywhere
+    ├── TransferError                  DATA_LOSS            a moved layer failed its checksum
+    ├── LayersLost                     DATA_LOSS            every copy of some layers is gone
+    └── DeadlineExceeded(TimeoutError) DEADLINE_EXCEEDED    a wait ran past its deadline
 
-Remote errors are translated into this tree in exactly one place, ``elasticpipe.rpc``; a
-servicer raises these and the adapter turns them into a status + message, never a traceback.
+The error's kind travels in the gRPC status details (a ``google.rpc.ErrorInfo`` whose
+``reason`` names the class), so a receiver rebuilds the precise class without reading the
+message. Remote errors are translated into this tree in exactly one place,
+``elasticpipe.rpc``; a servicer raises these and the adapter turns them into a status,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +39,11 @@ class ElasticPipeError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     retryable: bool = False
 
+    @classmethod
+    def reason(cls) -> str:
+        """The kind's name on the wire (the class name)."""
+        return cls.__name__
+
 
 class InvalidRequest(ElasticPipeError, ValueError):
     """A request or argument is malformed; the message names the bad value."""
@@ -41,8 +55,12 @@ class ModelError(InvalidRequest):
     """A model factory could not be resolved, failed, or returned something unusable."""
 
 
+class UserCodeError(InvalidRequest):
+    """The user's model, loss or data raised during a step; the message says where."""
+
+
 class PermissionDenied(ElasticPipeError, PermissionError):
-    """The operator did not allow this (for example a model outside ``--allow-models``)."""
+    """The operator did not allow this (a model outside ``--allow-models``, a caller's role)."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
 
@@ -53,30 +71,44 @@ class TooLarge(ElasticPipeError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class StaleEpoch(ElasticPipeError):
-    """The request was computed under another partition epoch; refetch the partition."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    retryable = True
-
-
 class NotReady(ElasticPipeError):
     """The receiver is not in the state this request needs (no job, wrong step, ...)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class Rebalancing(ElasticPipeError):
-    """Layers are being moved between stages; the same request will succeed shortly."""
+class StaleEpoch(NotReady):
+    """The request was computed under another partition epoch; refetch the partition."""
 
-    code = grpc.StatusCode.UNAVAILABLE
     retryable = True
 
 
-class StageUnavailable(ElasticPipeError):
-    """A stage or the coordinator could not be reached, or died mid-request."""
+class Fenced(NotReady):
+    """A newer client took over the job; this client's requests are refused."""
+
+
+class JobInUse(NotReady):
+    """Another live client holds the job's lease (use ``resume=True`` to attach instead)."""
+
+
+class Unavailable(ElasticPipeError):
+    """A peer could not be reached."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class StageUnavailable(Unavailable):
+    """A stage could not be reached, or died mid-request."""
+
+
+class CoordinatorUnavailable(Unavailable):
+    """The coordinator could not be reached."""
+
+
+class Rebalancing(Unavailable):
+    """Layers are being moved between stages; the same request will succeed shortly."""
+
+    retryable = True
 
 
 class StepAborted(ElasticPipeError):
@@ -91,32 +123,47 @@ class TransferError(ElasticPipeError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class LayersLost(ElasticPipeError):
+    """Every copy of some layers' state is gone: the job cannot recover by itself."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class DeadlineExceeded(ElasticPipeError, TimeoutError):
     """A wait ran past its deadline."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def _kinds(cls: type[ElasticPipeError]) -> list[type[ElasticPipeError]]:
+    return [cls, *(k for sub in cls.__subclasses__() for k in _kinds(sub))]
+
+
+BY_REASON: dict[str, type[ElasticPipeError]] = {k.reason(): k for k in _kinds(ElasticPipeError)}
+
+# Without a reason in the details (another implementation, a proxy), the code decides.
 _BY_CODE: dict[grpc.StatusCode, type[ElasticPipeError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: TooLarge,
     grpc.StatusCode.FAILED_PRECONDITION: NotReady,
-    grpc.StatusCode.UNAVAILABLE: StageUnavailable,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.ABORTED: StepAborted,
     grpc.StatusCode.DATA_LOSS: TransferError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
 
-# Message prefixes that let a receiver recover the precise subclass of a status code.
-STALE_EPOCH_PREFIX = "stale epoch"
-REBALANCING_PREFIX = "rebalancing"
 
+def from_status(code: grpc.StatusCode, details: str, reason: str = "") -> ElasticPipeError:
+    """Builds the domain error for a status received from a peer.
 
-def from_status(code: grpc.StatusCode, details: str) -> ElasticPipeError:
-    """Builds the domain error for a status received from a peer."""
-    if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(STALE_EPOCH_PREFIX):
-        return StaleEpoch(details)
-    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(REBALANCING_PREFIX):
-        return Rebalancing(details)
+    Args:
+        code: the status code.
+        details: the status message.
+        reason: the kind from the status details, if the peer sent one.
+    """
+    kind = BY_REASON.get(reason)
+    if kind is not None and kind.code == code:
+        return kind(details)
     return _BY_CODE.get(code, ElasticPipeError)(details)

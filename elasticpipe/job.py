@@ -13,6 +13,7 @@ from elasticpipe.training import LOSSES, OPTIMIZERS
 from elasticpipe.v1 import job_pb2
 
 MAX_KWARGS_JSON = 1 << 20
+MAX_SNAPSHOT_EVERY = 1_000_000
 
 
 def _json_object(text: str, what: str) -> dict[str, Any]:
@@ -44,6 +45,7 @@ class JobConfig:
     micro_batches: int = 4
     schedule: str = "1f1b"
     job_id: str = ""
+    snapshot_every: int = 0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -62,6 +64,10 @@ class JobConfig:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {self.micro_batches})")
         if self.seed < 0:
             raise InvalidRequest(f"seed must be >= 0 (got {self.seed})")
+        if not 0 <= self.snapshot_every <= MAX_SNAPSHOT_EVERY:
+            raise InvalidRequest(
+                f"snapshot_every must be in [0, {MAX_SNAPSHOT_EVERY}] (got {self.snapshot_every})"
+            )
 
     def with_id(self) -> JobConfig:
         """A copy with a fresh job id (a new job re-initialises every layer)."""
@@ -79,6 +85,7 @@ class JobConfig:
             loss=self.loss,
             micro_batches=self.micro_batches,
             schedule=self.schedule,
+            snapshot_every=self.snapshot_every,
         )
 
     @classmethod
@@ -98,4 +105,5 @@ class JobConfig:
             micro_batches=spec.micro_batches or 1,
             schedule=spec.schedule or "1f1b",
             job_id=spec.job_id,
+            snapshot_every=spec.snapshot_every,
         )

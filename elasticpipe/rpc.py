@@ -5,23 +5,28 @@ requests itself, so malformed bytes become ``INVALID_ARGUMENT`` naming the messa
 (grpcio would answer a bare ``INTERNAL``), domain errors become their status code with
 their message, and anything unexpected becomes ``INTERNAL`` without a traceback.
 
-Client side: ``translate`` maps a ``grpc.RpcError`` to the domain error tree, and
-``channel`` opens a channel with the project's message limits.
+Client side: ``translate`` maps a ``grpc.RpcError`` to the domain error tree (the error's
+kind travels in the status details, a ``google.rpc.ErrorInfo``), and ``channel`` opens a
+channel with the project's message limits. ``StagePool`` calls many stages at once through
+gRPC futures, so no thread pool bounds how many stages a chain may have.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import structlog
+from google.protobuf import any_pb2
 from google.protobuf import message as pb_message
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
+from google.rpc.error_details_pb2 import ErrorInfo
+from google.rpc.status_pb2 import Status
+from grpc_status import rpc_status
 
 from elasticpipe import errors
 from elasticpipe.v1 import stage_pb2_grpc
@@ -32,6 +37,9 @@ log = structlog.get_logger()
 MAX_MESSAGE_BYTES = 64 << 20
 # HTTP/2 "rapid reset" (CVE-2023-44487): bound what one connection can ask of a server.
 MAX_CONCURRENT_STREAMS = 256
+# Status messages travel in HTTP/2 trailers: keep them well under the metadata limit.
+MAX_STATUS_MESSAGE = 2000
+ERROR_DOMAIN = "elasticpipe"
 
 T = TypeVar("T")
 
@@ -64,12 +72,12 @@ def channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Ch
 
 
 class StagePool:
-    """Cached channels to stages, a stub per call, and a thread pool for parallel calls."""
+    """Cached channels to stages, a stub per call, and calls to many stages at once."""
 
-    def __init__(self, max_workers: int = 32, name: str = "stage-call"):
+    def __init__(self, unavailable: type[errors.ElasticPipeError] = errors.StageUnavailable):
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
+        self._unavailable = unavailable
 
     def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
         """A StageService stub for ``address`` over a cached channel."""
@@ -82,42 +90,111 @@ class StagePool:
         """One unary call with a deadline; errors translated."""
         return call(address, getattr(self.stub(address), method), request, timeout=timeout)
 
+    def each(
+        self, address_requests: Sequence[tuple[str, Any]], method: str, timeout: float
+    ) -> list[Any | errors.ElasticPipeError]:
+        """Calls ``method`` on every stage at once (gRPC futures: no thread per call).
+
+        Returns:
+            In order, each reply, or the translated error of that stage.
+        """
+        futures = [
+            (address, getattr(self.stub(address), method).future(request, timeout=timeout))
+            for address, request in address_requests
+        ]
+        out: list[Any | errors.ElasticPipeError] = []
+        for address, future in futures:
+            try:
+                out.append(future.result())
+            except grpc.RpcError as exc:
+                out.append(translate(exc, address, self._unavailable))
+        return out
+
+    def all(
+        self, address_requests: Sequence[tuple[str, Any]], method: str, timeout: float
+    ) -> list[Any]:
+        """Like ``each``, but raises the first failure (after every call ended)."""
+        results = self.each(address_requests, method, timeout)
+        for result in results:
+            if isinstance(result, errors.ElasticPipeError):
+                raise result
+        return results
+
     def close(self) -> None:
-        """Closes every channel and the thread pool."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Closes every channel."""
         with self._lock:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
 
 
-def translate(exc: grpc.RpcError, peer: str) -> errors.ElasticPipeError:
-    """Maps a failed call to the domain error tree, naming the peer."""
+def _reason(exc: grpc.RpcError) -> str:
+    """The error kind a peer of ours put in the status details, if any."""
+    try:
+        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    except ValueError:  # details that contradict the status line: ignore them
+        return ""
+    for detail in status.details if status is not None else ():
+        info = ErrorInfo()
+        if detail.Unpack(info) and info.domain == ERROR_DOMAIN:
+            return str(info.reason)
+    return ""
+
+
+def translate(
+    exc: grpc.RpcError,
+    peer: str,
+    unavailable: type[errors.ElasticPipeError] = errors.StageUnavailable,
+) -> errors.ElasticPipeError:
+    """Maps a failed call to the domain error tree, naming the peer.
+
+    Args:
+        exc: the failed call.
+        peer: the address called (named in the message where the error started).
+        unavailable: the error for a peer that could not be reached at all.
+    """
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) and (
-        details.startswith((errors.STALE_EPOCH_PREFIX, errors.REBALANCING_PREFIX))
-    ):
-        return errors.from_status(code, details)
-    if "(from " not in details:  # name the peer once, where the error started
-        details = f"{details} (from {peer}, {code.name})"
-    return errors.from_status(code, details)
+    reason = _reason(exc) if isinstance(exc, grpc.Call) else ""
+    if not reason and code == grpc.StatusCode.UNAVAILABLE:
+        reason = unavailable.reason()
+        code = unavailable.code
+    if "(from " not in details and not reason.startswith(("StaleEpoch", "Rebalancing")):
+        details = f"{details} (from {peer}, {code.name})"  # name the peer once
+    return errors.from_status(code, details, reason)
 
 
-def call(peer: str, fn: Callable[..., T], request: Any, timeout: float, **kwargs: Any) -> T:
+def call(
+    peer: str,
+    fn: Callable[..., T],
+    request: Any,
+    timeout: float,
+    unavailable: type[errors.ElasticPipeError] = errors.StageUnavailable,
+    **kwargs: Any,
+) -> T:
     """Calls a unary (or client-streaming) stub method with a deadline, translating errors."""
     try:
         return fn(request, timeout=timeout, **kwargs)
     except grpc.RpcError as exc:
-        raise translate(exc, peer) from exc
+        raise translate(exc, peer, unavailable) from exc
 
 
 # ---- server side -------------------------------------------------------------------
 
 
+def status_of(exc: errors.ElasticPipeError) -> grpc.Status:
+    """The wire status of a domain error: its code, message and kind."""
+    message = str(exc)
+    if len(message) > MAX_STATUS_MESSAGE:
+        message = message[: MAX_STATUS_MESSAGE - 15] + "... (truncated)"
+    detail = any_pb2.Any()
+    detail.Pack(ErrorInfo(reason=exc.reason(), domain=ERROR_DOMAIN))
+    return rpc_status.to_status(Status(code=exc.code.value[0], message=message, details=[detail]))
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, errors.ElasticPipeError):
-        context.abort(exc.code, str(exc))
+        context.abort_with_status(status_of(exc))
     log.error("rpc_failed", method=method, error=repr(exc), exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
 

@@ -8,6 +8,7 @@ stale, so never edit them by hand.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def generate(out_dir: Path) -> list[Path]:
     sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     out_dir.mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).resolve().parent / "_proto"
+    # The mypy plugins (protoc-gen-mypy*) live next to this interpreter.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     args = [
         "protoc",
         f"-I{PROTO_ROOT}",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from elasticpipe import models
-from elasticpipe.errors import InvalidRequest, ModelError
+from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
 from elasticpipe.training import make_optimizer
 
@@ -98,10 +98,15 @@ class Slowdown:
             time.sleep(owed)
 
 
-def _describe_failure(index: int, layer: nn.Module, x: torch.Tensor, exc: Exception) -> str:
-    return (
-        f"layer {index} ({type(layer).__name__}) failed on input of shape "
-        f"{list(x.shape)} and dtype {str(x.dtype).removeprefix('torch.')}: {exc}"
+def _user_error(
+    what: str, index: int, layer: nn.Module, x: torch.Tensor, micro_batch: int, exc: Exception
+) -> UserCodeError:
+    """The user's layer raised: say which layer, on which micro-batch and input."""
+    where = f" on micro-batch {micro_batch}" if micro_batch >= 0 else ""
+    return UserCodeError(
+        f"{what} of layer {index} ({type(layer).__name__}) failed{where} with input of shape "
+        f"{list(x.shape)} and dtype {str(x.dtype).removeprefix('torch.')}: "
+        f"{type(exc).__name__}: {exc}"
     )
 
 
@@ -152,53 +157,88 @@ class LayerSlice:
     # ---- compute ------------------------------------------------------------------------
 
     def forward(
-        self, x: torch.Tensor, train: bool, input_grad: bool = True
+        self, x: torch.Tensor, train: bool, input_grad: bool = True, micro_batch: int = -1
     ) -> tuple[torch.Tensor, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
+
+        Inference (``train`` False) runs the layers in eval mode under
+        ``torch.inference_mode``, and puts them back in training mode after: dropout is
+        off and batch-norm statistics are used, not updated.
 
         Args:
             x: the slice's input.
             train: keep the graph for backward.
             input_grad: whether backward must produce the gradient of ``x`` (not on the
                 first stage, whose input is data: computing it would waste a matmul).
+            micro_batch: named in error messages.
 
         Raises:
-            InvalidRequest: a layer could not run on the input it was given.
+            UserCodeError: a layer raised on the input it was given.
+            ModelError: a layer returned something other than a tensor.
         """
-        stash = Stash() if train else None
-        with torch.set_grad_enabled(train):
+        if not train:
+            return self._infer(x, micro_batch), None
+        stash = Stash()
+        with torch.enable_grad():
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
-                if train and x.is_floating_point():
+                if x.is_floating_point():
                     x = x.detach().requires_grad_(input_grad or n > 0)
-                try:
-                    y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)  # noqa: B023
-                except RuntimeError as exc:
-                    raise InvalidRequest(_describe_failure(i, layer, x, exc)) from exc
-                if not isinstance(y, torch.Tensor):
-                    raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
-                self.timings[i].observe(seconds, None, y.numel() * y.element_size())
-                if stash is not None:
-                    stash.pairs.append((x, y))
+                y = self._run_layer(i, layer, x, micro_batch)
+                stash.pairs.append((x, y))
                 x = y
         self.slowdown.pay()
         return x, stash
 
-    def backward(self, stash: Stash, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def _infer(self, x: torch.Tensor, micro_batch: int) -> torch.Tensor:
+        with torch.inference_mode():
+            for i in self.indices:
+                layer = self.layers[i]
+                layer.eval()
+                try:
+                    x = self._run_layer(i, layer, x, micro_batch)
+                finally:
+                    layer.train()
+        self.slowdown.pay()
+        return x
+
+    def _run_layer(
+        self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
+    ) -> torch.Tensor:
+        try:
+            y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)
+        except ElasticPipeError:
+            raise
+        except Exception as exc:  # the user's code may raise anything: report it as theirs
+            raise _user_error("forward", i, layer, x, micro_batch, exc) from exc
+        if not isinstance(y, torch.Tensor):
+            raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
+        self.timings[i].observe(seconds, None, y.numel() * y.element_size())
+        return y
+
+    def backward(
+        self, stash: Stash, grad: torch.Tensor | None, micro_batch: int = -1
+    ) -> torch.Tensor | None:
         """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
 
         Returns:
             The gradient of the slice's input, or None where the input needs none.
+
+        Raises:
+            UserCodeError: a layer's backward raised.
         """
         for i, (x, y) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
             if not y.requires_grad or grad is None:
                 grad = None
                 continue
             g = grad
-            _, seconds = self.slowdown.timed(
-                lambda: torch.autograd.backward(y, g),  # noqa: B023
-                self._sync,
-            )
+            try:
+                _, seconds = self.slowdown.timed(
+                    lambda: torch.autograd.backward(y, g),  # noqa: B023
+                    self._sync,
+                )
+            except Exception as exc:  # the user's code may raise anything
+                raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
             self.timings[i].observe(None, seconds, 0)
             grad = x.grad if x.requires_grad else None
         stash.pairs.clear()
@@ -217,6 +257,11 @@ class LayerSlice:
             opt.zero_grad(set_to_none=True)
 
     # ---- state, for migration and state_dict --------------------------------------------
+
+    def snapshot_layer(self, index: int) -> dict[str, Any]:
+        """One layer's full state, cloned: training may go on while it is packed."""
+        state: dict[str, Any] = _tensors_cloned(self.export_layer(index, include_optimizer=True))
+        return state
 
     def export_layer(self, index: int, include_optimizer: bool) -> dict[str, Any]:
         """One layer's full state: weights and buffers, and optionally optimizer state."""
@@ -274,6 +319,16 @@ class LayerSlice:
         self.layers.pop(index, None)
         self.optimizers.pop(index, None)
         self.timings.pop(index, None)
+
+
+def _tensors_cloned(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _tensors_cloned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tensors_cloned(v) for v in obj]
+    return obj
 
 
 def _tensors_to_cpu(obj: Any) -> Any:

@@ -9,9 +9,15 @@ from types import TracebackType
 import structlog
 
 from elasticpipe import rpc
-from elasticpipe.errors import ElasticPipeError
+from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError
 from elasticpipe.serving import RunningServer, start_server
-from elasticpipe.stage_server.service import StageServicer, timings_to_proto
+from elasticpipe.stage_server.protocol import Do, Effect
+from elasticpipe.stage_server.service import (
+    StageServicer,
+    holdings_to_proto,
+    state_to_proto,
+    timings_to_proto,
+)
 from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
@@ -20,6 +26,7 @@ log = structlog.get_logger()
 REGISTER_TIMEOUT_S = 5.0
 BACKOFF_START_S = 0.2
 BACKOFF_MAX_S = 5.0
+QUESTION_TIMEOUT_S = 60.0
 
 
 class StageServer:
@@ -51,6 +58,7 @@ class StageServer:
         config = StageConfig(**{**vars(self._config), "address": self._server.address})
         servicer.stage.config = config
         self.stage = servicer.stage
+        self.stage.asker = self._ask
         log.info(
             "stage_listening",
             name=config.name,
@@ -63,6 +71,33 @@ class StageServer:
         )
         self._thread.start()
         return self
+
+    def leave(self, timeout: float) -> None:
+        """Asks the coordinator to move this stage's layers off before it exits (SIGTERM).
+
+        Gives up quietly when the coordinator is gone or the time runs out: the stage
+        then simply dies, and recovery replaces it.
+        """
+        stage = self.stage
+        if stage is None or not self.stage_id or timeout <= 0:
+            return
+        placement = stage.placement
+        if placement is None or not placement.in_chain:
+            return
+        log.info("stage_leaving", stage_id=self.stage_id, timeout_s=timeout)
+        try:
+            with rpc.channel(self.coordinator) as chan:
+                stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
+                reply = rpc.call(
+                    self.coordinator,
+                    stub.Leave,
+                    coordinator_pb2.LeaveRequest(stage_id=self.stage_id, timeout_s=timeout),
+                    timeout=timeout + 5.0,
+                    unavailable=CoordinatorUnavailable,
+                )
+            log.info("stage_left", decision=reply.decision, epoch=reply.partition.epoch)
+        except ElasticPipeError as exc:
+            log.warning("stage_leave_failed", error=str(exc))
 
     def stop(self) -> None:
         """Stops heartbeats and the server."""
@@ -124,8 +159,10 @@ class StageServer:
                 name=self._config.name, address=self.address, device=str(self.stage.device)
             ),
             timeout=REGISTER_TIMEOUT_S,
+            unavailable=CoordinatorUnavailable,
         )
         self.stage_id = reply.stage_id
+        self.stage.stage_id = reply.stage_id
         self.registered.set()
         log.info("stage_registered", stage_id=self.stage_id, coordinator=self.coordinator)
         return reply.heartbeat_interval_s or 1.0
@@ -144,9 +181,50 @@ class StageServer:
                 timings=timings_to_proto(stage.timings()),
                 committed_step=stage.committed_step,
                 slowdown=stage.slowdown.factor,
+                state=state_to_proto(stage.state()),
+                snapshots=holdings_to_proto(stage.holdings()),
             ),
             timeout=max(1.0, interval * 2),
+            unavailable=CoordinatorUnavailable,
         )
+        if reply.dead:
+            stage.drop_job("the coordinator declared this incarnation dead")
         if reply.reregister:
-            log.warning("stage_reregistering", stage_id=self.stage_id)
+            log.warning("stage_reregistering", stage_id=self.stage_id, dead=reply.dead)
             self.stage_id = ""
+
+    def _ask(self, question: Effect) -> None:
+        """Asks the coordinator what a lease that ran out left undecided, and applies it."""
+        stage = self.stage
+        assert stage is not None
+        with rpc.channel(self.coordinator) as chan:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
+            if question.do is Do.RESOLVE_RUN:
+                reply = rpc.call(
+                    self.coordinator,
+                    stub.ResolveRun,
+                    coordinator_pb2.ResolveRunRequest(
+                        stage_id=self.stage_id, run=question.run, step=question.step
+                    ),
+                    timeout=QUESTION_TIMEOUT_S,
+                    unavailable=CoordinatorUnavailable,
+                )
+                log.info("run_resolution", run=question.run, decision=reply.decision)
+                fence = stage.state().fence
+                if reply.decision == "commit":
+                    stage.commit_step(stage.epoch, question.run, question.step, fence)
+                elif reply.decision == "abort":
+                    stage.abort_step(question.run, "resolved by the coordinator", fence)
+            elif question.do is Do.ASK_EPOCH:
+                outcome = rpc.call(
+                    self.coordinator,
+                    stub.EpochOutcome,
+                    coordinator_pb2.EpochOutcomeRequest(epoch=question.epoch),
+                    timeout=QUESTION_TIMEOUT_S,
+                    unavailable=CoordinatorUnavailable,
+                ).outcome
+                log.info("epoch_outcome", epoch=question.epoch, outcome=outcome)
+                if outcome == "committed":
+                    stage.commit_epoch(question.epoch)
+                elif outcome == "aborted":
+                    stage.abort_epoch(question.epoch)

@@ -11,9 +11,13 @@ import torch
 from elasticpipe import codec
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig
+from elasticpipe.partition import Placement
+from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.layers import LayerTiming
 from elasticpipe.stage_server.mailbox import Slot
-from elasticpipe.stage_server.stage import Fault, Placement, Stage
+from elasticpipe.stage_server.protocol import Decision, RunState
+from elasticpipe.stage_server.snapshots import Holding
+from elasticpipe.stage_server.stage import Stage
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
@@ -36,22 +40,35 @@ def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTim
     ]
 
 
-def placement_from_proto(a: stage_pb2.Assignment) -> Placement:
-    """Parses an assignment, checking its layer range and chain position."""
-    if a.layer_hi < a.layer_lo or (a.num_stages and a.index >= a.num_stages):
-        raise InvalidRequest(
-            f"bad assignment: layers [{a.layer_lo}, {a.layer_hi}), index {a.index} of "
-            f"{a.num_stages} stages"
-        )
-    return Placement(
-        epoch=a.epoch,
-        index=a.index,
-        num_stages=a.num_stages,
-        lo=a.layer_lo,
-        hi=a.layer_hi,
-        prev=a.prev.address,
-        next=a.next.address,
+def state_to_proto(state: RunState) -> stage_pb2.RunState:
+    """The step/epoch protocol state in wire form."""
+    return stage_pb2.RunState(
+        phase=state.phase.value,
+        epoch=state.epoch,
+        committed_step=state.committed_step,
+        committed_run=state.committed_run,
+        active_run=state.active_run,
+        active_step=state.active_step,
+        fence=state.fence,
+        frozen_for=state.frozen_for,
+        prepared=state.prepared,
     )
+
+
+def holdings_to_proto(holdings: list[Holding]) -> list[stage_pb2.SnapshotHolding]:
+    """Snapshot holdings in wire form."""
+    return [
+        stage_pb2.SnapshotHolding(
+            job_id=h.job_id, step=h.step, layers=list(h.layers), replica=h.replica
+        )
+        for h in holdings
+    ]
+
+
+def _lease(value: float, what: str) -> float:
+    if not 0 < value <= MAX_STEP_TIMEOUT_S:
+        raise InvalidRequest(f"{what} must be in (0, {MAX_STEP_TIMEOUT_S}] seconds (got {value})")
+    return value
 
 
 class StageServicer:
@@ -143,6 +160,11 @@ class StageServicer:
             )
         remaining = ctx.time_remaining()
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
+        previous = (
+            Decision(req.previous.run, req.previous.step, req.previous.commit)
+            if req.HasField("previous")
+            else None
+        )
         result = self.stage.run_step(
             req.epoch,
             req.run,
@@ -151,6 +173,8 @@ class StageServicer:
             _SCHEDULES.get(req.schedule, "gpipe"),
             train,
             timeout,
+            req.client,
+            previous,
         )
         return stage_pb2.StepReport(
             run=result.run,
@@ -179,14 +203,17 @@ class StageServicer:
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
         return stage_pb2.CommitStepResponse(
-            committed_step=self.stage.commit_step(req.epoch, req.run, req.step)
+            committed_step=self.stage.commit_step(req.epoch, req.run, req.step, req.client)
         )
 
     def AbortStep(
         self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.Ack:
-        self.stage.abort_step(req.run, req.reason or "aborted by the client")
+        self.stage.abort_step(req.run, req.reason[:500] or "aborted by the client", req.client)
         return stage_pb2.Ack()
+
+    def Fence(self, req: stage_pb2.FenceRequest, ctx: grpc.ServicerContext) -> stage_pb2.RunState:
+        return state_to_proto(self.stage.fence(req.client))
 
     # ---- control ---------------------------------------------------------------------
 
@@ -212,7 +239,7 @@ class StageServicer:
         self, req: stage_pb2.AssignRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.AssignResponse:
         job = JobConfig.from_proto(req.job)
-        placement = placement_from_proto(req.assignment)
+        placement = Placement.from_proto(req.assignment)
         return stage_pb2.AssignResponse(num_layers=self.stage.assign(job, placement))
 
     # ---- migration -------------------------------------------------------------------
@@ -221,15 +248,18 @@ class StageServicer:
         self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.FreezeResponse:
         remaining = ctx.time_remaining() or 30.0
+        lease = _lease(req.lease_s or 60.0, "lease_s")
         return stage_pb2.FreezeResponse(
-            committed_step=self.stage.freeze(req.epoch, max(0.0, remaining - 0.5))
+            committed_step=self.stage.freeze(
+                req.epoch, max(0.0, remaining - 0.5), lease, req.abort_running
+            )
         )
 
     def PrepareEpoch(
         self, req: stage_pb2.PrepareEpochRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.PrepareEpochResponse:
         job = JobConfig.from_proto(req.job)
-        placement = placement_from_proto(req.assignment)
+        placement = Placement.from_proto(req.assignment)
         if placement.epoch != req.epoch:
             raise InvalidRequest(
                 f"assignment epoch {placement.epoch} differs from request epoch {req.epoch}"
@@ -237,7 +267,16 @@ class StageServicer:
         incoming = [(src.layer, src.address) for src in req.incoming]
         remaining = ctx.time_remaining() or req.timeout_s or 60.0
         received, seconds = self.stage.prepare_epoch(
-            req.epoch, placement, job, incoming, req.committed_step, max(0.1, remaining - 0.5)
+            req.epoch,
+            placement,
+            job,
+            incoming,
+            req.committed_step,
+            req.source_epoch,
+            req.rollback,
+            req.restored_by_client,
+            _lease(req.lease_s or 60.0, "lease_s"),
+            max(0.1, remaining - 0.5),
         )
         return stage_pb2.PrepareEpochResponse(
             committed_step=self.stage.committed_step, bytes_received=received, transfer_s=seconds
@@ -256,8 +295,9 @@ class StageServicer:
     def ExportLayers(
         self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.LayerChunk]:
+        snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
         for layer, blob in self.stage.export_layers(
-            req.epoch, list(req.layers), req.include_optimizer
+            req.epoch, list(req.layers), req.include_optimizer, snapshot
         ):
             yield from layer_chunks(layer, blob)
 
@@ -267,10 +307,24 @@ class StageServicer:
         first = next(chunks, None)
         if first is None:
             raise InvalidRequest("empty restore stream")
+        builder = self.stage.check_restore(first.epoch)  # before a single layer is read
         pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
-        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes))
-        layers = self.stage.restore_layers(first.epoch, first.committed_step, blobs)
+        layers = []
+        for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes):
+            self.stage.stage_restored(first.epoch, layer, blob, builder)
+            layers.append(layer)
         return stage_pb2.RestoreResponse(layers=layers)
+
+    def PushSnapshot(
+        self, chunks: Iterator[stage_pb2.SnapshotChunk], ctx: grpc.ServicerContext
+    ) -> stage_pb2.Ack:
+        first = next(chunks, None)
+        if first is None or not first.source:
+            raise InvalidRequest("a snapshot stream must start with its job, step and source")
+        pieces = (message.chunk for message in chunks)
+        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes))
+        self.stage.keep_copy(first.job_id, first.step, first.source, blobs)
+        return stage_pb2.Ack()
 
     # ---- stats and admin -------------------------------------------------------------
 
@@ -291,6 +345,8 @@ class StageServicer:
             timings=timings_to_proto(stage.timings()),
             device=str(stage.device),
             frozen=stage.frozen,
+            state=state_to_proto(stage.state()),
+            snapshots=holdings_to_proto(stage.holdings()),
         )
 
     def SetSlowdown(
@@ -304,5 +360,5 @@ class StageServicer:
             fault = Fault(req.fault)
         except ValueError:
             raise InvalidRequest(f"unknown fault {req.fault}") from None
-        self.stage.inject_fault(fault)
+        self.stage.inject_fault(fault, req.point)
         return stage_pb2.Ack()

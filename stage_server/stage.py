@@ -1,14 +1,10 @@
-"""One stage's state machine: its job, epoch and layer range, the step protocol, migration.
+"""One stage's domain logic: its job, layers, runs and epoch changes, behind one lock.
 
-Phases of the step protocol (the consistent cut of invariant 3 is "every stage IDLE")::
-
-    IDLE --RunStep--> RUNNING --ops done--> AWAITING_COMMIT --CommitStep--> IDLE (step += 1)
-                         |                        |
-                         +--failure/AbortStep-----+--AbortStep--> IDLE (gradients discarded)
-
-Migration: ``freeze`` waits for IDLE and then refuses new runs; ``prepare_epoch`` pulls the
-incoming layers and holds them aside; ``commit_epoch`` installs them and switches epoch;
-``abort_epoch`` drops them and leaves the old epoch in force, every layer intact.
+The rules of the step and epoch protocols live in ``protocol.StepMachine``; this class
+feeds it events, carries out the effects it returns (optimizer steps, mailbox closes,
+installs, snapshots), runs the ops of a step (``executor``), and moves layer state
+(``transfers``, ``snapshots``). A ticker thread drives the machine's leases and asks the
+coordinator whatever a lease that ran out leaves undecided.
 """
 
 from __future__ import annotations
@@ -16,11 +12,9 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
-import grpc
 import structlog
 import torch
 
@@ -30,57 +24,36 @@ from elasticpipe.errors import (
     ElasticPipeError,
     InvalidRequest,
     NotReady,
-    PermissionDenied,
-    Rebalancing,
-    StaleEpoch,
-    StepAborted,
+    StageUnavailable,
     TooLarge,
     TransferError,
 )
 from elasticpipe.job import JobConfig
-from elasticpipe.schedule import Op, OpKind, forward_ops, stage_ops
-from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown, Stash
+from elasticpipe.partition import Placement
+from elasticpipe.schedule import forward_ops, stage_ops
+from elasticpipe.stage_server import transfers
+from elasticpipe.stage_server.executor import RunContext, StepResult, execute
+from elasticpipe.stage_server.faults import Fault, Faults
+from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
-from elasticpipe.training import loss_fn
-from elasticpipe.transport import Outgoing
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
+from elasticpipe.stage_server.snapshots import (
+    Capture,
+    Holding,
+    SnapshotStore,
+    Snapshotter,
+    check_copy,
+)
+from elasticpipe.v1 import stage_pb2
 
 log = structlog.get_logger()
 
+TICK_S = 0.25
+SNAPSHOT_PUSH_TIMEOUT_S = 120.0
+ABORT_WAIT_S = 10.0
 
-class Phase(Enum):
-    """Where a stage is in the step protocol."""
-
-    IDLE = "idle"
-    RUNNING = "running"
-    AWAITING_COMMIT = "awaiting_commit"
-
-
-class Fault(Enum):
-    """Failures a test can ask a stage to inject into its next layer import."""
-
-    NONE = 0
-    CORRUPT_NEXT_IMPORT = 1
-    CANCEL_NEXT_IMPORT = 2
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A stage's place in one partition epoch."""
-
-    epoch: int
-    index: int
-    num_stages: int
-    lo: int
-    hi: int
-    prev: str = ""
-    next: str = ""
-
-    @property
-    def layers(self) -> range:
-        """The layers this placement owns."""
-        return range(self.lo, self.hi)
+Layers = dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
 
 
 @dataclass(frozen=True)
@@ -96,29 +69,19 @@ class StageConfig:
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
     mailbox_bytes: int = 4 << 30
     send_timeout_s: float = 30.0
+    commit_lease_s: float = 30.0
     enable_fault_injection: bool = False
 
 
 @dataclass
-class StepResult:
-    """What one run of a stage's ops produced."""
-
-    run: int
-    losses: list[float] = field(default_factory=list)
-    peak_stashed: int = 0
-    peak_stashed_bytes: int = 0
-    compute_s: float = 0.0
-    wall_s: float = 0.0
-
-
-@dataclass
 class _Staged:
+    """What an epoch change brought here, held aside until it commits."""
+
     epoch: int
     placement: Placement
     job: JobConfig
-    committed_step: int
-    layers: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
-    new_slice: LayerSlice | None
+    layers: Layers
+    new_slice: LayerSlice | None  # replaces the whole slice (joining, rollback, restore)
 
 
 def _clock(timer: str, device: torch.device) -> Callable[[], float]:
@@ -129,29 +92,86 @@ def _clock(timer: str, device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
+Asker = Callable[[Effect], None]
+
+
 class Stage:
-    """A stage server's domain logic, independent of gRPC."""
+    """A stage server's domain logic, independent of gRPC's server side."""
 
     def __init__(self, config: StageConfig):
         self.config = config
         self.device = torch.device(config.device)
         self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device))
+        self.machine = StepMachine(config.name, config.commit_lease_s)
+        self.faults = Faults(config.name, config.enable_fault_injection)
+        self.snapshots = SnapshotStore()
+        self.stage_id = ""  # this incarnation's id, once registered
         self.job: JobConfig | None = None
         self.slice: LayerSlice | None = None
         self.placement: Placement | None = None
-        self.epoch = 0
-        self.committed_step = 0
-        self.phase = Phase.IDLE
-        self.active_run = 0
         self.last_peak = (0, 0)
+        self.asker: Asker | None = None  # set by the server: asks the coordinator
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = Mailbox(config.mailbox_bytes)
         self._links: dict[str, Link] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._frozen_for: int | None = None
+        self._peers = rpc.StagePool()
+        self._outputs: tuple[int, dict[int, torch.Tensor]] = (0, {})
         self._staged: _Staged | None = None
-        self._fault = Fault.NONE
-        self._last_commit = (0, 0)
+        self._restoring: tuple[int, Layers] | None = None  # (epoch, layers) of a load
+        self._questions: list[Effect] = []
+        self._snapshotter = Snapshotter(
+            self.snapshots, self._push_copy, lambda: self.faults.point("snapshot")
+        )
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="leases", daemon=True)
+        self._ticker.start()
+
+    # ---- effects ---------------------------------------------------------------------
+
+    def _apply(self, effects: Iterable[Effect]) -> None:
+        """Carries out what the machine decided (the lock is held)."""
+        for e in effects:
+            if e.do is Do.APPLY_STEP:
+                assert self.slice is not None
+                self.slice.step()
+            elif e.do is Do.DISCARD_GRADS:
+                if self.slice is not None:
+                    self.slice.zero_grad()
+            elif e.do is Do.CLOSE_RUNS:
+                self._mailbox.close_through(e.run)
+            elif e.do is Do.WAKE_RUN:
+                self._mailbox.abort(e.run, f"aborted on stage {self.config.name}")
+            elif e.do is Do.RESET_RUNS:
+                self._mailbox = Mailbox(self.config.mailbox_bytes)
+                self._outputs = (0, {})
+            elif e.do is Do.DROP_STAGED:
+                if self._staged is not None and self._staged.epoch == e.epoch:
+                    self._staged = None
+                if self._restoring is not None and self._restoring[0] == e.epoch:
+                    self._restoring = None
+                log.warning("epoch_abandoned", epoch=e.epoch, kept=self.machine.epoch)
+            elif e.do is Do.INSTALL_STAGED:
+                self._install(e.epoch)
+            elif e.do is Do.SNAPSHOT:
+                self._capture(e.step)
+            elif e.do is Do.PRUNE_SNAPSHOTS:
+                self.snapshots.prune(None if e.everything else e.step)
+            elif e.do in (Do.RESOLVE_RUN, Do.ASK_EPOCH):
+                self._questions.append(e)
+        self._cond.notify_all()
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            with self._cond:
+                self._apply(self.machine.tick(time.monotonic()))
+                questions, self._questions = self._questions, []
+            for question in questions:
+                if self.asker is None:
+                    continue
+                try:
+                    self.asker(question)
+                except ElasticPipeError as exc:
+                    log.warning("coordinator_unanswered", asked=str(question), error=str(exc))
 
     # ---- job -------------------------------------------------------------------------
 
@@ -161,16 +181,13 @@ class Stage:
 
     def assign(self, job: JobConfig, placement: Placement) -> int:
         """Starts a job on this stage: builds layers [lo, hi) fresh, at step 0."""
-        new_slice = LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
+        new_slice = self._new_slice(job)
         new_slice.build(placement.lo, placement.hi)
         with self._cond:
-            self._abort_active("a new job was assigned")
             self.job, self.slice = job, new_slice
-            self.committed_step = 0
-            self._frozen_for, self._staged = None, None
-            self._mailbox = Mailbox(self.config.mailbox_bytes)
+            self._staged, self._restoring = None, None
             self._set_placement(placement)
-            self._cond.notify_all()
+            self._apply(self.machine.assign(placement.epoch, job.snapshot_every))
         log.info(
             "job_assigned",
             job=job.job_id,
@@ -181,13 +198,24 @@ class Stage:
         )
         return placement.hi - placement.lo
 
+    def drop_job(self, reason: str) -> None:
+        """Forgets the job (this incarnation was declared dead; it comes back as a spare)."""
+        with self._cond:
+            self._apply(self.machine.drop_job())
+            self.job, self.slice, self.placement = None, None, None
+            self._staged, self._restoring = None, None
+        log.warning("job_dropped", reason=reason)
+
+    def _new_slice(self, job: JobConfig) -> LayerSlice:
+        return LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
+
     def profile(self, job: JobConfig, sample: torch.Tensor, repeats: int) -> list[LayerTiming]:
         """Times forward and backward of every layer of the whole model on this device.
 
         One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
         """
         model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
-        probe = LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
+        probe = self._new_slice(job)
         probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
         runs: list[dict[int, LayerTiming]] = []
         for _ in range(max(1, repeats) + 1):
@@ -209,7 +237,6 @@ class Stage:
 
     def _set_placement(self, placement: Placement) -> None:
         self.placement = placement
-        self.epoch = placement.epoch
         wanted = {a for a in (placement.prev, placement.next) if a}
         for address in list(self._links):
             if address not in wanted:
@@ -223,33 +250,10 @@ class Stage:
 
     # ---- data path -------------------------------------------------------------------
 
-    def _check_same_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            raise StaleEpoch(
-                f"stale epoch {epoch}: stage {self.config.name} is at epoch {self.epoch}"
-            )
-
-    def _check_owned(self, layer_slice: LayerSlice, layers: Sequence[int]) -> None:
-        missing = [i for i in layers if i not in layer_slice.layers]
-        if missing:
-            raise NotReady(
-                f"stage {self.config.name} does not own layers {missing} "
-                f"(owns {layer_slice.indices})"
-            )
-
-    def _check_epoch(self, epoch: int) -> None:
-        self._check_same_epoch(epoch)
-        if self._frozen_for is not None:
-            raise Rebalancing(
-                f"rebalancing from epoch {self.epoch} to {self._frozen_for}: retry shortly"
-            )
-        if self.slice is None or self.placement is None:
-            raise NotReady(f"stage {self.config.name} has no job assigned")
-
     def admit(self, epoch: int, nbytes: int) -> None:
         """Checks a data message's epoch and size before anything is allocated for it."""
         with self._cond:
-            self._check_epoch(epoch)
+            self.machine.check_epoch(epoch)
             if not self._mailbox.has_room(nbytes):
                 raise TooLarge(
                     f"stage {self.config.name} cannot hold {nbytes} more bytes of "
@@ -267,7 +271,7 @@ class Stage:
     ) -> None:
         """Accepts an activation, gradient or target for a run (maybe before its RunStep)."""
         with self._cond:
-            self._check_epoch(epoch)
+            self.machine.check_epoch(epoch)
             mailbox = self._mailbox
         if slot is Slot.TARGET and not loss_scale > 0.0:
             raise InvalidRequest(
@@ -285,209 +289,106 @@ class Stage:
         schedule: str,
         train: bool,
         timeout: float,
+        client: int = 0,
+        previous: Decision | None = None,
     ) -> StepResult:
         """Runs this stage's ops of one step (or inference pass) and reports."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
         with self._cond:
-            self._check_epoch(epoch)
-            if self.phase is not Phase.IDLE:
-                raise NotReady(
-                    f"stage {self.config.name} is busy with run {self.active_run} "
-                    f"({self.phase.value}); abort it first"
-                )
-            if self._mailbox.closed(run):
-                raise StepAborted(
-                    f"run {run} was aborted before it started on stage {self.config.name}"
-                )
-            if train and step != self.committed_step + 1:
-                raise NotReady(
-                    f"step {step} is not the next step of stage {self.config.name} "
-                    f"(committed: {self.committed_step})"
-                )
+            self._apply(self.machine.begin_run(epoch, run, step, client, train, previous))
             assert self.slice is not None and self.placement is not None
-            self.phase, self.active_run = Phase.RUNNING, run
-            self._outputs.clear()
-            placement, layer_slice, mailbox = self.placement, self.slice, self._mailbox
-            links = dict(self._links)
+            ctx = RunContext(
+                placement=self.placement,
+                layers=self.slice,
+                mailbox=self._mailbox,
+                links=dict(self._links),
+                device=self.device,
+                run=run,
+                step=step,
+                train=train,
+                deadline=time.monotonic() + timeout,
+            )
+        self.faults.point("run_started")
+        placement = ctx.placement
         ops = (
             stage_ops(schedule, placement.num_stages, placement.index, micro_batches)
             if train
             else forward_ops(micro_batches)
         )
         try:
-            result = self._execute(
-                ops,
-                placement,
-                layer_slice,
-                mailbox,
-                links,
-                run,
-                step,
-                train,
-                time.monotonic() + timeout,
-            )
+            result = execute(ops, ctx)
         except BaseException as exc:
             with self._cond:
-                layer_slice.zero_grad()
-                if self.active_run == run:
-                    self.phase = Phase.IDLE
-                self._cond.notify_all()
+                self._apply(self.machine.fail_run(run))
             if not isinstance(exc, ElasticPipeError):
                 log.error("step_crashed", run=run, error=repr(exc))
             raise
         with self._cond:
-            if mailbox.closed(run):  # aborted while the last ops computed: discard it
-                layer_slice.zero_grad()
-                if self.active_run == run:
-                    self.phase = Phase.IDLE
-                self._cond.notify_all()
-                raise StepAborted(f"run {run} was aborted on stage {self.config.name}")
-            if self.active_run == run and self.phase is Phase.RUNNING:
-                self.phase = Phase.AWAITING_COMMIT if train else Phase.IDLE
+            try:
+                self._apply(self.machine.finish_run(run, time.monotonic()))
+            except ElasticPipeError:
+                self._apply(self.machine.fail_run(run))
+                raise
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
-            self._cond.notify_all()
-        return result
-
-    def _execute(
-        self,
-        ops: Sequence[Op],
-        placement: Placement,
-        layer_slice: LayerSlice,
-        mailbox: Mailbox,
-        links: dict[str, Link],
-        run: int,
-        step: int,
-        train: bool,
-        deadline: float,
-    ) -> StepResult:
-        first, last = placement.index == 0, placement.index == placement.num_stages - 1
-        criterion = loss_fn(layer_slice.job.loss)
-        result = StepResult(run=run)
-        stashes: dict[int, Stash] = {}
-        loss_grads: dict[int, torch.Tensor] = {}
-        losses: dict[int, float] = {}
-        started = time.perf_counter()
-        for op in ops:
-            i = op.micro_batch
-            if (failure := mailbox.failure(run)) is not None:
-                raise failure
-            t0 = time.perf_counter()
-            if op.kind is OpKind.FORWARD:
-                x = mailbox.take(run, Slot.INPUT, i, deadline)
-                t0 = time.perf_counter()
-                y, stash = layer_slice.forward(x.to(self.device), train, input_grad=not first)
-                if last and train:
-                    result.compute_s += time.perf_counter() - t0
-                    target, scale = mailbox.take(run, Slot.TARGET, i, deadline)
-                    t0 = time.perf_counter()
-                    out = y.detach().requires_grad_(True)
-                    try:
-                        loss = criterion(out, target.to(self.device)) * scale
-                    except (RuntimeError, ValueError) as exc:
-                        raise InvalidRequest(
-                            f"loss {layer_slice.job.loss!r} failed on output {list(y.shape)} "
-                            f"and target {list(target.shape)} "
-                            f"({str(target.dtype).removeprefix('torch.')}): {exc}"
-                        ) from exc
-                    torch.autograd.backward(loss)
-                    assert out.grad is not None
-                    loss_grads[i] = out.grad
-                    losses[i] = float(loss.detach())
-                elif last:
-                    self._outputs[i] = y.detach().cpu()
-                else:
-                    links[placement.next].put(
-                        Outgoing("Forward", placement.epoch, run, step, i, y.detach())
-                    )
-                if stash is not None:
-                    stashes[i] = stash
-                    result.peak_stashed = max(result.peak_stashed, len(stashes))
-                    held = sum(s.nbytes() for s in stashes.values())
-                    result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
-            else:
-                grad = loss_grads.pop(i) if last else mailbox.take(run, Slot.GRAD, i, deadline)
-                t0 = time.perf_counter()
-                grad_in = layer_slice.backward(stashes.pop(i), grad.to(self.device))
-                if not first and grad_in is not None:
-                    links[placement.prev].put(
-                        Outgoing("Backward", placement.epoch, run, step, i, grad_in.detach())
-                    )
-            result.compute_s += time.perf_counter() - t0
-        for link in links.values():
-            if not link.flush(max(0.0, deadline - time.monotonic())):
-                raise DeadlineExceeded(
-                    f"run {run}: sends to {link.address} still pending at the deadline"
-                )
-        if (failure := mailbox.failure(run)) is not None:
-            raise failure
-        result.losses = [losses[i] for i in sorted(losses)]
-        result.wall_s = time.perf_counter() - started
+            if not train:
+                self._outputs = (run, result.outputs)
+        self.faults.point("awaiting_commit")
         return result
 
     def fetch_output(self, run: int, micro_batch: int) -> torch.Tensor:
         """An inference output kept by the last stage."""
         with self._cond:
-            if self.active_run != run or micro_batch not in self._outputs:
+            kept_run, outputs = self._outputs
+            if kept_run != run or micro_batch not in outputs:
                 raise NotReady(
                     f"no output of run {run}, micro-batch {micro_batch} here "
-                    f"(last run: {self.active_run})"
+                    f"(last inference run: {kept_run})"
                 )
-            return self._outputs[micro_batch]
+            return outputs[micro_batch]
 
-    def commit_step(self, epoch: int, run: int, step: int) -> int:
+    def commit_step(self, epoch: int, run: int, step: int, client: int = 0) -> int:
         """Applies the run's accumulated gradients: one optimizer step."""
+        if self.faults.drops_commit(run):
+            raise StageUnavailable(f"commit of run {run} lost on the way (injected fault)")
+        self.faults.point("commit")
         with self._cond:
-            self._check_same_epoch(epoch)
-            if self._last_commit == (run, step):
-                return self.committed_step  # a retried commit whose reply was lost
-            if self.phase is not Phase.AWAITING_COMMIT or self.active_run != run:
-                raise NotReady(
-                    f"run {run} is not awaiting commit on stage {self.config.name} "
-                    f"(run {self.active_run} is {self.phase.value})"
-                )
-            assert self.slice is not None
-            self.slice.step()
-            self.committed_step = step
-            self._last_commit = (run, step)
-            self.phase = Phase.IDLE
-            self._mailbox.close_through(run)
-            self._cond.notify_all()
-            return self.committed_step
+            self._apply(self.machine.commit(epoch, run, step, client))
+            return self.machine.committed_step
 
-    def abort_step(self, run: int, reason: str) -> None:
+    def abort_step(self, run: int, reason: str, client: int = 0) -> None:
         """Discards a run wherever it is; returns once the stage is idle again."""
-        self._mailbox.abort(run, reason)
         with self._cond:
+            self._apply(self.machine.abort(run, client))
             self._cond.wait_for(
-                lambda: not (self.phase is Phase.RUNNING and self.active_run == run), 10.0
+                lambda: (
+                    not (self.machine.phase is Phase.RUNNING and self.machine.active_run == run)
+                ),
+                ABORT_WAIT_S,
             )
-            if self.phase is Phase.AWAITING_COMMIT and self.active_run == run:
-                assert self.slice is not None
-                self.slice.zero_grad()
-                self.phase = Phase.IDLE
-            self._mailbox.close_through(run)
-            self._cond.notify_all()
+        log.debug("run_aborted", run=run, reason=reason)
 
-    def _abort_active(self, reason: str) -> None:
-        if self.phase is not Phase.IDLE:
-            self._mailbox.abort(self.active_run, reason)
-            if self.slice is not None:
-                self.slice.zero_grad()
-            self.phase = Phase.IDLE
-
-    # ---- migration -------------------------------------------------------------------
-
-    def freeze(self, new_epoch: int, timeout: float) -> int:
-        """Waits for the step boundary, then refuses new runs until the epoch change ends."""
+    def fence(self, client: int) -> RunState:
+        """Refuses older clients from now on; says where the stage is."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.phase is Phase.IDLE, timeout):
+            self._apply(self.machine.fence_clients(client))
+            return self.machine.state()
+
+    # ---- epoch changes -----------------------------------------------------------------
+
+    def freeze(self, new_epoch: int, timeout: float, lease_s: float, abort_running: bool) -> int:
+        """Waits for the step boundary (or ends the run in flight), then holds it."""
+        with self._cond:
+            if abort_running:
+                self._apply(self.machine.preempt())
+            if not self._cond.wait_for(lambda: self.machine.phase is Phase.IDLE, timeout):
                 raise DeadlineExceeded(
                     f"stage {self.config.name} did not reach a step boundary within "
-                    f"{timeout:.1f}s (run {self.active_run} is {self.phase.value})"
+                    f"{timeout:.1f}s (run {self.machine.active_run} is "
+                    f"{self.machine.phase.value})"
                 )
-            self._frozen_for = new_epoch
-            return self.committed_step
+            self._apply(self.machine.freeze(new_epoch, lease_s, time.monotonic()))
+            return self.machine.committed_step
 
     def prepare_epoch(
         self,
@@ -496,169 +397,275 @@ class Stage:
         job: JobConfig,
         incoming: Sequence[tuple[int, str]],
         committed_step: int,
+        source_epoch: int,
+        rollback: bool,
+        restored_by_client: bool,
+        lease_s: float,
         timeout: float,
     ) -> tuple[int, float]:
-        """Pulls the layers this stage will own in ``new_epoch`` and holds them aside."""
+        """Gathers what this stage will own in ``new_epoch`` and holds it aside.
+
+        A migration pulls the incoming layers' live state from their owners (at
+        ``source_epoch``); a rollback builds every owned layer from the snapshot of
+        ``committed_step`` (held here or pulled from ``incoming``'s holders); a restore
+        takes what ``RestoreLayers`` staged.
+
+        Returns:
+            Bytes received and seconds spent.
+        """
         with self._cond:
-            if self._frozen_for != new_epoch:
-                raise NotReady(f"stage {self.config.name} is not frozen for epoch {new_epoch}")
+            self.machine.check_frozen(new_epoch)
             same_job = self.job is not None and self.job.job_id == job.job_id
-            target = self.slice if same_job and self.slice is not None else None
-            current_epoch = self.epoch
-        new_slice = None
-        if target is None:
-            new_slice = target = LayerSlice(
-                job, self.device, self.slowdown, self.config.allow_models
-            )
+            joining = not (same_job and self.placement is not None and self.placement.in_chain)
+            keep = self.slice if same_job and not (rollback or restored_by_client) else None
+            restoring = self._restoring
         started, received = time.perf_counter(), 0
-        staged: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]] = {}
         deadline = time.monotonic() + timeout
-        for layer, address in incoming:
-            blob = self._pull_layer(layer, address, current_epoch, deadline)
-            received += len(blob)
-            state = codec.unpack_state(blob, self.config.max_tensor_bytes)
-            if not isinstance(state, dict):
-                raise TransferError(f"layer {layer} from {address}: state is not a mapping")
-            staged[layer] = target.load_layer(layer, state)
-        owned = set(target.layers) | set(staged)
+        new_slice = None if keep is not None else self._new_slice(job)
+        target = keep if keep is not None else new_slice
+        assert target is not None
+        staged: Layers = {}
+        if restored_by_client:
+            if restoring is None or restoring[0] != new_epoch:
+                raise NotReady(f"no checkpoint was streamed here for epoch {new_epoch}")
+            staged = dict(restoring[1])
+        else:
+            sources = dict(incoming)
+            wanted = list(placement.layers) if rollback else [layer for layer, _ in incoming]
+            for layer in wanted:
+                blob = self._fetch(
+                    job,
+                    layer,
+                    sources.get(layer, ""),
+                    source_epoch,
+                    committed_step if rollback else None,
+                    deadline,
+                )
+                received += len(blob)
+                state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+                if not isinstance(state, dict):
+                    raise TransferError(f"layer {layer}: state is not a mapping")
+                staged[layer] = target.load_layer(layer, state)
+        owned = set(keep.layers if keep is not None else ()) | set(staged)
         missing = [i for i in placement.layers if i not in owned]
         if missing:
             raise NotReady(
                 f"epoch {new_epoch} gives stage {self.config.name} layers "
                 f"{missing} that it neither holds nor receives"
             )
+        self.faults.point("prepare")
         with self._cond:
-            if self._frozen_for != new_epoch:
-                raise NotReady(f"epoch {new_epoch} was aborted during the transfer")
-            self._staged = _Staged(new_epoch, placement, job, committed_step, staged, new_slice)
+            self._apply(
+                self.machine.prepared(
+                    new_epoch,
+                    committed_step,
+                    time.monotonic(),
+                    lease_s,
+                    rollback=rollback or restored_by_client,
+                    new_history=restored_by_client,
+                    joining=joining,
+                )
+            )
+            self._staged = _Staged(new_epoch, placement, job, staged, new_slice)
         return received, time.perf_counter() - started
 
-    def _pull_layer(self, layer: int, address: str, epoch: int, deadline: float) -> bytes:
-        fault, self._fault = self._fault, Fault.NONE
-        what = f"layer {layer} from {address}"
-        request = stage_pb2.ExportLayersRequest(epoch=epoch, layers=[layer], include_optimizer=True)
-        with rpc.channel(address) as chan:
-            stub = stage_pb2_grpc.StageServiceStub(chan)
-            stream = stub.ExportLayers(request, timeout=max(0.1, deadline - time.monotonic()))
+    def _fetch(
+        self,
+        job: JobConfig,
+        layer: int,
+        source: str,
+        source_epoch: int,
+        snapshot_step: int | None,
+        deadline: float,
+    ) -> bytes:
+        """One layer's state blob: a snapshot held here, or pulled from ``source``."""
+        if snapshot_step is not None:
+            blob = self.snapshots.get(job.job_id, snapshot_step, layer)
+            if blob is not None:
+                return blob
+        if not source:
+            raise TransferError(
+                f"layer {layer}: no source given and no snapshot of step {snapshot_step} here"
+            )
+        request = stage_pb2.ExportLayersRequest(
+            epoch=source_epoch, layers=[layer], include_optimizer=True
+        )
+        if snapshot_step is not None:
+            request = stage_pb2.ExportLayersRequest(
+                layers=[layer],
+                include_optimizer=True,
+                from_snapshot=True,
+                snapshot_step=snapshot_step,
+                job_id=job.job_id,
+            )
+        return transfers.pull_layer(
+            self._peers,
+            source,
+            request,
+            deadline,
+            self.config.max_tensor_bytes,
+            self.faults.take_import_fault(),
+        )
 
-            def received() -> Iterator[stage_pb2.LayerChunk]:
-                for n, chunk in enumerate(stream):
-                    if n == 0 and fault is Fault.CANCEL_NEXT_IMPORT:
-                        stream.cancel()  # type: ignore[no-untyped-call]
-                        raise TransferError(
-                            f"{what}: transfer cancelled after "
-                            f"{len(chunk.data)} bytes (injected fault)"
-                        )
-                    if n == 0 and fault is Fault.CORRUPT_NEXT_IMPORT and chunk.data:
-                        corrupted = stage_pb2.LayerChunk()
-                        corrupted.CopyFrom(chunk)
-                        corrupted.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
-                        yield corrupted
-                    else:
-                        yield chunk
-
-            try:
-                for got, blob in codec.layer_blobs(received(), self.config.max_tensor_bytes):
-                    if got != layer:
-                        raise TransferError(f"{what}: received layer {got} instead")
-                    return blob
-            except grpc.RpcError as exc:
-                raise TransferError(f"{what}: {rpc.translate(exc, address)}") from exc
-        raise TransferError(f"{what}: stream ended before the final checksum")
-
-    def commit_epoch(self, new_epoch: int) -> int:
-        """Installs the staged layers, frees the ones that moved away, switches epoch."""
-        with self._cond:
-            if self.epoch == new_epoch and self._staged is None:
-                return self.epoch  # already committed (a retried commit)
-            staged = self._staged
-            if staged is None or staged.epoch != new_epoch:
-                raise NotReady(f"nothing staged for epoch {new_epoch} on stage {self.config.name}")
-            if staged.new_slice is not None:  # joining a job: its runs start afresh
-                self.job, self.slice = staged.job, staged.new_slice
-                self._mailbox = Mailbox(self.config.mailbox_bytes)
-            self.committed_step = staged.committed_step
-            assert self.slice is not None
-            for index, (layer, optimizer) in staged.layers.items():
-                self.slice.install(index, layer, optimizer)
-            for index in [i for i in self.slice.layers if i not in staged.placement.layers]:
-                self.slice.drop(index)
-            self._set_placement(staged.placement)
-            self._staged, self._frozen_for = None, None
-            self._cond.notify_all()
+    def _install(self, epoch: int) -> None:
+        """Installs what was staged for ``epoch`` (the lock is held)."""
+        staged = self._staged
+        assert staged is not None and staged.epoch == epoch
+        if staged.new_slice is not None:
+            self.job, self.slice = staged.job, staged.new_slice
+        assert self.slice is not None
+        for index, (layer, optimizer) in staged.layers.items():
+            self.slice.drop(index)
+            self.slice.install(index, layer, optimizer)
+        for index in [i for i in self.slice.layers if i not in staged.placement.layers]:
+            self.slice.drop(index)
+        self._set_placement(staged.placement)
+        self._staged, self._restoring = None, None
         log.info(
             "epoch_committed",
-            epoch=new_epoch,
+            epoch=epoch,
             lo=staged.placement.lo,
             hi=staged.placement.hi,
             received=sorted(staged.layers),
+            step=self.machine.committed_step,
         )
-        return new_epoch
+
+    def commit_epoch(self, new_epoch: int) -> int:
+        """Installs what was staged and switches epoch (idempotent)."""
+        self.faults.point("epoch_commit")
+        with self._cond:
+            staged = self._staged
+            every = staged.job.snapshot_every if staged is not None else None
+            self._apply(self.machine.commit_epoch(new_epoch, every))
+            return self.machine.epoch
 
     def abort_epoch(self, new_epoch: int) -> int:
         """Drops anything staged for ``new_epoch``; the current epoch stays in force."""
         with self._cond:
-            if self._frozen_for == new_epoch or self._staged is not None:
-                self._staged, self._frozen_for = None, None
-                log.warning("epoch_aborted", epoch=new_epoch, kept=self.epoch)
-            self._cond.notify_all()
-            return self.epoch
+            self._apply(self.machine.abort_epoch(new_epoch))
+            return self.machine.epoch
+
+    # ---- layer state out and in ------------------------------------------------------
 
     def export_layers(
-        self, epoch: int, layers: Sequence[int], include_optimizer: bool
+        self,
+        epoch: int,
+        layers: Sequence[int],
+        include_optimizer: bool,
+        snapshot: tuple[str, int] | None = None,
     ) -> Iterator[tuple[int, bytes]]:
-        """Packs the full state of owned layers, one blob each."""
+        """Packs the full state of owned layers (or of a snapshot held here), one blob each.
+
+        Args:
+            epoch: the epoch the caller computed in (0: no check, the client between steps).
+            layers: which layers.
+            include_optimizer: with optimizer state.
+            snapshot: (job id, step) to export a snapshot held here instead.
+        """
+        if snapshot is not None:
+            job_id, step = snapshot
+            for layer in layers:
+                blob = self.snapshots.get(job_id, step, layer)
+                if blob is None:
+                    raise NotReady(
+                        f"stage {self.config.name} holds no snapshot of layer {layer} at step "
+                        f"{step} of job {job_id!r}"
+                    )
+                yield layer, blob
+            return
         with self._cond:
-            if epoch:  # 0: no check (the client's state_dict between steps)
-                self._check_same_epoch(epoch)
+            if epoch and epoch != self.machine.epoch:
+                self.machine.check_epoch(epoch)
             if self.slice is None:
                 raise NotReady(f"stage {self.config.name} has no job assigned")
-            self._check_owned(self.slice, layers)
+            missing = [i for i in layers if i not in self.slice.layers]
+            if missing:
+                raise NotReady(
+                    f"stage {self.config.name} does not own layers {missing} "
+                    f"(owns {self.slice.indices})"
+                )
             states = [self.slice.export_layer(i, include_optimizer) for i in layers]
         for i, state in zip(layers, states, strict=True):
             yield i, codec.pack_state(state)
 
-    def restore_layers(self, epoch: int, committed_step: int, blobs: dict[int, bytes]) -> list[int]:
-        """Replaces owned layers' full state with a checkpoint's (between steps only).
+    def check_restore(self, epoch: int) -> LayerSlice:
+        """Checks, before any layer arrives, that a load's epoch change holds this stage.
 
-        Every layer is decoded and built before any is installed: a bad blob changes nothing.
+        Raises:
+            NotReady: not frozen for ``epoch``, or no job.
         """
         with self._cond:
-            self._check_epoch(epoch)
-            if self.phase is not Phase.IDLE:
-                raise NotReady(
-                    f"stage {self.config.name} is in run {self.active_run} "
-                    f"({self.phase.value}); restore between steps"
-                )
-            assert self.slice is not None
-            layer_slice = self.slice
-            self._check_owned(layer_slice, list(blobs))
-        built = {}
-        for index, blob in blobs.items():
-            state = codec.unpack_state(blob, self.config.max_tensor_bytes)
-            if not isinstance(state, dict):
-                raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
-            built[index] = layer_slice.load_layer(index, state)
+            self.machine.check_frozen(epoch)
+            if self.slice is None or self.job is None:
+                raise NotReady(f"stage {self.config.name} has no job assigned")
+            return self._new_slice(self.job)
+
+    def stage_restored(self, epoch: int, index: int, blob: bytes, builder: LayerSlice) -> None:
+        """Builds one checkpointed layer and holds it for ``epoch``'s change (a load).
+
+        Raises:
+            NotReady: the layer is not this stage's, or the change was abandoned.
+            InvalidRequest: the state does not fit the layer.
+        """
         with self._cond:
-            self._check_epoch(epoch)
-            if self.phase is not Phase.IDLE:
-                raise NotReady(f"stage {self.config.name} started run {self.active_run}")
-            for index, (layer, optimizer) in built.items():
-                layer_slice.drop(index)
-                layer_slice.install(index, layer, optimizer)
-            self.committed_step = committed_step
-        log.info("layers_restored", layers=sorted(built), step=committed_step)
-        return sorted(built)
-
-    def inject_fault(self, fault: Fault) -> None:
-        """Arms a fault for the next layer import (tests only; off unless enabled)."""
-        if not self.config.enable_fault_injection:
-            raise PermissionDenied(
-                f"stage {self.config.name} was started without --enable-fault-injection"
+            owned = self.placement.layers if self.placement is not None else range(0)
+        if index not in owned:
+            raise NotReady(
+                f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
             )
-        self._fault = fault
+        state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+        if not isinstance(state, dict):
+            raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
+        built = builder.load_layer(index, state)
+        with self._cond:
+            self.machine.check_frozen(epoch)
+            if self._restoring is None or self._restoring[0] != epoch:
+                self._restoring = (epoch, {})
+            self._restoring[1][index] = built
 
-    # ---- stats -----------------------------------------------------------------------
+    # ---- snapshots ----------------------------------------------------------------------
+
+    def _capture(self, step: int) -> None:
+        """Clones the committed state of every owned layer and queues it (lock held)."""
+        if self.slice is None or self.job is None or self.placement is None:
+            return
+        if not self.placement.in_chain or not self.job.snapshot_every:
+            return
+        states = {i: self.slice.snapshot_layer(i) for i in self.slice.indices}
+        self._snapshotter.submit(
+            Capture(
+                job_id=self.job.job_id,
+                step=step,
+                source=self.stage_id,
+                states=states,
+                peer=self.placement.replica,
+                generation=self.snapshots.generation,
+            )
+        )
+
+    def _push_copy(self, peer: str, capture: Capture, blobs: Iterator[tuple[int, bytes]]) -> None:
+        transfers.push_snapshot(self._peers, peer, capture, blobs, SNAPSHOT_PUSH_TIMEOUT_S)
+
+    def keep_copy(self, job_id: str, step: int, source: str, blobs: dict[int, bytes]) -> None:
+        """Keeps a peer's snapshot copy (it must be of this job, from this chain)."""
+        with self._cond:
+            chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
+            check_copy(job_id, self.job.job_id if self.job else "", source, chain)
+        self.snapshots.add_copy(source, job_id, step, blobs)
+
+    def holdings(self) -> list[Holding]:
+        """The complete snapshots held here."""
+        return self.snapshots.holdings()
+
+    def flush_snapshots(self, timeout: float) -> bool:
+        """Waits for queued snapshots to be stored and copied (tests, shutdown)."""
+        return self._snapshotter.flush(timeout)
+
+    # ---- faults and stats -------------------------------------------------------------
+
+    def inject_fault(self, fault: Fault, point: str = "") -> None:
+        """Arms a fault (tests only; refused unless enabled)."""
+        self.faults.arm(fault, point)
 
     def timings(self) -> dict[int, LayerTiming]:
         """A snapshot of the per-layer measurements."""
@@ -667,14 +674,33 @@ class Stage:
                 return {}
             return {i: LayerTiming(**vars(t)) for i, t in self.slice.timings.items()}
 
+    def state(self) -> RunState:
+        """Where the stage is in its protocols."""
+        with self._cond:
+            return self.machine.state()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in force here."""
+        return self.machine.epoch
+
+    @property
+    def committed_step(self) -> int:
+        """The last step committed here."""
+        return self.machine.committed_step
+
     @property
     def frozen(self) -> bool:
         """Whether an epoch change is in progress here."""
-        return self._frozen_for is not None
+        return self.machine.frozen is not None
 
     def close(self) -> None:
-        """Closes the links to the peers."""
+        """Stops the lease ticker and the snapshot thread; closes the links."""
+        self._stop.set()
+        self._ticker.join(timeout=5)
+        self._snapshotter.close()
         with self._cond:
             for link in self._links.values():
                 link.close()
             self._links.clear()
+        self._peers.close()

@@ -54,6 +54,7 @@ class RegisterResponse(_message.Message):
     STAGE_ID_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
+    """this incarnation's id: a restart gets a new one"""
     heartbeat_interval_s: _builtins.float
     def __init__(
         self,
@@ -78,12 +79,18 @@ class HeartbeatRequest(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     SLOWDOWN_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     epoch: _builtins.int
     committed_step: _builtins.int
     slowdown: _builtins.float
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.LayerTiming]: ...
+    @_builtins.property
+    def state(self) -> _stage_pb2.RunState: ...
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.SnapshotHolding]: ...
     def __init__(
         self,
         *,
@@ -92,10 +99,12 @@ class HeartbeatRequest(_message.Message):
         timings: _abc.Iterable[_stage_pb2.LayerTiming] | None = ...,
         committed_step: _builtins.int = ...,
         slowdown: _builtins.float = ...,
+        state: _stage_pb2.RunState | None = ...,
+        snapshots: _abc.Iterable[_stage_pb2.SnapshotHolding] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "slowdown", b"slowdown", "stage_id", b"stage_id", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -106,16 +115,20 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REREGISTER_FIELD_NUMBER: _builtins.int
+    DEAD_FIELD_NUMBER: _builtins.int
     reregister: _builtins.bool
     """the coordinator does not know this stage id"""
+    dead: _builtins.bool
+    """this incarnation was declared dead: drop the job, re-register"""
     def __init__(
         self,
         *,
         reregister: _builtins.bool = ...,
+        dead: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reregister", b"reregister"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "reregister", b"reregister"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -137,6 +150,8 @@ class StageInfo(_message.Message):
     LAYER_HI_FIELD_NUMBER: _builtins.int
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     SLOWDOWN_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     name: _builtins.str
     address: _builtins.str
@@ -151,6 +166,10 @@ class StageInfo(_message.Message):
     layer_hi: _builtins.int
     committed_step: _builtins.int
     slowdown: _builtins.float
+    state: _builtins.str
+    """"chain", "spare", "drained", "dead" """
+    incarnation: _builtins.int
+    """how many times a stage of this name registered"""
     def __init__(
         self,
         *,
@@ -166,10 +185,12 @@ class StageInfo(_message.Message):
         layer_hi: _builtins.int = ...,
         committed_step: _builtins.int = ...,
         slowdown: _builtins.float = ...,
+        state: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -185,9 +206,15 @@ class Partition(_message.Message):
     STAGE_IDS_FIELD_NUMBER: _builtins.int
     ADDRESSES_FIELD_NUMBER: _builtins.int
     PREDICTED_STEP_S_FIELD_NUMBER: _builtins.int
+    RESTORED_STEP_FIELD_NUMBER: _builtins.int
+    RESTORE_EPOCH_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     job_id: _builtins.str
     predicted_step_s: _builtins.float
+    restored_step: _builtins.int
+    """the step of the last rollback (recovery or load)"""
+    restore_epoch: _builtins.int
+    """the epoch of the last rollback (0: none)"""
     @_builtins.property
     def boundaries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """S+1 values, 0 = b0 < ... < bS = L"""
@@ -209,10 +236,12 @@ class Partition(_message.Message):
         stage_ids: _abc.Iterable[_builtins.str] | None = ...,
         addresses: _abc.Iterable[_builtins.str] | None = ...,
         predicted_step_s: _builtins.float = ...,
+        restored_step: _builtins.int = ...,
+        restore_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "boundaries", b"boundaries", "epoch", b"epoch", "job_id", b"job_id", "predicted_step_s", b"predicted_step_s", "stage_ids", b"stage_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "boundaries", b"boundaries", "epoch", b"epoch", "job_id", b"job_id", "predicted_step_s", b"predicted_step_s", "restore_epoch", b"restore_epoch", "restored_step", b"restored_step", "stage_ids", b"stage_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -225,10 +254,19 @@ class SetupJobRequest(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     NUM_STAGES_FIELD_NUMBER: _builtins.int
     WAIT_S_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
     num_stages: _builtins.int
     """0: every live stage"""
     wait_s: _builtins.float
     """how long to wait for enough stages to register"""
+    resume: _builtins.bool
+    """attach to the running job of this description"""
+    lease_s: _builtins.float
+    """how long the client's lease lasts without renewal"""
+    client_name: _builtins.str
+    """shown in status and in refusals (host:pid)"""
     @_builtins.property
     def job(self) -> _job_pb2.JobSpec: ...
     def __init__(
@@ -237,10 +275,13 @@ class SetupJobRequest(_message.Message):
         job: _job_pb2.JobSpec | None = ...,
         num_stages: _builtins.int = ...,
         wait_s: _builtins.float = ...,
+        resume: _builtins.bool = ...,
+        lease_s: _builtins.float = ...,
+        client_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "num_stages", b"num_stages", "wait_s", b"wait_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "job", b"job", "lease_s", b"lease_s", "num_stages", b"num_stages", "resume", b"resume", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -252,7 +293,18 @@ class SetupJobResponse(_message.Message):
 
     PARTITION_FIELD_NUMBER: _builtins.int
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
+    COMMITTED_STEP_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
+    SAFE_STEP_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
+    client: _builtins.int
+    """this client's generation: its requests carry it"""
+    committed_step: _builtins.int
+    """where the job is (0 for a new job)"""
+    resumed: _builtins.bool
+    safe_step: _builtins.int
+    """the newest step whose snapshot survives any one failure"""
     @_builtins.property
     def partition(self) -> Global___Partition: ...
     def __init__(
@@ -260,14 +312,305 @@ class SetupJobResponse(_message.Message):
         *,
         partition: Global___Partition | None = ...,
         num_layers: _builtins.int = ...,
+        client: _builtins.int = ...,
+        committed_step: _builtins.int = ...,
+        resumed: _builtins.bool = ...,
+        safe_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_layers", b"num_layers", "partition", b"partition"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "committed_step", b"committed_step", "num_layers", b"num_layers", "partition", b"partition", "resumed", b"resumed", "safe_step", b"safe_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetupJobResponse: _TypeAlias = SetupJobResponse  # noqa: Y015
+
+@_typing.final
+class LeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    client: _builtins.int
+    release: _builtins.bool
+    """the client is done: the job is free"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        client: _builtins.int = ...,
+        release: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job_id", b"job_id", "release", b"release"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseRequest: _TypeAlias = LeaseRequest  # noqa: Y015
+
+@_typing.final
+class LeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELD_FIELD_NUMBER: _builtins.int
+    SAFE_STEP_FIELD_NUMBER: _builtins.int
+    held: _builtins.bool
+    """false: the lease was lost (another client took the job)"""
+    safe_step: _builtins.int
+    def __init__(
+        self,
+        *,
+        held: _builtins.bool = ...,
+        safe_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "safe_step", b"safe_step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseResponse: _TypeAlias = LeaseResponse  # noqa: Y015
+
+@_typing.final
+class FailureReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SUSPECTS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    epoch: _builtins.int
+    """the partition the client was using"""
+    error: _builtins.str
+    @_builtins.property
+    def suspects(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """addresses that failed"""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        suspects: _abc.Iterable[_builtins.str] | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "error", b"error", "job_id", b"job_id", "suspects", b"suspects"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailureReport: _TypeAlias = FailureReport  # noqa: Y015
+
+@_typing.final
+class FailureAck(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEAD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def dead(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """names of the stages declared dead"""
+
+    def __init__(
+        self,
+        *,
+        dead: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailureAck: _TypeAlias = FailureAck  # noqa: Y015
+
+@_typing.final
+class ResolveRunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_ID_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    stage_id: _builtins.str
+    run: _builtins.int
+    step: _builtins.int
+    def __init__(
+        self,
+        *,
+        stage_id: _builtins.str = ...,
+        run: _builtins.int = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "stage_id", b"stage_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResolveRunRequest: _TypeAlias = ResolveRunRequest  # noqa: Y015
+
+@_typing.final
+class ResolveRunResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISION_FIELD_NUMBER: _builtins.int
+    decision: _builtins.str
+    """"commit", "abort" or "wait" (the client can still decide)"""
+    def __init__(
+        self,
+        *,
+        decision: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResolveRunResponse: _TypeAlias = ResolveRunResponse  # noqa: Y015
+
+@_typing.final
+class EpochOutcomeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EpochOutcomeRequest: _TypeAlias = EpochOutcomeRequest  # noqa: Y015
+
+@_typing.final
+class EpochOutcomeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    outcome: _builtins.str
+    """"committed", "aborted" or "pending" """
+    def __init__(
+        self,
+        *,
+        outcome: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EpochOutcomeResponse: _TypeAlias = EpochOutcomeResponse  # noqa: Y015
+
+@_typing.final
+class LeaveRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    stage_id: _builtins.str
+    timeout_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        stage_id: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stage_id", b"stage_id", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveRequest: _TypeAlias = LeaveRequest  # noqa: Y015
+
+@_typing.final
+class RestoreBeginRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    client: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        client: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreBeginRequest: _TypeAlias = RestoreBeginRequest  # noqa: Y015
+
+@_typing.final
+class RestoreBeginResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """stream the checkpoint to the stages under this epoch"""
+    @_builtins.property
+    def partition(self) -> Global___Partition:
+        """who owns which layers while it loads"""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        partition: Global___Partition | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "partition", b"partition"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreBeginResponse: _TypeAlias = RestoreBeginResponse  # noqa: Y015
+
+@_typing.final
+class RestoreEndRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    epoch: _builtins.int
+    step: _builtins.int
+    """the checkpoint's step"""
+    commit: _builtins.bool
+    """false: abandon the load (nothing changes)"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        step: _builtins.int = ...,
+        commit: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "epoch", b"epoch", "job_id", b"job_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreEndRequest: _TypeAlias = RestoreEndRequest  # noqa: Y015
 
 @_typing.final
 class GetPartitionRequest(_message.Message):
@@ -303,14 +646,30 @@ class EpochRecord(_message.Message):
     LAYERS_MOVED_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     PAUSE_S_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    RESTORED_STEP_FIELD_NUMBER: _builtins.int
+    LOST_STEPS_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     at_unix: _builtins.float
     reason: _builtins.str
     layers_moved: _builtins.int
     bytes_moved: _builtins.int
     pause_s: _builtins.float
+    kind: _builtins.str
+    """"start", "move", "recovery", "restore", "abandoned" """
+    restored_step: _builtins.int
+    """recovery/restore: the step rolled back to"""
+    lost_steps: _builtins.int
+    """recovery: committed steps undone (to be replayed)"""
+    job_id: _builtins.str
     @_builtins.property
     def boundaries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """names, chain order"""
+
     def __init__(
         self,
         *,
@@ -321,10 +680,15 @@ class EpochRecord(_message.Message):
         layers_moved: _builtins.int = ...,
         bytes_moved: _builtins.int = ...,
         pause_s: _builtins.float = ...,
+        kind: _builtins.str = ...,
+        stages: _abc.Iterable[_builtins.str] | None = ...,
+        restored_step: _builtins.int = ...,
+        lost_steps: _builtins.int = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "boundaries", b"boundaries", "bytes_moved", b"bytes_moved", "epoch", b"epoch", "layers_moved", b"layers_moved", "pause_s", b"pause_s", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "boundaries", b"boundaries", "bytes_moved", b"bytes_moved", "epoch", b"epoch", "job_id", b"job_id", "kind", b"kind", "layers_moved", b"layers_moved", "lost_steps", b"lost_steps", "pause_s", b"pause_s", "reason", b"reason", "restored_step", b"restored_step", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -334,12 +698,17 @@ Global___EpochRecord: _TypeAlias = EpochRecord  # noqa: Y015
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    ALL_JOBS_FIELD_NUMBER: _builtins.int
+    all_jobs: _builtins.bool
+    """history of every job, not only the current one"""
     def __init__(
         self,
+        *,
+        all_jobs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_jobs", b"all_jobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -355,9 +724,19 @@ class StatusResponse(_message.Message):
     JOB_MODEL_FIELD_NUMBER: _builtins.int
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     AUTO_REBALANCE_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
+    COMMITTED_STEP_FIELD_NUMBER: _builtins.int
+    JOB_FAILURE_FIELD_NUMBER: _builtins.int
     job_model: _builtins.str
     num_layers: _builtins.int
     auto_rebalance: _builtins.bool
+    job_id: _builtins.str
+    client: _builtins.str
+    """who holds the job's lease ("" if nobody)"""
+    committed_step: _builtins.int
+    job_failure: _builtins.str
+    """why the job cannot go on, if it cannot"""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageInfo]: ...
     @_builtins.property
@@ -373,10 +752,14 @@ class StatusResponse(_message.Message):
         job_model: _builtins.str = ...,
         num_layers: _builtins.int = ...,
         auto_rebalance: _builtins.bool = ...,
+        job_id: _builtins.str = ...,
+        client: _builtins.str = ...,
+        committed_step: _builtins.int = ...,
+        job_failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "history", b"history", "job_model", b"job_model", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "client", b"client", "committed_step", b"committed_step", "history", b"history", "job_failure", b"job_failure", "job_id", b"job_id", "job_model", b"job_model", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,6 +59,41 @@ class CoordinatorServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.GetPartitionRequest.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.Partition.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/RenewLease',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaseResponse.FromString,
+                _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/ReportFailure',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureAck.FromString,
+                _registered_method=True)
+        self.BeginRestore = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/BeginRestore',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RestoreBeginRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.RestoreBeginResponse.FromString,
+                _registered_method=True)
+        self.EndRestore = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/EndRestore',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RestoreEndRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.Partition.FromString,
+                _registered_method=True)
+        self.ResolveRun = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/ResolveRun',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.ResolveRunRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.ResolveRunResponse.FromString,
+                _registered_method=True)
+        self.EpochOutcome = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/EpochOutcome',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.EpochOutcomeRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.EpochOutcomeResponse.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/Leave',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/elasticpipe.v1.CoordinatorService/Status',
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
@@ -99,6 +134,11 @@ class CoordinatorServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.AutoRebalanceRequest.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.AdminAck.FromString,
                 _registered_method=True)
+        self.Forget = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/Forget',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.AdminAck.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -129,6 +169,49 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchPartition(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginRestore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndRestore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveRun(self, request, context):
+        """From stages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EpochOutcome(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +267,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Forget(self, request, context):
+        """remove a dead stage
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +301,41 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.WatchPartition,
                     request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.GetPartitionRequest.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.Partition.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaseRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaseResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureReport.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureAck.SerializeToString,
+            ),
+            'BeginRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginRestore,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.RestoreBeginRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RestoreBeginResponse.SerializeToString,
+            ),
+            'EndRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRestore,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.RestoreEndRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.Partition.SerializeToString,
+            ),
+            'ResolveRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveRun,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.ResolveRunRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.ResolveRunResponse.SerializeToString,
+            ),
+            'EpochOutcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.EpochOutcome,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.EpochOutcomeRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.EpochOutcomeResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -250,6 +375,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
             'SetAutoRebalance': grpc.unary_unary_rpc_method_handler(
                     servicer.SetAutoRebalance,
                     request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.AutoRebalanceRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.AdminAck.SerializeToString,
+            ),
+            'Forget': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forget,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.AdminAck.SerializeToString,
             ),
     }
@@ -388,6 +518,195 @@ class CoordinatorService:
             '/elasticpipe.v1.CoordinatorService/WatchPartition',
             elasticpipe_dot_v1_dot_coordinator__pb2.GetPartitionRequest.SerializeToString,
             elasticpipe_dot_v1_dot_coordinator__pb2.Partition.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/RenewLease',
+            elasticpipe_dot_v1_dot_coordinator__pb2.LeaseRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/ReportFailure',
+            elasticpipe_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.FailureAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/BeginRestore',
+            elasticpipe_dot_v1_dot_coordinator__pb2.RestoreBeginRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.RestoreBeginResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/EndRestore',
+            elasticpipe_dot_v1_dot_coordinator__pb2.RestoreEndRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.Partition.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/ResolveRun',
+            elasticpipe_dot_v1_dot_coordinator__pb2.ResolveRunRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.ResolveRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EpochOutcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/EpochOutcome',
+            elasticpipe_dot_v1_dot_coordinator__pb2.EpochOutcomeRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.EpochOutcomeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/Leave',
+            elasticpipe_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -603,6 +922,33 @@ class CoordinatorService:
             target,
             '/elasticpipe.v1.CoordinatorService/SetAutoRebalance',
             elasticpipe_dot_v1_dot_coordinator__pb2.AutoRebalanceRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.AdminAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/Forget',
+            elasticpipe_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
             elasticpipe_dot_v1_dot_coordinator__pb2.AdminAck.FromString,
             options,
             channel_credentials,

@@ -36,6 +36,14 @@ class CoordinatorServiceStub:
     SetupJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetupJobRequest, _coordinator_pb2.SetupJobResponse]
     GetPartition: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetPartitionRequest, _coordinator_pb2.Partition]
     WatchPartition: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.GetPartitionRequest, _coordinator_pb2.Partition]
+    RenewLease: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseResponse]
+    ReportFailure: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.FailureReport, _coordinator_pb2.FailureAck]
+    BeginRestore: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreBeginRequest, _coordinator_pb2.RestoreBeginResponse]
+    EndRestore: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreEndRequest, _coordinator_pb2.Partition]
+    ResolveRun: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveRunRequest, _coordinator_pb2.ResolveRunResponse]
+    """From stages."""
+    EpochOutcome: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.EpochOutcomeRequest, _coordinator_pb2.EpochOutcomeResponse]
+    Leave: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveRequest, _coordinator_pb2.RebalanceResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]
     """Admin."""
     Plan: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRequest, _coordinator_pb2.PlanResponse]
@@ -46,6 +54,8 @@ class CoordinatorServiceStub:
     """let a drained stage back in"""
     Slowdown: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AdminSlowdownRequest, _coordinator_pb2.AdminAck]
     SetAutoRebalance: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AutoRebalanceRequest, _coordinator_pb2.AdminAck]
+    Forget: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.AdminAck]
+    """remove a dead stage"""
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -55,6 +65,14 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     SetupJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetupJobRequest, _coordinator_pb2.SetupJobResponse]  # type: ignore[assignment]
     GetPartition: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetPartitionRequest, _coordinator_pb2.Partition]  # type: ignore[assignment]
     WatchPartition: _aio.UnaryStreamMultiCallable[_coordinator_pb2.GetPartitionRequest, _coordinator_pb2.Partition]  # type: ignore[assignment]
+    RenewLease: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseResponse]  # type: ignore[assignment]
+    ReportFailure: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.FailureReport, _coordinator_pb2.FailureAck]  # type: ignore[assignment]
+    BeginRestore: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreBeginRequest, _coordinator_pb2.RestoreBeginResponse]  # type: ignore[assignment]
+    EndRestore: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreEndRequest, _coordinator_pb2.Partition]  # type: ignore[assignment]
+    ResolveRun: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveRunRequest, _coordinator_pb2.ResolveRunResponse]  # type: ignore[assignment]
+    """From stages."""
+    EpochOutcome: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.EpochOutcomeRequest, _coordinator_pb2.EpochOutcomeResponse]  # type: ignore[assignment]
+    Leave: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveRequest, _coordinator_pb2.RebalanceResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]  # type: ignore[assignment]
     """Admin."""
     Plan: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRequest, _coordinator_pb2.PlanResponse]  # type: ignore[assignment]
@@ -65,6 +83,8 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """let a drained stage back in"""
     Slowdown: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AdminSlowdownRequest, _coordinator_pb2.AdminAck]  # type: ignore[assignment]
     SetAutoRebalance: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AutoRebalanceRequest, _coordinator_pb2.AdminAck]  # type: ignore[assignment]
+    Forget: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.AdminAck]  # type: ignore[assignment]
+    """remove a dead stage"""
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -101,6 +121,56 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.GetPartitionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.Partition], _abc.AsyncIterator[_coordinator_pb2.Partition]]: ...
+
+    @_abc_1.abstractmethod
+    def RenewLease(
+        self,
+        request: _coordinator_pb2.LeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LeaseResponse, _abc.Awaitable[_coordinator_pb2.LeaseResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReportFailure(
+        self,
+        request: _coordinator_pb2.FailureReport,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.FailureAck, _abc.Awaitable[_coordinator_pb2.FailureAck]]: ...
+
+    @_abc_1.abstractmethod
+    def BeginRestore(
+        self,
+        request: _coordinator_pb2.RestoreBeginRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RestoreBeginResponse, _abc.Awaitable[_coordinator_pb2.RestoreBeginResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def EndRestore(
+        self,
+        request: _coordinator_pb2.RestoreEndRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.Partition, _abc.Awaitable[_coordinator_pb2.Partition]]: ...
+
+    @_abc_1.abstractmethod
+    def ResolveRun(
+        self,
+        request: _coordinator_pb2.ResolveRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ResolveRunResponse, _abc.Awaitable[_coordinator_pb2.ResolveRunResponse]]:
+        """From stages."""
+
+    @_abc_1.abstractmethod
+    def EpochOutcome(
+        self,
+        request: _coordinator_pb2.EpochOutcomeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.EpochOutcomeResponse, _abc.Awaitable[_coordinator_pb2.EpochOutcomeResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Leave(
+        self,
+        request: _coordinator_pb2.LeaveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RebalanceResponse, _abc.Awaitable[_coordinator_pb2.RebalanceResponse]]: ...
 
     @_abc_1.abstractmethod
     def Status(
@@ -159,5 +229,13 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.AutoRebalanceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.AdminAck, _abc.Awaitable[_coordinator_pb2.AdminAck]]: ...
+
+    @_abc_1.abstractmethod
+    def Forget(
+        self,
+        request: _coordinator_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AdminAck, _abc.Awaitable[_coordinator_pb2.AdminAck]]:
+        """remove a dead stage"""
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -96,6 +96,10 @@ class _FaultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Fault.ValueType
     """the next imported layer fails its checksum"""
     CANCEL_NEXT_IMPORT: _Fault.ValueType  # 2
     """the next import stops midway"""
+    DROP_NEXT_COMMIT: _Fault.ValueType  # 3
+    """the next CommitStep is lost (not applied, no reply)"""
+    PAUSE_AT: _Fault.ValueType  # 4
+    """block at protocol point ``point`` (a test then kills)"""
 
 class Fault(_Fault, metaclass=_FaultEnumTypeWrapper): ...
 
@@ -104,6 +108,10 @@ CORRUPT_NEXT_IMPORT: Fault.ValueType  # 1
 """the next imported layer fails its checksum"""
 CANCEL_NEXT_IMPORT: Fault.ValueType  # 2
 """the next import stops midway"""
+DROP_NEXT_COMMIT: Fault.ValueType  # 3
+"""the next CommitStep is lost (not applied, no reply)"""
+PAUSE_AT: Fault.ValueType  # 4
+"""block at protocol point ``point`` (a test then kills)"""
 Global___Fault: _TypeAlias = Fault  # noqa: Y015
 
 @_typing.final
@@ -221,6 +229,34 @@ class Ack(_message.Message):
 Global___Ack: _TypeAlias = Ack  # noqa: Y015
 
 @_typing.final
+class StepDecision(_message.Message):
+    """A client's decision on a run whose ops completed on every stage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    run: _builtins.int
+    step: _builtins.int
+    commit: _builtins.bool
+    """false: aborted"""
+    def __init__(
+        self,
+        *,
+        run: _builtins.int = ...,
+        step: _builtins.int = ...,
+        commit: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "run", b"run", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepDecision: _TypeAlias = StepDecision  # noqa: Y015
+
+@_typing.final
 class RunStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -231,6 +267,8 @@ class RunStepRequest(_message.Message):
     SCHEDULE_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
+    PREVIOUS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
@@ -239,6 +277,12 @@ class RunStepRequest(_message.Message):
     mode: Global___RunMode.ValueType
     timeout_s: _builtins.float
     """how long the stage may wait for its inputs"""
+    client: _builtins.int
+    """the client's generation (its lease); older ones are fenced"""
+    @_builtins.property
+    def previous(self) -> Global___StepDecision:
+        """the decision on the client's previous run (a lost commit)"""
+
     def __init__(
         self,
         *,
@@ -249,10 +293,12 @@ class RunStepRequest(_message.Message):
         schedule: Global___Schedule.ValueType = ...,
         mode: Global___RunMode.ValueType = ...,
         timeout_s: _builtins.float = ...,
+        client: _builtins.int = ...,
+        previous: Global___StepDecision | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["previous", b"previous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "run", b"run", "schedule", b"schedule", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "run", b"run", "schedule", b"schedule", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -364,19 +410,22 @@ class CommitStepRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     RUN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
+    client: _builtins.int
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         run: _builtins.int = ...,
         step: _builtins.int = ...,
+        client: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "run", b"run", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "run", b"run", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -407,21 +456,93 @@ class AbortStepRequest(_message.Message):
 
     RUN_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     reason: _builtins.str
+    client: _builtins.int
     def __init__(
         self,
         *,
         run: _builtins.int = ...,
         reason: _builtins.str = ...,
+        client: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "reason", b"reason", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortStepRequest: _TypeAlias = AbortStepRequest  # noqa: Y015
+
+@_typing.final
+class FenceRequest(_message.Message):
+    """Refuses every request of a client generation below ``client`` from now on."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_FIELD_NUMBER: _builtins.int
+    client: _builtins.int
+    def __init__(
+        self,
+        *,
+        client: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FenceRequest: _TypeAlias = FenceRequest  # noqa: Y015
+
+@_typing.final
+class RunState(_message.Message):
+    """Where a stage is in the step and epoch protocols."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PHASE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    COMMITTED_STEP_FIELD_NUMBER: _builtins.int
+    COMMITTED_RUN_FIELD_NUMBER: _builtins.int
+    ACTIVE_RUN_FIELD_NUMBER: _builtins.int
+    ACTIVE_STEP_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    FROZEN_FOR_FIELD_NUMBER: _builtins.int
+    PREPARED_FIELD_NUMBER: _builtins.int
+    phase: _builtins.str
+    """"idle", "running", "awaiting_commit" """
+    epoch: _builtins.int
+    committed_step: _builtins.int
+    committed_run: _builtins.int
+    """the run that committed ``committed_step`` (0: unknown)"""
+    active_run: _builtins.int
+    active_step: _builtins.int
+    fence: _builtins.int
+    frozen_for: _builtins.int
+    """epoch of a change in progress (0: none)"""
+    prepared: _builtins.bool
+    def __init__(
+        self,
+        *,
+        phase: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        committed_step: _builtins.int = ...,
+        committed_run: _builtins.int = ...,
+        active_run: _builtins.int = ...,
+        active_step: _builtins.int = ...,
+        fence: _builtins.int = ...,
+        frozen_for: _builtins.int = ...,
+        prepared: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_run", b"active_run", "active_step", b"active_step", "committed_run", b"committed_run", "committed_step", b"committed_step", "epoch", b"epoch", "fence", b"fence", "frozen_for", b"frozen_for", "phase", b"phase", "prepared", b"prepared"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunState: _TypeAlias = RunState  # noqa: Y015
 
 @_typing.final
 class Peer(_message.Message):
@@ -459,6 +580,7 @@ class Assignment(_message.Message):
     LAYER_HI_FIELD_NUMBER: _builtins.int
     PREV_FIELD_NUMBER: _builtins.int
     NEXT_FIELD_NUMBER: _builtins.int
+    CHAIN_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     job_id: _builtins.str
     index: _builtins.int
@@ -475,6 +597,10 @@ class Assignment(_message.Message):
     def next(self) -> Global___Peer:
         """empty address on the last stage"""
 
+    @_builtins.property
+    def chain(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]:
+        """every stage of the chain, in order"""
+
     def __init__(
         self,
         *,
@@ -486,10 +612,11 @@ class Assignment(_message.Message):
         layer_hi: _builtins.int = ...,
         prev: Global___Peer | None = ...,
         next: Global___Peer | None = ...,
+        chain: _abc.Iterable[Global___Peer] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["next", b"next", "prev", b"prev"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "index", b"index", "job_id", b"job_id", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "next", b"next", "num_stages", b"num_stages", "prev", b"prev"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain", "epoch", b"epoch", "index", b"index", "job_id", b"job_id", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "next", b"next", "num_stages", b"num_stages", "prev", b"prev"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -663,11 +790,23 @@ class PrepareEpochRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
+    SOURCE_EPOCH_FIELD_NUMBER: _builtins.int
+    ROLLBACK_FIELD_NUMBER: _builtins.int
+    RESTORED_BY_CLIENT_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """the new epoch"""
     timeout_s: _builtins.float
     committed_step: _builtins.int
-    """the step of the consistent cut this change happens at"""
+    """the cut this change happens at, or the step restored"""
+    source_epoch: _builtins.int
+    """the epoch the sources of ``incoming`` export under"""
+    rollback: _builtins.bool
+    """restore every owned layer from snapshot ``committed_step``"""
+    restored_by_client: _builtins.bool
+    """every owned layer was staged by RestoreLayers (a load)"""
+    lease_s: _builtins.float
+    """how long to hold the prepared state before asking"""
     @_builtins.property
     def assignment(self) -> Global___Assignment:
         """this stage's place in the new epoch"""
@@ -687,10 +826,14 @@ class PrepareEpochRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         job: _job_pb2.JobSpec | None = ...,
         committed_step: _builtins.int = ...,
+        source_epoch: _builtins.int = ...,
+        rollback: _builtins.bool = ...,
+        restored_by_client: _builtins.bool = ...,
+        lease_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "committed_step", b"committed_step", "epoch", b"epoch", "incoming", b"incoming", "job", b"job", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "committed_step", b"committed_step", "epoch", b"epoch", "incoming", b"incoming", "job", b"job", "lease_s", b"lease_s", "restored_by_client", b"restored_by_client", "rollback", b"rollback", "source_epoch", b"source_epoch", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -728,17 +871,25 @@ class EpochRequest(_message.Message):
 
     EPOCH_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    ABORT_RUNNING_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     reason: _builtins.str
+    lease_s: _builtins.float
+    """Freeze: how long the freeze holds without news"""
+    abort_running: _builtins.bool
+    """Freeze: abort the run in flight instead of waiting (recovery)"""
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         reason: _builtins.str = ...,
+        lease_s: _builtins.float = ...,
+        abort_running: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_running", b"abort_running", "epoch", b"epoch", "lease_s", b"lease_s", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -789,9 +940,17 @@ class ExportLayersRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _builtins.int
+    FROM_SNAPSHOT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_STEP_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """0: no check (used for state_dict by the client)"""
     include_optimizer: _builtins.bool
+    from_snapshot: _builtins.bool
+    """export the snapshot of ``snapshot_step`` held here instead"""
+    snapshot_step: _builtins.int
+    job_id: _builtins.str
+    """with from_snapshot: the job the snapshot must belong to"""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -800,10 +959,13 @@ class ExportLayersRequest(_message.Message):
         epoch: _builtins.int = ...,
         layers: _abc.Iterable[_builtins.int] | None = ...,
         include_optimizer: _builtins.bool = ...,
+        from_snapshot: _builtins.bool = ...,
+        snapshot_step: _builtins.int = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "include_optimizer", b"include_optimizer", "layers", b"layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "from_snapshot", b"from_snapshot", "include_optimizer", b"include_optimizer", "job_id", b"job_id", "layers", b"layers", "snapshot_step", b"snapshot_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -850,8 +1012,10 @@ Global___LayerChunk: _TypeAlias = LayerChunk  # noqa: Y015
 
 @_typing.final
 class RestoreChunk(_message.Message):
-    """Restoring a checkpoint: the first message names the epoch and step, then each layer's
-    state follows as LayerChunks (weights, buffers and optimizer state, as exported).
+    """Restoring a checkpoint: the first message names the restore's epoch change (the stage
+    must be frozen for it), then each layer's state follows as LayerChunks (weights,
+    buffers and optimizer state, as exported). The layers are staged, not installed: the
+    coordinator's epoch change makes the load take effect on every stage or on none.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -860,7 +1024,7 @@ class RestoreChunk(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
-    """first message: the epoch the client computed in"""
+    """first message: the epoch of the restore"""
     committed_step: _builtins.int
     """first message: the step the checkpoint was taken after"""
     @_builtins.property
@@ -901,6 +1065,76 @@ class RestoreResponse(_message.Message):
 Global___RestoreResponse: _TypeAlias = RestoreResponse  # noqa: Y015
 
 @_typing.final
+class SnapshotChunk(_message.Message):
+    """---- snapshots -------------------------------------------------------------
+
+    A stage's snapshot of one step, pushed to the stage that keeps its copy: the first
+    message names it, then every layer's state follows as LayerChunks.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """first message"""
+    step: _builtins.int
+    """first message"""
+    source: _builtins.str
+    """first message: the stage id whose layers these are"""
+    @_builtins.property
+    def chunk(self) -> Global___LayerChunk: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        source: _builtins.str = ...,
+        chunk: Global___LayerChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "job_id", b"job_id", "source", b"source", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotChunk: _TypeAlias = SnapshotChunk  # noqa: Y015
+
+@_typing.final
+class SnapshotHolding(_message.Message):
+    """What snapshots a stage holds: of ``step``, the full state of ``layers``."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    step: _builtins.int
+    replica: _builtins.bool
+    """a copy of another stage's snapshot"""
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        layers: _abc.Iterable[_builtins.int] | None = ...,
+        replica: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "replica", b"replica", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotHolding: _TypeAlias = SnapshotHolding  # noqa: Y015
+
+@_typing.final
 class StatsRequest(_message.Message):
     """---- stats and admin -------------------------------------------------------"""
 
@@ -933,6 +1167,8 @@ class StageStats(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     FROZEN_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     name: _builtins.str
     epoch: _builtins.int
@@ -947,6 +1183,10 @@ class StageStats(_message.Message):
     frozen: _builtins.bool
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerTiming]: ...
+    @_builtins.property
+    def state(self) -> Global___RunState: ...
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SnapshotHolding]: ...
     def __init__(
         self,
         *,
@@ -962,10 +1202,12 @@ class StageStats(_message.Message):
         timings: _abc.Iterable[Global___LayerTiming] | None = ...,
         device: _builtins.str = ...,
         frozen: _builtins.bool = ...,
+        state: Global___RunState | None = ...,
+        snapshots: _abc.Iterable[Global___SnapshotHolding] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "device", b"device", "epoch", b"epoch", "frozen", b"frozen", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "slowdown", b"slowdown", "stage_id", b"stage_id", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "device", b"device", "epoch", b"epoch", "frozen", b"frozen", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -995,15 +1237,19 @@ class FaultRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FAULT_FIELD_NUMBER: _builtins.int
+    POINT_FIELD_NUMBER: _builtins.int
     fault: Global___Fault.ValueType
+    point: _builtins.str
+    """PAUSE_AT: run_started, awaiting_commit, commit, prepare,"""
     def __init__(
         self,
         *,
         fault: Global___Fault.ValueType = ...,
+        point: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fault", b"fault"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fault", b"fault", "point", b"point"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

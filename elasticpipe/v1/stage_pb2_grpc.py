@@ -74,6 +74,11 @@ class StageServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.AbortStepRequest.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/elasticpipe.v1.StageService/Fence',
+                request_serializer=elasticpipe_dot_v1_dot_stage__pb2.FenceRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.RunState.FromString,
+                _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/elasticpipe.v1.StageService/Describe',
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.DescribeRequest.SerializeToString,
@@ -118,6 +123,11 @@ class StageServiceStub:
                 '/elasticpipe.v1.StageService/RestoreLayers',
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreChunk.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreResponse.FromString,
+                _registered_method=True)
+        self.PushSnapshot = channel.stream_unary(
+                '/elasticpipe.v1.StageService/PushSnapshot',
+                request_serializer=elasticpipe_dot_v1_dot_stage__pb2.SnapshotChunk.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/elasticpipe.v1.StageService/GetStats',
@@ -189,6 +199,12 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Describe(self, request, context):
         """Control.
         """
@@ -241,6 +257,13 @@ class StageServiceServicer:
 
     def RestoreLayers(self, request_iterator, context):
         """load a checkpoint
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushSnapshot(self, request_iterator, context):
+        """keep a peer's copy
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -308,6 +331,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.AbortStepRequest.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.SerializeToString,
             ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.FenceRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_stage__pb2.RunState.SerializeToString,
+            ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.DescribeRequest.FromString,
@@ -352,6 +380,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.RestoreLayers,
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreChunk.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_stage__pb2.RestoreResponse.SerializeToString,
+            ),
+            'PushSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushSnapshot,
+                    request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.SnapshotChunk.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -596,6 +629,33 @@ class StageService:
             _registered_method=True)
 
     @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.StageService/Fence',
+            elasticpipe_dot_v1_dot_stage__pb2.FenceRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_stage__pb2.RunState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Describe(request,
             target,
             options=(),
@@ -828,6 +888,33 @@ class StageService:
             '/elasticpipe.v1.StageService/RestoreLayers',
             elasticpipe_dot_v1_dot_stage__pb2.RestoreChunk.SerializeToString,
             elasticpipe_dot_v1_dot_stage__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/elasticpipe.v1.StageService/PushSnapshot',
+            elasticpipe_dot_v1_dot_stage__pb2.SnapshotChunk.SerializeToString,
+            elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

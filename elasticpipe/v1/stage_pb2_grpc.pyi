@@ -41,6 +41,7 @@ class StageServiceStub:
     FetchOutput: _grpc.UnaryStreamMultiCallable[_stage_pb2.FetchOutputRequest, _stage_pb2.DataChunk]
     CommitStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.CommitStepRequest, _stage_pb2.CommitStepResponse]
     AbortStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.AbortStepRequest, _stage_pb2.Ack]
+    Fence: _grpc.UnaryUnaryMultiCallable[_stage_pb2.FenceRequest, _stage_pb2.RunState]
     Describe: _grpc.UnaryUnaryMultiCallable[_stage_pb2.DescribeRequest, _stage_pb2.DescribeResponse]
     """Control."""
     Profile: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ProfileRequest, _stage_pb2.ProfileResponse]
@@ -53,6 +54,8 @@ class StageServiceStub:
     ExportLayers: _grpc.UnaryStreamMultiCallable[_stage_pb2.ExportLayersRequest, _stage_pb2.LayerChunk]
     RestoreLayers: _grpc.StreamUnaryMultiCallable[_stage_pb2.RestoreChunk, _stage_pb2.RestoreResponse]
     """load a checkpoint"""
+    PushSnapshot: _grpc.StreamUnaryMultiCallable[_stage_pb2.SnapshotChunk, _stage_pb2.Ack]
+    """keep a peer's copy"""
     GetStats: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StatsRequest, _stage_pb2.StageStats]
     """Stats and admin."""
     SetSlowdown: _grpc.UnaryUnaryMultiCallable[_stage_pb2.SlowdownRequest, _stage_pb2.Ack]
@@ -71,6 +74,7 @@ class StageServiceAsyncStub(StageServiceStub):
     FetchOutput: _aio.UnaryStreamMultiCallable[_stage_pb2.FetchOutputRequest, _stage_pb2.DataChunk]  # type: ignore[assignment]
     CommitStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.CommitStepRequest, _stage_pb2.CommitStepResponse]  # type: ignore[assignment]
     AbortStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.AbortStepRequest, _stage_pb2.Ack]  # type: ignore[assignment]
+    Fence: _aio.UnaryUnaryMultiCallable[_stage_pb2.FenceRequest, _stage_pb2.RunState]  # type: ignore[assignment]
     Describe: _aio.UnaryUnaryMultiCallable[_stage_pb2.DescribeRequest, _stage_pb2.DescribeResponse]  # type: ignore[assignment]
     """Control."""
     Profile: _aio.UnaryUnaryMultiCallable[_stage_pb2.ProfileRequest, _stage_pb2.ProfileResponse]  # type: ignore[assignment]
@@ -83,6 +87,8 @@ class StageServiceAsyncStub(StageServiceStub):
     ExportLayers: _aio.UnaryStreamMultiCallable[_stage_pb2.ExportLayersRequest, _stage_pb2.LayerChunk]  # type: ignore[assignment]
     RestoreLayers: _aio.StreamUnaryMultiCallable[_stage_pb2.RestoreChunk, _stage_pb2.RestoreResponse]  # type: ignore[assignment]
     """load a checkpoint"""
+    PushSnapshot: _aio.StreamUnaryMultiCallable[_stage_pb2.SnapshotChunk, _stage_pb2.Ack]  # type: ignore[assignment]
+    """keep a peer's copy"""
     GetStats: _aio.UnaryUnaryMultiCallable[_stage_pb2.StatsRequest, _stage_pb2.StageStats]  # type: ignore[assignment]
     """Stats and admin."""
     SetSlowdown: _aio.UnaryUnaryMultiCallable[_stage_pb2.SlowdownRequest, _stage_pb2.Ack]  # type: ignore[assignment]
@@ -146,6 +152,13 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _stage_pb2.AbortStepRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]: ...
+
+    @_abc_1.abstractmethod
+    def Fence(
+        self,
+        request: _stage_pb2.FenceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.RunState, _abc.Awaitable[_stage_pb2.RunState]]: ...
 
     @_abc_1.abstractmethod
     def Describe(
@@ -212,6 +225,14 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.RestoreResponse, _abc.Awaitable[_stage_pb2.RestoreResponse]]:
         """load a checkpoint"""
+
+    @_abc_1.abstractmethod
+    def PushSnapshot(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.SnapshotChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]:
+        """keep a peer's copy"""
 
     @_abc_1.abstractmethod
     def GetStats(

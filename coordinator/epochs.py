@@ -1,0 +1,319 @@
+"""Changing the partition at a consistent cut: the two-phase epoch change, made durable.
+
+1. **Freeze** every stage of the old and new chains: each waits for its step boundary
+   (a recovery aborts the run in flight instead) and then refuses new runs, under a lease.
+   A move needs every stage of the old chain at the same committed step.
+2. **Prepare**: each stage of the new chain gathers what it will own -- a move pulls the
+   incoming layers' live state from their owners; a recovery builds every layer from the
+   snapshot of the step it rolls back to; a checkpoint load takes what the client
+   streamed -- checksummed, and holds it aside.
+3. The new partition and a "committed" record are written to the store in one
+   transaction -- **the commit point** -- and **CommitEpoch** makes every stage install
+   what it holds.
+
+The change is recorded in the store before it starts ("preparing"). Any failure before
+the commit point sends **AbortEpoch** everywhere: nothing staged survives, nothing was
+freed, the old epoch stays in force. A coordinator that dies mid-change finds the record
+on restart (``finish_pending``) and rolls it back (before the commit point) or forward
+(after it); a stage whose freeze lease runs out meanwhile asks ``outcome``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.store import EpochRow
+from elasticpipe.errors import ElasticPipeError, NotReady, TransferError
+from elasticpipe.job import JobConfig
+from elasticpipe.partition import Partition
+from elasticpipe.v1 import stage_pb2
+
+log = structlog.get_logger()
+
+COMMIT_ATTEMPTS = 4
+FREEZE_TIMEOUT_S = 60.0
+TRANSFER_TIMEOUT_S = 120.0
+LEASE_S = 60.0  # how long a frozen stage waits for news before it acts or asks
+CHANGE_KEY = "epoch_change"
+
+Pause = Callable[[str], None]  # a test hook: blocks at "before_commit_point" and the like
+
+
+def _no_pause(point: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Change:
+    """One epoch change to carry out.
+
+    Attributes:
+        kind: "move", "recovery" or "restore" (recorded in the history).
+        reason: why (recorded in the history).
+        old: the partition in force.
+        new: the partition to move to (a fresh epoch).
+        rollback_step: recovery and restore: the step the new epoch starts from.
+        holders: recovery: layer -> address of a live stage holding its snapshot.
+        restored_by_client: restore: the layers were streamed by the client.
+        abort_running: recovery: end the run in flight instead of waiting for it.
+        gone: addresses of stages that are dead (not contacted).
+    """
+
+    kind: str
+    reason: str
+    old: Partition
+    new: Partition
+    rollback_step: int | None = None
+    holders: dict[int, str] = field(default_factory=dict)
+    restored_by_client: bool = False
+    abort_running: bool = False
+    gone: frozenset[str] = frozenset()
+
+    @property
+    def involved(self) -> list[str]:
+        """Every live stage of the old and new chains, old chain first."""
+        both = dict.fromkeys(self.old.addresses + self.new.addresses)
+        return [a for a in both if a not in self.gone]
+
+    def record(self, phase: str) -> dict[str, Any]:
+        """The store's record of the change in progress."""
+        return {
+            "epoch": self.new.epoch,
+            "phase": phase,
+            "kind": self.kind,
+            "reason": self.reason,
+            "involved": self.involved,
+            "old_epoch": self.old.epoch,
+            "partition": self.new.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """What an epoch change did.
+
+    ``pause_s`` is how long training stood still: from the moment every stage was frozen at
+    the cut to the moment the new epoch was committed everywhere. ``wait_s`` is how long the
+    freeze waited for the step in flight to finish (training went on meanwhile).
+    """
+
+    layers_moved: int
+    bytes_moved: int
+    pause_s: float
+    committed_step: int
+    wait_s: float = 0.0
+    transfer_s: float = 0.0
+    cut_steps: tuple[int, ...] = ()  # each old-chain stage's committed step at the freeze
+
+
+def freeze(cluster: Cluster, change: Change, lease_s: float = LEASE_S) -> list[int]:
+    """Phase 1: holds every involved stage at its step boundary.
+
+    Returns:
+        The committed step of each involved stage, in ``change.involved`` order.
+    """
+    cluster.store.put(CHANGE_KEY, change.record("preparing"))
+    request = stage_pb2.EpochRequest(
+        epoch=change.new.epoch, lease_s=lease_s, abort_running=change.abort_running
+    )
+    replies = cluster.pool.all([(a, request) for a in change.involved], "Freeze", FREEZE_TIMEOUT_S)
+    return [int(r.committed_step) for r in replies]
+
+
+def prepare(
+    cluster: Cluster, job: JobConfig, change: Change, cut: int, lease_s: float = LEASE_S
+) -> int:
+    """Phase 2: every stage of the new chain gathers and stages its layers.
+
+    Returns:
+        Bytes transferred.
+    """
+    moved = change.old.moves_to(change.new)
+    spec = job.to_proto()
+    rollback = change.rollback_step is not None
+    requests = []
+    for address in change.involved:
+        stage_id = next((s.stage_id for s in change.new.stages if s.address == address), "")
+        placement = change.new.assignment(stage_id)
+        if rollback:
+            incoming = [
+                stage_pb2.LayerSource(layer=layer, address=change.holders.get(layer, ""))
+                for layer in placement.layers
+            ]
+        else:
+            owners = {s.stage_id: s.address for s in change.old.stages}
+            incoming = [
+                stage_pb2.LayerSource(layer=m.layer, address=owners[m.source])
+                for m in moved
+                if m.target == stage_id
+            ]
+        requests.append(
+            (
+                address,
+                stage_pb2.PrepareEpochRequest(
+                    epoch=change.new.epoch,
+                    assignment=placement.to_proto(),
+                    incoming=incoming,
+                    timeout_s=TRANSFER_TIMEOUT_S,
+                    job=spec,
+                    committed_step=cut,
+                    source_epoch=change.old.epoch,
+                    rollback=rollback and not change.restored_by_client,
+                    restored_by_client=change.restored_by_client,
+                    lease_s=lease_s,
+                ),
+            )
+        )
+    replies = cluster.pool.all(requests, "PrepareEpoch", TRANSFER_TIMEOUT_S + 5.0)
+    return sum(int(r.bytes_received) for r in replies)
+
+
+def commit(cluster: Cluster, change: Change) -> list[str]:
+    """Phase 3 (after the commit point): every stage installs the new epoch.
+
+    CommitEpoch is idempotent, so a stage that missed it is asked again before giving up
+    on it; a stage that still misses it asks for the outcome when its lease runs out.
+
+    Returns:
+        The stages that could not be told (logged).
+    """
+    request = stage_pb2.EpochRequest(epoch=change.new.epoch)
+    pending = list(change.involved)
+    failures: dict[str, str] = {}
+    for attempt in range(COMMIT_ATTEMPTS):
+        results = cluster.pool.each([(a, request) for a in pending], "CommitEpoch", 30.0)
+        failures = {
+            a: str(r)
+            for a, r in zip(pending, results, strict=True)
+            if isinstance(r, ElasticPipeError)
+        }
+        pending = list(failures)
+        if not pending:
+            break
+        time.sleep(0.2 * (attempt + 1))
+    cluster.store.delete(CHANGE_KEY)
+    if failures:
+        log.error("epoch_commit_incomplete", epoch=change.new.epoch, failures=failures)
+    return list(failures)
+
+
+def abort(cluster: Cluster, epoch: int, addresses: Iterable[str], reason: str) -> None:
+    """Abandons ``epoch``'s change on every stage given (best effort) and in the store."""
+    request = stage_pb2.EpochRequest(epoch=epoch, reason=reason[:500])
+    for address, result in zip(
+        addresses,
+        cluster.pool.each([(a, request) for a in addresses], "AbortEpoch", 10.0),
+        strict=False,
+    ):
+        if isinstance(result, ElasticPipeError):
+            log.warning("abort_epoch_not_delivered", stage=address, epoch=epoch, error=str(result))
+    cluster.store.delete(CHANGE_KEY)
+
+
+def change_epoch(
+    cluster: Cluster, job: JobConfig, change: Change, pause: Pause = _no_pause
+) -> MoveResult:
+    """Moves from ``change.old`` to ``change.new`` at a consistent cut, or leaves the old
+    partition in force.
+
+    Raises:
+        ElasticPipeError: the change was abandoned (every stage is back on the old epoch).
+    """
+    started = time.perf_counter()
+    involved = change.involved
+    moved = change.old.moves_to(change.new)
+    try:
+        steps = freeze(cluster, change)
+        old_chain = set(change.old.addresses)
+        cut_steps = tuple(s for a, s in zip(involved, steps, strict=True) if a in old_chain)
+        if change.rollback_step is not None:
+            cut = change.rollback_step
+        else:
+            if len(set(cut_steps)) != 1:
+                raise TransferError(
+                    f"no consistent cut: the stages of epoch {change.old.epoch} committed "
+                    f"steps {sorted(set(cut_steps))}"
+                )
+            cut = cut_steps[0]
+        frozen_at = time.perf_counter()
+        received = prepare(cluster, job, change, cut)
+        transferred_at = time.perf_counter()
+        pause("before_commit_point")
+        cluster.store.commit_change(change.new, change.record("committed"))
+    except ElasticPipeError as exc:
+        log.warning(
+            "epoch_change_aborted", epoch=change.new.epoch, kept=change.old.epoch, error=str(exc)
+        )
+        abort(cluster, change.new.epoch, involved, str(exc))
+        raise
+    pause("after_commit_point")
+    cluster.adopt(change.new)
+    commit(cluster, change)
+    return MoveResult(
+        layers_moved=len(moved) if change.rollback_step is None else change.new.num_layers,
+        bytes_moved=received,
+        pause_s=time.perf_counter() - frozen_at,
+        committed_step=cut,
+        wait_s=frozen_at - started,
+        transfer_s=transferred_at - frozen_at,
+        cut_steps=cut_steps,
+    )
+
+
+def finish_pending(cluster: Cluster) -> None:
+    """After a restart: rolls forward (past the commit point) or back an interrupted change."""
+    record = cluster.store.get(CHANGE_KEY)
+    if record is None:
+        return
+    epoch, involved = int(record["epoch"]), list(record.get("involved", []))
+    new = Partition.from_json(record["partition"])
+    if record.get("phase") == "committed":
+        log.warning("epoch_change_rolled_forward", epoch=epoch, kind=record.get("kind"))
+        cluster.adopt(new)
+        request = stage_pb2.EpochRequest(epoch=epoch)
+        cluster.pool.each([(a, request) for a in involved], "CommitEpoch", 30.0)
+        cluster.store.delete(CHANGE_KEY)
+        return
+    log.warning("epoch_change_rolled_back", epoch=epoch, kind=record.get("kind"))
+    abort(cluster, epoch, involved, "the coordinator restarted before the commit point")
+    cluster.store.add_epoch(
+        EpochRow(
+            epoch=epoch,
+            at=time.time(),
+            reason=f"{record.get('kind')} abandoned: the coordinator restarted mid-change "
+            f"({record.get('reason')})",
+            boundaries=new.boundaries,
+            stage_ids=new.stage_ids,
+            kind="abandoned",
+            job_id=new.job_id,
+            stage_names=tuple(cluster.names(new.stage_ids)),
+        )
+    )
+
+
+def outcome(cluster: Cluster, epoch: int) -> str:
+    """Whether ``epoch``'s change committed, was abandoned, or is still in progress."""
+    record = cluster.store.get(CHANGE_KEY)
+    if record is not None and int(record["epoch"]) == epoch:
+        return "committed" if record.get("phase") == "committed" else "pending"
+    current = cluster.partition
+    if current is not None and current.epoch == epoch:
+        return "committed"
+    if any(r.epoch == epoch and r.kind != "abandoned" for r in cluster.store.epochs(1000)):
+        return "committed"
+    return "aborted"
+
+
+def check_no_change_in_progress(cluster: Cluster) -> None:
+    """Raises NotReady while an epoch change (a checkpoint load, say) is in progress."""
+    record = cluster.store.get(CHANGE_KEY)
+    if record is not None:
+        raise NotReady(
+            f"an epoch change to epoch {record['epoch']} ({record.get('kind')}) is in progress"
+        )

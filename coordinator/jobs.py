@@ -1,0 +1,512 @@
+"""Jobs and the clients that drive them: setup, attach, leases, loads, undecided runs.
+
+A job is driven by one client at a time. The client holds a *lease* (renewed every few
+seconds, released by ``close``) and a *generation* number that its requests carry; a new
+client of the same job gets a higher generation and every stage fences the older one
+out, so a client that lost its lease can never commit after its successor.
+
+When a client attaches, or when a stage's commit lease runs out while no live client
+holds the job, the coordinator settles the run left undecided with the classic rule: if
+any stage committed it, the decision was commit, so it commits everywhere; if none did,
+it is aborted everywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import structlog
+import torch
+
+from elasticpipe import codec
+from elasticpipe.coordinator import copies, epochs, estimates
+from elasticpipe.coordinator.epochs import Change
+from elasticpipe.coordinator.estimates import Profile, Timing
+from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planner import PlanError, order_hosts, predict_step_time
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.store import EpochRow
+from elasticpipe.errors import (
+    ElasticPipeError,
+    Fenced,
+    InvalidRequest,
+    JobInUse,
+    LayersLost,
+    NotReady,
+)
+from elasticpipe.job import JobConfig
+from elasticpipe.partition import Partition, StageRef
+from elasticpipe.v1 import stage_pb2
+
+log = structlog.get_logger()
+
+PROFILE_REPEATS = 5
+STAGE_CALL_TIMEOUT_S = 120.0
+SETTLE_WAIT_S = 10.0
+RESTORE_LEASE_S = 600.0
+DEFAULT_LEASE_S = 15.0
+# What must match for a client to resume a job (everything but the id).
+RESUME_FIELDS = (
+    "model",
+    "model_kwargs",
+    "seed",
+    "optimizer",
+    "optimizer_kwargs",
+    "loss",
+    "micro_batches",
+    "schedule",
+    "snapshot_every",
+)
+
+
+@dataclass
+class Lease:
+    """The client holding a job."""
+
+    job_id: str
+    client: int
+    holder: str
+    lease_s: float
+    expires: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class Attached:
+    """What a client learns when it sets up or attaches to a job."""
+
+    partition: Partition
+    num_layers: int
+    client: int
+    committed_step: int
+    resumed: bool
+    safe_step: int
+
+
+def differences(a: JobConfig, b: JobConfig) -> list[str]:
+    """The description fields in which two jobs differ."""
+    return [f for f in RESUME_FIELDS if getattr(a, f) != getattr(b, f)]
+
+
+class Jobs:
+    """Job setup and attach, client leases, checkpoint loads, and settling runs."""
+
+    def __init__(self, cluster: Cluster, pause: epochs.Pause = epochs._no_pause):
+        self.c = cluster
+        self._pause = pause
+        self._lock = threading.Lock()
+        self._restoring: tuple[Change, float] | None = None
+        raw = cluster.store.get("lease")
+        self._lease = (
+            Lease(
+                raw["job_id"],
+                int(raw["client"]),
+                str(raw["holder"]),
+                float(raw["lease_s"]),
+                time.monotonic() + float(raw["lease_s"]),  # a restart grants a grace period
+            )
+            if raw
+            else None
+        )
+
+    # ---- leases ----------------------------------------------------------------------
+
+    def lease(self) -> Lease | None:
+        """The live lease, if a client holds the job."""
+        with self._lock:
+            lease = self._lease
+        if lease is None or time.monotonic() >= lease.expires:
+            return None
+        return lease
+
+    def _grant(self, job_id: str, lease_s: float, holder: str) -> int:
+        client = self.c.store.next_client()
+        with self._lock:
+            self._lease = Lease(job_id, client, holder, lease_s, time.monotonic() + lease_s)
+            self.c.store.put(
+                "lease", {"job_id": job_id, "client": client, "holder": holder, "lease_s": lease_s}
+            )
+        return client
+
+    def renew(self, job_id: str, client: int, release: bool) -> tuple[bool, int]:
+        """Renews (or releases) a client's lease.
+
+        Returns:
+            Whether the client still holds the job, and the newest safe snapshot step.
+        """
+        with self._lock:
+            lease = self._lease
+            held = lease is not None and lease.job_id == job_id and lease.client == client
+            if held and lease is not None:
+                if release:
+                    self._lease = None
+                    self.c.store.delete("lease")
+                    log.info("client_released", job=job_id, client=lease.holder)
+                else:
+                    lease.expires = time.monotonic() + lease.lease_s
+        return held, self.safe_step()
+
+    def safe_step(self) -> int:
+        """The newest step whose snapshot survives any single failure (0 if none)."""
+        partition, job = self.c.partition, self.c.job
+        if partition is None or job is None or not job.snapshot_every:
+            return 0
+        held = {m.row.stage_id: m.snapshots for m in self.c.members.members()}
+        live = [m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)]
+        need = 2 if partition.num_stages > 1 else 1
+        found = copies.newest_step(
+            copies.copies_by_step(held, job.job_id), partition.num_layers, live, need
+        )
+        return found or 0
+
+    # ---- setup and attach ------------------------------------------------------------
+
+    def setup(
+        self,
+        job: JobConfig,
+        sample: torch.Tensor | None,
+        num_stages: int,
+        wait_s: float,
+        resume: bool,
+        lease_s: float,
+        holder: str,
+    ) -> Attached:
+        """Starts a new job, or attaches to the running one (``resume``).
+
+        Raises:
+            JobInUse: a live client holds the running job.
+            InvalidRequest: ``resume`` with a description unlike the running job's.
+            LayersLost: ``resume`` of a job that failed beyond recovery.
+            NotReady: not enough live stages within ``wait_s``.
+        """
+        if not 0 < lease_s <= 3600:
+            raise InvalidRequest(f"lease_s must be in (0, 3600] (got {lease_s})")
+        current = self.c.job
+        lease = self.lease()
+        if current is not None and lease is not None:
+            raise JobInUse(
+                f"job {current.job_id} ({current.model}) is held by client {lease.holder!r}: "
+                "close that pipeline first, or wait until its lease runs out "
+                f"({lease.lease_s:.0f}s after it stopped renewing it)"
+            )
+        if resume and current is not None and self.c.partition is not None:
+            diff = differences(current, job)
+            if diff:
+                raise InvalidRequest(
+                    f"cannot resume job {current.job_id}: its description differs in {diff} "
+                    f"(running: {[getattr(current, f) for f in diff]}, "
+                    f"yours: {[getattr(job, f) for f in diff]})"
+                )
+            if self.c.failure:
+                raise LayersLost(f"cannot resume job {current.job_id}: {self.c.failure}")
+            return self._attach(current, lease_s, holder)
+        return self._start(job, sample, num_stages, wait_s, lease_s, holder)
+
+    def _attach(self, job: JobConfig, lease_s: float, holder: str) -> Attached:
+        with self.c.move_lock:
+            partition = self.c.require_job()[1]
+            client = self._grant(job.job_id, lease_s, holder)
+            step = self.settle(partition, client)
+        log.info("client_attached", job=job.job_id, client=holder, step=step)
+        return Attached(partition, self.c.num_layers, client, step, True, self.safe_step())
+
+    def _wait_for_stages(self, num_stages: int, wait_s: float) -> list[Member]:
+        deadline = time.monotonic() + wait_s
+        need = max(num_stages, 1)
+        logged = 0.0
+        while True:
+            live = self.c.live_members()
+            if len(live) >= need:
+                return live[:num_stages] if num_stages else live
+            now = time.monotonic()
+            if now >= deadline:
+                raise NotReady(
+                    f"need {need} live stages, have {len(live)} "
+                    f"({[m.row.name for m in live]}) after waiting {wait_s:.0f}s"
+                )
+            if now - logged >= 5.0:
+                log.info("waiting_for_stages", need=need, live=len(live))
+                logged = now
+            time.sleep(0.1)
+
+    def _start(
+        self,
+        job: JobConfig,
+        sample: torch.Tensor | None,
+        num_stages: int,
+        wait_s: float,
+        lease_s: float,
+        holder: str,
+    ) -> Attached:
+        chosen = self._wait_for_stages(num_stages, wait_s)
+        job = job.with_id()
+        with self.c.move_lock:
+            epochs.check_no_change_in_progress(self.c)
+            spec = job.to_proto()
+            described = self.c.pool.call(
+                chosen[0].row.address,
+                "Describe",
+                stage_pb2.DescribeRequest(job=spec),
+                STAGE_CALL_TIMEOUT_S,
+            )
+            num_layers, param_bytes = described.num_layers, list(described.param_bytes)
+            if num_layers < len(chosen):
+                raise PlanError(
+                    f"too few layers for the stages (layers: {num_layers}, stages: "
+                    f"{len(chosen)}): pass stages={num_layers} or fewer"
+                )
+            profile = self._profile(job, sample, chosen) if sample is not None else None
+            costs = profile.costs if profile else estimates.fallback_costs(param_bytes)
+            speeds = [profile.speeds[m.row.stage_id] if profile else 1.0 for m in chosen]
+            self.c.profile = profile
+            self.c.num_layers = num_layers
+            links = self.c.links(len(speeds))
+            order, best = order_hosts(costs, speeds, links.activation_bytes, links.link_bandwidths)
+            ordered = [chosen[i] for i in order]
+            epoch = self.c.store.reserve_epoch()
+            partition = Partition(
+                epoch=epoch,
+                job_id=job.job_id,
+                boundaries=best.boundaries,
+                stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
+                predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
+            ).validate(num_layers)
+            self.c.pool.all(
+                [
+                    (
+                        ref.address,
+                        stage_pb2.AssignRequest(
+                            job=spec, assignment=partition.assignment(ref.stage_id).to_proto()
+                        ),
+                    )
+                    for ref in partition.stages
+                ],
+                "Assign",
+                STAGE_CALL_TIMEOUT_S,
+            )
+            store = self.c.store
+            store.put("job", dict(vars(job)))
+            store.put("num_layers", num_layers)
+            store.put("param_bytes", param_bytes)
+            store.delete("job_failure")
+            if profile:
+                store.put(
+                    "profile",
+                    {
+                        "costs": list(profile.costs),
+                        "speeds": profile.speeds,
+                        "activation_bytes": list(profile.activation_bytes),
+                    },
+                )
+            self.c.job, self.c.param_bytes, self.c.failure = job, param_bytes, ""
+            self.c.install(
+                partition,
+                EpochRow(
+                    epoch=epoch,
+                    at=time.time(),
+                    reason=f"job {job.job_id} started",
+                    boundaries=partition.boundaries,
+                    stage_ids=partition.stage_ids,
+                    kind="start",
+                    job_id=job.job_id,
+                    stage_names=tuple(self.c.names(partition.stage_ids)),
+                ),
+            )
+            for member in chosen:
+                member.timings, member.speed = {}, None
+            self.c.last_move = time.monotonic()
+            client = self._grant(job.job_id, lease_s, holder)
+        log.info(
+            "job_started",
+            job=job.job_id,
+            model=job.model,
+            layers=num_layers,
+            boundaries=list(partition.boundaries),
+            stages=[m.row.name for m in ordered],
+            epoch=epoch,
+            client=holder,
+        )
+        return Attached(partition, num_layers, client, 0, False, 0)
+
+    def _profile(self, job: JobConfig, sample: torch.Tensor, chosen: list[Member]) -> Profile:
+        spec = job.to_proto()
+        spec.sample_input.CopyFrom(codec.to_proto(sample))
+        profiles: dict[str, list[Timing]] = {}
+        # One stage at a time: stages sharing a host would otherwise slow each other down.
+        for member in chosen:
+            reply = self.c.pool.call(
+                member.row.address,
+                "Profile",
+                stage_pb2.ProfileRequest(job=spec, repeats=PROFILE_REPEATS),
+                STAGE_CALL_TIMEOUT_S,
+            )
+            profiles[member.row.stage_id] = [
+                (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in reply.timings
+            ]
+        profile = estimates.from_profiles(profiles)
+        log.info(
+            "stages_profiled",
+            speeds={self.c.name(s): round(v, 3) for s, v in profile.speeds.items()},
+        )
+        return profile
+
+    # ---- settling undecided runs -----------------------------------------------------
+
+    def settle(self, partition: Partition, client: int) -> int:
+        """Fences clients below ``client`` on every stage and decides any undecided run.
+
+        Returns:
+            The step every stage has committed.
+
+        Raises:
+            StageUnavailable: a stage of the chain cannot be reached (recovery follows).
+            NotReady: the stages disagree on the committed step.
+        """
+        fence = [(a, stage_pb2.FenceRequest(client=client)) for a in partition.addresses]
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        states = self.c.pool.all(fence, "Fence", 10.0)
+        while any(s.phase == "running" for s in states) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a fenced run is being woken; it ends within a moment
+            states = self.c.pool.all(fence, "Fence", 10.0)
+        undecided = {(s.active_run, s.active_step) for s in states if s.phase == "awaiting_commit"}
+        for run, step in undecided:
+            committed = any(s.committed_run == run or s.committed_step >= step for s in states)
+            if committed:
+                request = stage_pb2.CommitStepRequest(
+                    epoch=partition.epoch, run=run, step=step, client=client
+                )
+                targets = [
+                    a
+                    for a, s in zip(partition.addresses, states, strict=True)
+                    if s.phase == "awaiting_commit" and s.active_run == run
+                ]
+                self.c.pool.all([(a, request) for a in targets], "CommitStep", 30.0)
+            else:
+                request_abort = stage_pb2.AbortStepRequest(
+                    run=run, reason="settled: no stage committed it", client=client
+                )
+                self.c.pool.all(
+                    [(a, request_abort) for a in partition.addresses], "AbortStep", 30.0
+                )
+            log.info("run_settled", run=run, step=step, decision="commit" if committed else "abort")
+        if undecided:
+            states = self.c.pool.all(fence, "Fence", 10.0)
+        steps = sorted({int(s.committed_step) for s in states})
+        if len(steps) != 1:
+            raise NotReady(
+                f"the stages of epoch {partition.epoch} committed different steps {steps}"
+            )
+        return steps[0]
+
+    def resolve_run(self, stage_id: str, run: int, step: int) -> str:
+        """A stage's commit lease ran out on ``run``: decide it unless a live client can.
+
+        Returns:
+            "wait" (a live client holds the job), "commit" or "abort".
+        """
+        if self.lease() is not None:
+            return "wait"
+        with self.c.move_lock:
+            _, partition = self.c.require_job()
+            client = self.c.store.next_client()  # fences whichever client ran it
+            committed = self.settle(partition, client)
+        decision = "commit" if committed >= step else "abort"
+        log.info("run_resolved", stage=self.c.name(stage_id), run=run, step=step, decision=decision)
+        return decision
+
+    # ---- checkpoint loads ------------------------------------------------------------
+
+    def _check_holder(self, job_id: str, client: int) -> tuple[JobConfig, Partition]:
+        job, partition = self.c.require_job()
+        lease = self.lease()
+        if job.job_id != job_id or lease is None or lease.client != client:
+            raise Fenced(
+                f"client generation {client} does not hold job {job_id} "
+                f"(holder: {lease.holder if lease else 'nobody'})"
+            )
+        return job, partition
+
+    def begin_restore(self, job_id: str, client: int) -> tuple[int, Partition]:
+        """Freezes every stage for a checkpoint load; the client then streams the layers.
+
+        Returns:
+            The load's epoch, and the partition whose owners receive the layers.
+        """
+        with self.c.move_lock:
+            _, partition = self._check_holder(job_id, client)
+            epochs.check_no_change_in_progress(self.c)
+            epoch = self.c.store.reserve_epoch()
+            new = partition.evolve(epoch=epoch, restore_epoch=epoch)
+            change = Change(
+                "restore",
+                "checkpoint load",
+                partition,
+                new,
+                rollback_step=0,
+                restored_by_client=True,
+            )
+            try:
+                epochs.freeze(self.c, change, lease_s=RESTORE_LEASE_S)
+            except ElasticPipeError as exc:
+                epochs.abort(self.c, epoch, change.involved, str(exc))
+                raise
+            self._restoring = (change, time.monotonic() + RESTORE_LEASE_S)
+        return epoch, partition
+
+    def end_restore(self, job_id: str, epoch: int, step: int, commit: bool) -> Partition:
+        """Makes a streamed checkpoint take effect on every stage, or on none.
+
+        Raises:
+            NotReady: no load of ``epoch`` is in progress.
+            ElasticPipeError: a stage did not hold every layer it owns (nothing changed).
+        """
+        with self.c.move_lock:
+            restoring, self._restoring = self._restoring, None
+            if restoring is None or restoring[0].new.epoch != epoch:
+                raise NotReady(f"no checkpoint load of epoch {epoch} is in progress")
+            change = restoring[0]
+            job, _ = self.c.require_job()
+            if job.job_id != job_id:
+                raise NotReady(f"job {job_id} is not the running job {job.job_id}")
+            if not commit:
+                epochs.abort(self.c, epoch, change.involved, "the client abandoned the load")
+                return change.old
+            new = change.new.evolve(restored_step=step)
+            change = replace(change, new=new, rollback_step=step)
+            try:
+                received = epochs.prepare(self.c, job, change, step)
+                self.c.store.commit_change(new, change.record("committed"))
+            except ElasticPipeError as exc:
+                epochs.abort(self.c, epoch, change.involved, str(exc))
+                raise
+            self.c.adopt(new)
+            epochs.commit(self.c, change)
+            self.c.store.add_epoch(
+                EpochRow(
+                    epoch=epoch,
+                    at=time.time(),
+                    reason=f"checkpoint of step {step} loaded",
+                    boundaries=new.boundaries,
+                    stage_ids=new.stage_ids,
+                    bytes_moved=received,
+                    kind="restore",
+                    job_id=new.job_id,
+                    stage_names=tuple(self.c.names(new.stage_ids)),
+                    restored_step=step,
+                )
+            )
+        log.info("checkpoint_loaded", job=job_id, step=step, epoch=epoch)
+        return new
+
+    def expire_restore(self) -> None:
+        """Abandons a load whose client went silent."""
+        restoring = self._restoring
+        if restoring is None or time.monotonic() < restoring[1]:
+            return
+        with self.c.move_lock:
+            if self._restoring is not restoring:
+                return
+            self._restoring = None
+            change = restoring[0]
+            epochs.abort(self.c, change.new.epoch, change.involved, "the load timed out")

@@ -1,0 +1,366 @@
+"""Rebalancing: the optimal partition for live speeds, the policy loop, and the admin levers.
+
+The policy loop re-plans every ``interval_s`` from the stages' measurements and moves
+layers when ``policy.decide`` says the gain is worth it (hysteresis, payback, cool-down)
+and the same proposal recurs at a later committed step. The levers an operator pulls
+(``rebalance``, ``set_partition``, ``drain``/``undrain``, a stage's ``leave`` on
+SIGTERM) validate everything before anything changes, and move through the same
+two-phase epoch change.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import structlog
+
+from elasticpipe.coordinator import epochs, estimates
+from elasticpipe.coordinator.epochs import Change, MoveResult
+from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planner import Plan, plan, predict_step_time
+from elasticpipe.coordinator.policy import Decision, PolicyConfig, decide
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.store import EpochRow
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.partition import Partition, StageRef
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """The current partition next to the optimal one (``admin plan``)."""
+
+    current: Partition
+    optimal: Plan
+    current_step_s: float
+    optimal_step_s: float
+    speeds: list[float]
+    costs: tuple[float, ...]
+    bytes_to_move: int
+    layers_to_move: int
+
+
+@dataclass(frozen=True)
+class MoveOutcome:
+    """What a rebalance request did (or, dry, would do)."""
+
+    changed: bool
+    partition: Partition | None
+    decision: str
+    gain: float = 0.0
+    bytes_moved: int = 0
+    pause_s: float = 0.0
+    target: Partition | None = None  # the partition moved (or, dry, that would move) to
+
+
+class Rebalancer:
+    """The planner's view, the rebalancing policy and the operator's levers."""
+
+    def __init__(
+        self, cluster: Cluster, policy: PolicyConfig, pause: epochs.Pause = epochs._no_pause
+    ):
+        self.c = cluster
+        stored = cluster.store.get("auto_rebalance")
+        self.policy = policy if stored is None else replace(policy, enabled=bool(stored))
+        self._pause = pause
+        self._last_decision = ""
+        # An automatic move must be proposed twice, from measurements of two different
+        # committed steps: a speed change seen halfway through a step is only half-measured.
+        self._proposal: tuple[tuple[int, ...], int] | None = None
+
+    # ---- planning --------------------------------------------------------------------
+
+    def plan_view(self) -> PlanView:
+        """The current partition and the optimal one for the live speeds (changes nothing)."""
+        job, current = self.c.require_job()
+        costs = self.c.costs()
+        speeds = self.c.speeds(current.stage_ids)
+        links = self.c.links(len(speeds))
+        now = estimates.evaluate(current.boundaries, costs, speeds, *links)
+        best = plan(costs, speeds, *links, current=current.boundaries)
+        target = current.evolve(epoch=current.epoch + 1, boundaries=best.boundaries)
+        return PlanView(
+            current=current,
+            optimal=best,
+            current_step_s=predict_step_time(now, job.micro_batches, job.schedule),
+            optimal_step_s=predict_step_time(best, job.micro_batches, job.schedule),
+            speeds=speeds,
+            costs=costs,
+            bytes_to_move=self.c.bytes_to_move(current, target),
+            layers_to_move=len(current.moves_to(target)),
+        )
+
+    def rebalance(self, dry_run: bool, reason: str, force: bool = True) -> MoveOutcome:
+        """Moves to the optimal partition for the live speeds.
+
+        Args:
+            dry_run: only say what would happen (not logged as a move).
+            reason: recorded in the epoch history.
+            force: skip the policy's threshold/payback/cool-down (an operator asked).
+        """
+        view = self.plan_view()
+        decision = decide(
+            self.policy,
+            view.current_step_s,
+            view.optimal_step_s,
+            view.bytes_to_move,
+            time.monotonic() - self.c.last_move,
+            self.c.last_pause,
+            layers_to_move=view.layers_to_move,
+            forced=force,
+        )
+        target = view.current.evolve(
+            epoch=view.current.epoch + 1, boundaries=view.optimal.boundaries
+        )
+        if not decision.move:
+            self._proposal = None
+        elif not force and not dry_run:
+            decision = self._confirmed(decision, view)
+        if not dry_run:
+            self._log_decision(decision, reason)
+        if not decision.move or dry_run:
+            return MoveOutcome(
+                False, view.current, decision.reason, decision.gain, view.bytes_to_move, 0.0, target
+            )
+        self._proposal = None
+        return self.move(view.current.stages, view.optimal.boundaries, reason, decision.gain)
+
+    def _confirmed(self, decision: Decision, view: PlanView) -> Decision:
+        """Holds a move back until a later step's measurements propose the same partition."""
+        steps = [
+            m.committed_step
+            for sid in view.current.stage_ids
+            if (m := self.c.members.by_id(sid)) is not None
+        ]
+        step = min(steps, default=0)
+        proposal = self._proposal
+        if proposal is not None and proposal[0] == view.optimal.boundaries and step > proposal[1]:
+            return decision
+        if proposal is None or proposal[0] != view.optimal.boundaries:
+            self._proposal = (view.optimal.boundaries, step)
+        return replace(
+            decision,
+            move=False,
+            reason=f"{decision.reason}; waiting to confirm at step {step + 1}",
+        )
+
+    def _log_decision(self, decision: Decision, reason: str) -> None:
+        """Logs a decision when it changes; the steady state goes to debug."""
+        fields = {
+            "reason": reason,
+            "why": decision.reason,
+            "gain": round(decision.gain, 4),
+            "current_step_s": round(decision.current_step_s, 4),
+            "proposed_step_s": round(decision.proposed_step_s, 4),
+            "bytes_to_move": decision.bytes_to_move,
+        }
+        if decision.move:
+            log.info("rebalance_decided", **fields)
+        elif decision.reason != self._last_decision:
+            log.info("rebalance_declined", **fields)
+        else:
+            log.debug("rebalance_declined", **fields)
+        self._last_decision = decision.reason
+
+    # ---- moves -----------------------------------------------------------------------
+
+    def move(
+        self,
+        stages: Sequence[StageRef],
+        boundaries: Sequence[int],
+        reason: str,
+        gain: float,
+        kind: str = "move",
+    ) -> MoveOutcome:
+        """Moves to ``boundaries`` over ``stages`` through a two-phase epoch change.
+
+        Raises:
+            InvalidRequest: the target partition loses a layer, repeats a stage, or names a
+                stage that is not alive (nothing changed).
+            ElasticPipeError: the change was abandoned (the old epoch stays in force).
+        """
+        job, current = self.c.require_job()
+        with self.c.move_lock:
+            current = self.c.partition or current
+            target = Partition(
+                epoch=current.epoch + 1,
+                job_id=current.job_id,
+                boundaries=tuple(boundaries),
+                stages=tuple(stages),
+            ).validate(self.c.num_layers)
+            self._check_alive(target.stage_ids)
+            if target.boundaries == current.boundaries and target.stages == current.stages:
+                return MoveOutcome(False, current, "the partition is already that one", gain)
+            epochs.check_no_change_in_progress(self.c)
+            speeds = self.c.speeds(target.stage_ids)
+            predicted = predict_step_time(
+                estimates.evaluate(
+                    target.boundaries, self.c.costs(), speeds, *self.c.links(len(speeds))
+                ),
+                job.micro_batches,
+                job.schedule,
+            )
+            new = target.evolve(epoch=self.c.store.reserve_epoch(), predicted_step_s=predicted)
+            result: MoveResult = epochs.change_epoch(
+                self.c, job, Change(kind, reason, current, new), self._pause
+            )
+            self.c.store.add_epoch(
+                EpochRow(
+                    epoch=new.epoch,
+                    at=time.time(),
+                    reason=reason,
+                    boundaries=new.boundaries,
+                    stage_ids=new.stage_ids,
+                    layers_moved=result.layers_moved,
+                    bytes_moved=result.bytes_moved,
+                    pause_s=result.pause_s,
+                    extra={
+                        "committed_step": result.committed_step,
+                        "wait_s": result.wait_s,
+                        "transfer_s": result.transfer_s,
+                    },
+                    kind=kind,
+                    job_id=new.job_id,
+                    stage_names=tuple(self.c.names(new.stage_ids)),
+                )
+            )
+            self.c.last_move, self.c.last_pause = time.monotonic(), result.pause_s
+            for sid in new.stage_ids:  # speeds of moved-into stages are re-measured from now
+                member = self.c.members.by_id(sid)
+                if member is not None:
+                    member.timings = {}
+        log.info(
+            "layers_migrated",
+            epoch=new.epoch,
+            reason=reason,
+            boundaries=list(new.boundaries),
+            stages=self.c.names(new.stage_ids),
+            layers_moved=result.layers_moved,
+            bytes_moved=result.bytes_moved,
+            pause_s=round(result.pause_s, 3),
+            step=result.committed_step,
+        )
+        return MoveOutcome(True, new, reason, gain, result.bytes_moved, result.pause_s, new)
+
+    def _check_alive(self, stage_ids: Sequence[str]) -> None:
+        for sid in stage_ids:
+            member = self.c.members.by_id(sid)
+            if member is None or not self.c.members.alive(member):
+                name = member.row.name if member else sid
+                raise InvalidRequest(f"stage {name!r} is not alive: it cannot own layers")
+
+    def _member(self, key: str) -> Member:
+        member = self.c.members.find(key)
+        if member is None:
+            names = sorted({m.row.name for m in self.c.members.members()})
+            raise InvalidRequest(f"unknown stage {key!r} (stages: {names})")
+        return member
+
+    def _ref(self, member: Member) -> StageRef:
+        return StageRef(member.row.stage_id, member.row.address)
+
+    def set_partition(
+        self, boundaries: Sequence[int], stages: Sequence[str], reason: str
+    ) -> MoveOutcome:
+        """Moves to an operator-given partition (and optionally chain order).
+
+        Raises:
+            InvalidRequest: unknown, repeated or dead stages, or ranges that do not cover
+                every layer exactly once (checked before anything changes).
+        """
+        _, current = self.c.require_job()
+        refs = current.stages
+        if stages:
+            repeated = sorted({s for s in stages if list(stages).count(s) > 1})
+            if repeated:
+                raise InvalidRequest(
+                    f"stage {repeated[0]!r} is listed twice in {list(stages)}: each stage can "
+                    "hold one range"
+                )
+            refs = tuple(self._ref(self._member(s)) for s in stages)
+        return self.move(refs, boundaries, reason, 0.0)
+
+    def drain(self, key: str, reason: str = "") -> MoveOutcome:
+        """Moves every layer off a stage and keeps it out of the chain."""
+        member = self._member(key)
+        _, current = self.c.require_job()
+        if member.row.stage_id not in current.stage_ids:
+            self.c.members.set_drained(member.row.stage_id, True)
+            return MoveOutcome(False, current, f"{member.row.name} holds no layers")
+        stages = tuple(s for s in current.stages if s.stage_id != member.row.stage_id)
+        if not stages:
+            raise InvalidRequest(f"cannot drain {member.row.name}: it is the only stage")
+        outcome = self.replan(stages, reason or f"drain {member.row.name}")
+        self.c.members.set_drained(member.row.stage_id, True)
+        return outcome
+
+    def undrain(self, key: str) -> MoveOutcome:
+        """Lets a drained stage back into the chain, at its registration-order place."""
+        member = self._member(key)
+        _, current = self.c.require_job()
+        self.c.members.set_drained(member.row.stage_id, False)
+        if member.row.stage_id in current.stage_ids:
+            return MoveOutcome(False, current, f"{member.row.name} is already in the chain")
+        order = [m.row.stage_id for m in self.c.members.members()]
+        chain_ids = set(current.stage_ids) | {member.row.stage_id}
+        refs = {s.stage_id: s for s in current.stages} | {member.row.stage_id: self._ref(member)}
+        stages = tuple(refs[s] for s in order if s in chain_ids)
+        return self.replan(stages, f"undrain {member.row.name}")
+
+    def replan(self, stages: Sequence[StageRef], reason: str) -> MoveOutcome:
+        """Moves to the optimal partition over ``stages``."""
+        speeds = self.c.speeds([s.stage_id for s in stages])
+        best = plan(self.c.costs(), speeds, *self.c.links(len(speeds)))
+        return self.move(stages, best.boundaries, reason, 0.0)
+
+    def set_auto(self, enabled: bool) -> str:
+        """Turns automatic rebalancing on or off (persisted)."""
+        self.policy = replace(self.policy, enabled=enabled)
+        self.c.store.put("auto_rebalance", enabled)
+        log.info("auto_rebalance_set", enabled=enabled)
+        return f"auto-rebalance {'on' if enabled else 'off'}"
+
+    # ---- the policy loop -------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One pass of the policy loop."""
+        partition = self.c.partition
+        if not self.policy.enabled or self.c.job is None or partition is None or self.c.failure:
+            return
+        if not self._measured(partition.stage_ids):
+            return
+        if self.c.store.get(epochs.CHANGE_KEY) is not None:
+            return
+        self.rebalance(dry_run=False, reason="auto", force=False)
+
+    def _measured(self, stage_ids: Sequence[str]) -> bool:
+        """Whether every stage of the chain is alive and has reported timings since the
+        last move."""
+        for sid in stage_ids:
+            member = self.c.members.by_id(sid)
+            if member is None or not self.c.members.alive(member):
+                return False
+            if not any(t[3] > 0 for t in member.timings.values()):
+                return False
+        return True
+
+
+def run_loop(stop: threading.Event, interval: float, fn: object, name: str) -> threading.Thread:
+    """Calls ``fn()`` every ``interval`` seconds on a daemon thread until ``stop`` is set;
+    a failure of one call is logged and the loop goes on."""
+    assert callable(fn)
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                fn()
+            except Exception as exc:  # the loop must outlive any one failed attempt
+                log.warning(f"{name}_failed", error=str(exc))
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,228 @@
+"""Recovering from a dead stage: detect, pick the new chain, roll back to a snapshot.
+
+A stage of the chain is declared dead when it misses its heartbeats for ``dead_after_s``,
+or at once when a client reports a failure and a probe finds it unreachable. Then:
+
+1. The new chain keeps every survivor in place; each dead stage's place goes to a spare
+   (a live stage outside the chain) if there is one, else the chain shrinks.
+2. The newest snapshot step with a live copy of every layer is chosen (``copies``).
+3. The planner partitions the layers over the new chain.
+4. An epoch change with rollback (``epochs``) aborts the run in flight on the survivors,
+   builds every layer of the new partition from that snapshot -- each stage from its own
+   copy where it has one, else from a live holder -- and commits it. The client sees the
+   new partition's ``restore_epoch`` and replays the mini-batches after the step restored.
+
+If some layer has no live copy left, the job fails with ``LayersLost`` naming the layers
+and the hosts lost with them; every waiting client gets that error, nothing hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import structlog
+
+from elasticpipe.coordinator import copies, epochs
+from elasticpipe.coordinator.epochs import Change
+from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planner import plan, predict_step_time
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.store import EpochRow
+from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StageUnavailable
+from elasticpipe.partition import Partition, StageRef
+from elasticpipe.v1 import stage_pb2
+
+log = structlog.get_logger()
+
+PROBE_TIMEOUT_S = 2.0
+
+
+class Recovery:
+    """Failure detection and recovery of the running job."""
+
+    def __init__(self, cluster: Cluster, pause: epochs.Pause = epochs._no_pause):
+        self.c = cluster
+        self._pause = pause
+        self._wake = threading.Event()
+        self.recoveries = 0
+
+    # ---- detection -------------------------------------------------------------------
+
+    def dead_in_chain(self) -> list[Member]:
+        """Chain stages declared dead or silent for too long."""
+        partition = self.c.partition
+        if partition is None:
+            return []
+        out = []
+        for sid in partition.stage_ids:
+            member = self.c.members.by_id(sid)
+            if member is not None and (member.row.dead or self.c.members.silent(member)):
+                out.append(member)
+        return out
+
+    def report(self, suspects: Sequence[str], error: str) -> list[str]:
+        """A client saw a failure: probe the chain and declare the unreachable stages dead.
+
+        Returns:
+            The names declared dead (recovery then runs in the background).
+        """
+        partition = self.c.partition
+        if partition is None:
+            return []
+        probe = stage_pb2.StatsRequest()
+        results = self.c.pool.each(
+            [(a, probe) for a in partition.addresses], "GetStats", PROBE_TIMEOUT_S
+        )
+        dead = []
+        for ref, result in zip(partition.stages, results, strict=True):
+            if isinstance(result, StageUnavailable | DeadlineExceeded):
+                reason = f"unreachable after a client's report ({error[:200]})"
+                if self.c.members.declare_dead(ref.stage_id, reason):
+                    log.warning("stage_declared_dead", stage=self.c.name(ref.stage_id), why=reason)
+                dead.append(self.c.name(ref.stage_id))
+        if dead:
+            self._wake.set()
+        else:
+            log.info("failure_report_unconfirmed", suspects=list(suspects), error=error[:200])
+        return dead
+
+    def wake(self) -> None:
+        """Wakes the loop now."""
+        self._wake.set()
+
+    def wait(self, timeout: float) -> None:
+        """Sleeps until a report wakes the loop or ``timeout`` passes."""
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    # ---- recovery --------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Recovers if a stage of the chain is dead (called by the coordinator's loop)."""
+        if self.c.job is None or self.c.partition is None or self.c.failure:
+            return
+        dead = self.dead_in_chain()
+        if not dead:
+            return
+        for member in dead:
+            if self.c.members.declare_dead(member.row.stage_id, "missed its heartbeats"):
+                log.warning(
+                    "stage_declared_dead", stage=member.row.name, why="missed its heartbeats"
+                )
+        with self.c.move_lock:
+            if self.c.store.get(epochs.CHANGE_KEY) is not None:
+                return  # a change in flight (a load): it fails on the dead stage and aborts
+            try:
+                self.recover(dead)
+            except ElasticPipeError as exc:
+                log.error("recovery_failed", error=str(exc))
+
+    def recover(self, dead: Sequence[Member]) -> Partition | None:
+        """Replaces or drops the dead stages and rolls every survivor back to a snapshot."""
+        job, old = self.c.require_job()
+        dead_ids = {m.row.stage_id for m in dead}
+        spares = [m for m in self.c.spares() if m.row.stage_id not in dead_ids]
+        chain: list[StageRef] = []
+        replaced: list[str] = []
+        for ref in old.stages:
+            if ref.stage_id not in dead_ids:
+                chain.append(ref)
+            elif spares:
+                spare = spares.pop(0)
+                chain.append(StageRef(spare.row.stage_id, spare.row.address))
+                replaced.append(f"{self.c.name(ref.stage_id)} by {spare.row.name}")
+        lost_names = [self.c.name(s) for s in old.stage_ids if s in dead_ids]
+        if not chain:
+            self.c.fail_job(f"every stage of the chain died ({lost_names}); no spare is left")
+            return None
+        live = {m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)}
+        held = {m.row.stage_id: m.snapshots for m in self.c.members.members()}
+        found = copies.copies_by_step(held, job.job_id)
+        step = copies.newest_step(found, old.num_layers, live)
+        if step is None:
+            newest = max(found, default=None)
+            missing = (
+                copies.missing_layers(found, newest, old.num_layers, live)
+                if newest is not None
+                else list(range(old.num_layers))
+            )
+            self.c.fail_job(
+                f"layers {missing} have no live snapshot copy: they were lost with "
+                f"{lost_names} (snapshot_every={job.snapshot_every})"
+            )
+            return None
+        holders = {
+            layer: next(
+                m.row.address
+                for m in self.c.members.members()
+                if m.row.stage_id in found[step][layer] and m.row.stage_id in live
+            )
+            for layer in range(old.num_layers)
+        }
+        speeds = self.c.speeds([r.stage_id for r in chain])
+        if len(chain) > old.num_layers:
+            chain = chain[: old.num_layers]
+            speeds = speeds[: old.num_layers]
+        best = plan(self.c.costs(), speeds, *self.c.links(len(chain)))
+        epoch = self.c.store.reserve_epoch()
+        new = Partition(
+            epoch=epoch,
+            job_id=old.job_id,
+            boundaries=best.boundaries,
+            stages=tuple(chain),
+            predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
+            restored_step=step,
+            restore_epoch=epoch,
+        ).validate(old.num_layers)
+        how = f"replaced {', '.join(replaced)}" if replaced else f"shrank to {len(chain)} stages"
+        reason = f"stage {', '.join(lost_names)} died; {how}; rolled back to step {step}"
+        change = Change(
+            "recovery",
+            reason,
+            old,
+            new,
+            rollback_step=step,
+            holders=holders,
+            abort_running=True,
+            gone=frozenset(r.address for r in old.stages if r.stage_id in dead_ids),
+        )
+        started = time.perf_counter()
+        result = epochs.change_epoch(self.c, job, change, self._pause)
+        lost = max((s - step for s in result.cut_steps), default=0)
+        self.c.store.add_epoch(
+            EpochRow(
+                epoch=epoch,
+                at=time.time(),
+                reason=reason,
+                boundaries=new.boundaries,
+                stage_ids=new.stage_ids,
+                layers_moved=result.layers_moved,
+                bytes_moved=result.bytes_moved,
+                pause_s=result.pause_s,
+                kind="recovery",
+                job_id=new.job_id,
+                stage_names=tuple(self.c.names(new.stage_ids)),
+                restored_step=step,
+                lost_steps=max(lost, 0),
+                extra={"recover_s": time.perf_counter() - started},
+            )
+        )
+        self.recoveries += 1
+        self.c.last_move = time.monotonic()
+        for ref in new.stages:
+            member = self.c.members.by_id(ref.stage_id)
+            if member is not None:
+                member.timings = {}
+        log.warning(
+            "job_recovered",
+            epoch=epoch,
+            lost=lost_names,
+            stages=self.c.names(new.stage_ids),
+            boundaries=list(new.boundaries),
+            restored_step=step,
+            bytes_restored=result.bytes_moved,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+        return new

@@ -1,0 +1,206 @@
+"""What every part of the coordinator shares: the store, membership, the job and its partition.
+
+``jobs``, ``rebalancing``, ``recovery`` and ``epochs`` each own one responsibility and work
+on this one ``Cluster``. Its ``move_lock`` lets one epoch change (or job setup) run at a
+time; its condition wakes whoever waits for a newer partition.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import structlog
+
+from elasticpipe import rpc
+from elasticpipe.coordinator import estimates
+from elasticpipe.coordinator.estimates import Profile, Timing
+from elasticpipe.coordinator.membership import Member, Membership
+from elasticpipe.coordinator.store import EpochRow, Store
+from elasticpipe.errors import LayersLost, NotReady
+from elasticpipe.job import JobConfig
+from elasticpipe.partition import Partition
+
+log = structlog.get_logger()
+
+
+class LinkTerms(NamedTuple):
+    """The planner's optional link inputs (both None: links are free)."""
+
+    activation_bytes: list[int] | None = None
+    link_bandwidths: list[float] | None = None
+
+
+class Cluster:
+    """The coordinator's shared state (loaded from the store at start)."""
+
+    def __init__(
+        self,
+        store: Store,
+        dead_after_s: float = 5.0,
+        heartbeat_interval_s: float = 1.0,
+        link_bandwidth: float = 0.0,
+    ):
+        self.store = store
+        self.members = Membership(store, dead_after_s)
+        self.pool = rpc.StagePool()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.link_bandwidth = link_bandwidth
+        self.cond = threading.Condition()
+        self.move_lock = threading.RLock()
+        self.partition = store.partition()
+        raw_job = store.get("job")
+        self.job = JobConfig(**raw_job) if raw_job else None
+        self.num_layers: int = store.get("num_layers") or 0
+        self.param_bytes: list[int] = store.get("param_bytes") or []
+        raw_profile = store.get("profile")
+        self.profile = (
+            Profile(
+                tuple(raw_profile["costs"]),
+                raw_profile["speeds"],
+                tuple(raw_profile.get("activation_bytes", ())),
+            )
+            if raw_profile
+            else None
+        )
+        self.failure: str = store.get("job_failure") or ""
+        self.last_move = time.monotonic()
+        self.last_pause: float | None = None
+
+    # ---- the job and its partition ---------------------------------------------------
+
+    def require_job(self) -> tuple[JobConfig, Partition]:
+        """The running job and its partition.
+
+        Raises:
+            NotReady: no job has been set up.
+            LayersLost: the job failed beyond recovery.
+        """
+        if self.job is None or self.partition is None:
+            raise NotReady("no job has been set up yet")
+        if self.failure:
+            raise LayersLost(self.failure)
+        return self.job, self.partition
+
+    def install(self, partition: Partition, record: EpochRow) -> None:
+        """Makes ``partition`` current (persisted) and records how it came to be."""
+        self.store.put_partition(partition)
+        self.store.add_epoch(record)
+        with self.cond:
+            self.partition = partition
+            self.cond.notify_all()
+
+    def adopt(self, partition: Partition) -> None:
+        """Makes an already persisted ``partition`` current in memory."""
+        with self.cond:
+            self.partition = partition
+            self.cond.notify_all()
+
+    def fail_job(self, message: str) -> None:
+        """Marks the job as failed beyond recovery (clients waiting get the message)."""
+        self.failure = message
+        self.store.put("job_failure", message)
+        log.error("job_failed", error=message)
+        with self.cond:
+            self.cond.notify_all()
+
+    def get_partition(self, newer_than: int, timeout: float) -> Partition:
+        """The current partition, waiting up to ``timeout`` for one newer than ``newer_than``.
+
+        Raises:
+            NotReady: no job has been set up.
+            LayersLost: the job failed beyond recovery.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self.cond:
+            while (
+                self.partition is None or self.partition.epoch <= newer_than
+            ) and not self.failure:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.cond.wait(remaining)
+        return self.require_job()[1]
+
+    # ---- stages ----------------------------------------------------------------------
+
+    def name(self, stage_id: str) -> str:
+        """A stage's name, for logs and messages."""
+        member = self.members.by_id(stage_id)
+        return member.row.name if member else stage_id
+
+    def names(self, stage_ids: Sequence[str]) -> list[str]:
+        """Names of several stages."""
+        return [self.name(s) for s in stage_ids]
+
+    def live_members(self) -> list[Member]:
+        """Incarnations alive and not drained, in registration order."""
+        return [m for m in self.members.members() if self.members.alive(m) and not m.row.drained]
+
+    def spares(self) -> list[Member]:
+        """Live, undrained stages outside the chain."""
+        chain = set(self.partition.stage_ids) if self.partition else set()
+        return [m for m in self.live_members() if m.row.stage_id not in chain]
+
+    # ---- estimates -------------------------------------------------------------------
+
+    def costs(self) -> tuple[float, ...]:
+        """Unit costs of every layer (profiled, else from parameter sizes)."""
+        if self.profile is not None:
+            return self.profile.costs
+        return estimates.fallback_costs(self.param_bytes or [1] * self.num_layers)
+
+    def speed_of(self, member: Member) -> float | None:
+        """A stage's current speed: live if measured, else last known, else profiled.
+
+        A live estimate needs a measurement of every layer the stage owns: right after a
+        move, a speed from only the layers it kept would rest on whichever layers happen to
+        be cheap or expensive, and could make a lopsided partition look optimal.
+        """
+        costs = self.costs()
+        owned: dict[int, Timing] = {}
+        s = self.partition.index_of(member.row.stage_id) if self.partition else None
+        if self.partition is not None and s is not None:
+            layers = self.partition.layers_of(s)
+            owned = {i: t for i, t in member.timings.items() if i in layers and t[3] > 0}
+            if len(owned) < len(layers):
+                owned = {}
+        live = estimates.live_speed(costs, owned)
+        if live is not None:
+            member.speed = live
+            return live
+        if member.speed is not None:
+            return member.speed
+        if self.profile is not None:
+            return self.profile.speeds.get(member.row.stage_id)
+        return None
+
+    def speeds(self, stage_ids: Sequence[str]) -> list[float]:
+        """Current speeds of stages, unknown ones filled in."""
+        known = []
+        for sid in stage_ids:
+            member = self.members.by_id(sid)
+            known.append(self.speed_of(member) if member else None)
+        return estimates.fill_speeds(known)
+
+    def links(self, num_stages: int) -> LinkTerms:
+        """The planner's link terms, when the operator gave a link bandwidth."""
+        profile = self.profile
+        if not self.link_bandwidth or profile is None or not profile.activation_bytes:
+            return LinkTerms()
+        if num_stages < 2:
+            return LinkTerms()
+        return LinkTerms(list(profile.activation_bytes), [self.link_bandwidth] * (num_stages - 1))
+
+    def layer_state_bytes(self, layer: int) -> int:
+        """Bytes a layer's full state moves: weights, plus optimizer state (Adam keeps two
+        moments, about twice the weights)."""
+        factor = 1 if self.job is not None and self.job.optimizer == "sgd" else 3
+        sizes = self.param_bytes or [0] * self.num_layers
+        return sizes[layer] * factor if 0 <= layer < len(sizes) else 0
+
+    def bytes_to_move(self, old: Partition, new: Partition) -> int:
+        """Predicted bytes of a move from ``old`` to ``new``."""
+        return sum(self.layer_state_bytes(m.layer) for m in old.moves_to(new))

@@ -1,0 +1,203 @@
+"""Snapshots of committed layer state in host memory: this stage's own, and its peer's copy.
+
+At step 0, every ``snapshot_every`` committed steps and after every rollback, a stage
+captures the full state of its layers (weights, optimizer state, buffers) at the step
+boundary -- a clone, so training goes on at once -- and a background thread packs it and
+pushes a copy to the next stage of the chain. A recovery restores lost layers from
+whichever live host holds them. Each store keeps the last ``keep`` complete steps of its
+own snapshots and of each peer's copy, so while a new one is being written the last
+complete one always exists (double buffering)::
+
+    step 20 committed -> capture (clones)          own: {10, 20*}  peer copy: {10}
+    packed            -> own complete               own: {10, 20}
+    pushed            -> the next stage holds it    (peer side) copies: {10, 20}
+    step 30 committed -> capture; step 10 dropped once 30 is complete
+
+A snapshot belongs to one job and history: a checkpoint load starts a new history, so
+every older snapshot is dropped; a rollback to step k drops only those after k.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from elasticpipe import codec
+from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady
+
+log = structlog.get_logger()
+
+DEFAULT_KEEP = 2
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a store holds of one step: the full state of ``layers``."""
+
+    job_id: str
+    step: int
+    layers: tuple[int, ...]
+    replica: bool
+
+
+@dataclass
+class _Snapshot:
+    job_id: str
+    step: int
+    blobs: dict[int, bytes] = field(default_factory=dict)
+
+
+class SnapshotStore:
+    """Complete snapshots held here, own and copies, keyed by (job, step, layer)."""
+
+    def __init__(self, keep: int = DEFAULT_KEEP):
+        if keep < 1:
+            raise InvalidRequest(f"snapshots to keep must be >= 1 (got {keep})")
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._own: dict[int, _Snapshot] = {}
+        self._copies: dict[str, dict[int, _Snapshot]] = {}  # source stage id -> step -> ...
+        self.generation = 0  # bumped by every prune: captures taken before it are void
+
+    def add_own(self, job_id: str, step: int, blobs: Mapping[int, bytes], generation: int) -> bool:
+        """Records a complete snapshot of this stage's layers, unless a prune since its
+        capture voided it; returns whether it was kept."""
+        with self._lock:
+            if generation != self.generation:
+                return False
+            self._own[step] = _Snapshot(job_id, step, dict(blobs))
+            self._trim(self._own)
+            return True
+
+    def add_copy(self, source: str, job_id: str, step: int, blobs: Mapping[int, bytes]) -> None:
+        """Records a complete copy of a peer's snapshot."""
+        with self._lock:
+            steps = self._copies.setdefault(source, {})
+            steps[step] = _Snapshot(job_id, step, dict(blobs))
+            self._trim(steps)
+
+    def _trim(self, steps: dict[int, _Snapshot]) -> None:
+        for old in sorted(steps)[: -self._keep]:
+            del steps[old]
+
+    def get(self, job_id: str, step: int, layer: int) -> bytes | None:
+        """The state blob of ``layer`` at ``step``, own or copy, if held here."""
+        with self._lock:
+            for steps in (self._own, *self._copies.values()):
+                snap = steps.get(step)
+                if snap is not None and snap.job_id == job_id and layer in snap.blobs:
+                    return snap.blobs[layer]
+        return None
+
+    def holdings(self) -> list[Holding]:
+        """Every complete snapshot held here."""
+        with self._lock:
+            own = [
+                Holding(s.job_id, s.step, tuple(sorted(s.blobs)), False) for s in self._own.values()
+            ]
+            copies = [
+                Holding(s.job_id, s.step, tuple(sorted(s.blobs)), True)
+                for steps in self._copies.values()
+                for s in steps.values()
+            ]
+        return own + copies
+
+    def prune(self, after: int | None) -> None:
+        """Drops every snapshot after step ``after`` (all of them if None)."""
+        with self._lock:
+            self.generation += 1
+            for steps in (self._own, *self._copies.values()):
+                for step in [s for s in steps if after is None or s > after]:
+                    del steps[step]
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        with self._lock:
+            return sum(
+                len(b)
+                for steps in (self._own, *self._copies.values())
+                for s in steps.values()
+                for b in s.blobs.values()
+            )
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A snapshot's cloned state, to be packed and copied off the step's critical path."""
+
+    job_id: str
+    step: int
+    source: str  # this stage's id
+    states: dict[int, dict[str, Any]]
+    peer: str  # where the copy goes ("" for none)
+    generation: int  # the store's generation when captured
+
+
+Pusher = Callable[[str, Capture, Iterator[tuple[int, bytes]]], None]
+
+
+class Snapshotter:
+    """Packs captures and pushes their copies, one at a time, on its own thread."""
+
+    def __init__(self, store: SnapshotStore, push: Pusher, before_push: Callable[[], None]):
+        self._store = store
+        self._push = push
+        self._before_push = before_push
+        self._queue: queue.Queue[Capture | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._run, name="snapshots", daemon=True)
+        self._thread.start()
+
+    def submit(self, capture: Capture) -> None:
+        """Queues a capture; returns at once."""
+        with self._idle:
+            self._pending += 1
+        self._queue.put(capture)
+
+    def flush(self, timeout: float) -> bool:
+        """Waits until every queued capture is stored and pushed (or failed)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        """Stops the thread after the captures queued so far."""
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (capture := self._queue.get()) is not None:
+            try:
+                blobs = {i: codec.pack_state(state) for i, state in capture.states.items()}
+                kept = self._store.add_own(capture.job_id, capture.step, blobs, capture.generation)
+                self._before_push()
+                if kept and capture.peer:
+                    self._push(capture.peer, capture, iter(sorted(blobs.items())))
+            except ElasticPipeError as exc:
+                log.warning(
+                    "snapshot_copy_failed",
+                    step=capture.step,
+                    peer=capture.peer,
+                    error=str(exc),
+                )
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+
+def check_copy(job_id: str, current_job: str, source: str, chain: tuple[str, ...]) -> None:
+    """Checks that a pushed copy belongs here: the current job, from a stage of the chain.
+
+    Raises:
+        NotReady: another job, or a source outside the chain (its copy is not kept).
+    """
+    if job_id != current_job:
+        raise NotReady(f"snapshot copy of job {job_id!r}, but this stage runs {current_job!r}")
+    if source not in chain:
+        raise NotReady(f"snapshot copy from {source!r}, which is not in the chain {list(chain)}")

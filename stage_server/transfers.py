@@ -1,0 +1,94 @@
+"""Layer state between stages: pulling a layer (migration, recovery), pushing a snapshot copy.
+
+Both travel as checksummed ``LayerChunk`` streams (CRC-32 per chunk, SHA-256 per layer):
+a puller accepts a layer only whole and intact, so a transfer cut short or corrupted
+fails the epoch change that asked for it, which then leaves the old epoch in force.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from elasticpipe import codec, rpc
+from elasticpipe.errors import TransferError
+from elasticpipe.stage_server.faults import Fault
+from elasticpipe.stage_server.snapshots import Capture
+from elasticpipe.transport import layer_chunks
+from elasticpipe.v1 import stage_pb2
+
+
+def pull_layer(
+    pool: rpc.StagePool,
+    address: str,
+    request: stage_pb2.ExportLayersRequest,
+    deadline: float,
+    max_bytes: int,
+    fault: Fault = Fault.NONE,
+) -> bytes:
+    """Fetches one layer's state blob from the stage at ``address``.
+
+    Args:
+        pool: channels to stages.
+        address: the stage holding the layer (its live state or a snapshot).
+        request: an ``ExportLayers`` request naming exactly one layer.
+        deadline: a ``time.monotonic()`` value.
+        max_bytes: the largest blob accepted.
+        fault: an injected fault (tests): corrupt the first chunk or cut the stream.
+
+    Raises:
+        TransferError: the stream failed, was cut short, or failed its checksums.
+    """
+    (layer,) = request.layers
+    what = f"layer {layer} from {address}"
+    stream = pool.stub(address).ExportLayers(request, timeout=max(0.1, deadline - time.monotonic()))
+
+    def received() -> Iterator[stage_pb2.LayerChunk]:
+        for n, chunk in enumerate(stream):
+            if n == 0 and fault is Fault.CANCEL_NEXT_IMPORT:
+                stream.cancel()  # type: ignore[no-untyped-call]
+                raise TransferError(
+                    f"{what}: transfer cancelled after {len(chunk.data)} bytes (injected fault)"
+                )
+            if n == 0 and fault is Fault.CORRUPT_NEXT_IMPORT and chunk.data:
+                corrupted = stage_pb2.LayerChunk()
+                corrupted.CopyFrom(chunk)
+                corrupted.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+                yield corrupted
+            else:
+                yield chunk
+
+    try:
+        for got, blob in codec.layer_blobs(received(), max_bytes):
+            if got != layer:
+                raise TransferError(f"{what}: received layer {got} instead")
+            return blob
+    except grpc.RpcError as exc:
+        raise TransferError(f"{what}: {rpc.translate(exc, address)}") from exc
+    raise TransferError(f"{what}: stream ended before the final checksum")
+
+
+def push_snapshot(
+    pool: rpc.StagePool,
+    address: str,
+    capture: Capture,
+    blobs: Iterator[tuple[int, bytes]],
+    timeout: float,
+) -> None:
+    """Sends a snapshot's packed layers to the stage that keeps its copy.
+
+    Raises:
+        ElasticPipeError: the peer refused or could not be reached.
+    """
+
+    def messages() -> Iterator[stage_pb2.SnapshotChunk]:
+        yield stage_pb2.SnapshotChunk(
+            job_id=capture.job_id, step=capture.step, source=capture.source
+        )
+        for layer, blob in blobs:
+            for chunk in layer_chunks(layer, blob):
+                yield stage_pb2.SnapshotChunk(chunk=chunk)
+
+    rpc.call(address, pool.stub(address).PushSnapshot, messages(), timeout=timeout)
