@@ -131,7 +131,7 @@ def main() -> int:
         )
 
         # The straggler: the stage holding the middle of the model, 3x slower.
-        victim = f"stage-{cluster.stage_addresses.index(pipe.partition.stages[1])}"
+        victim = f"stage-{cluster.stage_addresses.index(pipe.partition.addresses[1])}"
         bench.slowdown(victim, 3 * base)
         steps = bench.steps_until_epoch_changes(limit=20)
         move = bench.last_move()

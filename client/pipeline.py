@@ -246,7 +246,12 @@ class Pipeline:
         self.close()
 
     def close(self) -> None:
-        """Releases the job's lease and closes the channels (the stages keep the layers)."""
+        """Releases the job's lease and closes the channels (the stages keep the layers).
+
+        Closing twice does nothing the second time.
+        """
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)

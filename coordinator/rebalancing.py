@@ -10,6 +10,7 @@ two-phase epoch change.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -158,13 +159,15 @@ class Rebalancer:
             "proposed_step_s": round(decision.proposed_step_s, 4),
             "bytes_to_move": decision.bytes_to_move,
         }
+        # The same kind of decision (its numbers aside) once at info, then at debug.
+        kind = re.sub(r"[0-9.]+", "#", decision.reason)
         if decision.move:
             log.info("rebalance_decided", **fields)
-        elif decision.reason != self._last_decision:
+        elif kind != self._last_decision:
             log.info("rebalance_declined", **fields)
         else:
             log.debug("rebalance_declined", **fields)
-        self._last_decision = decision.reason
+        self._last_decision = kind
 
     # ---- moves -----------------------------------------------------------------------
 

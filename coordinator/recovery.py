@@ -119,6 +119,19 @@ class Recovery:
             except ElasticPipeError as exc:
                 log.error("recovery_failed", error=str(exc))
 
+    def _holdings(self, live: set[str]) -> dict[str, list[stage_pb2.SnapshotHolding]]:
+        """What snapshots each live stage holds: asked now (heartbeats may lag by an
+        interval), falling back to the last heartbeat's report."""
+        members = [m for m in self.c.members.members() if m.row.stage_id in live]
+        probe = stage_pb2.StatsRequest()
+        results = self.c.pool.each(
+            [(m.row.address, probe) for m in members], "GetStats", PROBE_TIMEOUT_S
+        )
+        return {
+            m.row.stage_id: list(m.snapshots if isinstance(r, ElasticPipeError) else r.snapshots)
+            for m, r in zip(members, results, strict=True)
+        }
+
     def recover(self, dead: Sequence[Member]) -> Partition | None:
         """Replaces or drops the dead stages and rolls every survivor back to a snapshot."""
         job, old = self.c.require_job()
@@ -138,19 +151,22 @@ class Recovery:
             self.c.fail_job(f"every stage of the chain died ({lost_names}); no spare is left")
             return None
         live = {m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)}
-        held = {m.row.stage_id: m.snapshots for m in self.c.members.members()}
-        found = copies.copies_by_step(held, job.job_id)
+        found = copies.copies_by_step(self._holdings(live), job.job_id)
         step = copies.newest_step(found, old.num_layers, live)
         if step is None:
             newest = max(found, default=None)
             missing = (
                 copies.missing_layers(found, newest, old.num_layers, live)
                 if newest is not None
-                else list(range(old.num_layers))
+                else [i for i in range(old.num_layers) if old.owner_of(i).stage_id in dead_ids]
+            )
+            why = (
+                "snapshots are off (snapshot_every=0)"
+                if not job.snapshot_every
+                else f"no complete snapshot survived (snapshot_every={job.snapshot_every})"
             )
             self.c.fail_job(
-                f"layers {missing} have no live snapshot copy: they were lost with "
-                f"{lost_names} (snapshot_every={job.snapshot_every})"
+                f"layers {missing} have no live copy: they were lost with {lost_names}; {why}"
             )
             return None
         holders = {

@@ -137,9 +137,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         enable_fault_injection=args.enable_fault_injection,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
-    return _serve_until_signalled(
-        server, args.ready_file, lambda: server.leave(args.drain_timeout)
-    )
+    return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

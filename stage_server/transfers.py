@@ -7,17 +7,20 @@ fails the epoch change that asked for it, which then leaves the old epoch in for
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
 import grpc
 
 from elasticpipe import codec, rpc
-from elasticpipe.errors import TransferError
+from elasticpipe.errors import NotReady, TransferError
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.snapshots import Capture
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
+
+PUSH_RETRIES = 10
 
 
 def pull_layer(
@@ -91,4 +94,14 @@ def push_snapshot(
             for chunk in layer_chunks(layer, blob):
                 yield stage_pb2.SnapshotChunk(chunk=chunk)
 
-    rpc.call(address, pool.stub(address).PushSnapshot, messages(), timeout=timeout)
+    deadline = time.monotonic() + timeout
+    for attempt in itertools.count():
+        try:
+            rpc.call(address, pool.stub(address).PushSnapshot, messages(), timeout=timeout)
+            return
+        except NotReady:
+            # The peer may not have taken the job (or the chain) yet: at a job's start every
+            # stage is assigned at once, and step 0's copy can arrive first.
+            if time.monotonic() + 0.1 * (attempt + 1) > deadline or attempt >= PUSH_RETRIES:
+                raise
+            time.sleep(0.1 * (attempt + 1))

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from elasticpipe import codec
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
-from elasticpipe.errors import PermissionDenied
+from elasticpipe.errors import UserCodeError, PermissionDenied
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -34,7 +34,7 @@ def trained(
         stages=2,
     ) as pipe:
         pipe.train_step(torch.randn(4, 12), torch.randint(0, 6, (4,)))
-        first = next(s for s in stage_servers if s.address == pipe.partition.stages[0])
+        first = next(s for s in stage_servers if s.address == pipe.partition.addresses[0])
         yield pipe, first
 
 
@@ -108,13 +108,16 @@ def test_input_the_model_cannot_take_is_invalid(
     trained: tuple[Pipeline, StageServer], bad: torch.Tensor
 ) -> None:
     """Well-formed bytes of the wrong shape or dtype for the layer fail the run with
-    INVALID_ARGUMENT naming the layer and the input, and the client gets that error."""
+    INVALID_ARGUMENT naming the layer, the micro-batch and the input, and the client gets
+    that error (the user's, with the model's own message), not an internal one."""
     pipe, server = trained
-    with pytest.raises(Exception) as info:
+    with pytest.raises(UserCodeError) as info:
         pipe.train_step(bad, torch.randint(0, 6, (2,)))
-    assert type(info.value).__name__ == "InvalidRequest"
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     micro_batch_shape = [1, *bad.shape[1:]]  # 2 samples over 2 micro-batches
-    assert "layer 0" in str(info.value) and str(micro_batch_shape) in str(info.value)
+    message = str(info.value)
+    assert "layer 0 (Linear)" in message and str(micro_batch_shape) in message
+    assert "micro-batch 0" in message and "RuntimeError" in message
     _assert_still_serving(pipe, server)
 
 
@@ -135,6 +138,7 @@ def test_request_of_another_epoch_is_failed_precondition(
         micro_batches=1,
         schedule=stage_pb2.GPIPE,
         mode=stage_pb2.TRAIN,
+        client=1 << 40,  # not fenced: the epoch is what is wrong
         timeout_s=5,
     )
     err = _status(_stub(server).RunStep, run)
@@ -155,6 +159,7 @@ def test_model_outside_allowed_prefixes_is_permission_denied(
     err = _status(_stub(server).Describe, spec)
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "os.path:join" in err.details()
+    pipe.close()  # free the job, so that a new one may be set up
     with (
         Pipeline(
             coordinator=coordinator_server.address, model="subprocess:getoutput", stages=2
@@ -162,7 +167,10 @@ def test_model_outside_allowed_prefixes_is_permission_denied(
         pytest.raises(PermissionDenied, match="subprocess:getoutput"),
     ):
         evil.train_step(torch.zeros(2, 3), torch.zeros(2))
-    _assert_still_serving(pipe, server)
+    with Pipeline(
+        coordinator=coordinator_server.address, model="mlp", model_kwargs=KWARGS, stages=2
+    ) as again:
+        _assert_still_serving(again, server)
 
 
 def test_oversized_tensor_is_resource_exhausted(trained: tuple[Pipeline, StageServer]) -> None:

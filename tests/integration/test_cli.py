@@ -63,11 +63,11 @@ def test_admin_commands_inspect_and_move_a_running_job(cluster4: LocalCluster) -
         drained = _admin(cluster4, "drain", middle)
         assert drained.returncode == 0 and drained.stdout.startswith("moved"), drained.stderr
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
-        assert len(pipe.partition.stages) == 2
+        assert len(pipe.partition.addresses) == 2
         back = _admin(cluster4, "undrain", middle)
         assert back.returncode == 0 and back.stdout.startswith("moved"), back.stderr
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
-        assert len(pipe.partition.stages) == 3
+        assert len(pipe.partition.addresses) == 3
 
         slow = _admin(cluster4, "slowdown", middle, "2.5")
         assert slow.returncode == 0 and "2.5" in slow.stdout

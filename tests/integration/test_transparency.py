@@ -64,7 +64,7 @@ def test_pipeline_matches_single_process(
                         torch.tensor(want),
                         msg=f"loss of step {step}, {stages} stages, {micro_batches} micro-batches",
                     )
-                assert len(pipe.partition.stages) == stages
+                assert len(pipe.partition.addresses) == stages
                 state = pipe.state_dict()
             expected = reference.state_dict()
             assert state.keys() == expected.keys()

@@ -1,4 +1,4 @@
-"""Tests of membership: stable ids per name, heartbeats, liveness, drained, persistence."""
+"""Tests of membership: incarnations, heartbeats, liveness, death, drained, persistence."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe.coordinator.membership import Membership
+from elasticpipe.coordinator.membership import Heard, Membership
 from elasticpipe.coordinator.store import Store
+from elasticpipe.v1 import stage_pb2
 
 
 class FakeClock:
@@ -38,87 +39,107 @@ def members(store: Store, clock: FakeClock) -> Membership:
     return Membership(store, dead_after_s=5.0, clock=clock)
 
 
-def test_register_same_name_twice_keeps_the_id(members: Membership) -> None:
-    """A stage re-registering under its name keeps its id and gets its new address."""
-    first = members.register("host-a", "10.0.0.1:7000", "cuda")
-    again = members.register("host-a", "10.0.0.1:7555", "cpu")
-    assert again == first
-    assert len(members.members()) == 1
-    member = members.by_id(first)
-    assert member is not None
-    assert (member.row.address, member.row.device) == ("10.0.0.1:7555", "cpu")
+def test_registering_a_name_again_is_a_new_incarnation(members: Membership) -> None:
+    """A stage re-registering under its name gets a new id; the old incarnation is dead."""
+    first, older = members.register("host-a", "10.0.0.1:7000", "cuda")
+    again, replaced = members.register("host-a", "10.0.0.1:7555", "cpu")
+    assert again != first and older == []
+    assert [m.row.stage_id for m in replaced] == [first]
+    old, new = members.by_id(first), members.by_id(again)
+    assert old is not None and new is not None
+    assert old.row.dead and not members.alive(old)
+    assert (new.row.address, new.row.device, new.row.incarnation) == ("10.0.0.1:7555", "cpu", 2)
+    assert members.find("host-a") is new
 
 
 def test_different_names_get_different_ids(members: Membership) -> None:
     """Two hosts get two distinct ids, listed in registration order."""
-    a = members.register("host-a", "a:1", "cpu")
-    b = members.register("host-b", "b:1", "cpu")
+    a, _ = members.register("host-a", "a:1", "cpu")
+    b, _ = members.register("host-b", "b:1", "cpu")
     assert a != b
     assert [m.row.stage_id for m in members.members()] == [a, b]
 
 
-def test_heartbeat_of_unknown_id_is_false(members: Membership) -> None:
-    """A heartbeat from an id the coordinator does not know returns False."""
-    assert members.heartbeat("st-nobody", 1, {}, 0, 1.0) is False
+def test_heartbeat_of_unknown_or_dead_id(members: Membership) -> None:
+    """A heartbeat from an unknown id says so; from a dead incarnation it says dead."""
+    assert members.heartbeat("st-nobody", 1, {}, 0, 1.0) is Heard.UNKNOWN
+    sid, _ = members.register("host-a", "a:1", "cpu")
+    assert members.declare_dead(sid, "test")
+    assert not members.declare_dead(sid, "again")
+    assert members.heartbeat(sid, 1, {}, 0, 1.0) is Heard.DEAD
 
 
 def test_heartbeat_records_what_the_stage_said(members: Membership, clock: FakeClock) -> None:
-    """A known stage's heartbeat stores its epoch, step, slowdown and timings."""
-    sid = members.register("host-a", "a:1", "cpu")
+    """A known stage's heartbeat stores its epoch, step, slowdown, timings and snapshots."""
+    sid, _ = members.register("host-a", "a:1", "cpu")
     clock.now += 1.0
-    assert members.heartbeat(sid, 4, {0: (0.1, 0.2, 64, 8)}, 17, 2.5) is True
+    held = [stage_pb2.SnapshotHolding(job_id="j", step=10, layers=[0, 1])]
+    assert members.heartbeat(sid, 4, {0: (0.1, 0.2, 64, 8)}, 17, 2.5, None, held) is Heard.OK
     member = members.by_id(sid)
     assert member is not None
     assert (member.epoch, member.committed_step, member.slowdown) == (4, 17, 2.5)
     assert member.timings == {0: (0.1, 0.2, 64, 8)}
+    assert member.snapshots == held
     assert member.last_seen == clock.now
 
 
 def test_liveness_follows_the_clock(members: Membership, clock: FakeClock) -> None:
-    """A stage is alive until dead_after_s passes without a heartbeat, and again after one."""
-    sid = members.register("host-a", "a:1", "cpu")
+    """A stage is alive until dead_after_s passes without a heartbeat, and again after one
+    (silence alone does not declare it dead: that is the coordinator's decision)."""
+    sid, _ = members.register("host-a", "a:1", "cpu")
     member = members.by_id(sid)
     assert member is not None
     assert members.alive(member)
     clock.now += 4.9
     assert members.alive(member)
     clock.now += 0.1
-    assert not members.alive(member)
+    assert not members.alive(member) and members.silent(member)
     members.heartbeat(sid, 0, {}, 0, 1.0)
     assert members.alive(member)
 
 
-def test_reloaded_stages_are_not_alive_until_heard(store: Store, clock: FakeClock) -> None:
-    """After a coordinator restart, stages keep their ids but count as dead until a heartbeat."""
-    sid = Membership(store, clock=clock).register("host-a", "a:1", "cpu")
-    restarted = Membership(store, clock=clock)
-    member = restarted.by_id(sid)
-    assert member is not None
-    assert not restarted.alive(member)
-    assert restarted.heartbeat(sid, 0, {}, 0, 1.0) is True
-    assert restarted.alive(member)
-    assert restarted.register("host-a", "a:2", "cpu") == sid
-
-
-def test_drained_persists_across_restart(store: Store, clock: FakeClock) -> None:
-    """A drained stage stays drained after a restart and after re-registering."""
+def test_reloaded_stages_get_a_grace_period(store: Store, clock: FakeClock) -> None:
+    """After a coordinator restart, known live incarnations keep their ids and count as
+    alive for one dead_after period, so their next heartbeat finds them; dead ones stay dead."""
     first = Membership(store, clock=clock)
-    sid = first.register("host-a", "a:1", "cpu")
+    sid, _ = first.register("host-a", "a:1", "cpu")
+    gone, _ = first.register("host-b", "b:1", "cpu")
+    first.declare_dead(gone, "test")
+    clock.now += 100.0
+    restarted = Membership(store, clock=clock)
+    member, dead = restarted.by_id(sid), restarted.by_id(gone)
+    assert member is not None and dead is not None
+    assert restarted.alive(member) and not restarted.alive(dead)
+    assert restarted.heartbeat(sid, 0, {}, 0, 1.0) is Heard.OK
+
+
+def test_drained_persists_across_restart_and_incarnations(store: Store, clock: FakeClock) -> None:
+    """A drained stage stays drained after a restart and in its next incarnation."""
+    first = Membership(store, clock=clock)
+    sid, _ = first.register("host-a", "a:1", "cpu")
     first.set_drained(sid, True)
     restarted = Membership(store, clock=clock)
     member = restarted.by_id(sid)
-    assert member is not None
-    assert member.row.drained
-    restarted.register("host-a", "a:1", "cpu")
-    assert restarted.by_id(sid).row.drained  # type: ignore[union-attr]
-    restarted.set_drained(sid, False)
-    assert not Membership(store, clock=clock).by_id(sid).row.drained  # type: ignore[union-attr]
+    assert member is not None and member.row.drained
+    again, _ = restarted.register("host-a", "a:1", "cpu")
+    assert restarted.by_id(again).row.drained  # type: ignore[union-attr]
+    restarted.set_drained(again, False)
+    assert not Membership(store, clock=clock).by_id(again).row.drained  # type: ignore[union-attr]
+
+
+def test_forget_removes_an_incarnation(store: Store, clock: FakeClock) -> None:
+    """A forgotten incarnation is gone from membership, also after a restart."""
+    members = Membership(store, clock=clock)
+    sid, _ = members.register("host-a", "a:1", "cpu")
+    members.forget(sid)
+    assert members.by_id(sid) is None and members.members() == []
+    assert Membership(store, clock=clock).members() == []
 
 
 @pytest.mark.parametrize("key", ["st", "host-a", "10.0.0.1:7000"])
 def test_find_by_id_name_or_address(members: Membership, key: str) -> None:
     """find locates a stage by its id, its name or its address."""
-    sid = members.register("host-a", "10.0.0.1:7000", "cpu")
+    sid, _ = members.register("host-a", "10.0.0.1:7000", "cpu")
     found = members.find(sid if key == "st" else key)
     assert found is not None
     assert found.row.stage_id == sid

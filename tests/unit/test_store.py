@@ -1,4 +1,4 @@
-"""Tests of the coordinator's durable store: what survives a reopen, and upsert by name."""
+"""Tests of the durable store: what survives a reopen, incarnations, the commit point."""
 
 from __future__ import annotations
 
@@ -7,20 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe.coordinator.store import EpochRow, PartitionRow, StageRow, Store
+from elasticpipe.coordinator.store import EpochRow, StageRow, Store
+from elasticpipe.partition import Partition, StageRef
+
+pytestmark = pytest.mark.timeout(20)
 
 A = StageRow("st-a", "host-a", "10.0.0.1:7000", "cuda", 100.0)
 B = StageRow("st-b", "host-b", "10.0.0.2:7000", "cpu", 200.0, drained=True)
-PARTITION = PartitionRow(
+PARTITION = Partition(
     epoch=3,
     job_id="job1",
     boundaries=(0, 4, 9),
-    stage_ids=("st-a", "st-b"),
-    addresses=("10.0.0.1:7000", "10.0.0.2:7000"),
+    stages=(StageRef("st-a", "10.0.0.1:7000"), StageRef("st-b", "10.0.0.2:7000")),
     predicted_step_s=0.25,
+    restored_step=2,
+    restore_epoch=3,
 )
 EPOCHS = [
-    EpochRow(1, 10.0, "initial", (0, 5, 9), ("st-a", "st-b")),
+    EpochRow(1, 10.0, "initial", (0, 5, 9), ("st-a", "st-b"), kind="start", job_id="job1"),
     EpochRow(
         2,
         20.0,
@@ -31,6 +35,8 @@ EPOCHS = [
         bytes_moved=4096,
         pause_s=0.5,
         extra={"gain": 0.2},
+        job_id="job1",
+        stage_names=("host-a", "host-b"),
     ),
 ]
 
@@ -55,8 +61,8 @@ def _reopen(store: Store) -> Store:
 def test_everything_survives_a_reopen(path: str) -> None:
     """Stages, key-values, the partition, epoch history and max_epoch survive a restart."""
     first = Store(path)
-    first.upsert_stage(A)
-    first.upsert_stage(B)
+    first.add_stage(A)
+    first.add_stage(B)
     first.put("job", {"model": "mlp", "kwargs": {"sizes": [1, 2]}})
     first.put_partition(PARTITION)
     for row in EPOCHS:
@@ -74,37 +80,47 @@ def test_everything_survives_a_reopen(path: str) -> None:
         second.close()
 
 
-def test_upsert_by_name_keeps_the_id(store: Store) -> None:
-    """Re-registering a name under a new id updates address and device but keeps the old id."""
-    store.upsert_stage(A)
-    store.upsert_stage(StageRow("st-new", "host-a", "10.0.0.9:7001", "cpu", 999.0))
+def test_incarnations_of_a_name_are_kept_apart(store: Store) -> None:
+    """Two incarnations of one name are two rows; max_incarnation counts them."""
+    store.add_stage(A)
+    store.add_stage(StageRow("st-a2", "host-a", "10.0.0.9:7001", "cpu", 999.0, incarnation=2))
     store = _reopen(store)
-    assert store.stages() == [StageRow("st-a", "host-a", "10.0.0.9:7001", "cpu", 100.0)]
+    assert [s.stage_id for s in store.stages()] == ["st-a", "st-a2"]
+    assert store.max_incarnation("host-a") == 2
+    assert store.max_incarnation("nobody") == 0
 
 
-def test_drained_flag_survives_a_reopen(store: Store) -> None:
-    """set_drained is durable, both ways."""
-    store.upsert_stage(A)
-    store.upsert_stage(B)
-    store.set_drained("st-a", True)
-    store.set_drained("st-b", False)
+def test_flags_survive_a_reopen_and_forgotten_stages_vanish(store: Store) -> None:
+    """drained and dead are durable both ways; a forgotten stage is no longer listed."""
+    store.add_stage(A)
+    store.add_stage(B)
+    store.set_stage("st-a", drained=True, dead=True)
+    store.set_stage("st-b", drained=False)
     store = _reopen(store)
-    assert [(s.stage_id, s.drained) for s in store.stages()] == [("st-a", True), ("st-b", False)]
+    assert [(s.stage_id, s.drained, s.dead) for s in store.stages()] == [
+        ("st-a", True, True),
+        ("st-b", False, False),
+    ]
+    store.set_stage("st-a", forgotten=True)
+    assert [s.stage_id for s in store.stages()] == ["st-b"]
+    with pytest.raises(ValueError, match="unknown stage flag 'alive'"):
+        store.set_stage("st-b", alive=True)
 
 
 def test_stages_are_listed_in_registration_order(store: Store) -> None:
     """stages() orders by registration time, whatever the insertion order."""
-    store.upsert_stage(B)
-    store.upsert_stage(A)
+    store.add_stage(B)
+    store.add_stage(A)
     assert [s.stage_id for s in store.stages()] == ["st-a", "st-b"]
 
 
-def test_put_overwrites_and_get_of_missing_is_none(store: Store) -> None:
-    """put replaces the value of a key; an unknown key reads as None."""
+def test_put_overwrites_delete_removes_and_missing_is_none(store: Store) -> None:
+    """put replaces the value of a key; delete removes it; an unknown key reads as None."""
     store.put("k", [1, 2])
     store.put("k", {"x": None})
     assert store.get("k") == {"x": None}
-    assert store.get("missing") is None
+    store.delete("k")
+    assert store.get("k") is None
 
 
 def test_empty_store_has_no_partition_and_epoch_zero(store: Store) -> None:
@@ -117,27 +133,47 @@ def test_empty_store_has_no_partition_and_epoch_zero(store: Store) -> None:
     )
 
 
-def test_max_epoch_covers_history_and_partition(store: Store) -> None:
-    """max_epoch is the highest of the history and the current partition's epoch."""
+def test_max_epoch_covers_history_partition_and_attempts(store: Store) -> None:
+    """max_epoch is the highest of the history, the current partition and any epoch ever
+    reserved, so reserve_epoch never hands out a number twice."""
     store.add_epoch(EpochRow(7, 1.0, "x", (0, 1)))
     store.put_partition(PARTITION)  # epoch 3
     assert store.max_epoch() == 7
-    store.put_partition(PartitionRow(9, "j", (0, 1), ("s",), ("a",)))
+    store.put_partition(PARTITION.evolve(epoch=9))
     assert store.max_epoch() == 9
+    assert store.reserve_epoch() == 10
+    assert store.reserve_epoch() == 11
 
 
-def test_epochs_limit_returns_the_most_recent_oldest_first(store: Store) -> None:
-    """epochs(limit) keeps the newest records, listed oldest first."""
+def test_commit_change_writes_partition_and_record_together(store: Store) -> None:
+    """The commit point stores the new partition and marks the change committed."""
+    store.put("epoch_change", {"epoch": 3, "phase": "preparing"})
+    store.commit_change(PARTITION, {"epoch": 3, "phase": "preparing"})
+    store = _reopen(store)
+    assert store.partition() == PARTITION
+    assert store.get("epoch_change") == {"epoch": 3, "phase": "committed"}
+
+
+def test_client_generations_increase(store: Store) -> None:
+    """next_client hands out ever larger generations, across a reopen."""
+    first, second = store.next_client(), store.next_client()
+    store = _reopen(store)
+    assert first < second < store.next_client()
+
+
+def test_epochs_of_one_job_most_recent_oldest_first(store: Store) -> None:
+    """epochs(limit) keeps the newest records, oldest first; job_id filters them."""
     for epoch in range(1, 6):
-        store.add_epoch(EpochRow(epoch, float(epoch), f"e{epoch}", (0, 1)))
+        store.add_epoch(EpochRow(epoch, float(epoch), f"e{epoch}", (0, 1), job_id=f"j{epoch % 2}"))
     assert [r.epoch for r in store.epochs(limit=3)] == [3, 4, 5]
+    assert [r.epoch for r in store.epochs(job_id="j1")] == [1, 3, 5]
 
 
 def test_memory_store_works_without_a_file() -> None:
     """The default ':memory:' store keeps values for its lifetime."""
     store = Store()
     try:
-        store.upsert_stage(A)
+        store.add_stage(A)
         assert store.stages() == [A]
     finally:
         store.close()
