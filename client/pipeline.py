@@ -53,6 +53,7 @@ from elasticpipe.errors import (
     ElasticPipeError,
     Fenced,
     InvalidRequest,
+    JobInUse,
     LayersLost,
     NotReady,
     Rebalancing,
@@ -73,6 +74,9 @@ log = structlog.get_logger()
 RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
 CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"
 RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
+# Tests only: "before_commit:STEP" blocks the client there, so a test can kill it exactly
+# between RunStep and CommitStep.
+ENV_TEST_PAUSE = "ELASTICPIPE_TEST_PAUSE"
 # Failures after which the step is retried once the job has recovered.
 RECOVERABLE = (StageUnavailable, DeadlineExceeded, StepAborted, TransferError, NotReady)
 
@@ -319,6 +323,12 @@ class Pipeline:
                     raise
                 log.info("setup_retried", reason=str(exc))
                 time.sleep(0.5)
+            except JobInUse as exc:
+                # A restarted script resumes once its dead predecessor's lease runs out.
+                if not self._resume or time.monotonic() > deadline:
+                    raise
+                log.info("waiting_for_lease", reason=str(exc))
+                time.sleep(1.0)
             except CoordinatorUnavailable as exc:
                 raise CoordinatorUnavailable(
                     f"cannot reach the coordinator at {self.coordinator}: is it running, and "
@@ -492,6 +502,9 @@ class Pipeline:
     def _train_one(self, step: int, batch: _Batch) -> tuple[float, list[stage_pb2.StepReport], int]:
         """Runs and commits one step; returns its loss, reports and attempts."""
         reports, partition, run_id, attempts = self._run(step, batch, train=True)
+        if os.environ.get(ENV_TEST_PAUSE) == f"before_commit:{step}":
+            log.warning("paused_at", point="before_commit", step=step)
+            threading.Event().wait()
         self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=True)
         try:
             driver.commit(self._clients, partition, run_id, step, self._client)

@@ -25,6 +25,7 @@ class PolicyConfig:
     interval_s: float = 1.0
     bandwidth_bytes_per_s: float = 200e6
     fixed_pause_s: float = 0.3
+    reserve_spares: int = 0  # spares kept out of the chain to replace a stage that dies
 
 
 @dataclass(frozen=True)

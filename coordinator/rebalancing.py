@@ -30,6 +30,8 @@ from elasticpipe.partition import Partition, StageRef
 
 log = structlog.get_logger()
 
+Proposal = tuple[tuple[int, ...], tuple[str, ...]]  # a move's boundaries and chain
+
 
 @dataclass(frozen=True)
 class PlanView:
@@ -71,7 +73,7 @@ class Rebalancer:
         self._last_decision = ""
         # An automatic move must be proposed twice, from measurements of two different
         # committed steps: a speed change seen halfway through a step is only half-measured.
-        self._proposal: tuple[tuple[int, ...], int] | None = None
+        self._proposal: tuple[Proposal, int] | None = None
 
     # ---- planning --------------------------------------------------------------------
 
@@ -120,7 +122,8 @@ class Rebalancer:
         if not decision.move:
             self._proposal = None
         elif not force and not dry_run:
-            decision = self._confirmed(decision, view)
+            key = (view.optimal.boundaries, view.current.stage_ids)
+            decision = self._confirmed(decision, key, view.current.stage_ids)
         if not dry_run:
             self._log_decision(decision, reason)
         if not decision.move or dry_run:
@@ -130,19 +133,18 @@ class Rebalancer:
         self._proposal = None
         return self.move(view.current.stages, view.optimal.boundaries, reason, decision.gain)
 
-    def _confirmed(self, decision: Decision, view: PlanView) -> Decision:
-        """Holds a move back until a later step's measurements propose the same partition."""
+    def _confirmed(self, decision: Decision, key: Proposal, stage_ids: Sequence[str]) -> Decision:
+        """Holds a move back until a later step's measurements propose the same partition
+        (``key``: its boundaries and chain)."""
         steps = [
-            m.committed_step
-            for sid in view.current.stage_ids
-            if (m := self.c.members.by_id(sid)) is not None
+            m.committed_step for sid in stage_ids if (m := self.c.members.by_id(sid)) is not None
         ]
         step = min(steps, default=0)
         proposal = self._proposal
-        if proposal is not None and proposal[0] == view.optimal.boundaries and step > proposal[1]:
+        if proposal is not None and proposal[0] == key and step > proposal[1]:
             return decision
-        if proposal is None or proposal[0] != view.optimal.boundaries:
-            self._proposal = (view.optimal.boundaries, step)
+        if proposal is None or proposal[0] != key:
+            self._proposal = (key, step)
         return replace(
             decision,
             move=False,
@@ -338,7 +340,58 @@ class Rebalancer:
             return
         if self.c.store.get(epochs.CHANGE_KEY) is not None:
             return
-        self.rebalance(dry_run=False, reason="auto", force=False)
+        outcome = self.rebalance(dry_run=False, reason="auto", force=False)
+        if not outcome.changed:
+            self.scale_out()
+
+    def scale_out(self) -> MoveOutcome | None:
+        """Adds a spare to the chain when the planner predicts a gain the policy accepts.
+
+        The first ``reserve_spares`` spares (in registration order) stay out, ready to
+        replace a stage that dies. The spare goes where it helps most.
+        """
+        job, current = self.c.require_job()
+        spares = self.c.spares()[self.policy.reserve_spares :]
+        if not spares or current.num_stages >= current.num_layers:
+            return None
+        spare = spares[0]
+        costs = self.c.costs()
+        best: tuple[tuple[StageRef, ...], Plan] | None = None
+        for position in range(current.num_stages + 1):
+            refs = list(current.stages)
+            refs.insert(position, self._ref(spare))
+            speeds = self.c.speeds([r.stage_id for r in refs])
+            candidate = plan(costs, speeds, *self.c.links(len(refs)))
+            if best is None or candidate.bottleneck < best[1].bottleneck:
+                best = (tuple(refs), candidate)
+        assert best is not None
+        chain, optimum = best
+        speeds = self.c.speeds(current.stage_ids)
+        now = estimates.evaluate(current.boundaries, costs, speeds, *self.c.links(len(speeds)))
+        target = Partition(current.epoch + 1, current.job_id, optimum.boundaries, chain)
+        decision = decide(
+            self.policy,
+            predict_step_time(now, job.micro_batches, job.schedule),
+            predict_step_time(optimum, job.micro_batches, job.schedule),
+            self.c.bytes_to_move(current, target),
+            time.monotonic() - self.c.last_move,
+            self.c.last_pause,
+            layers_to_move=len(current.moves_to(target)),
+        )
+        if decision.move:
+            key = (optimum.boundaries, tuple(r.stage_id for r in chain))
+            decision = self._confirmed(decision, key, current.stage_ids)
+        self._log_decision(decision, f"scale out with {spare.row.name}")
+        if not decision.move:
+            return None
+        self._proposal = None
+        return self.move(
+            chain,
+            optimum.boundaries,
+            f"scale out: {spare.row.name} joins",
+            decision.gain,
+            kind="scale-out",
+        )
 
     def _measured(self, stage_ids: Sequence[str]) -> bool:
         """Whether every stage of the chain is alive and has reported timings since the

@@ -101,6 +101,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         horizon_steps=args.rebalance_horizon,
         cooldown_s=args.rebalance_cooldown,
         interval_s=args.policy_interval,
+        reserve_spares=args.reserve_spares,
     )
     server = CoordinatorServer(
         args.listen,
@@ -202,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     co.add_argument(
         "--policy-interval", type=float, default=1.0, help="seconds between two re-plans"
+    )
+    co.add_argument(
+        "--reserve-spares",
+        type=int,
+        default=0,
+        help="spares the policy keeps out of the chain, ready to replace a stage that dies "
+        "(the others join the chain when the planner predicts a gain)",
     )
     co.add_argument(
         "--dead-after",

@@ -75,6 +75,8 @@ class LocalCluster:
         self._coordinator_args = list(coordinator_args)
         self._stage_args = list(stage_args)
         self._tmp = tempfile.TemporaryDirectory(prefix="elasticpipe-")
+        if "--state" not in self._coordinator_args:  # a restarted coordinator finds its state
+            self._coordinator_args += ["--state", str(Path(self._tmp.name) / "coordinator.sqlite")]
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._threads = threads_per_stage
@@ -84,13 +86,14 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path, Path]:
         ready = Path(self._tmp.name) / f"{name}.ready"
+        ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(self._threads),
             "ELASTICPIPE_TORCH_THREADS": str(self._threads),
         }
-        with log.open("wb") as out:
+        with log.open("ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "elasticpipe", *args, "--ready-file", str(ready)],
                 stdout=out,
@@ -104,43 +107,81 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Starts every process and waits until all stages have registered."""
         try:
-            proc, ready, log = self._spawn(
-                "coordinator",
-                ["coordinator", "--listen", "127.0.0.1:0", *self._coordinator_args],
-            )
-            self.coordinator = _wait_ready(ready, proc, "coordinator", log, START_TIMEOUT_S)
-            pending = []
-            for i in range(self.num_stages):
-                name = f"stage-{i}"
-                pending.append(
-                    (
-                        name,
-                        *self._spawn(
-                            name,
-                            [
-                                "stage",
-                                "--coordinator",
-                                self.coordinator,
-                                "--listen",
-                                "127.0.0.1:0",
-                                "--name",
-                                name,
-                                "--slowdown",
-                                str(self.slowdowns[i]),
-                                *self._stage_args,
-                            ],
-                        ),
-                    )
-                )
+            self._start_coordinator("127.0.0.1:0")
+            pending = [
+                (f"stage-{i}", self._spawn_stage(f"stage-{i}", i)) for i in range(self.num_stages)
+            ]
             self.stage_addresses = [
                 _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
-                for name, proc, ready, log in pending
+                for name, (proc, ready, log) in pending
             ]
             self.wait_for_stages(self.num_stages, START_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_coordinator(self, listen: str) -> None:
+        proc, ready, log = self._spawn(
+            "coordinator", ["coordinator", "--listen", listen, *self._coordinator_args]
+        )
+        self.coordinator = _wait_ready(ready, proc, "coordinator", log, START_TIMEOUT_S)
+
+    def _spawn_stage(
+        self, name: str, index: int | None = None, extra: Sequence[str] = ()
+    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        slowdown = self.slowdowns[index] if index is not None else 1.0
+        return self._spawn(
+            name,
+            [
+                "stage",
+                "--coordinator",
+                self.coordinator,
+                "--listen",
+                "127.0.0.1:0",
+                "--name",
+                name,
+                "--slowdown",
+                str(slowdown),
+                *self._stage_args,
+                *extra,
+            ],
+        )
+
+    def add_stage(self, name: str, extra: Sequence[str] = ()) -> str:
+        """Starts one more stage process (a spare, or a restarted stage under its old
+        name: a new incarnation); returns its address once it has registered."""
+        proc, ready, log = self._spawn_stage(name, extra=extra)
+        address = _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any(s.address == address and s.alive for s in self.status().stages):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{name} did not register (log: {log})")
+            time.sleep(0.05)
+        if (
+            name.startswith("stage-")
+            and name[6:].isdecimal()
+            and int(name[6:]) < len(self.stage_addresses)
+        ):
+            self.stage_addresses[int(name[6:])] = address
+        return address
+
+    def restart_coordinator(self) -> None:
+        """Starts the coordinator again on its old address, from its state file."""
+        self._start_coordinator(self.coordinator)
+
+    def wait_for_log(self, name: str, text: str, timeout: float = 60.0) -> None:
+        """Waits until ``text`` appears in a process's log (a pause point reached, say)."""
+        log = self.log_dir / f"{name}.log"
+        deadline = time.monotonic() + timeout
+        while not (log.exists() and text in log.read_text(errors="replace")):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{text!r} did not appear in {log} within {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def name_of(self, address: str) -> str:
+        """The process name of a stage address."""
+        return f"stage-{self.stage_addresses.index(address)}"
 
     def status(self, timeout: float = 10.0) -> coordinator_pb2.StatusResponse:
         """The coordinator's status."""
@@ -172,6 +213,12 @@ class LocalCluster:
         proc = self.procs[name]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+    def terminate(self, name: str, timeout: float = 60.0) -> int:
+        """Sends SIGTERM to one process and waits for it to exit; returns its exit code."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout=timeout)
 
     def stop(self, grace: float = 5.0) -> None:
         """Stops every process: SIGTERM, then SIGKILL after ``grace`` seconds.

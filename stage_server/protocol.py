@@ -377,8 +377,9 @@ class StepMachine:
         A run of an older client that is still computing can never commit: it is woken.
         """
         self.fence = max(self.fence, client)
-        if self.phase is Phase.RUNNING and self.active_client < self.fence:
-            self.closed_below = max(self.closed_below, self.active_run + 1)
+        woken = self.active_run < self.closed_below  # already told to stop
+        if self.phase is Phase.RUNNING and self.active_client < self.fence and not woken:
+            self.closed_below = self.active_run + 1
             return [Effect(Do.WAKE_RUN, run=self.active_run)]
         return []
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from elasticpipe import codec
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
-from elasticpipe.errors import UserCodeError, PermissionDenied
+from elasticpipe.errors import PermissionDenied, UserCodeError
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 

@@ -1,0 +1,87 @@
+"""Tests of the stage's snapshot store and snapshotter: double buffering, pruning, copies."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from elasticpipe import codec
+from elasticpipe.errors import NotReady, StageUnavailable
+from elasticpipe.stage_server.snapshots import (
+    Capture,
+    Holding,
+    SnapshotStore,
+    Snapshotter,
+    check_copy,
+)
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def test_the_last_two_complete_snapshots_are_kept() -> None:
+    """A third complete snapshot drops the oldest; copies are kept per source the same way."""
+    store = SnapshotStore(keep=2)
+    for step in (10, 20, 30):
+        assert store.add_own("j", step, {0: b"own%d" % step}, store.generation)
+        store.add_copy("b", "j", step, {1: b"copy%d" % step})
+    assert store.get("j", 10, 0) is None
+    assert store.get("j", 30, 0) == b"own30" and store.get("j", 20, 1) == b"copy20"
+    assert store.get("other-job", 30, 0) is None
+    assert sorted(store.holdings(), key=lambda h: (h.replica, h.step)) == [
+        Holding("j", 20, (0,), False),
+        Holding("j", 30, (0,), False),
+        Holding("j", 20, (1,), True),
+        Holding("j", 30, (1,), True),
+    ]
+
+
+def test_prune_after_a_rollback_and_captures_taken_before_it() -> None:
+    """prune(k) drops steps after k; a capture taken before the prune is not kept."""
+    store = SnapshotStore()
+    store.add_own("j", 10, {0: b"a"}, store.generation)
+    stale = store.generation
+    store.add_own("j", 20, {0: b"b"}, stale)
+    store.prune(10)
+    assert [h.step for h in store.holdings()] == [10]
+    assert not store.add_own("j", 30, {0: b"c"}, stale)
+    store.prune(None)
+    assert store.holdings() == [] and store.nbytes() == 0
+
+
+def test_the_snapshotter_packs_stores_and_pushes_off_the_critical_path() -> None:
+    """A capture is packed, stored and pushed on the snapshotter's thread; a failed push
+    keeps the snapshot here and is logged, not raised."""
+    store = SnapshotStore()
+    pushed: list[tuple[str, int, list[int]]] = []
+    fail = threading.Event()
+
+    def push(peer: str, capture: Capture, blobs: Iterator[tuple[int, bytes]]) -> None:
+        if fail.is_set():
+            raise StageUnavailable("peer gone")
+        pushed.append((peer, capture.step, [layer for layer, _ in blobs]))
+
+    snapper = Snapshotter(store, push, lambda: None)
+    try:
+        state = {"index": 0, "model": {"w": torch.ones(2)}}
+        snapper.submit(Capture("j", 4, "s0", {0: state}, "h:2", store.generation))
+        assert snapper.flush(10)
+        assert pushed == [("h:2", 4, [0])]
+        assert codec.unpack_state(store.get("j", 4, 0) or b"")["model"]["w"].tolist() == [1, 1]
+        fail.set()
+        snapper.submit(Capture("j", 8, "s0", {0: state}, "h:2", store.generation))
+        assert snapper.flush(10)
+        assert store.get("j", 8, 0) is not None
+    finally:
+        snapper.close()
+
+
+def test_copies_are_kept_only_for_this_job_and_chain() -> None:
+    """A copy of another job, or from a stage outside the chain, is refused."""
+    check_copy("j", "j", "a", ("a", "b"))
+    with pytest.raises(NotReady, match="job 'x'"):
+        check_copy("x", "j", "a", ("a", "b"))
+    with pytest.raises(NotReady, match="not in the chain"):
+        check_copy("j", "j", "z", ("a", "b"))
