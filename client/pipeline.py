@@ -74,8 +74,8 @@ log = structlog.get_logger()
 RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
 CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"
 RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
-# Tests only: "before_commit:STEP" blocks the client there, so a test can kill it exactly
-# between RunStep and CommitStep.
+# Tests only: "before_commit:STEP" (or "after_commit:STEP") blocks the client there, so a
+# test can kill it exactly between RunStep and CommitStep (or after a partial commit).
 ENV_TEST_PAUSE = "ELASTICPIPE_TEST_PAUSE"
 # Failures after which the step is retried once the job has recovered.
 RECOVERABLE = (StageUnavailable, DeadlineExceeded, StepAborted, TransferError, NotReady)
@@ -490,7 +490,12 @@ class Pipeline:
                     raise
                 refused_at = refused_at or time.monotonic()
                 log.info("step_retried", step=step, epoch=partition.epoch, reason=str(exc))
-                partition = self._refresh(deadline, refused_at)
+                try:
+                    partition = self._refresh(deadline, refused_at)
+                except CoordinatorUnavailable:
+                    # The stages may be frozen by a coordinator that died: its restart (or
+                    # their freeze lease) releases them; training needs no coordinator.
+                    time.sleep(0.5)
                 if train and self._step + 1 != step:
                     raise _RolledBack() from exc
             except ElasticPipeError:
@@ -502,9 +507,7 @@ class Pipeline:
     def _train_one(self, step: int, batch: _Batch) -> tuple[float, list[stage_pb2.StepReport], int]:
         """Runs and commits one step; returns its loss, reports and attempts."""
         reports, partition, run_id, attempts = self._run(step, batch, train=True)
-        if os.environ.get(ENV_TEST_PAUSE) == f"before_commit:{step}":
-            log.warning("paused_at", point="before_commit", step=step)
-            threading.Event().wait()
+        self._test_pause("before_commit", step)
         self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=True)
         try:
             driver.commit(self._clients, partition, run_id, step, self._client)
@@ -513,10 +516,17 @@ class Pipeline:
             # ``previous``, or are replaced by recovery if they are dead.
             log.warning("commit_incomplete", step=step, stages=sorted(exc.failed), error=str(exc))
             self._step = step
+            self._test_pause("after_commit", step)
             self._report_failure(exc)
             return float(sum(reports[-1].losses)), reports, attempts
         self._step = step
+        self._test_pause("after_commit", step)
         return float(sum(reports[-1].losses)), reports, attempts
+
+    def _test_pause(self, point: str, step: int) -> None:
+        if os.environ.get(ENV_TEST_PAUSE) == f"{point}:{step}":
+            log.warning("paused_at", point=point, step=step)
+            threading.Event().wait()
 
     def _report_failure(self, exc: ElasticPipeError) -> list[str]:
         """Tells the coordinator; returns the stages it declared dead."""

@@ -29,7 +29,7 @@ from elasticpipe.v1 import stage_pb2
 
 log = structlog.get_logger()
 
-PAUSE_POINTS = ("before_commit_point", "after_commit_point")
+PAUSE_POINTS = ("after_freeze", "before_commit_point", "after_commit_point")
 
 
 class Coordinator:
@@ -43,12 +43,15 @@ class Coordinator:
         heartbeat_interval_s: float = 1.0,
         link_bandwidth: float = 0.0,
         pause_at: str = "",
+        freeze_lease_s: float = 60.0,
     ):
         if pause_at and pause_at not in PAUSE_POINTS:
             raise InvalidRequest(
                 f"unknown pause point {pause_at!r} (choose from {list(PAUSE_POINTS)})"
             )
-        self.cluster = Cluster(store, dead_after_s, heartbeat_interval_s, link_bandwidth)
+        self.cluster = Cluster(
+            store, dead_after_s, heartbeat_interval_s, link_bandwidth, freeze_lease_s
+        )
         self._pause_at = pause_at
         self._released = threading.Event()
         self.jobs = Jobs(self.cluster, self._pause)

@@ -39,7 +39,6 @@ log = structlog.get_logger()
 COMMIT_ATTEMPTS = 4
 FREEZE_TIMEOUT_S = 60.0
 TRANSFER_TIMEOUT_S = 120.0
-LEASE_S = 60.0  # how long a frozen stage waits for news before it acts or asks
 CHANGE_KEY = "epoch_change"
 
 Pause = Callable[[str], None]  # a test hook: blocks at "before_commit_point" and the like
@@ -112,7 +111,7 @@ class MoveResult:
     cut_steps: tuple[int, ...] = ()  # each old-chain stage's committed step at the freeze
 
 
-def freeze(cluster: Cluster, change: Change, lease_s: float = LEASE_S) -> list[int]:
+def freeze(cluster: Cluster, change: Change, lease_s: float | None = None) -> list[int]:
     """Phase 1: holds every involved stage at its step boundary.
 
     Returns:
@@ -120,14 +119,16 @@ def freeze(cluster: Cluster, change: Change, lease_s: float = LEASE_S) -> list[i
     """
     cluster.store.put(CHANGE_KEY, change.record("preparing"))
     request = stage_pb2.EpochRequest(
-        epoch=change.new.epoch, lease_s=lease_s, abort_running=change.abort_running
+        epoch=change.new.epoch,
+        lease_s=lease_s or cluster.freeze_lease_s,
+        abort_running=change.abort_running,
     )
     replies = cluster.pool.all([(a, request) for a in change.involved], "Freeze", FREEZE_TIMEOUT_S)
     return [int(r.committed_step) for r in replies]
 
 
 def prepare(
-    cluster: Cluster, job: JobConfig, change: Change, cut: int, lease_s: float = LEASE_S
+    cluster: Cluster, job: JobConfig, change: Change, cut: int, lease_s: float | None = None
 ) -> int:
     """Phase 2: every stage of the new chain gathers and stages its layers.
 
@@ -166,7 +167,7 @@ def prepare(
                     source_epoch=change.old.epoch,
                     rollback=rollback and not change.restored_by_client,
                     restored_by_client=change.restored_by_client,
-                    lease_s=lease_s,
+                    lease_s=lease_s or cluster.freeze_lease_s,
                 ),
             )
         )
@@ -230,6 +231,7 @@ def change_epoch(
     moved = change.old.moves_to(change.new)
     try:
         steps = freeze(cluster, change)
+        pause("after_freeze")
         old_chain = set(change.old.addresses)
         cut_steps = tuple(s for a, s in zip(involved, steps, strict=True) if a in old_chain)
         if change.rollback_step is not None:

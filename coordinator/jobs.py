@@ -46,6 +46,7 @@ PROFILE_REPEATS = 5
 STAGE_CALL_TIMEOUT_S = 120.0
 SETTLE_WAIT_S = 10.0
 RESTORE_LEASE_S = 600.0
+COPIES_WAIT_S = 30.0
 DEFAULT_LEASE_S = 15.0
 # What must match for a client to resume a job (everything but the id).
 RESUME_FIELDS = (
@@ -316,6 +317,7 @@ class Jobs:
             for member in chosen:
                 member.timings, member.speed = {}, None
             self.c.last_move = time.monotonic()
+            self.wait_for_copies(partition, job, 0)
             client = self._grant(job.job_id, lease_s, holder)
         log.info(
             "job_started",
@@ -350,6 +352,33 @@ class Jobs:
             speeds={self.c.name(s): round(v, 3) for s, v in profile.speeds.items()},
         )
         return profile
+
+    def wait_for_copies(self, partition: Partition, job: JobConfig, step: int) -> bool:
+        """Waits until the snapshot of ``step`` (taken when a job starts or a checkpoint
+        is loaded) has its copies everywhere, so that a failure right after can recover.
+
+        Returns:
+            Whether the copies arrived within ``COPIES_WAIT_S`` (else a warning is logged).
+        """
+        if not job.snapshot_every:
+            return True
+        need = 2 if partition.num_stages > 1 else 1
+        probe = stage_pb2.StatsRequest()
+        deadline = time.monotonic() + COPIES_WAIT_S
+        while True:
+            results = self.c.pool.each([(a, probe) for a in partition.addresses], "GetStats", 5.0)
+            held = {
+                sid: list(r.snapshots)
+                for sid, r in zip(partition.stage_ids, results, strict=True)
+                if not isinstance(r, ElasticPipeError)
+            }
+            found = copies.copies_by_step(held, job.job_id)
+            if copies.newest_step(found, partition.num_layers, held, need, at_most=step) == step:
+                return True
+            if time.monotonic() > deadline:
+                log.warning("snapshot_copies_late", step=step, waited_s=COPIES_WAIT_S)
+                return False
+            time.sleep(0.05)
 
     # ---- settling undecided runs -----------------------------------------------------
 
@@ -482,6 +511,7 @@ class Jobs:
                 raise
             self.c.adopt(new)
             epochs.commit(self.c, change)
+            self.wait_for_copies(new, job, step)
             self.c.store.add_epoch(
                 EpochRow(
                     epoch=epoch,

@@ -28,6 +28,7 @@ class CoordinatorServer:
         heartbeat_interval_s: float = 1.0,
         link_bandwidth: float = 0.0,
         pause_at: str = "",
+        freeze_lease_s: float = 60.0,
     ):
         self._listen = listen
         self._state = state
@@ -36,6 +37,7 @@ class CoordinatorServer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._link_bandwidth = link_bandwidth
         self._pause_at = pause_at
+        self._freeze_lease_s = freeze_lease_s
         self.coordinator: Coordinator | None = None
         self._server: RunningServer | None = None
 
@@ -54,6 +56,7 @@ class CoordinatorServer:
             self._heartbeat_interval_s,
             self._link_bandwidth,
             self._pause_at,
+            self._freeze_lease_s,
         )
         self._server = start_server(
             self._listen,

@@ -42,8 +42,10 @@ class Cluster:
         dead_after_s: float = 5.0,
         heartbeat_interval_s: float = 1.0,
         link_bandwidth: float = 0.0,
+        freeze_lease_s: float = 60.0,
     ):
         self.store = store
+        self.freeze_lease_s = freeze_lease_s  # how long a frozen stage waits for news
         self.members = Membership(store, dead_after_s)
         self.pool = rpc.StagePool()
         self.heartbeat_interval_s = heartbeat_interval_s

@@ -111,6 +111,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         args.heartbeat_interval,
         args.link_bandwidth,
         args.pause_at,
+        args.freeze_lease,
     ).start()
     return _serve_until_signalled(server, args.ready_file)
 
@@ -225,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BYTES_PER_S",
         help="bandwidth between neighbouring hosts; when given, the planner counts the "
         "activations and gradients crossing each cut (default: links are free)",
+    )
+    co.add_argument(
+        "--freeze-lease",
+        type=float,
+        default=60.0,
+        help="seconds a stage frozen for an epoch change waits for news from the coordinator "
+        "before it abandons the change (or, prepared, asks for its outcome)",
     )
     co.add_argument("--ready-file", help=argparse.SUPPRESS)
     co.add_argument("--pause-at", default="", help=argparse.SUPPRESS)  # tests: block there

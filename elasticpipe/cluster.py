@@ -166,8 +166,12 @@ class LocalCluster:
             self.stage_addresses[int(name[6:])] = address
         return address
 
-    def restart_coordinator(self) -> None:
-        """Starts the coordinator again on its old address, from its state file."""
+    def restart_coordinator(self, args: Sequence[str] | None = None) -> None:
+        """Starts the coordinator again on its old address, from its state file (with
+        ``args`` instead of the original flags, if given)."""
+        if args is not None:
+            state = self._coordinator_args[self._coordinator_args.index("--state") + 1]
+            self._coordinator_args = [*args, "--state", state]
         self._start_coordinator(self.coordinator)
 
     def wait_for_log(self, name: str, text: str, timeout: float = 60.0) -> None:

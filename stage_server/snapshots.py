@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +138,7 @@ class Capture:
     generation: int  # the store's generation when captured
 
 
-Pusher = Callable[[str, Capture, Iterator[tuple[int, bytes]]], None]
+Pusher = Callable[[str, Capture, Sequence[tuple[int, bytes]]], None]
 
 
 class Snapshotter:
@@ -177,7 +177,7 @@ class Snapshotter:
                 kept = self._store.add_own(capture.job_id, capture.step, blobs, capture.generation)
                 self._before_push()
                 if kept and capture.peer:
-                    self._push(capture.peer, capture, iter(sorted(blobs.items())))
+                    self._push(capture.peer, capture, sorted(blobs.items()))
             except ElasticPipeError as exc:
                 log.warning(
                     "snapshot_copy_failed",
@@ -201,3 +201,13 @@ def check_copy(job_id: str, current_job: str, source: str, chain: tuple[str, ...
         raise NotReady(f"snapshot copy of job {job_id!r}, but this stage runs {current_job!r}")
     if source not in chain:
         raise NotReady(f"snapshot copy from {source!r}, which is not in the chain {list(chain)}")
+
+
+def check_layers(blobs: Mapping[int, bytes], source: str, step: int) -> None:
+    """Refuses a copy without layers (a stream cut before its first layer).
+
+    Raises:
+        InvalidRequest: no layer in the copy.
+    """
+    if not blobs:
+        raise InvalidRequest(f"snapshot copy of step {step} from {source!r} holds no layer")

@@ -44,6 +44,7 @@ from elasticpipe.stage_server.snapshots import (
     SnapshotStore,
     Snapshotter,
     check_copy,
+    check_layers,
 )
 from elasticpipe.v1 import stage_pb2
 
@@ -643,7 +644,7 @@ class Stage:
             )
         )
 
-    def _push_copy(self, peer: str, capture: Capture, blobs: Iterator[tuple[int, bytes]]) -> None:
+    def _push_copy(self, peer: str, capture: Capture, blobs: Sequence[tuple[int, bytes]]) -> None:
         transfers.push_snapshot(self._peers, peer, capture, blobs, SNAPSHOT_PUSH_TIMEOUT_S)
 
     def keep_copy(self, job_id: str, step: int, source: str, blobs: dict[int, bytes]) -> None:
@@ -651,6 +652,7 @@ class Stage:
         with self._cond:
             chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
             check_copy(job_id, self.job.job_id if self.job else "", source, chain)
+        check_layers(blobs, source, step)
         self.snapshots.add_copy(source, job_id, step, blobs)
 
     def holdings(self) -> list[Holding]:

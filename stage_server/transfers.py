@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -20,7 +20,7 @@ from elasticpipe.stage_server.snapshots import Capture
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
-PUSH_RETRIES = 10
+PUSH_RETRIES = 40
 
 
 def pull_layer(
@@ -77,7 +77,7 @@ def push_snapshot(
     pool: rpc.StagePool,
     address: str,
     capture: Capture,
-    blobs: Iterator[tuple[int, bytes]],
+    blobs: Sequence[tuple[int, bytes]],
     timeout: float,
 ) -> None:
     """Sends a snapshot's packed layers to the stage that keeps its copy.
@@ -102,6 +102,7 @@ def push_snapshot(
         except NotReady:
             # The peer may not have taken the job (or the chain) yet: at a job's start every
             # stage is assigned at once, and step 0's copy can arrive first.
-            if time.monotonic() + 0.1 * (attempt + 1) > deadline or attempt >= PUSH_RETRIES:
+            delay = min(0.02 * (attempt + 1), 0.5)
+            if time.monotonic() + delay > deadline or attempt >= PUSH_RETRIES:
                 raise
-            time.sleep(0.1 * (attempt + 1))
+            time.sleep(delay)
