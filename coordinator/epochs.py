@@ -281,6 +281,19 @@ def finish_pending(cluster: Cluster) -> None:
         request = stage_pb2.EpochRequest(epoch=epoch)
         cluster.pool.each([(a, request) for a in involved], "CommitEpoch", 30.0)
         cluster.store.delete(CHANGE_KEY)
+        cluster.store.add_epoch(
+            EpochRow(
+                epoch=epoch,
+                at=time.time(),
+                reason=f"{record.get('reason')} (finished after a coordinator restart)",
+                boundaries=new.boundaries,
+                stage_ids=new.stage_ids,
+                kind=str(record.get("kind")),
+                job_id=new.job_id,
+                stage_names=tuple(cluster.names(new.stage_ids)),
+                restored_step=new.restored_step if new.restore_epoch == epoch else 0,
+            )
+        )
         return
     log.warning("epoch_change_rolled_back", epoch=epoch, kind=record.get("kind"))
     abort(cluster, epoch, involved, "the coordinator restarted before the commit point")

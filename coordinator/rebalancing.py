@@ -73,7 +73,7 @@ class Rebalancer:
         self._last_decision = ""
         # An automatic move must be proposed twice, from measurements of two different
         # committed steps: a speed change seen halfway through a step is only half-measured.
-        self._proposal: tuple[Proposal, int] | None = None
+        self._proposals: dict[str, tuple[Proposal, int]] = {}  # per kind: "move", "scale-out"
 
     # ---- planning --------------------------------------------------------------------
 
@@ -120,31 +120,33 @@ class Rebalancer:
             epoch=view.current.epoch + 1, boundaries=view.optimal.boundaries
         )
         if not decision.move:
-            self._proposal = None
+            self._proposals.pop("move", None)
         elif not force and not dry_run:
             key = (view.optimal.boundaries, view.current.stage_ids)
-            decision = self._confirmed(decision, key, view.current.stage_ids)
+            decision = self._confirmed("move", decision, key, view.current.stage_ids)
         if not dry_run:
             self._log_decision(decision, reason)
         if not decision.move or dry_run:
             return MoveOutcome(
                 False, view.current, decision.reason, decision.gain, view.bytes_to_move, 0.0, target
             )
-        self._proposal = None
+        self._proposals.pop("move", None)
         return self.move(view.current.stages, view.optimal.boundaries, reason, decision.gain)
 
-    def _confirmed(self, decision: Decision, key: Proposal, stage_ids: Sequence[str]) -> Decision:
+    def _confirmed(
+        self, kind: str, decision: Decision, key: Proposal, stage_ids: Sequence[str]
+    ) -> Decision:
         """Holds a move back until a later step's measurements propose the same partition
         (``key``: its boundaries and chain)."""
         steps = [
             m.committed_step for sid in stage_ids if (m := self.c.members.by_id(sid)) is not None
         ]
         step = min(steps, default=0)
-        proposal = self._proposal
+        proposal = self._proposals.get(kind)
         if proposal is not None and proposal[0] == key and step > proposal[1]:
             return decision
         if proposal is None or proposal[0] != key:
-            self._proposal = (key, step)
+            self._proposals[kind] = (key, step)
         return replace(
             decision,
             move=False,
@@ -380,11 +382,13 @@ class Rebalancer:
         )
         if decision.move:
             key = (optimum.boundaries, tuple(r.stage_id for r in chain))
-            decision = self._confirmed(decision, key, current.stage_ids)
+            decision = self._confirmed("scale-out", decision, key, current.stage_ids)
+        else:
+            self._proposals.pop("scale-out", None)
         self._log_decision(decision, f"scale out with {spare.row.name}")
         if not decision.move:
             return None
-        self._proposal = None
+        self._proposals.pop("scale-out", None)
         return self.move(
             chain,
             optimum.boundaries,

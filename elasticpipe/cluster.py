@@ -173,6 +173,15 @@ class LocalCluster:
             state = self._coordinator_args[self._coordinator_args.index("--state") + 1]
             self._coordinator_args = [*args, "--state", state]
         self._start_coordinator(self.coordinator)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # answering (channels to the old one may still be backing off)
+            try:
+                self.status()
+                return
+            except StageUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def wait_for_log(self, name: str, text: str, timeout: float = 60.0) -> None:
         """Waits until ``text`` appears in a process's log (a pause point reached, say)."""

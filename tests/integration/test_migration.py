@@ -13,7 +13,7 @@ import torch
 from elasticpipe import models, rpc
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
-from elasticpipe.errors import TransferError
+from elasticpipe.errors import InvalidRequest, TransferError
 from elasticpipe.training import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
@@ -293,3 +293,117 @@ def test_auto_rebalance_moves_layers_off_a_straggler_and_stays_exact() -> None:
         state = pipe.state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_undrain_works_after_other_moves(cluster: LocalCluster) -> None:
+    """drain, then another move, then undrain: the returning stage pulls its layers from
+    their owners at the current epoch (not its own, older one), and results stay exact."""
+    admin = Admin(cluster.coordinator)
+    drained: list[str] = []
+
+    def between(step: int, pipe: Pipeline) -> None:
+        part = pipe.partition
+        if step == 2:
+            drained.append(cluster.name_of(part.addresses[1]))
+            assert admin.drain(drained[0]).changed
+        elif step == 3:
+            assert admin.set_partition([0, 1, part.num_layers]).changed
+        elif step == 4:
+            reply = admin.drain(drained[0], back=True)
+            assert reply.changed and len(reply.partition.addresses) == 3
+
+    _train_and_compare(cluster, "mlp", 3, 6, between)
+
+
+@pytest.mark.timeout(300)
+def test_set_partition_refuses_what_would_lose_a_layer(cluster: LocalCluster) -> None:
+    """A stage listed twice, an unknown stage, or ranges that skip or overrun a layer are
+    refused with INVALID_ARGUMENT naming the value, before anything changes; training goes
+    on exactly."""
+    admin = Admin(cluster.coordinator)
+
+    def between(step: int, pipe: Pipeline) -> None:
+        if step != 2:
+            return
+        part = pipe.partition
+        names = [cluster.name_of(a) for a in part.addresses]
+        cases = [
+            ([0, 3, 6, part.num_layers], [names[0], names[0], names[1]], "listed twice"),
+            ([0, 3, 6, part.num_layers], [names[0], "nobody", names[1]], "unknown stage"),
+            ([0, 3, part.num_layers + 2, part.num_layers], [], "boundaries"),
+            ([0, 3, 3, part.num_layers], [], "without layers"),
+        ]
+        for boundaries, stages, match in cases:
+            request = coordinator_pb2.SetPartitionRequest(boundaries=boundaries, stage_ids=stages)
+            with pytest.raises(InvalidRequest, match=match):
+                admin.call("SetPartition", request)
+        status = admin.status()
+        assert status.partition.epoch == part.epoch
+        assert tuple(status.partition.boundaries) == part.boundaries
+
+    _train_and_compare(cluster, "mlp", 3, 4, between)
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_that_joins_is_added_when_the_planner_predicts_a_gain() -> None:
+    """A stage registering while a job runs is a spare; the policy adds it to the chain
+    (scale-out, a normal migration) once the planner predicts a gain over the threshold,
+    and training stays exact."""
+    sgd = {"lr": 0.01}
+    kwargs = {"sizes": [128] * 9}
+    reference = models.build("mlp", seed=1, **kwargs)
+    ref_opt = make_optimizer("sgd", reference.parameters(), sgd)
+    g = torch.Generator().manual_seed(3)
+    with (
+        LocalCluster(
+            stages=2,
+            slowdowns=[3.0, 3.0],
+            coordinator_args=[
+                "--heartbeat-interval",
+                "0.3",
+                "--policy-interval",
+                "0.3",
+                "--rebalance-cooldown",
+                "1",
+                "--rebalance-horizon",
+                "1000",
+            ],
+        ) as cluster,
+        Pipeline(
+            coordinator=cluster.coordinator,
+            model="mlp",
+            model_kwargs=kwargs,
+            seed=1,
+            optimizer="sgd",
+            optimizer_kwargs=sgd,
+            loss="mse",
+            micro_batches=4,
+        ) as pipe,
+    ):
+
+        def step() -> None:
+            x, y = torch.randn(32, 128, generator=g), torch.randn(32, 128, generator=g)
+            got = pipe.train_step(x, y)
+            want = reference_step(reference, ref_opt, "mse", x, y)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+
+        for _ in range(3):
+            step()
+        assert pipe.partition.num_stages == 2
+        spare = cluster.add_stage("late", ["--slowdown", "3"])
+        assert any(s.state == "spare" for s in cluster.status().stages if s.address == spare)
+        deadline = time.monotonic() + 60
+        while pipe.partition.num_stages == 2 and time.monotonic() < deadline:
+            step()
+        assert spare in pipe.partition.addresses, "the spare was never added"
+        assert admin_history_kinds(cluster)[-1] == "scale-out"
+        for _ in range(2):
+            step()
+        state = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value)
+
+
+def admin_history_kinds(cluster: LocalCluster) -> list[str]:
+    return [r.kind for r in Admin(cluster.coordinator).status().history]

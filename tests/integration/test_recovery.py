@@ -15,118 +15,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
-from elasticpipe import models, rpc
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import JobInUse
-from elasticpipe.training import make_optimizer, reference_step
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
-
-KWARGS = {"sizes": [12, 24, 24, 24, 24, 6]}  # 9 layers
-ADAM = {"lr": 1e-2}
-STEPS = 10
-FAST = [
-    "--heartbeat-interval",
-    "0.2",
-    "--dead-after",
-    "2",
-    "--no-auto-rebalance",
-]
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mini-batch of a step (the same whoever trains it, however often)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(10, 12, generator=g), torch.randint(0, 6, (10,), generator=g)
-
-
-def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = models.build("mlp", seed=3, **KWARGS)
-    opt = make_optimizer("adam", model.parameters(), ADAM)
-    losses = [reference_step(model, opt, "cross_entropy", *batch(s)) for s in range(1, steps + 1)]
-    return losses, model.state_dict()
-
-
-REFERENCE = _reference(STEPS)
-
-
-def pipeline(cluster: LocalCluster, **kwargs: object) -> Pipeline:
-    options: dict[str, object] = {
-        "model": "mlp",
-        "model_kwargs": KWARGS,
-        "seed": 3,
-        "optimizer": "adam",
-        "optimizer_kwargs": ADAM,
-        "micro_batches": 3,
-        "stages": 3,
-        "snapshot_every": 3,
-        "lease_s": 3.0,
-    }
-    options.update(kwargs)
-    return Pipeline(coordinator=cluster.coordinator, **options)  # type: ignore[arg-type]
-
-
-def check(losses: dict[int, float], state: dict[str, torch.Tensor], upto: int = STEPS) -> None:
-    """Same losses and same weights as the failure-free run."""
-    want_losses, want_state = _reference(upto) if upto != STEPS else REFERENCE
-    for step in range(1, upto + 1):
-        torch.testing.assert_close(
-            torch.tensor(losses[step]), torch.tensor(want_losses[step - 1]), msg=f"step {step}"
-        )
-    for key, value in want_state.items():
-        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
-
-
-class Trainer:
-    """Runs the training loop on a thread, calling ``before(step)`` before each step."""
-
-    def __init__(self, pipe: Pipeline, before: Callable[[int], None] = lambda step: None):
-        self.pipe, self.before = pipe, before
-        self.losses: dict[int, float] = {}
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            for step in range(self.pipe.step + 1, STEPS + 1):
-                self.before(step)
-                self.losses[step] = self.pipe.train_step(*batch(step))
-        except BaseException as exc:
-            self.error = exc
-
-    def start(self) -> Trainer:
-        self.thread.start()
-        return self
-
-    def finish(self, timeout: float = 120) -> dict[str, torch.Tensor]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "training hung"
-        if self.error is not None:
-            raise self.error
-        return self.pipe.state_dict()
-
-
-def _stage(address: str) -> stage_pb2_grpc.StageServiceStub:
-    return stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(address))
-
-
-def arm(address: str, fault: int, point: str = "") -> None:
-    _stage(address).InjectFault(stage_pb2.FaultRequest(fault=fault, point=point), timeout=10)  # type: ignore[arg-type]
-
-
-def admin(cluster: LocalCluster) -> coordinator_pb2_grpc.CoordinatorServiceStub:
-    return coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(cluster.coordinator))
-
-
-def history(cluster: LocalCluster) -> list[coordinator_pb2.EpochRecord]:
-    return list(cluster.status().history)
+from elasticpipe.v1 import coordinator_pb2, stage_pb2
+from tests.integration.scenario import (
+    FAST,
+    REFERENCE,
+    Trainer,
+    admin,
+    arm,
+    batch,
+    check,
+    history,
+    pipeline,
+    stage,
+)
 
 
 @pytest.fixture(scope="module")
@@ -287,10 +196,9 @@ def test_sigterm_moves_a_stage_off_before_it_exits(cluster: LocalCluster) -> Non
 # ---- the training script killed ----------------------------------------------------------
 
 SCRIPT = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from integration.test_recovery import batch, pipeline, KWARGS
-from elasticpipe.cluster import LocalCluster
+import sys
+sys.path.insert(0, {root!r})
+from tests.integration.scenario import batch, pipeline
 class C: coordinator = {address!r}
 with pipeline(C) as pipe:
     for step in range(pipe.step + 1, 11):
@@ -321,7 +229,7 @@ def test_a_killed_training_script_resumes_as_if_it_never_died(
                 sys.executable,
                 "-c",
                 SCRIPT.format(
-                    tests=str(Path(__file__).resolve().parents[1]), address=cluster.coordinator
+                    root=str(Path(__file__).resolve().parents[2]), address=cluster.coordinator
                 ),
             ],
             stdout=out,
@@ -375,7 +283,7 @@ def test_an_undecided_run_ends_by_the_commit_lease(cluster: LocalCluster, tmp_pa
                 sys.executable,
                 "-c",
                 SCRIPT.format(
-                    tests=str(Path(__file__).resolve().parents[1]), address=cluster.coordinator
+                    root=str(Path(__file__).resolve().parents[2]), address=cluster.coordinator
                 ),
             ],
             stdout=out,
@@ -392,13 +300,13 @@ def test_an_undecided_run_ends_by_the_commit_lease(cluster: LocalCluster, tmp_pa
         script.kill()
         script.wait(10)
     chain = [s.address for s in cluster.status().stages if s.state == "chain"]
-    phases = [_stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).state.phase for a in chain]
+    phases = [stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).state.phase for a in chain]
     assert phases == ["awaiting_commit"] * len(chain)
     deadline = time.monotonic() + 60  # lease 3 s + commit lease 5 s + asking
     while any(
-        _stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).state.phase != "idle" for a in chain
+        stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).state.phase != "idle" for a in chain
     ):
         assert time.monotonic() < deadline, "a stage is still waiting for its commit"
         time.sleep(0.2)
-    steps = {_stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).committed_step for a in chain}
+    steps = {stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).committed_step for a in chain}
     assert steps == {1}

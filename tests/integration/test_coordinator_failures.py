@@ -1,0 +1,123 @@
+"""The coordinator killed at any moment: training goes on, and a restart finishes or
+undoes the epoch change it left in flight; a freeze it cannot end ends by its lease."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.v1 import coordinator_pb2
+from tests.integration.scenario import (
+    FAST,
+    STEPS,
+    Trainer,
+    admin,
+    batch,
+    check,
+    pipeline,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+LEASE = ["--freeze-lease", "4"]
+
+
+@contextlib.contextmanager
+def cluster_pausing_at(point: str) -> Iterator[LocalCluster]:
+    """Three stages and a coordinator that blocks at ``point`` of its next epoch change."""
+    args = [*FAST, *LEASE, *(["--pause-at", point] if point else [])]
+    with LocalCluster(stages=3, coordinator_args=args) as cluster:
+        yield cluster
+
+
+def _move(cluster: LocalCluster, boundaries: list[int]) -> threading.Thread:
+    """Asks for a move on a thread (the coordinator may die before it answers)."""
+
+    def move() -> None:
+        with contextlib.suppress(grpc.RpcError):
+            admin(cluster).SetPartition(
+                coordinator_pb2.SetPartitionRequest(boundaries=boundaries), timeout=120
+            )
+
+    thread = threading.Thread(target=move, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_training_goes_on_while_the_coordinator_is_down() -> None:
+    """Killed between steps, the coordinator is not missed: steps go on; restarted from its
+    state file, it knows the job, the stages and the partition, and rebalancing works."""
+    with cluster_pausing_at("") as cluster, pipeline(cluster) as pipe:
+
+        def before(step: int) -> None:
+            if step == 3:
+                cluster.kill("coordinator")
+            if step == 8:
+                cluster.restart_coordinator()
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        deadline = time.monotonic() + 30
+        while (status := cluster.status()).committed_step != STEPS:  # heard from every stage
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        assert status.job_id == pipe.partition.job_id
+        assert sorted(s.state for s in status.stages) == ["chain"] * 3
+
+
+@pytest.mark.parametrize(
+    ("point", "kind"),
+    [("before_commit_point", "abandoned"), ("after_commit_point", "move")],
+    ids=["rolled-back", "rolled-forward"],
+)
+def test_a_coordinator_killed_mid_migration_finishes_or_undoes_it(point: str, kind: str) -> None:
+    """Killed after every stage prepared a move but before the commit point, the restarted
+    coordinator undoes the move; killed after the commit point, it finishes it. Either way
+    training, which waits meanwhile, ends exact."""
+    with cluster_pausing_at(point) as cluster, pipeline(cluster) as pipe:
+        moved: dict[str, object] = {}
+
+        def before(step: int) -> None:
+            if step != 4:
+                return
+            part = pipe.partition
+            target = [0, part.boundaries[1] + 1, *part.boundaries[2:]]
+            moved["before"], moved["target"] = part.epoch, target
+            _move(cluster, target)
+            cluster.wait_for_log("coordinator", "paused_at", timeout=60)
+            cluster.kill("coordinator")
+            threading.Timer(
+                2.0, cluster.restart_coordinator, kwargs={"args": [*FAST, *LEASE]}
+            ).start()
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        records = list(cluster.status().history)
+        assert records[-1].kind == kind, records
+        assert (list(pipe.partition.boundaries) == moved["target"]) == (kind == "move")
+
+
+def test_a_freeze_whose_coordinator_never_returns_ends_by_its_lease() -> None:
+    """The coordinator dies right after freezing every stage for a move: the stages release
+    themselves when the freeze lease runs out, and training goes on without a coordinator."""
+    with cluster_pausing_at("after_freeze") as cluster, pipeline(cluster) as pipe:
+
+        def before(step: int) -> None:
+            if step == 4:
+                part = pipe.partition
+                _move(cluster, [0, part.boundaries[1] + 1, *part.boundaries[2:]])
+                cluster.wait_for_log("coordinator", "paused_at", timeout=60)
+                cluster.kill("coordinator")
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        assert pipe.step == STEPS
+        cluster.restart_coordinator([*FAST, *LEASE])
+        assert cluster.status().history[-1].kind == "abandoned"
+        assert pipe.train_step(*batch(STEPS + 1)) > 0  # and the restarted one serves it
