@@ -45,6 +45,7 @@ class Member:
     state: stage_pb2.RunState = field(default_factory=stage_pb2.RunState)
     snapshots: list[stage_pb2.SnapshotHolding] = field(default_factory=list)
     dead_reason: str = ""
+    dead_at: float = 0.0  # unix time it was declared dead
 
 
 class Membership:
@@ -135,7 +136,7 @@ class Membership:
             if member is None or member.row.dead:
                 return False
             member.row = replace(member.row, dead=True)
-            member.dead_reason = reason
+            member.dead_reason, member.dead_at = reason, time.time()
             self._store.set_stage(stage_id, dead=True)
             return True
 

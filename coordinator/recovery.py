@@ -222,6 +222,7 @@ class Recovery:
                 stage_names=tuple(self.c.names(new.stage_ids)),
                 restored_step=step,
                 lost_steps=max(lost, 0),
+                detected_at=min((m.dead_at for m in dead if m.dead_at), default=0.0),
                 extra={"recover_s": time.perf_counter() - started},
             )
         )

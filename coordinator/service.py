@@ -225,6 +225,7 @@ class CoordinatorServicer:
                 restored_step=r.restored_step,
                 lost_steps=r.lost_steps,
                 job_id=r.job_id,
+                detected_unix=r.detected_at,
             )
             for r in cluster.store.epochs(job_id=job_id)
         ]

@@ -72,6 +72,7 @@ class EpochRow:
     stage_names: tuple[str, ...] = ()
     restored_step: int = 0
     lost_steps: int = 0
+    detected_at: float = 0.0  # recovery: when the failure was detected (unix time)
 
 
 class Store:

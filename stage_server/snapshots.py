@@ -19,6 +19,8 @@ every older snapshot is dropped; a rollback to step k drops only those after k.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +35,7 @@ from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady
 log = structlog.get_logger()
 
 DEFAULT_KEEP = 2
+SNAPSHOT_NICE = 19
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ class Snapshotter:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        _lower_priority()
         while (capture := self._queue.get()) is not None:
             try:
                 blobs = {i: codec.pack_state(state) for i, state in capture.states.items()}
@@ -189,6 +193,14 @@ class Snapshotter:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+def _lower_priority() -> None:
+    """Runs this thread at the lowest CPU priority where the OS allows it per thread
+    (Linux): packing and copying snapshots then fills the pipeline's idle gaps instead of
+    competing with the step's compute."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SNAPSHOT_NICE)
 
 
 def check_copy(job_id: str, current_job: str, source: str, chain: tuple[str, ...]) -> None:

@@ -651,6 +651,7 @@ class EpochRecord(_message.Message):
     RESTORED_STEP_FIELD_NUMBER: _builtins.int
     LOST_STEPS_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    DETECTED_UNIX_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     at_unix: _builtins.float
     reason: _builtins.str
@@ -664,6 +665,8 @@ class EpochRecord(_message.Message):
     lost_steps: _builtins.int
     """recovery: committed steps undone (to be replayed)"""
     job_id: _builtins.str
+    detected_unix: _builtins.float
+    """recovery: when the failure was detected (a stage declared dead)"""
     @_builtins.property
     def boundaries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -685,10 +688,11 @@ class EpochRecord(_message.Message):
         restored_step: _builtins.int = ...,
         lost_steps: _builtins.int = ...,
         job_id: _builtins.str = ...,
+        detected_unix: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "boundaries", b"boundaries", "bytes_moved", b"bytes_moved", "epoch", b"epoch", "job_id", b"job_id", "kind", b"kind", "layers_moved", b"layers_moved", "lost_steps", b"lost_steps", "pause_s", b"pause_s", "reason", b"reason", "restored_step", b"restored_step", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "boundaries", b"boundaries", "bytes_moved", b"bytes_moved", "detected_unix", b"detected_unix", "epoch", b"epoch", "job_id", b"job_id", "kind", b"kind", "layers_moved", b"layers_moved", "lost_steps", b"lost_steps", "pause_s", b"pause_s", "reason", b"reason", "restored_step", b"restored_step", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

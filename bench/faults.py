@@ -1,0 +1,221 @@
+"""Failures cost time, not results: kill -9 two stages and the coordinator while a GPT trains.
+
+One cluster of 5 stage processes trains a GPT on a chain of 4 (the fifth is a spare).
+Runs of the same script, each a fresh job with the same seed and data:
+
+1. failure-free, snapshots every ``--snapshot-every`` steps (the default), and
+2. failure-free, snapshots off -- the baseline of the snapshot overhead; these two
+   alternate ``--rounds`` times, and the overhead is the median over the rounds (one
+   pair of runs swings by several percent on this shared host);
+3. with failures: a chain stage SIGKILLed a third of the way in (the spare replaces it),
+   the coordinator SIGKILLed halfway and restarted a few steps later, another chain stage
+   SIGKILLed at two thirds (no spare is left: the job shrinks to 3 stages).
+
+Per event it prints: detection (kill -> the coordinator declares the stage dead),
+recovery (kill -> the next committed step, minus the compute of the steps replayed and
+of that step itself, at the failure-free run's median step time), the steps replayed
+and the bytes restored. For the runs: steps/s with failures against the failure-free
+run, the snapshot overhead (run 1 against run 2), and whether run 3 ends with exactly the
+weights of run 1. The last line is JSON.
+
+Usage: ``python bench/faults.py [--steps N] [--snapshot-every K]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+
+MODEL = {"vocab_size": 96, "d_model": 96, "n_heads": 4, "n_layers": 8, "max_seq_len": 32}
+BATCH, SEQ = 16, 32
+
+
+@dataclass
+class Run:
+    """What one training run measured."""
+
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    events: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def steps_per_s(self) -> float:
+        return len(self.losses) / self.seconds
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool = False) -> Run:
+    """Trains ``steps`` steps as a fresh job; injects the failures if asked."""
+    run = Run()
+    plan = {steps // 3: "stage", steps // 2: "coordinator", 2 * steps // 3: "stage"}
+    restart_at = steps // 2 + 5
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model="gpt",
+        model_kwargs=MODEL,
+        seed=0,
+        optimizer="adam",
+        optimizer_kwargs={"lr": 1e-3},
+        micro_batches=4,
+        stages=4,
+        snapshot_every=snapshot_every,
+    ) as pipe:
+        pipe.train_step(*batch(0))  # job setup and profiling, not timed
+        started = time.perf_counter()
+        for step in range(1, steps + 1):
+            event = plan.get(step) if failures else None
+            killed_at = 0.0
+            if event == "stage":
+                victim = cluster.name_of(pipe.partition.addresses[1])
+                killed_at = time.time()
+                cluster.kill(victim)
+            elif event == "coordinator":
+                killed_at = time.time()
+                cluster.kill("coordinator")
+            if failures and step == restart_at:
+                threading.Thread(target=cluster.restart_coordinator, daemon=True).start()
+            t0 = time.perf_counter()
+            run.losses.append(pipe.train_step(*batch(step)))
+            run.step_s.append(time.perf_counter() - t0)
+            if event:
+                run.events.append(
+                    {
+                        "event": f"kill {victim}" if event == "stage" else "kill coordinator",
+                        "killed_unix": killed_at,
+                        "returned_unix": time.time(),
+                        "replayed_steps": pipe.last_step.replayed,
+                    }
+                )
+        run.seconds = time.perf_counter() - started
+        run.state = pipe.state_dict()
+    return run
+
+
+def recoveries(cluster: LocalCluster, run: Run, step_s: float) -> list[dict[str, object]]:
+    """Joins the run's events with the coordinator's recovery records."""
+    records = [r for r in cluster.status().history if r.kind == "recovery"]
+    out = []
+    for event in run.events:
+        killed = float(event["killed_unix"])  # type: ignore[arg-type]
+        returned = float(event["returned_unix"])  # type: ignore[arg-type]
+        replayed = int(event["replayed_steps"])  # type: ignore[call-overload]
+        record = next((r for r in records if r.detected_unix >= killed), None)
+        is_stage = str(event["event"]).startswith("kill stage")
+        out.append(
+            {
+                "event": event["event"],
+                "detect_s": round(record.detected_unix - killed, 3) if is_stage and record else 0.0,
+                "recover_s": round(max(0.0, returned - killed - (replayed + 1) * step_s), 3),
+                "replayed_steps": replayed,
+                "bytes_restored": record.bytes_moved if is_stage and record else 0,
+                "recovery": record.reason if is_stage and record else "not needed",
+            }
+        )
+        if is_stage and record:
+            records.remove(record)
+    return out
+
+
+def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bool, float]:
+    """Whether two state dicts are bitwise equal, and their largest difference."""
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--overhead-steps", type=int, default=150, help="steps of each snapshot on/off run"
+    )
+    args = parser.parse_args()
+    with LocalCluster(
+        stages=5,
+        coordinator_args=[
+            "--no-auto-rebalance",
+            "--heartbeat-interval",
+            "0.5",
+            "--dead-after",
+            "3",
+        ],
+    ) as cluster:
+        pairs = []
+        for _ in range(args.rounds):
+            pairs.append(
+                (train(cluster, args.steps, 0), train(cluster, args.steps, args.snapshot_every))
+            )
+        snap = train(cluster, args.steps, args.snapshot_every)  # the failure-free reference
+        faulty = train(cluster, args.steps, args.snapshot_every, failures=True)
+        step_s = statistics.median(snap.step_s)
+        events = recoveries(cluster, faulty, step_s)
+    same, worst = identical(snap.state, faulty.state)
+    same_losses = snap.losses == faulty.losses
+    overheads = [1.0 - s.steps_per_s / b.steps_per_s for b, s in pairs]
+    overhead = statistics.median(overheads)
+    bare_rate = statistics.median(b.steps_per_s for b, _ in pairs)
+    snap_rate = statistics.median(s.steps_per_s for _, s in pairs)
+    print(f"GPT {MODEL}, {args.steps} steps, 4 stages + 1 spare, batch {BATCH}x{SEQ}")
+    print(f"{'event':<22}{'detect s':>10}{'recover s':>11}{'replayed':>10}{'bytes':>12}  how")
+    for e in events:
+        print(
+            f"{e['event']!s:<22}{e['detect_s']:>10}{e['recover_s']:>11}{e['replayed_steps']:>10}"
+            f"{e['bytes_restored']:>12}  {e['recovery']}"
+        )
+    print(
+        f"steps/s (medians of {args.rounds} runs): failure-free {snap_rate:.3f} (snapshots "
+        f"every {args.snapshot_every}), {bare_rate:.3f} (snapshots off); with failures "
+        f"{faulty.steps_per_s:.3f} vs {snap.steps_per_s:.3f} failure-free over the same "
+        f"{args.steps} steps ({faulty.steps_per_s / snap.steps_per_s:.2f}x)"
+    )
+    print(
+        f"snapshot overhead: {overhead:.1%} median of "
+        f"{', '.join(f'{o:.1%}' for o in overheads)} (goal <= 5%)"
+    )
+    print(
+        f"final weights identical to the failure-free run: {same} (max |diff| {worst:.2e}); "
+        f"losses identical: {same_losses}"
+    )
+    print(
+        json.dumps(
+            {
+                "identical": same,
+                "losses_identical": same_losses,
+                "max_abs_diff": worst,
+                "recoveries": [
+                    {k: e[k] for k in ("event", "detect_s", "recover_s", "replayed_steps")}
+                    for e in events
+                ],
+                "bytes_restored": [e["bytes_restored"] for e in events],
+                "snapshot_overhead": round(overhead, 4),
+                "snapshot_overheads": [round(o, 4) for o in overheads],
+                "failure_free_steps_per_s": round(snap.steps_per_s, 4),
+                "snapshots_on_steps_per_s": round(snap_rate, 4),
+                "snapshots_off_steps_per_s": round(bare_rate, 4),
+                "with_failures_steps_per_s": round(faulty.steps_per_s, 4),
+                "steps": args.steps,
+                "snapshot_every": args.snapshot_every,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
