@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-import structlog
 import torch
 
 from elasticpipe import codec, rpc
@@ -27,11 +26,12 @@ from elasticpipe.errors import (
     StageUnavailable,
     StepAborted,
 )
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.transport import Outgoing, send
 from elasticpipe.v1 import stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 _SCHEDULE = {"gpipe": stage_pb2.GPIPE, "1f1b": stage_pb2.ONE_F_ONE_B}
 ABORT_TIMEOUT_S = 15.0

@@ -41,10 +41,9 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-import structlog
 import torch
 
-from elasticpipe import codec, rpc
+from elasticpipe import codec, models, rpc
 from elasticpipe.client import driver
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -57,21 +56,24 @@ from elasticpipe.errors import (
     LayersLost,
     NotReady,
     Rebalancing,
+    StagesMissing,
     StageUnavailable,
     StaleEpoch,
     StepAborted,
     TransferError,
 )
 from elasticpipe.job import JobConfig
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.schedule import split_sizes
 from elasticpipe.training import check_optimizer
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
+SETUP_POLL_S = 5.0  # how long the coordinator waits for stages before the client reports
 CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"
 RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
 # Tests only: "before_commit:STEP" (or "after_commit:STEP") blocks the client there, so a
@@ -196,6 +198,7 @@ class Pipeline:
             schedule=schedule,
             snapshot_every=snapshot_every,
         )
+        models.check_name(model)
         check_optimizer(optimizer, self._job.optimizer_kwargs)
         for what, value in (("model_kwargs", model_kwargs), ("optimizer_kwargs", optimizer_kwargs)):
             try:
@@ -234,6 +237,7 @@ class Pipeline:
         self._replay: dict[int, _Batch] = {}
         self._safe_step = 0
         self._lease_lost = False
+        self._profiled = True
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.num_layers = 0
@@ -305,7 +309,7 @@ class Pipeline:
         request = coordinator_pb2.SetupJobRequest(
             job=spec,
             num_stages=self._num_stages,
-            wait_s=self._setup_timeout,
+            wait_s=min(self._setup_timeout, SETUP_POLL_S),
             resume=self._resume,
             lease_s=self._lease_s,
             client_name=f"{socket.gethostname()}:{os.getpid()}",
@@ -329,6 +333,12 @@ class Pipeline:
                     raise
                 log.info("waiting_for_lease", reason=str(exc))
                 time.sleep(1.0)
+            except StagesMissing as exc:
+                if time.monotonic() > deadline:
+                    raise
+                waited = time.monotonic() - (deadline - self._setup_timeout)
+                # Quiet at first (stages are often still starting), then a warning.
+                (log.warning if waited > 10 else log.info)("waiting_for_stages", why=str(exc))
             except CoordinatorUnavailable as exc:
                 raise CoordinatorUnavailable(
                     f"cannot reach the coordinator at {self.coordinator}: is it running, and "
@@ -339,6 +349,7 @@ class Pipeline:
         self._runs = itertools.count((reply.client << RUN_ID_BITS) + 1)
         self._step = self._done = reply.committed_step
         self._safe_step = reply.safe_step
+        self._profiled = reply.profiled
         self._adopt(Partition.from_proto(reply.partition))
         partition = self._partition
         assert partition is not None
@@ -356,6 +367,24 @@ class Pipeline:
             step=self._step,
         )
         return partition
+
+    def _profile(self, sample: torch.Tensor) -> None:
+        """Sends the first micro-batch for profiling if the job was set up without one
+        (``load`` or ``state_dict`` before the first step): the partition then follows the
+        measured costs and speeds."""
+        if self._profiled:
+            return
+        partition = self._partition
+        assert partition is not None
+        reply = self._coordinator_call(
+            "ProfileJob",
+            coordinator_pb2.ProfileJobRequest(
+                job_id=partition.job_id, client=self._client, sample_input=codec.to_proto(sample)
+            ),
+            timeout=self._setup_timeout + 120.0,
+        )
+        self._profiled = True
+        self._adopt(Partition.from_proto(reply))
 
     def _renew_loop(self) -> None:
         interval = self._lease_s / 3
@@ -620,6 +649,7 @@ class Pipeline:
         xs, ys, scales = self._split(inputs, targets)
         batch = _Batch(xs, ys, scales)
         self._ensure_job(xs[0])
+        self._profile(xs[0])
         self._catch_up(self._done, None)  # a rollback since the last call: replay first
         target = self._done + 1
         if self._job.snapshot_every:
@@ -656,6 +686,7 @@ class Pipeline:
         xs, _, scales = self._split(inputs, None)
         batch = _Batch(xs, [], scales)
         self._ensure_job(xs[0])
+        self._profile(xs[0])
         deadline = time.monotonic() + self._recovery_timeout
         while True:
             self._catch_up(self._done, None)  # after a rollback, replay first
@@ -756,24 +787,32 @@ class Pipeline:
         tmp.replace(target)
         log.info("checkpoint_saved", path=str(target), step=self._step, layers=len(layers))
 
-    def load(self, path: str | os.PathLike[str]) -> None:
+    def load(
+        self, path: str | os.PathLike[str], optimizer_kwargs: dict[str, Any] | None = None
+    ) -> None:
         """Restores a checkpoint written by ``save`` for the same model and optimizer, on
         every stage or on none (an epoch change makes it take effect).
 
+        The optimizer's hyper-parameters come from the checkpoint, as with PyTorch's
+        ``load_state_dict``; ``optimizer_kwargs`` (``{"lr": 1e-4}``, say) sets some of them
+        after loading.
+
         Raises:
-            InvalidRequest: not a checkpoint, or one of another model or optimizer.
+            InvalidRequest: not a checkpoint, one of another model or optimizer, or an
+                override the optimizer does not have.
         """
+        overrides = dict(optimizer_kwargs or {})
+        try:
+            overrides_json = json.dumps(overrides)
+        except TypeError as exc:
+            raise InvalidRequest(f"optimizer_kwargs must be JSON-able: {exc}") from exc
+        check_optimizer(self._job.optimizer, {**self._job.optimizer_kwargs, **overrides})
         raw = Path(path).read_bytes()
         checkpoint = codec.unpack_state(raw, max(len(raw), 1))
         if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
             raise InvalidRequest(f"{path} is not an ElasticPipe checkpoint")
         job = self._job
-        mine = {
-            "model": job.model,
-            "model_kwargs": job.model_kwargs,
-            "optimizer": job.optimizer,
-            "optimizer_kwargs": job.optimizer_kwargs,
-        }
+        mine = {"model": job.model, "model_kwargs": job.model_kwargs, "optimizer": job.optimizer}
         theirs = {k: checkpoint["job"].get(k) for k in mine}
         if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
             raise InvalidRequest(f"checkpoint {path} is of {theirs}, this pipeline trains {mine}")
@@ -805,6 +844,7 @@ class Pipeline:
                                 epoch=begun.epoch if first else 0,
                                 committed_step=step if first else 0,
                                 chunk=chunk,
+                                optimizer_overrides_json=overrides_json if first else "",
                             )
                             first = False
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
-import structlog
+import torch
 
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.estimates import Timing
@@ -25,9 +25,10 @@ from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
 from elasticpipe.errors import InvalidRequest, NotReady
+from elasticpipe.logs import get_logger
 from elasticpipe.v1 import stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 PAUSE_POINTS = ("after_freeze", "before_commit_point", "after_commit_point")
 
@@ -159,6 +160,13 @@ class Coordinator:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.5)
+
+    def profile_job(self, job_id: str, client: int, sample: torch.Tensor) -> None:
+        """Profiles a job set up without a sample, then moves to the partition the
+        profile calls for."""
+        self.jobs.profile_later(job_id, client, sample)
+        outcome = self.rebalancer.rebalance(dry_run=False, reason="profiled", force=True)
+        log.info("job_profiled", job=job_id, moved=outcome.changed)
 
     def slowdown(self, key: str, factor: float) -> str:
         """Changes a stage's emulated slowdown."""

@@ -25,16 +25,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import ElasticPipeError, NotReady, TransferError
 from elasticpipe.job import JobConfig
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.v1 import stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 COMMIT_ATTEMPTS = 4
 FREEZE_TIMEOUT_S = 60.0
@@ -253,6 +252,7 @@ def change_epoch(
             "epoch_change_aborted", epoch=change.new.epoch, kept=change.old.epoch, error=str(exc)
         )
         abort(cluster, change.new.epoch, involved, str(exc))
+        record_abandoned(cluster, change, str(exc))
         raise
     pause("after_commit_point")
     cluster.adopt(change.new)
@@ -265,6 +265,23 @@ def change_epoch(
         wait_s=frozen_at - started,
         transfer_s=transferred_at - frozen_at,
         cut_steps=cut_steps,
+    )
+
+
+def record_abandoned(cluster: Cluster, change: Change, why: str) -> None:
+    """Records an epoch reserved by a change that was abandoned (so that every epoch
+    number in the history is explained)."""
+    cluster.store.add_epoch(
+        EpochRow(
+            epoch=change.new.epoch,
+            at=time.time(),
+            reason=f"{change.kind} abandoned, epoch {change.old.epoch} kept: {why[:300]}",
+            boundaries=change.new.boundaries,
+            stage_ids=change.new.stage_ids,
+            kind="abandoned",
+            job_id=change.new.job_id,
+            stage_names=tuple(cluster.names(change.new.stage_ids)),
+        )
     )
 
 

@@ -17,7 +17,6 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-import structlog
 import torch
 
 from elasticpipe import codec
@@ -34,13 +33,16 @@ from elasticpipe.errors import (
     InvalidRequest,
     JobInUse,
     LayersLost,
+    ModelError,
     NotReady,
+    StagesMissing,
 )
 from elasticpipe.job import JobConfig
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
-from elasticpipe.v1 import stage_pb2
+from elasticpipe.v1 import job_pb2, stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 PROFILE_REPEATS = 5
 STAGE_CALL_TIMEOUT_S = 120.0
@@ -83,6 +85,7 @@ class Attached:
     committed_step: int
     resumed: bool
     safe_step: int
+    profiled: bool
 
 
 def differences(a: JobConfig, b: JobConfig) -> list[str]:
@@ -210,7 +213,15 @@ class Jobs:
             client = self._grant(job.job_id, lease_s, holder)
             step = self.settle(partition, client)
         log.info("client_attached", job=job.job_id, client=holder, step=step)
-        return Attached(partition, self.c.num_layers, client, step, True, self.safe_step())
+        return Attached(
+            partition,
+            self.c.num_layers,
+            client,
+            step,
+            True,
+            self.safe_step(),
+            self.c.profile is not None,
+        )
 
     def _wait_for_stages(self, num_stages: int, wait_s: float) -> list[Member]:
         deadline = time.monotonic() + wait_s
@@ -222,9 +233,10 @@ class Jobs:
                 return live[:num_stages] if num_stages else live
             now = time.monotonic()
             if now >= deadline:
-                raise NotReady(
+                raise StagesMissing(
                     f"need {need} live stages, have {len(live)} "
-                    f"({[m.row.name for m in live]}) after waiting {wait_s:.0f}s"
+                    f"({[m.row.name for m in live]}) after waiting {wait_s:.0f}s: start "
+                    f"more stages, or ask for fewer (stages={len(live)})"
                 )
             if now - logged >= 5.0:
                 log.info("waiting_for_stages", need=need, live=len(live))
@@ -242,15 +254,24 @@ class Jobs:
     ) -> Attached:
         chosen = self._wait_for_stages(num_stages, wait_s)
         job = job.with_id()
+        try:
+            return self._assign(job, sample, chosen, lease_s, holder)
+        except ElasticPipeError as exc:
+            log.error("job_setup_failed", model=job.model, error=str(exc))
+            raise
+
+    def _assign(
+        self,
+        job: JobConfig,
+        sample: torch.Tensor | None,
+        chosen: list[Member],
+        lease_s: float,
+        holder: str,
+    ) -> Attached:
         with self.c.move_lock:
             epochs.check_no_change_in_progress(self.c)
             spec = job.to_proto()
-            described = self.c.pool.call(
-                chosen[0].row.address,
-                "Describe",
-                stage_pb2.DescribeRequest(job=spec),
-                STAGE_CALL_TIMEOUT_S,
-            )
+            described = self._describe(spec, chosen)
             num_layers, param_bytes = described.num_layers, list(described.param_bytes)
             if num_layers < len(chosen):
                 raise PlanError(
@@ -273,23 +294,36 @@ class Jobs:
                 stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
                 predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
             ).validate(num_layers)
-            self.c.pool.all(
-                [
-                    (
-                        ref.address,
-                        stage_pb2.AssignRequest(
-                            job=spec, assignment=partition.assignment(ref.stage_id).to_proto()
-                        ),
+            assign = [
+                (
+                    ref.address,
+                    stage_pb2.AssignRequest(
+                        job=spec, assignment=partition.assignment(ref.stage_id).to_proto()
+                    ),
+                )
+                for ref in partition.stages
+            ]
+            try:
+                self.c.pool.all(assign, "Assign", STAGE_CALL_TIMEOUT_S)
+            except ElasticPipeError as exc:
+                self.c.store.add_epoch(
+                    EpochRow(
+                        epoch=epoch,
+                        at=time.time(),
+                        reason=f"job {job.job_id} not started: {str(exc)[:300]}",
+                        boundaries=partition.boundaries,
+                        stage_ids=partition.stage_ids,
+                        kind="abandoned",
+                        job_id=job.job_id,
+                        stage_names=tuple(self.c.names(partition.stage_ids)),
                     )
-                    for ref in partition.stages
-                ],
-                "Assign",
-                STAGE_CALL_TIMEOUT_S,
-            )
+                )
+                raise
             store = self.c.store
             store.put("job", dict(vars(job)))
             store.put("num_layers", num_layers)
             store.put("param_bytes", param_bytes)
+            store.put("factory", [described.factory_file, described.factory_sha256])
             store.delete("job_failure")
             if profile:
                 store.put(
@@ -329,7 +363,33 @@ class Jobs:
             epoch=epoch,
             client=holder,
         )
-        return Attached(partition, num_layers, client, 0, False, 0)
+        return Attached(partition, num_layers, client, 0, False, 0, profile is not None)
+
+    def _describe(self, spec: job_pb2.JobSpec, chosen: list[Member]) -> stage_pb2.DescribeResponse:
+        """Every chosen stage's view of the model; they must agree on the factory's code.
+
+        Raises:
+            PermissionDenied / ModelError: a stage refuses the model.
+            ModelError: the stages import different versions of the factory's module (a
+                stage keeps the first version it imported).
+        """
+        replies = self.c.pool.all(
+            [(m.row.address, stage_pb2.DescribeRequest(job=spec)) for m in chosen],
+            "Describe",
+            STAGE_CALL_TIMEOUT_S,
+        )
+        versions = {(r.factory_file, r.factory_sha256, r.num_layers) for r in replies}
+        if len(versions) > 1:
+            seen = {
+                m.row.name: f"{r.factory_file} sha256 {r.factory_sha256[:12]} "
+                f"({r.num_layers} layers)"
+                for m, r in zip(chosen, replies, strict=True)
+            }
+            raise ModelError(
+                f"the stages disagree on model {spec.model!r}: {seen}; restart the stages "
+                "whose module is out of date (a stage keeps the version it imported first)"
+            )
+        return replies[0]  # type: ignore[no-any-return]
 
     def _profile(self, job: JobConfig, sample: torch.Tensor, chosen: list[Member]) -> Profile:
         spec = job.to_proto()
@@ -379,6 +439,25 @@ class Jobs:
                 log.warning("snapshot_copies_late", step=step, waited_s=COPIES_WAIT_S)
                 return False
             time.sleep(0.05)
+
+    def profile_later(self, job_id: str, client: int, sample: torch.Tensor) -> None:
+        """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first).
+
+        Raises:
+            Fenced: the caller does not hold the job.
+        """
+        job, partition = self._check_holder(job_id, client)
+        members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
+        profile = self._profile(job, sample, members)
+        self.c.profile = profile
+        self.c.store.put(
+            "profile",
+            {
+                "costs": list(profile.costs),
+                "speeds": profile.speeds,
+                "activation_bytes": list(profile.activation_bytes),
+            },
+        )
 
     # ---- settling undecided runs -----------------------------------------------------
 
@@ -479,6 +558,7 @@ class Jobs:
                 epochs.freeze(self.c, change, lease_s=RESTORE_LEASE_S)
             except ElasticPipeError as exc:
                 epochs.abort(self.c, epoch, change.involved, str(exc))
+                epochs.record_abandoned(self.c, change, str(exc))
                 raise
             self._restoring = (change, time.monotonic() + RESTORE_LEASE_S)
         return epoch, partition
@@ -500,6 +580,7 @@ class Jobs:
                 raise NotReady(f"job {job_id} is not the running job {job.job_id}")
             if not commit:
                 epochs.abort(self.c, epoch, change.involved, "the client abandoned the load")
+                epochs.record_abandoned(self.c, change, "the client abandoned the load")
                 return change.old
             new = change.new.evolve(restored_step=step)
             change = replace(change, new=new, rollback_step=step)
@@ -508,6 +589,7 @@ class Jobs:
                 self.c.store.commit_change(new, change.record("committed"))
             except ElasticPipeError as exc:
                 epochs.abort(self.c, epoch, change.involved, str(exc))
+                epochs.record_abandoned(self.c, change, str(exc))
                 raise
             self.c.adopt(new)
             epochs.commit(self.c, change)
@@ -540,3 +622,4 @@ class Jobs:
             self._restoring = None
             change = restoring[0]
             epochs.abort(self.c, change.new.epoch, change.involved, "the load timed out")
+            epochs.record_abandoned(self.c, change, "the client went silent during the load")

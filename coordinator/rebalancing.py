@@ -16,8 +16,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import structlog
-
 from elasticpipe.coordinator import epochs, estimates
 from elasticpipe.coordinator.epochs import Change, MoveResult
 from elasticpipe.coordinator.membership import Member
@@ -26,9 +24,10 @@ from elasticpipe.coordinator.policy import Decision, PolicyConfig, decide
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 Proposal = tuple[tuple[int, ...], tuple[str, ...]]  # a move's boundaries and chain
 
@@ -168,7 +167,8 @@ class Rebalancer:
         if decision.move:
             log.info("rebalance_decided", **fields)
         elif kind != self._last_decision:
-            log.info("rebalance_declined", **fields)
+            deferred = "waiting to confirm" in decision.reason
+            log.info("rebalance_deferred" if deferred else "rebalance_declined", **fields)
         else:
             log.debug("rebalance_declined", **fields)
         self._last_decision = kind

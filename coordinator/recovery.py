@@ -22,8 +22,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import structlog
-
 from elasticpipe.coordinator import copies, epochs
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
@@ -31,10 +29,11 @@ from elasticpipe.coordinator.planner import plan, predict_step_time
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StageUnavailable
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
 from elasticpipe.v1 import stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 PROBE_TIMEOUT_S = 2.0
 

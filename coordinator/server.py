@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from types import TracebackType
 
-import structlog
-
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.service import CoordinatorServicer
 from elasticpipe.coordinator.store import Store
+from elasticpipe.logs import get_logger
 from elasticpipe.serving import RunningServer, start_server
 from elasticpipe.v1 import coordinator_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 
 class CoordinatorServer:

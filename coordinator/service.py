@@ -33,6 +33,7 @@ def _outcome(o: MoveOutcome) -> coordinator_pb2.RebalanceResponse:
         predicted_gain=o.gain,
         bytes_moved=o.bytes_moved,
         pause_s=o.pause_s,
+        target=partition_to_proto(o.target),
     )
 
 
@@ -121,7 +122,14 @@ class CoordinatorServicer:
             committed_step=attached.committed_step,
             resumed=attached.resumed,
             safe_step=attached.safe_step,
+            profiled=attached.profiled,
         )
+
+    def ProfileJob(
+        self, req: coordinator_pb2.ProfileJobRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.Partition:
+        self.c.profile_job(req.job_id, req.client, codec.from_proto(req.sample_input))
+        return partition_to_proto(self.c.cluster.partition)
 
     def RenewLease(
         self, req: coordinator_pb2.LeaseRequest, ctx: grpc.ServicerContext
@@ -230,6 +238,7 @@ class CoordinatorServicer:
             for r in cluster.store.epochs(job_id=job_id)
         ]
         lease = self.c.jobs.lease()
+        factory = cluster.store.get("factory") or ["", ""]
         steps = [
             m.committed_step
             for sid in (p.stage_ids if p is not None else ())
@@ -246,6 +255,8 @@ class CoordinatorServicer:
             client=lease.holder if lease else "",
             committed_step=min(steps, default=0),
             job_failure=cluster.failure,
+            factory_file=factory[0],
+            factory_sha256=factory[1],
         )
 
     def Plan(
@@ -260,6 +271,7 @@ class CoordinatorServicer:
             stage_speeds=view.speeds,
             layer_costs=list(view.costs),
             bytes_to_move=view.bytes_to_move,
+            stage_names=self.c.cluster.names(view.current.stage_ids),
         )
 
     def Rebalance(

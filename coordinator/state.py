@@ -12,8 +12,6 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import structlog
-
 from elasticpipe import rpc
 from elasticpipe.coordinator import estimates
 from elasticpipe.coordinator.estimates import Profile, Timing
@@ -21,9 +19,10 @@ from elasticpipe.coordinator.membership import Member, Membership
 from elasticpipe.coordinator.store import EpochRow, Store
 from elasticpipe.errors import LayersLost, NotReady
 from elasticpipe.job import JobConfig
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 
 class LinkTerms(NamedTuple):

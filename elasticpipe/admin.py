@@ -1,20 +1,46 @@
-"""``elasticpipe admin``: the operator's view of a running cluster, and its levers."""
+"""``elasticpipe admin``: the operator's view of a running cluster, and its levers.
+
+Every command prints a table for people, or with ``--json`` one JSON object for scripts:
+every field present (zeros too), 64-bit integers as numbers, enums by name. An error is
+``{"error": {"code": ..., "message": ...}}`` with ``--json``, a line on stderr without;
+either way the exit code is 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from elasticpipe import rpc
-from elasticpipe.errors import InvalidRequest
+from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ADMIN_TIMEOUT_S = 300.0
+
+STATUS_HELP = """\
+columns of the stage table:
+  state   chain (holds layers), spare (live, outside the chain: replaces a stage that
+          dies, or joins when the planner predicts a gain), drained (kept out by an
+          operator), dead (declared dead: missed heartbeats or unreachable)
+  inc     incarnation: how many times a stage of this name registered
+  speed   measured speed relative to the job's profile: 1.0 is the slowest profiled
+          stage; 2.0 runs the same layers in half the time (0: not measured yet)
+  slow    emulated slowdown factor (admin slowdown; 1 = none)
+  layers  the layer range owned, LO:HI (HI excluded)
+  step    the last optimizer step the stage committed
+the epoch history lists every partition change of the job: its kind (start, move,
+scale-out, recovery, restore, or an attempt abandoned before its commit point), the
+layers and bytes moved, how long training paused, and why.
+"""
 
 
 def parse_ranges(text: str) -> list[int]:
@@ -49,35 +75,73 @@ def _ago(unix: float) -> str:
     return "never" if unix <= 0 else f"{time.time() - unix:.1f}s ago"
 
 
+# ---- JSON --------------------------------------------------------------------------------
+
+
+def _value(field: Any, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return to_json(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return field.enum_type.values_by_number[value].name
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return value.hex()
+    return value
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    """Every field of a message, zeros included; integers stay numbers."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.is_repeated:
+            out[field.name] = [_value(field, v) for v in value]
+        else:
+            out[field.name] = _value(field, value)
+    return out
+
+
+# ---- tables ------------------------------------------------------------------------------
+
+
 def format_status(s: coordinator_pb2.StatusResponse) -> str:
-    """The status as a table."""
+    """The status as tables (stages, then the epoch history)."""
+    job = s.job_id or "-"
     lines = [
-        f"model: {s.job_model or '-'}   layers: {s.num_layers}   epoch: {s.partition.epoch}   "
+        f"job: {job}   model: {s.job_model or '-'}   layers: {s.num_layers}   "
+        f"epoch: {s.partition.epoch}   step: {s.committed_step}   "
         f"partition: {_ranges(list(s.partition.boundaries)) or '-'}   "
         f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}",
+        f"client: {s.client or 'none (the job is free)'}"
+        + (
+            f"   factory: {s.factory_file} sha256 {s.factory_sha256[:12]}" if s.factory_file else ""
+        ),
+    ]
+    if s.job_failure:
+        lines.append(f"JOB FAILED: {s.job_failure}")
+    lines += [
         "",
-        f"{'name':<14}{'address':<22}{'device':<8}{'alive':<7}{'speed':>7}{'slow':>6}"
-        f"{'layers':>10}{'step':>7}  heartbeat",
+        f"{'name':<14}{'state':<9}{'inc':>4}  {'address':<22}{'device':<8}{'speed':>7}"
+        f"{'slow':>6}{'layers':>9}{'step':>7}  heartbeat",
     ]
     for st in s.stages:
         layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
         lines.append(
-            f"{st.name:<14}{st.address:<22}{st.device:<8}{'yes' if st.alive else 'NO':<7}"
-            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{layers:>10}{st.committed_step:>7}  "
+            f"{st.name:<14}{st.state:<9}{st.incarnation:>4}  {st.address:<22}{st.device:<8}"
+            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{layers:>9}{st.committed_step:>7}  "
             f"{_ago(st.last_heartbeat_unix)}"
         )
     if s.history:
         lines += [
             "",
             "epoch history:",
-            f"{'epoch':>6}  {'when':<20}{'partition':<28}{'moved':>6}{'bytes':>12}"
+            f"{'epoch':>6}  {'when':<20}{'kind':<11}{'partition':<24}{'moved':>6}{'bytes':>12}"
             f"{'pause':>8}  reason",
         ]
         for r in s.history:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at_unix))
             lines.append(
-                f"{r.epoch:>6}  {when:<20}{_ranges(list(r.boundaries)):<28}{r.layers_moved:>6}"
-                f"{r.bytes_moved:>12}{r.pause_s:>7.2f}s  {r.reason}"
+                f"{r.epoch:>6}  {when:<20}{r.kind:<11}{_ranges(list(r.boundaries)):<24}"
+                f"{r.layers_moved:>6}{r.bytes_moved:>12}{r.pause_s:>7.2f}s  {r.reason}"
             )
     return "\n".join(lines)
 
@@ -86,10 +150,11 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
     """Current and optimal partitions side by side."""
     current = list(p.current.boundaries)
     optimal = list(p.optimal_boundaries)
-    lines = [f"{'stage':<8}{'speed':>8}{'current':>12}{'optimal':>12}"]
-    for s, speed in enumerate(p.stage_speeds):
+    names = list(p.stage_names) or [str(s) for s in range(len(p.stage_speeds))]
+    lines = [f"{'stage':<14}{'speed':>8}{'current':>12}{'optimal':>12}"]
+    for s, (name, speed) in enumerate(zip(names, p.stage_speeds, strict=False)):
         lines.append(
-            f"{s:<8}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
+            f"{name:<14}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
             f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
         )
     gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
@@ -101,8 +166,14 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
     return "\n".join(lines)
 
 
-def format_move(r: coordinator_pb2.RebalanceResponse) -> str:
-    """The outcome of rebalance / set-partition / drain."""
+def format_move(r: coordinator_pb2.RebalanceResponse, dry_run: bool = False) -> str:
+    """The outcome of rebalance / set-partition / drain (or what a dry run would do)."""
+    target = _ranges(list(r.target.boundaries)) if r.target.boundaries else "-"
+    if dry_run:
+        return (
+            f"dry run: would move to {target} (gain {r.predicted_gain:.1%}, "
+            f"{r.bytes_moved} bytes to move); {r.decision}"
+        )
     what = "moved" if r.changed else "unchanged"
     return (
         f"{what}: epoch {r.partition.epoch}, partition "
@@ -111,54 +182,102 @@ def format_move(r: coordinator_pb2.RebalanceResponse) -> str:
     )
 
 
+# ---- commands ----------------------------------------------------------------------------
+
+
+def _status(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Status(coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout)
+    return reply, format_status(reply)
+
+
+def _plan(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Plan(coordinator_pb2.PlanRequest(), timeout=args.timeout)
+    return reply, format_plan(reply)
+
+
+def _rebalance(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.RebalanceRequest(dry_run=args.dry_run, reason="admin rebalance")
+    reply = stub.Rebalance(request, timeout=args.timeout)
+    return reply, format_move(reply, dry_run=args.dry_run)
+
+
+def _set_partition(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.SetPartitionRequest(
+        boundaries=parse_ranges(args.ranges), stage_ids=args.stages
+    )
+    reply = stub.SetPartition(request, timeout=args.timeout)
+    return reply, format_move(reply)
+
+
+def _drain(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Drain(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+    return reply, format_move(reply)
+
+
+def _undrain(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Undrain(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+    return reply, format_move(reply)
+
+
+def _forget(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Forget(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+    return reply, reply.message
+
+
+def _slowdown(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.AdminSlowdownRequest(stage=args.stage, factor=args.factor)
+    reply = stub.Slowdown(request, timeout=args.timeout)
+    return reply, reply.message
+
+
+def _auto(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.AutoRebalanceRequest(enabled=args.state == "on")
+    reply = stub.SetAutoRebalance(request, timeout=args.timeout)
+    return reply, reply.message
+
+
+COMMANDS: dict[str, Callable[[Any, argparse.Namespace], tuple[Message, str]]] = {
+    "status": _status,
+    "plan": _plan,
+    "rebalance": _rebalance,
+    "set-partition": _set_partition,
+    "drain": _drain,
+    "undrain": _undrain,
+    "forget": _forget,
+    "slowdown": _slowdown,
+    "auto": _auto,
+}
+
+
+def _print(text: str) -> None:
+    """Prints for a reader that may go away (``| head``): a closed pipe ends quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        sys.stdout = None  # no flush at exit either
+
+
 def run_admin(args: argparse.Namespace) -> int:
-    """Executes ``elasticpipe admin ...`` and prints the answer."""
+    """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
     address = args.coordinator
-    with rpc.channel(address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-
-        def call(method: Any, request: Any) -> Any:
-            return rpc.call(address, method, request, timeout=ADMIN_TIMEOUT_S)
-
-        command = args.admin_command
-        if command == "status":
-            reply = call(stub.Status, coordinator_pb2.StatusRequest())
-            text = format_status(reply)
-        elif command == "plan":
-            reply = call(stub.Plan, coordinator_pb2.PlanRequest())
-            text = format_plan(reply)
-        elif command == "rebalance":
-            reply = call(
-                stub.Rebalance,
-                coordinator_pb2.RebalanceRequest(dry_run=args.dry_run, reason="admin rebalance"),
+    try:
+        with rpc.channel(address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            try:
+                reply, text = COMMANDS[args.admin_command](stub, args)
+            except grpc.RpcError as exc:
+                raise rpc.translate(exc, address, CoordinatorUnavailable) from exc
+    except ElasticPipeError as exc:
+        message = str(exc)
+        if isinstance(exc, CoordinatorUnavailable):
+            message = (
+                f"cannot reach the coordinator at {address}: is it running, and is that its "
+                f"address (--coordinator)? ({exc})"
             )
-            text = format_move(reply)
-        elif command == "set-partition":
-            reply = call(
-                stub.SetPartition,
-                coordinator_pb2.SetPartitionRequest(
-                    boundaries=parse_ranges(args.ranges), stage_ids=args.stages
-                ),
-            )
-            text = format_move(reply)
-        elif command in ("drain", "undrain"):
-            method = stub.Drain if command == "drain" else stub.Undrain
-            reply = call(method, coordinator_pb2.DrainRequest(stage=args.stage))
-            text = format_move(reply)
-        elif command == "slowdown":
-            reply = call(
-                stub.Slowdown,
-                coordinator_pb2.AdminSlowdownRequest(stage=args.stage, factor=args.factor),
-            )
-            text = reply.message
+        if args.json:
+            _print(json.dumps({"error": {"code": exc.code.name, "message": message}}))
         else:
-            reply = call(
-                stub.SetAutoRebalance,
-                coordinator_pb2.AutoRebalanceRequest(enabled=args.state == "on"),
-            )
-            text = reply.message
-    if args.json:
-        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
-    else:
-        print(text)
+            print(f"error: {message}", file=sys.stderr)
+        return 2
+    _print(json.dumps(to_json(reply), indent=2) if args.json else text)
     return 0

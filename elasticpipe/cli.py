@@ -1,13 +1,14 @@
 """The ``elasticpipe`` command: coordinator, stage, admin and demo.
 
-Logging is configured here, once, for whichever command runs (console or JSON lines).
+Logging is configured here, once, for whichever command runs (console or JSON lines on
+stderr). ``--log-format`` and ``--log-level`` go before the command; the admin options
+(``--coordinator``, ``--json``, ``--timeout``) go before or after the admin subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -17,35 +18,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-import structlog
-
 from elasticpipe.errors import ElasticPipeError
+from elasticpipe.logs import LEVELS, configure_logging, get_logger
 
 ENV_LOG_FORMAT = "ELASTICPIPE_LOG_FORMAT"
 ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
+ENV_COORDINATOR = "ELASTICPIPE_COORDINATOR"
 
-
-def configure_logging(fmt: str, level: str) -> None:
-    """Sets up structlog for a command: human-readable console or JSON lines, on stderr."""
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S.%f" if fmt != "json" else "iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            getattr(logging, level.upper(), logging.INFO)
-        ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+log = get_logger(__name__)
 
 
 def _write_ready(path: str | None, address: str) -> None:
@@ -83,7 +63,7 @@ def _serve_until_signalled(
             before_stop()
     finally:
         server.stop()
-        structlog.get_logger().info("server_stopped", signal=received[0] if received else None)
+        log.info("server_stopped", signal=received[0] if received else None)
     return 0
 
 
@@ -168,25 +148,65 @@ def cmd_admin(args: argparse.Namespace) -> int:
 # ---- parser ----------------------------------------------------------------------------
 
 
+class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Help that keeps the epilog's layout and shows every default."""
+
+
+def _admin_options(defaults: bool) -> argparse.ArgumentParser:
+    """The admin options, accepted before and after the subcommand (only the given ones
+    override: the defaults are set once, on the ``admin`` parser)."""
+    common = argparse.ArgumentParser(add_help=False)
+    kw = (lambda d: {"default": d}) if defaults else (lambda d: {"default": argparse.SUPPRESS})
+    common.add_argument(
+        "--coordinator",
+        help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",
+        **kw(os.environ.get(ENV_COORDINATOR, "127.0.0.1:7100")),
+    )
+    common.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (errors too) instead of tables",
+        **kw(False),
+    )
+    common.add_argument(
+        "--timeout", type=float, help="seconds to wait for the coordinator's answer", **kw(300.0)
+    )
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
-    parser = argparse.ArgumentParser(prog="elasticpipe", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="elasticpipe", description=__doc__.split("\n\n")[0], formatter_class=Formatter
+    )
     parser.add_argument(
         "--log-format",
         choices=["console", "json"],
         default=os.environ.get(ENV_LOG_FORMAT, "console"),
+        help=f"how log lines look on stderr (or ${ENV_LOG_FORMAT})",
     )
-    parser.add_argument("--log-level", default="info")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--log-level", choices=LEVELS, default="info", help="the least severe lines shown"
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to run (COMMAND --help: more)"
+    )
 
-    co = sub.add_parser("coordinator", help="run the coordinator (control plane)")
+    co = sub.add_parser(
+        "coordinator", help="run the coordinator (control plane)", formatter_class=Formatter
+    )
     co.add_argument("--listen", default="127.0.0.1:7100", help="HOST:PORT (port 0: any)")
     co.add_argument(
         "--state",
         default="elasticpipe-coordinator.sqlite",
-        help="SQLite file holding stages, job and partition (':memory:' for none)",
+        help="SQLite file holding stages, job, partition and history (':memory:' for none)",
     )
-    co.add_argument("--auto-rebalance", action=argparse.BooleanOptionalAction, default=True)
+    co.add_argument(
+        "--auto-rebalance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="move layers automatically when the planner predicts a gain",
+    )
     co.add_argument(
         "--rebalance-threshold",
         type=float,
@@ -216,16 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--dead-after",
         type=float,
         default=5.0,
-        help="seconds without heartbeat before a stage counts as dead",
+        help="seconds without a heartbeat before a stage is declared dead (a client's "
+        "failure report and a probe declare it at once)",
     )
-    co.add_argument("--heartbeat-interval", type=float, default=1.0)
+    co.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats"
+    )
     co.add_argument(
         "--link-bandwidth",
         type=float,
         default=0.0,
         metavar="BYTES_PER_S",
         help="bandwidth between neighbouring hosts; when given, the planner counts the "
-        "activations and gradients crossing each cut (default: links are free)",
+        "activations and gradients crossing each cut (0: links are free)",
     )
     co.add_argument(
         "--freeze-lease",
@@ -238,8 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--pause-at", default="", help=argparse.SUPPRESS)  # tests: block there
     co.set_defaults(func=cmd_coordinator)
 
-    st = sub.add_parser("stage", help="run a stage server (one per device)")
-    st.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    st = sub.add_parser(
+        "stage", help="run a stage server (one per device)", formatter_class=Formatter
+    )
+    st.add_argument(
+        "--coordinator",
+        default=os.environ.get(ENV_COORDINATOR),
+        required=ENV_COORDINATOR not in os.environ,
+        help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",
+    )
     st.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
     st.add_argument("--device", default="cpu", help="cpu or cuda:N")
     st.add_argument("--name", default="", help="stable name of this host (default: stage-PID)")
@@ -248,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         default=[],
         metavar="PREFIX",
-        help="module prefixes whose model factories may be built here",
+        help="module prefixes whose model factories may be built here (the built-ins always)",
     )
     st.add_argument(
         "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
@@ -260,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how layer compute is timed: thread CPU time (auto on CPU: stages "
         "sharing a host do not see each other's load) or wall time (auto on CUDA)",
     )
-    st.add_argument("--max-tensor-bytes", type=int, default=1 << 31)
+    st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
     st.add_argument(
         "--drain-timeout",
         type=float,
@@ -279,37 +309,70 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--ready-file", help=argparse.SUPPRESS)
     st.set_defaults(func=cmd_stage)
 
-    de = sub.add_parser("demo", help="train a small GPT on a local cluster")
-    de.add_argument("--stages", type=int, default=4)
-    de.add_argument("--steps", type=int, default=150)
-    de.add_argument("--batch-size", type=int, default=16)
-    de.add_argument("--seq-len", type=int, default=64)
-    de.add_argument("--micro-batches", type=int, default=4)
+    de = sub.add_parser(
+        "demo", help="train a small GPT on a local cluster", formatter_class=Formatter
+    )
+    de.add_argument("--stages", type=int, default=4, help="stage processes")
+    de.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    de.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    de.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    de.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
     de.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    de.add_argument("--d-model", type=int, default=128)
-    de.add_argument("--log-dir", default=None, help="keep the processes' logs here")
+    de.add_argument("--d-model", type=int, default=128, help="width of the model")
+    de.add_argument(
+        "--log-dir", default=None, help="keep the processes' logs here (default: under runs/)"
+    )
     de.set_defaults(func=cmd_demo)
 
-    ad = sub.add_parser("admin", help="inspect and rebalance a running cluster")
-    ad.add_argument("--coordinator", default="127.0.0.1:7100")
-    ad.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    adsub = ad.add_subparsers(dest="admin_command", required=True)
-    adsub.add_parser("status", help="stages, partition, epoch history")
-    adsub.add_parser("plan", help="current vs optimal partition (dry run)")
-    rb = adsub.add_parser("rebalance", help="move to the optimal partition now")
-    rb.add_argument("--dry-run", action="store_true")
-    sp = adsub.add_parser("set-partition", help="e.g. 0:6,6:12,12:18")
-    sp.add_argument("ranges")
-    sp.add_argument("--stages", nargs="*", default=[], help="chain order (names or ids)")
-    dr = adsub.add_parser("drain", help="move every layer off a stage")
-    dr.add_argument("stage")
-    ud = adsub.add_parser("undrain", help="let a drained stage back in")
-    ud.add_argument("stage")
-    sl = adsub.add_parser("slowdown", help="emulate a slower device on a stage")
-    sl.add_argument("stage")
-    sl.add_argument("factor", type=float)
-    au = adsub.add_parser("auto", help="turn automatic rebalancing on or off")
-    au.add_argument("state", choices=["on", "off"])
+    ad = sub.add_parser(
+        "admin",
+        help="inspect and rebalance a running cluster",
+        parents=[_admin_options(defaults=True)],
+        formatter_class=Formatter,
+    )
+    adsub = ad.add_subparsers(
+        dest="admin_command",
+        required=True,
+        metavar="ADMIN_COMMAND",
+        help="what to look at or change (ADMIN_COMMAND --help: more)",
+    )
+    options = [_admin_options(defaults=False)]
+
+    def admin(name: str, help_text: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        return adsub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=epilog,
+            parents=options,
+            formatter_class=argparse.RawDescriptionHelpFormatter if epilog else Formatter,
+        )
+
+    from elasticpipe.admin import STATUS_HELP
+
+    status = admin(
+        "status", "stages, their state and speed, the partition and its history", STATUS_HELP
+    )
+    status.add_argument("--all", action="store_true", help="the history of every job")
+    admin("plan", "the current partition next to the optimal one (changes nothing)")
+    rb = admin("rebalance", "move to the optimal partition now")
+    rb.add_argument(
+        "--dry-run", action="store_true", help="show the target, gain and bytes; move nothing"
+    )
+    sp = admin("set-partition", "move to your own partition, e.g. 0:6,6:12,12:18")
+    sp.add_argument("ranges", help="LO:HI layer ranges in chain order, comma-separated")
+    sp.add_argument("--stages", nargs="*", default=[], help="new chain order (names or ids)")
+    dr = admin("drain", "move every layer off a stage and keep it out")
+    dr.add_argument("stage", help="name or id")
+    ud = admin("undrain", "let a drained stage back into the chain")
+    ud.add_argument("stage", help="name or id")
+    fo = admin("forget", "remove a dead stage from membership")
+    fo.add_argument("stage", help="name or id")
+    sl = admin("slowdown", "emulate a slower device on a stage (tests, demos)")
+    sl.add_argument("stage", help="name or id")
+    sl.add_argument("factor", type=float, help="how many times slower (1: normal)")
+    au = admin("auto", "turn automatic rebalancing on or off (remembered across restarts)")
+    au.add_argument("state", choices=["on", "off"], help="on or off")
     ad.set_defaults(func=cmd_admin)
     return parser
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -84,7 +84,9 @@ class LocalCluster:
         self.stage_addresses: list[str] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    def _spawn(
+        self, name: str, args: list[str], env: Mapping[str, str] | None = None
+    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
         ready = Path(self._tmp.name) / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
@@ -92,6 +94,7 @@ class LocalCluster:
             **os.environ,
             "OMP_NUM_THREADS": str(self._threads),
             "ELASTICPIPE_TORCH_THREADS": str(self._threads),
+            **(env or {}),
         }
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -128,7 +131,11 @@ class LocalCluster:
         self.coordinator = _wait_ready(ready, proc, "coordinator", log, START_TIMEOUT_S)
 
     def _spawn_stage(
-        self, name: str, index: int | None = None, extra: Sequence[str] = ()
+        self,
+        name: str,
+        index: int | None = None,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
         slowdown = self.slowdowns[index] if index is not None else 1.0
         return self._spawn(
@@ -146,12 +153,16 @@ class LocalCluster:
                 *self._stage_args,
                 *extra,
             ],
+            env,
         )
 
-    def add_stage(self, name: str, extra: Sequence[str] = ()) -> str:
+    def add_stage(
+        self, name: str, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> str:
         """Starts one more stage process (a spare, or a restarted stage under its old
-        name: a new incarnation); returns its address once it has registered."""
-        proc, ready, log = self._spawn_stage(name, extra=extra)
+        name: a new incarnation) with ``extra`` flags and ``env`` variables; returns its
+        address once it has registered."""
+        proc, ready, log = self._spawn_stage(name, extra=extra, env=env)
         address = _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not any(s.address == address and s.alive for s in self.status().stages):

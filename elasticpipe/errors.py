@@ -11,7 +11,8 @@
     ├── NotReady                       FAILED_PRECONDITION  no job / layers / step in that state
     │   ├── StaleEpoch                 FAILED_PRECONDITION  request of another epoch (retryable)
     │   ├── Fenced                     FAILED_PRECONDITION  a newer client holds the job
-    │   └── JobInUse                   FAILED_PRECONDITION  a live client holds the job's lease
+    │   ├── JobInUse                   FAILED_PRECONDITION  a live client holds the job's lease
+    │   └── StagesMissing              FAILED_PRECONDITION  fewer live stages than the job needs
     ├── Unavailable                    UNAVAILABLE          a peer cannot be reached
     │   ├── StageUnavailable           UNAVAILABLE          a stage cannot be reached or died
     │   ├── CoordinatorUnavailable     UNAVAILABLE          the coordinator cannot be reached
@@ -89,6 +90,10 @@ class Fenced(NotReady):
 
 class JobInUse(NotReady):
     """Another live client holds the job's lease (use ``resume=True`` to attach instead)."""
+
+
+class StagesMissing(NotReady):
+    """Fewer live stages than the job asked for (so far)."""
 
 
 class Unavailable(ElasticPipeError):

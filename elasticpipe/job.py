@@ -16,7 +16,12 @@ MAX_KWARGS_JSON = 1 << 20
 MAX_SNAPSHOT_EVERY = 1_000_000
 
 
-def _json_object(text: str, what: str) -> dict[str, Any]:
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """Parses a JSON object from the wire, bounded and checked (plain data, never code).
+
+    Raises:
+        InvalidRequest: too long, malformed, too deep, or not an object.
+    """
     if not text:
         return {}
     if len(text) > MAX_KWARGS_JSON:
@@ -97,10 +102,10 @@ class JobConfig:
         """
         return cls(
             model=spec.model,
-            model_kwargs=_json_object(spec.model_kwargs_json, "model_kwargs"),
+            model_kwargs=json_object(spec.model_kwargs_json, "model_kwargs"),
             seed=spec.seed,
             optimizer=spec.optimizer or "adam",
-            optimizer_kwargs=_json_object(spec.optimizer_kwargs_json, "optimizer_kwargs"),
+            optimizer_kwargs=json_object(spec.optimizer_kwargs_json, "optimizer_kwargs"),
             loss=spec.loss or "cross_entropy",
             micro_batches=spec.micro_batches or 1,
             schedule=spec.schedule or "1f1b",

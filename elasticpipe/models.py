@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
+import hashlib
 import importlib
 import inspect
 import itertools
@@ -11,6 +13,7 @@ import math
 import reprlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,8 +31,10 @@ __all__ = [
     "build",
     "build_layers",
     "build_skeleton",
+    "check_name",
     "cnn",
     "describe",
+    "factory_source",
     "gpt",
     "init_layer",
     "layer_seed",
@@ -95,7 +100,9 @@ def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..
     if not _is_allowed(module_path, prefixes):
         raise PermissionDenied(
             f"model factory {name_or_path!r} is not allowed: module {module_path!r} is under "
-            f"none of the allowed prefixes {list(prefixes)!r} (built-ins: {sorted(BUILTIN_MODELS)})"
+            f"none of the allowed prefixes {list(prefixes)!r}; to allow it, start every stage "
+            f"with --allow-models {module_path.split('.')[0]} (built-ins: "
+            f"{sorted(BUILTIN_MODELS)})"
         )
     try:
         module = importlib.import_module(module_path)
@@ -120,7 +127,25 @@ def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..
     return factory  # type: ignore[no-any-return]
 
 
+def check_name(name_or_path: str) -> None:
+    """Fails early (on the client) for a model that is neither a built-in nor a path.
+
+    Raises:
+        ModelError: naming the closest built-in when the name looks like a typo.
+    """
+    if name_or_path in BUILTIN_MODELS:
+        return
+    _parse_path(name_or_path)
+
+
 def _parse_path(path: str) -> tuple[str, str]:
+    if ":" not in path:
+        close = difflib.get_close_matches(path, BUILTIN_MODELS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelError(
+            f"unknown model {path!r}: {hint}choose a built-in {sorted(BUILTIN_MODELS)} or "
+            "give a factory as 'package.module:function'"
+        )
     module_path, sep, attr = path.partition(":")
     parts = module_path.split(".")
     if (
@@ -440,6 +465,29 @@ def build(
     """
     skeleton = build_skeleton(name_or_path, kwargs, allow)
     return nn.Sequential(*(_build_layer(layer, seed, i) for i, layer in enumerate(skeleton)))
+
+
+def factory_source(name_or_path: str, allow: Sequence[str] = ()) -> tuple[str, str]:
+    """The module file a factory comes from and the SHA-256 of its bytes.
+
+    A stage keeps the first version of a module it imported: comparing these between
+    stages catches a factory changed on disk but not reloaded everywhere.
+
+    Raises:
+        PermissionDenied / ModelError: as ``resolve_factory``.
+    """
+    factory = resolve_factory(name_or_path, allow)
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    module = inspect.getmodule(factory)
+    path = getattr(module, "__file__", None) or ""
+    if not path:
+        return "", ""
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return path, ""
+    return path, digest
 
 
 def describe(

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
-import structlog
 from google.protobuf import any_pb2
 from google.protobuf import message as pb_message
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
@@ -29,9 +28,10 @@ from google.rpc.status_pb2 import Status
 from grpc_status import rpc_status
 
 from elasticpipe import errors
+from elasticpipe.logs import get_logger
 from elasticpipe.v1 import stage_pb2_grpc
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 # Messages carry at most one chunk of a tensor plus headers; whole tensors are streamed.
 MAX_MESSAGE_BYTES = 64 << 20

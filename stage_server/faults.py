@@ -19,11 +19,10 @@ from __future__ import annotations
 import threading
 from enum import Enum
 
-import structlog
-
 from elasticpipe.errors import InvalidRequest, PermissionDenied
+from elasticpipe.logs import get_logger
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 PAUSE_POINTS = (
     "run_started",

@@ -12,14 +12,14 @@ import threading
 from collections.abc import Callable
 
 import grpc
-import structlog
 
 from elasticpipe import rpc
 from elasticpipe.errors import ElasticPipeError
+from elasticpipe.logs import get_logger
 from elasticpipe.transport import Outgoing, send
 from elasticpipe.v1 import stage_pb2_grpc
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 
 class Link:

@@ -6,10 +6,9 @@ import random
 import threading
 from types import TracebackType
 
-import structlog
-
 from elasticpipe import rpc
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError
+from elasticpipe.logs import get_logger
 from elasticpipe.serving import RunningServer, start_server
 from elasticpipe.stage_server.protocol import Do, Effect
 from elasticpipe.stage_server.service import (
@@ -21,7 +20,7 @@ from elasticpipe.stage_server.service import (
 from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 REGISTER_TIMEOUT_S = 5.0
 BACKOFF_START_S = 0.2

@@ -10,7 +10,7 @@ import torch
 
 from elasticpipe import codec
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig
+from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.layers import LayerTiming
@@ -220,8 +220,13 @@ class StageServicer:
     def Describe(
         self, req: stage_pb2.DescribeRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.DescribeResponse:
-        num_layers, param_bytes = self.stage.describe(JobConfig.from_proto(req.job))
-        return stage_pb2.DescribeResponse(num_layers=num_layers, param_bytes=param_bytes)
+        num_layers, param_bytes, path, digest = self.stage.describe(JobConfig.from_proto(req.job))
+        return stage_pb2.DescribeResponse(
+            num_layers=num_layers,
+            param_bytes=param_bytes,
+            factory_file=path,
+            factory_sha256=digest,
+        )
 
     def Profile(
         self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext
@@ -308,10 +313,11 @@ class StageServicer:
         if first is None:
             raise InvalidRequest("empty restore stream")
         builder = self.stage.check_restore(first.epoch)  # before a single layer is read
+        overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
         pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
         layers = []
         for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes):
-            self.stage.stage_restored(first.epoch, layer, blob, builder)
+            self.stage.stage_restored(first.epoch, layer, blob, builder, overrides)
             layers.append(layer)
         return stage_pb2.RestoreResponse(layers=layers)
 

@@ -27,12 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from elasticpipe import codec
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady
+from elasticpipe.logs import get_logger
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 DEFAULT_KEEP = 2
 SNAPSHOT_NICE = 19

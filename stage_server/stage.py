@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import structlog
 import torch
 
 from elasticpipe import codec, models, rpc
@@ -29,6 +29,7 @@ from elasticpipe.errors import (
     TransferError,
 )
 from elasticpipe.job import JobConfig
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import forward_ops, stage_ops
 from elasticpipe.stage_server import transfers
@@ -48,7 +49,7 @@ from elasticpipe.stage_server.snapshots import (
 )
 from elasticpipe.v1 import stage_pb2
 
-log = structlog.get_logger()
+log = get_logger(__name__)
 
 TICK_S = 0.25
 SNAPSHOT_PUSH_TIMEOUT_S = 120.0
@@ -176,9 +177,12 @@ class Stage:
 
     # ---- job -------------------------------------------------------------------------
 
-    def describe(self, job: JobConfig) -> tuple[int, list[int]]:
-        """Number of layers and bytes of each, checking the model is allowed here."""
-        return models.describe(job.model, job.model_kwargs, self.config.allow_models)
+    def describe(self, job: JobConfig) -> tuple[int, list[int], str, str]:
+        """Number of layers and bytes of each, and the factory's module file and hash,
+        checking the model is allowed here."""
+        num_layers, sizes = models.describe(job.model, job.model_kwargs, self.config.allow_models)
+        path, digest = models.factory_source(job.model, self.config.allow_models)
+        return num_layers, sizes, path, digest
 
     def assign(self, job: JobConfig, placement: Placement) -> int:
         """Starts a job on this stage: builds layers [lo, hi) fresh, at step 0."""
@@ -601,12 +605,24 @@ class Stage:
                 raise NotReady(f"stage {self.config.name} has no job assigned")
             return self._new_slice(self.job)
 
-    def stage_restored(self, epoch: int, index: int, blob: bytes, builder: LayerSlice) -> None:
+    def stage_restored(
+        self,
+        epoch: int,
+        index: int,
+        blob: bytes,
+        builder: LayerSlice,
+        overrides: dict[str, Any] | None = None,
+    ) -> None:
         """Builds one checkpointed layer and holds it for ``epoch``'s change (a load).
+
+        Args:
+            overrides: optimizer hyper-parameters to set after loading its state (as in
+                plain PyTorch: load the state, then set the ``lr``).
 
         Raises:
             NotReady: the layer is not this stage's, or the change was abandoned.
-            InvalidRequest: the state does not fit the layer.
+            InvalidRequest: the state does not fit the layer, or an override names a
+                hyper-parameter the optimizer does not have.
         """
         with self._cond:
             owned = self.placement.layers if self.placement is not None else range(0)
@@ -618,6 +634,15 @@ class Stage:
         if not isinstance(state, dict):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state)
+        if overrides and built[1] is not None:
+            for group in built[1].param_groups:
+                unknown = sorted(set(overrides) - set(group))
+                if unknown:
+                    raise InvalidRequest(
+                        f"optimizer {builder.job.optimizer!r} has no hyper-parameter {unknown} "
+                        f"(it has {sorted(k for k in group if k != 'params')})"
+                    )
+                group.update(overrides)
         with self._cond:
             self.machine.check_frozen(epoch)
             if self._restoring is None or self._restoring[0] != epoch:

@@ -6,6 +6,7 @@ The control plane: membership, the partition and its epoch, jobs, admin."""
 from collections import abc as _abc
 from elasticpipe.v1 import job_pb2 as _job_pb2
 from elasticpipe.v1 import stage_pb2 as _stage_pb2
+from elasticpipe.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -297,6 +298,7 @@ class SetupJobResponse(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
     SAFE_STEP_FIELD_NUMBER: _builtins.int
+    PROFILED_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
     client: _builtins.int
     """this client's generation: its requests carry it"""
@@ -305,6 +307,8 @@ class SetupJobResponse(_message.Message):
     resumed: _builtins.bool
     safe_step: _builtins.int
     """the newest step whose snapshot survives any one failure"""
+    profiled: _builtins.bool
+    """false: send a sample (ProfileJob) before the first step"""
     @_builtins.property
     def partition(self) -> Global___Partition: ...
     def __init__(
@@ -316,14 +320,43 @@ class SetupJobResponse(_message.Message):
         committed_step: _builtins.int = ...,
         resumed: _builtins.bool = ...,
         safe_step: _builtins.int = ...,
+        profiled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "committed_step", b"committed_step", "num_layers", b"num_layers", "partition", b"partition", "resumed", b"resumed", "safe_step", b"safe_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "committed_step", b"committed_step", "num_layers", b"num_layers", "partition", b"partition", "profiled", b"profiled", "resumed", b"resumed", "safe_step", b"safe_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetupJobResponse: _TypeAlias = SetupJobResponse  # noqa: Y015
+
+@_typing.final
+class ProfileJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
+    SAMPLE_INPUT_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    client: _builtins.int
+    @_builtins.property
+    def sample_input(self) -> _tensor_pb2.Tensor:
+        """one micro-batch of real inputs"""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        client: _builtins.int = ...,
+        sample_input: _tensor_pb2.Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job_id", b"job_id", "sample_input", b"sample_input"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProfileJobRequest: _TypeAlias = ProfileJobRequest  # noqa: Y015
 
 @_typing.final
 class LeaseRequest(_message.Message):
@@ -732,6 +765,8 @@ class StatusResponse(_message.Message):
     CLIENT_FIELD_NUMBER: _builtins.int
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     JOB_FAILURE_FIELD_NUMBER: _builtins.int
+    FACTORY_FILE_FIELD_NUMBER: _builtins.int
+    FACTORY_SHA256_FIELD_NUMBER: _builtins.int
     job_model: _builtins.str
     num_layers: _builtins.int
     auto_rebalance: _builtins.bool
@@ -741,6 +776,10 @@ class StatusResponse(_message.Message):
     committed_step: _builtins.int
     job_failure: _builtins.str
     """why the job cannot go on, if it cannot"""
+    factory_file: _builtins.str
+    """the model factory's module file on the stages"""
+    factory_sha256: _builtins.str
+    """and its hash (every stage of the job has the same)"""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageInfo]: ...
     @_builtins.property
@@ -760,10 +799,12 @@ class StatusResponse(_message.Message):
         client: _builtins.str = ...,
         committed_step: _builtins.int = ...,
         job_failure: _builtins.str = ...,
+        factory_file: _builtins.str = ...,
+        factory_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "client", b"client", "committed_step", b"committed_step", "history", b"history", "job_failure", b"job_failure", "job_id", b"job_id", "job_model", b"job_model", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "client", b"client", "committed_step", b"committed_step", "factory_file", b"factory_file", "factory_sha256", b"factory_sha256", "history", b"history", "job_failure", b"job_failure", "job_id", b"job_id", "job_model", b"job_model", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -795,6 +836,7 @@ class PlanResponse(_message.Message):
     STAGE_SPEEDS_FIELD_NUMBER: _builtins.int
     LAYER_COSTS_FIELD_NUMBER: _builtins.int
     BYTES_TO_MOVE_FIELD_NUMBER: _builtins.int
+    STAGE_NAMES_FIELD_NUMBER: _builtins.int
     current_step_s: _builtins.float
     optimal_step_s: _builtins.float
     bytes_to_move: _builtins.int
@@ -806,6 +848,10 @@ class PlanResponse(_message.Message):
     def stage_speeds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     @_builtins.property
     def layer_costs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def stage_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """chain order"""
+
     def __init__(
         self,
         *,
@@ -816,10 +862,11 @@ class PlanResponse(_message.Message):
         stage_speeds: _abc.Iterable[_builtins.float] | None = ...,
         layer_costs: _abc.Iterable[_builtins.float] | None = ...,
         bytes_to_move: _builtins.int = ...,
+        stage_names: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["current", b"current"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_speeds", b"stage_speeds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speeds", b"stage_speeds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -857,15 +904,21 @@ class RebalanceResponse(_message.Message):
     PREDICTED_GAIN_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     PAUSE_S_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
     changed: _builtins.bool
     decision: _builtins.str
     """why it moved or did not"""
     predicted_gain: _builtins.float
     """fraction of step time saved"""
     bytes_moved: _builtins.int
+    """moved, or (a dry run, a decline) that would move"""
     pause_s: _builtins.float
     @_builtins.property
     def partition(self) -> Global___Partition: ...
+    @_builtins.property
+    def target(self) -> Global___Partition:
+        """the partition moved to (or that a dry run would move to)"""
+
     def __init__(
         self,
         *,
@@ -875,10 +928,11 @@ class RebalanceResponse(_message.Message):
         predicted_gain: _builtins.float = ...,
         bytes_moved: _builtins.int = ...,
         pause_s: _builtins.float = ...,
+        target: Global___Partition | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "changed", b"changed", "decision", b"decision", "partition", b"partition", "pause_s", b"pause_s", "predicted_gain", b"predicted_gain"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "changed", b"changed", "decision", b"decision", "partition", b"partition", "pause_s", b"pause_s", "predicted_gain", b"predicted_gain", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,6 +69,11 @@ class CoordinatorServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureAck.FromString,
                 _registered_method=True)
+        self.ProfileJob = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/ProfileJob',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.Partition.FromString,
+                _registered_method=True)
         self.BeginRestore = channel.unary_unary(
                 '/elasticpipe.v1.CoordinatorService/BeginRestore',
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RestoreBeginRequest.SerializeToString,
@@ -181,6 +186,12 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProfileJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -311,6 +322,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureReport.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.FailureAck.SerializeToString,
+            ),
+            'ProfileJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProfileJob,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.ProfileJobRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.Partition.SerializeToString,
             ),
             'BeginRestore': grpc.unary_unary_rpc_method_handler(
                     servicer.BeginRestore,
@@ -572,6 +588,33 @@ class CoordinatorService:
             '/elasticpipe.v1.CoordinatorService/ReportFailure',
             elasticpipe_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
             elasticpipe_dot_v1_dot_coordinator__pb2.FailureAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/ProfileJob',
+            elasticpipe_dot_v1_dot_coordinator__pb2.ProfileJobRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.Partition.FromString,
             options,
             channel_credentials,
             insecure,

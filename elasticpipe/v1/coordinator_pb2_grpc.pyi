@@ -38,6 +38,7 @@ class CoordinatorServiceStub:
     WatchPartition: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.GetPartitionRequest, _coordinator_pb2.Partition]
     RenewLease: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseResponse]
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.FailureReport, _coordinator_pb2.FailureAck]
+    ProfileJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ProfileJobRequest, _coordinator_pb2.Partition]
     BeginRestore: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreBeginRequest, _coordinator_pb2.RestoreBeginResponse]
     EndRestore: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreEndRequest, _coordinator_pb2.Partition]
     ResolveRun: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveRunRequest, _coordinator_pb2.ResolveRunResponse]
@@ -67,6 +68,7 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     WatchPartition: _aio.UnaryStreamMultiCallable[_coordinator_pb2.GetPartitionRequest, _coordinator_pb2.Partition]  # type: ignore[assignment]
     RenewLease: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseResponse]  # type: ignore[assignment]
     ReportFailure: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.FailureReport, _coordinator_pb2.FailureAck]  # type: ignore[assignment]
+    ProfileJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ProfileJobRequest, _coordinator_pb2.Partition]  # type: ignore[assignment]
     BeginRestore: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreBeginRequest, _coordinator_pb2.RestoreBeginResponse]  # type: ignore[assignment]
     EndRestore: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RestoreEndRequest, _coordinator_pb2.Partition]  # type: ignore[assignment]
     ResolveRun: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResolveRunRequest, _coordinator_pb2.ResolveRunResponse]  # type: ignore[assignment]
@@ -135,6 +137,13 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.FailureReport,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.FailureAck, _abc.Awaitable[_coordinator_pb2.FailureAck]]: ...
+
+    @_abc_1.abstractmethod
+    def ProfileJob(
+        self,
+        request: _coordinator_pb2.ProfileJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.Partition, _abc.Awaitable[_coordinator_pb2.Partition]]: ...
 
     @_abc_1.abstractmethod
     def BeginRestore(

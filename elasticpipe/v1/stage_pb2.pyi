@@ -691,7 +691,13 @@ class DescribeResponse(_message.Message):
 
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     PARAM_BYTES_FIELD_NUMBER: _builtins.int
+    FACTORY_FILE_FIELD_NUMBER: _builtins.int
+    FACTORY_SHA256_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
+    factory_file: _builtins.str
+    """the module file the model factory was imported from"""
+    factory_sha256: _builtins.str
+    """its SHA-256, to catch stages running other versions"""
     @_builtins.property
     def param_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """per layer"""
@@ -701,10 +707,12 @@ class DescribeResponse(_message.Message):
         *,
         num_layers: _builtins.int = ...,
         param_bytes: _abc.Iterable[_builtins.int] | None = ...,
+        factory_file: _builtins.str = ...,
+        factory_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_layers", b"num_layers", "param_bytes", b"param_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["factory_file", b"factory_file", "factory_sha256", b"factory_sha256", "num_layers", b"num_layers", "param_bytes", b"param_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1023,10 +1031,13 @@ class RestoreChunk(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_OVERRIDES_JSON_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """first message: the epoch of the restore"""
     committed_step: _builtins.int
     """first message: the step the checkpoint was taken after"""
+    optimizer_overrides_json: _builtins.str
+    """first message: hyper-parameters to set after loading"""
     @_builtins.property
     def chunk(self) -> Global___LayerChunk: ...
     def __init__(
@@ -1035,10 +1046,11 @@ class RestoreChunk(_message.Message):
         epoch: _builtins.int = ...,
         committed_step: _builtins.int = ...,
         chunk: Global___LayerChunk | None = ...,
+        optimizer_overrides_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "committed_step", b"committed_step", "epoch", b"epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "committed_step", b"committed_step", "epoch", b"epoch", "optimizer_overrides_json", b"optimizer_overrides_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
