@@ -61,7 +61,7 @@ def run(
     schedule: str,
     timeout: float,
     client: int = 0,
-    previous: stage_pb2.StepDecision | None = None,
+    previous: Sequence[stage_pb2.StepDecision] = (),
 ) -> list[stage_pb2.StepReport]:
     """Runs one step (``targets`` given) or inference pass (``targets`` None).
 

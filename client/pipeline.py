@@ -74,6 +74,7 @@ log = get_logger(__name__)
 
 RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
 SETUP_POLL_S = 5.0  # how long the coordinator waits for stages before the client reports
+MAX_DECISIONS = 8
 CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"
 RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
 # Tests only: "before_commit:STEP" (or "after_commit:STEP") blocks the client there, so a
@@ -233,7 +234,9 @@ class Pipeline:
         self._done = 0  # steps train_step has returned (the script's view; never drops)
         self._last_reports: list[stage_pb2.StepReport] = []
         self._restore_epoch = 0
-        self._decision: stage_pb2.StepDecision | None = None
+        # Decisions on runs that some stage may not have heard yet (a lost CommitStep or
+        # AbortStep): every RunStep carries them until a run reaches every stage.
+        self._decisions: dict[int, stage_pb2.StepDecision] = {}
         self._replay: dict[int, _Batch] = {}
         self._safe_step = 0
         self._lease_lost = False
@@ -451,10 +454,13 @@ class Pipeline:
             "pipeline_rolled_back",
             to_step=restored,
             from_step=self._step,
-            replay=max(0, self._step - restored),
+            replay=max(0, self._done - restored),
         )
-        self._step = min(self._step, restored)
-        self._decision = None
+        # Ahead of us only after a checkpoint load whose answer this client missed.
+        self._done = max(self._done, restored)
+        self._step = restored
+        self._safe_step = min(self._safe_step, restored)
+        self._decisions.clear()
 
     def _check_lease(self) -> None:
         if self._lease_lost:
@@ -509,12 +515,13 @@ class Pipeline:
                     self._job.schedule,
                     self._step_timeout,
                     self._client,
-                    self._decision,
+                    list(self._decisions.values()),
                 )
+                self._decisions.clear()  # every stage heard every earlier decision
                 return reports, partition, run_id, attempts
             except (StaleEpoch, Rebalancing) as exc:
                 if train:
-                    self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=False)
+                    self._decided(run_id, step, commit=False)
                 if time.monotonic() > deadline:
                     raise
                 refused_at = refused_at or time.monotonic()
@@ -525,19 +532,25 @@ class Pipeline:
                     # The stages may be frozen by a coordinator that died: its restart (or
                     # their freeze lease) releases them; training needs no coordinator.
                     time.sleep(0.5)
-                if train and self._step + 1 != step:
-                    raise _RolledBack() from exc
+                if self._step != (step - 1 if train else self._done):
+                    raise _RolledBack() from exc  # replay first
             except ElasticPipeError:
                 if train:
-                    self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=False)
+                    self._decided(run_id, step, commit=False)
                 raise
         raise AssertionError("unreachable")
+
+    def _decided(self, run: int, step: int, commit: bool) -> None:
+        """Keeps a decision until a later run has reached every stage."""
+        self._decisions[run] = stage_pb2.StepDecision(run=run, step=step, commit=commit)
+        while len(self._decisions) > MAX_DECISIONS:  # the oldest is long settled
+            del self._decisions[min(self._decisions)]
 
     def _train_one(self, step: int, batch: _Batch) -> tuple[float, list[stage_pb2.StepReport], int]:
         """Runs and commits one step; returns its loss, reports and attempts."""
         reports, partition, run_id, attempts = self._run(step, batch, train=True)
         self._test_pause("before_commit", step)
-        self._decision = stage_pb2.StepDecision(run=run_id, step=step, commit=True)
+        self._decided(run_id, step, commit=True)
         try:
             driver.commit(self._clients, partition, run_id, step, self._client)
         except CommitIncomplete as exc:
@@ -700,6 +713,8 @@ class Pipeline:
                         for i in range(len(xs))
                     ]
                 )
+            except _RolledBack:
+                continue
             except RECOVERABLE as exc:
                 self._recover(exc, deadline)
 
@@ -724,7 +739,7 @@ class Pipeline:
                 log.info("state_dict_retried", epoch=partition.epoch, reason=str(exc))
                 if time.monotonic() > deadline:
                     raise
-                self._refresh(time.monotonic() + RETRY_WAIT_S)
+                self._refresh(time.monotonic() + RETRY_WAIT_S)  # a rollback: replay first
             except RECOVERABLE as exc:
                 self._recover(exc, deadline)
 
@@ -878,7 +893,8 @@ class Pipeline:
         self._adopt(new)
         self._restore_epoch = new.restore_epoch
         self._step = self._done = step
-        self._decision = None
+        self._safe_step = step
+        self._decisions.clear()
         self._replay.clear()
         log.info("checkpoint_loaded", path=str(path), step=step, layers=len(layers))
 

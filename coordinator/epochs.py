@@ -247,12 +247,12 @@ def change_epoch(
         transferred_at = time.perf_counter()
         pause("before_commit_point")
         cluster.store.commit_change(change.new, change.record("committed"))
-    except ElasticPipeError as exc:
+    except BaseException as exc:  # whatever went wrong, before the commit point: undo
         log.warning(
             "epoch_change_aborted", epoch=change.new.epoch, kept=change.old.epoch, error=str(exc)
         )
         abort(cluster, change.new.epoch, involved, str(exc))
-        record_abandoned(cluster, change, str(exc))
+        record_abandoned(cluster, change, str(exc) or repr(exc))
         raise
     pause("after_commit_point")
     cluster.adopt(change.new)

@@ -49,6 +49,7 @@ STAGE_CALL_TIMEOUT_S = 120.0
 SETTLE_WAIT_S = 10.0
 RESTORE_LEASE_S = 600.0
 COPIES_WAIT_S = 30.0
+SAFE_STEP_TTL_S = 0.2
 DEFAULT_LEASE_S = 15.0
 # What must match for a client to resume a job (everything but the id).
 RESUME_FIELDS = (
@@ -101,6 +102,7 @@ class Jobs:
         self._pause = pause
         self._lock = threading.Lock()
         self._restoring: tuple[Change, float] | None = None
+        self._safe_cache: tuple[float, int] | None = None
         raw = cluster.store.get("lease")
         self._lease = (
             Lease(
@@ -124,8 +126,18 @@ class Jobs:
             return None
         return lease
 
-    def _grant(self, job_id: str, lease_s: float, holder: str) -> int:
-        client = self.c.store.next_client()
+    def _check_free(self, current: JobConfig | None) -> None:
+        """Raises JobInUse while a live client holds the running job."""
+        lease = self.lease()
+        if current is not None and lease is not None:
+            raise JobInUse(
+                f"job {current.job_id} ({current.model}) is held by client {lease.holder!r}: "
+                "close that pipeline first, or wait until its lease runs out "
+                f"({lease.lease_s:.0f}s after it stopped renewing it)"
+            )
+
+    def _grant(self, job_id: str, lease_s: float, holder: str, client: int = 0) -> int:
+        client = client or self.c.store.next_client()
         with self._lock:
             self._lease = Lease(job_id, client, holder, lease_s, time.monotonic() + lease_s)
             self.c.store.put(
@@ -152,16 +164,30 @@ class Jobs:
         return held, self.safe_step()
 
     def safe_step(self) -> int:
-        """The newest step whose snapshot survives any single failure (0 if none)."""
+        """The newest step whose snapshot survives any single failure (0 if none).
+
+        Only stages that took part in the last rollback count (their heartbeat's epoch is
+        at least the partition's ``restore_epoch``): anything older may be of another
+        history. Computed at most every ``SAFE_STEP_TTL_S`` (heartbeats ask for it).
+        """
+        now = time.monotonic()
+        cached = self._safe_cache
+        if cached is not None and now - cached[0] < SAFE_STEP_TTL_S:
+            return cached[1]
         partition, job = self.c.partition, self.c.job
-        if partition is None or job is None or not job.snapshot_every:
-            return 0
-        held = {m.row.stage_id: m.snapshots for m in self.c.members.members()}
-        live = [m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)]
-        need = 2 if partition.num_stages > 1 else 1
-        found = copies.newest_step(
-            copies.copies_by_step(held, job.job_id), partition.num_layers, live, need
-        )
+        found: int | None = 0
+        if partition is not None and job is not None and job.snapshot_every:
+            members = [
+                m
+                for m in self.c.members.members()
+                if self.c.members.alive(m) and m.epoch >= partition.restore_epoch
+            ]
+            held = {m.row.stage_id: m.snapshots for m in members}
+            need = 2 if partition.num_stages > 1 else 1
+            found = copies.newest_step(
+                copies.copies_by_step(held, job.job_id), partition.num_layers, held, need
+            )
+        self._safe_cache = (now, found or 0)
         return found or 0
 
     # ---- setup and attach ------------------------------------------------------------
@@ -187,13 +213,7 @@ class Jobs:
         if not 0 < lease_s <= 3600:
             raise InvalidRequest(f"lease_s must be in (0, 3600] (got {lease_s})")
         current = self.c.job
-        lease = self.lease()
-        if current is not None and lease is not None:
-            raise JobInUse(
-                f"job {current.job_id} ({current.model}) is held by client {lease.holder!r}: "
-                "close that pipeline first, or wait until its lease runs out "
-                f"({lease.lease_s:.0f}s after it stopped renewing it)"
-            )
+        self._check_free(current)
         if resume and current is not None and self.c.partition is not None:
             diff = differences(current, job)
             if diff:
@@ -209,9 +229,11 @@ class Jobs:
 
     def _attach(self, job: JobConfig, lease_s: float, holder: str) -> Attached:
         with self.c.move_lock:
+            self._check_free(job)
             partition = self.c.require_job()[1]
-            client = self._grant(job.job_id, lease_s, holder)
-            step = self.settle(partition, client)
+            client = self.c.store.next_client()
+            step = self.settle(partition, client)  # fences every older client
+            self._grant(job.job_id, lease_s, holder, client)
         log.info("client_attached", job=job.job_id, client=holder, step=step)
         return Attached(
             partition,
@@ -269,6 +291,7 @@ class Jobs:
         holder: str,
     ) -> Attached:
         with self.c.move_lock:
+            self._check_free(self.c.job)  # again: another client may have come meanwhile
             epochs.check_no_change_in_progress(self.c)
             spec = job.to_proto()
             described = self._describe(spec, chosen)
@@ -513,15 +536,42 @@ class Jobs:
         Returns:
             "wait" (a live client holds the job), "commit" or "abort".
         """
-        if self.lease() is not None:
-            return "wait"
+        lease = self.lease()
+        if lease is not None:
+            # A live client decides; but a run committed anywhere is committed: that
+            # decision can be delivered now without the client.
+            return "commit" if self._deliver_commit(run, step, lease.client) else "wait"
         with self.c.move_lock:
             _, partition = self.c.require_job()
             client = self.c.store.next_client()  # fences whichever client ran it
             committed = self.settle(partition, client)
+            with self._lock:  # the fenced client's lease is over
+                self._lease = None
+                self.c.store.delete("lease")
         decision = "commit" if committed >= step else "abort"
         log.info("run_resolved", stage=self.c.name(stage_id), run=run, step=step, decision=decision)
         return decision
+
+    def _deliver_commit(self, run: int, step: int, client: int) -> bool:
+        """Commits ``run`` on the stages still awaiting it if some stage committed it."""
+        partition = self.c.partition
+        if partition is None:
+            return False
+        probe = stage_pb2.StatsRequest()
+        results = self.c.pool.each([(a, probe) for a in partition.addresses], "GetStats", 5.0)
+        states = [
+            (a, r.state)
+            for a, r in zip(partition.addresses, results, strict=True)
+            if not isinstance(r, ElasticPipeError)
+        ]
+        if not any(st.committed_run == run for _, st in states):
+            return False
+        request = stage_pb2.CommitStepRequest(
+            epoch=partition.epoch, run=run, step=step, client=client
+        )
+        waiting = [a for a, st in states if st.phase == "awaiting_commit" and st.active_run == run]
+        self.c.pool.each([(a, request) for a in waiting], "CommitStep", 30.0)
+        return True
 
     # ---- checkpoint loads ------------------------------------------------------------
 

@@ -193,11 +193,9 @@ class Rebalancer:
         job, current = self.c.require_job()
         with self.c.move_lock:
             current = self.c.partition or current
-            target = Partition(
-                epoch=current.epoch + 1,
-                job_id=current.job_id,
-                boundaries=tuple(boundaries),
-                stages=tuple(stages),
+            # evolve: the last rollback (restore_epoch, restored_step) stays on record.
+            target = current.evolve(
+                epoch=current.epoch + 1, boundaries=tuple(boundaries), stages=tuple(stages)
             ).validate(self.c.num_layers)
             self._check_alive(target.stage_ids)
             if target.boundaries == current.boundaries and target.stages == current.stages:

@@ -118,18 +118,27 @@ class Recovery:
             except ElasticPipeError as exc:
                 log.error("recovery_failed", error=str(exc))
 
-    def _holdings(self, live: set[str]) -> dict[str, list[stage_pb2.SnapshotHolding]]:
+    def _holdings(
+        self, live: set[str], since_epoch: int
+    ) -> dict[str, list[stage_pb2.SnapshotHolding]]:
         """What snapshots each live stage holds: asked now (heartbeats may lag by an
-        interval), falling back to the last heartbeat's report."""
+        interval), falling back to the last heartbeat's report. Only stages at
+        ``since_epoch`` or later count (the last rollback's: older ones may hold snapshots
+        of another history)."""
         members = [m for m in self.c.members.members() if m.row.stage_id in live]
         probe = stage_pb2.StatsRequest()
         results = self.c.pool.each(
             [(m.row.address, probe) for m in members], "GetStats", PROBE_TIMEOUT_S
         )
-        return {
-            m.row.stage_id: list(m.snapshots if isinstance(r, ElasticPipeError) else r.snapshots)
-            for m, r in zip(members, results, strict=True)
-        }
+        out = {}
+        for m, r in zip(members, results, strict=True):
+            if isinstance(r, ElasticPipeError):
+                epoch, held = m.epoch, m.snapshots
+            else:
+                epoch, held = r.epoch, r.snapshots
+            if epoch >= since_epoch:
+                out[m.row.stage_id] = list(held)
+        return out
 
     def recover(self, dead: Sequence[Member]) -> Partition | None:
         """Replaces or drops the dead stages and rolls every survivor back to a snapshot."""
@@ -150,7 +159,7 @@ class Recovery:
             self.c.fail_job(f"every stage of the chain died ({lost_names}); no spare is left")
             return None
         live = {m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)}
-        found = copies.copies_by_step(self._holdings(live), job.job_id)
+        found = copies.copies_by_step(self._holdings(live, old.restore_epoch), job.job_id)
         step = copies.newest_step(found, old.num_layers, live)
         if step is None:
             newest = max(found, default=None)
@@ -168,10 +177,16 @@ class Recovery:
                 f"layers {missing} have no live copy: they were lost with {lost_names}; {why}"
             )
             return None
+        # A layer comes from a stage of the new chain where possible (most often it holds
+        # the copy itself), else from any live holder.
+        in_chain = {r.stage_id for r in chain}
+        by_preference = sorted(
+            self.c.members.members(), key=lambda m: m.row.stage_id not in in_chain
+        )
         holders = {
             layer: next(
                 m.row.address
-                for m in self.c.members.members()
+                for m in by_preference
                 if m.row.stage_id in found[step][layer] and m.row.stage_id in live
             )
             for layer in range(old.num_layers)

@@ -75,7 +75,9 @@ class CoordinatorServicer:
             list(req.snapshots),
         )
         return coordinator_pb2.HeartbeatResponse(
-            reregister=heard is not Heard.OK, dead=heard is Heard.DEAD
+            reregister=heard is not Heard.OK,
+            dead=heard is Heard.DEAD,
+            safe_step=self.c.jobs.safe_step(),
         )
 
     def ResolveRun(

@@ -30,6 +30,7 @@ def run_demo(
     from elasticpipe.client.pipeline import Pipeline
 
     out = sys.stdout
+    log_dir = log_dir or time.strftime("runs/demo-%Y%m%d-%H%M%S")  # kept after the demo
     corpus = CharCorpus.from_stdlib()
     model_kwargs = {
         "vocab_size": corpus.vocab_size,

@@ -25,6 +25,8 @@ from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.training import loss_fn
 from elasticpipe.transport import Outgoing
 
+FLUSH_SLICE_S = 0.1
+
 
 @dataclass
 class StepResult:
@@ -124,10 +126,15 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                     Outgoing("Backward", placement.epoch, run, ctx.step, i, grad_in.detach())
                 )
     for link in ctx.links.values():
-        if not link.flush(max(0.0, ctx.deadline - time.monotonic())):
-            raise DeadlineExceeded(
-                f"run {run}: sends to {link.address} still pending at the deadline"
-            )
+        # Waits for the sends in slices, so that an abort (a recovery preempting the run)
+        # or a peer's failure ends the wait at once.
+        while not link.flush(min(FLUSH_SLICE_S, max(0.0, ctx.deadline - time.monotonic()))):
+            if (failure := mailbox.failure(run)) is not None:
+                raise failure
+            if time.monotonic() >= ctx.deadline:
+                raise DeadlineExceeded(
+                    f"run {run}: sends to {link.address} still pending at the deadline"
+                )
     if (failure := mailbox.failure(run)) is not None:
         raise failure
     result.losses = [losses[i] for i in sorted(losses)]

@@ -83,11 +83,6 @@ class Mailbox:
                     )
                 self._cond.wait(remaining)
 
-    def closed(self, run: int) -> bool:
-        """Whether ``run`` is over (committed or aborted): nothing of it may start now."""
-        with self._cond:
-            return run < self._closed_below
-
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more would fit under the byte limit (checked before allocating)."""
         with self._cond:

@@ -15,8 +15,9 @@ Step protocol (the consistent cut of invariant 3 is "every stage IDLE")::
 
 * A committed or aborted run is closed: it never starts, its late messages are dropped,
   and a repeated commit of the committed run is a no-op (its reply may have been lost).
-* ``begin_run`` carries the client's decision on its previous run: a stage still
-  AWAITING_COMMIT for it applies that decision first (a CommitStep or AbortStep lost).
+* ``begin_run`` carries the client's decisions on earlier runs: a stage still
+  AWAITING_COMMIT for one of them applies that decision first (a CommitStep or AbortStep
+  lost).
 * Clients are fenced by generation: a request of a generation below the fence is refused
   (``Fenced``), so a client whose lease ran out can never commit after its successor.
 * AWAITING_COMMIT holds a lease of ``commit_lease_s``. When it runs out the stage asks for
@@ -42,6 +43,7 @@ Snapshots: the committed state is snapshotted at step 0, at every multiple of
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -203,7 +205,7 @@ class StepMachine:
 
     def assign(self, epoch: int, snapshot_every: int) -> list[Effect]:
         """A job starts (or restarts) here at step 0 in ``epoch``; whatever ran is void."""
-        effects = self._preempt()
+        effects = self.preempt()
         self.has_job, self.snapshot_every = True, snapshot_every
         self.epoch, self.committed_step, self.committed_run = epoch, 0, 0
         self.frozen = None
@@ -216,7 +218,7 @@ class StepMachine:
 
     def drop_job(self) -> list[Effect]:
         """The coordinator declared this incarnation dead: forget the job."""
-        effects = self._preempt()
+        effects = self.preempt()
         self.has_job, self.frozen = False, None
         return [*effects, Effect(Do.RESET_RUNS), Effect(Do.PRUNE_SNAPSHOTS, everything=True)]
 
@@ -229,7 +231,7 @@ class StepMachine:
         step: int,
         client: int,
         train: bool,
-        previous: Decision | None,
+        previous: Sequence[Decision] = (),
     ) -> list[Effect]:
         """A client starts run ``run`` (of ``step`` when training).
 
@@ -240,11 +242,10 @@ class StepMachine:
         """
         self._check_client(client, f"run {run}")
         self.check_epoch(epoch)
-        settle = (
-            previous is not None
-            and self.phase is Phase.AWAITING_COMMIT
-            and self.active_run == previous.run
-        )
+        awaiting = self.phase is Phase.AWAITING_COMMIT
+        decided = [d for d in previous if awaiting and d.run == self.active_run]
+        settle = bool(decided)
+        prior = decided[0] if decided else None
         if not settle and self.phase is not Phase.IDLE:
             raise NotReady(
                 f"stage {self.name} is busy with run {self.active_run} "
@@ -252,23 +253,23 @@ class StepMachine:
             )
         if run < self.closed_below:
             raise StepAborted(f"run {run} was aborted before it started on stage {self.name}")
-        if settle and previous is not None and previous.step != self.active_step:
+        if prior is not None and prior.step != self.active_step:
             raise InvalidRequest(
-                f"decision on run {previous.run} names step {previous.step}, but the run is "
+                f"decision on run {prior.run} names step {prior.step}, but the run is "
                 f"step {self.active_step} on stage {self.name}"
             )
         next_step = self.committed_step + 1
-        if previous is not None and settle and previous.commit:
-            next_step = previous.step + 1
+        if prior is not None and prior.commit:
+            next_step = prior.step + 1
         if train and step != next_step:
             raise NotReady(
                 f"step {step} is not the next step of stage {self.name} "
                 f"(committed: {self.committed_step})"
             )
         effects: list[Effect] = []
-        if settle and previous is not None:
-            if previous.commit:
-                effects += self._commit(previous.run, previous.step)
+        if prior is not None:
+            if prior.commit:
+                effects += self._commit(prior.run, prior.step)
             else:
                 effects += self._abort_awaiting()
         self.fence = max(self.fence, client)
@@ -358,18 +359,14 @@ class StepMachine:
         self.closed_below = max(self.closed_below, run + 1)
         return [Effect(Do.DISCARD_GRADS), Effect(Do.CLOSE_RUNS, run=run)]
 
-    def _preempt(self) -> list[Effect]:
-        """Ends whatever run is active (a rollback or a new job supersedes it)."""
+    def preempt(self) -> list[Effect]:
+        """Ends whatever run is active (a recovery, a new job or a rollback supersedes it)."""
         if self.phase is Phase.RUNNING:
             self.closed_below = max(self.closed_below, self.active_run + 1)
             return [Effect(Do.WAKE_RUN, run=self.active_run)]
         if self.phase is Phase.AWAITING_COMMIT:
             return self._abort_awaiting()
         return []
-
-    def preempt(self) -> list[Effect]:
-        """Aborts the active run, if any, so that a recovery can freeze this stage."""
-        return self._preempt()
 
     def fence_clients(self, client: int) -> list[Effect]:
         """Refuses every request of a client generation below ``client`` from now on.
@@ -435,6 +432,16 @@ class StepMachine:
         else:
             self.frozen = Frozen(epoch=epoch, until=now + lease_s)
         return effects
+
+    def extend(self, epoch: int, lease_s: float, now: float) -> None:
+        """Holds an unprepared freeze at least ``lease_s`` from ``now`` (a long transfer).
+
+        Raises:
+            NotReady: not frozen for ``epoch`` (the change was abandoned), or prepared.
+        """
+        self.check_frozen(epoch)
+        assert self.frozen is not None
+        self.frozen = replace(self.frozen, until=max(self.frozen.until, now + lease_s))
 
     def check_frozen(self, epoch: int) -> None:
         """Checks that ``epoch``'s change holds this stage and is not yet prepared.

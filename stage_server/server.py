@@ -7,7 +7,7 @@ import threading
 from types import TracebackType
 
 from elasticpipe import rpc
-from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError
+from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.serving import RunningServer, start_server
 from elasticpipe.stage_server.protocol import Do, Effect
@@ -186,8 +186,15 @@ class StageServer:
             timeout=max(1.0, interval * 2),
             unavailable=CoordinatorUnavailable,
         )
+        stage.keep_from(reply.safe_step)
         if reply.dead:
             stage.drop_job("the coordinator declared this incarnation dead")
+        if stage.poisoned and not reply.reregister:
+            # A new incarnation: the coordinator declares this one dead and recovers.
+            log.warning("stage_replacing_itself", why=stage.poisoned)
+            stage.poisoned = ""
+            self.stage_id = ""
+            return
         if reply.reregister:
             log.warning("stage_reregistering", stage_id=self.stage_id, dead=reply.dead)
             self.stage_id = ""
@@ -210,10 +217,13 @@ class StageServer:
                 )
                 log.info("run_resolution", run=question.run, decision=reply.decision)
                 fence = stage.state().fence
-                if reply.decision == "commit":
-                    stage.commit_step(stage.epoch, question.run, question.step, fence)
-                elif reply.decision == "abort":
-                    stage.abort_step(question.run, "resolved by the coordinator", fence)
+                try:
+                    if reply.decision == "commit":
+                        stage.commit_step(stage.epoch, question.run, question.step, fence)
+                    elif reply.decision == "abort":
+                        stage.abort_step(question.run, "resolved by the coordinator", fence)
+                except NotReady:
+                    pass  # the coordinator's own call settled it already
             elif question.do is Do.ASK_EPOCH:
                 outcome = rpc.call(
                     self.coordinator,

@@ -24,6 +24,7 @@ from elasticpipe.v1 import stage_pb2
 _SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
 _SLOTS = {stage_pb2.INPUT: Slot.INPUT, stage_pb2.GRAD: Slot.GRAD, stage_pb2.TARGET: Slot.TARGET}
 MAX_STEP_TIMEOUT_S = 3600.0
+MAX_DECISIONS = 16
 
 
 def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTiming]:
@@ -160,11 +161,11 @@ class StageServicer:
             )
         remaining = ctx.time_remaining()
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
-        previous = (
-            Decision(req.previous.run, req.previous.step, req.previous.commit)
-            if req.HasField("previous")
-            else None
-        )
+        if len(req.previous) > MAX_DECISIONS:
+            raise InvalidRequest(
+                f"{len(req.previous)} earlier decisions sent (at most {MAX_DECISIONS})"
+            )
+        previous = [Decision(d.run, d.step, d.commit) for d in req.previous]
         result = self.stage.run_step(
             req.epoch,
             req.run,
@@ -327,9 +328,10 @@ class StageServicer:
         first = next(chunks, None)
         if first is None or not first.source:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
+        generation = self.stage.snapshots.generation
         pieces = (message.chunk for message in chunks)
         blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes))
-        self.stage.keep_copy(first.job_id, first.step, first.source, blobs)
+        self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         return stage_pb2.Ack()
 
     # ---- stats and admin -------------------------------------------------------------

@@ -13,15 +13,17 @@ complete one always exists (double buffering)::
     pushed            -> the next stage holds it    (peer side) copies: {10, 20}
     step 30 committed -> capture; step 10 dropped once 30 is complete
 
-A snapshot belongs to one job and history: a checkpoint load starts a new history, so
-every older snapshot is dropped; a rollback to step k drops only those after k.
+A store never drops a snapshot of the coordinator's newest *safe* step (every layer held
+twice) or later (``keep_from``), so the snapshot a recovery needs is never trimmed while a
+slower copy catches up. A snapshot belongs to one job and history: a checkpoint load
+starts a new history, so every older snapshot is dropped; a rollback to step k drops
+only those after k. At most one capture waits to be packed: a newer one replaces it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +67,7 @@ class SnapshotStore:
         self._own: dict[int, _Snapshot] = {}
         self._copies: dict[str, dict[int, _Snapshot]] = {}  # source stage id -> step -> ...
         self.generation = 0  # bumped by every prune: captures taken before it are void
+        self._keep_from = 0  # the coordinator's newest safe step: kept whatever ``keep``
 
     def add_own(self, job_id: str, step: int, blobs: Mapping[int, bytes], generation: int) -> bool:
         """Records a complete snapshot of this stage's layers, unless a prune since its
@@ -76,16 +79,28 @@ class SnapshotStore:
             self._trim(self._own)
             return True
 
-    def add_copy(self, source: str, job_id: str, step: int, blobs: Mapping[int, bytes]) -> None:
-        """Records a complete copy of a peer's snapshot."""
+    def add_copy(
+        self, source: str, job_id: str, step: int, blobs: Mapping[int, bytes], generation: int
+    ) -> bool:
+        """Records a complete copy of a peer's snapshot, unless a prune since it began
+        arriving voided it; returns whether it was kept."""
         with self._lock:
+            if generation != self.generation:
+                return False
             steps = self._copies.setdefault(source, {})
             steps[step] = _Snapshot(job_id, step, dict(blobs))
             self._trim(steps)
+            return True
+
+    def keep_from(self, step: int) -> None:
+        """Snapshots of ``step`` and later are kept (the newest safe step)."""
+        with self._lock:
+            self._keep_from = step
 
     def _trim(self, steps: dict[int, _Snapshot]) -> None:
         for old in sorted(steps)[: -self._keep]:
-            del steps[old]
+            if not self._keep_from or old < self._keep_from:  # 0: no safe step known
+                del steps[old]
 
     def get(self, job_id: str, step: int, layer: int) -> bytes | None:
         """The state blob of ``layer`` at ``step``, own or copy, if held here."""
@@ -150,31 +165,51 @@ class Snapshotter:
         self._store = store
         self._push = push
         self._before_push = before_push
-        self._queue: queue.Queue[Capture | None] = queue.Queue()
-        self._idle = threading.Condition()
-        self._pending = 0
+        self._cond = threading.Condition()
+        self._waiting: Capture | None = None  # at most one: a newer capture replaces it
+        self._busy = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="snapshots", daemon=True)
         self._thread.start()
 
     def submit(self, capture: Capture) -> None:
-        """Queues a capture; returns at once."""
-        with self._idle:
-            self._pending += 1
-        self._queue.put(capture)
+        """Queues a capture (replacing one still waiting); returns at once."""
+        with self._cond:
+            if self._waiting is not None:
+                log.warning(
+                    "snapshot_skipped",
+                    step=self._waiting.step,
+                    newer=capture.step,
+                    why="the previous snapshot was still being copied",
+                )
+            self._waiting = capture
+            self._cond.notify_all()
 
     def flush(self, timeout: float) -> bool:
         """Waits until every queued capture is stored and pushed (or failed)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._waiting is None and not self._busy, timeout)
 
     def close(self) -> None:
-        """Stops the thread after the captures queued so far."""
-        self._queue.put(None)
+        """Stops the thread after the capture in progress."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self._thread.join(timeout=10)
+
+    def _next(self) -> Capture | None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._waiting is not None or self._closed)
+            if self._closed:
+                return None
+            capture, self._waiting, self._busy = self._waiting, None, True
+            return capture
 
     def _run(self) -> None:
         _lower_priority()
-        while (capture := self._queue.get()) is not None:
+        while (capture := self._next()) is not None:
             try:
                 blobs = {i: codec.pack_state(state) for i, state in capture.states.items()}
                 kept = self._store.add_own(capture.job_id, capture.step, blobs, capture.generation)
@@ -188,10 +223,8 @@ class Snapshotter:
                     peer=capture.peer,
                     error=str(exc),
                 )
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+            except Exception as exc:  # the thread must outlive any one failure
+                log.error("snapshot_failed", step=capture.step, error=repr(exc), exc_info=exc)
 
 
 def _lower_priority() -> None:

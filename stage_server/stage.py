@@ -54,6 +54,7 @@ log = get_logger(__name__)
 TICK_S = 0.25
 SNAPSHOT_PUSH_TIMEOUT_S = 120.0
 ABORT_WAIT_S = 10.0
+EXTEND_MARGIN_S = 30.0
 
 Layers = dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
 
@@ -113,6 +114,7 @@ class Stage:
         self.placement: Placement | None = None
         self.last_peak = (0, 0)
         self.asker: Asker | None = None  # set by the server: asks the coordinator
+        self.poisoned = ""  # why this incarnation must be replaced (then re-registers)
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = Mailbox(config.mailbox_bytes)
         self._links: dict[str, Link] = {}
@@ -135,7 +137,16 @@ class Stage:
         for e in effects:
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
-                self.slice.step()
+                try:
+                    self.slice.step()
+                except Exception as exc:
+                    # Some layers may have stepped and others not: this stage's state is
+                    # no longer any step's. It gives up its job; recovery rolls back.
+                    self._poison(f"the optimizer step of step {e.step} failed: {exc!r}")
+                    raise StageUnavailable(
+                        f"stage {self.config.name} failed to apply step {e.step} ({exc!r}); "
+                        "it drops its layers so that recovery restores them"
+                    ) from exc
             elif e.do is Do.DISCARD_GRADS:
                 if self.slice is not None:
                     self.slice.zero_grad()
@@ -162,18 +173,26 @@ class Stage:
                 self._questions.append(e)
         self._cond.notify_all()
 
+    def _poison(self, why: str) -> None:
+        """This incarnation's state is unusable: forget the job and ask to be replaced."""
+        log.error("stage_poisoned", why=why)
+        self._apply(self.machine.drop_job())
+        self.job, self.slice, self.placement = None, None, None
+        self.poisoned = why
+
     def _tick_loop(self) -> None:
         while not self._stop.wait(TICK_S):
-            with self._cond:
-                self._apply(self.machine.tick(time.monotonic()))
-                questions, self._questions = self._questions, []
-            for question in questions:
-                if self.asker is None:
-                    continue
-                try:
-                    self.asker(question)
-                except ElasticPipeError as exc:
-                    log.warning("coordinator_unanswered", asked=str(question), error=str(exc))
+            try:
+                with self._cond:
+                    self._apply(self.machine.tick(time.monotonic()))
+                    questions, self._questions = self._questions, []
+                for question in questions:
+                    if self.asker is not None:
+                        self.asker(question)
+            except ElasticPipeError as exc:
+                log.warning("coordinator_unanswered", error=str(exc))
+            except Exception as exc:  # the leases must outlive any one failure
+                log.error("lease_tick_failed", error=repr(exc), exc_info=exc)
 
     # ---- job -------------------------------------------------------------------------
 
@@ -245,7 +264,10 @@ class Stage:
         wanted = {a for a in (placement.prev, placement.next) if a}
         for address in list(self._links):
             if address not in wanted:
-                self._links.pop(address).close()
+                # Closing waits for the link's thread: not under the lock (heartbeats and
+                # probes must not stall behind it).
+                link = self._links.pop(address)
+                threading.Thread(target=link.close, name="link-close", daemon=True).start()
         for address in wanted:
             if address not in self._links:
                 self._links[address] = Link(address, self._fail_run, self.config.send_timeout_s)
@@ -295,7 +317,7 @@ class Stage:
         train: bool,
         timeout: float,
         client: int = 0,
-        previous: Decision | None = None,
+        previous: Sequence[Decision] = (),
     ) -> StepResult:
         """Runs this stage's ops of one step (or inference pass) and reports."""
         if micro_batches < 1:
@@ -362,7 +384,8 @@ class Stage:
             return self.machine.committed_step
 
     def abort_step(self, run: int, reason: str, client: int = 0) -> None:
-        """Discards a run wherever it is; returns once the stage is idle again."""
+        """Discards a run wherever it is; returns once the run stopped computing (or after
+        ``ABORT_WAIT_S``: its executor then ends it at its next op)."""
         with self._cond:
             self._apply(self.machine.abort(run, client))
             self._cond.wait_for(
@@ -419,7 +442,8 @@ class Stage:
             Bytes received and seconds spent.
         """
         with self._cond:
-            self.machine.check_frozen(new_epoch)
+            # The transfers may outlast the freeze lease: hold it for as long as they may take.
+            self.machine.extend(new_epoch, timeout + EXTEND_MARGIN_S, time.monotonic())
             same_job = self.job is not None and self.job.job_id == job.job_id
             joining = not (same_job and self.placement is not None and self.placement.in_chain)
             keep = self.slice if same_job and not (rollback or restored_by_client) else None
@@ -492,17 +516,19 @@ class Stage:
             raise TransferError(
                 f"layer {layer}: no source given and no snapshot of step {snapshot_step} here"
             )
-        request = stage_pb2.ExportLayersRequest(
-            epoch=source_epoch, layers=[layer], include_optimizer=True
-        )
-        if snapshot_step is not None:
-            request = stage_pb2.ExportLayersRequest(
+        request = (
+            stage_pb2.ExportLayersRequest(
                 layers=[layer],
                 include_optimizer=True,
                 from_snapshot=True,
                 snapshot_step=snapshot_step,
                 job_id=job.job_id,
             )
+            if snapshot_step is not None
+            else stage_pb2.ExportLayersRequest(
+                epoch=source_epoch, layers=[layer], include_optimizer=True
+            )
+        )
         return transfers.pull_layer(
             self._peers,
             source,
@@ -672,21 +698,24 @@ class Stage:
     def _push_copy(self, peer: str, capture: Capture, blobs: Sequence[tuple[int, bytes]]) -> None:
         transfers.push_snapshot(self._peers, peer, capture, blobs, SNAPSHOT_PUSH_TIMEOUT_S)
 
-    def keep_copy(self, job_id: str, step: int, source: str, blobs: dict[int, bytes]) -> None:
-        """Keeps a peer's snapshot copy (it must be of this job, from this chain)."""
+    def keep_copy(
+        self, job_id: str, step: int, source: str, blobs: dict[int, bytes], generation: int
+    ) -> None:
+        """Keeps a peer's snapshot copy (it must be of this job, from this chain, and not
+        voided by a prune since ``generation``, taken when it began arriving)."""
         with self._cond:
             chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
             check_copy(job_id, self.job.job_id if self.job else "", source, chain)
         check_layers(blobs, source, step)
-        self.snapshots.add_copy(source, job_id, step, blobs)
+        self.snapshots.add_copy(source, job_id, step, blobs, generation)
 
     def holdings(self) -> list[Holding]:
         """The complete snapshots held here."""
         return self.snapshots.holdings()
 
-    def flush_snapshots(self, timeout: float) -> bool:
-        """Waits for queued snapshots to be stored and copied (tests, shutdown)."""
-        return self._snapshotter.flush(timeout)
+    def keep_from(self, safe_step: int) -> None:
+        """Snapshots of ``safe_step`` and later stay (the coordinator's newest safe step)."""
+        self.snapshots.keep_from(safe_step)
 
     # ---- faults and stats -------------------------------------------------------------
 

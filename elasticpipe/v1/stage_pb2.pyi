@@ -280,8 +280,10 @@ class RunStepRequest(_message.Message):
     client: _builtins.int
     """the client's generation (its lease); older ones are fenced"""
     @_builtins.property
-    def previous(self) -> Global___StepDecision:
-        """the decision on the client's previous run (a lost commit)"""
+    def previous(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepDecision]:
+        """The client's decisions on earlier runs that a stage may not have heard (a lost commit
+        or abort): a stage still awaiting one of those runs applies its decision first.
+        """
 
     def __init__(
         self,
@@ -294,9 +296,9 @@ class RunStepRequest(_message.Message):
         mode: Global___RunMode.ValueType = ...,
         timeout_s: _builtins.float = ...,
         client: _builtins.int = ...,
-        previous: Global___StepDecision | None = ...,
+        previous: _abc.Iterable[Global___StepDecision] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["previous", b"previous"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "run", b"run", "schedule", b"schedule", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...

@@ -48,7 +48,8 @@ def test_admin_commands_inspect_and_move_a_running_job(cluster4: LocalCluster) -
         assert "predicted step" in plan.stdout and "optimal" in plan.stdout
         epoch = pipe.partition.epoch
         dry = _admin(cluster4, "rebalance", "--dry-run")
-        assert dry.returncode == 0 and dry.stdout.startswith("unchanged")
+        assert dry.returncode == 0 and dry.stdout.startswith("dry run: would move to 0:")
+        assert cluster4.status().partition.epoch == epoch  # a dry run moves nothing
 
         moved = _admin(cluster4, "set-partition", "0:1,1:2,2:7")
         assert moved.returncode == 0, moved.stderr

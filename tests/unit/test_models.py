@@ -330,8 +330,14 @@ def test_resolve_factory_denies_callable_defined_elsewhere() -> None:
 )
 def test_resolve_factory_rejects_malformed_paths(path: str) -> None:
     """A name that is neither a built-in nor 'package.module:function' is a ModelError."""
-    with pytest.raises(ModelError, match="malformed"):
+    with pytest.raises(ModelError, match="malformed|unknown model"):
         resolve_factory(path, allow=["pkg", "a b", "1pkg", ""])
+
+
+def test_a_misspelt_built_in_gets_a_suggestion() -> None:
+    """A bare name close to a built-in is answered with "did you mean"."""
+    with pytest.raises(ModelError, match="unknown model 'gtp': did you mean 'gpt'"):
+        resolve_factory("gtp")
 
 
 @pytest.mark.parametrize(

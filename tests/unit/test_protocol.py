@@ -34,7 +34,7 @@ def kinds(effects: list[Effect]) -> list[Do]:
 
 
 def awaiting(m: StepMachine, run: int = 5, step: int = 1, client: int = 1) -> None:
-    m.begin_run(1, run, step, client, True, None)
+    m.begin_run(1, run, step, client, True, [])
     m.finish_run(run, now=0.0)
 
 
@@ -54,7 +54,7 @@ def test_a_training_run_goes_running_awaiting_idle() -> None:
     """begin -> RUNNING, finish -> AWAITING_COMMIT with a lease, commit -> IDLE at step+1
     with one optimizer step and the run closed."""
     m = machine()
-    assert m.begin_run(1, 5, 1, 1, True, None) == []
+    assert m.begin_run(1, 5, 1, 1, True, []) == []
     assert m.phase is Phase.RUNNING and m.active_run == 5
     m.finish_run(5, now=100.0)
     assert m.phase is Phase.AWAITING_COMMIT and m.lease_until == 100.0 + LEASE
@@ -66,7 +66,7 @@ def test_a_training_run_goes_running_awaiting_idle() -> None:
 def test_an_inference_run_goes_back_to_idle_without_commit() -> None:
     """An inference run never waits for a commit and never steps the optimizer."""
     m = machine()
-    m.begin_run(1, 5, 0, 1, False, None)
+    m.begin_run(1, 5, 0, 1, False, [])
     assert m.finish_run(5, now=0.0) == []
     assert (m.phase, m.committed_step) == (Phase.IDLE, 0)
 
@@ -87,23 +87,23 @@ def test_runs_of_another_epoch_are_refused(epoch: int, error: type[Exception]) -
     """A run of another epoch is refused with a retryable StaleEpoch, changing nothing."""
     m = machine()
     with pytest.raises(error, match=f"stale epoch {epoch}: stage s0 is at epoch 1"):
-        m.begin_run(epoch, 5, 1, 1, True, None)
+        m.begin_run(epoch, 5, 1, 1, True, [])
     assert m.phase is Phase.IDLE
 
 
 def test_a_busy_stage_refuses_a_second_run() -> None:
     """While a run is active, another is refused, naming the active run."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, None)
+    m.begin_run(1, 5, 1, 1, True, [])
     with pytest.raises(NotReady, match="busy with run 5"):
-        m.begin_run(1, 6, 1, 1, True, None)
+        m.begin_run(1, 6, 1, 1, True, [])
 
 
 def test_a_run_must_train_the_next_step() -> None:
     """A training run of a step other than committed+1 is refused."""
     m = machine()
     with pytest.raises(NotReady, match="step 3 is not the next step"):
-        m.begin_run(1, 5, 3, 1, True, None)
+        m.begin_run(1, 5, 3, 1, True, [])
 
 
 def test_abort_of_an_awaiting_run_discards_it() -> None:
@@ -120,7 +120,7 @@ def test_abort_of_a_running_run_wakes_it_and_fail_run_ends_it() -> None:
     """Aborting a running run only wakes its waits; its executor's fail_run ends it, and
     its late finish is refused."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, None)
+    m.begin_run(1, 5, 1, 1, True, [])
     assert kinds(m.abort(5, 1)) == [Do.WAKE_RUN]
     assert m.phase is Phase.RUNNING
     with pytest.raises(StepAborted):
@@ -134,7 +134,7 @@ def test_a_run_aborted_before_it_started_never_starts() -> None:
     m = machine()
     assert kinds(m.abort(7, 1)) == [Do.CLOSE_RUNS]
     with pytest.raises(StepAborted, match="run 7 was aborted before it started"):
-        m.begin_run(1, 7, 1, 1, True, None)
+        m.begin_run(1, 7, 1, 1, True, [])
 
 
 def test_an_abort_after_the_commit_changes_nothing() -> None:
@@ -153,16 +153,19 @@ def test_the_next_run_carries_a_lost_commit() -> None:
     """A stage still awaiting the previous run commits it first when the next run says so."""
     m = machine()
     awaiting(m)
-    effects = m.begin_run(1, 6, 2, 1, True, Decision(5, 1, commit=True))
+    effects = m.begin_run(1, 6, 2, 1, True, [Decision(5, 1, commit=True)])
     assert kinds(effects) == [Do.APPLY_STEP, Do.CLOSE_RUNS]
     assert (m.committed_step, m.phase, m.active_run) == (1, Phase.RUNNING, 6)
 
 
 def test_the_next_run_carries_a_lost_abort() -> None:
-    """A stage still awaiting an aborted run discards it when the retry says so."""
+    """A stage still awaiting an aborted run discards it when the retry says so (picking
+    its run's decision among the several a client may carry)."""
     m = machine()
     awaiting(m)
-    effects = m.begin_run(1, 6, 1, 1, True, Decision(5, 1, commit=False))
+    effects = m.begin_run(
+        1, 6, 1, 1, True, [Decision(3, 1, commit=True), Decision(5, 1, commit=False)]
+    )
     assert kinds(effects) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
     assert (m.committed_step, m.active_run) == (0, 6)
 
@@ -172,7 +175,7 @@ def test_a_decision_naming_another_step_is_refused() -> None:
     m = machine()
     awaiting(m)
     with pytest.raises(InvalidRequest, match="names step 4"):
-        m.begin_run(1, 6, 5, 1, True, Decision(5, 4, commit=True))
+        m.begin_run(1, 6, 5, 1, True, [Decision(5, 4, commit=True)])
     assert m.phase is Phase.AWAITING_COMMIT
 
 
@@ -182,7 +185,7 @@ def test_a_fenced_client_can_neither_run_nor_commit_nor_abort() -> None:
     awaiting(m, client=1)
     m.fence_clients(2)
     for call in (
-        lambda: m.begin_run(1, 6, 2, 1, True, None),
+        lambda: m.begin_run(1, 6, 2, 1, True, []),
         lambda: m.commit(1, 5, 1, 1),
         lambda: m.abort(5, 1),
     ):
@@ -195,7 +198,7 @@ def test_a_fenced_client_can_neither_run_nor_commit_nor_abort() -> None:
 def test_fencing_wakes_a_run_of_an_older_client() -> None:
     """A run still computing for a fenced client is woken (it can never commit)."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, None)
+    m.begin_run(1, 5, 1, 1, True, [])
     assert kinds(m.fence_clients(2)) == [Do.WAKE_RUN]
     assert m.fence_clients(2) == []  # no longer the newest: nothing more
 
@@ -203,7 +206,7 @@ def test_fencing_wakes_a_run_of_an_older_client() -> None:
 def test_a_newer_client_raises_the_fence_by_running() -> None:
     """A run of a newer generation fences the older ones."""
     m = machine()
-    m.begin_run(1, 5, 0, 3, False, None)
+    m.begin_run(1, 5, 0, 3, False, [])
     assert m.fence == 3
 
 
@@ -221,16 +224,28 @@ def test_an_awaiting_run_asks_for_resolution_when_its_lease_runs_out() -> None:
     assert kinds(m.tick(LEASE + 2.0)) == [Do.RESOLVE_RUN]
 
 
+def test_a_long_prepare_extends_the_freeze() -> None:
+    """A transfer that outlasts the freeze lease holds the freeze for as long as it needs;
+    an abandoned change cannot be extended."""
+    m = machine()
+    m.freeze(2, lease_s=5.0, now=0.0)
+    m.extend(2, lease_s=100.0, now=4.0)
+    assert m.tick(50.0) == []
+    assert m.frozen is not None and m.frozen.until == 104.0
+    with pytest.raises(NotReady, match="not frozen for epoch 3"):
+        m.extend(3, 1.0, now=0.0)
+
+
 def test_an_unprepared_freeze_ends_by_its_lease() -> None:
     """A freeze whose coordinator never comes back is dropped when its lease runs out."""
     m = machine()
     m.freeze(2, lease_s=5.0, now=0.0)
     with pytest.raises(Rebalancing):
-        m.begin_run(1, 5, 1, 1, True, None)
+        m.begin_run(1, 5, 1, 1, True, [])
     assert m.tick(4.9) == []
     assert m.tick(5.0) == [Effect(Do.DROP_STAGED, epoch=2)]
     assert m.frozen is None
-    m.begin_run(1, 5, 1, 1, True, None)
+    m.begin_run(1, 5, 1, 1, True, [])
 
 
 def test_a_prepared_freeze_asks_for_the_outcome_when_its_lease_runs_out() -> None:
@@ -260,7 +275,7 @@ def test_an_epoch_change_freezes_prepares_and_commits() -> None:
 def test_a_freeze_needs_a_step_boundary_and_a_newer_epoch() -> None:
     """Freezing mid-run, or for an epoch not newer, is refused."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, None)
+    m.begin_run(1, 5, 1, 1, True, [])
     with pytest.raises(NotReady, match="not at a step boundary"):
         m.freeze(2, 60.0, now=0.0)
     m.abort(5, 1)
@@ -301,7 +316,7 @@ def test_a_rollback_epoch_resets_the_step_and_snapshots_it() -> None:
     assert kinds(effects) == [Do.INSTALL_STAGED, Do.RESET_RUNS, Do.PRUNE_SNAPSHOTS, Do.SNAPSHOT]
     assert effects[2] == Effect(Do.PRUNE_SNAPSHOTS, step=2)
     assert m.committed_step == 2
-    m.begin_run(2, 9, 3, 1, True, None)
+    m.begin_run(2, 9, 3, 1, True, [])
 
 
 def test_preempt_ends_the_active_run_for_a_recovery() -> None:
@@ -309,7 +324,7 @@ def test_preempt_ends_the_active_run_for_a_recovery() -> None:
     m = machine()
     awaiting(m)
     assert kinds(m.preempt()) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
-    m.begin_run(1, 6, 1, 1, True, None)
+    m.begin_run(1, 6, 1, 1, True, [])
     assert kinds(m.preempt()) == [Do.WAKE_RUN]
 
 
@@ -371,9 +386,9 @@ def test_random_event_sequences_keep_the_protocol_invariants(
         try:
             if name.startswith("begin"):
                 run = next(runs)
-                prev = None
+                prev = []
                 if name != "begin" and m.phase is Phase.AWAITING_COMMIT:
-                    prev = Decision(m.active_run, m.active_step, name == "begin_prev_commit")
+                    prev = [Decision(m.active_run, m.active_step, name == "begin_prev_commit")]
                 effects = m.begin_run(m.epoch, run, m.committed_step + 1, 1, arg != 0, prev)
             elif name == "finish":
                 effects = m.finish_run(run, now)

@@ -26,7 +26,7 @@ def test_the_last_two_complete_snapshots_are_kept() -> None:
     store = SnapshotStore(keep=2)
     for step in (10, 20, 30):
         assert store.add_own("j", step, {0: b"own%d" % step}, store.generation)
-        store.add_copy("b", "j", step, {1: b"copy%d" % step})
+        store.add_copy("b", "j", step, {1: b"copy%d" % step}, store.generation)
     assert store.get("j", 10, 0) is None
     assert store.get("j", 30, 0) == b"own30" and store.get("j", 20, 1) == b"copy20"
     assert store.get("other-job", 30, 0) is None
@@ -38,6 +38,18 @@ def test_the_last_two_complete_snapshots_are_kept() -> None:
     ]
 
 
+def test_snapshots_from_the_safe_step_on_are_never_trimmed() -> None:
+    """Whatever keep says, the coordinator's newest safe step and later ones stay."""
+    store = SnapshotStore(keep=2)
+    store.keep_from(10)
+    for step in (10, 20, 30, 40):
+        store.add_own("j", step, {0: b"x"}, store.generation)
+    assert [h.step for h in store.holdings()] == [10, 20, 30, 40]
+    store.keep_from(30)
+    store.add_own("j", 50, {0: b"x"}, store.generation)
+    assert [h.step for h in store.holdings()] == [30, 40, 50]
+
+
 def test_prune_after_a_rollback_and_captures_taken_before_it() -> None:
     """prune(k) drops steps after k; a capture taken before the prune is not kept."""
     store = SnapshotStore()
@@ -47,6 +59,7 @@ def test_prune_after_a_rollback_and_captures_taken_before_it() -> None:
     store.prune(10)
     assert [h.step for h in store.holdings()] == [10]
     assert not store.add_own("j", 30, {0: b"c"}, stale)
+    assert not store.add_copy("b", "j", 30, {1: b"c"}, stale)
     store.prune(None)
     assert store.holdings() == [] and store.nbytes() == 0
 
