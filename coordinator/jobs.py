@@ -48,7 +48,7 @@ PROFILE_REPEATS = 5
 STAGE_CALL_TIMEOUT_S = 120.0
 SETTLE_WAIT_S = 10.0
 RESTORE_LEASE_S = 600.0
-COPIES_WAIT_S = 30.0
+COPIES_WAIT_S = 10.0
 SAFE_STEP_TTL_S = 0.2
 DEFAULT_LEASE_S = 15.0
 # What must match for a client to resume a job (everything but the id).

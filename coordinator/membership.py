@@ -21,6 +21,8 @@ from elasticpipe.coordinator.estimates import Timing
 from elasticpipe.coordinator.store import StageRow, Store
 from elasticpipe.v1 import stage_pb2
 
+RESTART_GRACE_S = 10.0
+
 
 class Heard(Enum):
     """What a heartbeat told the coordinator."""
@@ -59,11 +61,12 @@ class Membership:
         self._clock = clock
         self._lock = threading.Lock()
         self._members = {row.stage_id: Member(row) for row in store.stages()}
-        # A restarted coordinator gives every known incarnation a fresh grace period.
-        now = clock()
+        # A restarted coordinator gives every known incarnation a grace period to find it
+        # again (their retries back off to a few seconds) before silence counts.
+        grace = clock() + max(0.0, RESTART_GRACE_S - dead_after_s)
         for member in self._members.values():
             if not member.row.dead:
-                member.last_seen = now
+                member.last_seen = grace
 
     def register(self, name: str, address: str, device: str) -> tuple[str, list[Member]]:
         """Adds a new incarnation of ``name``.

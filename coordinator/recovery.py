@@ -99,7 +99,15 @@ class Recovery:
     # ---- recovery --------------------------------------------------------------------
 
     def check(self) -> None:
-        """Recovers if a stage of the chain is dead (called by the coordinator's loop)."""
+        """Declares silent stages dead, and recovers if one of the chain is (called by the
+        coordinator's loop)."""
+        for member in self.c.members.members():
+            if self.c.members.silent(member) and self.c.members.declare_dead(
+                member.row.stage_id, "missed its heartbeats"
+            ):
+                log.warning(
+                    "stage_declared_dead", stage=member.row.name, why="missed its heartbeats"
+                )
         if self.c.job is None or self.c.partition is None or self.c.failure:
             return
         dead = self.dead_in_chain()

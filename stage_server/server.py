@@ -24,7 +24,7 @@ log = get_logger(__name__)
 
 REGISTER_TIMEOUT_S = 5.0
 BACKOFF_START_S = 0.2
-BACKOFF_MAX_S = 5.0
+BACKOFF_MAX_S = 2.0  # a restarted coordinator is found again within ~3 s
 QUESTION_TIMEOUT_S = 60.0
 
 

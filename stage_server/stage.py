@@ -707,7 +707,11 @@ class Stage:
             chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
             check_copy(job_id, self.job.job_id if self.job else "", source, chain)
         check_layers(blobs, source, step)
-        self.snapshots.add_copy(source, job_id, step, blobs, generation)
+        if not self.snapshots.add_copy(source, job_id, step, blobs, generation):
+            raise NotReady(
+                f"snapshot copy of step {step} from {source!r} arrived across a reset of "
+                f"stage {self.config.name}'s snapshots: send it again"
+            )
 
     def holdings(self) -> list[Holding]:
         """The complete snapshots held here."""

@@ -68,7 +68,9 @@ def test_training_goes_on_while_the_coordinator_is_down() -> None:
             assert time.monotonic() < deadline, status
             time.sleep(0.1)
         assert status.job_id == pipe.partition.job_id
-        assert sorted(s.state for s in status.stages) == ["chain"] * 3
+        assert sorted(s.state for s in status.stages) == ["chain"] * 3, [
+            (s.name, s.state, s.alive, s.index) for s in status.stages
+        ]
 
 
 @pytest.mark.parametrize(

@@ -150,12 +150,14 @@ def test_a_misspelt_model_fails_at_once_with_a_suggestion() -> None:
 
 
 def test_a_factory_not_allowed_says_how_to_allow_it(cluster: LocalCluster) -> None:
-    """A factory outside --allow-models: the message names the flag to start stages with."""
+    """A factory outside --allow-models: the message names the flag to start stages with,
+    and the coordinator's log says that the job setup failed."""
     with (
         Pipeline(coordinator=cluster.coordinator, model="mycompany.models:big") as pipe,
         pytest.raises(PermissionDenied, match="--allow-models mycompany"),
     ):
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    assert "job_setup_failed" in (cluster.log_dir / "coordinator.log").read_text()
 
 
 def test_too_few_stages_are_waited_for_then_named(cluster: LocalCluster) -> None:
@@ -413,6 +415,8 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
         while not any(s.name == spare and s.state == "dead" for s in cluster.status().stages):
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        log = (cluster.log_dir / "coordinator.log").read_text()
+        assert "stage_declared_dead" in log and spare in log
         bad = admin(
             cluster,
             "set-partition",

@@ -217,6 +217,10 @@ def test_moves_during_steps_are_retried_transparently(cluster: LocalCluster) -> 
             thread.start()
         if pipe.last_step.attempts > 1:
             retried.append(step)
+        if step % 3 == 0:  # fast steps: let a move land between them now and then
+            seen, deadline = len(moves), time.monotonic() + 30
+            while len(moves) == seen and time.monotonic() < deadline:
+                time.sleep(0.01)
 
     try:
         _train_and_compare(cluster, "mlp", 3, 14, between)

@@ -20,13 +20,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
+from elasticpipe import codec
 from elasticpipe.cluster import LocalCluster
-from elasticpipe.errors import JobInUse
+from elasticpipe.errors import InvalidRequest, JobInUse
 from elasticpipe.v1 import coordinator_pb2, stage_pb2
 from tests.integration.scenario import (
     FAST,
     REFERENCE,
+    STEPS,
     Trainer,
     admin,
     arm,
@@ -310,3 +313,32 @@ def test_an_undecided_run_ends_by_the_commit_lease(cluster: LocalCluster, tmp_pa
         time.sleep(0.2)
     steps = {stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).committed_step for a in chain}
     assert steps == {1}
+
+
+def test_a_load_is_atomic_across_stages(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A checkpoint whose last layer does not fit the model: load fails on that stage,
+    and no stage changed (the others staged their layers but never installed them);
+    training goes on exactly, and the history records the abandoned load."""
+    path = tmp_path / "ckpt.msgpack"
+    with pipeline(cluster) as pipe:
+        for step in (1, 2):
+            pipe.train_step(*batch(step))
+        pipe.save(path)
+        checkpoint = codec.unpack_state(path.read_bytes(), 1 << 30)
+        last = max(checkpoint["layers"])
+        state = codec.unpack_state(checkpoint["layers"][last])
+        state["model"]["weight"] = torch.zeros(2, 2)  # the wrong shape
+        checkpoint["layers"][last] = codec.pack_state(state)
+        broken = tmp_path / "broken.msgpack"
+        broken.write_bytes(codec.pack_state(checkpoint))
+        for step in (3, 4):
+            pipe.train_step(*batch(step))
+        before = pipe.state_dict()
+        with pytest.raises(InvalidRequest, match=f"state of layer {last} does not fit"):
+            pipe.load(broken)
+        after = pipe.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert history(cluster)[-1].kind == "abandoned"
+        losses = {s: pipe.train_step(*batch(s)) for s in range(5, STEPS + 1)}
+        losses.update({s: REFERENCE[0][s - 1] for s in range(1, 5)})
+        check(losses, pipe.state_dict())

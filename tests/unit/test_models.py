@@ -330,7 +330,7 @@ def test_resolve_factory_denies_callable_defined_elsewhere() -> None:
 )
 def test_resolve_factory_rejects_malformed_paths(path: str) -> None:
     """A name that is neither a built-in nor 'package.module:function' is a ModelError."""
-    with pytest.raises(ModelError, match="malformed|unknown model"):
+    with pytest.raises(ModelError, match=r"malformed|unknown model"):
         resolve_factory(path, allow=["pkg", "a b", "1pkg", ""])
 
 
