@@ -187,9 +187,9 @@ class LocalCluster:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # answering (channels to the old one may still be backing off)
             try:
-                self.status()
+                self.status(timeout=2.0)
                 return
-            except StageUnavailable:
+            except (StageUnavailable, DeadlineExceeded):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
@@ -208,11 +208,16 @@ class LocalCluster:
         return f"stage-{self.stage_addresses.index(address)}"
 
     def status(self, timeout: float = 10.0) -> coordinator_pb2.StatusResponse:
-        """The coordinator's status."""
+        """The coordinator's status (waiting up to ``timeout`` for it to be reachable: a
+        restarted coordinator's channel may still be backing off)."""
         with rpc.channel(self.coordinator) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             return rpc.call(
-                self.coordinator, stub.Status, coordinator_pb2.StatusRequest(), timeout=timeout
+                self.coordinator,
+                stub.Status,
+                coordinator_pb2.StatusRequest(),
+                timeout=timeout,
+                wait_for_ready=True,
             )
 
     def wait_for_stages(self, count: int, timeout: float) -> None:
@@ -220,8 +225,8 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                alive = sum(s.alive for s in self.status().stages)
-            except StageUnavailable:
+                alive = sum(s.alive for s in self.status(timeout=2.0).stages)
+            except (StageUnavailable, DeadlineExceeded):
                 alive = 0
             if alive >= count:
                 return
