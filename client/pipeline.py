@@ -66,6 +66,7 @@ from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.schedule import split_sizes
+from elasticpipe.tls import TLS
 from elasticpipe.training import check_optimizer
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
@@ -157,6 +158,7 @@ class Pipeline:
         rebalance_timeout: float = 300.0,
         recovery_timeout: float = 300.0,
         lease_s: float = 15.0,
+        tls: TLS | None = None,
     ):
         """Describes the job; nothing is contacted until first use.
 
@@ -184,6 +186,8 @@ class Pipeline:
             recovery_timeout: how long a step may wait for the job to recover from failures.
             lease_s: how long the job stays reserved for this pipeline after it stops
                 renewing its lease (it renews every ``lease_s / 3`` seconds).
+            tls: this client's certificate, key and the cluster's CA (role ``client``);
+                default: ``ELASTICPIPE_TLS_CERT/KEY/CA`` if set, else plaintext.
 
         Raises:
             InvalidRequest: an argument that no stage would accept (checked here).
@@ -224,9 +228,10 @@ class Pipeline:
         self._rebalance_timeout = rebalance_timeout
         self._recovery_timeout = recovery_timeout
         self._lease_s = lease_s
-        self._channel = rpc.channel(coordinator)
+        self._tls = tls or TLS.from_env()
+        self._channel = rpc.channel(coordinator, self._tls)
         self._coord = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
-        self._clients = StageClients()
+        self._clients = StageClients(tls=self._tls)
         self._partition: Partition | None = None
         self._client = 0
         self._runs: Iterator[int] = itertools.count(1)

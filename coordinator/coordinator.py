@@ -26,6 +26,7 @@ from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
 from elasticpipe.errors import InvalidRequest, NotReady
 from elasticpipe.logs import get_logger
+from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
@@ -45,13 +46,14 @@ class Coordinator:
         link_bandwidth: float = 0.0,
         pause_at: str = "",
         freeze_lease_s: float = 60.0,
+        tls: TLS | None = None,
     ):
         if pause_at and pause_at not in PAUSE_POINTS:
             raise InvalidRequest(
                 f"unknown pause point {pause_at!r} (choose from {list(PAUSE_POINTS)})"
             )
         self.cluster = Cluster(
-            store, dead_after_s, heartbeat_interval_s, link_bandwidth, freeze_lease_s
+            store, dead_after_s, heartbeat_interval_s, link_bandwidth, freeze_lease_s, tls
         )
         self._pause_at = pause_at
         self._released = threading.Event()

@@ -10,6 +10,7 @@ from elasticpipe.coordinator.service import CoordinatorServicer
 from elasticpipe.coordinator.store import Store
 from elasticpipe.logs import get_logger
 from elasticpipe.serving import RunningServer, start_server
+from elasticpipe.tls import TLS
 from elasticpipe.v1 import coordinator_pb2
 
 log = get_logger(__name__)
@@ -28,6 +29,9 @@ class CoordinatorServer:
         link_bandwidth: float = 0.0,
         pause_at: str = "",
         freeze_lease_s: float = 60.0,
+        tls: TLS | None = None,
+        insecure: bool = False,
+        advertise: str = "",
     ):
         self._listen = listen
         self._state = state
@@ -37,6 +41,7 @@ class CoordinatorServer:
         self._link_bandwidth = link_bandwidth
         self._pause_at = pause_at
         self._freeze_lease_s = freeze_lease_s
+        self._tls, self._insecure, self._advertise = tls, insecure, advertise
         self.coordinator: Coordinator | None = None
         self._server: RunningServer | None = None
 
@@ -56,6 +61,7 @@ class CoordinatorServer:
             self._link_bandwidth,
             self._pause_at,
             self._freeze_lease_s,
+            self._tls,
         )
         self._server = start_server(
             self._listen,
@@ -65,6 +71,9 @@ class CoordinatorServer:
                     CoordinatorServicer(self.coordinator),
                 )
             ],
+            tls=self._tls,
+            insecure=self._insecure,
+            advertise=self._advertise or None,
         )
         self.coordinator.start()
         log.info(

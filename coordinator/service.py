@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import codec
+from elasticpipe import authz, codec
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.jobs import DEFAULT_LEASE_S
@@ -54,6 +54,7 @@ class CoordinatorServicer:
     def Register(
         self, req: coordinator_pb2.RegisterRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RegisterResponse:
+        authz.check_name(req.name)  # with TLS, a stage is its certificate's name
         return coordinator_pb2.RegisterResponse(
             stage_id=self.c.register(req.name, req.address, req.device),
             heartbeat_interval_s=self.c.heartbeat_interval_s,
@@ -62,6 +63,9 @@ class CoordinatorServicer:
     def Heartbeat(
         self, req: coordinator_pb2.HeartbeatRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
+        member = self.c.members.by_id(req.stage_id)
+        if member is not None:
+            authz.check_name(member.row.name)
         timings = {
             t.layer: (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in req.timings
         }

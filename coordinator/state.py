@@ -21,6 +21,7 @@ from elasticpipe.errors import LayersLost, NotReady
 from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
+from elasticpipe.tls import TLS
 
 log = get_logger(__name__)
 
@@ -42,11 +43,12 @@ class Cluster:
         heartbeat_interval_s: float = 1.0,
         link_bandwidth: float = 0.0,
         freeze_lease_s: float = 60.0,
+        tls: TLS | None = None,
     ):
         self.store = store
         self.freeze_lease_s = freeze_lease_s  # how long a frozen stage waits for news
         self.members = Membership(store, dead_after_s)
-        self.pool = rpc.StagePool()
+        self.pool = rpc.StagePool(tls=tls)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.link_bandwidth = link_bandwidth
         self.cond = threading.Condition()

@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 
 from elasticpipe import rpc
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
+from elasticpipe.tls import TLS
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ADMIN_TIMEOUT_S = 300.0
@@ -261,7 +262,8 @@ def run_admin(args: argparse.Namespace) -> int:
     """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
     address = args.coordinator
     try:
-        with rpc.channel(address) as channel:
+        tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+        with rpc.channel(address, tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             try:
                 reply, text = COMMANDS[args.admin_command](stub, args)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import LEVELS, configure_logging, get_logger
+from elasticpipe.tls import TLS
 
 ENV_LOG_FORMAT = "ELASTICPIPE_LOG_FORMAT"
 ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
@@ -92,6 +93,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         args.link_bandwidth,
         args.pause_at,
         args.freeze_lease,
+        TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+        args.insecure,
+        args.advertise,
     ).start()
     return _serve_until_signalled(server, args.ready_file)
 
@@ -117,6 +121,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
         max_tensor_bytes=args.max_tensor_bytes,
         commit_lease_s=args.commit_lease,
         enable_fault_injection=args.enable_fault_injection,
+        tls=TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+        insecure=args.insecure,
+        advertise=args.advertise,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
     return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
@@ -136,6 +143,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
         d_model=args.d_model,
         log_dir=args.log_dir,
     )
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """Creates a cluster CA, or issues a certificate with a name and a role."""
+    from elasticpipe import tls
+
+    if args.certs_command == "init":
+        print(f"created {tls.init_ca(args.dir)} and its key (keep ca.key secret)")
+    else:
+        cert, key = tls.issue(args.dir, args.name, args.role, tuple(args.host))
+        print(f"issued {cert} and {key} for {args.name!r} (role {args.role})")
+    return 0
+
+
+def _network_options(parser: argparse.ArgumentParser, port: int) -> None:
+    """--advertise, --insecure and the TLS flags of a server."""
+    parser.add_argument(
+        "--advertise",
+        default="",
+        metavar="HOST:PORT",
+        help="the address peers use to reach this server (default: the listen address; for "
+        f"0.0.0.0 or [::], this host's primary address), e.g. 10.0.0.5:{port}",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext when listening beyond loopback (a trusted, private network)",
+    )
+    _tls_options(parser)
+
+
+def _tls_options(parser: argparse.ArgumentParser) -> None:
+    for flag, what, env in (
+        ("--tls-cert", "this party's certificate (PEM)", "ELASTICPIPE_TLS_CERT"),
+        ("--tls-key", "its private key (PEM)", "ELASTICPIPE_TLS_KEY"),
+        ("--tls-ca", "the cluster CA's certificate (PEM)", "ELASTICPIPE_TLS_CA"),
+    ):
+        parser.add_argument(flag, default=None, metavar="FILE", help=f"{what}; or ${env}")
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -171,6 +216,12 @@ def _admin_options(defaults: bool) -> argparse.ArgumentParser:
     common.add_argument(
         "--timeout", type=float, help="seconds to wait for the coordinator's answer", **kw(300.0)
     )
+    for flag, what, env in (
+        ("--tls-cert", "an admin certificate (PEM)", "ELASTICPIPE_TLS_CERT"),
+        ("--tls-key", "its private key (PEM)", "ELASTICPIPE_TLS_KEY"),
+        ("--tls-ca", "the cluster CA's certificate (PEM)", "ELASTICPIPE_TLS_CA"),
+    ):
+        common.add_argument(flag, metavar="FILE", help=f"{what}; or ${env}", **kw(None))
     return common
 
 
@@ -257,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a stage frozen for an epoch change waits for news from the coordinator "
         "before it abandons the change (or, prepared, asks for its outcome)",
     )
+    _network_options(co, 7100)
     co.add_argument("--ready-file", help=argparse.SUPPRESS)
     co.add_argument("--pause-at", default="", help=argparse.SUPPRESS)  # tests: block there
     co.set_defaults(func=cmd_coordinator)
@@ -305,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a finished step waits for its client's commit before the stage asks "
         "the coordinator to settle it",
     )
+    _network_options(st, 7200)
     st.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     st.add_argument("--ready-file", help=argparse.SUPPRESS)
     st.set_defaults(func=cmd_stage)
@@ -323,6 +376,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-dir", default=None, help="keep the processes' logs here (default: under runs/)"
     )
     de.set_defaults(func=cmd_demo)
+
+    ce = sub.add_parser(
+        "certs", help="a cluster CA and certificates for mutual TLS", formatter_class=Formatter
+    )
+    cesub = ce.add_subparsers(
+        dest="certs_command", required=True, metavar="CERTS_COMMAND", help="init or issue"
+    )
+    ci = cesub.add_parser(
+        "init", help="create DIR/ca.pem and DIR/ca.key", formatter_class=Formatter
+    )
+    ci.add_argument("dir", help="folder for the CA")
+    cs = cesub.add_parser(
+        "issue",
+        help="issue DIR/NAME.pem and DIR/NAME.key signed by DIR's CA",
+        formatter_class=Formatter,
+    )
+    cs.add_argument("dir", help="folder holding ca.pem and ca.key")
+    cs.add_argument("--name", required=True, help="the party's name (a stage: its --name)")
+    cs.add_argument(
+        "--role",
+        required=True,
+        choices=["coordinator", "stage", "client", "admin"],
+        help="what the party may call (see the role table in the README)",
+    )
+    cs.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a DNS name or IP address the party serves at (repeatable; loopback is always in)",
+    )
+    ce.set_defaults(func=cmd_certs)
 
     ad = sub.add_parser(
         "admin",

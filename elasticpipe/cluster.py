@@ -27,6 +27,7 @@ from types import TracebackType
 
 from elasticpipe import rpc
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable
+from elasticpipe.tls import TLS, init_ca, issue
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 START_TIMEOUT_S = 60.0
@@ -57,6 +58,7 @@ class LocalCluster:
         stage_args: Sequence[str] = (),
         log_dir: str | os.PathLike[str] | None = None,
         threads_per_stage: int = 1,
+        tls: bool = False,
     ):
         """Describes the cluster; ``start`` (or ``with``) launches it.
 
@@ -67,6 +69,9 @@ class LocalCluster:
             stage_args: extra flags for every ``elasticpipe stage``.
             log_dir: where each process writes its log (default: a temporary folder).
             threads_per_stage: torch intra-op threads of each stage (they share the host).
+            tls: mutual TLS everywhere: a throw-away CA issues a certificate to the
+                coordinator, each stage, a client and an admin (``client_tls``,
+                ``admin_tls``).
         """
         self.num_stages = stages
         self.slowdowns = list(slowdowns or [1.0] * stages)
@@ -83,6 +88,44 @@ class LocalCluster:
         self.coordinator = ""
         self.stage_addresses: list[str] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.certs: Path | None = None
+        if tls:
+            self.certs = Path(self._tmp.name) / "certs"
+            init_ca(self.certs)
+            for name, role in (
+                ("coordinator", "coordinator"),
+                ("client", "client"),
+                ("admin", "admin"),
+            ):
+                issue(self.certs, name, role)
+
+    def tls_of(self, name: str, role: str = "stage") -> TLS | None:
+        """The TLS material of ``name`` (issued on first use); None without TLS."""
+        if self.certs is None:
+            return None
+        if not (self.certs / f"{name}.pem").exists():
+            issue(self.certs, name, role)
+        return TLS(
+            str(self.certs / f"{name}.pem"),
+            str(self.certs / f"{name}.key"),
+            str(self.certs / "ca.pem"),
+        )
+
+    @property
+    def client_tls(self) -> TLS | None:
+        """What a ``Pipeline`` of this cluster passes as ``tls`` (None without TLS)."""
+        return self.tls_of("client", "client")
+
+    @property
+    def admin_tls(self) -> TLS | None:
+        """An admin's TLS material (None without TLS)."""
+        return self.tls_of("admin", "admin")
+
+    def _tls_flags(self, name: str, role: str) -> list[str]:
+        tls = self.tls_of(name, role)
+        if tls is None:
+            return []
+        return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
 
     def _spawn(
         self, name: str, args: list[str], env: Mapping[str, str] | None = None
@@ -126,7 +169,14 @@ class LocalCluster:
 
     def _start_coordinator(self, listen: str) -> None:
         proc, ready, log = self._spawn(
-            "coordinator", ["coordinator", "--listen", listen, *self._coordinator_args]
+            "coordinator",
+            [
+                "coordinator",
+                "--listen",
+                listen,
+                *self._tls_flags("coordinator", "coordinator"),
+                *self._coordinator_args,
+            ],
         )
         self.coordinator = _wait_ready(ready, proc, "coordinator", log, START_TIMEOUT_S)
 
@@ -150,6 +200,7 @@ class LocalCluster:
                 name,
                 "--slowdown",
                 str(slowdown),
+                *self._tls_flags(name, "stage"),
                 *self._stage_args,
                 *extra,
             ],
@@ -210,7 +261,7 @@ class LocalCluster:
     def status(self, timeout: float = 10.0) -> coordinator_pb2.StatusResponse:
         """The coordinator's status (waiting up to ``timeout`` for it to be reachable: a
         restarted coordinator's channel may still be backing off)."""
-        with rpc.channel(self.coordinator) as channel:
+        with rpc.channel(self.coordinator, self.admin_tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             return rpc.call(
                 self.coordinator,

@@ -27,8 +27,9 @@ from google.rpc.error_details_pb2 import ErrorInfo
 from google.rpc.status_pb2 import Status
 from grpc_status import rpc_status
 
-from elasticpipe import errors
+from elasticpipe import authz, errors
 from elasticpipe.logs import get_logger
+from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2_grpc
 
 log = get_logger(__name__)
@@ -71,24 +72,34 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     ]
 
 
-def channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """Opens an insecure channel to a peer on the cluster network."""
-    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+def channel(
+    address: str, tls: TLS | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> grpc.Channel:
+    """Opens a channel to a peer: mutual TLS with ``tls``, plaintext without."""
+    options = channel_options(max_message_bytes)
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 class StagePool:
     """Cached channels to stages, a stub per call, and calls to many stages at once."""
 
-    def __init__(self, unavailable: type[errors.ElasticPipeError] = errors.StageUnavailable):
+    def __init__(
+        self,
+        unavailable: type[errors.ElasticPipeError] = errors.StageUnavailable,
+        tls: TLS | None = None,
+    ):
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._unavailable = unavailable
+        self.tls = tls
 
     def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
         """A StageService stub for ``address`` over a cached channel."""
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = channel(address)
+                self._channels[address] = channel(address, self.tls)
             return stage_pb2_grpc.StageServiceStub(self._channels[address])
 
     def call(self, address: str, method: str, request: Any, timeout: float) -> Any:
@@ -220,24 +231,29 @@ def _parsed_stream(cls: type[pb_message.Message], raw_iter: Iterator[bytes]) -> 
         yield _parse(cls, raw)
 
 
-def _handler(method: MethodDescriptor, impl: Callable[..., Any]) -> grpc.RpcMethodHandler[Any, Any]:
+def _handler(
+    method: MethodDescriptor, impl: Callable[..., Any], authorize: bool
+) -> grpc.RpcMethodHandler[Any, Any]:
     req_cls = GetMessageClass(method.input_type)
     name = method.full_name
+    row = f"{method.containing_service.name}/{method.name}"  # the authorization table's key
     serialize = GetMessageClass(method.output_type).SerializeToString
 
-    def parse(arg: Any) -> Any:
+    def parse(arg: Any, context: grpc.ServicerContext) -> Any:
+        if authorize:  # before the request is even parsed
+            authz.authorize(row, context)
         # Unary requests arrive as bytes, streamed ones as an iterator of bytes.
         return _parsed_stream(req_cls, arg) if method.client_streaming else _parse(req_cls, arg)
 
     def unary_out(arg: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return impl(parse(arg), context)
+            return impl(parse(arg, context), context)
         except Exception as exc:
             _abort(context, exc, name)
 
     def stream_out(arg: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            yield from impl(parse(arg), context)
+            yield from impl(parse(arg, context), context)
         except Exception as exc:
             _abort(context, exc, name)
 
@@ -256,8 +272,13 @@ def _handler(method: MethodDescriptor, impl: Callable[..., Any]) -> grpc.RpcMeth
     return handler
 
 
-def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: object) -> None:
+def add_service(
+    server: grpc.Server, service: ServiceDescriptor, servicer: object, authorize: bool = False
+) -> None:
     """Registers ``servicer`` (methods named as in the .proto) for ``service`` on ``server``.
+
+    Args:
+        authorize: check each caller's role against ``elasticpipe.authz`` (mutual TLS).
 
     Raises:
         TypeError: the servicer lacks a method of the service.
@@ -267,7 +288,7 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, servicer: objec
         impl = getattr(servicer, method.name, None)
         if impl is None:
             raise TypeError(f"{type(servicer).__name__} does not implement {method.full_name}")
-        handlers[method.name] = _handler(method, impl)
+        handlers[method.name] = _handler(method, impl, authorize)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )

@@ -1,7 +1,19 @@
-"""Starting a gRPC server of the project: limits, health service, bound address."""
+"""Starting a gRPC server of the project: addresses, TLS, limits, health service.
+
+A server binds ``listen`` and tells peers to use its *advertised* address: ``--advertise``
+if given, else the listen address, and for a wildcard listen (``0.0.0.0``, ``[::]``) the
+host's primary address -- never loopback, which other hosts cannot reach. IPv6 literals
+go in brackets (``[fd00::5]:7200``).
+
+Secure by default: a server that listens beyond loopback refuses to start without TLS
+unless ``--insecure`` says that its network is trusted. Loopback-only servers (tests, the
+demo) need no certificates.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -11,11 +23,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from elasticpipe import rpc
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.tls import TLS
+
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 @dataclass
 class RunningServer:
-    """A started server and the address it is reachable at."""
+    """A started server and the address peers reach it at."""
 
     server: grpc.Server
     address: str
@@ -27,37 +42,125 @@ class RunningServer:
         self.server.stop(grace).wait(grace + 1.0)
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" or "[v6]:port" (the brackets removed).
+
+    Raises:
+        InvalidRequest: not HOST:PORT with a port in [0, 65535].
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdecimal() or not 0 <= int(port) <= 65535:
+        raise InvalidRequest(f"bad address {address!r} (expected HOST:PORT, IPv6 as [ADDR]:PORT)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise InvalidRequest(
+            f"bad address {address!r}: put an IPv6 address in brackets, [ADDR]:PORT"
+        )
+    return host, int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    """ "host:port", with IPv6 literals in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host reaches only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def primary_address(ipv6: bool = False) -> str:
+    """This host's address on its default route (what other hosts reach it at).
+
+    Raises:
+        InvalidRequest: only loopback was found; ``--advertise`` must say.
+    """
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+    probe = ("fd00::1", 9) if ipv6 else ("10.255.255.255", 9)
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(probe)  # UDP: sends nothing, only picks the route's source address
+            found = str(s.getsockname()[0])
+    except OSError:
+        found = ""
+    if not found or is_loopback(found):
+        try:
+            found = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            found = ""
+    if not found or is_loopback(found) or found in WILDCARDS:
+        raise InvalidRequest(
+            "cannot tell this host's address for its peers (only loopback found): "
+            "pass --advertise HOST:PORT"
+        )
+    return found
+
+
+def advertised(listen: str, port: int, advertise: str | None) -> str:
+    """The address peers should use for a server bound to ``listen`` (on ``port``)."""
+    if advertise:
+        split_address(advertise)
+        return advertise
+    host, _ = split_address(listen)
+    if host in WILDCARDS:
+        host = primary_address(ipv6=":" in listen.rpartition(":")[0])
+    return join_address(host, port)
+
+
 def start_server(
     listen: str,
     services: list[tuple[ServiceDescriptor, object]],
     max_workers: int = 32,
     max_message_bytes: int = rpc.MAX_MESSAGE_BYTES,
+    tls: TLS | None = None,
+    insecure: bool = False,
+    advertise: str | None = None,
 ) -> RunningServer:
     """Starts a server on ``listen`` ("host:port"; port 0 picks a free one).
 
+    Args:
+        tls: serve mutual TLS, checking every caller's role (``elasticpipe.authz``).
+        insecure: allow plaintext beyond loopback (a trusted network).
+        advertise: the address peers use (default: see the module's docstring).
+
     Raises:
-        InvalidRequest: the address cannot be bound.
+        InvalidRequest: the address cannot be bound, or plaintext beyond loopback
+            without ``insecure``.
     """
+    host, _ = split_address(listen)
+    if tls is None and not insecure and not is_loopback(host):
+        raise InvalidRequest(
+            f"refusing to listen on {listen} without TLS: give --tls-cert, --tls-key and "
+            "--tls-ca (see 'elasticpipe certs'), or --insecure on a trusted network"
+        )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         options=rpc.server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_workers * 4,
     )
     for descriptor, servicer in services:
-        rpc.add_service(server, descriptor, servicer)
+        rpc.add_service(server, descriptor, servicer, authorize=tls is not None)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(listen)
+        port = (
+            server.add_secure_port(listen, tls.server_credentials())
+            if tls is not None
+            else server.add_insecure_port(listen)
+        )
     except RuntimeError as exc:
         raise InvalidRequest(f"cannot listen on {listen!r}: {exc}") from exc
     if port == 0:
         raise InvalidRequest(f"cannot listen on {listen!r}")
+    address = advertised(listen, port, advertise)
     server.start()
-    host = listen.rsplit(":", 1)[0] or "127.0.0.1"
-    if host in ("0.0.0.0", "[::]"):
-        host = "127.0.0.1"
     for descriptor, _ in services:
         health_servicer.set(descriptor.full_name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, address=f"{host}:{port}", health=health_servicer)
+    return RunningServer(server=server, address=address, health=health_servicer)

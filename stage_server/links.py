@@ -16,6 +16,7 @@ import grpc
 from elasticpipe import rpc
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
+from elasticpipe.tls import TLS
 from elasticpipe.transport import Outgoing, send
 from elasticpipe.v1 import stage_pb2_grpc
 
@@ -30,9 +31,10 @@ class Link:
         address: str,
         on_failure: Callable[[int, ElasticPipeError], None],
         timeout: float,
+        tls: TLS | None = None,
     ):
         self.address = address
-        self._channel = rpc.channel(address)
+        self._channel = rpc.channel(address, tls)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._on_failure = on_failure
         self._timeout = timeout

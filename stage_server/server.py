@@ -51,8 +51,13 @@ class StageServer:
     def start(self) -> StageServer:
         """Binds the port and starts registering in the background."""
         servicer = StageServicer(Stage(self._config))
+        config = self._config
         self._server = start_server(
-            self._listen, [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], servicer)]
+            self._listen,
+            [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], servicer)],
+            tls=config.tls,
+            insecure=config.insecure,
+            advertise=config.advertise or None,
         )
         config = StageConfig(**{**vars(self._config), "address": self._server.address})
         servicer.stage.config = config
@@ -85,7 +90,7 @@ class StageServer:
             return
         log.info("stage_leaving", stage_id=self.stage_id, timeout_s=timeout)
         try:
-            with rpc.channel(self.coordinator) as chan:
+            with rpc.channel(self.coordinator, self._config.tls) as chan:
                 stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
                 reply = rpc.call(
                     self.coordinator,
@@ -125,7 +130,7 @@ class StageServer:
 
     def _membership_loop(self) -> None:
         backoff, interval = BACKOFF_START_S, 1.0
-        with rpc.channel(self.coordinator) as chan:
+        with rpc.channel(self.coordinator, self._config.tls) as chan:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
             attempt = 0
             while not self._stop.is_set():
@@ -203,7 +208,7 @@ class StageServer:
         """Asks the coordinator what a lease that ran out left undecided, and applies it."""
         stage = self.stage
         assert stage is not None
-        with rpc.channel(self.coordinator) as chan:
+        with rpc.channel(self.coordinator, self._config.tls) as chan:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
             if question.do is Do.RESOLVE_RUN:
                 reply = rpc.call(

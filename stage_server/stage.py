@@ -47,6 +47,7 @@ from elasticpipe.stage_server.snapshots import (
     check_copy,
     check_layers,
 )
+from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
@@ -74,6 +75,9 @@ class StageConfig:
     send_timeout_s: float = 30.0
     commit_lease_s: float = 30.0
     enable_fault_injection: bool = False
+    tls: TLS | None = None  # mutual TLS for every connection (server and peers)
+    insecure: bool = False  # plaintext beyond loopback, on a trusted network
+    advertise: str = ""  # the address peers use (default: derived from the listen address)
 
 
 @dataclass
@@ -118,7 +122,7 @@ class Stage:
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = Mailbox(config.mailbox_bytes)
         self._links: dict[str, Link] = {}
-        self._peers = rpc.StagePool()
+        self._peers = rpc.StagePool(tls=config.tls)
         self._outputs: tuple[int, dict[int, torch.Tensor]] = (0, {})
         self._staged: _Staged | None = None
         self._restoring: tuple[int, Layers] | None = None  # (epoch, layers) of a load
@@ -270,7 +274,9 @@ class Stage:
                 threading.Thread(target=link.close, name="link-close", daemon=True).start()
         for address in wanted:
             if address not in self._links:
-                self._links[address] = Link(address, self._fail_run, self.config.send_timeout_s)
+                self._links[address] = Link(
+                    address, self._fail_run, self.config.send_timeout_s, self.config.tls
+                )
 
     def _fail_run(self, run: int, error: ElasticPipeError) -> None:
         self._mailbox.fail(run, error)

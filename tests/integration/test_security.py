@@ -1,0 +1,211 @@
+"""Mutual TLS with roles: every connection authenticated, every RPC allowed to its roles
+only, stage names bound to certificates, and plaintext refused beyond loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from elasticpipe import models, rpc, tls
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.errors import PermissionDenied, StageUnavailable
+from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    job_pb2,
+    stage_pb2,
+    stage_pb2_grpc,
+)
+
+pytestmark = pytest.mark.timeout(240)
+KWARGS = {"sizes": [8, 16, 16, 16, 4]}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Three stages, a coordinator, a client and an admin, all with certificates."""
+    with LocalCluster(stages=3, tls=True, coordinator_args=["--no-auto-rebalance"]) as c:
+        yield c
+
+
+def _coordinator(
+    cluster: LocalCluster, who: tls.TLS | None
+) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+    return coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(cluster.coordinator, who))
+
+
+def _stage(address: str, who: tls.TLS | None) -> stage_pb2_grpc.StageServiceStub:
+    return stage_pb2_grpc.StageServiceStub(rpc.channel(address, who))
+
+
+def test_a_tls_cluster_trains_and_moves_layers_exactly(cluster: LocalCluster) -> None:
+    """Client, coordinator and stages on mutual TLS: training, a live migration (stages
+    pulling layers from each other) and state_dict all work and stay exact."""
+    reference = models.build("mlp", seed=0, **KWARGS)
+    opt = make_optimizer("adam", reference.parameters(), {"lr": 1e-2})
+    g = torch.Generator().manual_seed(0)
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model="mlp",
+        model_kwargs=KWARGS,
+        optimizer_kwargs={"lr": 1e-2},
+        stages=3,
+        tls=cluster.client_tls,
+    ) as pipe:
+        for step in range(4):
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+            got = pipe.train_step(x, y)
+            want = reference_step(reference, opt, "cross_entropy", x, y)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+            if step == 1:
+                admin = _coordinator(cluster, cluster.admin_tls)
+                reply = admin.SetPartition(
+                    coordinator_pb2.SetPartitionRequest(boundaries=[0, 1, 2, 7]), timeout=60
+                )
+                assert reply.changed
+        state = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value)
+
+
+@pytest.mark.parametrize(
+    ("role", "call", "rpc_name"),
+    [
+        ("client", lambda s: s.Status(coordinator_pb2.StatusRequest(), timeout=10), "Status"),
+        (
+            "stage",
+            lambda s: s.SetupJob(
+                coordinator_pb2.SetupJobRequest(job=job_pb2.JobSpec(model="mlp")), timeout=10
+            ),
+            "SetupJob",
+        ),
+        (
+            "admin",
+            lambda s: s.Register(
+                coordinator_pb2.RegisterRequest(name="admin", address="x:1"), timeout=10
+            ),
+            "Register",
+        ),
+    ],
+    ids=["client-admin-rpc", "stage-client-rpc", "admin-stage-rpc"],
+)
+def test_a_wrong_role_is_refused_naming_role_and_rpc(
+    cluster: LocalCluster, role: str, call: object, rpc_name: str
+) -> None:
+    """A certificate of the wrong role gets PERMISSION_DENIED naming the role and the RPC."""
+    who = cluster.tls_of(f"someone-{role}", role)
+    with pytest.raises(grpc.RpcError) as info:
+        call(_coordinator(cluster, who))  # type: ignore[operator]
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert f"role {role!r}" in info.value.details() and rpc_name in info.value.details()  # type: ignore[attr-defined]
+
+
+def test_stage_rpcs_take_only_their_roles(cluster: LocalCluster) -> None:
+    """On a stage: a client may not Freeze or Assign, an admin may not RunStep, and the
+    stage still serves its coordinator and clients afterwards."""
+    address = cluster.stage_addresses[0]
+    client = _stage(address, cluster.client_tls)
+    with pytest.raises(grpc.RpcError) as info:
+        client.Freeze(stage_pb2.EpochRequest(epoch=99), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert "StageService/Freeze" in info.value.details()  # type: ignore[attr-defined]
+    admin = _stage(address, cluster.admin_tls)
+    with pytest.raises(grpc.RpcError) as info:
+        admin.RunStep(stage_pb2.RunStepRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert admin.GetStats(stage_pb2.StatsRequest(), timeout=10).name == "stage-0"
+
+
+def test_callers_without_a_cluster_certificate_get_nothing(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Plaintext, or a certificate from another CA, cannot even connect."""
+    with pytest.raises(StageUnavailable):
+        rpc.call(
+            cluster.coordinator,
+            _coordinator(cluster, None).Status,
+            coordinator_pb2.StatusRequest(),
+            timeout=5,
+        )
+    tls.init_ca(tmp_path)
+    cert, key = tls.issue(tmp_path, "mallory", "admin")
+    forged = tls.TLS(str(cert), str(key), str(tmp_path / "ca.pem"))
+    with pytest.raises(StageUnavailable):
+        rpc.call(
+            cluster.coordinator,
+            _coordinator(cluster, forged).Status,
+            coordinator_pb2.StatusRequest(),
+            timeout=5,
+        )
+
+
+def test_a_stage_can_register_only_under_its_certificates_name(cluster: LocalCluster) -> None:
+    """The certificate of stage-0 cannot register as stage-1 (no takeover of another
+    stage's registration)."""
+    stage0 = cluster.tls_of("stage-0")
+    with pytest.raises(PermissionDenied, match="'stage-0' cannot register as 'stage-1'"):
+        rpc.call(
+            cluster.coordinator,
+            _coordinator(cluster, stage0).Register,
+            coordinator_pb2.RegisterRequest(name="stage-1", address="127.0.0.1:1", device="cpu"),
+            timeout=10,
+        )
+
+
+def test_the_admin_cli_speaks_tls(cluster: LocalCluster) -> None:
+    """admin with --tls-* works; without a certificate it fails with a clear error."""
+    admin = cluster.admin_tls
+    assert admin is not None
+    base = [
+        sys.executable,
+        "-m",
+        "elasticpipe",
+        "admin",
+        "status",
+        "--coordinator",
+        cluster.coordinator,
+    ]
+    ok = subprocess.run(
+        [*base, "--tls-cert", admin.cert, "--tls-key", admin.key, "--tls-ca", admin.ca],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert ok.returncode == 0 and "stage-0" in ok.stdout, ok.stderr
+    bare = subprocess.run(
+        [*base, "--timeout", "5"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert bare.returncode == 2 and "cannot reach the coordinator" in bare.stderr
+
+
+def test_plaintext_beyond_loopback_is_refused_unless_insecure() -> None:
+    """A stage asked to listen on 0.0.0.0 without TLS refuses to start, saying how to fix
+    it in one line; --insecure lets it start."""
+    base = [sys.executable, "-m", "elasticpipe", "stage", "--coordinator", "127.0.0.1:9"]
+    refused = subprocess.run(
+        [*base, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert refused.returncode == 2
+    assert "refusing to listen on 0.0.0.0:0 without TLS" in refused.stderr
+    assert "--insecure" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    started = subprocess.Popen(
+        [*base, "--listen", "0.0.0.0:0", "--insecure", "--advertise", "127.0.0.1:1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            started.wait(timeout=5)  # still serving
+    finally:
+        started.kill()
+        started.wait(10)
