@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import authz, codec
+from elasticpipe import authz, bounds, codec
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.jobs import DEFAULT_LEASE_S
 from elasticpipe.coordinator.membership import Heard, Member
 from elasticpipe.coordinator.rebalancing import MoveOutcome
-from elasticpipe.errors import InvalidRequest
+from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.job import JobConfig
 from elasticpipe.partition import Partition
 from elasticpipe.v1 import coordinator_pb2
 
-MAX_WAIT_S = 600.0
+MAX_WAIT_S = bounds.MAX_WAIT_S
+MAX_LONG_POLLS = 8  # of the server's 32 workers
 
 
 def partition_to_proto(p: Partition | None) -> coordinator_pb2.Partition:
@@ -48,12 +51,15 @@ class CoordinatorServicer:
 
     def __init__(self, coordinator: Coordinator):
         self.c = coordinator
+        self._polls = threading.BoundedSemaphore(MAX_LONG_POLLS)
 
     # ---- stages ----------------------------------------------------------------------
 
     def Register(
         self, req: coordinator_pb2.RegisterRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RegisterResponse:
+        for what, value in (("name", req.name), ("address", req.address), ("device", req.device)):
+            bounds.text(value, what)
         authz.check_name(req.name)  # with TLS, a stage is its certificate's name
         return coordinator_pb2.RegisterResponse(
             stage_id=self.c.register(req.name, req.address, req.device),
@@ -109,6 +115,7 @@ class CoordinatorServicer:
         self, req: coordinator_pb2.SetupJobRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.SetupJobResponse:
         job = JobConfig.from_proto(req.job)
+        bounds.number(req.num_stages, "num_stages", 0, bounds.MAX_STAGES)
         sample = (
             codec.from_proto(req.job.sample_input) if req.job.HasField("sample_input") else None
         )
@@ -146,6 +153,7 @@ class CoordinatorServicer:
     def ReportFailure(
         self, req: coordinator_pb2.FailureReport, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.FailureAck:
+        bounds.count(req.suspects, "suspects", bounds.MAX_STAGES)
         dead = self.c.recovery.report(list(req.suspects), req.error[:1000])
         return coordinator_pb2.FailureAck(dead=dead)
 
@@ -167,21 +175,43 @@ class CoordinatorServicer:
     def GetPartition(
         self, req: coordinator_pb2.GetPartitionRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.Partition:
-        timeout = _bounded(req.timeout_s, "timeout_s")
+        timeout = bounds.number(req.timeout_s, "timeout_s", 0, bounds.MAX_LONG_POLL_S)
         remaining = ctx.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(0.0, remaining - 0.1))
-        return partition_to_proto(self.c.cluster.get_partition(req.newer_than, timeout))
+        if timeout <= 0:
+            return partition_to_proto(self.c.cluster.get_partition(req.newer_than, 0.0))
+        with self._long_poll():
+            return partition_to_proto(self.c.cluster.get_partition(req.newer_than, timeout))
 
     def WatchPartition(
         self, req: coordinator_pb2.GetPartitionRequest, ctx: grpc.ServicerContext
     ) -> Iterator[coordinator_pb2.Partition]:
         seen = req.newer_than
-        while ctx.is_active():
-            partition = self.c.cluster.get_partition(seen, 1.0)
-            if partition.epoch > seen:
-                seen = partition.epoch
-                yield partition_to_proto(partition)
+        with self._long_poll():
+            while ctx.is_active():
+                partition = self.c.cluster.get_partition(seen, 1.0)
+                if partition.epoch > seen:
+                    seen = partition.epoch
+                    yield partition_to_proto(partition)
+
+    @contextlib.contextmanager
+    def _long_poll(self) -> Iterator[None]:
+        """A place among the few calls that may wait for a newer partition: the server's
+        workers stay free for heartbeats and the rest.
+
+        Raises:
+            TooLarge: every place is taken.
+        """
+        if not self._polls.acquire(blocking=False):
+            raise TooLarge(
+                f"too many calls waiting for a newer partition (at most {MAX_LONG_POLLS}); "
+                "retry shortly"
+            )
+        try:
+            yield
+        finally:
+            self._polls.release()
 
     # ---- admin -----------------------------------------------------------------------
 
@@ -290,6 +320,8 @@ class CoordinatorServicer:
     def SetPartition(
         self, req: coordinator_pb2.SetPartitionRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RebalanceResponse:
+        bounds.count(req.boundaries, "boundaries", bounds.MAX_LAYERS + 1)
+        bounds.count(req.stage_ids, "stage_ids", bounds.MAX_STAGES)
         return _outcome(
             self.c.rebalancer.set_partition(
                 list(req.boundaries), list(req.stage_ids), "admin set-partition"
@@ -309,6 +341,7 @@ class CoordinatorServicer:
     def Slowdown(
         self, req: coordinator_pb2.AdminSlowdownRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.AdminAck:
+        bounds.number(req.factor, "factor", 1.0, bounds.MAX_SLOWDOWN)
         return coordinator_pb2.AdminAck(message=self.c.slowdown(req.stage, req.factor))
 
     def SetAutoRebalance(

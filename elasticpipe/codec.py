@@ -26,6 +26,7 @@ from elasticpipe.v1 import tensor_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: grpcio streams fastest around this size
 DEFAULT_MAX_TENSOR_BYTES = 1 << 31  # 2 GiB per tensor unless the operator says otherwise
+MAX_DIMS = 32
 
 _TO_WIRE: dict[torch.dtype, int] = {
     torch.float32: tensor_pb2.FLOAT32,
@@ -120,6 +121,8 @@ def check_meta(meta: tensor_pb2.TensorMeta, max_bytes: int) -> torch.dtype:
     if dtype is None:
         raise InvalidRequest(f"unknown tensor dtype {meta.dtype} on the wire")
     shape = list(meta.shape)
+    if len(shape) > MAX_DIMS:
+        raise InvalidRequest(f"tensor shape has {len(shape)} dimensions (at most {MAX_DIMS})")
     if any(d < 0 for d in shape):
         raise InvalidRequest(f"tensor shape {shape} has a negative dimension")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -135,34 +138,41 @@ def check_meta(meta: tensor_pb2.TensorMeta, max_bytes: int) -> torch.dtype:
 
 
 class TensorAssembler:
-    """Receives a declared tensor chunk by chunk into a buffer of exactly its size."""
+    """Receives a declared tensor chunk by chunk; memory grows with the data that arrives
+    (a header declaring a large tensor costs nothing until its bytes come)."""
 
     def __init__(self, meta: tensor_pb2.TensorMeta, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES):
         self._dtype = check_meta(meta, max_bytes)
         self._shape = tuple(meta.shape)
-        self._buffer = bytearray(meta.nbytes)
+        self._declared = meta.nbytes
+        self._chunks: list[bytes] = []
         self._filled = 0
 
     def add(self, chunk: bytes) -> None:
         """Appends a chunk; raises InvalidRequest if it overflows the declared size."""
         end = self._filled + len(chunk)
-        if end > len(self._buffer):
+        if end > self._declared:
             raise InvalidRequest(
-                f"received {end} bytes for a tensor declared as {len(self._buffer)} bytes"
+                f"received {end} bytes for a tensor declared as {self._declared} bytes"
             )
-        self._buffer[self._filled : end] = chunk
+        self._chunks.append(chunk)
         self._filled = end
 
     def finish(self) -> torch.Tensor:
         """Returns the tensor; raises InvalidRequest if bytes are missing."""
-        if self._filled != len(self._buffer):
+        if self._filled != self._declared:
             raise InvalidRequest(
-                f"received {self._filled} bytes for a tensor declared as {len(self._buffer)} bytes"
+                f"received {self._filled} bytes for a tensor declared as {self._declared} bytes"
             )
-        if not self._buffer:
+        if not self._declared:
             return torch.empty(self._shape, dtype=self._dtype)
-        flat = torch.frombuffer(self._buffer, dtype=self._dtype)
-        return flat.reshape(self._shape)
+        buffer = bytearray(self._declared)  # one copy, into memory the tensor owns
+        offset = 0
+        for chunk in self._chunks:
+            buffer[offset : offset + len(chunk)] = chunk
+            offset += len(chunk)
+        self._chunks.clear()
+        return torch.frombuffer(buffer, dtype=self._dtype).reshape(self._shape)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -244,32 +254,33 @@ def sha256(data: bytes) -> bytes:
 
 
 class BlobAssembler:
-    """Reassembles a checksummed blob from ordered chunks, refusing anything inconsistent."""
+    """Reassembles a checksummed blob from ordered chunks, refusing anything inconsistent;
+    memory grows with the data that arrives, up to the declared size."""
 
     def __init__(self, total_bytes: int, max_bytes: int, what: str):
         if total_bytes > max_bytes:
             raise TooLarge(f"{what}: {total_bytes} bytes is over the limit of {max_bytes}")
         self._what = what
-        self._buffer = bytearray(total_bytes)
-        self._filled = 0
+        self._total = total_bytes
+        self._buffer = bytearray()
 
     def add(self, offset: int, data: bytes, chunk_crc: int) -> None:
         """Adds the next chunk; raises TransferError on a gap, overflow or bad CRC."""
-        if offset != self._filled or offset + len(data) > len(self._buffer):
+        filled = len(self._buffer)
+        if offset != filled or offset + len(data) > self._total:
             raise TransferError(
                 f"{self._what}: chunk at offset {offset} (+{len(data)} bytes) does not follow "
-                f"{self._filled} of {len(self._buffer)} bytes"
+                f"{filled} of {self._total} bytes"
             )
         if crc32(data) != chunk_crc:
             raise TransferError(f"{self._what}: chunk at offset {offset} failed its CRC-32")
-        self._buffer[offset : offset + len(data)] = data
-        self._filled += len(data)
+        self._buffer += data
 
     def finish(self, digest: bytes) -> bytes:
         """Returns the blob once complete and matching its SHA-256, else raises TransferError."""
-        if self._filled != len(self._buffer):
+        if len(self._buffer) != self._total:
             raise TransferError(
-                f"{self._what}: transfer stopped at {self._filled} of {len(self._buffer)} bytes"
+                f"{self._what}: transfer stopped at {len(self._buffer)} of {self._total} bytes"
             )
         blob = bytes(self._buffer)
         if sha256(blob) != digest:

@@ -14,6 +14,7 @@ from elasticpipe.v1 import job_pb2
 
 MAX_KWARGS_JSON = 1 << 20
 MAX_SNAPSHOT_EVERY = 1_000_000
+MAX_MICRO_BATCHES = 4096
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -65,8 +66,10 @@ class JobConfig:
             raise InvalidRequest(
                 f"unknown schedule {self.schedule!r} (choose from {list(SCHEDULES)})"
             )
-        if self.micro_batches < 1:
-            raise InvalidRequest(f"micro_batches must be >= 1 (got {self.micro_batches})")
+        if not 1 <= self.micro_batches <= MAX_MICRO_BATCHES:
+            raise InvalidRequest(
+                f"micro_batches must be in [1, {MAX_MICRO_BATCHES}] (got {self.micro_batches})"
+            )
         if self.seed < 0:
             raise InvalidRequest(f"seed must be >= 0 (got {self.seed})")
         if not 0 <= self.snapshot_every <= MAX_SNAPSHOT_EVERY:

@@ -68,6 +68,10 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         *channel_options(max_message_bytes),
         ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 2),  # a peer pinging too often is disconnected
+        # Connections are recycled, long polls included; calls in flight get an hour more.
+        ("grpc.max_connection_age_ms", 2 * 3600_000),
+        ("grpc.max_connection_age_grace_ms", 3600_000),
         ("grpc.so_reuseport", 0),
     ]
 

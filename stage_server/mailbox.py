@@ -4,6 +4,10 @@ Messages may arrive before the ``RunStep`` they belong to (the previous stage ca
 faster than the client's call), so the mailbox is keyed by run id and accepts any run that
 is not known to be over. A run's waiting op wakes on its message, on the run's failure, or
 at its deadline -- never later.
+
+Memory is bounded: room for a message is *reserved* (its bytes plus a fixed per-entry
+overhead, so that even empty tensors count) before anything is allocated for it, and the
+number of entries is capped; concurrent streams cannot overcommit.
 """
 
 from __future__ import annotations
@@ -24,38 +28,97 @@ class Slot(Enum):
     TARGET = "target"
 
 
+ENTRY_OVERHEAD = 512  # bytes counted per message beyond its tensor (objects, keys)
+MAX_ENTRIES = 65_536
+
+
+class Reservation:
+    """Room set aside for one message (``Mailbox.reserve``); used once by ``put``."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.open = True
+
+
 class Mailbox:
     """Thread-safe store of per-run messages, with bounded memory and failure wake-ups."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(
+        self, max_bytes: int, max_entries: int = MAX_ENTRIES, entry_overhead: int = ENTRY_OVERHEAD
+    ):
         self._max_bytes = max_bytes
-        self._bytes = 0
+        self._max_entries = max_entries
+        self._overhead = entry_overhead
+        self._bytes = 0  # stored and reserved
+        self._entries = 0  # stored and reserved
         self._cond = threading.Condition()
         self._items: dict[int, dict[tuple[Slot, int], tuple[Any, int]]] = {}
         self._closed_below = 0  # runs below this id are over: their late messages are dropped
         self._failures: dict[int, ElasticPipeError] = {}
 
-    def put(self, run: int, slot: Slot, micro_batch: int, value: Any, nbytes: int) -> None:
-        """Delivers a message; drops it silently if its run is already over.
+    def reserve(self, nbytes: int) -> Reservation:
+        """Sets room aside for a message of ``nbytes`` before it is received.
 
         Raises:
-            TooLarge: the mailbox would hold more than its byte limit.
+            TooLarge: the bytes (with the per-entry overhead) or the entries would pass
+                their limit.
         """
+        need = nbytes + self._overhead
         with self._cond:
-            if run < self._closed_below:
-                return
-            if self._bytes + nbytes > self._max_bytes:
+            if self._bytes + need > self._max_bytes or self._entries >= self._max_entries:
                 raise TooLarge(
-                    f"mailbox full: {self._bytes} bytes waiting, {nbytes} more would pass "
-                    f"the limit of {self._max_bytes}"
+                    f"mailbox full: {self._bytes} bytes in {self._entries} messages waiting; "
+                    f"{need} more would pass the limit of {self._max_bytes} bytes "
+                    f"or {self._max_entries} messages"
                 )
+            self._bytes += need
+            self._entries += 1
+            return Reservation(need)
+
+    def release(self, reservation: Reservation) -> None:
+        """Gives back room reserved for a message that never came (idempotent)."""
+        with self._cond:
+            if reservation.open:
+                reservation.open = False
+                self._bytes -= reservation.nbytes
+                self._entries -= 1
+
+    def put(
+        self,
+        run: int,
+        slot: Slot,
+        micro_batch: int,
+        value: Any,
+        nbytes: int,
+        reservation: Reservation | None = None,
+    ) -> None:
+        """Delivers a message into room reserved for it (reserved now if not given);
+        drops it if its run is already over.
+
+        Raises:
+            TooLarge: no reservation was given and no room is left.
+        """
+        held = reservation or self.reserve(nbytes)
+        with self._cond:
+            if not held.open:
+                raise TooLarge(f"message of run {run} delivered twice into one reservation")
+            if run < self._closed_below:
+                self._give_back(held)
+                return
             box = self._items.setdefault(run, {})
-            replaced = box.get((slot, micro_batch))
+            replaced = box.pop((slot, micro_batch), None)
             if replaced is not None:  # a re-sent message replaces the first copy
                 self._bytes -= replaced[1]
-            box[(slot, micro_batch)] = (value, nbytes)
-            self._bytes += nbytes
+                self._entries -= 1
+            held.open = False
+            box[(slot, micro_batch)] = (value, held.nbytes)
             self._cond.notify_all()
+
+    def _give_back(self, held: Reservation) -> None:
+        if held.open:
+            held.open = False
+            self._bytes -= held.nbytes
+            self._entries -= 1
 
     def take(self, run: int, slot: Slot, micro_batch: int, deadline: float) -> Any:
         """Waits for and removes a message.
@@ -74,6 +137,7 @@ class Mailbox:
                 if key in box:
                     value, nbytes = box.pop(key)
                     self._bytes -= nbytes
+                    self._entries -= 1
                     return value
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -82,11 +146,6 @@ class Mailbox:
                         "before the deadline"
                     )
                 self._cond.wait(remaining)
-
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more would fit under the byte limit (checked before allocating)."""
-        with self._cond:
-            return self._bytes + nbytes <= self._max_bytes
 
     def fail(self, run: int, error: ElasticPipeError) -> None:
         """Wakes every wait of ``run`` with ``error`` (first failure wins)."""
@@ -104,7 +163,9 @@ class Mailbox:
         with self._cond:
             self._closed_below = max(self._closed_below, run + 1)
             for old in [r for r in self._items if r < self._closed_below]:
-                self._bytes -= sum(n for _, n in self._items.pop(old).values())
+                entries = self._items.pop(old).values()
+                self._bytes -= sum(n for _, n in entries)
+                self._entries -= len(entries)
             for old in [r for r in self._failures if r < self._closed_below]:
                 del self._failures[old]
             self._cond.notify_all()

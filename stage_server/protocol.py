@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from elasticpipe import bounds
 from elasticpipe.errors import (
     Fenced,
     InvalidRequest,
@@ -194,6 +195,26 @@ class StepMachine:
                 f"rebalancing from epoch {self.epoch} to {self.frozen.epoch}: retry shortly"
             )
 
+    def check_run(self, run: int, client: int | None = None, older: bool = False) -> None:
+        """Checks a run id: of the calling ``client``'s generation (``older``: or of an
+        older client's, which it fenced), or (data arriving before its RunStep) of a
+        generation not far past the fence.
+
+        Raises:
+            InvalidRequest: naming the run, its generation and the bound.
+        """
+        generation = bounds.generation(run)
+        if client is not None and (generation > client if older else generation != client):
+            raise InvalidRequest(
+                f"run {run} is of client generation {generation}, not the caller's {client}"
+                + (" or an older one" if older else "")
+            )
+        if generation > self.fence + bounds.MAX_GENERATIONS_AHEAD:
+            raise InvalidRequest(
+                f"run {run} is of client generation {generation}, more than "
+                f"{bounds.MAX_GENERATIONS_AHEAD} past stage {self.name}'s {self.fence}"
+            )
+
     def _check_client(self, client: int, what: str) -> None:
         if client < self.fence:
             raise Fenced(
@@ -242,6 +263,7 @@ class StepMachine:
         """
         self._check_client(client, f"run {run}")
         self.check_epoch(epoch)
+        self.check_run(run, client)
         awaiting = self.phase is Phase.AWAITING_COMMIT
         decided = [d for d in previous if awaiting and d.run == self.active_run]
         settle = bool(decided)
@@ -344,6 +366,7 @@ class StepMachine:
             Fenced: an older client's abort.
         """
         self._check_client(client, f"abort of run {run}")
+        self.check_run(run, client, older=True)
         if self.committed_run == run and run:
             return []  # committed here: the decision was commit, an abort comes too late
         self.closed_below = max(self.closed_below, run + 1)
@@ -409,9 +432,10 @@ class StepMachine:
         """
         if not 0 < lease_s <= 3600:
             raise InvalidRequest(f"freeze lease must be in (0, 3600] seconds (got {lease_s})")
-        if epoch <= self.epoch:
+        if not self.epoch < epoch <= self.epoch + bounds.MAX_EPOCHS_AHEAD:
             raise InvalidRequest(
-                f"cannot freeze stage {self.name} for epoch {epoch}: it is at epoch {self.epoch}"
+                f"cannot freeze stage {self.name} for epoch {epoch}: it is at epoch "
+                f"{self.epoch} (a new epoch is at most {bounds.MAX_EPOCHS_AHEAD} ahead)"
             )
         if self.phase is not Phase.IDLE:
             raise NotReady(

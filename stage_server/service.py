@@ -6,9 +6,8 @@ import itertools
 from collections.abc import Iterator
 
 import grpc
-import torch
 
-from elasticpipe import codec
+from elasticpipe import bounds, codec
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
@@ -17,14 +16,13 @@ from elasticpipe.stage_server.layers import LayerTiming
 from elasticpipe.stage_server.mailbox import Slot
 from elasticpipe.stage_server.protocol import Decision, RunState
 from elasticpipe.stage_server.snapshots import Holding
-from elasticpipe.stage_server.stage import Stage
+from elasticpipe.stage_server.stage import Admitted, Stage
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
 _SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
 _SLOTS = {stage_pb2.INPUT: Slot.INPUT, stage_pb2.GRAD: Slot.GRAD, stage_pb2.TARGET: Slot.TARGET}
-MAX_STEP_TIMEOUT_S = 3600.0
-MAX_DECISIONS = 16
+MAX_STEP_TIMEOUT_S = bounds.MAX_TIMEOUT_S
 
 
 def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTiming]:
@@ -78,32 +76,34 @@ class StageServicer:
     def __init__(self, stage: Stage):
         self.stage = stage
 
-    def _admit(self, header: stage_pb2.DataHeader) -> codec.TensorAssembler:
-        """Checks the declared tensor, the epoch and the room left, then allocates for it."""
+    def _admit(self, header: stage_pb2.DataHeader) -> tuple[codec.TensorAssembler, Admitted]:
+        """Checks the declared tensor, the epoch, the run and the room left, and reserves
+        the room, before anything is allocated for it."""
         codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
-        self.stage.admit(header.epoch, header.meta.nbytes)
-        return codec.TensorAssembler(header.meta, self.stage.config.max_tensor_bytes)
+        admitted = self.stage.admit(
+            header.epoch, header.run, header.micro_batch, header.meta.nbytes
+        )
+        return codec.TensorAssembler(header.meta, self.stage.config.max_tensor_bytes), admitted
 
-    def _receive(
-        self, chunks: Iterator[stage_pb2.DataChunk]
-    ) -> tuple[stage_pb2.DataHeader, torch.Tensor]:
+    def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
         first = next(chunks, None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidRequest("a data stream must start with a DataHeader")
         header = first.header
-        assembler = self._admit(header)
-        for chunk in chunks:
-            if chunk.WhichOneof("part") != "data":
-                raise InvalidRequest(
-                    f"second DataHeader in the stream of micro-batch {header.micro_batch}"
-                )
-            assembler.add(chunk.data)
-        return header, assembler.finish()
-
-    def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
-        header, tensor = self._receive(chunks)
+        assembler, admitted = self._admit(header)
+        try:
+            for chunk in chunks:
+                if chunk.WhichOneof("part") != "data":
+                    raise InvalidRequest(
+                        f"second DataHeader in the stream of micro-batch {header.micro_batch}"
+                    )
+                assembler.add(chunk.data)
+            tensor = assembler.finish()
+        except BaseException:
+            admitted.mailbox.release(admitted.reservation)
+            raise
         self.stage.deliver(
-            slot, header.epoch, header.run, header.micro_batch, tensor, header.loss_scale
+            admitted, slot, header.run, header.micro_batch, tensor, header.loss_scale
         )
         return stage_pb2.Ack()
 
@@ -135,15 +135,15 @@ class StageServicer:
                 f"received {len(msg.data)} bytes for a tensor declared as "
                 f"{header.meta.nbytes} bytes"
             )
-        assembler = self._admit(header)
-        assembler.add(msg.data)
+        assembler, admitted = self._admit(header)
+        try:
+            assembler.add(msg.data)
+            tensor = assembler.finish()
+        except BaseException:
+            admitted.mailbox.release(admitted.reservation)
+            raise
         self.stage.deliver(
-            slot,
-            header.epoch,
-            header.run,
-            header.micro_batch,
-            assembler.finish(),
-            header.loss_scale,
+            admitted, slot, header.run, header.micro_batch, tensor, header.loss_scale
         )
         return stage_pb2.Ack()
 
@@ -155,16 +155,11 @@ class StageServicer:
         train = req.mode == stage_pb2.TRAIN
         if train and req.schedule not in _SCHEDULES:
             raise InvalidRequest(f"unknown schedule {req.schedule}")
-        if not 0 < req.timeout_s <= MAX_STEP_TIMEOUT_S:
-            raise InvalidRequest(
-                f"timeout_s must be in (0, {MAX_STEP_TIMEOUT_S}] (got {req.timeout_s})"
-            )
+        bounds.number(req.timeout_s, "timeout_s", 0, bounds.MAX_TIMEOUT_S, lo_open=True)
+        bounds.number(req.micro_batches, "micro_batches", 1, bounds.MAX_MICRO_BATCHES)
         remaining = ctx.time_remaining()
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
-        if len(req.previous) > MAX_DECISIONS:
-            raise InvalidRequest(
-                f"{len(req.previous)} earlier decisions sent (at most {MAX_DECISIONS})"
-            )
+        bounds.count(req.previous, "previous", bounds.MAX_DECISIONS)
         previous = [Decision(d.run, d.step, d.commit) for d in req.previous]
         result = self.stage.run_step(
             req.epoch,
@@ -301,6 +296,7 @@ class StageServicer:
     def ExportLayers(
         self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.LayerChunk]:
+        bounds.count(req.layers, "layers", bounds.MAX_LAYERS)
         snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
         for layer, blob in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
@@ -360,7 +356,7 @@ class StageServicer:
     def SetSlowdown(
         self, req: stage_pb2.SlowdownRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.Ack:
-        self.stage.slowdown.set(req.factor)
+        self.stage.slowdown.set(bounds.number(req.factor, "factor", 1.0, bounds.MAX_SLOWDOWN))
         return stage_pb2.Ack()
 
     def InjectFault(self, req: stage_pb2.FaultRequest, ctx: grpc.ServicerContext) -> stage_pb2.Ack:

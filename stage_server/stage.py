@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
-from elasticpipe import codec, models, rpc
+from elasticpipe import bounds, codec, models, rpc
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
     InvalidRequest,
     NotReady,
     StageUnavailable,
-    TooLarge,
     TransferError,
 )
 from elasticpipe.job import JobConfig
@@ -37,7 +36,7 @@ from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
 from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
 from elasticpipe.stage_server.links import Link
-from elasticpipe.stage_server.mailbox import Mailbox, Slot
+from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
 from elasticpipe.stage_server.snapshots import (
     Capture,
@@ -78,6 +77,14 @@ class StageConfig:
     tls: TLS | None = None  # mutual TLS for every connection (server and peers)
     insecure: bool = False  # plaintext beyond loopback, on a trusted network
     advertise: str = ""  # the address peers use (default: derived from the listen address)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Room reserved in a mailbox for one incoming message."""
+
+    mailbox: Mailbox
+    reservation: Reservation
 
 
 @dataclass
@@ -283,35 +290,48 @@ class Stage:
 
     # ---- data path -------------------------------------------------------------------
 
-    def admit(self, epoch: int, nbytes: int) -> None:
-        """Checks a data message's epoch and size before anything is allocated for it."""
+    def admit(self, epoch: int, run: int, micro_batch: int, nbytes: int) -> Admitted:
+        """Checks a data message's epoch, run and size, and reserves room for it, before
+        anything is allocated for it.
+
+        Raises:
+            StaleEpoch / Rebalancing / NotReady: see ``StepMachine.check_epoch``.
+            InvalidRequest: a run id of an implausible client, or a micro-batch index
+                out of range.
+            TooLarge: no room (the mailbox's byte or message limit).
+        """
+        if not 0 <= micro_batch < bounds.MAX_MICRO_BATCHES:
+            raise InvalidRequest(
+                f"micro_batch must be in [0, {bounds.MAX_MICRO_BATCHES}) (got {micro_batch})"
+            )
         with self._cond:
             self.machine.check_epoch(epoch)
-            if not self._mailbox.has_room(nbytes):
-                raise TooLarge(
-                    f"stage {self.config.name} cannot hold {nbytes} more bytes of "
-                    f"waiting inputs (limit {self.config.mailbox_bytes})"
-                )
+            self.machine.check_run(run)
+            mailbox = self._mailbox
+        return Admitted(mailbox, mailbox.reserve(nbytes))
 
     def deliver(
         self,
+        admitted: Admitted,
         slot: Slot,
-        epoch: int,
         run: int,
         micro_batch: int,
         tensor: torch.Tensor,
         loss_scale: float = 0.0,
     ) -> None:
-        """Accepts an activation, gradient or target for a run (maybe before its RunStep)."""
-        with self._cond:
-            self.machine.check_epoch(epoch)
-            mailbox = self._mailbox
-        if slot is Slot.TARGET and not loss_scale > 0.0:
-            raise InvalidRequest(
-                f"targets of micro-batch {micro_batch} need a loss_scale > 0 (got {loss_scale})"
-            )
-        value = (tensor, loss_scale) if slot is Slot.TARGET else tensor
-        mailbox.put(run, slot, micro_batch, value, tensor.numel() * tensor.element_size())
+        """Accepts an activation, gradient or target for a run (maybe before its RunStep)
+        into the room ``admit`` reserved (given back if anything fails)."""
+        try:
+            if slot is Slot.TARGET and not (loss_scale > 0.0 and loss_scale <= 1.0):
+                raise InvalidRequest(
+                    f"targets of micro-batch {micro_batch} need a loss_scale in (0, 1] "
+                    f"(got {loss_scale})"
+                )
+            value = (tensor, loss_scale) if slot is Slot.TARGET else tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            admitted.mailbox.put(run, slot, micro_batch, value, nbytes, admitted.reservation)
+        finally:
+            admitted.mailbox.release(admitted.reservation)
 
     def run_step(
         self,

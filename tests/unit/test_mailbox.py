@@ -41,7 +41,7 @@ def _timed_take(box: Mailbox, run: int, slot: Slot, mb: int, wait: float) -> tup
 
 def test_put_before_take_is_delivered() -> None:
     """A message that arrives before its take is returned at once."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "x0", 10)
     value, took = _timed_take(box, 1, Slot.INPUT, 0, PATIENT)
     assert value == "x0"
@@ -50,7 +50,7 @@ def test_put_before_take_is_delivered() -> None:
 
 def test_slots_and_micro_batches_are_kept_apart() -> None:
     """Messages are keyed by run, slot and micro-batch: each take gets its own message."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "in0", 1)
     box.put(1, Slot.GRAD, 0, "grad0", 1)
     box.put(1, Slot.INPUT, 1, "in1", 1)
@@ -64,7 +64,7 @@ def test_slots_and_micro_batches_are_kept_apart() -> None:
 
 def test_take_wakes_on_put_from_another_thread() -> None:
     """A waiting take returns the message as soon as another thread puts it."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     sender = _later(lambda: box.put(3, Slot.TARGET, 2, ("y", 0.5), 8))
     value, took = _timed_take(box, 3, Slot.TARGET, 2, PATIENT)
     sender.join()
@@ -74,7 +74,7 @@ def test_take_wakes_on_put_from_another_thread() -> None:
 
 def test_take_is_removed_once() -> None:
     """A taken message is gone: a second take of it waits until its deadline."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.put(1, Slot.GRAD, 0, "g", 4)
     assert box.take(1, Slot.GRAD, 0, time.monotonic() + PATIENT) == "g"
     with pytest.raises(DeadlineExceeded):
@@ -83,7 +83,7 @@ def test_take_is_removed_once() -> None:
 
 def test_deadline_raises_promptly_naming_the_wait() -> None:
     """With nothing delivered, take raises DeadlineExceeded at its deadline, not later."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     value, took = _timed_take(box, 4, Slot.GRAD, 7, 0.1)
     assert isinstance(value, DeadlineExceeded)
     assert "run 4" in str(value)
@@ -94,7 +94,7 @@ def test_deadline_raises_promptly_naming_the_wait() -> None:
 
 def test_past_deadline_raises_at_once() -> None:
     """A deadline already in the past raises without waiting."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     value, took = _timed_take(box, 1, Slot.INPUT, 0, -1.0)
     assert isinstance(value, DeadlineExceeded)
     assert took < 0.1
@@ -102,7 +102,7 @@ def test_past_deadline_raises_at_once() -> None:
 
 def test_fail_wakes_a_waiting_take_with_that_error() -> None:
     """Failing a run wakes its waiting take with exactly the recorded error."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     error = StageUnavailable("stage 2 at 127.0.0.1:1 died")
     failer = _later(lambda: box.fail(5, error))
     value, took = _timed_take(box, 5, Slot.INPUT, 0, PATIENT)
@@ -113,7 +113,7 @@ def test_fail_wakes_a_waiting_take_with_that_error() -> None:
 
 def test_fail_does_not_touch_other_runs() -> None:
     """A failure of one run leaves other runs' messages deliverable."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.put(6, Slot.INPUT, 0, "ok", 1)
     box.fail(5, StageUnavailable("gone"))
     assert box.take(6, Slot.INPUT, 0, time.monotonic() + PATIENT) == "ok"
@@ -122,7 +122,7 @@ def test_fail_does_not_touch_other_runs() -> None:
 
 def test_first_failure_wins() -> None:
     """Only the first failure of a run is recorded and raised."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     first, second = StageUnavailable("first"), StageUnavailable("second")
     box.fail(1, first)
     box.fail(1, second)
@@ -133,7 +133,7 @@ def test_first_failure_wins() -> None:
 
 def test_abort_fails_the_run_with_step_aborted() -> None:
     """abort wakes the run's waits with StepAborted carrying the reason."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.abort(9, "client gave up")
     with pytest.raises(StepAborted, match="client gave up"):
         box.take(9, Slot.GRAD, 0, time.monotonic() + PATIENT)
@@ -141,7 +141,7 @@ def test_abort_fails_the_run_with_step_aborted() -> None:
 
 def test_messages_of_closed_runs_are_dropped() -> None:
     """close_through frees held messages of closed runs and drops their late arrivals."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.put(2, Slot.INPUT, 0, "held", 10)
     box.put(4, Slot.INPUT, 0, "kept", 10)
     box.close_through(3)
@@ -154,7 +154,7 @@ def test_messages_of_closed_runs_are_dropped() -> None:
 
 def test_close_through_forgets_failures_of_closed_runs() -> None:
     """Failures of closed runs are discarded; later runs keep theirs."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.fail(1, StageUnavailable("old"))
     box.fail(2, StageUnavailable("new"))
     box.close_through(1)
@@ -164,7 +164,7 @@ def test_close_through_forgets_failures_of_closed_runs() -> None:
 
 def test_close_through_never_reopens_runs() -> None:
     """Closing through an older run keeps newer closed runs closed."""
-    box = Mailbox(1000)
+    box = Mailbox(1000, entry_overhead=0)
     box.close_through(5)
     box.close_through(2)
     box.put(4, Slot.INPUT, 0, "late", 1)
@@ -174,17 +174,19 @@ def test_close_through_never_reopens_runs() -> None:
 
 def test_byte_limit_raises_too_large_with_the_values() -> None:
     """A put that would pass the byte limit raises TooLarge naming held, extra and limit."""
-    box = Mailbox(100)
+    box = Mailbox(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "a", 60)
     box.put(1, Slot.INPUT, 1, "b", 40)
     with pytest.raises(TooLarge) as info:
         box.put(1, Slot.INPUT, 2, "c", 1)
-    assert all(v in str(info.value) for v in ("100 bytes waiting", "1 more", "limit of 100"))
+    assert all(
+        v in str(info.value) for v in ("100 bytes in 2 messages", "1 more", "limit of 100 bytes")
+    )
 
 
 def test_bytes_return_to_zero_after_takes() -> None:
     """Taking every message frees its bytes: a full-limit message fits again."""
-    box = Mailbox(100)
+    box = Mailbox(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "a", 60)
     box.put(1, Slot.GRAD, 0, "b", 40)
     deadline = time.monotonic() + PATIENT
@@ -196,7 +198,7 @@ def test_bytes_return_to_zero_after_takes() -> None:
 
 def test_bytes_return_to_zero_after_close_through() -> None:
     """Closing runs frees the bytes of their untaken messages."""
-    box = Mailbox(100)
+    box = Mailbox(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "a", 60)
     box.put(2, Slot.INPUT, 0, "b", 40)
     box.close_through(2)
@@ -206,7 +208,7 @@ def test_bytes_return_to_zero_after_close_through() -> None:
 
 def test_duplicate_delivery_does_not_leak_bytes() -> None:
     """A re-delivered message replaces the first without leaking its bytes."""
-    box = Mailbox(100)
+    box = Mailbox(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "first", 40)
     box.put(1, Slot.INPUT, 0, "again", 40)
     assert box.take(1, Slot.INPUT, 0, time.monotonic() + PATIENT) == "again"
@@ -216,7 +218,7 @@ def test_duplicate_delivery_does_not_leak_bytes() -> None:
 
 def test_concurrent_puts_and_takes_lose_nothing() -> None:
     """Many producers and consumers on separate threads exchange every message once."""
-    box = Mailbox(10_000)
+    box = Mailbox(10_000, entry_overhead=0)
     n = 200
     got: list[int] = []
     lock = threading.Lock()
@@ -242,3 +244,33 @@ def test_concurrent_puts_and_takes_lose_nothing() -> None:
         t.join(PATIENT * 2)
     assert sorted(got) == list(range(n))
     box.put(2, Slot.INPUT, 0, "full", 10_000)  # every byte was released
+
+
+def test_every_message_counts_its_overhead_even_when_empty() -> None:
+    """Zero-byte tensors are not free: each message reserves a fixed overhead, and the
+    number of messages is capped."""
+    box = Mailbox(1000, entry_overhead=100)
+    for i in range(10):
+        box.put(1, Slot.INPUT, i, "empty", 0)
+    with pytest.raises(TooLarge, match="10 messages"):
+        box.put(1, Slot.INPUT, 10, "empty", 0)
+    few = Mailbox(10**6, max_entries=3, entry_overhead=0)
+    for i in range(3):
+        few.put(1, Slot.INPUT, i, "x", 1)
+    with pytest.raises(TooLarge, match="3 messages"):
+        few.reserve(1)
+
+
+def test_reservations_stop_concurrent_streams_from_overcommitting() -> None:
+    """Room is reserved before a message is received: two streams cannot both count on the
+    same free bytes, and released room is free again."""
+    box = Mailbox(100, entry_overhead=0)
+    first = box.reserve(60)
+    with pytest.raises(TooLarge):
+        box.reserve(60)  # the first stream's bytes are not there yet, but their room is
+    box.release(first)
+    box.release(first)  # idempotent
+    second = box.reserve(60)
+    box.put(1, Slot.INPUT, 0, "x", 60, second)
+    assert box.take(1, Slot.INPUT, 0, time.monotonic() + PATIENT) == "x"
+    box.put(2, Slot.INPUT, 0, "full", 100)

@@ -23,6 +23,11 @@ pytestmark = pytest.mark.timeout(60)
 LEASE = 10.0
 
 
+def R(n: int) -> int:
+    """A run id of client generation 1 (run ids carry their client's generation)."""
+    return (1 << 40) + n
+
+
 def machine(snapshot_every: int = 0) -> StepMachine:
     m = StepMachine("s0", commit_lease_s=LEASE, ask_interval_s=2.0)
     m.assign(epoch=1, snapshot_every=snapshot_every)
@@ -33,7 +38,8 @@ def kinds(effects: list[Effect]) -> list[Do]:
     return [e.do for e in effects]
 
 
-def awaiting(m: StepMachine, run: int = 5, step: int = 1, client: int = 1) -> None:
+def awaiting(m: StepMachine, run: int = 0, step: int = 1, client: int = 1) -> None:
+    run = run or R(5)
     m.begin_run(1, run, step, client, True, [])
     m.finish_run(run, now=0.0)
 
@@ -54,20 +60,20 @@ def test_a_training_run_goes_running_awaiting_idle() -> None:
     """begin -> RUNNING, finish -> AWAITING_COMMIT with a lease, commit -> IDLE at step+1
     with one optimizer step and the run closed."""
     m = machine()
-    assert m.begin_run(1, 5, 1, 1, True, []) == []
-    assert m.phase is Phase.RUNNING and m.active_run == 5
-    m.finish_run(5, now=100.0)
+    assert m.begin_run(1, R(5), 1, 1, True, []) == []
+    assert m.phase is Phase.RUNNING and m.active_run == R(5)
+    m.finish_run(R(5), now=100.0)
     assert m.phase is Phase.AWAITING_COMMIT and m.lease_until == 100.0 + LEASE
-    effects = m.commit(1, 5, 1, 1)
+    effects = m.commit(1, R(5), 1, 1)
     assert kinds(effects) == [Do.APPLY_STEP, Do.CLOSE_RUNS]
-    assert (m.phase, m.committed_step, m.committed_run) == (Phase.IDLE, 1, 5)
+    assert (m.phase, m.committed_step, m.committed_run) == (Phase.IDLE, 1, R(5))
 
 
 def test_an_inference_run_goes_back_to_idle_without_commit() -> None:
     """An inference run never waits for a commit and never steps the optimizer."""
     m = machine()
-    m.begin_run(1, 5, 0, 1, False, [])
-    assert m.finish_run(5, now=0.0) == []
+    m.begin_run(1, R(5), 0, 1, False, [])
+    assert m.finish_run(R(5), now=0.0) == []
     assert (m.phase, m.committed_step) == (Phase.IDLE, 0)
 
 
@@ -75,8 +81,8 @@ def test_a_repeated_commit_is_a_no_op() -> None:
     """A commit whose reply was lost and is asked again applies nothing the second time."""
     m = machine()
     awaiting(m)
-    assert Do.APPLY_STEP in kinds(m.commit(1, 5, 1, 1))
-    assert m.commit(1, 5, 1, 1) == []
+    assert Do.APPLY_STEP in kinds(m.commit(1, R(5), 1, 1))
+    assert m.commit(1, R(5), 1, 1) == []
     assert m.committed_step == 1
 
 
@@ -87,62 +93,62 @@ def test_runs_of_another_epoch_are_refused(epoch: int, error: type[Exception]) -
     """A run of another epoch is refused with a retryable StaleEpoch, changing nothing."""
     m = machine()
     with pytest.raises(error, match=f"stale epoch {epoch}: stage s0 is at epoch 1"):
-        m.begin_run(epoch, 5, 1, 1, True, [])
+        m.begin_run(epoch, R(5), 1, 1, True, [])
     assert m.phase is Phase.IDLE
 
 
 def test_a_busy_stage_refuses_a_second_run() -> None:
     """While a run is active, another is refused, naming the active run."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, [])
-    with pytest.raises(NotReady, match="busy with run 5"):
-        m.begin_run(1, 6, 1, 1, True, [])
+    m.begin_run(1, R(5), 1, 1, True, [])
+    with pytest.raises(NotReady, match=f"busy with run {R(5)}"):
+        m.begin_run(1, R(6), 1, 1, True, [])
 
 
 def test_a_run_must_train_the_next_step() -> None:
     """A training run of a step other than committed+1 is refused."""
     m = machine()
     with pytest.raises(NotReady, match="step 3 is not the next step"):
-        m.begin_run(1, 5, 3, 1, True, [])
+        m.begin_run(1, R(5), 3, 1, True, [])
 
 
 def test_abort_of_an_awaiting_run_discards_it() -> None:
     """Aborting an awaiting run drops its gradients and closes it; it can never commit."""
     m = machine()
     awaiting(m)
-    assert kinds(m.abort(5, 1)) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
+    assert kinds(m.abort(R(5), 1)) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
     assert m.phase is Phase.IDLE
-    with pytest.raises(NotReady, match="run 5 is not awaiting commit"):
-        m.commit(1, 5, 1, 1)
+    with pytest.raises(NotReady, match=f"run {R(5)} is not awaiting commit"):
+        m.commit(1, R(5), 1, 1)
 
 
 def test_abort_of_a_running_run_wakes_it_and_fail_run_ends_it() -> None:
     """Aborting a running run only wakes its waits; its executor's fail_run ends it, and
     its late finish is refused."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, [])
-    assert kinds(m.abort(5, 1)) == [Do.WAKE_RUN]
+    m.begin_run(1, R(5), 1, 1, True, [])
+    assert kinds(m.abort(R(5), 1)) == [Do.WAKE_RUN]
     assert m.phase is Phase.RUNNING
     with pytest.raises(StepAborted):
-        m.finish_run(5, now=0.0)
-    assert kinds(m.fail_run(5)) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
+        m.finish_run(R(5), now=0.0)
+    assert kinds(m.fail_run(R(5))) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
     assert m.phase is Phase.IDLE
 
 
 def test_a_run_aborted_before_it_started_never_starts() -> None:
     """AbortStep may overtake RunStep: the run is then refused when it arrives."""
     m = machine()
-    assert kinds(m.abort(7, 1)) == [Do.CLOSE_RUNS]
-    with pytest.raises(StepAborted, match="run 7 was aborted before it started"):
-        m.begin_run(1, 7, 1, 1, True, [])
+    assert kinds(m.abort(R(7), 1)) == [Do.CLOSE_RUNS]
+    with pytest.raises(StepAborted, match=f"run {R(7)} was aborted before it started"):
+        m.begin_run(1, R(7), 1, 1, True, [])
 
 
 def test_an_abort_after_the_commit_changes_nothing() -> None:
     """Once a run committed here, a late abort of it is ignored (the decision was commit)."""
     m = machine()
     awaiting(m)
-    m.commit(1, 5, 1, 1)
-    assert m.abort(5, 1) == []
+    m.commit(1, R(5), 1, 1)
+    assert m.abort(R(5), 1) == []
     assert m.committed_step == 1
 
 
@@ -153,9 +159,9 @@ def test_the_next_run_carries_a_lost_commit() -> None:
     """A stage still awaiting the previous run commits it first when the next run says so."""
     m = machine()
     awaiting(m)
-    effects = m.begin_run(1, 6, 2, 1, True, [Decision(5, 1, commit=True)])
+    effects = m.begin_run(1, R(6), 2, 1, True, [Decision(R(5), 1, commit=True)])
     assert kinds(effects) == [Do.APPLY_STEP, Do.CLOSE_RUNS]
-    assert (m.committed_step, m.phase, m.active_run) == (1, Phase.RUNNING, 6)
+    assert (m.committed_step, m.phase, m.active_run) == (1, Phase.RUNNING, R(6))
 
 
 def test_the_next_run_carries_a_lost_abort() -> None:
@@ -164,10 +170,10 @@ def test_the_next_run_carries_a_lost_abort() -> None:
     m = machine()
     awaiting(m)
     effects = m.begin_run(
-        1, 6, 1, 1, True, [Decision(3, 1, commit=True), Decision(5, 1, commit=False)]
+        1, R(6), 1, 1, True, [Decision(R(3), 1, commit=True), Decision(R(5), 1, commit=False)]
     )
     assert kinds(effects) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
-    assert (m.committed_step, m.active_run) == (0, 6)
+    assert (m.committed_step, m.active_run) == (0, R(6))
 
 
 def test_a_decision_naming_another_step_is_refused() -> None:
@@ -175,7 +181,7 @@ def test_a_decision_naming_another_step_is_refused() -> None:
     m = machine()
     awaiting(m)
     with pytest.raises(InvalidRequest, match="names step 4"):
-        m.begin_run(1, 6, 5, 1, True, [Decision(5, 4, commit=True)])
+        m.begin_run(1, R(6), 5, 1, True, [Decision(R(5), 4, commit=True)])
     assert m.phase is Phase.AWAITING_COMMIT
 
 
@@ -185,20 +191,20 @@ def test_a_fenced_client_can_neither_run_nor_commit_nor_abort() -> None:
     awaiting(m, client=1)
     m.fence_clients(2)
     for call in (
-        lambda: m.begin_run(1, 6, 2, 1, True, []),
-        lambda: m.commit(1, 5, 1, 1),
-        lambda: m.abort(5, 1),
+        lambda: m.begin_run(1, R(6), 2, 1, True, []),
+        lambda: m.commit(1, R(5), 1, 1),
+        lambda: m.abort(R(5), 1),
     ):
         with pytest.raises(Fenced, match="client generation 1"):
             call()
     assert m.phase is Phase.AWAITING_COMMIT
-    assert Do.APPLY_STEP in kinds(m.commit(1, 5, 1, 2))  # the new client decides
+    assert Do.APPLY_STEP in kinds(m.commit(1, R(5), 1, 2))  # the new client decides
 
 
 def test_fencing_wakes_a_run_of_an_older_client() -> None:
     """A run still computing for a fenced client is woken (it can never commit)."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, [])
+    m.begin_run(1, R(5), 1, 1, True, [])
     assert kinds(m.fence_clients(2)) == [Do.WAKE_RUN]
     assert m.fence_clients(2) == []  # no longer the newest: nothing more
 
@@ -206,7 +212,7 @@ def test_fencing_wakes_a_run_of_an_older_client() -> None:
 def test_a_newer_client_raises_the_fence_by_running() -> None:
     """A run of a newer generation fences the older ones."""
     m = machine()
-    m.begin_run(1, 5, 0, 3, False, [])
+    m.begin_run(1, (3 << 40) + 5, 0, 3, False, [])
     assert m.fence == 3
 
 
@@ -219,7 +225,7 @@ def test_an_awaiting_run_asks_for_resolution_when_its_lease_runs_out() -> None:
     m = machine()
     awaiting(m)
     assert m.tick(LEASE - 0.1) == []
-    assert m.tick(LEASE) == [Effect(Do.RESOLVE_RUN, run=5, step=1)]
+    assert m.tick(LEASE) == [Effect(Do.RESOLVE_RUN, run=R(5), step=1)]
     assert m.tick(LEASE + 1.0) == []
     assert kinds(m.tick(LEASE + 2.0)) == [Do.RESOLVE_RUN]
 
@@ -241,11 +247,11 @@ def test_an_unprepared_freeze_ends_by_its_lease() -> None:
     m = machine()
     m.freeze(2, lease_s=5.0, now=0.0)
     with pytest.raises(Rebalancing):
-        m.begin_run(1, 5, 1, 1, True, [])
+        m.begin_run(1, R(5), 1, 1, True, [])
     assert m.tick(4.9) == []
     assert m.tick(5.0) == [Effect(Do.DROP_STAGED, epoch=2)]
     assert m.frozen is None
-    m.begin_run(1, 5, 1, 1, True, [])
+    m.begin_run(1, R(5), 1, 1, True, [])
 
 
 def test_a_prepared_freeze_asks_for_the_outcome_when_its_lease_runs_out() -> None:
@@ -275,11 +281,11 @@ def test_an_epoch_change_freezes_prepares_and_commits() -> None:
 def test_a_freeze_needs_a_step_boundary_and_a_newer_epoch() -> None:
     """Freezing mid-run, or for an epoch not newer, is refused."""
     m = machine()
-    m.begin_run(1, 5, 1, 1, True, [])
+    m.begin_run(1, R(5), 1, 1, True, [])
     with pytest.raises(NotReady, match="not at a step boundary"):
         m.freeze(2, 60.0, now=0.0)
-    m.abort(5, 1)
-    m.fail_run(5)
+    m.abort(R(5), 1)
+    m.fail_run(R(5))
     with pytest.raises(InvalidRequest, match="epoch 1"):
         m.freeze(1, 60.0, now=0.0)
 
@@ -308,15 +314,15 @@ def test_a_rollback_epoch_resets_the_step_and_snapshots_it() -> None:
     later snapshots and snapshots the restored step."""
     m = machine(snapshot_every=2)
     for step, run in ((1, 5), (2, 6), (3, 7)):
-        awaiting(m, run=run, step=step)
-        m.commit(1, run, step, 1)
+        awaiting(m, run=R(run), step=step)
+        m.commit(1, R(run), step, 1)
     m.freeze(2, 60.0, now=0.0)
     m.prepared(2, 2, now=0.0, lease_s=60.0, rollback=True)
     effects = m.commit_epoch(2)
     assert kinds(effects) == [Do.INSTALL_STAGED, Do.RESET_RUNS, Do.PRUNE_SNAPSHOTS, Do.SNAPSHOT]
     assert effects[2] == Effect(Do.PRUNE_SNAPSHOTS, step=2)
     assert m.committed_step == 2
-    m.begin_run(2, 9, 3, 1, True, [])
+    m.begin_run(2, R(9), 3, 1, True, [])
 
 
 def test_preempt_ends_the_active_run_for_a_recovery() -> None:
@@ -324,7 +330,7 @@ def test_preempt_ends_the_active_run_for_a_recovery() -> None:
     m = machine()
     awaiting(m)
     assert kinds(m.preempt()) == [Do.DISCARD_GRADS, Do.CLOSE_RUNS]
-    m.begin_run(1, 6, 1, 1, True, [])
+    m.begin_run(1, R(6), 1, 1, True, [])
     assert kinds(m.preempt()) == [Do.WAKE_RUN]
 
 
@@ -333,8 +339,8 @@ def test_snapshots_come_every_snapshot_every_steps() -> None:
     m = machine(snapshot_every=2)
     snapped = []
     for step in range(1, 6):
-        awaiting(m, run=10 + step, step=step)
-        snapped += [e.step for e in m.commit(1, 10 + step, step, 1) if e.do is Do.SNAPSHOT]
+        awaiting(m, run=R(10 + step), step=step)
+        snapped += [e.step for e in m.commit(1, R(10 + step), step, 1) if e.do is Do.SNAPSHOT]
     assert snapped == [2, 4]
 
 
@@ -385,7 +391,7 @@ def test_random_event_sequences_keep_the_protocol_invariants(
         run = m.active_run
         try:
             if name.startswith("begin"):
-                run = next(runs)
+                run = R(next(runs))
                 prev = []
                 if name != "begin" and m.phase is Phase.AWAITING_COMMIT:
                     prev = [Decision(m.active_run, m.active_step, name == "begin_prev_commit")]
@@ -438,3 +444,17 @@ def test_random_event_sequences_keep_the_protocol_invariants(
             assert m.phase is Phase.IDLE, "a frozen stage is running"
         if m.phase is Phase.AWAITING_COMMIT:
             assert m.lease_until < float("inf")
+
+
+def test_run_ids_belong_to_their_client_and_stay_near_the_fence() -> None:
+    """A run id carries its client's generation: a run of another client's generation is
+    refused, and data of a generation far past the fence cannot close future runs."""
+    m = machine()
+    with pytest.raises(InvalidRequest, match="not the caller's 1"):
+        m.begin_run(1, (2 << 40) + 5, 1, 1, True, [])
+    with pytest.raises(InvalidRequest, match="not the caller's 1"):
+        m.abort(2**64 - 1, 1)
+    m.check_run((16 << 40) + 3)  # a newer client's data may arrive first
+    with pytest.raises(InvalidRequest, match="more than 16 past"):
+        m.check_run((17 << 40) + 3)
+    assert m.closed_below == 0

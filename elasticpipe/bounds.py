@@ -1,0 +1,88 @@
+"""Every number a request may carry, bounded before it is used.
+
+A request field outside its bound is refused with ``INVALID_ARGUMENT`` naming the field,
+the value and the bound, before anything is allocated or changed. The bounds:
+
+==========================================  ==========================================
+field                                       bound
+==========================================  ==========================================
+RunStep micro_batches                       1 .. 4096
+RunStep / step timeouts (timeout_s)         (0, 3600] seconds
+RunStep previous (decisions carried)        at most 16
+run ids (RunStep, data, AbortStep)          generation (run >> 40) of the calling
+                                            client, at most 16 generations past the
+                                            stage's fence for data arriving first
+epochs (Freeze, Assign)                     at most 1,000,000 past the stage's epoch
+slowdown factor (stage and admin)           [1, 1000]
+Profile repeats                             1 .. 100
+lease_s (freeze, prepare, client lease)     (0, 3600] seconds
+wait_s, timeout_s of coordinator calls      [0, 600] seconds (long polls: [0, 60])
+SetupJob num_stages                         0 .. 4096
+JobSpec micro_batches / snapshot_every      1 .. 4096 / 0 .. 1,000,000
+names, addresses, reasons                   at most 256 characters (reasons: 500)
+SetPartition boundaries / stage ids         at most 65,537 / 4,096 entries
+ReportFailure suspects                      at most 4,096
+tensor shapes                               at most 32 dimensions
+==========================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sized
+
+from elasticpipe.errors import InvalidRequest
+
+RUN_ID_BITS = 40  # a run id is (client generation << 40) + n
+MAX_MICRO_BATCHES = 4096
+MAX_TIMEOUT_S = 3600.0
+MAX_WAIT_S = 600.0
+MAX_LONG_POLL_S = 60.0
+MAX_DECISIONS = 16
+MAX_GENERATIONS_AHEAD = 16
+MAX_EPOCHS_AHEAD = 1_000_000
+MAX_SLOWDOWN = 1000.0
+MAX_STAGES = 4096
+MAX_LAYERS = 65_536
+MAX_NAME = 256
+MAX_REASON = 500
+MAX_DIMS = 32
+
+
+def number(value: float, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``value`` if ``lo <= value <= hi`` (``lo < value`` with ``lo_open``), finite.
+
+    Raises:
+        InvalidRequest: naming the field, the value and the bound.
+    """
+    low_ok = value > lo if lo_open else value >= lo
+    if not (math.isfinite(value) and low_ok and value <= hi):
+        bracket = "(" if lo_open else "["
+        raise InvalidRequest(f"{what} must be in {bracket}{lo:g}, {hi:g}] (got {value})")
+    return value
+
+
+def count(items: Sized, what: str, most: int) -> None:
+    """Checks that a repeated field holds at most ``most`` entries.
+
+    Raises:
+        InvalidRequest: naming the field, its length and the bound.
+    """
+    if len(items) > most:
+        raise InvalidRequest(f"{what} holds {len(items)} entries (at most {most})")
+
+
+def text(value: str, what: str, most: int = MAX_NAME) -> str:
+    """Checks a string's length.
+
+    Raises:
+        InvalidRequest: naming the field, its length and the bound.
+    """
+    if len(value) > most:
+        raise InvalidRequest(f"{what} is {len(value)} characters long (at most {most})")
+    return value
+
+
+def generation(run: int) -> int:
+    """The client generation a run id belongs to."""
+    return run >> RUN_ID_BITS
