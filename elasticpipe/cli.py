@@ -18,6 +18,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
+# gRPC's core logs every failed TLS handshake at INFO on stderr: one line per port scan or
+# misconfigured client, which would let anyone flood a server's log. Errors only, unless
+# the operator asks for more. Set before gRPC is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import LEVELS, configure_logging, get_logger
 from elasticpipe.tls import TLS
