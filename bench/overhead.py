@@ -47,6 +47,7 @@ thread and prints where each thread spent them; the table never comes from a pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -180,6 +181,7 @@ def run_plain(
 
 def make_pipeline(cluster: LocalCluster, stages: int) -> Pipeline:
     return Pipeline(
+        tls=cluster.client_tls,
         coordinator=cluster.coordinator,
         model="mlp",
         model_kwargs=MODEL_KWARGS,
@@ -237,6 +239,56 @@ def run_pipeline(
                         pipe.train_step(*data[k % len(data)])
                 report = sampler.report(profile_steps)
     return result, report
+
+
+@dataclass
+class TlsPair:
+    """The same 2-stage training on a plaintext and a mutual-TLS cluster, alternated."""
+
+    plain_ms: list[float] = field(default_factory=list)  # mean step time per round
+    tls_ms: list[float] = field(default_factory=list)
+    losses: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
+
+    @property
+    def overheads(self) -> list[float]:
+        """Per round: how much slower a step is with mTLS (a fraction)."""
+        return [t / p - 1.0 for p, t in zip(self.plain_ms, self.tls_ms, strict=True)]
+
+    @property
+    def median_overhead(self) -> float:
+        return statistics.median(self.overheads)
+
+
+def run_tls_pair(data: Batches, warmup: int, steps: int, rounds: int) -> TlsPair:
+    """Both clusters up at once; each round times ``steps // rounds`` steps on one, then on
+    the other (the order alternating), so that the machine's load drifts into both alike.
+    The ratio per round is what counts; the median over rounds is reported."""
+    torch.set_num_threads(1)
+    pair = TlsPair()
+    per_round = max(1, steps // rounds)
+    with contextlib.ExitStack() as stack:
+        clusters = [
+            stack.enter_context(LocalCluster(stages=2, coordinator_args=COORDINATOR_ARGS, tls=t))
+            for t in (False, True)
+        ]
+        pipes = [stack.enter_context(make_pipeline(c, 2)) for c in clusters]
+        for k in range(warmup):
+            for pipe, losses in zip(pipes, pair.losses, strict=True):
+                losses.append(pipe.train_step(*data[k % len(data)]))
+        k = warmup
+        for r in range(rounds):
+            times: list[float] = [0.0, 0.0]
+            order = (0, 1) if r % 2 == 0 else (1, 0)
+            for which in order:
+                for j in range(per_round):
+                    x, y = data[(k + j) % len(data)]
+                    started = time.perf_counter()
+                    pair.losses[which].append(pipes[which].train_step(x, y))
+                    times[which] += time.perf_counter() - started
+            k += per_round
+            pair.plain_ms.append(1000.0 * times[0] / per_round)
+            pair.tls_ms.append(1000.0 * times[1] / per_round)
+    return pair
 
 
 class Sampler:
@@ -379,6 +431,13 @@ def main() -> int:
         metavar="STEPS",
         help="then profile STEPS (default 10) untimed 2-stage steps on the client",
     )
+    parser.add_argument(
+        "--tls-rounds",
+        type=int,
+        default=5,
+        metavar="N",
+        help="rounds of the plaintext vs mutual-TLS comparison (0: skip it)",
+    )
     args = parser.parse_args()
     preset = QUICK if args.quick else FULL
     steps = args.steps if args.steps is not None else preset["steps"]
@@ -407,6 +466,7 @@ def main() -> int:
     two, profile = run_pipeline(
         "(c)", "Pipeline, 2 stage servers (1F1B)", 2, data, warmup, steps, args.profile
     )
+    tls_pair = run_tls_pair(data, warmup, steps, args.tls_rounds) if args.tls_rounds else None
     load_after = os.getloadavg()
 
     print_table([plain, plain2, plain_mb, one, two], [plain, plain2, plain_mb])
@@ -471,6 +531,17 @@ def main() -> int:
         "(> ~0.5 before means other processes shared the 2 cores); "
         f"bench took {time.perf_counter() - bench_started:.0f} s"
     )
+    if tls_pair is not None:
+        rounds = ", ".join(
+            f"{p:.1f}/{t:.1f}" for p, t in zip(tls_pair.plain_ms, tls_pair.tls_ms, strict=True)
+        )
+        same = tls_pair.losses[0] == tls_pair.losses[1]
+        print(
+            f"(d) mutual TLS vs plaintext, 2 stage servers, both clusters up, alternated in "
+            f"{len(tls_pair.plain_ms)} rounds: ms/step plain/mTLS per round {rounds}; "
+            f"median overhead {100 * tls_pair.median_overhead:+.1f}% (goal <= +10%); "
+            f"losses identical: {same}"
+        )
     if profile:
         print(f"\nclient-side sampling profile of {args.profile} untimed 2-stage steps:\n{profile}")
 
@@ -487,6 +558,9 @@ def main() -> int:
         "losses_agree": agree,
         "steps": steps,
     }
+    if tls_pair is not None:
+        figures["mtls_overhead_median"] = round(tls_pair.median_overhead, 4)
+        figures["mtls_overhead_rounds"] = [round(o, 4) for o in tls_pair.overheads]
     print(json.dumps(figures))
     return 0
 

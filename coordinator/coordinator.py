@@ -154,6 +154,7 @@ class Coordinator:
         member = self.cluster.members.by_id(stage_id)
         if member is None:
             raise NotReady(f"unknown stage id {stage_id!r}")
+        self.cluster.members.mark_leaving(stage_id)
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -48,6 +48,7 @@ class Member:
     snapshots: list[stage_pb2.SnapshotHolding] = field(default_factory=list)
     dead_reason: str = ""
     dead_at: float = 0.0  # unix time it was declared dead
+    leaving: bool = False  # drained because its process is shutting down, not by an operator
 
 
 class Membership:
@@ -76,7 +77,9 @@ class Membership:
         """
         with self._lock:
             older = [m for m in self._members.values() if m.row.name == name and not m.row.dead]
-            drained = any(m.row.drained for m in older)
+            # An operator's drain outlives the process; a stage's own leave (SIGTERM on a
+            # rolling restart) does not: its next incarnation rejoins the chain.
+            drained = any(m.row.drained and not m.leaving for m in older)
             row = StageRow(
                 stage_id=f"st-{uuid.uuid4().hex[:8]}",
                 name=name,
@@ -167,6 +170,14 @@ class Membership:
             member = self._members[stage_id]
             member.row = replace(member.row, drained=drained)
             self._store.set_stage(stage_id, drained=drained)
+
+    def mark_leaving(self, stage_id: str) -> None:
+        """Notes that an incarnation drains itself to shut down (its successor will not
+        inherit the drain)."""
+        with self._lock:
+            member = self._members.get(stage_id)
+            if member is not None:
+                member.leaving = True
 
     def forget(self, stage_id: str) -> None:
         """Removes a dead incarnation from membership (and from status)."""

@@ -66,12 +66,16 @@ class CoordinatorServicer:
             heartbeat_interval_s=self.c.heartbeat_interval_s,
         )
 
+    def _check_stage(self, stage_id: str) -> None:
+        """With TLS, a stage speaks only for the incarnations of its own name."""
+        member = self.c.members.by_id(stage_id)
+        if member is not None:
+            authz.check_name(member.row.name, "speak for")
+
     def Heartbeat(
         self, req: coordinator_pb2.HeartbeatRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
-        member = self.c.members.by_id(req.stage_id)
-        if member is not None:
-            authz.check_name(member.row.name)
+        self._check_stage(req.stage_id)
         timings = {
             t.layer: (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in req.timings
         }
@@ -93,6 +97,7 @@ class CoordinatorServicer:
     def ResolveRun(
         self, req: coordinator_pb2.ResolveRunRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.ResolveRunResponse:
+        self._check_stage(req.stage_id)
         return coordinator_pb2.ResolveRunResponse(
             decision=self.c.jobs.resolve_run(req.stage_id, req.run, req.step)
         )
@@ -107,6 +112,7 @@ class CoordinatorServicer:
     def Leave(
         self, req: coordinator_pb2.LeaveRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RebalanceResponse:
+        self._check_stage(req.stage_id)
         return _outcome(self.c.leave(req.stage_id, _bounded(req.timeout_s, "timeout_s")))
 
     # ---- clients ---------------------------------------------------------------------

@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     from elasticpipe.client.pipeline import Pipeline, StepStats
     from elasticpipe.cluster import LocalCluster
     from elasticpipe.partition import Partition
+    from elasticpipe.tls import TLS
 
-__all__ = ["LocalCluster", "Partition", "Pipeline", "StepStats"]
+__all__ = ["TLS", "LocalCluster", "Partition", "Pipeline", "StepStats"]
 __version__ = "0.1.0"
 
 
@@ -22,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from elasticpipe.client import pipeline
 
         return getattr(pipeline, name)
+    if name == "TLS":
+        from elasticpipe.tls import TLS
+
+        return TLS
     if name == "Partition":
         from elasticpipe.partition import Partition
 

@@ -153,8 +153,9 @@ def authorize(method: str, context: grpc.ServicerContext) -> tuple[str, str]:
     return identity
 
 
-def check_name(claimed: str) -> None:
-    """With TLS, a stage registers only under its certificate's name.
+def check_name(claimed: str, act: str = "register as") -> None:
+    """With TLS, a stage registers (and heartbeats, leaves...) only under its
+    certificate's name.
 
     Raises:
         PermissionDenied: the caller's certificate names someone else.
@@ -162,5 +163,5 @@ def check_name(claimed: str) -> None:
     identity = caller()
     if identity is not None and identity[0] != claimed:
         raise PermissionDenied(
-            f"a stage with the certificate of {identity[0]!r} cannot register as {claimed!r}"
+            f"a stage with the certificate of {identity[0]!r} cannot {act} {claimed!r}"
         )

@@ -199,7 +199,18 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Help that keeps the epilog's layout and shows every default."""
+    """Help that keeps the epilog's layout and shows every default worth showing (not
+    for required options, flags, empty values, or help that already names its default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            action.required
+            or action.default in (None, "", [], False, argparse.SUPPRESS)
+            or "default" in text
+        ):
+            return text
+        return super()._get_help_string(action)
 
 
 def _admin_options(defaults: bool) -> argparse.ArgumentParser:
@@ -329,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
     st.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    st.add_argument("--name", default="", help="stable name of this host (default: stage-PID)")
+    st.add_argument("--name", default=None, help="stable name of this host (default: stage-PID)")
     st.add_argument(
         "--allow-models",
         nargs="*",

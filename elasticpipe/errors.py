@@ -171,4 +171,24 @@ def from_status(code: grpc.StatusCode, details: str, reason: str = "") -> Elasti
     kind = BY_REASON.get(reason)
     if kind is not None and kind.code == code:
         return kind(details)
-    return _BY_CODE.get(code, ElasticPipeError)(details)
+    return _BY_CODE.get(code, ElasticPipeError)(details + _tls_hint(details))
+
+
+_TLS_HINTS = {
+    "Hostname Verification Check failed": (
+        "the server's certificate does not name the address dialled: issue it with "
+        "'elasticpipe certs issue DIR --name NAME --role ROLE --host HOST' for the address "
+        "it advertises"
+    ),
+    "CERTIFICATE_VERIFY_FAILED": "the peer's certificate is not signed by this cluster's CA "
+    "(check --tls-ca)",
+    "BAD_SIGNATURE": "the peer's certificate is not signed by this cluster's CA (check --tls-ca)",
+}
+
+
+def _tls_hint(details: str) -> str:
+    """What to do about a TLS handshake failure gRPC reports in ``details``."""
+    for needle, hint in _TLS_HINTS.items():
+        if needle in details:
+            return f" ({hint})"
+    return ""

@@ -16,10 +16,12 @@ import ipaddress
 import socket
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from elasticpipe import rpc
 from elasticpipe.errors import InvalidRequest
@@ -76,10 +78,12 @@ def is_loopback(host: str) -> bool:
 
 
 def primary_address(ipv6: bool = False) -> str:
-    """This host's address on its default route (what other hosts reach it at).
+    """This host's address for other hosts: the source address of its default route or,
+    without one, its only non-loopback interface address.
 
     Raises:
-        InvalidRequest: only loopback was found; ``--advertise`` must say.
+        InvalidRequest: no such address, or several with no default route to choose;
+            ``--advertise`` must say.
     """
     family = socket.AF_INET6 if ipv6 else socket.AF_INET
     probe = ("fd00::1", 9) if ipv6 else ("10.255.255.255", 9)
@@ -87,19 +91,54 @@ def primary_address(ipv6: bool = False) -> str:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(probe)  # UDP: sends nothing, only picks the route's source address
             found = str(s.getsockname()[0])
+        if not is_loopback(found):
+            return found
     except OSError:
-        found = ""
-    if not found or is_loopback(found):
+        pass
+    candidates = interface_addresses(ipv6)
+    if len(candidates) == 1:
+        return candidates[0]
+    why = f"several addresses {', '.join(candidates)}" if candidates else "only loopback"
+    raise InvalidRequest(
+        f"cannot tell this host's address for its peers ({why}): pass --advertise HOST:PORT"
+    )
+
+
+def interface_addresses(ipv6: bool = False) -> list[str]:
+    """The non-loopback, non-link-local addresses of this host's interfaces (Linux)."""
+    found: list[str] = []
+    if ipv6:
         try:
-            found = socket.gethostbyname(socket.gethostname())
+            lines = Path("/proc/net/if_inet6").read_text().split("\n")
         except OSError:
-            found = ""
-    if not found or is_loopback(found) or found in WILDCARDS:
-        raise InvalidRequest(
-            "cannot tell this host's address for its peers (only loopback found): "
-            "pass --advertise HOST:PORT"
-        )
-    return found
+            return found
+        for line in lines:
+            if line.strip():
+                raw = line.split()[0]
+                found.append(str(ipaddress.IPv6Address(bytes.fromhex(raw))))
+    else:
+        for _, name in socket.if_nameindex():
+            address = _ipv4_of(name)
+            if address:
+                found.append(address)
+    return [
+        a
+        for a in found
+        if not (ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_link_local)
+    ]
+
+
+def _ipv4_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface`` (SIOCGIFADDR), or None if it has none."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            reply = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(reply[20:24])
 
 
 def advertised(listen: str, port: int, advertise: str | None) -> str:
@@ -148,6 +187,15 @@ def start_server(
         rpc.add_service(server, descriptor, servicer, authorize=tls is not None)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # Reflection: grpcurl and other generic tools list and call the services unaided.
+    reflection.enable_server_reflection(
+        [
+            *(descriptor.full_name for descriptor, _ in services),
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
     try:
         port = (
             server.add_secure_port(listen, tls.server_credentials())

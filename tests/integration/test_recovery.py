@@ -194,6 +194,11 @@ def test_sigterm_moves_a_stage_off_before_it_exits(cluster: LocalCluster) -> Non
         leaving = [r for r in history(cluster) if "leaving" in r.reason]
         assert leaving and leaving[-1].kind == "move"
     _revive(cluster, name)
+    # a process's own leave is not an operator's drain: its restart is usable again
+    newest = max(
+        (s for s in cluster.status().stages if s.name == name), key=lambda s: s.incarnation
+    )
+    assert newest.state != "drained", newest
 
 
 # ---- the training script killed ----------------------------------------------------------

@@ -158,6 +158,19 @@ def test_a_stage_can_register_only_under_its_certificates_name(cluster: LocalClu
             coordinator_pb2.RegisterRequest(name="stage-1", address="127.0.0.1:1", device="cpu"),
             timeout=10,
         )
+    stage1 = next(s for s in cluster.status().stages if s.name == "stage-1" and s.alive)
+    for method, request in (
+        ("Heartbeat", coordinator_pb2.HeartbeatRequest(stage_id=stage1.stage_id)),
+        ("Leave", coordinator_pb2.LeaveRequest(stage_id=stage1.stage_id, timeout_s=1)),
+        ("ResolveRun", coordinator_pb2.ResolveRunRequest(stage_id=stage1.stage_id, run=1)),
+    ):
+        with pytest.raises(PermissionDenied, match="'stage-0' cannot speak for 'stage-1'"):
+            rpc.call(
+                cluster.coordinator,
+                getattr(_coordinator(cluster, stage0), method),
+                request,
+                timeout=10,
+            )
 
 
 def test_the_admin_cli_speaks_tls(cluster: LocalCluster) -> None:
@@ -209,3 +222,25 @@ def test_plaintext_beyond_loopback_is_refused_unless_insecure() -> None:
     finally:
         started.kill()
         started.wait(10)
+
+
+def test_reflection_lists_the_services_to_any_cluster_member(cluster: LocalCluster) -> None:
+    """grpcurl-style tools see every service through reflection (any role of the cluster;
+    nobody without a certificate)."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    for address, want in (
+        (cluster.coordinator, "elasticpipe.v1.CoordinatorService"),
+        (cluster.stage_addresses[0], "elasticpipe.v1.StageService"),
+    ):
+        db = ProtoReflectionDescriptorDatabase(rpc.channel(address, cluster.tls_of("r", "stage")))
+        services = set(db.get_services())
+        assert {want, "grpc.health.v1.Health"} <= services, services
+        method = DescriptorPool(db).FindServiceByName(want).methods[0]
+        assert method.input_type.full_name.startswith("elasticpipe.v1.")
+    with pytest.raises(grpc.RpcError) as refused:
+        ProtoReflectionDescriptorDatabase(rpc.channel(cluster.coordinator, None)).get_services()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]

@@ -127,6 +127,18 @@ def test_drained_persists_across_restart_and_incarnations(store: Store, clock: F
     assert not Membership(store, clock=clock).by_id(again).row.drained  # type: ignore[union-attr]
 
 
+def test_a_stage_leaving_on_its_own_does_not_drain_its_successor(
+    members: Membership,
+) -> None:
+    """SIGTERM drains a stage so it can exit; its restart (a rolling update) rejoins."""
+    sid, _ = members.register("host-a", "a:1", "cpu")
+    members.mark_leaving(sid)
+    members.set_drained(sid, True)
+    again, older = members.register("host-a", "a:1", "cpu")
+    assert [m.row.stage_id for m in older] == [sid]
+    assert not members.by_id(again).row.drained  # type: ignore[union-attr]
+
+
 def test_forget_removes_an_incarnation(store: Store, clock: FakeClock) -> None:
     """A forgotten incarnation is gone from membership, also after a restart."""
     members = Membership(store, clock=clock)
