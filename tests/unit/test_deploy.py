@@ -280,6 +280,12 @@ def parser_with_pending_flags(env: dict[str, str]) -> argparse.ArgumentParser:
     """The real parser, built under ``env`` (its defaults read it), plus PENDING_FLAGS."""
     with mock.patch.dict(os.environ, env, clear=True):
         parser = build_parser()
+    # Exact flag names only: `--stat` for `--state` would parse (argparse takes unambiguous
+    # prefixes), until a new flag makes it ambiguous.
+    for sub in [parser, *_subcommands(parser).values()]:
+        sub.allow_abbrev = False
+    for sub in _subcommands(_subcommands(parser)["admin"]).values():
+        sub.allow_abbrev = False
     for flag, (commands, kwargs) in PENDING_FLAGS.items():
         for command in commands:
             for target, nested in _pending_targets(parser, command):
@@ -297,7 +303,9 @@ def parse(invocation: Invocation) -> argparse.Namespace:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
             return parser.parse_args(invocation.argv)
     except SystemExit:
-        pytest.fail(f"{invocation} does not parse: {stderr.getvalue().strip()}")
+        pass
+    error = stderr.getvalue().strip().splitlines()[-1]
+    pytest.fail(f"{invocation}\ndoes not parse: {error}", pytrace=False)
 
 
 def _by_command(invocations: list[Invocation], command: str) -> list[Invocation]:
@@ -581,7 +589,8 @@ def compose_schema(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 pass
         except (urllib.error.URLError, OSError) as exc:
             pytest.skip(f"the package index {index} cannot be reached ({exc}): {COMPOSE_WHEEL}")
-        pytest.fail(f"pip download {COMPOSE_WHEEL} failed: {done.stderr.strip()[-2000:]}")
+        said = [line for line in done.stderr.splitlines() if "is ignored" not in line]
+        pytest.fail(f"pip download {COMPOSE_WHEEL} failed:\n" + "\n".join(said[-20:]))
     (wheel,) = folder.glob("docker_compose-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         schema: dict[str, Any] = json.loads(archive.read(COMPOSE_SCHEMA_MEMBER))
