@@ -33,6 +33,9 @@ ENV PYTHONUNBUFFERED=1 \
 
 # Python for bases that lack it (the CUDA images). A virtual environment keeps the project
 # apart from the distribution's own Python packages (and from PEP 668's refusal to mix them).
+# Unpinned on purpose: the distribution's versions differ from base to base, and pip only
+# has to be recent enough for today's wheels.
+# hadolint ignore=DL3008,DL3013
 RUN set -eux; \
     if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then \
         apt-get update; \
@@ -45,6 +48,7 @@ RUN set -eux; \
     pip install --upgrade pip
 
 # torch first, in a layer of its own: it is by far the largest and changes least often.
+# hadolint ignore=DL3013
 RUN set -eux; \
     index="$TORCH_INDEX_URL"; \
     if [ -z "$index" ]; then \
