@@ -9,7 +9,9 @@
 # Then `docker run --rm elasticpipe coordinator --listen 0.0.0.0:7100 ...`; see docs/deploy.md.
 
 # Any Debian/Ubuntu image: a Python image is used as it is, any other (such as NVIDIA's
-# CUDA runtime images) gets Python from its distribution below.
+# CUDA runtime images) gets Python from its distribution below. torch's CUDA wheels bring
+# their own CUDA libraries; the CUDA base adds the settings (NVIDIA_VISIBLE_DEVICES, ...)
+# that the NVIDIA container runtime reads to hand the GPUs to the container.
 ARG BASE=python:3.11-slim
 
 FROM ${BASE}

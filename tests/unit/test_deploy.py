@@ -651,8 +651,7 @@ def test_compose_admin_client_reaches_the_coordinator() -> None:
 
 
 def _dockerfile(**build_args: str) -> DockerfileParser:
-    parser = DockerfileParser(fileobj=io.BytesIO(DOCKERFILE.read_bytes()), build_args=build_args)
-    return parser
+    return DockerfileParser(fileobj=io.BytesIO(DOCKERFILE.read_bytes()), build_args=build_args)
 
 
 def _instructions(parser: DockerfileParser, name: str) -> list[str]:
