@@ -43,7 +43,7 @@ from collections.abc import Iterable
 import grpc
 
 from elasticpipe.errors import PermissionDenied
-from elasticpipe.tls import identity_of
+from elasticpipe.tls import identity_of, name_matches
 
 CLIENT, STAGE, COORDINATOR, ADMIN = "client", "stage", "coordinator", "admin"
 
@@ -161,7 +161,7 @@ def check_name(claimed: str, act: str = "register as") -> None:
         PermissionDenied: the caller's certificate names someone else.
     """
     identity = caller()
-    if identity is not None and identity[0] != claimed:
+    if identity is not None and not name_matches(identity[0], claimed):
         raise PermissionDenied(
             f"a stage with the certificate of {identity[0]!r} cannot {act} {claimed!r}"
         )

@@ -157,7 +157,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     if args.certs_command == "init":
         print(f"created {tls.init_ca(args.dir)} and its key (keep ca.key secret)")
     else:
-        cert, key = tls.issue(args.dir, args.name, args.role, tuple(args.host))
+        cert, key = tls.issue(args.dir, args.name, args.role, tuple(args.host), args.out)
         print(f"issued {cert} and {key} for {args.name!r} (role {args.role})")
     return 0
 
@@ -409,18 +409,30 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=Formatter,
     )
     cs.add_argument("dir", help="folder holding ca.pem and ca.key")
-    cs.add_argument("--name", required=True, help="the party's name (a stage: its --name)")
+    cs.add_argument(
+        "--name",
+        required=True,
+        help="the party's name (a stage: its --name); 'prefix*' makes one certificate for "
+        "every stage whose name starts with prefix (a StatefulSet's pods)",
+    )
     cs.add_argument(
         "--role",
         required=True,
         choices=["coordinator", "stage", "client", "admin"],
-        help="what the party may call (see the role table in the README)",
+        help="what the party may call (see the role table in docs/security.md)",
     )
     cs.add_argument(
         "--host",
         action="append",
         default=[],
-        help="a DNS name or IP address the party serves at (repeatable; loopback is always in)",
+        help="a DNS name or IP address the party serves at (repeatable; loopback is always "
+        "in; '*.svc.example' covers every name one level below)",
+    )
+    cs.add_argument(
+        "--out",
+        default="",
+        metavar="FILE_NAME",
+        help="base name of the files written (default: the --name); needed for a family",
     )
     ce.set_defaults(func=cmd_certs)
 

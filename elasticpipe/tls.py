@@ -105,6 +105,14 @@ class TLS:
         return cls(cert, key, ca)
 
 
+def name_matches(certified: str, claimed: str) -> bool:
+    """Whether a certificate's name covers a claimed stage name: the same, or for a
+    family (``prefix*``) any name with that prefix."""
+    if certified.endswith("*"):
+        return claimed.startswith(certified[:-1]) and len(claimed) > len(certified) - 1
+    return certified == claimed
+
+
 def identity_of(pem: bytes) -> tuple[str, str]:
     """(name, role) of a PEM certificate (common name, organizational unit)."""
     cert = x509.load_pem_x509_certificate(pem)
@@ -175,12 +183,16 @@ def issue(
     name: str,
     role: str,
     hosts: tuple[str, ...] = (),
+    file_name: str = "",
 ) -> tuple[Path, Path]:
-    """Issues ``folder/NAME.pem`` and ``folder/NAME.key`` signed by the folder's CA.
+    """Issues ``folder/FILE_NAME.pem`` and ``folder/FILE_NAME.key`` signed by the folder's CA.
 
     Args:
         folder: where ``ca.pem`` and ``ca.key`` are.
-        name: the party's name (a stage's ``--name``: the coordinator binds them).
+        name: the party's name (a stage's ``--name``: the coordinator binds them). A name
+            ending in ``*`` is a family: one certificate shared by the stages whose names
+            start with the rest (a StatefulSet's ``stage-0``, ``stage-1``...).
+        file_name: the files' base name (default: ``name``; required for a family).
         role: coordinator, stage, client or admin.
         hosts: DNS names and IP addresses the party is reached at (servers); loopback
             is always included.
@@ -190,8 +202,11 @@ def issue(
     """
     if role not in ROLES:
         raise InvalidRequest(f"unknown role {role!r} (choose from {', '.join(ROLES)})")
-    if not name or any(c in name for c in "/\\\0") or name in ("ca",):
-        raise InvalidRequest(f"bad certificate name {name!r}")
+    if not name or any(c in name for c in "/\\\0") or name in ("ca",) or "*" in name[:-1]:
+        raise InvalidRequest(f"bad certificate name {name!r} ('*' only at the end)")
+    out_name = file_name or name
+    if "*" in out_name or any(c in out_name for c in "/\\\0") or out_name == "ca":
+        raise InvalidRequest(f"bad file name {out_name!r}: give --out NAME for a family")
     out = Path(folder)
     try:
         ca_cert = x509.load_pem_x509_certificate((out / "ca.pem").read_bytes())
@@ -234,7 +249,7 @@ def issue(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    key_path, cert_path = out / f"{name}.key", out / f"{name}.pem"
+    key_path, cert_path = out / f"{out_name}.key", out / f"{out_name}.pem"
     _write(key_path, _key_pem(key), private=True)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
     return cert_path, key_path

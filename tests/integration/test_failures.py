@@ -108,7 +108,7 @@ def test_a_job_without_snapshots_fails_clearly_when_a_stage_dies_mid_step() -> N
 
             with rpc.channel(cluster.coordinator) as channel:  # long steps: the kill lands in one
                 coordinator_pb2_grpc.CoordinatorServiceStub(channel).Slowdown(
-                    coordinator_pb2.AdminSlowdownRequest(stage=name, factor=2000.0), timeout=10
+                    coordinator_pb2.AdminSlowdownRequest(stage=name, factor=1000.0), timeout=10
                 )
 
             def train() -> None:
@@ -119,7 +119,7 @@ def test_a_job_without_snapshots_fails_clearly_when_a_stage_dies_mid_step() -> N
 
             worker = threading.Thread(target=train)
             worker.start()
-            time.sleep(1.0)
+            time.sleep(0.5)
             killed_at = time.monotonic()
             cluster.kill(name)
             worker.join(timeout=30)

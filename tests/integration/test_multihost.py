@@ -5,7 +5,8 @@ Nothing is on loopback: a stage that registered or dialled 127.0.0.1 would reach
 The stages listen on 0.0.0.0 (all on the same port, which only separate hosts allow) and
 advertise their namespace's address three ways: ``--advertise`` given; not given, with a
 default route; not given, without one (the only interface address). Every connection is
-mutual TLS, the certificates naming each host's IP. The client trains, moves every
+mutual TLS, the certificates naming each host's IP (one of them a family certificate,
+``host-*``, as the pods of a StatefulSet share). The client trains, moves every
 layer to another host mid-run, and must equal single-process training.
 """
 
@@ -137,8 +138,10 @@ def test_training_across_namespaced_hosts_with_a_live_migration(
     certs = tmp_path / "certs"
     tls.init_ca(certs)
     tls.issue(certs, "coordinator", "coordinator", hosts=(COORDINATOR_IP,))
-    for i, address in enumerate(STAGE_IPS):
+    for i, address in enumerate(STAGE_IPS[:2]):
         tls.issue(certs, f"host-{i}", "stage", hosts=(address,))
+    # the third stage holds a family certificate, as a StatefulSet's pods share one
+    tls.issue(certs, "host-*", "stage", hosts=(STAGE_IPS[2],), file_name="host-2")
     tls.issue(certs, "client", "client")
     tls.issue(certs, "admin", "admin")
 
