@@ -13,7 +13,7 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -72,6 +72,11 @@ def _ranges(boundaries: list[int]) -> str:
     return ",".join(f"{a}:{b}" for a, b in itertools.pairwise(boundaries))
 
 
+def _width(cells: Iterable[str], minimum: int) -> int:
+    """A column's width: the longest cell plus a two-space gutter, at least ``minimum``."""
+    return max([minimum, *(len(c) + 2 for c in cells)])
+
+
 def _ago(unix: float) -> str:
     return "never" if unix <= 0 else f"{time.time() - unix:.1f}s ago"
 
@@ -119,15 +124,17 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
     ]
     if s.job_failure:
         lines.append(f"JOB FAILED: {s.job_failure}")
+    nw = _width((st.name for st in s.stages), 14)  # long names and addresses widen
+    aw = _width((st.address for st in s.stages), 22)  # their columns, never overrun them
     lines += [
         "",
-        f"{'name':<14}{'state':<9}{'inc':>4}  {'address':<22}{'device':<8}{'speed':>7}"
+        f"{'name':<{nw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}{'speed':>7}"
         f"{'slow':>6}{'layers':>9}{'step':>7}  heartbeat",
     ]
     for st in s.stages:
         layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
         lines.append(
-            f"{st.name:<14}{st.state:<9}{st.incarnation:>4}  {st.address:<22}{st.device:<8}"
+            f"{st.name:<{nw}}{st.state:<9}{st.incarnation:>4}  {st.address:<{aw}}{st.device:<8}"
             f"{st.speed:>7.3f}{st.slowdown:>6.1f}{layers:>9}{st.committed_step:>7}  "
             f"{_ago(st.last_heartbeat_unix)}"
         )
@@ -152,10 +159,11 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
     current = list(p.current.boundaries)
     optimal = list(p.optimal_boundaries)
     names = list(p.stage_names) or [str(s) for s in range(len(p.stage_speeds))]
-    lines = [f"{'stage':<14}{'speed':>8}{'current':>12}{'optimal':>12}"]
+    nw = _width(names, 14)
+    lines = [f"{'stage':<{nw}}{'speed':>8}{'current':>12}{'optimal':>12}"]
     for s, (name, speed) in enumerate(zip(names, p.stage_speeds, strict=False)):
         lines.append(
-            f"{name:<14}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
+            f"{name:<{nw}}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
             f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
         )
     gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
