@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from collections.abc import Iterator
 
@@ -58,6 +59,9 @@ def test_scraped_metrics_match_training_and_a_live_migration(cluster: LocalClust
     """Steps, epoch, layer ranges, bytes between neighbours, the migration and the members
     scraped from every endpoint equal what the test did and what the pipeline reports."""
     assert set(cluster.metrics_ports) == {"coordinator", *(f"stage-{i}" for i in range(STAGES))}
+    for name, port in cluster.metrics_ports.items():  # each process logs the port it bound
+        log = (cluster.log_dir / f"{name}.log").read_text()
+        assert re.search(rf"metrics_serving.*port={port}\b", log), name
     g = torch.Generator().manual_seed(3)
     with Pipeline(
         coordinator=cluster.coordinator,
@@ -146,6 +150,11 @@ def test_failed_calls_are_counted_by_method_and_code(cluster: LocalCluster) -> N
             rpc.call(
                 address, stub.RunStep, stage_pb2.RunStepRequest(micro_batches=0, timeout_s=5), 10
             )
+        with pytest.raises(grpc.RpcError) as streamed:  # a server-streaming method
+            list(stub.ExportLayers(stage_pb2.ExportLayersRequest(layers=[99]), timeout=10))
+        with pytest.raises(grpc.RpcError) as empty:  # a client-streaming one
+            stub.Forward(iter(()), timeout=10)
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         bogus = channel.unary_unary("/elasticpipe.v1.StageService/NoSuchMethod")
         with pytest.raises(grpc.RpcError) as unimplemented:
             bogus(b"", timeout=10)
@@ -161,6 +170,8 @@ def test_failed_calls_are_counted_by_method_and_code(cluster: LocalCluster) -> N
 
     assert delta("StageService/RunStep", "INVALID_ARGUMENT") == 1
     assert delta("unknown", "UNIMPLEMENTED") == 1
+    assert delta("StageService/ExportLayers", streamed.value.code().name) == 1
+    assert delta("StageService/Forward", "INVALID_ARGUMENT") == 1
 
     coordinator_before = scrape(cluster.metrics_url("coordinator"))
     with rpc.channel(cluster.coordinator) as channel:
