@@ -149,6 +149,7 @@ class Rebalancer:
         return replace(
             decision,
             move=False,
+            outcome="unconfirmed",
             reason=f"{decision.reason}; waiting to confirm at step {step + 1}",
         )
 
@@ -162,6 +163,7 @@ class Rebalancer:
             "proposed_step_s": round(decision.proposed_step_s, 4),
             "bytes_to_move": decision.bytes_to_move,
         }
+        self.c.metrics.decided(decision.outcome, decision.current_step_s)
         # The same kind of decision (its numbers aside) once at info, then at debug.
         kind = re.sub(r"[0-9.]+", "#", decision.reason)
         if decision.move:

@@ -39,6 +39,7 @@ class StepResult:
     peak_stashed_bytes: int = 0
     compute_s: float = 0.0
     wall_s: float = 0.0
+    op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, compute)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             y, stash = ctx.layers.forward(
                 x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i
             )
-            result.compute_s += time.perf_counter() - t0
+            result.op_seconds.append(("forward", time.perf_counter() - t0))
+            result.compute_s += result.op_seconds[-1][1]
             if last and ctx.train:
                 loss_grads[i], losses[i] = _loss(ctx, y, i, ctx.deadline)
             elif last:
@@ -120,7 +122,8 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             grad = loss_grads.pop(i) if last else mailbox.take(run, Slot.GRAD, i, ctx.deadline)
             t0 = time.perf_counter()
             grad_in = ctx.layers.backward(stashes.pop(i), grad.to(ctx.device), micro_batch=i)
-            result.compute_s += time.perf_counter() - t0
+            result.op_seconds.append(("backward", time.perf_counter() - t0))
+            result.compute_s += result.op_seconds[-1][1]
             if not first and grad_in is not None:
                 ctx.links[placement.prev].put(
                     Outgoing("Backward", placement.epoch, run, ctx.step, i, grad_in.detach())

@@ -32,8 +32,10 @@ class Link:
         on_failure: Callable[[int, ElasticPipeError], None],
         timeout: float,
         tls: TLS | None = None,
+        on_sent: Callable[[str, int], None] | None = None,
     ):
         self.address = address
+        self._on_sent = on_sent  # (peer, tensor bytes) of each delivered send: metrics
         self._channel = rpc.channel(address, tls)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._on_failure = on_failure
@@ -65,6 +67,8 @@ class Link:
         while (msg := self._queue.get()) is not None:
             try:
                 send(self._stub, self.address, msg, self._timeout)
+                if self._on_sent is not None:
+                    self._on_sent(self.address, msg.tensor.numel() * msg.tensor.element_size())
             except ElasticPipeError as exc:
                 log.warning(
                     "send_failed",
