@@ -111,7 +111,9 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
         f"job: {job}   model: {s.job_model or '-'}   layers: {s.num_layers}   "
         f"epoch: {s.partition.epoch}   step: {s.committed_step}   "
         f"partition: {_ranges(list(s.partition.boundaries)) or '-'}   "
-        f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}",
+        f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}   "
+        f"efficiency: "
+        + (f"{s.efficiency:.0%} (step {s.efficiency_step})" if s.efficiency_step else "-"),
         f"client: {s.client or 'none (the job is free)'}"
         + (
             f"   factory: {s.factory_file} sha256 {s.factory_sha256[:12]}" if s.factory_file else ""

@@ -46,6 +46,7 @@ from elasticpipe.stage_server.snapshots import (
     check_copy,
     check_layers,
 )
+from elasticpipe.stage_server.tracing import Tracer
 from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2
 
@@ -119,6 +120,7 @@ class Stage:
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
+        self.tracer = Tracer()
         self.stage_id = ""  # this incarnation's id, once registered
         self.job: JobConfig | None = None
         self.slice: LayerSlice | None = None
@@ -282,7 +284,11 @@ class Stage:
         for address in wanted:
             if address not in self._links:
                 self._links[address] = Link(
-                    address, self._fail_run, self.config.send_timeout_s, self.config.tls
+                    address,
+                    self._fail_run,
+                    self.config.send_timeout_s,
+                    self.config.tls,
+                    self.tracer,
                 )
 
     def _fail_run(self, run: int, error: ElasticPipeError) -> None:
@@ -361,6 +367,7 @@ class Stage:
                 step=step,
                 train=train,
                 deadline=time.monotonic() + timeout,
+                tracer=self.tracer,
             )
         self.faults.point("run_started")
         placement = ctx.placement
