@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.schedule import OpKind, stage_ops
+from elasticpipe.schedule import Op, OpKind, stage_ops
 from elasticpipe.v1 import stage_pb2
 
 
@@ -67,10 +67,25 @@ def ideal_step_time(
     if m == 0:
         raise InvalidRequest("no micro-batch durations reported")
     ops = [stage_ops(schedule, stages, s, m) for s in range(stages)]
+    return critical_path(ops, forward_s, backward_s)
+
+
+def critical_path(
+    ops: Sequence[Sequence[Op]],
+    forward_s: Sequence[Sequence[float]],
+    backward_s: Sequence[Sequence[float]],
+) -> float:
+    """The makespan of running ``ops[s]`` in order on each stage s, every op as soon as
+    its stage is free and its input exists, taking ``forward_s[s][m]`` (``backward_s``).
+
+    Raises:
+        InvalidRequest: op lists that deadlock (an op waits for one that never runs).
+    """
+    stages = len(ops)
     done: dict[tuple[OpKind, int, int], float] = {}  # (kind, stage, micro-batch) -> end
     free = [0.0] * stages
     next_op = [0] * stages
-    remaining = stages * 2 * m
+    remaining = sum(len(o) for o in ops)
     while remaining:
         progressed = False
         for s in range(stages):
@@ -91,9 +106,10 @@ def ideal_step_time(
                 next_op[s] += 1
                 remaining -= 1
                 progressed = True
-        if not progressed:  # the schedules are deadlock-free: this is a bug, not bad input
-            raise AssertionError(f"schedule {schedule!r} deadlocked at ops {next_op}")
-    return max(free)
+        if not progressed:
+            stuck = [str(ops[s][next_op[s]]) for s in range(stages) if next_op[s] < len(ops[s])]
+            raise InvalidRequest(f"the op lists deadlock: stages wait at {stuck}")
+    return max(free, default=0.0)
 
 
 def efficiency(ideal_s: float, measured_s: float) -> float:
