@@ -52,7 +52,7 @@ def draw(
     origin = min(t.local(s)[0] for t, s in boxes)
     end_ms = max((t.local(s)[1] - origin) / 1e6 for t, s in boxes)
     rows = len(traces)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.7 * rows), dpi=100)
+    fig, ax = plt.subplots(figsize=(12, 1.5 + 0.7 * rows), dpi=100)
     for t, s in boxes:
         start, end = t.local(s)
         x, w = (start - origin) / 1e6, (end - start) / 1e6
@@ -89,9 +89,11 @@ def draw(
             Patch(facecolor=BACKWARD_COLOUR, label="backward"),
             Patch(facecolor="white", edgecolor="grey", label="bubble"),
         ],
-        loc="upper right",
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
         fontsize=8,
         ncol=3,
+        frameon=False,
     )
     heading = title
     if figures:

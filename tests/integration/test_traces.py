@@ -122,7 +122,7 @@ def test_trace_of_a_1f1b_step_has_every_op_in_dependency_order(
     assert len(sends) == 2 * MICRO_BATCHES * (STAGES - 1)  # activations and gradients
 
     width, height = _png_size(png)
-    assert (width, height) == (1200, 100 + 70 * STAGES)
+    assert (width, height) == (1200, 150 + 70 * STAGES)
     assert png.stat().st_size > 10_000
 
     summary = _admin(

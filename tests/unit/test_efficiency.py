@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticpipe.efficiency import efficiency, ideal_step_time
+from elasticpipe.efficiency import critical_path, efficiency, ideal_step_time
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.schedule import Op, OpKind
 
 
 def _equal(stages: int, m: int, f: float, b: float) -> tuple[list[list[float]], list[list[float]]]:
@@ -78,3 +79,13 @@ def test_efficiency_is_the_ratio_capped_at_one() -> None:
     assert efficiency(3.0, 4.0) == pytest.approx(0.75)
     assert efficiency(3.0, 0.0) == 0.0
     assert efficiency(4.0, 3.999) == 1.0
+
+
+def test_op_lists_that_deadlock_are_refused() -> None:
+    """A stage whose backward comes before the forward its peer needs names the stuck ops."""
+    ops = [
+        [Op(OpKind.BACKWARD, 0), Op(OpKind.FORWARD, 0)],
+        [Op(OpKind.FORWARD, 0), Op(OpKind.BACKWARD, 0)],
+    ]
+    with pytest.raises(InvalidRequest, match=r"stages wait at \['B0', 'F0'\]"):
+        critical_path(ops, [[1.0], [1.0]], [[1.0], [1.0]])
