@@ -141,6 +141,7 @@ class Jobs:
         client = client or self.c.store.next_client()
         with self._lock:
             self._lease = Lease(job_id, client, holder, lease_s, time.monotonic() + lease_s)
+            self.efficiency = (0, 0.0)  # the new holder reports its own
             self.c.store.put(
                 "lease", {"job_id": job_id, "client": client, "holder": holder, "lease_s": lease_s}
             )
@@ -165,7 +166,7 @@ class Jobs:
                     log.info("client_released", job=job_id, client=lease.holder)
                 else:
                     lease.expires = time.monotonic() + lease.lease_s
-                    if efficiency[0]:  # only the holder reports: a new job starts over
+                    if efficiency[0]:
                         self.efficiency = efficiency
         return held, self.safe_step()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 import torch
 
@@ -22,6 +23,47 @@ from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 STAGES, MICRO_BATCHES = 4, 4
 TOLERANCE_US = 2000.0  # clock-offset error: half a loopback round trip, generously
+
+
+_NUMBER = {"type": "number"}
+SUMMARY_SCHEMA = {
+    "type": "object",
+    "required": ["stages", "steps", "out", "png"],
+    "properties": {
+        "stages": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "name", "address", "layers", "spans", "truncated"],
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "name": {"type": "string"},
+                    "address": {"type": "string"},
+                    "layers": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+                    "spans": {"type": "integer", "minimum": 0},
+                    "truncated": {"type": "boolean"},
+                    "clock_offset_ms": _NUMBER,
+                    "clock_rtt_ms": {"type": "number", "minimum": 0},
+                },
+            },
+        },
+        "steps": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["step", "ideal_s", "measured_s", "efficiency"],
+                "properties": {
+                    "step": {"type": "integer", "minimum": 1},
+                    "ideal_s": {"type": "number", "exclusiveMinimum": 0},
+                    "measured_s": {"type": "number", "exclusiveMinimum": 0},
+                    "efficiency": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                },
+            },
+        },
+        "out": {"type": "string"},
+        "png": {"type": "string"},
+    },
+}
 
 
 def _admin(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
@@ -130,6 +172,7 @@ def test_trace_of_a_1f1b_step_has_every_op_in_dependency_order(
     )
     assert summary.returncode == 0, summary.stderr
     doc = json.loads(summary.stdout)
+    jsonschema.validate(doc, SUMMARY_SCHEMA)
     assert [s["index"] for s in doc["stages"]] == list(range(STAGES))
     assert [f["step"] for f in doc["steps"]] == [2]
     assert 0 < doc["steps"][0]["efficiency"] <= 1
