@@ -201,3 +201,38 @@ def test_trace_without_a_job_says_so(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "start a job before tracing it" in result.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_migration_shows_as_freeze_prepare_and_commit_on_every_stage(
+    cluster4: LocalCluster, tmp_path: Path
+) -> None:
+    """After a set-partition between two steps, every stage's trace holds the optimizer
+    commits and the freeze, prepare and commit of the new epoch, on its control track."""
+    with Pipeline(
+        coordinator=cluster4.coordinator,
+        model="mlp",
+        model_kwargs={"sizes": [16, 32, 32, 32, 32, 32, 32, 32, 4]},
+        micro_batches=2,
+        stages=STAGES,
+    ) as pipe:
+        pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+        epoch = pipe.partition.epoch
+        moved = _admin(cluster4, "set-partition", "0:1,1:2,2:3,3:15")
+        assert moved.returncode == 0, moved.stderr
+        pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+        assert pipe.partition.epoch == epoch + 1
+        out = tmp_path / "t.json"
+        traced = _admin(cluster4, "trace", "--steps", "2", "--out", str(out))
+        assert traced.returncode == 0, traced.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    for pid in range(STAGES):
+        control = [e for e in events if e.get("ph") == "X" and e["pid"] == pid and e["tid"] == 2]
+        names = [e["name"] for e in sorted(control, key=lambda e: e["ts"])]
+        assert names == ["commit", "freeze", "prepare epoch", "commit epoch", "commit"], (
+            pid,
+            names,
+        )
+        assert {e["args"]["epoch"] for e in control if e["name"] != "commit"} == {epoch + 1}
+        layers = {e["args"]["layers"] for e in events if e.get("cat") == "F" and e["pid"] == pid}
+        assert len(layers) == 2, layers  # each stage's slice changed between the steps
