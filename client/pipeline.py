@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import codec, models, rpc
+from elasticpipe import codec, efficiency, models, rpc
 from elasticpipe.client import driver
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -107,6 +107,10 @@ class StepStats:
         attempts: runs it took (more than 1 after a rebalance or a failure).
         replayed: earlier steps replayed first, after a recovery.
         stages: per stage, in chain order.
+        ideal_s: the step's critical path with free communication: the schedule's ops,
+            each taking the time it was measured to take (``elasticpipe.efficiency``).
+        efficiency: ``ideal_s`` over the measured step time (the longest stage's run), in
+            (0, 1]; what is missing to 1 is bubbles and overheads the op times do not force.
         reports: the raw reports (protobufs), for tools.
     """
 
@@ -116,6 +120,8 @@ class StepStats:
     attempts: int = 0
     replayed: int = 0
     stages: tuple[StageStep, ...] = ()
+    ideal_s: float = 0.0
+    efficiency: float = 0.0
     reports: tuple[stage_pb2.StepReport, ...] = field(default=(), repr=False)
 
     def __str__(self) -> str:
@@ -125,7 +131,8 @@ class StepStats:
         extra += f", {self.replayed} replayed" if self.replayed else ""
         return (
             f"step {self.step}: loss {self.loss:.4f} in {self.seconds * 1e3:.0f} ms{extra}; "
-            f"compute {compute} ms, waiting {wait} ms per stage"
+            f"compute {compute} ms, waiting {wait} ms per stage; "
+            f"pipeline efficiency {self.efficiency:.0%}"
         )
 
 
@@ -403,7 +410,12 @@ class Pipeline:
             try:
                 reply = self._coordinator_call(
                     "RenewLease",
-                    coordinator_pb2.LeaseRequest(job_id=partition.job_id, client=self._client),
+                    coordinator_pb2.LeaseRequest(
+                        job_id=partition.job_id,
+                        client=self._client,
+                        last_step=self.last_step.step,
+                        efficiency=self.last_step.efficiency,
+                    ),
                     timeout=interval,
                 )
             except ElasticPipeError as exc:
@@ -678,6 +690,7 @@ class Pipeline:
             del self._replay[old]
         reports = self._last_reports
         assert self._partition is not None
+        ideal_s, step_efficiency = efficiency.step_efficiency(self._job.schedule, reports)
         self.last_step = StepStats(
             step=target,
             loss=loss,
@@ -694,6 +707,8 @@ class Pipeline:
                 )
                 for address, r in zip(self._partition.addresses, reports, strict=False)
             ),
+            ideal_s=ideal_s,
+            efficiency=step_efficiency,
             reports=tuple(reports),
         )
         return loss

@@ -47,6 +47,7 @@ from elasticpipe.stage_server.snapshots import (
     check_copy,
     check_layers,
 )
+from elasticpipe.stage_server.tracing import Tracer
 from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2
 
@@ -121,6 +122,7 @@ class Stage:
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
+        self.tracer = Tracer()
         self.stage_id = ""  # this incarnation's id, once registered
         self.job: JobConfig | None = None
         self.slice: LayerSlice | None = None
@@ -290,6 +292,7 @@ class Stage:
                     self.config.send_timeout_s,
                     self.config.tls,
                     self.metrics.sent,
+                    self.tracer,
                 )
 
     def _fail_run(self, run: int, error: ElasticPipeError) -> None:
@@ -371,6 +374,7 @@ class Stage:
                 step=step,
                 train=train,
                 deadline=time.monotonic() + timeout,
+                tracer=self.tracer,
             )
         self.faults.point("run_started")
         placement = ctx.placement
