@@ -79,9 +79,9 @@ def torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
 
 
 def _unknown(what: str, name: str, known: Sequence[str]) -> InvalidRequest:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    if not close:  # case slips ("rmsprop" for "RMSprop")
-        close = [k for k in known if k.lower() == name.lower()][:1]
+    # Case slips first ("rmsprop" for "RMSprop"), then typos.
+    close = [k for k in known if k.lower() == name.lower()][:1]
+    close = close or difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return InvalidRequest(
         f"unknown {what} {name!r}: {hint}choose from {sorted(known)} or give "
@@ -171,7 +171,8 @@ def check_optimizer_name(name: str) -> None:
     if name in torch_optimizers():
         return
     if not allowlist.is_path(name):
-        raise _unknown("optimizer", name, [*OPTIMIZERS, *torch_optimizers()])
+        usable = [n for n in torch_optimizers() if n not in REFUSED_OPTIMIZERS]
+        raise _unknown("optimizer", name, [*OPTIMIZERS, *usable])
     allowlist.parse(name, "optimizer")
 
 
