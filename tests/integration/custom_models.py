@@ -65,3 +65,8 @@ class GlobalNormSGD(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.add_(p.grad / norm, alpha=-group["lr"])
+
+
+def no_optimizer(params: Any, lr: float = 0.1) -> list[Any]:
+    """Takes an optimizer's arguments but returns no optimizer (refused)."""
+    return list(params)
