@@ -4,6 +4,7 @@ the stages' allow-list."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,8 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import InvalidRequest, PermissionDenied
 from elasticpipe.training import reference_step
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from tests.integration.scenario import FAST, arm
 
 ALLOWED = "tests.integration.custom_models"
 DROPOUT = f"{ALLOWED}:dropout"
@@ -22,14 +24,14 @@ STEPS = 4
 ADAM = {"lr": 1e-2}
 
 
+STAGE_ARGS = ["--allow-models", ALLOWED, "--enable-fault-injection", "--commit-lease", "5"]
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    """Three stage processes that allow only the custom_models module; moves on request."""
-    with LocalCluster(
-        stages=3,
-        stage_args=["--allow-models", ALLOWED],
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
-    ) as c:
+    """Four stage processes (jobs use 2 or 3; the others are spares) that allow only the
+    custom_models module and accept injected faults; moves on request."""
+    with LocalCluster(stages=4, stage_args=STAGE_ARGS, coordinator_args=FAST) as c:
         yield c
 
 
@@ -85,9 +87,9 @@ def _assert_same(
 def test_dropout_trains_the_same_on_2_stages_on_3_with_a_migration_and_locally(
     cluster: LocalCluster,
 ) -> None:
-    """A model with dropout 0.1: 2 stages, 3 stages with a live migration after step 2, and
-    LocalPipeline give the same losses and weights; another seed gives other ones (dropout
-    is really drawing)."""
+    """A model with dropout 0.1: 2 stages, 3 stages with a live migration after step 2 (step
+    3 retried on the new partition), and LocalPipeline give the same losses and weights, bit
+    for bit; another seed gives other ones (dropout is really drawing)."""
     reference = _local()
     other_seed = _local(seed=6)
     assert other_seed[0][0] != reference[0][0]
@@ -104,6 +106,8 @@ def test_dropout_trains_the_same_on_2_stages_on_3_with_a_migration_and_locally(
             losses = []
             for step, (x, y) in enumerate(_batches(), start=1):
                 losses.append(pipe.train_step(x, y))
+                if stages == 3 and step == 3:  # the first try ran on the old epoch
+                    assert pipe.last_step.attempts > 1, pipe.last_step
                 if stages == 3 and step == 2:
                     assert list(pipe.partition.boundaries) != [0, 1, 5, 7]
                     _set_partition(cluster, [0, 1, 5, 7])
@@ -214,3 +218,34 @@ def test_optimizers_that_are_not_per_parameter_are_refused(cluster: LocalCluster
         pytest.raises(InvalidRequest, match=f"'{custom}' is not per-parameter"),
     ):
         bad.train_step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+
+
+@pytest.mark.timeout(180)
+def test_dropout_replayed_after_a_stage_is_killed_is_the_same(cluster: LocalCluster) -> None:
+    """A stage SIGKILLed between RunStep and CommitStep of step 4: the spare takes over from
+    the snapshot of step 2, the client replays steps 3 and 4 (same logical steps, so the
+    same masks), and losses and weights equal LocalPipeline's bit for bit."""
+    reference = _local()
+    with Pipeline(
+        coordinator=cluster.coordinator, model=DROPOUT, seed=5, optimizer="adam",
+        optimizer_kwargs=ADAM, micro_batches=3, stages=3, snapshot_every=2, lease_s=3.0,
+    ) as pipe:  # fmt: skip
+        losses, replayed = [], 0
+        for step, (x, y) in enumerate(_batches(), start=1):
+            if step == STEPS:
+                victim = cluster.name_of(pipe.partition.addresses[1])
+                arm(pipe.partition.addresses[1], stage_pb2.PAUSE_AT, "awaiting_commit")
+                killer = threading.Thread(target=_kill_when_paused, args=(cluster, victim))
+                killer.start()
+            losses.append(pipe.train_step(x, y))
+            replayed += pipe.last_step.replayed
+        killer.join(timeout=60)
+        assert replayed >= 1, "nothing was replayed: the kill did not happen"
+        assert victim not in {cluster.name_of(a) for a in pipe.partition.addresses}
+        _assert_same((losses, pipe.state_dict()), reference, "after a replay")
+    cluster.add_stage(victim, STAGE_ARGS)
+
+
+def _kill_when_paused(cluster: LocalCluster, name: str) -> None:
+    cluster.wait_for_log(name, "paused_at", timeout=60)
+    cluster.kill(name)
