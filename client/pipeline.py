@@ -174,8 +174,11 @@ class Pipeline:
             model: built-in name ("mlp", "gpt", "cnn") or "package.module:function".
             model_kwargs: JSON-able arguments of the model factory.
             seed: layer i's initial weights depend only on (seed, i).
-            optimizer: "sgd", "adam" or "adamw"; ``optimizer_kwargs`` its arguments.
-            loss: "cross_entropy" or "mse" (mean over the mini-batch).
+            optimizer: "sgd", "adam", "adamw", a ``torch.optim`` class by name ("RMSprop"),
+                or "package.module:name" allowed by the stages (per-parameter optimizers
+                only: see docs/training.md); ``optimizer_kwargs`` its arguments.
+            loss: "cross_entropy", "mse" or "package.module:function" allowed by the stages
+                (mean over the mini-batch).
             micro_batches: micro-batches per mini-batch (fewer if the batch is smaller).
             schedule: "1f1b" (bounded activation memory) or "gpipe".
             stages: how many stages to use (default: every live stage); more live stages

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, UserCodeError
+from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
 from elasticpipe.stage_server.layers import LayerSlice, Stash
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
-from elasticpipe.training import loss_fn
+from elasticpipe.training import scaled_loss
 from elasticpipe.transport import Outgoing
 
 FLUSH_SLICE_S = 0.1
@@ -65,21 +65,15 @@ def _loss(
     ctx: RunContext, y: torch.Tensor, micro_batch: int, target: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, float]:
     """The scaled loss of one micro-batch and the gradient of the slice's output."""
-    name = ctx.layers.job.loss
-    out = y.detach().requires_grad_(True)
-    try:
-        loss = loss_fn(name)(out, target.to(ctx.device)) * scale
-        torch.autograd.backward(loss)
-    except ElasticPipeError:
-        raise
-    except Exception as exc:  # the user's targets (or loss) may fail in any way
-        raise UserCodeError(
-            f"loss {name!r} failed on micro-batch {micro_batch} with output "
-            f"{list(y.shape)} and target {list(target.shape)} "
-            f"({str(target.dtype).removeprefix('torch.')}): {type(exc).__name__}: {exc}"
-        ) from exc
-    assert out.grad is not None
-    return out.grad, float(loss.detach())
+    layers = ctx.layers
+    return scaled_loss(
+        layers.job.loss,
+        layers.loss,
+        y,
+        target.to(ctx.device),
+        scale,
+        f"on micro-batch {micro_batch}",
+    )
 
 
 def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
@@ -114,7 +108,7 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
             y, stash = ctx.layers.forward(
-                x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i
+                x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i, step=ctx.step
             )
             result.compute_s += (now() - t0) / 1e9
             if target is not None:

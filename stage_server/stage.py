@@ -49,6 +49,7 @@ from elasticpipe.stage_server.snapshots import (
 )
 from elasticpipe.stage_server.tracing import Tracer
 from elasticpipe.tls import TLS
+from elasticpipe.training import check_job
 from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
@@ -214,8 +215,9 @@ class Stage:
 
     def describe(self, job: JobConfig) -> tuple[int, list[int], str, str]:
         """Number of layers and bytes of each, and the factory's module file and hash,
-        checking the model is allowed here."""
+        checking the model, loss and optimizer are allowed here."""
         num_layers, sizes = models.describe(job.model, job.model_kwargs, self.config.allow_models)
+        check_job(job.loss, job.optimizer, job.optimizer_kwargs, self.config.allow_models)
         path, digest = models.factory_source(job.model, self.config.allow_models)
         return num_layers, sizes, path, digest
 
