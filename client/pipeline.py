@@ -166,6 +166,7 @@ class Pipeline:
         recovery_timeout: float = 300.0,
         lease_s: float = 15.0,
         tls: TLS | None = None,
+        precision: str = "fp32",
     ):
         """Describes the job; nothing is contacted until first use.
 
@@ -198,6 +199,9 @@ class Pipeline:
                 renewing its lease (it renews every ``lease_s / 3`` seconds).
             tls: this client's certificate, key and the cluster's CA (role ``client``);
                 default: ``ELASTICPIPE_TLS_CERT/KEY/CA`` if set, else plaintext.
+            precision: "fp32", or "bf16": every layer's forward under ``torch.autocast``
+                (bfloat16) on its stage's device, float32 master weights, optimizer state
+                and loss (see docs/training.md).
 
         Raises:
             InvalidRequest: an argument that no stage would accept (checked here).
@@ -212,6 +216,7 @@ class Pipeline:
             micro_batches=micro_batches,
             schedule=schedule,
             snapshot_every=snapshot_every,
+            precision=precision,
         )
         models.check_name(model)
         check_optimizer(optimizer, self._job.optimizer_kwargs)

@@ -115,6 +115,17 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return _serve_until_signalled(server, args.ready_file)
 
 
+def _memory_size(text: str) -> int:
+    """``--memory``'s type: a byte count with an optional unit (argparse reports the error)."""
+    from elasticpipe.capacity import parse_bytes
+    from elasticpipe.errors import InvalidRequest
+
+    try:
+        return parse_bytes(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     """Runs a stage server until SIGTERM/SIGINT."""
     import torch
@@ -140,6 +151,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         advertise=args.advertise,
         metrics_port=args.metrics_port,
+        memory_bytes=args.memory,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
     return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
@@ -378,6 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
         "sharing a host do not see each other's load) or wall time (auto on CUDA)",
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
+    st.add_argument(
+        "--memory",
+        type=_memory_size,
+        default=0,
+        metavar="BYTES",
+        help="memory this stage offers its job, e.g. 512M, 2G (default: CPU MemAvailable "
+        "less 10%%; CUDA free memory less 10%% of the device); the coordinator never "
+        "places more layers here than fit",
+    )
     st.add_argument(
         "--drain-timeout",
         type=float,

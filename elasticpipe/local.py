@@ -55,6 +55,7 @@ class LocalPipeline:
         schedule: str = "1f1b",
         device: str | torch.device = "cpu",
         allow: Sequence[str] = (),
+        precision: str = "fp32",
     ):
         """Builds the model and its per-layer optimizers.
 
@@ -67,6 +68,7 @@ class LocalPipeline:
             device: where the layers live.
             allow: module prefixes allowed for ``"package.module:name"`` factories,
                 losses and optimizers (what ``--allow-models`` is to a stage).
+            precision: as for ``Pipeline`` ("fp32" or "bf16").
 
         Raises:
             InvalidRequest: an argument that ``Pipeline``'s stages would refuse.
@@ -86,6 +88,7 @@ class LocalPipeline:
             loss=loss,
             micro_batches=micro_batches,
             schedule=schedule,
+            precision=precision,
         )
         self.allow = tuple(allow)
         check_job(loss, optimizer, self._job.optimizer_kwargs, self.allow)

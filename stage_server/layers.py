@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticpipe import models, rng
+from elasticpipe import models, precision, rng
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
 from elasticpipe.training import loss_fn, make_optimizer
@@ -33,6 +33,8 @@ class LayerTiming:
     backward_s: float = 0.0
     output_bytes: int = 0
     samples: int = 0
+    stash_bytes: int = 0  # profiling only (see profiling.py)
+    state_bytes: int = 0  # profiling only
 
     def observe(self, forward_s: float | None, backward_s: float | None, out: int) -> None:
         """Folds one measurement in (EWMA; the first sample is taken as is)."""
@@ -216,7 +218,7 @@ class LayerSlice:
         self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
     ) -> torch.Tensor:
         try:
-            y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)
+            y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync)
         except ElasticPipeError:
             raise
         except Exception as exc:  # the user's code may raise anything: report it as theirs
@@ -225,6 +227,11 @@ class LayerSlice:
             raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
         self.timings[i].observe(seconds, None, y.numel() * y.element_size())
         return y
+
+    def _call(self, layer: nn.Module, x: torch.Tensor) -> Any:
+        """One layer's forward, under the job's autocast (``precision.py``)."""
+        with precision.autocast(self.device, self.job.precision):
+            return layer(x)
 
     def backward(
         self, stash: Stash, grad: torch.Tensor | None, micro_batch: int = -1

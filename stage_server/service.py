@@ -35,6 +35,8 @@ def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTim
             backward_s=t.backward_s,
             output_bytes=t.output_bytes,
             samples=t.samples,
+            stash_bytes=t.stash_bytes,
+            state_bytes=t.state_bytes,
         )
         for i, t in sorted(timings.items())
     ]

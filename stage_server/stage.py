@@ -9,7 +9,6 @@ coordinator whatever a lease that ran out leaves undecided.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, codec, models, rpc
+from elasticpipe import bounds, capacity, codec, models, rpc
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -38,6 +37,7 @@ from elasticpipe.stage_server.faults import Fault, Faults
 from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
+from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
 from elasticpipe.stage_server.snapshots import (
     Capture,
@@ -81,6 +81,7 @@ class StageConfig:
     insecure: bool = False  # plaintext beyond loopback, on a trusted network
     advertise: str = ""  # the address peers use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
+    memory_bytes: int = 0  # what this stage offers its job (0: measure, see capacity.detect)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Stage:
         self.config = config
         self.device = torch.device(config.device)
         self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device))
+        self.memory_bytes = capacity.detect(self.device, config.memory_bytes)
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
@@ -252,30 +254,11 @@ class Stage:
         return LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
 
     def profile(self, job: JobConfig, sample: torch.Tensor, repeats: int) -> list[LayerTiming]:
-        """Times forward and backward of every layer of the whole model on this device.
-
-        One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
-        """
-        model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
-        probe = self._new_slice(job)
-        probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
-        runs: list[dict[int, LayerTiming]] = []
-        for _ in range(max(1, repeats) + 1):
-            probe.timings = {i: LayerTiming() for i in probe.layers}
-            out, stash = probe.forward(sample.to(self.device), train=True, input_grad=False)
-            assert stash is not None
-            probe.backward(stash, torch.ones_like(out) if out.requires_grad else None)
-            runs.append(probe.timings)
-        measured = runs[1:]
-        return [
-            LayerTiming(
-                forward_s=statistics.median(r[i].forward_s for r in measured),
-                backward_s=statistics.median(r[i].backward_s for r in measured),
-                output_bytes=measured[-1][i].output_bytes,
-                samples=len(measured),
-            )
-            for i in sorted(probe.layers)
-        ]
+        """Times forward and backward of every layer of the whole model on this device, one
+        layer resident at a time (``profiling.profile_layers``), with its memory needs."""
+        return profile_layers(
+            job, sample, self.device, self.slowdown, self.config.allow_models, repeats
+        )
 
     def _set_placement(self, placement: Placement) -> None:
         self.placement = placement
