@@ -256,6 +256,7 @@ class CoordinatorServicer:
             slowdown=m.slowdown,
             state=state,
             incarnation=m.row.incarnation,
+            memory_bytes=m.memory_bytes,
         )
 
     def Status(

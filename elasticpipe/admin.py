@@ -36,6 +36,7 @@ columns of the stage table:
   speed   measured speed relative to the job's profile: 1.0 is the slowest profiled
           stage; 2.0 runs the same layers in half the time (0: not measured yet)
   slow    emulated slowdown factor (admin slowdown; 1 = none)
+  memory  bytes the stage offers its job (--memory, or measured at start; -: unknown)
   layers  the layer range owned, LO:HI (HI excluded)
   step    the last optimizer step the stage committed
 the epoch history lists every partition change of the job: its kind (start, move,
@@ -131,13 +132,14 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
     lines += [
         "",
         f"{'name':<{nw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}{'speed':>7}"
-        f"{'slow':>6}{'layers':>9}{'step':>7}  heartbeat",
+        f"{'slow':>6}{'memory':>8}{'layers':>9}{'step':>7}  heartbeat",
     ]
     for st in s.stages:
         layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
         lines.append(
             f"{st.name:<{nw}}{st.state:<9}{st.incarnation:>4}  {st.address:<{aw}}{st.device:<8}"
-            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{layers:>9}{st.committed_step:>7}  "
+            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{_mem(st.memory_bytes):>8}{layers:>9}"
+            f"{st.committed_step:>7}  "
             f"{_ago(st.last_heartbeat_unix)}"
         )
     if s.history:
@@ -233,6 +235,18 @@ def _undrain(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
 def _forget(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
     reply = stub.Forget(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
     return reply, reply.message
+
+
+def _mem(value: int) -> str:
+    """A byte count in a status column, binary units: ``400K``, ``2.0G``; ``-`` if unknown."""
+    if not value:
+        return "-"
+    size = float(value)
+    for unit in ("B", "K", "M", "G"):
+        if size < 1024:
+            return f"{size:.0f}{unit}" if unit in ("B", "K") else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}T"
 
 
 def _slowdown(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:

@@ -165,6 +165,7 @@ class StageInfo(_message.Message):
     SLOWDOWN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     name: _builtins.str
     address: _builtins.str
@@ -183,6 +184,8 @@ class StageInfo(_message.Message):
     """"chain", "spare", "drained", "dead" """
     incarnation: _builtins.int
     """how many times a stage of this name registered"""
+    memory_bytes: _builtins.int
+    """what it offers its job (0: unknown)"""
     def __init__(
         self,
         *,
@@ -200,10 +203,11 @@ class StageInfo(_message.Message):
         slowdown: _builtins.float = ...,
         state: _builtins.str = ...,
         incarnation: _builtins.int = ...,
+        memory_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "memory_bytes", b"memory_bytes", "name", b"name", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

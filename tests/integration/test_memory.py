@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -50,8 +51,9 @@ def test_small_caps_force_an_uneven_partition_and_training_stays_exact(
     capped: LocalCluster,
 ) -> None:
     """Stage-0's 400K cap leaves it layers 0-1 only (uncapped, it would take about half);
-    training on that partition equals single-process training; a set-partition that would
-    overflow stage-0 is refused naming the shortfall, and changes nothing."""
+    training on that partition equals single-process training; a set-partition or a drain
+    that would overflow stage-0 is refused naming the shortfall and changes nothing; a forced
+    rebalance towards stage-0 (stage-1 made 4x slower) stays within the cap."""
     reference = models.build("mlp", seed=1, sizes=SIZES)
     ref_opt = make_optimizer("sgd", reference.parameters(), SGD)
     g = torch.Generator().manual_seed(0)
@@ -78,6 +80,22 @@ def test_small_caps_force_an_uneven_partition_and_training_stays_exact(
                 assert refused.returncode == 2, refused.stderr
                 assert "stage 'stage-0' would hold layers 0..3" in refused.stderr
                 assert "short by" in refused.stderr and "offers 409600 B" in refused.stderr
+                drained = _admin(capped, "drain", "stage-1")
+                assert drained.returncode == 2, drained.stderr
+                assert "need" in drained.stderr and "stage_memory" in drained.stderr
+                status = capped.status()
+                assert status.partition.epoch == epoch
+                assert {s.name: s.memory_bytes for s in status.stages} == {
+                    "stage-0": 409600,
+                    "stage-1": 2 << 20,
+                }
+                assert {s.state for s in status.stages} == {"chain"}
+                # A 4x slower stage-1 would hand layers to stage-0, but they do not fit.
+                assert _admin(capped, "slowdown", "stage-1", "4").returncode == 0
+            if step == 2:
+                time.sleep(1.5)  # a heartbeat with stage-1's slow timings
+                moved = _admin(capped, "rebalance")
+                assert moved.returncode == 0, moved.stderr
                 assert capped.status().partition.epoch == epoch
                 assert pipe.partition.boundaries == (0, 2, 7)
         state = pipe.state_dict()
