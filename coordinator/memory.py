@@ -20,7 +20,8 @@ A layer ``l`` on a stage needs::
   under-reserves, and keeps the planner exact for what it is given.
 
 A stage offers what it reports (``capacity.detect``: ``--memory``, free CUDA memory less a
-headroom, or the host's available memory); 0 means unknown, and such a stage has no cap.
+headroom, or the host's available memory); 0 means unknown, and such a stage has no cap, nor
+has one that offers more than the whole model needs (it can never overflow).
 """
 
 from __future__ import annotations
@@ -95,10 +96,14 @@ def terms(
     job: JobConfig,
 ) -> MemoryTerms:
     """The planner's memory inputs for stages offering ``capacities`` (chain order)."""
-    if not any(capacities):
+    needs = layer_needs(param_bytes, profile, job, len(capacities))
+    total = math.fsum(needs)
+    # A stage that can hold the whole model is not constrained: no cap, so that stages
+    # differing only in memory they will never fill stay interchangeable to the planner.
+    caps = [float(c) if 0 < c < total else math.inf for c in capacities]
+    if all(math.isinf(c) for c in caps):
         return MemoryTerms()
-    caps = [float(c) if c > 0 else math.inf for c in capacities]
-    return MemoryTerms(layer_needs(param_bytes, profile, job, len(caps)), caps)
+    return MemoryTerms(needs, caps)
 
 
 def check_fits(

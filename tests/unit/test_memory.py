@@ -55,11 +55,14 @@ def test_layer_needs_use_the_profile_when_there_is_one() -> None:
 
 
 def test_terms_without_any_reported_capacity_put_no_cap() -> None:
-    """Stages that report nothing (0) are uncapped; if none reports, no memory terms."""
+    """Stages that report nothing (0) or more than the model needs are uncapped; without
+    any cap there are no memory terms."""
     job = _job()
     assert memory.terms([0, 0], [10, 10], None, job) == memory.MemoryTerms()
-    needs, caps = memory.terms([0, 500], [10, 10], None, job)
-    assert caps == [math.inf, 500.0] and needs == [40.0, 40.0]
+    needs, caps = memory.terms([0, 50], [10, 10], None, job)
+    assert caps == [math.inf, 50.0] and needs == [40.0, 40.0]
+    # A stage that holds the whole model (80 B) is never constrained.
+    assert memory.terms([80, 1 << 40], [10, 10], None, job) == memory.MemoryTerms()
 
 
 def test_caps_force_an_uneven_partition_through_the_planner() -> None:
