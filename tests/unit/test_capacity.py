@@ -54,3 +54,13 @@ def test_detect_prefers_the_operators_memory_on_cpu() -> None:
     measured = capacity.detect(cpu, 0)
     expected = capacity.available_cpu_bytes() * (1 - capacity.CPU_HEADROOM)
     assert measured == pytest.approx(expected, rel=0.2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_detect_on_cuda_leaves_headroom_and_honours_memory() -> None:
+    """On CUDA: free memory less 10% of the device; --memory caps it."""
+    device = torch.device("cuda:0")
+    free, total = torch.cuda.mem_get_info(device)
+    measured = capacity.detect(device)
+    assert 0 < measured <= free - capacity.CUDA_HEADROOM * total + (64 << 20)
+    assert capacity.detect(device, 1 << 20) == 1 << 20
