@@ -76,7 +76,12 @@ def layer_needs(
 ) -> list[float]:
     """Bytes each layer needs on the stage that holds it, for a chain of ``num_stages``."""
     count = in_flight(job.micro_batches, job.schedule, num_stages)
-    profiled = profile is not None and len(profile.state_bytes) == len(param_bytes)
+    # A profile from stages that did not measure memory carries zeros: estimate instead.
+    profiled = (
+        profile is not None
+        and len(profile.state_bytes) == len(param_bytes)
+        and any(profile.state_bytes)
+    )
     factor = 2.0 + optimizer_factor(job.optimizer, job.optimizer_kwargs)
     needs = []
     for layer, size in enumerate(param_bytes):
