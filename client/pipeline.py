@@ -143,6 +143,32 @@ class _Batch:
     scales: list[float]
 
 
+class _Repeats:
+    """Logs a warning the first time, then the same warning (same event and fields) at
+    most once every ``every`` seconds with how often it recurred: a job waiting out an
+    outage says so without a line per retry."""
+
+    def __init__(self, every: float = 10.0):
+        self._every = every
+        self._last: dict[str, tuple[str, float, int]] = {}  # event: (what, logged at, count)
+
+    def warn(self, event: str, error: str, **fields: Any) -> int:
+        """Logs ``event`` unless it just did; returns how often in a row it happened."""
+        what, now = f"{error}|{sorted(fields.items())!r}", time.monotonic()
+        last = self._last.get(event)
+        if last is not None and last[0] == what:
+            count = last[2] + 1
+            if now - last[1] < self._every:
+                self._last[event] = (what, last[1], count)
+                return count
+            log.warning(event, error=error, repeated=count, **fields)
+            self._last[event] = (what, now, count)
+            return count
+        log.warning(event, error=error, **fields)
+        self._last[event] = (what, now, 1)
+        return 1
+
+
 class Pipeline:
     """A model trained across the stage servers of one coordinator."""
 
@@ -237,6 +263,7 @@ class Pipeline:
         self._setup_timeout = setup_timeout
         self._rebalance_timeout = rebalance_timeout
         self._recovery_timeout = recovery_timeout
+        self._repeats = _Repeats()
         self._lease_s = lease_s
         self._tls = tls or TLS.from_env()
         self._channel = rpc.channel(coordinator, self._tls)
@@ -606,7 +633,7 @@ class Pipeline:
                 timeout=15.0,
             )
         except CoordinatorUnavailable as unreachable:
-            log.warning("failure_not_reported", error=str(unreachable))
+            self._repeats.warn("failure_not_reported", str(unreachable))
             return []
         return list(ack.dead)
 
@@ -617,11 +644,11 @@ class Pipeline:
         if time.monotonic() > deadline:
             raise exc
         dead = self._report_failure(exc)
-        log.warning("step_failed", step=self._step + 1, error=str(exc)[:300], dead=dead)
+        repeats = self._repeats.warn("step_failed", str(exc)[:300], step=self._step + 1, dead=dead)
         partition = self._partition
         assert partition is not None
-        if not dead:
-            time.sleep(0.2)  # nobody died: a transient failure, try again
+        if not dead:  # nobody died: a transient failure, try again (backing off if it stays)
+            time.sleep(min(2.0, 0.2 * 2 ** min(repeats - 1, 4)))
             with contextlib.suppress(CoordinatorUnavailable):
                 self._refresh(time.monotonic() + 0.1)
             return
