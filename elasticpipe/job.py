@@ -15,6 +15,8 @@ from elasticpipe.v1 import job_pb2
 MAX_KWARGS_JSON = 1 << 20
 MAX_SNAPSHOT_EVERY = 1_000_000
 MAX_MICRO_BATCHES = 4096
+# Version of the per-layer RNG derivation (dropout reproducibility); checkpoints record it.
+RNG_PROTOCOL = 1
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -52,6 +54,7 @@ class JobConfig:
     schedule: str = "1f1b"
     job_id: str = ""
     snapshot_every: int = 0
+    external_weights: bool = False  # initial weights come from the client (init_state)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -94,6 +97,7 @@ class JobConfig:
             micro_batches=self.micro_batches,
             schedule=self.schedule,
             snapshot_every=self.snapshot_every,
+            external_weights=self.external_weights,
         )
 
     @classmethod
@@ -114,4 +118,5 @@ class JobConfig:
             schedule=spec.schedule or "1f1b",
             job_id=spec.job_id,
             snapshot_every=spec.snapshot_every,
+            external_weights=spec.external_weights,
         )

@@ -249,7 +249,9 @@ class Stage:
 
         One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
         """
-        model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
+        model = models.build(
+            job.model, job.seed, self.config.allow_models, job.external_weights, **job.model_kwargs
+        )
         probe = self._new_slice(job)
         probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
         runs: list[dict[int, LayerTiming]] = []
