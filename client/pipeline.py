@@ -781,7 +781,7 @@ class Pipeline:
         )
         try:
             stream = self._clients.stub(address).ExportLayers(request, timeout=self._step_timeout)
-            yield from codec.layer_blobs(stream, codec.DEFAULT_MAX_TENSOR_BYTES)
+            yield from codec.layer_blobs(stream, codec.DEFAULT_MAX_LAYER_BYTES)
         except grpc.RpcError as exc:
             raise rpc.translate(exc, address) from exc
 

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,8 +15,13 @@ from safetensors.torch import load_file, save_file
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
+from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest, ModelError
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MLP = {"sizes": [6, 12, 12, 3]}
 ADAM = {"lr": 1e-2}
@@ -198,3 +204,54 @@ def test_saving_over_a_checkpoint_replaces_it_and_refuses_other_directories(
         pipe.save(tmp_path / "c")
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["step"] == 2
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_larger_than_the_tensor_limit_saves_loads_and_migrates(tmp_path: Path) -> None:
+    """The limit applies per tensor: a layer whose state (weights + Adam moments) is over
+    it, each tensor under it, is saved, loaded and moved between stages exactly."""
+    limit = 1 << 20
+    wide = {"sizes": [4, 512, 256, 4]}  # layer 2: a 512 KiB weight, 1.5 MiB with Adam
+    reference = models.build("mlp", seed=0, **wide)
+    opt = make_optimizer("adam", reference.parameters(), ADAM)
+    g = torch.Generator().manual_seed(3)
+    batches = [
+        (torch.randn(4, 4, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)
+    ]
+    expected = [reference_step(reference, opt, "cross_entropy", x, y) for x, y in batches]
+    with CoordinatorServer(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2) as c:
+        stages = [
+            StageServer(StageConfig(name=f"s{i}", max_tensor_bytes=limit), c.address).start()
+            for i in range(2)
+        ]
+        try:
+            for s in stages:
+                assert s.registered.wait(10)
+            with Pipeline(
+                coordinator=c.address,
+                model="mlp",
+                model_kwargs=wide,
+                optimizer="adam",
+                optimizer_kwargs=ADAM,
+                micro_batches=1,
+                stages=2,
+            ) as pipe:
+                losses = [pipe.train_step(*batches[0])]
+                pipe.save(tmp_path / "big")
+                layer2 = load_file(str(tmp_path / "big" / "optimizer-00002.safetensors"))
+                assert sum(t.numel() * t.element_size() for t in layer2.values()) > limit
+                pipe.load(tmp_path / "big")
+                losses.append(pipe.train_step(*batches[1]))
+                before = pipe.partition.boundaries
+                target = [0, 3, 5] if before[1] == 2 else [0, 2, 5]
+                with grpc.insecure_channel(c.address) as channel:
+                    coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPartition(
+                        coordinator_pb2.SetPartitionRequest(boundaries=target), timeout=60
+                    )
+                losses.append(pipe.train_step(*batches[2]))
+                assert list(pipe.partition.boundaries) == target
+                torch.testing.assert_close(losses, expected)
+                torch.testing.assert_close(pipe.state_dict(), reference.state_dict())
+        finally:
+            for s in stages:
+                s.stop()
