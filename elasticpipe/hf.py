@@ -70,7 +70,11 @@ def _config(config: Mapping[str, Any] | None, path: str | None) -> Any:
         )
     values.pop("architectures", None)
     values.pop("transformers_version", None)
-    return _transformers().AutoConfig.for_model(model_type, **values)
+    attention = values.pop("attn_implementation", None) or "sdpa"
+    made = _transformers().AutoConfig.for_model(model_type, **values)
+    # What from_pretrained would choose; a config made by hand leaves it unset.
+    made._attn_implementation = attention
+    return made
 
 
 def model_kwargs(path: str) -> dict[str, Any]:
