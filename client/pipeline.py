@@ -291,6 +291,8 @@ class Pipeline:
                 )
             except ElasticPipeError as exc:
                 log.debug("lease_not_released", error=str(exc))
+        if self._init is not None:
+            self._init.close()
         self._clients.close()
         self._channel.close()
 
@@ -319,6 +321,8 @@ class Pipeline:
 
     def _ensure_job(self, sample: torch.Tensor | None) -> Partition:
         if self._partition is not None:
+            if self._init is not None:  # its streaming failed: no step before it is in
+                self._apply_init()
             return self._partition
         spec = self._job.to_proto()
         if sample is not None:
@@ -373,12 +377,10 @@ class Pipeline:
         self._restore_epoch = partition.restore_epoch
         self._renewer = threading.Thread(target=self._renew_loop, name="lease", daemon=True)
         self._renewer.start()
-        if self._init is not None and not reply.resumed and self._step == 0:
-            init, self._init = self._init, None
-            try:
-                self._restore(0, lambda layer: codec.pack_state(init.layer_state(layer)), "")
-            finally:
-                init.close()
+        if reply.resumed or self._step:
+            self._init = None  # the running job has its weights already
+        if self._init is not None:
+            self._apply_init()
         log.info(
             "pipeline_attached" if reply.resumed else "pipeline_ready",
             job=partition.job_id,
@@ -390,6 +392,14 @@ class Pipeline:
             step=self._step,
         )
         return self._partition
+
+    def _apply_init(self) -> None:
+        """Streams ``init_state`` to the stages (at job setup; again after a failure)."""
+        init = self._init
+        assert init is not None
+        self._restore(0, lambda layer: codec.pack_state(init.layer_state(layer)), "")
+        self._init = None
+        init.close()
 
     def _profile(self, sample: torch.Tensor) -> None:
         """Sends the first micro-batch for profiling if the job was set up without one

@@ -255,3 +255,26 @@ def test_a_layer_larger_than_the_tensor_limit_saves_loads_and_migrates(tmp_path:
         finally:
             for s in stages:
                 s.stop()
+
+
+@pytest.mark.timeout(180)
+def test_recovery_after_a_crash_rolls_back_to_the_users_weights_not_the_seeds() -> None:
+    """The step-0 snapshot holds init_state: a stage killed before the first snapshot after
+    it is rebuilt from those weights, and the replayed result equals PyTorch's."""
+    weights = models.build("mlp", seed=42, **MLP).state_dict()
+    batches = _batches(4, seed=9)
+    expected_losses, expected_state = _reference(weights, batches)
+    with (
+        LocalCluster(
+            stages=3, coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"]
+        ) as cluster,
+        _pipe(cluster, 2, init_state=weights, snapshot_every=10) as pipe,
+    ):
+        losses = [pipe.train_step(x, y) for x, y in batches[:2]]
+        victim = cluster.name_of(pipe.partition.addresses[-1])
+        cluster.kill(victim)
+        losses += [pipe.train_step(x, y) for x, y in batches[2:]]
+        dead = {s.name for s in cluster.status().stages if s.state == "dead"}
+        assert victim in dead  # recovered: rolled back to step 0 and replayed
+        torch.testing.assert_close(losses, expected_losses)
+        torch.testing.assert_close(pipe.state_dict(), expected_state)
