@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import save_file
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import RNG_PROTOCOL, JobConfig
+from elasticpipe.job import JobConfig
+from elasticpipe.rng import RNG_PROTOCOL
 from elasticpipe.weights import MANIFEST, TensorSource, read_json
 
 FORMAT = "elasticpipe-checkpoint-v2"

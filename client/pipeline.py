@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import codec, models, rpc, weights
+from elasticpipe import codec, efficiency, models, rpc, weights
 from elasticpipe.client import checkpoints, driver, initial
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -107,6 +107,10 @@ class StepStats:
         attempts: runs it took (more than 1 after a rebalance or a failure).
         replayed: earlier steps replayed first, after a recovery.
         stages: per stage, in chain order.
+        ideal_s: the step's critical path with free communication: the schedule's ops,
+            each taking the time it was measured to take (``elasticpipe.efficiency``).
+        efficiency: ``ideal_s`` over the measured step time (the longest stage's run), in
+            (0, 1]; what is missing to 1 is bubbles and overheads the op times do not force.
         reports: the raw reports (protobufs), for tools.
     """
 
@@ -116,6 +120,8 @@ class StepStats:
     attempts: int = 0
     replayed: int = 0
     stages: tuple[StageStep, ...] = ()
+    ideal_s: float = 0.0
+    efficiency: float = 0.0
     reports: tuple[stage_pb2.StepReport, ...] = field(default=(), repr=False)
 
     def __str__(self) -> str:
@@ -125,7 +131,8 @@ class StepStats:
         extra += f", {self.replayed} replayed" if self.replayed else ""
         return (
             f"step {self.step}: loss {self.loss:.4f} in {self.seconds * 1e3:.0f} ms{extra}; "
-            f"compute {compute} ms, waiting {wait} ms per stage"
+            f"compute {compute} ms, waiting {wait} ms per stage; "
+            f"pipeline efficiency {self.efficiency:.0%}"
         )
 
 
@@ -134,6 +141,32 @@ class _Batch:
     xs: list[torch.Tensor]
     ys: list[torch.Tensor]
     scales: list[float]
+
+
+class _Repeats:
+    """Logs a warning the first time, then the same warning (same event and fields) at
+    most once every ``every`` seconds with how often it recurred: a job waiting out an
+    outage says so without a line per retry."""
+
+    def __init__(self, every: float = 10.0):
+        self._every = every
+        self._last: dict[str, tuple[str, float, int]] = {}  # event: (what, logged at, count)
+
+    def warn(self, event: str, error: str, **fields: Any) -> int:
+        """Logs ``event`` unless it just did; returns how often in a row it happened."""
+        what, now = f"{error}|{sorted(fields.items())!r}", time.monotonic()
+        last = self._last.get(event)
+        if last is not None and last[0] == what:
+            count = last[2] + 1
+            if now - last[1] < self._every:
+                self._last[event] = (what, last[1], count)
+                return count
+            log.warning(event, error=error, repeated=count, **fields)
+            self._last[event] = (what, now, count)
+            return count
+        log.warning(event, error=error, **fields)
+        self._last[event] = (what, now, 1)
+        return 1
 
 
 class Pipeline:
@@ -168,8 +201,11 @@ class Pipeline:
             model: built-in name ("mlp", "gpt", "cnn") or "package.module:function".
             model_kwargs: JSON-able arguments of the model factory.
             seed: layer i's initial weights depend only on (seed, i).
-            optimizer: "sgd", "adam" or "adamw"; ``optimizer_kwargs`` its arguments.
-            loss: "cross_entropy" or "mse" (mean over the mini-batch).
+            optimizer: "sgd", "adam", "adamw", a ``torch.optim`` class by name ("RMSprop"),
+                or "package.module:name" allowed by the stages (per-parameter optimizers
+                only: see docs/training.md); ``optimizer_kwargs`` its arguments.
+            loss: "cross_entropy", "mse" or "package.module:function" allowed by the stages
+                (mean over the mini-batch).
             micro_batches: micro-batches per mini-batch (fewer if the batch is smaller).
             schedule: "1f1b" (bounded activation memory) or "gpipe".
             stages: how many stages to use (default: every live stage); more live stages
@@ -234,6 +270,7 @@ class Pipeline:
         self._setup_timeout = setup_timeout
         self._rebalance_timeout = rebalance_timeout
         self._recovery_timeout = recovery_timeout
+        self._repeats = _Repeats()
         self._lease_s = lease_s
         self._tls = tls or TLS.from_env()
         self._channel = rpc.channel(coordinator, self._tls)
@@ -428,7 +465,12 @@ class Pipeline:
             try:
                 reply = self._coordinator_call(
                     "RenewLease",
-                    coordinator_pb2.LeaseRequest(job_id=partition.job_id, client=self._client),
+                    coordinator_pb2.LeaseRequest(
+                        job_id=partition.job_id,
+                        client=self._client,
+                        last_step=self.last_step.step,
+                        efficiency=self.last_step.efficiency,
+                    ),
                     timeout=interval,
                 )
             except ElasticPipeError as exc:
@@ -616,7 +658,7 @@ class Pipeline:
                 timeout=15.0,
             )
         except CoordinatorUnavailable as unreachable:
-            log.warning("failure_not_reported", error=str(unreachable))
+            self._repeats.warn("failure_not_reported", str(unreachable))
             return []
         return list(ack.dead)
 
@@ -627,11 +669,11 @@ class Pipeline:
         if time.monotonic() > deadline:
             raise exc
         dead = self._report_failure(exc)
-        log.warning("step_failed", step=self._step + 1, error=str(exc)[:300], dead=dead)
+        repeats = self._repeats.warn("step_failed", str(exc)[:300], step=self._step + 1, dead=dead)
         partition = self._partition
         assert partition is not None
-        if not dead:
-            time.sleep(0.2)  # nobody died: a transient failure, try again
+        if not dead:  # nobody died: a transient failure, try again (backing off if it stays)
+            time.sleep(min(2.0, 0.2 * 2 ** min(repeats - 1, 4)))
             with contextlib.suppress(CoordinatorUnavailable):
                 self._refresh(time.monotonic() + 0.1)
             return
@@ -703,6 +745,7 @@ class Pipeline:
             del self._replay[old]
         reports = self._last_reports
         assert self._partition is not None
+        ideal_s, step_efficiency = efficiency.step_efficiency(self._job.schedule, reports)
         self.last_step = StepStats(
             step=target,
             loss=loss,
@@ -719,6 +762,8 @@ class Pipeline:
                 )
                 for address, r in zip(self._partition.addresses, reports, strict=False)
             ),
+            ideal_s=ideal_s,
+            efficiency=step_efficiency,
             reports=tuple(reports),
         )
         return loss

@@ -118,6 +118,8 @@ class Coordinator:
         heard = members.heartbeat(
             stage_id, epoch, timings, committed_step, slowdown, state, snapshots
         )
+        if heard is Heard.OK:
+            self.cluster.metrics.heard(committed_step)
         if was_silent and heard is Heard.OK and member is not None:
             log.info("stage_heard_again", stage=member.row.name)
         return heard

@@ -253,14 +253,17 @@ def change_epoch(
         )
         abort(cluster, change.new.epoch, involved, str(exc))
         record_abandoned(cluster, change, str(exc) or repr(exc))
+        cluster.metrics.epoch_change_aborted(change.kind)
         raise
     pause("after_commit_point")
     cluster.adopt(change.new)
     commit(cluster, change)
+    paused = time.perf_counter() - frozen_at
+    cluster.metrics.epoch_changed(change.kind, received, paused)
     return MoveResult(
         layers_moved=len(moved) if change.rollback_step is None else change.new.num_layers,
         bytes_moved=received,
-        pause_s=time.perf_counter() - frozen_at,
+        pause_s=paused,
         committed_step=cut,
         wait_s=frozen_at - started,
         transfer_s=transferred_at - frozen_at,

@@ -48,7 +48,6 @@ class Member:
     snapshots: list[stage_pb2.SnapshotHolding] = field(default_factory=list)
     dead_reason: str = ""
     dead_at: float = 0.0  # unix time it was declared dead
-    leaving: bool = False  # drained because its process is shutting down, not by an operator
 
 
 class Membership:
@@ -76,10 +75,12 @@ class Membership:
             Its id, and the older incarnations of the name that this declared dead.
         """
         with self._lock:
-            older = [m for m in self._members.values() if m.row.name == name and not m.row.dead]
-            # An operator's drain outlives the process; a stage's own leave (SIGTERM on a
-            # rolling restart) does not: its next incarnation rejoins the chain.
-            drained = any(m.row.drained and not m.leaving for m in older)
+            same_name = [m for m in self._members.values() if m.row.name == name]
+            older = [m for m in same_name if not m.row.dead]
+            # An operator's drain outlives the process, even one that died; a stage's own
+            # leave (SIGTERM on a rolling restart) does not: its next incarnation rejoins.
+            latest = max(same_name, key=lambda m: m.row.incarnation, default=None)
+            drained = latest is not None and latest.row.drained and not latest.row.leaving
             row = StageRow(
                 stage_id=f"st-{uuid.uuid4().hex[:8]}",
                 name=name,
@@ -172,12 +173,13 @@ class Membership:
             self._store.set_stage(stage_id, drained=drained)
 
     def mark_leaving(self, stage_id: str) -> None:
-        """Notes that an incarnation drains itself to shut down (its successor will not
-        inherit the drain)."""
+        """Notes that an incarnation drains itself to shut down, so that its successor
+        does not inherit the drain. An operator's earlier drain stays an operator's."""
         with self._lock:
             member = self._members.get(stage_id)
-            if member is not None:
-                member.leaving = True
+            if member is not None and not member.row.drained:
+                member.row = replace(member.row, leaving=True)
+                self._store.set_stage(stage_id, leaving=True)
 
     def forget(self, stage_id: str) -> None:
         """Removes a dead incarnation from membership (and from status)."""

@@ -39,6 +39,7 @@ class Decision:
     proposed_step_s: float
     bytes_to_move: int
     pause_s: float
+    outcome: str = ""  # one word for the metrics: move, forced, optimal, below_threshold, ...
 
 
 def decide(
@@ -74,29 +75,41 @@ def decide(
     pause = bytes_to_move / config.bandwidth_bytes_per_s + overhead
     saved = config.horizon_steps * (current_step_s - proposed_step_s)
 
-    def decision(move: bool, reason: str) -> Decision:
-        return Decision(move, reason, gain, current_step_s, proposed_step_s, bytes_to_move, pause)
+    def decision(move: bool, outcome: str, reason: str) -> Decision:
+        return Decision(
+            move, reason, gain, current_step_s, proposed_step_s, bytes_to_move, pause, outcome
+        )
 
     if moves == 0:
-        return decision(False, "the current partition is already optimal")
+        return decision(False, "optimal", "the current partition is already optimal")
     if forced:
-        return decision(True, f"moving to the optimal partition on request (gain {gain:.1%})")
+        return decision(
+            True, "forced", f"moving to the optimal partition on request (gain {gain:.1%})"
+        )
     if not config.enabled:
-        return decision(False, "auto-rebalance is off")
+        return decision(False, "disabled", "auto-rebalance is off")
     if gain <= config.threshold:
-        return decision(False, f"gain {gain:.1%} is within the {config.threshold:.0%} threshold")
+        return decision(
+            False,
+            "below_threshold",
+            f"gain {gain:.1%} is within the {config.threshold:.0%} threshold",
+        )
     if saved <= pause:
         return decision(
             False,
+            "no_payback",
             f"saves {saved:.2f}s over {config.horizon_steps} steps, less than the "
             f"{pause:.2f}s pause",
         )
     if seconds_since_last_move < config.cooldown_s:
         return decision(
             False,
+            "cooldown",
             f"cooling down ({seconds_since_last_move:.1f}s since the last move, "
             f"{config.cooldown_s:.0f}s needed)",
         )
     return decision(
-        True, f"gain {gain:.1%} > {config.threshold:.0%}, saves {saved:.2f}s vs {pause:.2f}s pause"
+        True,
+        "move",
+        f"gain {gain:.1%} > {config.threshold:.0%}, saves {saved:.2f}s vs {pause:.2f}s pause",
     )

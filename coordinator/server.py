@@ -9,7 +9,8 @@ from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.service import CoordinatorServicer
 from elasticpipe.coordinator.store import Store
 from elasticpipe.logs import get_logger
-from elasticpipe.serving import RunningServer, start_server
+from elasticpipe.metrics import MetricsEndpoint
+from elasticpipe.serving import RunningServer, split_address, start_server
 from elasticpipe.tls import TLS
 from elasticpipe.v1 import coordinator_pb2
 
@@ -32,6 +33,7 @@ class CoordinatorServer:
         tls: TLS | None = None,
         insecure: bool = False,
         advertise: str = "",
+        metrics_port: int | None = None,
     ):
         self._listen = listen
         self._state = state
@@ -44,6 +46,8 @@ class CoordinatorServer:
         self._tls, self._insecure, self._advertise = tls, insecure, advertise
         self.coordinator: Coordinator | None = None
         self._server: RunningServer | None = None
+        self._metrics_port = metrics_port  # None: no metrics endpoint; 0: any port
+        self.metrics: MetricsEndpoint | None = None
 
     @property
     def address(self) -> str:
@@ -74,7 +78,14 @@ class CoordinatorServer:
             tls=self._tls,
             insecure=self._insecure,
             advertise=self._advertise or None,
+            interceptors=[self.coordinator.cluster.metrics.interceptor()],
         )
+        if self._metrics_port is not None:  # on the gRPC listen host
+            self.metrics = MetricsEndpoint(
+                self.coordinator.cluster.metrics.registry,
+                split_address(self._listen)[0],
+                self._metrics_port,
+            )
         self.coordinator.start()
         log.info(
             "coordinator_listening",
@@ -88,6 +99,8 @@ class CoordinatorServer:
         """Stops the server and closes the state file."""
         if self._server is not None:
             self._server.stop()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.coordinator is not None:
             self.coordinator.close()
             self.coordinator.store.close()

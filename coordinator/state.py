@@ -20,6 +20,7 @@ from elasticpipe.coordinator.store import EpochRow, Store
 from elasticpipe.errors import LayersLost, NotReady
 from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
+from elasticpipe.metrics import CoordinatorMetrics, CoordinatorView
 from elasticpipe.partition import Partition
 from elasticpipe.tls import TLS
 
@@ -71,6 +72,7 @@ class Cluster:
         self.failure: str = store.get("job_failure") or ""
         self.last_move = time.monotonic()
         self.last_pause: float | None = None
+        self.metrics = CoordinatorMetrics(self._metrics_view)
 
     # ---- the job and its partition ---------------------------------------------------
 
@@ -126,6 +128,25 @@ class Cluster:
                     break
                 self.cond.wait(remaining)
         return self.require_job()[1]
+
+    def _metrics_view(self) -> CoordinatorView:
+        """What a scrape of the metrics reports: members by state, the partition."""
+        partition = self.partition
+        chain = set(partition.stage_ids) if partition else set()
+        members = dict.fromkeys(("chain", "spare", "drained", "dead"), 0)
+        for m in self.members.members():
+            if not self.members.alive(m):
+                members["dead"] += 1
+            elif m.row.stage_id in chain:
+                members["chain"] += 1
+            else:
+                members["drained" if m.row.drained else "spare"] += 1
+        return CoordinatorView(
+            members=members,
+            epoch=partition.epoch if partition else None,
+            chain_length=len(chain),
+            predicted_step_s=(partition.predicted_step_s or None) if partition else None,
+        )
 
     # ---- stages ----------------------------------------------------------------------
 

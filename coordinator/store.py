@@ -27,6 +27,7 @@ CREATE TABLE IF NOT EXISTS incarnations (
     device TEXT NOT NULL,
     registered_at REAL NOT NULL,
     drained INTEGER NOT NULL DEFAULT 0,
+    leaving INTEGER NOT NULL DEFAULT 0,
     dead INTEGER NOT NULL DEFAULT 0,
     forgotten INTEGER NOT NULL DEFAULT 0,
     UNIQUE (name, incarnation)
@@ -52,6 +53,7 @@ class StageRow:
     drained: bool = False
     incarnation: int = 1
     dead: bool = False
+    leaving: bool = False  # drained by its own shutdown (SIGTERM), not by an operator
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,11 @@ class Store:
             "PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA foreign_keys=ON"
         )
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(incarnations)")}
+        if "leaving" not in columns:  # a state file from before the column existed
+            self._db.execute(
+                "ALTER TABLE incarnations ADD COLUMN leaving INTEGER NOT NULL DEFAULT 0"
+            )
 
     def close(self) -> None:
         """Closes the file."""
@@ -99,7 +106,7 @@ class Store:
         with self._lock:
             self._db.execute(
                 "INSERT INTO incarnations (stage_id, name, incarnation, address, device, "
-                "registered_at, drained, dead) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "registered_at, drained, dead, leaving) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     row.stage_id,
                     row.name,
@@ -109,13 +116,14 @@ class Store:
                     row.registered_at,
                     int(row.drained),
                     int(row.dead),
+                    int(row.leaving),
                 ),
             )
 
     def set_stage(self, stage_id: str, **flags: bool) -> None:
-        """Sets ``drained``, ``dead`` or ``forgotten`` of an incarnation."""
+        """Sets ``drained``, ``leaving``, ``dead`` or ``forgotten`` of an incarnation."""
         for name, value in flags.items():
-            if name not in ("drained", "dead", "forgotten"):
+            if name not in ("drained", "dead", "forgotten", "leaving"):
                 raise ValueError(f"unknown stage flag {name!r}")
             with self._lock:
                 self._db.execute(
@@ -128,10 +136,11 @@ class Store:
         with self._lock:
             rows = self._db.execute(
                 "SELECT stage_id, name, address, device, registered_at, drained, incarnation, "
-                "dead FROM incarnations WHERE forgotten=0 ORDER BY registered_at, name"
+                "dead, leaving FROM incarnations WHERE forgotten=0 ORDER BY registered_at, name"
             ).fetchall()
         return [
-            StageRow(r[0], r[1], r[2], r[3], r[4], bool(r[5]), int(r[6]), bool(r[7])) for r in rows
+            StageRow(r[0], r[1], r[2], r[3], r[4], bool(r[5]), int(r[6]), bool(r[7]), bool(r[8]))
+            for r in rows
         ]
 
     def max_incarnation(self, name: str) -> int:

@@ -13,7 +13,7 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -72,6 +72,11 @@ def _ranges(boundaries: list[int]) -> str:
     return ",".join(f"{a}:{b}" for a, b in itertools.pairwise(boundaries))
 
 
+def _width(cells: Iterable[str], minimum: int) -> int:
+    """A column's width: the longest cell plus a two-space gutter, at least ``minimum``."""
+    return max([minimum, *(len(c) + 2 for c in cells)])
+
+
 def _ago(unix: float) -> str:
     return "never" if unix <= 0 else f"{time.time() - unix:.1f}s ago"
 
@@ -111,7 +116,9 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
         f"job: {job}   model: {s.job_model or '-'}   layers: {s.num_layers}   "
         f"epoch: {s.partition.epoch}   step: {s.committed_step}   "
         f"partition: {_ranges(list(s.partition.boundaries)) or '-'}   "
-        f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}",
+        f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}   "
+        f"efficiency: "
+        + (f"{s.efficiency:.0%} (step {s.efficiency_step})" if s.efficiency_step else "-"),
         f"client: {s.client or 'none (the job is free)'}"
         + (
             f"   factory: {s.factory_file} sha256 {s.factory_sha256[:12]}" if s.factory_file else ""
@@ -119,15 +126,17 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
     ]
     if s.job_failure:
         lines.append(f"JOB FAILED: {s.job_failure}")
+    nw = _width((st.name for st in s.stages), 14)  # long names and addresses widen
+    aw = _width((st.address for st in s.stages), 22)  # their columns, never overrun them
     lines += [
         "",
-        f"{'name':<14}{'state':<9}{'inc':>4}  {'address':<22}{'device':<8}{'speed':>7}"
+        f"{'name':<{nw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}{'speed':>7}"
         f"{'slow':>6}{'layers':>9}{'step':>7}  heartbeat",
     ]
     for st in s.stages:
         layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
         lines.append(
-            f"{st.name:<14}{st.state:<9}{st.incarnation:>4}  {st.address:<22}{st.device:<8}"
+            f"{st.name:<{nw}}{st.state:<9}{st.incarnation:>4}  {st.address:<{aw}}{st.device:<8}"
             f"{st.speed:>7.3f}{st.slowdown:>6.1f}{layers:>9}{st.committed_step:>7}  "
             f"{_ago(st.last_heartbeat_unix)}"
         )
@@ -152,10 +161,11 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
     current = list(p.current.boundaries)
     optimal = list(p.optimal_boundaries)
     names = list(p.stage_names) or [str(s) for s in range(len(p.stage_speeds))]
-    lines = [f"{'stage':<14}{'speed':>8}{'current':>12}{'optimal':>12}"]
+    nw = _width(names, 14)
+    lines = [f"{'stage':<{nw}}{'speed':>8}{'current':>12}{'optimal':>12}"]
     for s, (name, speed) in enumerate(zip(names, p.stage_speeds, strict=False)):
         lines.append(
-            f"{name:<14}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
+            f"{name:<{nw}}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
             f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
         )
     gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
@@ -237,7 +247,40 @@ def _auto(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
     return reply, reply.message
 
 
-COMMANDS: dict[str, Callable[[Any, argparse.Namespace], tuple[Message, str]]] = {
+def _trace(stub: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from elasticpipe import traces
+
+    if not 1 <= args.steps <= traces.MAX_STEPS:
+        raise InvalidRequest(f"--steps must be in [1, {traces.MAX_STEPS}] (got {args.steps})")
+    status = stub.Status(coordinator_pb2.StatusRequest(), timeout=args.timeout)
+    tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    collected = traces.collect(status, args.steps, tls, args.timeout)
+    figures = traces.step_figures(collected)
+    with open(args.out, "w") as f:
+        json.dump(traces.chrome_trace(collected), f)
+    if args.png:
+        from elasticpipe import timeline
+
+        timeline.draw(collected, figures, args.png, title=f"job {status.job_id}")
+    summary = traces.summary(collected, figures)
+    summary.update(out=args.out, png=args.png or "")
+    lines = [
+        f"{t['name']:<14} layers {t['layers'][0]}:{t['layers'][1]:<5} {t['spans']:>6} spans"
+        f"   clock offset {t['clock_offset_ms']:+.3f} ms (rtt {t['clock_rtt_ms']:.3f} ms)"
+        + ("   (oldest left out)" if t["truncated"] else "")
+        for t in summary["stages"]
+    ]
+    lines += [
+        f"step {f.step}: ideal {f.ideal_s * 1e3:.1f} ms, measured {f.measured_s * 1e3:.1f} ms, "
+        f"pipeline efficiency {f.efficiency:.0%}"
+        for f in figures
+    ]
+    lines.append(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
+    return summary, "\n".join(lines)
+
+
+Command = Callable[[Any, argparse.Namespace], tuple[Message | dict[str, Any], str]]
+COMMANDS: dict[str, Command] = {
     "status": _status,
     "plan": _plan,
     "rebalance": _rebalance,
@@ -247,6 +290,7 @@ COMMANDS: dict[str, Callable[[Any, argparse.Namespace], tuple[Message, str]]] = 
     "forget": _forget,
     "slowdown": _slowdown,
     "auto": _auto,
+    "trace": _trace,
 }
 
 
@@ -281,5 +325,6 @@ def run_admin(args: argparse.Namespace) -> int:
         else:
             print(f"error: {message}", file=sys.stderr)
         return 2
-    _print(json.dumps(to_json(reply), indent=2) if args.json else text)
+    document = reply if isinstance(reply, dict) else to_json(reply)
+    _print(json.dumps(document, indent=2) if args.json else text)
     return 0

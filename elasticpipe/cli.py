@@ -34,16 +34,25 @@ ENV_COORDINATOR = "ELASTICPIPE_COORDINATOR"
 log = get_logger(__name__)
 
 
-def _write_ready(path: str | None, address: str) -> None:
+def _write_ready(path: str | None, address: str, metrics_port: int | None = None) -> None:
     if path:
         tmp = Path(path + ".tmp")
-        tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+        ready = {"address": address, "pid": os.getpid(), "metrics_port": metrics_port}
+        tmp.write_text(json.dumps(ready))
         tmp.replace(path)
+
+
+class _Endpoint(Protocol):
+    @property
+    def port(self) -> int: ...
 
 
 class _Server(Protocol):
     @property
     def address(self) -> str: ...
+
+    @property
+    def metrics(self) -> _Endpoint | None: ...
 
     def stop(self) -> None: ...
 
@@ -62,7 +71,7 @@ def _serve_until_signalled(
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    _write_ready(ready_file, server.address)
+    _write_ready(ready_file, server.address, server.metrics.port if server.metrics else None)
     try:
         stop.wait()
         if before_stop is not None:
@@ -101,6 +110,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
         args.insecure,
         args.advertise,
+        args.metrics_port,
     ).start()
     return _serve_until_signalled(server, args.ready_file)
 
@@ -129,6 +139,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         tls=TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
         insecure=args.insecure,
         advertise=args.advertise,
+        metrics_port=args.metrics_port,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
     return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
@@ -163,7 +174,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _network_options(parser: argparse.ArgumentParser, port: int) -> None:
-    """--advertise, --insecure and the TLS flags of a server."""
+    """--advertise, --insecure, --metrics-port and the TLS flags of a server."""
     parser.add_argument(
         "--advertise",
         default="",
@@ -175,6 +186,14 @@ def _network_options(parser: argparse.ArgumentParser, port: int) -> None:
         "--insecure",
         action="store_true",
         help="allow plaintext when listening beyond loopback (a trusted, private network)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics over HTTP at PORT/metrics, on the --listen host "
+        "(0: any free port, logged; default: no metrics endpoint)",
     )
     _tls_options(parser)
 
@@ -483,6 +502,14 @@ def build_parser() -> argparse.ArgumentParser:
     sl = admin("slowdown", "emulate a slower device on a stage (tests, demos)")
     sl.add_argument("stage", help="name or id")
     sl.add_argument("factor", type=float, help="how many times slower (1: normal)")
+    tr = admin(
+        "trace",
+        "every stage's timeline of the last steps as Chrome/Perfetto JSON (and a PNG)",
+        "open the JSON in https://ui.perfetto.dev or chrome://tracing; docs/tracing.md",
+    )
+    tr.add_argument("--steps", type=int, default=1, help="how many of the last steps")
+    tr.add_argument("--out", required=True, metavar="FILE", help="the trace JSON to write")
+    tr.add_argument("--png", metavar="FILE", help="also draw the pipeline timeline here")
     au = admin("auto", "turn automatic rebalancing on or off (remembered across restarts)")
     au.add_argument("state", choices=["on", "off"], help="on or off")
     ad.set_defaults(func=cmd_admin)

@@ -7,7 +7,8 @@
             ...
 
 Each process is a real ``elasticpipe`` command (the same an operator runs on each host);
-they bind port 0 and report the address they got through a ready file. Leaving the block
+they bind port 0 and report the address they got through a ready file (and, with
+``metrics=True``, the port of their Prometheus endpoint: ``metrics_url``). Leaving the block
 (or Ctrl-C) stops every process: SIGTERM first, SIGKILL after a grace period.
 """
 
@@ -59,6 +60,7 @@ class LocalCluster:
         log_dir: str | os.PathLike[str] | None = None,
         threads_per_stage: int = 1,
         tls: bool = False,
+        metrics: bool = False,
     ):
         """Describes the cluster; ``start`` (or ``with``) launches it.
 
@@ -72,6 +74,8 @@ class LocalCluster:
             tls: mutual TLS everywhere: a throw-away CA issues a certificate to the
                 coordinator, each stage, a client and an admin (``client_tls``,
                 ``admin_tls``).
+            metrics: every process serves Prometheus metrics on a free port
+                (``metrics_ports``, ``metrics_url``).
         """
         self.num_stages = stages
         self.slowdowns = list(slowdowns or [1.0] * stages)
@@ -89,6 +93,8 @@ class LocalCluster:
         self.stage_addresses: list[str] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.certs: Path | None = None
+        self._metrics = metrics
+        self.metrics_ports: dict[str, int] = {}  # process name -> its metrics port
         if tls:
             self.certs = Path(self._tmp.name) / "certs"
             init_ca(self.certs)
@@ -127,6 +133,21 @@ class LocalCluster:
             return []
         return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
 
+    def metrics_url(self, name: str) -> str:
+        """Where process ``name`` ("coordinator", "stage-0", ...) serves its metrics."""
+        if name not in self.metrics_ports:
+            raise KeyError(f"{name!r} serves no metrics (LocalCluster(metrics=True) starts them)")
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+
+    def _ready(self, name: str, spawned: tuple[subprocess.Popen[bytes], Path, Path]) -> str:
+        """Waits for a process's ready file; returns its address (and notes its metrics port)."""
+        proc, ready, log = spawned
+        address = _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
+        port = json.loads(ready.read_text()).get("metrics_port")
+        if port is not None:
+            self.metrics_ports[name] = int(port)
+        return address
+
     def _spawn(
         self, name: str, args: list[str], env: Mapping[str, str] | None = None
     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
@@ -141,7 +162,15 @@ class LocalCluster:
         }
         with log.open("ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "elasticpipe", *args, "--ready-file", str(ready)],
+                [
+                    sys.executable,
+                    "-m",
+                    "elasticpipe",
+                    *args,
+                    *(["--metrics-port", "0"] if self._metrics else []),
+                    "--ready-file",
+                    str(ready),
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -157,10 +186,7 @@ class LocalCluster:
             pending = [
                 (f"stage-{i}", self._spawn_stage(f"stage-{i}", i)) for i in range(self.num_stages)
             ]
-            self.stage_addresses = [
-                _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
-                for name, (proc, ready, log) in pending
-            ]
+            self.stage_addresses = [self._ready(name, spawned) for name, spawned in pending]
             self.wait_for_stages(self.num_stages, START_TIMEOUT_S)
         except BaseException:
             self.stop()
@@ -168,7 +194,7 @@ class LocalCluster:
         return self
 
     def _start_coordinator(self, listen: str) -> None:
-        proc, ready, log = self._spawn(
+        spawned = self._spawn(
             "coordinator",
             [
                 "coordinator",
@@ -178,7 +204,7 @@ class LocalCluster:
                 *self._coordinator_args,
             ],
         )
-        self.coordinator = _wait_ready(ready, proc, "coordinator", log, START_TIMEOUT_S)
+        self.coordinator = self._ready("coordinator", spawned)
 
     def _spawn_stage(
         self,
@@ -213,8 +239,8 @@ class LocalCluster:
         """Starts one more stage process (a spare, or a restarted stage under its old
         name: a new incarnation) with ``extra`` flags and ``env`` variables; returns its
         address once it has registered."""
-        proc, ready, log = self._spawn_stage(name, extra=extra, env=env)
-        address = _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
+        spawned = self._spawn_stage(name, extra=extra, env=env)
+        address, log = self._ready(name, spawned), spawned[2]
         deadline = time.monotonic() + START_TIMEOUT_S
         while not any(s.address == address and s.alive for s in self.status().stages):
             if time.monotonic() > deadline:

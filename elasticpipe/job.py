@@ -9,14 +9,12 @@ from typing import Any
 
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.schedule import SCHEDULES
-from elasticpipe.training import LOSSES, OPTIMIZERS
+from elasticpipe.training import check_loss_name, check_optimizer_name
 from elasticpipe.v1 import job_pb2
 
 MAX_KWARGS_JSON = 1 << 20
 MAX_SNAPSHOT_EVERY = 1_000_000
 MAX_MICRO_BATCHES = 4096
-# Version of the per-layer RNG derivation (dropout reproducibility); checkpoints record it.
-RNG_PROTOCOL = 1
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -59,12 +57,9 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidRequest("job has no model")
-        if self.optimizer not in OPTIMIZERS:
-            raise InvalidRequest(
-                f"unknown optimizer {self.optimizer!r} (choose from {sorted(OPTIMIZERS)})"
-            )
-        if self.loss not in LOSSES:
-            raise InvalidRequest(f"unknown loss {self.loss!r} (choose from {sorted(LOSSES)})")
+        # Names only: whether a path is allowed is each stage's call (its --allow-models).
+        check_optimizer_name(self.optimizer)
+        check_loss_name(self.loss)
         if self.schedule not in SCHEDULES:
             raise InvalidRequest(
                 f"unknown schedule {self.schedule!r} (choose from {list(SCHEDULES)})"

@@ -11,7 +11,6 @@ import inspect
 import itertools
 import math
 import reprlib
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.functional import embedding, scaled_dot_product_attention
 
+from elasticpipe import rng
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, PermissionDenied
 
 __all__ = [
@@ -50,8 +50,9 @@ _SEED_MODULUS = 2**63
 _INIT_STD = 0.02
 
 # reset_parameters() draws from the global CPU generator; two threads seeding and drawing
-# from it at once would interleave and break "layer i depends only on (seed, i)".
-_INIT_LOCK = threading.Lock()
+# from it at once would interleave and break "layer i depends only on (seed, i)". The same
+# lock guards the seeded forwards of elasticpipe.rng.
+_INIT_LOCK = rng.LOCK
 
 # Factory arguments may come from the wire: keep their echo in error messages short.
 _ARG_REPR = reprlib.Repr()

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -160,6 +162,7 @@ def start_server(
     tls: TLS | None = None,
     insecure: bool = False,
     advertise: str | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor[Any, Any]] = (),
 ) -> RunningServer:
     """Starts a server on ``listen`` ("host:port"; port 0 picks a free one).
 
@@ -167,6 +170,7 @@ def start_server(
         tls: serve mutual TLS, checking every caller's role (``elasticpipe.authz``).
         insecure: allow plaintext beyond loopback (a trusted network).
         advertise: the address peers use (default: see the module's docstring).
+        interceptors: wrap every call (the metrics' RPC error counter).
 
     Raises:
         InvalidRequest: the address cannot be bound, or plaintext beyond loopback
@@ -182,6 +186,7 @@ def start_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         options=rpc.server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_workers * 4,
+        interceptors=list(interceptors),
     )
     for descriptor, servicer in services:
         rpc.add_service(server, descriptor, servicer, authorize=tls is not None)

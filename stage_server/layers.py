@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticpipe import models
+from elasticpipe import models, rng
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
-from elasticpipe.training import make_optimizer
+from elasticpipe.training import loss_fn, make_optimizer
 
 EWMA_ALPHA = 0.3
 
@@ -123,6 +123,7 @@ class LayerSlice:
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.timings: dict[int, LayerTiming] = {}
+        self.loss = loss_fn(job.loss, self.allow)
         self._lock = threading.Lock()
 
     # ---- building ---------------------------------------------------------------------
@@ -150,7 +151,7 @@ class LayerSlice:
         params = [p for p in layer.parameters() if p.requires_grad]
         if not params:
             return None
-        return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs)
+        return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs, self.allow)
 
     @property
     def indices(self) -> list[int]:
@@ -164,7 +165,12 @@ class LayerSlice:
     # ---- compute ------------------------------------------------------------------------
 
     def forward(
-        self, x: torch.Tensor, train: bool, input_grad: bool = True, micro_batch: int = -1
+        self,
+        x: torch.Tensor,
+        train: bool,
+        input_grad: bool = True,
+        micro_batch: int = -1,
+        step: int = 0,
     ) -> tuple[torch.Tensor, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
 
@@ -177,31 +183,35 @@ class LayerSlice:
             train: keep the graph for backward.
             input_grad: whether backward must produce the gradient of ``x`` (not on the
                 first stage, whose input is data: computing it would waste a matmul).
-            micro_batch: named in error messages.
+            micro_batch: the micro-batch's index in its mini-batch (named in errors).
+            step: the logical step (``elasticpipe.rng``: with ``micro_batch`` and the
+                layer's index it seeds the layer's random draws).
 
         Raises:
             UserCodeError: a layer raised on the input it was given.
             ModelError: a layer returned something other than a tensor.
         """
         if not train:
-            return self._infer(x, micro_batch), None
+            return self._infer(x, micro_batch, step), None
         stash = Stash()
-        with torch.enable_grad():
+        with torch.enable_grad(), rng.forked(self.device) as seed_layer:
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 if x.is_floating_point():
                     x = x.detach().requires_grad_(input_grad or n > 0)
+                seed_layer(rng.forward_seed(self.job.seed, step, micro_batch, i))
                 y = self._run_layer(i, layer, x, micro_batch)
                 stash.pairs.append((x, y))
                 x = y
         self.slowdown.pay()
         return x, stash
 
-    def _infer(self, x: torch.Tensor, micro_batch: int) -> torch.Tensor:
-        with torch.inference_mode():
+    def _infer(self, x: torch.Tensor, micro_batch: int, step: int) -> torch.Tensor:
+        with torch.inference_mode(), rng.forked(self.device) as seed_layer:
             for i in self.indices:
                 layer = self.layers[i]
                 layer.eval()
+                seed_layer(rng.forward_seed(self.job.seed, step, micro_batch, i))
                 try:
                     x = self._run_layer(i, layer, x, micro_batch)
                 finally:

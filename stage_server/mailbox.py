@@ -158,6 +158,11 @@ class Mailbox:
         with self._cond:
             return self._failures.get(run)
 
+    def usage(self) -> tuple[int, int]:
+        """Bytes and entries held or reserved now."""
+        with self._cond:
+            return self._bytes, self._entries
+
     def close_through(self, run: int) -> None:
         """Marks every run up to and including ``run`` as over and frees its messages."""
         with self._cond:

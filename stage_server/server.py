@@ -9,7 +9,8 @@ from types import TracebackType
 from elasticpipe import rpc
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotReady
 from elasticpipe.logs import get_logger
-from elasticpipe.serving import RunningServer, start_server
+from elasticpipe.metrics import MetricsEndpoint
+from elasticpipe.serving import RunningServer, split_address, start_server
 from elasticpipe.stage_server.protocol import Do, Effect
 from elasticpipe.stage_server.service import (
     StageServicer,
@@ -37,6 +38,7 @@ class StageServer:
         self._config = config
         self.stage: Stage | None = None
         self._server: RunningServer | None = None
+        self.metrics: MetricsEndpoint | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.stage_id = ""
@@ -58,7 +60,13 @@ class StageServer:
             tls=config.tls,
             insecure=config.insecure,
             advertise=config.advertise or None,
+            interceptors=[servicer.stage.metrics.interceptor()],
         )
+        if config.metrics_port is not None:  # on the gRPC listen host
+            host = split_address(self._listen)[0]
+            self.metrics = MetricsEndpoint(
+                servicer.stage.metrics.registry, host, config.metrics_port
+            )
         config = StageConfig(**{**vars(self._config), "address": self._server.address})
         servicer.stage.config = config
         self.stage = servicer.stage
@@ -110,6 +118,8 @@ class StageServer:
             self._thread.join(timeout=5)
         if self._server is not None:
             self._server.stop()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.stage is not None:
             self.stage.close()
 

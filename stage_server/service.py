@@ -17,6 +17,7 @@ from elasticpipe.stage_server.mailbox import Slot
 from elasticpipe.stage_server.protocol import Decision, RunState
 from elasticpipe.stage_server.snapshots import Holding
 from elasticpipe.stage_server.stage import Admitted, Stage
+from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
@@ -180,6 +181,8 @@ class StageServicer:
             compute_s=result.compute_s,
             wall_s=result.wall_s,
             timings=timings_to_proto(self.stage.timings()),
+            forward_s=[result.forward_s[i] for i in sorted(result.forward_s)],
+            backward_s=[result.backward_s[i] for i in sorted(result.backward_s)],
         )
 
     def FetchOutput(
@@ -198,9 +201,9 @@ class StageServicer:
     def CommitStep(
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
-        return stage_pb2.CommitStepResponse(
-            committed_step=self.stage.commit_step(req.epoch, req.run, req.step, req.client)
-        )
+        with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
+            committed = self.stage.commit_step(req.epoch, req.run, req.step, req.client)
+        return stage_pb2.CommitStepResponse(committed_step=committed)
 
     def AbortStep(
         self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext
@@ -250,11 +253,11 @@ class StageServicer:
     ) -> stage_pb2.FreezeResponse:
         remaining = ctx.time_remaining() or 30.0
         lease = _lease(req.lease_s or 60.0, "lease_s")
-        return stage_pb2.FreezeResponse(
-            committed_step=self.stage.freeze(
+        with self.stage.tracer.span(SpanKind.FREEZE, epoch=req.epoch):
+            committed = self.stage.freeze(
                 req.epoch, max(0.0, remaining - 0.5), lease, req.abort_running
             )
-        )
+        return stage_pb2.FreezeResponse(committed_step=committed)
 
     def PrepareEpoch(
         self, req: stage_pb2.PrepareEpochRequest, ctx: grpc.ServicerContext
@@ -267,18 +270,19 @@ class StageServicer:
             )
         incoming = [(src.layer, src.address) for src in req.incoming]
         remaining = ctx.time_remaining() or req.timeout_s or 60.0
-        received, seconds = self.stage.prepare_epoch(
-            req.epoch,
-            placement,
-            job,
-            incoming,
-            req.committed_step,
-            req.source_epoch,
-            req.rollback,
-            req.restored_by_client,
-            _lease(req.lease_s or 60.0, "lease_s"),
-            max(0.1, remaining - 0.5),
-        )
+        with self.stage.tracer.span(SpanKind.PREPARE, epoch=req.epoch):
+            received, seconds = self.stage.prepare_epoch(
+                req.epoch,
+                placement,
+                job,
+                incoming,
+                req.committed_step,
+                req.source_epoch,
+                req.rollback,
+                req.restored_by_client,
+                _lease(req.lease_s or 60.0, "lease_s"),
+                max(0.1, remaining - 0.5),
+            )
         return stage_pb2.PrepareEpochResponse(
             committed_step=self.stage.committed_step, bytes_received=received, transfer_s=seconds
         )
@@ -286,7 +290,9 @@ class StageServicer:
     def CommitEpoch(
         self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.EpochResponse:
-        return stage_pb2.EpochResponse(epoch=self.stage.commit_epoch(req.epoch))
+        with self.stage.tracer.span(SpanKind.EPOCH_COMMIT, epoch=req.epoch):
+            epoch = self.stage.commit_epoch(req.epoch)
+        return stage_pb2.EpochResponse(epoch=epoch)
 
     def AbortEpoch(
         self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
@@ -351,6 +357,21 @@ class StageServicer:
             frozen=stage.frozen,
             state=state_to_proto(stage.state()),
             snapshots=holdings_to_proto(stage.holdings()),
+        )
+
+    def GetTrace(
+        self, req: stage_pb2.TraceRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.TraceResponse:
+        tracer = self.stage.tracer
+        now = tracer.now_ns()
+        steps = int(bounds.number(req.steps, "steps", 0, tracer.steps_kept))
+        spans, truncated = tracer.last(steps, MAX_TRACE_SPANS)
+        return stage_pb2.TraceResponse(
+            now_ns=now,
+            name=self.stage.config.name,
+            spans=[s.to_proto() for s in spans],
+            truncated=truncated,
+            steps_kept=tracer.steps_kept,
         )
 
     def SetSlowdown(

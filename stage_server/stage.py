@@ -29,6 +29,7 @@ from elasticpipe.errors import (
 )
 from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
+from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import forward_ops, stage_ops
 from elasticpipe.stage_server import transfers
@@ -46,7 +47,9 @@ from elasticpipe.stage_server.snapshots import (
     check_copy,
     check_layers,
 )
+from elasticpipe.stage_server.tracing import Tracer
 from elasticpipe.tls import TLS
+from elasticpipe.training import check_job
 from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
@@ -78,6 +81,7 @@ class StageConfig:
     tls: TLS | None = None  # mutual TLS for every connection (server and peers)
     insecure: bool = False  # plaintext beyond loopback, on a trusted network
     advertise: str = ""  # the address peers use (default: derived from the listen address)
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Stage:
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
+        self.tracer = Tracer()
         self.stage_id = ""  # this incarnation's id, once registered
         self.job: JobConfig | None = None
         self.slice: LayerSlice | None = None
@@ -138,6 +143,7 @@ class Stage:
         self._snapshotter = Snapshotter(
             self.snapshots, self._push_copy, lambda: self.faults.point("snapshot")
         )
+        self.metrics = StageMetrics(self._metrics_view)
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="leases", daemon=True)
         self._ticker.start()
@@ -210,8 +216,9 @@ class Stage:
 
     def describe(self, job: JobConfig) -> tuple[int, list[int], str, str]:
         """Number of layers and bytes of each, and the factory's module file and hash,
-        checking the model is allowed here."""
+        checking the model, loss and optimizer are allowed here."""
         num_layers, sizes = models.describe(job.model, job.model_kwargs, self.config.allow_models)
+        check_job(job.loss, job.optimizer, job.optimizer_kwargs, self.config.allow_models)
         path, digest = models.factory_source(job.model, self.config.allow_models)
         return num_layers, sizes, path, digest
 
@@ -285,7 +292,12 @@ class Stage:
         for address in wanted:
             if address not in self._links:
                 self._links[address] = Link(
-                    address, self._fail_run, self.config.send_timeout_s, self.config.tls
+                    address,
+                    self._fail_run,
+                    self.config.send_timeout_s,
+                    self.config.tls,
+                    self.metrics.sent,
+                    self.tracer,
                 )
 
     def _fail_run(self, run: int, error: ElasticPipeError) -> None:
@@ -333,6 +345,9 @@ class Stage:
             value = (tensor, loss_scale) if slot is Slot.TARGET else tensor
             nbytes = tensor.numel() * tensor.element_size()
             admitted.mailbox.put(run, slot, micro_batch, value, nbytes, admitted.reservation)
+            placement = self.placement
+            peers = {Slot.INPUT: placement.prev, Slot.GRAD: placement.next} if placement else {}
+            self.metrics.received(peers.get(slot) or "client", nbytes)
         finally:
             admitted.mailbox.release(admitted.reservation)
 
@@ -364,6 +379,7 @@ class Stage:
                 step=step,
                 train=train,
                 deadline=time.monotonic() + timeout,
+                tracer=self.tracer,
             )
         self.faults.point("run_started")
         placement = ctx.placement
@@ -389,6 +405,7 @@ class Stage:
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
             if not train:
                 self._outputs = (run, result.outputs)
+        self.metrics.ran(train, result.wall_s, result.op_seconds)
         self.faults.point("awaiting_commit")
         return result
 
@@ -764,6 +781,27 @@ class Stage:
             if self.slice is None:
                 return {}
             return {i: LayerTiming(**vars(t)) for i, t in self.slice.timings.items()}
+
+    def _metrics_view(self) -> StageView:
+        """What a scrape of the metrics reports about this stage's state."""
+        placement, timings = self.placement, self.timings()
+        mailbox_bytes, mailbox_entries = self._mailbox.usage()
+        return StageView(
+            epoch=self.epoch,
+            layer_lo=placement.lo if placement else 0,
+            layer_hi=placement.hi if placement else 0,
+            committed_step=self.committed_step,
+            mailbox_bytes=mailbox_bytes,
+            mailbox_entries=mailbox_entries,
+            stashed_bytes=self.last_peak[1],
+            stashed_micro_batches=self.last_peak[0],
+            slowdown=self.slowdown.factor,
+            layer_seconds={
+                (i, d): getattr(t, f"{d}_s")
+                for i, t in timings.items()
+                for d in ("forward", "backward")
+            },
+        )
 
     def state(self) -> RunState:
         """Where the stage is in its protocols."""

@@ -1,5 +1,6 @@
 """Hugging Face causal LMs (``elasticpipe.hf:causal_lm``) trained through three real stages
-equal the Hugging Face model's own forward, loss, backward and optimizer step."""
+equal the Hugging Face model's own forward, loss, backward and optimizer step, and
+``LocalPipeline``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from elasticpipe import hf, models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import ModelError
+from elasticpipe.local import LocalPipeline
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,9 +109,21 @@ def test_training_through_three_stages_equals_the_hugging_face_model(
         losses = [pipe.train_step(ids[:, :-1], ids[:, 1:]) for ids in batches]
         torch.testing.assert_close(losses, expected)
         got = _hf_state(pipe, family)
+        pipe_state = pipe.state_dict()
     want = reference.state_dict()
     assert got.keys() == want.keys()
     torch.testing.assert_close(got, dict(want))
+    with LocalPipeline(
+        model=MODEL,
+        model_kwargs=hf.model_kwargs(str(tmp_path)),
+        init_state=tmp_path,
+        optimizer="sgd",
+        optimizer_kwargs=SGD,
+        micro_batches=2,
+    ) as local:
+        local_losses = [local.train_step(ids[:, :-1], ids[:, 1:]) for ids in batches]
+        torch.testing.assert_close(local_losses, losses)
+        torch.testing.assert_close(local.state_dict(), pipe_state)
 
 
 @pytest.mark.timeout(120)

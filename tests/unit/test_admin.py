@@ -66,3 +66,23 @@ def test_parse_ranges_rejects_negative_layers() -> None:
     """A range starting below layer 0 is malformed and raises InvalidRequest naming it."""
     with pytest.raises(InvalidRequest, match="'-2:3'"):
         parse_ranges("-2:3,3:6")
+
+
+def test_status_columns_widen_for_long_names_and_addresses() -> None:
+    """A StatefulSet's pod names and DNS addresses stay in their columns."""
+    from elasticpipe.admin import format_status
+    from elasticpipe.v1 import coordinator_pb2
+
+    long_name = "elasticpipe-stage-0spare"
+    long_address = "elasticpipe-stage-0.elasticpipe-stage.default.svc.cluster.local:7200"
+    status = coordinator_pb2.StatusResponse(num_layers=4)
+    status.partition.boundaries.extend([0, 2, 4])
+    for i, (name, address) in enumerate([(long_name, long_address), ("s1", "10.0.0.2:7200")]):
+        status.stages.add(name=name, address=address, state="chain", index=i, layer_hi=2 * i + 2)
+    table = format_status(status).splitlines()
+    header = next(line for line in table if line.startswith("name"))
+    rows = [line for line in table if line.startswith((long_name, "s1 "))]
+    assert len(rows) == 2
+    for row in rows:  # every row's state column starts where the header's does
+        assert row[header.index("state") :].startswith("chain")
+        assert row[header.index("address") - 1] == " "

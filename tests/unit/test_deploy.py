@@ -117,7 +117,6 @@ _DOC_COMMANDS = (*_TAKE_ALL, "certs")
 # test_pending_flags_are_still_pending fails: delete its line, and the real one is checked.
 PENDING_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     # flag: (commands that take it, how argparse reads it)
-    "--metrics-port": (_SERVERS, {"type": int}),
 }
 
 

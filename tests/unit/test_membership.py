@@ -139,6 +139,29 @@ def test_a_stage_leaving_on_its_own_does_not_drain_its_successor(
     assert not members.by_id(again).row.drained  # type: ignore[union-attr]
 
 
+def test_leaving_is_remembered_across_a_coordinator_restart(store: Store, clock: FakeClock) -> None:
+    """The successor of a stage that left on its own rejoins even after a restart."""
+    first = Membership(store, clock=clock)
+    sid, _ = first.register("host-a", "a:1", "cpu")
+    first.mark_leaving(sid)
+    first.set_drained(sid, True)
+    restarted = Membership(store, clock=clock)
+    again, _ = restarted.register("host-a", "a:1", "cpu")
+    assert not restarted.by_id(again).row.drained  # type: ignore[union-attr]
+
+
+def test_an_operators_drain_survives_the_stage_leaving_and_dying(members: Membership) -> None:
+    """Drained by an operator, then SIGTERM'd (or killed and declared dead): the next
+    incarnation is still drained."""
+    sid, _ = members.register("host-a", "a:1", "cpu")
+    members.set_drained(sid, True)
+    members.mark_leaving(sid)  # its own shutdown does not turn the drain into a leave
+    members.declare_dead(sid, "killed")
+    again, older = members.register("host-a", "a:1", "cpu")
+    assert older == []  # already dead
+    assert members.by_id(again).row.drained  # type: ignore[union-attr]
+
+
 def test_forget_removes_an_incarnation(store: Store, clock: FakeClock) -> None:
     """A forgotten incarnation is gone from membership, also after a restart."""
     members = Membership(store, clock=clock)
