@@ -52,6 +52,7 @@ class JobConfig:
     schedule: str = "1f1b"
     job_id: str = ""
     snapshot_every: int = 0
+    external_weights: bool = False  # initial weights come from the client (init_state)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -91,6 +92,7 @@ class JobConfig:
             micro_batches=self.micro_batches,
             schedule=self.schedule,
             snapshot_every=self.snapshot_every,
+            external_weights=self.external_weights,
         )
 
     @classmethod
@@ -111,4 +113,5 @@ class JobConfig:
             schedule=spec.schedule or "1f1b",
             job_id=spec.job_id,
             snapshot_every=spec.snapshot_every,
+            external_weights=spec.external_weights,
         )

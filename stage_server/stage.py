@@ -73,6 +73,7 @@ class StageConfig:
     slowdown: float = 1.0
     timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
+    max_layer_bytes: int = codec.DEFAULT_MAX_LAYER_BYTES  # one layer's state, all tensors
     mailbox_bytes: int = 4 << 30
     send_timeout_s: float = 30.0
     commit_lease_s: float = 30.0
@@ -256,7 +257,9 @@ class Stage:
 
         One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
         """
-        model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
+        model = models.build(
+            job.model, job.seed, self.config.allow_models, job.external_weights, **job.model_kwargs
+        )
         probe = self._new_slice(job)
         probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
         runs: list[dict[int, LayerTiming]] = []
@@ -514,7 +517,9 @@ class Stage:
                     deadline,
                 )
                 received += len(blob)
-                state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+                state = codec.unpack_state(
+                    blob, self.config.max_tensor_bytes, self.config.max_layer_bytes
+                )
                 if not isinstance(state, dict):
                     raise TransferError(f"layer {layer}: state is not a mapping")
                 staged[layer] = target.load_layer(layer, state)
@@ -577,7 +582,7 @@ class Stage:
             source,
             request,
             deadline,
-            self.config.max_tensor_bytes,
+            self.config.max_layer_bytes,
             self.faults.take_import_fault(),
         )
 
@@ -699,7 +704,7 @@ class Stage:
             raise NotReady(
                 f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
             )
-        state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+        state = codec.unpack_state(blob, self.config.max_tensor_bytes, self.config.max_layer_bytes)
         if not isinstance(state, dict):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state)
