@@ -53,6 +53,7 @@ class JobConfig:
     schedule: str = "1f1b"
     job_id: str = ""
     snapshot_every: int = 0
+    external_weights: bool = False  # initial weights come from the client (init_state)
     precision: str = "fp32"  # "bf16": layer forwards under autocast (see precision.py)
 
     def __post_init__(self) -> None:
@@ -97,6 +98,7 @@ class JobConfig:
             micro_batches=self.micro_batches,
             schedule=self.schedule,
             snapshot_every=self.snapshot_every,
+            external_weights=self.external_weights,
             precision=self.precision,
         )
 
@@ -118,5 +120,6 @@ class JobConfig:
             schedule=spec.schedule or "1f1b",
             job_id=spec.job_id,
             snapshot_every=spec.snapshot_every,
+            external_weights=spec.external_weights,
             precision=spec.precision or "fp32",
         )

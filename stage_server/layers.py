@@ -133,7 +133,14 @@ class LayerSlice:
     def build(self, lo: int, hi: int) -> None:
         """Builds layers [lo, hi) fresh from the job's factory (new job)."""
         built = models.build_layers(
-            self.job.model, self.job.seed, self.job.model_kwargs, lo, hi, self.device, self.allow
+            self.job.model,
+            self.job.seed,
+            self.job.model_kwargs,
+            lo,
+            hi,
+            self.device,
+            self.allow,
+            external=self.job.external_weights,
         )
         self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
         self.optimizers = {
@@ -307,7 +314,7 @@ class LayerSlice:
         layer = models.materialize_layer(skeleton[index], self.device).train()
         # Initialise first: buffers that the state dict does not carry (non-persistent
         # ones, such as causal masks) must not stay uninitialised memory.
-        models.init_layer(layer, self.job.seed, index)
+        models.prepare_layer(layer, self.job.seed, index, self.job.external_weights)
         try:
             layer.load_state_dict(state["model"], strict=True)
         except (RuntimeError, KeyError, TypeError) as exc:

@@ -73,6 +73,7 @@ class StageConfig:
     slowdown: float = 1.0
     timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
+    max_layer_bytes: int = codec.DEFAULT_MAX_LAYER_BYTES  # one layer's state, all tensors
     mailbox_bytes: int = 4 << 30
     send_timeout_s: float = 30.0
     commit_lease_s: float = 30.0
@@ -497,7 +498,9 @@ class Stage:
                     deadline,
                 )
                 received += len(blob)
-                state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+                state = codec.unpack_state(
+                    blob, self.config.max_tensor_bytes, self.config.max_layer_bytes
+                )
                 if not isinstance(state, dict):
                     raise TransferError(f"layer {layer}: state is not a mapping")
                 staged[layer] = target.load_layer(layer, state)
@@ -560,7 +563,7 @@ class Stage:
             source,
             request,
             deadline,
-            self.config.max_tensor_bytes,
+            self.config.max_layer_bytes,
             self.faults.take_import_fault(),
         )
 
@@ -682,7 +685,7 @@ class Stage:
             raise NotReady(
                 f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
             )
-        state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+        state = codec.unpack_state(blob, self.config.max_tensor_bytes, self.config.max_layer_bytes)
         if not isinstance(state, dict):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state)

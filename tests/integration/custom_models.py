@@ -70,3 +70,20 @@ class GlobalNormSGD(torch.optim.Optimizer):
 def no_optimizer(params: Any, lr: float = 0.1) -> list[Any]:
     """Takes an optimizer's arguments but returns no optimizer (refused)."""
     return list(params)
+
+
+class Scale(nn.Module):
+    """Multiplies by a learned vector set in ``__init__``: it has no ``reset_parameters()``,
+    as many library layers do not (a seed cannot initialise it; ``init_state`` can)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def no_reset(width: int = 6, classes: int = 3) -> nn.Sequential:
+    """Linear, Scale (no reset_parameters), Tanh, Linear."""
+    return nn.Sequential(nn.Linear(width, 12), Scale(12), nn.Tanh(), nn.Linear(12, classes))
