@@ -294,6 +294,32 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def _watch(stub: Any, args: argparse.Namespace) -> int:
+    """``status --watch``: the live view (or JSON lines) until Ctrl-C or ``--count`` polls."""
+    from rich.console import Console
+
+    from elasticpipe.watch import watch
+
+    def fetch() -> coordinator_pb2.StatusResponse:
+        try:
+            reply: coordinator_pb2.StatusResponse = stub.Status(
+                coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            raise rpc.translate(exc, args.coordinator, CoordinatorUnavailable) from exc
+        return reply
+
+    if args.interval <= 0:
+        raise InvalidRequest(f"--interval must be positive, got {args.interval}")
+    if args.count < 0:
+        raise InvalidRequest(f"--count must be 0 (no limit) or positive, got {args.count}")
+    as_json = to_json if args.json else None
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide lines rather than folded cells
+        console = Console(width=max(console.width, 160))
+    return watch(fetch, console, args.interval, args.count, as_json)
+
+
 def _print(text: str) -> None:
     """Prints for a reader that may go away (``| head``): a closed pipe ends quietly."""
     try:
@@ -309,6 +335,8 @@ def run_admin(args: argparse.Namespace) -> int:
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         with rpc.channel(address, tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            if args.admin_command == "status" and getattr(args, "watch", False):
+                return _watch(stub, args)
             try:
                 reply, text = COMMANDS[args.admin_command](stub, args)
             except grpc.RpcError as exc:

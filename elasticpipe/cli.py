@@ -485,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status", "stages, their state and speed, the partition and its history", STATUS_HELP
     )
     status.add_argument("--all", action="store_true", help="the history of every job")
+    status.add_argument(
+        "--watch", action="store_true", help="a live view, redrawn every --interval (Ctrl-C ends)"
+    )
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between two polls")
+    status.add_argument("--count", type=int, default=0, help="stop after N polls (0: never)")
     admin("plan", "the current partition next to the optimal one (changes nothing)")
     rb = admin("rebalance", "move to the optimal partition now")
     rb.add_argument(
