@@ -38,7 +38,16 @@ def _children_alive(pid: int) -> list[int]:
         text=True,
         check=False,
     ).stdout
-    return [int(p) for p in out.split() if int(p) != pid]
+    # Only ours: other checkouts on the same host may run clusters of their own.
+    here = os.getcwd()
+    return [int(p) for p in out.split() if int(p) != pid and _cwd(int(p)) == here]
+
+
+def _cwd(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:  # gone already, or not ours to read
+        return ""
 
 
 @pytest.mark.timeout(240)
