@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -318,6 +318,19 @@ def _watch(stub: Any, args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a log or a pipe: wide lines rather than folded cells
         console = Console(width=max(console.width, 160))
     return watch(fetch, console, args.interval, args.count, as_json)
+
+
+class AdminParser(argparse.ArgumentParser):
+    """The parser of an admin subcommand: with ``--json`` on the command line, a usage error
+    (a missing or malformed argument) is the JSON error object too, exit code 2, so that a
+    script reads every failure the same way."""
+
+    def error(self, message: str) -> NoReturn:
+        if "--json" in sys.argv[1:]:
+            error = {"code": "INVALID_ARGUMENT", "message": f"{self.prog}: {message}"}
+            _print(json.dumps({"error": error}))
+            raise SystemExit(2)
+        super().error(message)
 
 
 def _print(text: str) -> None:

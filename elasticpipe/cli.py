@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 # gRPC's core logs every failed TLS handshake at INFO on stderr: one line per port scan or
 # misconfigured client, which would let anyone flood a server's log. Errors only, unless
@@ -26,6 +26,9 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import LEVELS, configure_logging, get_logger
 from elasticpipe.tls import TLS
+
+if TYPE_CHECKING:
+    from elasticpipe.admin import AdminParser
 
 ENV_LOG_FORMAT = "ELASTICPIPE_LOG_FORMAT"
 ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
@@ -246,10 +249,12 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsH
         return super()._get_help_string(action)
 
 
-def _admin_options(defaults: bool) -> argparse.ArgumentParser:
+def _admin_options(defaults: bool) -> AdminParser:
     """The admin options, accepted before and after the subcommand (only the given ones
     override: the defaults are set once, on the ``admin`` parser)."""
-    common = argparse.ArgumentParser(add_help=False)
+    from elasticpipe.admin import AdminParser
+
+    common = AdminParser(add_help=False)
     kw = (lambda d: {"default": d}) if defaults else (lambda d: {"default": argparse.SUPPRESS})
     common.add_argument(
         "--coordinator",
@@ -514,8 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_admin_options(defaults=True)],
         formatter_class=Formatter,
     )
+    from elasticpipe.admin import AdminParser
+
     adsub = ad.add_subparsers(
         dest="admin_command",
+        parser_class=AdminParser,  # usage errors as JSON with --json
         required=True,
         metavar="ADMIN_COMMAND",
         help="what to look at or change (ADMIN_COMMAND --help: more)",

@@ -326,7 +326,7 @@ def _disturb(
         recorder.event(
             step, t, "slowdown", f"{events.slow_stage} {events.factor:g}x slower", events.slow_stage
         )
-    if step == events.recover_at:
+    if step == events.recover_at and events.slow_at:
         _slowdown(cluster, events.slow_stage, 1.0)
         label = f"{events.slow_stage} back to full speed"
         recorder.event(step, t, "recovered", label, events.slow_stage)

@@ -171,3 +171,25 @@ def test_watch_rejects_a_bad_interval_naming_it(cluster: LocalCluster) -> None:
     """--interval 0 is an error naming the value, as JSON with --json."""
     out = _admin(cluster, "status", "--watch", "--interval", "0")
     assert out["error"]["code"] == "INVALID_ARGUMENT" and "0.0" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["slowdown", "stage-0", "fast"], "'fast'"),
+        (["set-partition"], "ranges"),
+        (["auto", "maybe"], "'maybe'"),
+    ],
+)
+def test_usage_errors_are_json_with_json(args: list[str], named: str) -> None:
+    """A malformed command line with --json is the error object (exit 2), naming the value."""
+    run = subprocess.run(
+        [sys.executable, "-m", "elasticpipe", "admin", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    out = _check(args[0], json.loads(run.stdout))
+    assert out["error"]["code"] == "INVALID_ARGUMENT" and named in out["error"]["message"]
