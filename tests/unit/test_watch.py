@@ -163,3 +163,13 @@ def test_the_first_failed_poll_propagates() -> None:
     """Nothing to show yet: the error of the first poll reaches the caller."""
     with pytest.raises(CoordinatorUnavailable):
         watch(_polls(CoordinatorUnavailable("nobody")), Console(file=io.StringIO()), 0.01, 1)
+
+
+def test_on_a_terminal_the_view_is_redrawn_in_place() -> None:
+    """A terminal gets a live display: the last frame is on screen, with its step rate."""
+    out = io.StringIO()
+    console = Console(file=out, width=160, force_terminal=True)
+    assert watch(_polls(_status(1), _status(7)), console, 0.01, count=2) == 0
+    text = out.getvalue()
+    assert "step 7" in text and "step rate" in text
+    assert "\x1b[" in text  # cursor movement / styling: drawn live, not appended as a log
