@@ -2,10 +2,11 @@
 
 Each command prints the JSON form of one protobuf message (``admin.to_json``: every field
 present, zeros too, 64-bit integers as numbers, enums by name, bytes as hex) or, on any
-error, ``{"error": {"code": "<gRPC status name>", "message": "..."}}``. The schemas are
-derived from the message descriptors (so a new field is in the schema the day it is in the
-proto) plus the value sets the coordinator documents for string fields (a stage's state,
-an epoch record's kind); every object is closed (``additionalProperties: false``).
+error, ``{"error": {"code": "<gRPC status name>", "message": "..."}}``; ``admin trace``
+prints its own summary object. The message schemas are derived from the descriptors (so a
+new field is in the schema the day it is in the proto) plus the value sets the coordinator
+documents for string fields (a stage's state, an epoch record's kind); every object is
+closed (``additionalProperties: false``).
 
 ``python -m elasticpipe.schemas DIR`` writes one file per command (``docs/schemas``); a
 test keeps those files equal to what this module derives.
@@ -37,6 +38,68 @@ COMMAND_MESSAGES: dict[str, Descriptor] = {
     "slowdown": coordinator_pb2.AdminAck.DESCRIPTOR,
     "auto": coordinator_pb2.AdminAck.DESCRIPTOR,
 }
+
+# Commands that print a plain object rather than a message (admin trace: traces.summary).
+_NUMBER = {"type": "number"}
+TRACE_ANSWER: dict[str, Any] = {
+    "type": "object",
+    "required": ["stages", "steps", "out", "png"],
+    "additionalProperties": False,
+    "properties": {
+        "stages": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": [
+                    "index",
+                    "name",
+                    "address",
+                    "layers",
+                    "spans",
+                    "truncated",
+                    "clock_offset_ms",
+                    "clock_rtt_ms",
+                ],
+                "additionalProperties": False,
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "name": {"type": "string"},
+                    "address": {"type": "string"},
+                    "layers": {
+                        "type": "array",
+                        "items": {"type": "integer", "minimum": 0},
+                        "minItems": 2,
+                        "maxItems": 2,
+                    },
+                    "spans": {"type": "integer", "minimum": 0},
+                    "truncated": {"type": "boolean"},
+                    "clock_offset_ms": _NUMBER,
+                    "clock_rtt_ms": {"type": "number", "minimum": 0},
+                },
+            },
+        },
+        "steps": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["step", "ideal_s", "measured_s", "efficiency"],
+                "additionalProperties": False,
+                "properties": {
+                    "step": {"type": "integer", "minimum": 1},
+                    "ideal_s": {"type": "number", "exclusiveMinimum": 0},
+                    "measured_s": {"type": "number", "exclusiveMinimum": 0},
+                    "efficiency": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                },
+            },
+        },
+        "out": {"type": "string"},
+        "png": {"type": "string"},
+    },
+}
+COMMAND_OBJECTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "trace": ("the trace's summary: per stage and per step (traces.summary)", TRACE_ANSWER),
+}
+COMMANDS = [*COMMAND_MESSAGES, *COMMAND_OBJECTS]
 
 # String fields whose values are a closed set (message name, field name) -> values.
 STRING_VALUES: dict[tuple[str, str], list[str]] = {
@@ -115,18 +178,21 @@ def command_schema(command: str) -> dict[str, Any]:
     Raises:
         KeyError: a command without JSON output (the message names the known ones).
     """
-    if command not in COMMAND_MESSAGES:
-        raise KeyError(
-            f"no schema for admin command {command!r} (known: {sorted(COMMAND_MESSAGES)})"
-        )
-    message = COMMAND_MESSAGES[command]
     defs: dict[str, Any] = {}
-    answer = _object(message, defs)
+    if command in COMMAND_MESSAGES:
+        message = COMMAND_MESSAGES[command]
+        answer = _object(message, defs)
+        description = f"a {message.full_name} message, every field present; or an error"
+    elif command in COMMAND_OBJECTS:
+        what, answer = COMMAND_OBJECTS[command]
+        description = f"{what}; or an error"
+    else:
+        raise KeyError(f"no schema for admin command {command!r} (known: {sorted(COMMANDS)})")
     return {
         "$schema": DIALECT,
         "$id": f"elasticpipe-admin-{command}.json",
         "title": f"elasticpipe admin {command} --json",
-        "description": f"a {message.full_name} message, every field present; or an error",
+        "description": description,
         "oneOf": [answer, {"$ref": "#/$defs/Error"}],
         "$defs": {**dict(sorted(defs.items())), "Error": ERROR_SCHEMA},
     }
@@ -137,7 +203,7 @@ def write(folder: str | Path) -> list[Path]:
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for command in COMMAND_MESSAGES:
+    for command in COMMANDS:
         path = out / f"admin-{command}.json"
         path.write_text(json.dumps(command_schema(command), indent=2) + "\n")
         paths.append(path)

@@ -42,14 +42,12 @@ def step_rate(
     return max(0, current.committed_step - previous.committed_step) / elapsed_s
 
 
-def efficiency(status: coordinator_pb2.StatusResponse) -> float | None:
-    """The latest pipeline efficiency (ideal over measured step time) if the status carries
-    one: a field whose name holds ``efficiency``; None when there is none or it is unset."""
-    for field in status.DESCRIPTOR.fields:
-        if "efficiency" in field.name and field.cpp_type == field.CPPTYPE_DOUBLE:
-            value = float(getattr(status, field.name))
-            return value if value > 0 else None
-    return None
+def efficiency(status: coordinator_pb2.StatusResponse) -> tuple[float, int] | None:
+    """The latest pipeline efficiency (ideal over measured step time) and the step it was
+    measured on; None while the job's client has reported none."""
+    if not status.efficiency_step:
+        return None
+    return status.efficiency, status.efficiency_step
 
 
 def _ranges(boundaries: list[int]) -> str:
@@ -70,7 +68,8 @@ def _header(
     text.append("step rate ")
     text.append("-" if rate is None else f"{rate:.2f}/s", style="bold")
     if eff is not None:
-        text.append(f"   efficiency {eff:.0%}", style="bold")
+        text.append(f"   efficiency {eff[0]:.0%}", style="bold")
+        text.append(f" (step {eff[1]})")
     text.append(f"\npartition {_ranges(list(s.partition.boundaries)) or '-'}   ")
     text.append(f"auto-rebalance {'on' if s.auto_rebalance else 'off'}   ")
     text.append(f"client {s.client or 'none'}")
@@ -149,8 +148,8 @@ def render(
         note: a line shown above the view (a failed poll, say).
 
     Returns:
-        A ``rich`` renderable: the header (job, epoch, step, step rate, efficiency if
-        the status carries it), the stage table, and the last decisions.
+        A ``rich`` renderable: the header (job, epoch, step, step rate, the latest
+        efficiency once the client reported one), the stage table, and the last decisions.
     """
     parts: list[RenderableType] = []
     if note:

@@ -7,7 +7,6 @@ import json
 from collections.abc import Callable, Iterator
 
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from rich.console import Console
 
 from elasticpipe.errors import CoordinatorUnavailable
@@ -101,28 +100,14 @@ def test_only_the_newest_decisions_are_shown() -> None:
     assert "decision-6" not in text
 
 
-def _with_efficiency(value: float) -> object:
-    """A message like a future StatusResponse carrying a ``pipeline_efficiency`` field."""
-    proto = descriptor_pb2.FileDescriptorProto(name="eff_test.proto", package="efftest")
-    msg = proto.message_type.add(name="Status")
-    msg.field.add(
-        name="pipeline_efficiency",
-        number=1,
-        type=descriptor_pb2.FieldDescriptorProto.TYPE_DOUBLE,
-        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
-    )
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(proto)
-    cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("efftest.Status"))
-    return cls(pipeline_efficiency=value)
-
-
-def test_efficiency_shows_only_when_the_status_carries_one() -> None:
-    """Today's status has no efficiency field (nothing shown); a status with one shows it."""
+def test_efficiency_shows_once_the_client_reported_one() -> None:
+    """No efficiency step: nothing shown; with one: the figure and its step."""
     assert efficiency(_status(1)) is None
     assert "efficiency" not in _text(None, _status(1), 0.0)
-    assert efficiency(_with_efficiency(0.73)) == pytest.approx(0.73)  # type: ignore[arg-type]
-    assert efficiency(_with_efficiency(0.0)) is None  # type: ignore[arg-type]
+    status = _status(12)
+    status.efficiency, status.efficiency_step = 0.73, 11
+    assert efficiency(status) == (pytest.approx(0.73), 11)
+    assert "efficiency 73% (step 11)" in _text(None, status, 0.0)
 
 
 def _polls(*items: pb.StatusResponse | Exception) -> Callable[[], pb.StatusResponse]:
