@@ -93,7 +93,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_demo_events_slow_down_recover_and_kill_a_stage_and_draw_them(tmp_path: Path) -> None:
     """The slowdown moves layers off the slowed stage, training survives the kill, the
     summary lists the events in order, and the PNG has the documented size."""
@@ -111,7 +111,7 @@ def test_demo_events_slow_down_recover_and_kill_a_stage_and_draw_them(tmp_path: 
         ],
         capture_output=True,
         text=True,
-        timeout=140,
+        timeout=180,
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
