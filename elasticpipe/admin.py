@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -308,6 +308,45 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def _watch(stub: Any, args: argparse.Namespace) -> int:
+    """``status --watch``: the live view (or JSON lines) until Ctrl-C or ``--count`` polls."""
+    from rich.console import Console
+
+    from elasticpipe.watch import watch
+
+    def fetch() -> coordinator_pb2.StatusResponse:
+        try:
+            reply: coordinator_pb2.StatusResponse = stub.Status(
+                coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            raise rpc.translate(exc, args.coordinator, CoordinatorUnavailable) from exc
+        return reply
+
+    if args.interval <= 0:
+        raise InvalidRequest(f"--interval must be positive, got {args.interval}")
+    if args.count < 0:
+        raise InvalidRequest(f"--count must be 0 (no limit) or positive, got {args.count}")
+    as_json = to_json if args.json else None
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide lines rather than folded cells
+        console = Console(width=max(console.width, 160))
+    return watch(fetch, console, args.interval, args.count, as_json)
+
+
+class AdminParser(argparse.ArgumentParser):
+    """The parser of an admin subcommand: with ``--json`` on the command line, a usage error
+    (a missing or malformed argument) is the JSON error object too, exit code 2, so that a
+    script reads every failure the same way."""
+
+    def error(self, message: str) -> NoReturn:
+        if "--json" in sys.argv[1:]:
+            error = {"code": "INVALID_ARGUMENT", "message": f"{self.prog}: {message}"}
+            _print(json.dumps({"error": error}))
+            raise SystemExit(2)
+        super().error(message)
+
+
 def _print(text: str) -> None:
     """Prints for a reader that may go away (``| head``): a closed pipe ends quietly."""
     try:
@@ -323,6 +362,8 @@ def run_admin(args: argparse.Namespace) -> int:
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         with rpc.channel(address, tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            if args.admin_command == "status" and getattr(args, "watch", False):
+                return _watch(stub, args)
             try:
                 reply, text = COMMANDS[args.admin_command](stub, args)
             except grpc.RpcError as exc:
