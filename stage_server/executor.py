@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elasticpipe import wire
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, UserCodeError
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
@@ -40,6 +41,8 @@ class StepResult:
     compute_s: float = 0.0
     wall_s: float = 0.0
     op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, compute)
+    grad_sq_norm: float = 0.0  # training with clipping: of the accumulated gradients
+    lr: float = 0.0  # training: the learning rate the commit applies
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
     stashes: dict[int, Stash] = {}
     loss_grads: dict[int, torch.Tensor] = {}
     losses: dict[int, float] = {}
+    wire_dtype = ctx.layers.job.wire_dtype
     started = time.perf_counter()
     for op in ops:
         i = op.micro_batch
@@ -99,6 +103,8 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             raise failure
         if op.kind is OpKind.FORWARD:
             x = mailbox.take(run, Slot.INPUT, i, ctx.deadline)
+            if not first:
+                x = wire.decode(x, wire_dtype)
             t0 = time.perf_counter()
             y, stash = ctx.layers.forward(
                 x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i
@@ -111,7 +117,14 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 result.outputs[i] = y.detach().cpu()
             else:
                 ctx.links[placement.next].put(
-                    Outgoing("Forward", placement.epoch, run, ctx.step, i, y.detach())
+                    Outgoing(
+                        "Forward",
+                        placement.epoch,
+                        run,
+                        ctx.step,
+                        i,
+                        wire.encode(y.detach(), wire_dtype),
+                    )
                 )
             if stash is not None:
                 stashes[i] = stash
@@ -119,14 +132,24 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 held = sum(s.nbytes() for s in stashes.values())
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
         else:
-            grad = loss_grads.pop(i) if last else mailbox.take(run, Slot.GRAD, i, ctx.deadline)
+            if last:
+                grad = loss_grads.pop(i)
+            else:
+                grad = wire.decode(mailbox.take(run, Slot.GRAD, i, ctx.deadline), wire_dtype)
             t0 = time.perf_counter()
             grad_in = ctx.layers.backward(stashes.pop(i), grad.to(ctx.device), micro_batch=i)
             result.op_seconds.append(("backward", time.perf_counter() - t0))
             result.compute_s += result.op_seconds[-1][1]
             if not first and grad_in is not None:
                 ctx.links[placement.prev].put(
-                    Outgoing("Backward", placement.epoch, run, ctx.step, i, grad_in.detach())
+                    Outgoing(
+                        "Backward",
+                        placement.epoch,
+                        run,
+                        ctx.step,
+                        i,
+                        wire.encode(grad_in.detach(), wire_dtype),
+                    )
                 )
     for link in ctx.links.values():
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)

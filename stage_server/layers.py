@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from elasticpipe import models
+from elasticpipe import clipping, models, schedulers
+from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
 from elasticpipe.training import make_optimizer
@@ -49,13 +50,25 @@ class LayerTiming:
 
 @dataclass
 class Stash:
-    """What backward needs of one micro-batch: each layer's (detached input, output)."""
+    """What backward needs of one micro-batch: each layer's (detached input, output);
+    the output is None for a layer that recomputes its forward during backward."""
 
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
     def nbytes(self) -> int:
         """Bytes of the activations held (inputs and outputs of every layer)."""
-        return sum(t.numel() * t.element_size() for pair in self.pairs for t in pair)
+        return sum(
+            t.numel() * t.element_size() for pair in self.pairs for t in pair if t is not None
+        )
+
+
+class Built(NamedTuple):
+    """One layer with its optimizer and learning-rate scheduler (None without parameters
+    or without a schedule)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: schedulers.Scheduler | None
 
 
 class Slowdown:
@@ -122,6 +135,7 @@ class LayerSlice:
         self.slowdown = slowdown
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.schedulers: dict[int, schedulers.Scheduler] = {}
         self.timings: dict[int, LayerTiming] = {}
         self._lock = threading.Lock()
 
@@ -136,6 +150,9 @@ class LayerSlice:
         self.optimizers = {
             i: opt for i, layer in self.layers.items() if (opt := self._optimizer(layer))
         }
+        self.schedulers = {
+            i: sched for i, opt in self.optimizers.items() if (sched := self._scheduler(opt))
+        }
         self.timings = {i: LayerTiming() for i in self.layers}
 
     def _optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
@@ -144,6 +161,11 @@ class LayerSlice:
         if not params:
             return None
         return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs)
+
+    def _scheduler(self, optimizer: torch.optim.Optimizer) -> schedulers.Scheduler | None:
+        """The optimizer's learning-rate scheduler; None without a schedule."""
+        job = self.job
+        return schedulers.build(job.scheduler, job.scheduler_kwargs, job.warmup_steps, optimizer)
 
     @property
     def indices(self) -> list[int]:
@@ -184,8 +206,14 @@ class LayerSlice:
                 layer = self.layers[i]
                 if x.is_floating_point():
                     x = x.detach().requires_grad_(input_grad or n > 0)
-                y = self._run_layer(i, layer, x, micro_batch)
-                stash.pairs.append((x, y))
+                if self.job.recomputes(i):
+                    # Keeps only the input: backward runs the forward again (same function).
+                    with torch.no_grad():
+                        y = self._run_layer(i, layer, x, micro_batch)
+                    stash.pairs.append((x, None))
+                else:
+                    y = self._run_layer(i, layer, x, micro_batch)
+                    stash.pairs.append((x, y))
                 x = y
         self.slowdown.pay()
         return x, stash
@@ -205,6 +233,14 @@ class LayerSlice:
     def _run_layer(
         self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
     ) -> torch.Tensor:
+        y, seconds = self._forward_layer(i, layer, x, micro_batch)
+        self.timings[i].observe(seconds, None, y.numel() * y.element_size())
+        return y
+
+    def _forward_layer(
+        self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
+    ) -> tuple[torch.Tensor, float]:
+        """The one place a layer's forward runs: the first time and when recomputed."""
         try:
             y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)
         except ElasticPipeError:
@@ -213,8 +249,23 @@ class LayerSlice:
             raise _user_error("forward", i, layer, x, micro_batch, exc) from exc
         if not isinstance(y, torch.Tensor):
             raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
-        self.timings[i].observe(seconds, None, y.numel() * y.element_size())
-        return y
+        return y, seconds
+
+    def _recompute(self, i: int, x: torch.Tensor, micro_batch: int) -> tuple[torch.Tensor, float]:
+        """Runs layer ``i``'s forward on its stashed input again, with the graph.
+
+        Buffers (batch-norm statistics) are put back afterwards: the first forward
+        already updated them once, as training without recomputation does.
+        """
+        layer = self.layers[i]
+        buffers = list(layer.buffers())
+        kept = [b.clone() for b in buffers]
+        with torch.enable_grad():
+            y, seconds = self._forward_layer(i, layer, x, micro_batch)
+        with torch.no_grad():
+            for b, v in zip(buffers, kept, strict=True):
+                b.copy_(v)
+        return y, seconds
 
     def backward(
         self, stash: Stash, grad: torch.Tensor | None, micro_batch: int = -1
@@ -227,8 +278,11 @@ class LayerSlice:
         Raises:
             UserCodeError: a layer's backward raised.
         """
-        for i, (x, y) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
-            if not y.requires_grad or grad is None:
+        for i, (x, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+            y, again = kept, 0.0
+            if y is None and grad is not None:
+                y, again = self._recompute(i, x, micro_batch)
+            if y is None or not y.requires_grad or grad is None:
                 grad = None
                 continue
             g = grad
@@ -239,17 +293,40 @@ class LayerSlice:
                 )
             except Exception as exc:  # the user's code may raise anything
                 raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
-            self.timings[i].observe(None, seconds, 0)
+            self.timings[i].observe(None, seconds + again, 0)
             grad = x.grad if x.requires_grad else None
         stash.pairs.clear()
         self.slowdown.pay()
         return grad
 
-    def step(self) -> None:
-        """Applies the accumulated gradients (one optimizer step) and clears them."""
-        for opt in self.optimizers.values():
-            opt.step()
+    def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
+        """Applies the accumulated gradients (one optimizer step) and clears them; then
+        the learning-rate schedulers step.
+
+        Args:
+            clip: scale the gradients first, or skip the optimizer step (a non-finite
+                global norm: the schedulers still step, see ``elasticpipe.clipping``).
+        """
+        for i, opt in self.optimizers.items():
+            if not clip.skip:
+                if clip.coef:
+                    _scale_grads(self.layers[i].parameters(), clip.coef)
+                opt.step()
             opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers.values():
+            sched.step()
+
+    def grad_sq_norm(self) -> float:
+        """Sum of the squared norms of every owned layer's accumulated gradients."""
+        return sum(_sq_norm(self.layers[i].parameters()) for i in self.optimizers)
+
+    def lr(self) -> float:
+        """The learning rate the next optimizer step applies (the first owned layer with
+        parameters; every layer's schedule is the same); 0 with no such layer."""
+        for i in self.indices:
+            if i in self.optimizers:
+                return schedulers.current_lr(self.optimizers[i])
+        return 0.0
 
     def zero_grad(self) -> None:
         """Discards accumulated gradients (an aborted step)."""
@@ -272,11 +349,11 @@ class LayerSlice:
         }
         if include_optimizer and index in self.optimizers:
             state["optimizer"] = _tensors_to_cpu(self.optimizers[index].state_dict())
+        if include_optimizer and index in self.schedulers:
+            state["scheduler"] = schedulers.dumps(self.schedulers[index])
         return state
 
-    def load_layer(
-        self, index: int, state: dict[str, Any]
-    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def load_layer(self, index: int, state: dict[str, Any]) -> Built:
         """Builds a layer from exported state without installing it (staged).
 
         Raises:
@@ -296,6 +373,9 @@ class LayerSlice:
         except (RuntimeError, KeyError, TypeError) as exc:
             raise InvalidRequest(f"state of layer {index} does not fit the model: {exc}") from exc
         optimizer = self._optimizer(layer)
+        # The scheduler is built before the states are loaded (building sets the lr of
+        # step 0); loading the optimizer's state then sets the lr it had, as in PyTorch.
+        scheduler = self._scheduler(optimizer) if optimizer is not None else None
         if optimizer is not None and "optimizer" in state:
             try:
                 optimizer.load_state_dict(state["optimizer"])
@@ -303,22 +383,49 @@ class LayerSlice:
                 raise InvalidRequest(
                     f"optimizer state of layer {index} is unusable: {exc}"
                 ) from exc
-        return layer, optimizer
+        if scheduler is not None and "optimizer" in state:
+            text = state.get("scheduler")
+            if not isinstance(text, str):
+                raise InvalidRequest(
+                    f"state of layer {index} carries no scheduler state, but the job "
+                    f"schedules its learning rate ({self.job.scheduler or 'warm-up'})"
+                )
+            schedulers.loads(scheduler, text, index)
+        return Built(layer, optimizer, scheduler)
 
-    def install(
-        self, index: int, layer: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> None:
+    def install(self, index: int, built: Built) -> None:
         """Takes ownership of a staged layer."""
-        self.layers[index] = layer
-        if optimizer is not None:
-            self.optimizers[index] = optimizer
+        self.layers[index] = built.module
+        if built.optimizer is not None:
+            self.optimizers[index] = built.optimizer
+        if built.scheduler is not None:
+            self.schedulers[index] = built.scheduler
         self.timings.setdefault(index, LayerTiming())
 
     def drop(self, index: int) -> None:
         """Frees a layer that now lives elsewhere."""
         self.layers.pop(index, None)
         self.optimizers.pop(index, None)
+        self.schedulers.pop(index, None)
         self.timings.pop(index, None)
+
+
+def _sq_norm(params: Iterable[torch.Tensor]) -> float:
+    """Sum of the squared 2-norms of the parameters' gradients (float64; inf or nan kept)."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
+    return total
+
+
+def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
+    """Multiplies the gradients by ``coef`` in place, as ``clip_grad_norm_`` does (it
+    multiplies by the clamped coefficient even when that is 1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        scale = torch.tensor(coef, dtype=torch.float32, device=grads[0].device)
+        torch._foreach_mul_(grads, scale)
 
 
 def _tensors_cloned(obj: Any) -> Any:
