@@ -48,12 +48,16 @@ class LayerTiming:
             self.backward_s += a * (backward_s - self.backward_s)
 
 
+_RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU, the CUDA device's)
+
+
 @dataclass
 class Stash:
     """What backward needs of one micro-batch: each layer's (detached input, output);
     the output is None for a layer that recomputes its forward during backward."""
 
     pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    rng: dict[int, _RngState] = field(default_factory=dict)  # recomputed layers' RNG
 
     def nbytes(self) -> int:
         """Bytes of the activations held (inputs and outputs of every layer)."""
@@ -207,7 +211,9 @@ class LayerSlice:
                 if x.is_floating_point():
                     x = x.detach().requires_grad_(input_grad or n > 0)
                 if self.job.recomputes(i):
-                    # Keeps only the input: backward runs the forward again (same function).
+                    # Keeps only the input and the RNG state: backward runs the forward
+                    # again (the same function) from that state, so dropout masks match.
+                    stash.rng[i] = self._rng_state()
                     with torch.no_grad():
                         y = self._run_layer(i, layer, x, micro_batch)
                     stash.pairs.append((x, None))
@@ -251,20 +257,39 @@ class LayerSlice:
             raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
         return y, seconds
 
-    def _recompute(self, i: int, x: torch.Tensor, micro_batch: int) -> tuple[torch.Tensor, float]:
+    def _rng_state(self) -> _RngState:
+        cuda = self.device.type == "cuda"
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None
+
+    def _recompute(
+        self, i: int, x: torch.Tensor, rng: _RngState, micro_batch: int
+    ) -> tuple[torch.Tensor, float]:
         """Runs layer ``i``'s forward on its stashed input again, with the graph.
 
-        Buffers (batch-norm statistics) are put back afterwards: the first forward
-        already updated them once, as training without recomputation does.
+        It draws from the RNG state the first forward started from, and leaves the
+        stage's RNG as it was (as ``torch.utils.checkpoint`` with ``preserve_rng_state``).
+        The forward runs on copies of the layer's buffers (batch-norm statistics): the
+        first forward already updated them once, as training without recomputation does.
         """
         layer = self.layers[i]
-        buffers = list(layer.buffers())
-        kept = [b.clone() for b in buffers]
-        with torch.enable_grad():
-            y, seconds = self._forward_layer(i, layer, x, micro_batch)
-        with torch.no_grad():
-            for b, v in zip(buffers, kept, strict=True):
-                b.copy_(v)
+        owners = [
+            (module, name, buffer)
+            for module in layer.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        for module, name, buffer in owners:
+            module._buffers[name] = buffer.clone()
+        cuda = [self.device] if rng[1] is not None else []
+        try:
+            with torch.enable_grad(), torch.random.fork_rng(devices=cuda):
+                torch.set_rng_state(rng[0])
+                if rng[1] is not None:
+                    torch.cuda.set_rng_state(rng[1], self.device)
+                y, seconds = self._forward_layer(i, layer, x, micro_batch)
+        finally:
+            for module, name, buffer in owners:
+                module._buffers[name] = buffer
         return y, seconds
 
     def backward(
@@ -281,7 +306,7 @@ class LayerSlice:
         for i, (x, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
             y, again = kept, 0.0
             if y is None and grad is not None:
-                y, again = self._recompute(i, x, micro_batch)
+                y, again = self._recompute(i, x, stash.rng.pop(i), micro_batch)
             if y is None or not y.requires_grad or grad is None:
                 grad = None
                 continue
@@ -296,6 +321,7 @@ class LayerSlice:
             self.timings[i].observe(None, seconds + again, 0)
             grad = x.grad if x.requires_grad else None
         stash.pairs.clear()
+        stash.rng.clear()
         self.slowdown.pay()
         return grad
 

@@ -196,9 +196,7 @@ def test_a_non_finite_norm_skips_the_step_everywhere(cluster: LocalCluster) -> N
         x, y = _batch(2)
         x[0, 0] = math.inf
         pipe.train_step(x, y)
-        assert pipe.last_step.grad_norm is not None and not math.isfinite(
-            pipe.last_step.grad_norm
-        )
+        assert pipe.last_step.grad_norm is not None and not math.isfinite(pipe.last_step.grad_norm)
         assert pipe.step == 2
         after = pipe.state_dict()
         for key, value in before.items():
