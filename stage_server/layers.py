@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -59,11 +60,17 @@ class Stash:
     pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     rng: dict[int, _RngState] = field(default_factory=dict)  # recomputed layers' RNG
 
+    saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
+
     def nbytes(self) -> int:
-        """Bytes of the activations held (inputs and outputs of every layer)."""
-        return sum(
-            t.numel() * t.element_size() for pair in self.pairs for t in pair if t is not None
-        )
+        """Bytes of activation memory held: every layer's input and output, and what the
+        autograd graph still keeps for backward (parameters excluded), each storage once."""
+        alive = [t for ref in self.saved if (t := ref()) is not None]
+        held = {}
+        for t in [*alive, *(t for pair in self.pairs for t in pair if t is not None)]:
+            storage = t.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+        return sum(held.values())
 
 
 class Built(NamedTuple):
@@ -205,7 +212,16 @@ class LayerSlice:
         if not train:
             return self._infer(x, micro_batch), None
         stash = Stash()
-        with torch.enable_grad():
+        params = {
+            p.untyped_storage().data_ptr() for m in self.layers.values() for p in m.parameters()
+        }
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                stash.saved.append(weakref.ref(t))
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 if x.is_floating_point():
@@ -434,6 +450,10 @@ class LayerSlice:
         self.optimizers.pop(index, None)
         self.schedulers.pop(index, None)
         self.timings.pop(index, None)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _sq_norm(params: Iterable[torch.Tensor]) -> float:
