@@ -340,3 +340,21 @@ def test_bad_options_are_refused_before_anything_starts(
     """Each bad option is an InvalidRequest naming the value, raised by the constructor."""
     with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("{", r"\{")):
         Pipeline(coordinator="127.0.0.1:1", model="mlp", **options)
+
+
+@pytest.mark.timeout(30)
+def test_an_impossible_clip_coefficient_is_invalid_argument(cluster: LocalCluster) -> None:
+    """A CommitStep whose clip coefficient no decision produces is refused, naming it,
+    and the stage keeps serving."""
+    import grpc
+
+    from elasticpipe.v1 import stage_pb2_grpc
+
+    address = cluster.status().stages[0].address
+    stub = stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(address))
+    request = stage_pb2.CommitStepRequest(run=1, step=1, clip=stage_pb2.GradClip(coef=2.0))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.CommitStep(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2.0" in (refused.value.details() or "")
+    assert stub.GetStats(stage_pb2.StatsRequest(), timeout=10).name
