@@ -358,3 +358,38 @@ def test_an_impossible_clip_coefficient_is_invalid_argument(cluster: LocalCluste
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "2.0" in (refused.value.details() or "")
     assert stub.GetStats(stage_pb2.StatsRequest(), timeout=10).name
+
+
+@pytest.mark.timeout(180)
+def test_a_recovery_replays_the_same_clip(cluster: LocalCluster) -> None:
+    """The middle stage dies inside its commit of a clipped step: the chain rolls back to
+    the last snapshot, the client replays, and every replayed step clips exactly as
+    clip_grad_norm_ does (this test kills a stage: it runs last and revives it)."""
+    import threading
+
+    reference = Reference(None)
+    victim, recovered = "", 0
+    with _pipeline(cluster, max_grad_norm=MAX_NORM) as pipe:
+        for step in range(1, 7):
+            if step == 5:
+                address = pipe.partition.addresses[1]
+                victim = cluster.name_of(address)
+                arm(address, stage_pb2.PAUSE_AT, "commit")
+
+                def kill(name: str = victim) -> None:
+                    cluster.wait_for_log(name, "paused_at", timeout=60)
+                    cluster.kill(name)
+
+                threading.Thread(target=kill, daemon=True).start()
+            x, y = _batch(step)
+            pipe.train_step(x, y)
+            _, norm, _ = reference.step(x, y)
+            assert norm > MAX_NORM
+            assert pipe.last_step.grad_norm == pytest.approx(norm, rel=1e-5)
+            recovered += pipe.last_step.attempts > 1 or pipe.last_step.replayed > 0
+        assert recovered, "a recovery must have replayed the step"
+        assert pipe.last_step.step == 6
+        state = pipe.state_dict()
+    for key, value in reference.model.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=f"parameter {key}")
+    cluster.add_stage(victim, ["--enable-fault-injection"])
