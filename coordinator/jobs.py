@@ -110,6 +110,7 @@ class Jobs:
         self._lock = threading.Lock()
         self._restoring: tuple[Change, float] | None = None
         self._safe_cache: tuple[float, int] | None = None
+        self.efficiency: tuple[int, float] = (0, 0.0)  # (step, pipeline efficiency) reported
         raw = cluster.store.get("lease")
         self._lease = (
             Lease(
@@ -147,13 +148,17 @@ class Jobs:
         client = client or self.c.store.next_client()
         with self._lock:
             self._lease = Lease(job_id, client, holder, lease_s, time.monotonic() + lease_s)
+            self.efficiency = (0, 0.0)  # the new holder reports its own
             self.c.store.put(
                 "lease", {"job_id": job_id, "client": client, "holder": holder, "lease_s": lease_s}
             )
         return client
 
-    def renew(self, job_id: str, client: int, release: bool) -> tuple[bool, int]:
-        """Renews (or releases) a client's lease.
+    def renew(
+        self, job_id: str, client: int, release: bool, efficiency: tuple[int, float] = (0, 0.0)
+    ) -> tuple[bool, int]:
+        """Renews (or releases) a client's lease; keeps the pipeline efficiency of the
+        client's last step (``efficiency``: step, figure; step 0 when none yet).
 
         Returns:
             Whether the client still holds the job, and the newest safe snapshot step.
@@ -168,6 +173,8 @@ class Jobs:
                     log.info("client_released", job=job_id, client=lease.holder)
                 else:
                     lease.expires = time.monotonic() + lease.lease_s
+                    if efficiency[0]:
+                        self.efficiency = efficiency
         return held, self.safe_step()
 
     def safe_step(self) -> int:

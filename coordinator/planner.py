@@ -196,6 +196,27 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
     return fill_drain + (micro_batches - 1) * plan.bottleneck
 
 
+def spare_positions(stage_times: Sequence[float], busiest: int = 3) -> list[int]:
+    """Chain positions worth trying for a new stage: both ends and beside the ``busiest``
+    stages of the current plan.
+
+    A constant number of candidates keeps evaluating a scale-out linear in the chain's
+    length (trying all ``S + 1`` positions, each a plan of ``O(S)``, is quadratic); a new
+    stage relieves the chain most next to its bottleneck, and the ends matter when they
+    are heavy (embedding, head).
+
+    Args:
+        stage_times: the current plan's time per stage (``Plan.stage_times``).
+        busiest: how many of the slowest stages to try beside.
+
+    Returns:
+        Sorted insertion positions in ``[0, S]`` (all of them for short chains).
+    """
+    n = len(stage_times)
+    slowest = sorted(range(n), key=lambda s: (-stage_times[s], s))[:busiest]
+    return sorted({0, n, *slowest, *(s + 1 for s in slowest)})
+
+
 def order_hosts(
     layer_costs: Numbers,
     host_speeds: Numbers,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from elasticpipe.coordinator import epochs, estimates
 from elasticpipe.coordinator.epochs import Change, MoveResult
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planner import Plan, plan, predict_step_time
+from elasticpipe.coordinator.planner import Plan, plan, predict_step_time, spare_positions
 from elasticpipe.coordinator.policy import Decision, PolicyConfig, decide
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -358,18 +358,18 @@ class Rebalancer:
             return None
         spare = spares[0]
         costs = self.c.costs()
+        speeds = self.c.speeds(current.stage_ids)
+        now = estimates.evaluate(current.boundaries, costs, speeds, *self.c.links(len(speeds)))
         best: tuple[tuple[StageRef, ...], Plan] | None = None
-        for position in range(current.num_stages + 1):
+        for position in spare_positions(now.stage_times):
             refs = list(current.stages)
             refs.insert(position, self._ref(spare))
-            speeds = self.c.speeds([r.stage_id for r in refs])
-            candidate = plan(costs, speeds, *self.c.links(len(refs)))
+            with_spare = self.c.speeds([r.stage_id for r in refs])
+            candidate = plan(costs, with_spare, *self.c.links(len(refs)))
             if best is None or candidate.bottleneck < best[1].bottleneck:
                 best = (tuple(refs), candidate)
         assert best is not None
         chain, optimum = best
-        speeds = self.c.speeds(current.stage_ids)
-        now = estimates.evaluate(current.boundaries, costs, speeds, *self.c.links(len(speeds)))
         target = Partition(current.epoch + 1, current.job_id, optimum.boundaries, chain)
         decision = decide(
             self.policy,

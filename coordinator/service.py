@@ -153,7 +153,8 @@ class CoordinatorServicer:
     def RenewLease(
         self, req: coordinator_pb2.LeaseRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.LeaseResponse:
-        held, safe = self.c.jobs.renew(req.job_id, req.client, req.release)
+        figure = bounds.number(req.efficiency, "efficiency", 0.0, 1.0)
+        held, safe = self.c.jobs.renew(req.job_id, req.client, req.release, (req.last_step, figure))
         return coordinator_pb2.LeaseResponse(held=held, safe_step=safe)
 
     def ReportFailure(
@@ -298,6 +299,8 @@ class CoordinatorServicer:
             committed_step=min(steps, default=0),
             job_failure=cluster.failure,
             factory_file=factory[0],
+            efficiency=self.c.jobs.efficiency[1],
+            efficiency_step=self.c.jobs.efficiency[0],
             factory_sha256=factory[1],
         )
 

@@ -1,7 +1,7 @@
 """ElasticPipe: pipeline model parallelism over gRPC that re-partitions while it trains.
 
-The facade: ``from elasticpipe import Pipeline, LocalCluster``. Imports are lazy so that
-``import elasticpipe`` stays light and the core modules never import the services.
+The facade: ``from elasticpipe import Pipeline, LocalCluster, LocalPipeline``. Imports are
+lazy so that ``import elasticpipe`` stays light and the core modules never import the services.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from elasticpipe.client.pipeline import Pipeline, StepStats
     from elasticpipe.cluster import LocalCluster
+    from elasticpipe.local import LocalPipeline
     from elasticpipe.partition import Partition
     from elasticpipe.tls import TLS
 
-__all__ = ["TLS", "LocalCluster", "Partition", "Pipeline", "StepStats"]
+__all__ = ["TLS", "LocalCluster", "LocalPipeline", "Partition", "Pipeline", "StepStats"]
 __version__ = "0.1.0"
 
 
@@ -31,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from elasticpipe.partition import Partition
 
         return Partition
+    if name == "LocalPipeline":
+        from elasticpipe.local import LocalPipeline
+
+        return LocalPipeline
     if name == "LocalCluster":
         from elasticpipe.cluster import LocalCluster
 

@@ -116,7 +116,9 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
         f"job: {job}   model: {s.job_model or '-'}   layers: {s.num_layers}   "
         f"epoch: {s.partition.epoch}   step: {s.committed_step}   "
         f"partition: {_ranges(list(s.partition.boundaries)) or '-'}   "
-        f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}",
+        f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}   "
+        f"efficiency: "
+        + (f"{s.efficiency:.0%} (step {s.efficiency_step})" if s.efficiency_step else "-"),
         f"client: {s.client or 'none (the job is free)'}"
         + (
             f"   factory: {s.factory_file} sha256 {s.factory_sha256[:12]}" if s.factory_file else ""
@@ -245,7 +247,40 @@ def _auto(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
     return reply, reply.message
 
 
-COMMANDS: dict[str, Callable[[Any, argparse.Namespace], tuple[Message, str]]] = {
+def _trace(stub: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from elasticpipe import traces
+
+    if not 1 <= args.steps <= traces.MAX_STEPS:
+        raise InvalidRequest(f"--steps must be in [1, {traces.MAX_STEPS}] (got {args.steps})")
+    status = stub.Status(coordinator_pb2.StatusRequest(), timeout=args.timeout)
+    tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    collected = traces.collect(status, args.steps, tls, args.timeout)
+    figures = traces.step_figures(collected)
+    with open(args.out, "w") as f:
+        json.dump(traces.chrome_trace(collected), f)
+    if args.png:
+        from elasticpipe import timeline
+
+        timeline.draw(collected, figures, args.png, title=f"job {status.job_id}")
+    summary = traces.summary(collected, figures)
+    summary.update(out=args.out, png=args.png or "")
+    lines = [
+        f"{t['name']:<14} layers {t['layers'][0]}:{t['layers'][1]:<5} {t['spans']:>6} spans"
+        f"   clock offset {t['clock_offset_ms']:+.3f} ms (rtt {t['clock_rtt_ms']:.3f} ms)"
+        + ("   (oldest left out)" if t["truncated"] else "")
+        for t in summary["stages"]
+    ]
+    lines += [
+        f"step {f.step}: ideal {f.ideal_s * 1e3:.1f} ms, measured {f.measured_s * 1e3:.1f} ms, "
+        f"pipeline efficiency {f.efficiency:.0%}"
+        for f in figures
+    ]
+    lines.append(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
+    return summary, "\n".join(lines)
+
+
+Command = Callable[[Any, argparse.Namespace], tuple[Message | dict[str, Any], str]]
+COMMANDS: dict[str, Command] = {
     "status": _status,
     "plan": _plan,
     "rebalance": _rebalance,
@@ -255,6 +290,7 @@ COMMANDS: dict[str, Callable[[Any, argparse.Namespace], tuple[Message, str]]] = 
     "forget": _forget,
     "slowdown": _slowdown,
     "auto": _auto,
+    "trace": _trace,
 }
 
 
@@ -289,5 +325,6 @@ def run_admin(args: argparse.Namespace) -> int:
         else:
             print(f"error: {message}", file=sys.stderr)
         return 2
-    _print(json.dumps(to_json(reply), indent=2) if args.json else text)
+    document = reply if isinstance(reply, dict) else to_json(reply)
+    _print(json.dumps(document, indent=2) if args.json else text)
     return 0

@@ -20,6 +20,7 @@ StageService ExportLayers              stage (migration, recovery), client (stat
 StageService RestoreLayers             client (a checkpoint load)
 StageService PushSnapshot              stage
 StageService GetStats                  client, coordinator, admin
+StageService GetTrace                  admin (timeline spans and the stage's clock)
 StageService InjectFault               admin (and only with --enable-fault-injection)
 CoordinatorService Register,           stage
   Heartbeat, ResolveRun,
@@ -75,6 +76,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     **_rows("StageService", ("RestoreLayers",), CLIENT),
     **_rows("StageService", ("PushSnapshot",), STAGE),
     **_rows("StageService", ("GetStats",), CLIENT, COORDINATOR, ADMIN),
+    **_rows("StageService", ("GetTrace",), ADMIN),
     **_rows("StageService", ("InjectFault",), ADMIN),
     **_rows(
         "CoordinatorService",

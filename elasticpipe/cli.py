@@ -502,6 +502,14 @@ def build_parser() -> argparse.ArgumentParser:
     sl = admin("slowdown", "emulate a slower device on a stage (tests, demos)")
     sl.add_argument("stage", help="name or id")
     sl.add_argument("factor", type=float, help="how many times slower (1: normal)")
+    tr = admin(
+        "trace",
+        "every stage's timeline of the last steps as Chrome/Perfetto JSON (and a PNG)",
+        "open the JSON in https://ui.perfetto.dev or chrome://tracing; docs/tracing.md",
+    )
+    tr.add_argument("--steps", type=int, default=1, help="how many of the last steps")
+    tr.add_argument("--out", required=True, metavar="FILE", help="the trace JSON to write")
+    tr.add_argument("--png", metavar="FILE", help="also draw the pipeline timeline here")
     au = admin("auto", "turn automatic rebalancing on or off (remembered across restarts)")
     au.add_argument("state", choices=["on", "off"], help="on or off")
     ad.set_defaults(func=cmd_admin)

@@ -10,7 +10,7 @@ from typing import Any
 from elasticpipe import schedulers
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.schedule import SCHEDULES
-from elasticpipe.training import LOSSES, OPTIMIZERS
+from elasticpipe.training import check_loss_name, check_optimizer_name
 from elasticpipe.v1 import job_pb2
 
 MAX_KWARGS_JSON = 1 << 20
@@ -72,6 +72,7 @@ class JobConfig:
     schedule: str = "1f1b"
     job_id: str = ""
     snapshot_every: int = 0
+    external_weights: bool = False  # initial weights come from the client (init_state)
     scheduler: str = ""  # a torch.optim.lr_scheduler class ("": constant learning rate)
     scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0
@@ -83,12 +84,9 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidRequest("job has no model")
-        if self.optimizer not in OPTIMIZERS:
-            raise InvalidRequest(
-                f"unknown optimizer {self.optimizer!r} (choose from {sorted(OPTIMIZERS)})"
-            )
-        if self.loss not in LOSSES:
-            raise InvalidRequest(f"unknown loss {self.loss!r} (choose from {sorted(LOSSES)})")
+        # Names only: whether a path is allowed is each stage's call (its --allow-models).
+        check_optimizer_name(self.optimizer)
+        check_loss_name(self.loss)
         if self.schedule not in SCHEDULES:
             raise InvalidRequest(
                 f"unknown schedule {self.schedule!r} (choose from {list(SCHEDULES)})"
@@ -147,6 +145,7 @@ class JobConfig:
             micro_batches=self.micro_batches,
             schedule=self.schedule,
             snapshot_every=self.snapshot_every,
+            external_weights=self.external_weights,
             scheduler=self.scheduler,
             scheduler_kwargs_json=json.dumps(self.scheduler_kwargs, sort_keys=True),
             warmup_steps=self.warmup_steps,
@@ -174,6 +173,7 @@ class JobConfig:
             schedule=spec.schedule or "1f1b",
             job_id=spec.job_id,
             snapshot_every=spec.snapshot_every,
+            external_weights=spec.external_weights,
             scheduler=spec.scheduler,
             scheduler_kwargs=json_object(spec.scheduler_kwargs_json, "scheduler_kwargs"),
             warmup_steps=spec.warmup_steps,

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from elasticpipe import wire
-from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, UserCodeError
+from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
 from elasticpipe.stage_server.layers import LayerSlice, Stash
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
-from elasticpipe.training import loss_fn
+from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
+from elasticpipe.training import scaled_loss
 from elasticpipe.transport import Outgoing
 
 FLUSH_SLICE_S = 0.1
@@ -40,7 +41,9 @@ class StepResult:
     peak_stashed_bytes: int = 0
     compute_s: float = 0.0
     wall_s: float = 0.0
-    op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, compute)
+    forward_s: dict[int, float] = field(default_factory=dict)  # by micro-batch, loss included
+    backward_s: dict[int, float] = field(default_factory=dict)
+    op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, s), in order
     grad_sq_norm: float = 0.0  # training with clipping: of the accumulated gradients
     lr: float = 0.0  # training: the learning rate the commit applies
 
@@ -58,28 +61,22 @@ class RunContext:
     step: int
     train: bool
     deadline: float  # time.monotonic() value
+    tracer: Tracer = field(default_factory=Tracer)
 
 
 def _loss(
-    ctx: RunContext, y: torch.Tensor, micro_batch: int, deadline: float
+    ctx: RunContext, y: torch.Tensor, micro_batch: int, target: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, float]:
     """The scaled loss of one micro-batch and the gradient of the slice's output."""
-    target, scale = ctx.mailbox.take(ctx.run, Slot.TARGET, micro_batch, deadline)
-    name = ctx.layers.job.loss
-    out = y.detach().requires_grad_(True)
-    try:
-        loss = loss_fn(name)(out, target.to(ctx.device)) * scale
-        torch.autograd.backward(loss)
-    except ElasticPipeError:
-        raise
-    except Exception as exc:  # the user's targets (or loss) may fail in any way
-        raise UserCodeError(
-            f"loss {name!r} failed on micro-batch {micro_batch} with output "
-            f"{list(y.shape)} and target {list(target.shape)} "
-            f"({str(target.dtype).removeprefix('torch.')}): {type(exc).__name__}: {exc}"
-        ) from exc
-    assert out.grad is not None
-    return out.grad, float(loss.detach())
+    layers = ctx.layers
+    return scaled_loss(
+        layers.job.loss,
+        layers.loss,
+        y,
+        target.to(ctx.device),
+        scale,
+        f"on micro-batch {micro_batch}",
+    )
 
 
 def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
@@ -97,25 +94,38 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
     losses: dict[int, float] = {}
     wire_dtype = ctx.layers.job.wire_dtype
     started = time.perf_counter()
+    tracer, now, epoch = ctx.tracer, ctx.tracer.now_ns, placement.epoch
+
+    def span(kind: SpanKind, i: int, start: int, end: int) -> None:
+        tracer.record(
+            Span(kind, start, end, ctx.step, run, i, placement.lo, placement.hi, "", epoch)
+        )
+
     for op in ops:
         i = op.micro_batch
         if (failure := mailbox.failure(run)) is not None:
             raise failure
         if op.kind is OpKind.FORWARD:
+            w0 = now()
             x = mailbox.take(run, Slot.INPUT, i, ctx.deadline)
             if not first:
                 x = wire.decode(x, wire_dtype)
-            t0 = time.perf_counter()
+            target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
+            t0 = now()
+            span(SpanKind.RECV_WAIT, i, w0, t0)
             y, stash = ctx.layers.forward(
-                x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i
+                x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i, step=ctx.step
             )
-            result.op_seconds.append(("forward", time.perf_counter() - t0))
-            result.compute_s += result.op_seconds[-1][1]
-            if last and ctx.train:
-                loss_grads[i], losses[i] = _loss(ctx, y, i, ctx.deadline)
-            elif last:
+            result.compute_s += (now() - t0) / 1e9
+            if target is not None:
+                loss_grads[i], losses[i] = _loss(ctx, y, i, target[0], target[1])
+            t1 = now()
+            span(SpanKind.FORWARD, i, t0, t1)
+            result.forward_s[i] = (t1 - t0) / 1e9
+            result.op_seconds.append(("forward", result.forward_s[i]))
+            if last and not ctx.train:
                 result.outputs[i] = y.detach().cpu()
-            else:
+            elif not last:
                 ctx.links[placement.next].put(
                     Outgoing(
                         "Forward",
@@ -132,14 +142,20 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 held = sum(s.nbytes() for s in stashes.values())
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
         else:
+            w0 = now()
             if last:
                 grad = loss_grads.pop(i)
             else:
                 grad = wire.decode(mailbox.take(run, Slot.GRAD, i, ctx.deadline), wire_dtype)
-            t0 = time.perf_counter()
+            t0 = now()
+            if not last:
+                span(SpanKind.RECV_WAIT, i, w0, t0)
             grad_in = ctx.layers.backward(stashes.pop(i), grad.to(ctx.device), micro_batch=i)
-            result.op_seconds.append(("backward", time.perf_counter() - t0))
-            result.compute_s += result.op_seconds[-1][1]
+            t1 = now()
+            result.compute_s += (t1 - t0) / 1e9
+            span(SpanKind.BACKWARD, i, t0, t1)
+            result.backward_s[i] = (t1 - t0) / 1e9
+            result.op_seconds.append(("backward", result.backward_s[i]))
             if not first and grad_in is not None:
                 ctx.links[placement.prev].put(
                     Outgoing(

@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from elasticpipe import clipping, models, schedulers
+from elasticpipe import clipping, models, rng, schedulers
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
-from elasticpipe.training import make_optimizer
+from elasticpipe.training import loss_fn, make_optimizer
 
 EWMA_ALPHA = 0.3
 
@@ -49,16 +49,13 @@ class LayerTiming:
             self.backward_s += a * (backward_s - self.backward_s)
 
 
-_RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU, the CUDA device's)
-
-
 @dataclass
 class Stash:
     """What backward needs of one micro-batch: each layer's (detached input, output);
     the output is None for a layer that recomputes its forward during backward."""
 
     pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
-    rng: dict[int, _RngState] = field(default_factory=dict)  # recomputed layers' RNG
+    seeds: dict[int, int] = field(default_factory=dict)  # recomputed layers' RNG seeds
 
     saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
 
@@ -148,6 +145,7 @@ class LayerSlice:
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.schedulers: dict[int, schedulers.Scheduler] = {}
         self.timings: dict[int, LayerTiming] = {}
+        self.loss = loss_fn(job.loss, self.allow)
         self._lock = threading.Lock()
 
     # ---- building ---------------------------------------------------------------------
@@ -155,7 +153,14 @@ class LayerSlice:
     def build(self, lo: int, hi: int) -> None:
         """Builds layers [lo, hi) fresh from the job's factory (new job)."""
         built = models.build_layers(
-            self.job.model, self.job.seed, self.job.model_kwargs, lo, hi, self.device, self.allow
+            self.job.model,
+            self.job.seed,
+            self.job.model_kwargs,
+            lo,
+            hi,
+            self.device,
+            self.allow,
+            external=self.job.external_weights,
         )
         self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
         self.optimizers = {
@@ -171,7 +176,7 @@ class LayerSlice:
         params = [p for p in layer.parameters() if p.requires_grad]
         if not params:
             return None
-        return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs)
+        return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs, self.allow)
 
     def _scheduler(self, optimizer: torch.optim.Optimizer) -> schedulers.Scheduler | None:
         """The optimizer's learning-rate scheduler; None without a schedule."""
@@ -190,7 +195,12 @@ class LayerSlice:
     # ---- compute ------------------------------------------------------------------------
 
     def forward(
-        self, x: torch.Tensor, train: bool, input_grad: bool = True, micro_batch: int = -1
+        self,
+        x: torch.Tensor,
+        train: bool,
+        input_grad: bool = True,
+        micro_batch: int = -1,
+        step: int = 0,
     ) -> tuple[torch.Tensor, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
 
@@ -203,14 +213,16 @@ class LayerSlice:
             train: keep the graph for backward.
             input_grad: whether backward must produce the gradient of ``x`` (not on the
                 first stage, whose input is data: computing it would waste a matmul).
-            micro_batch: named in error messages.
+            micro_batch: the micro-batch's index in its mini-batch (named in errors).
+            step: the logical step (``elasticpipe.rng``: with ``micro_batch`` and the
+                layer's index it seeds the layer's random draws).
 
         Raises:
             UserCodeError: a layer raised on the input it was given.
             ModelError: a layer returned something other than a tensor.
         """
         if not train:
-            return self._infer(x, micro_batch), None
+            return self._infer(x, micro_batch, step), None
         stash = Stash()
         params = {
             p.untyped_storage().data_ptr() for m in self.layers.values() for p in m.parameters()
@@ -221,15 +233,21 @@ class LayerSlice:
                 stash.saved.append(weakref.ref(t))
             return t
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with (
+            torch.enable_grad(),
+            rng.forked(self.device) as seed_layer,
+            torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
+        ):
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 if x.is_floating_point():
                     x = x.detach().requires_grad_(input_grad or n > 0)
+                seed = rng.forward_seed(self.job.seed, step, micro_batch, i)
+                seed_layer(seed)
                 if self.job.recomputes(i):
-                    # Keeps only the input and the RNG state: backward runs the forward
-                    # again (the same function) from that state, so dropout masks match.
-                    stash.rng[i] = self._rng_state()
+                    # Keeps only the input and the layer's seed: backward runs the forward
+                    # again (the same function) under the same seed: dropout masks match.
+                    stash.seeds[i] = seed
                     with torch.no_grad():
                         y = self._run_layer(i, layer, x, micro_batch)
                     stash.pairs.append((x, None))
@@ -240,11 +258,12 @@ class LayerSlice:
         self.slowdown.pay()
         return x, stash
 
-    def _infer(self, x: torch.Tensor, micro_batch: int) -> torch.Tensor:
-        with torch.inference_mode():
+    def _infer(self, x: torch.Tensor, micro_batch: int, step: int) -> torch.Tensor:
+        with torch.inference_mode(), rng.forked(self.device) as seed_layer:
             for i in self.indices:
                 layer = self.layers[i]
                 layer.eval()
+                seed_layer(rng.forward_seed(self.job.seed, step, micro_batch, i))
                 try:
                     x = self._run_layer(i, layer, x, micro_batch)
                 finally:
@@ -273,17 +292,13 @@ class LayerSlice:
             raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
         return y, seconds
 
-    def _rng_state(self) -> _RngState:
-        cuda = self.device.type == "cuda"
-        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None
-
     def _recompute(
-        self, i: int, x: torch.Tensor, rng: _RngState, micro_batch: int
+        self, i: int, x: torch.Tensor, seed: int, micro_batch: int
     ) -> tuple[torch.Tensor, float]:
         """Runs layer ``i``'s forward on its stashed input again, with the graph.
 
-        It draws from the RNG state the first forward started from, and leaves the
-        stage's RNG as it was (as ``torch.utils.checkpoint`` with ``preserve_rng_state``).
+        It runs under the seed of the first forward (``elasticpipe.rng``), in a fork of the
+        generators, so dropout masks match and the stage's random stream is left as it was.
         The forward runs on copies of the layer's buffers (batch-norm statistics): the
         first forward already updated them once, as training without recomputation does.
         """
@@ -296,12 +311,9 @@ class LayerSlice:
         ]
         for module, name, buffer in owners:
             module._buffers[name] = buffer.clone()
-        cuda = [self.device] if rng[1] is not None else []
         try:
-            with torch.enable_grad(), torch.random.fork_rng(devices=cuda):
-                torch.set_rng_state(rng[0])
-                if rng[1] is not None:
-                    torch.cuda.set_rng_state(rng[1], self.device)
+            with torch.enable_grad(), rng.forked(self.device) as seed_layer:
+                seed_layer(seed)
                 y, seconds = self._forward_layer(i, layer, x, micro_batch)
         finally:
             for module, name, buffer in owners:
@@ -322,7 +334,7 @@ class LayerSlice:
         for i, (x, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
             y, again = kept, 0.0
             if y is None and grad is not None:
-                y, again = self._recompute(i, x, stash.rng.pop(i), micro_batch)
+                y, again = self._recompute(i, x, stash.seeds.pop(i), micro_batch)
             if y is None or not y.requires_grad or grad is None:
                 grad = None
                 continue
@@ -337,7 +349,7 @@ class LayerSlice:
             self.timings[i].observe(None, seconds + again, 0)
             grad = x.grad if x.requires_grad else None
         stash.pairs.clear()
-        stash.rng.clear()
+        stash.seeds.clear()
         self.slowdown.pay()
         return grad
 
@@ -409,7 +421,7 @@ class LayerSlice:
         layer = models.materialize_layer(skeleton[index], self.device).train()
         # Initialise first: buffers that the state dict does not carry (non-persistent
         # ones, such as causal masks) must not stay uninitialised memory.
-        models.init_layer(layer, self.job.seed, index)
+        models.prepare_layer(layer, self.job.seed, index, self.job.external_weights)
         try:
             layer.load_state_dict(state["model"], strict=True)
         except (RuntimeError, KeyError, TypeError) as exc:

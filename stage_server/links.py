@@ -16,6 +16,7 @@ import grpc
 from elasticpipe import rpc
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
+from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
 from elasticpipe.tls import TLS
 from elasticpipe.transport import Outgoing, send
 from elasticpipe.v1 import stage_pb2_grpc
@@ -33,6 +34,7 @@ class Link:
         timeout: float,
         tls: TLS | None = None,
         on_sent: Callable[[str, int], None] | None = None,
+        tracer: Tracer | None = None,
     ):
         self.address = address
         self._on_sent = on_sent  # (peer, tensor bytes) of each delivered send: metrics
@@ -40,6 +42,7 @@ class Link:
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._on_failure = on_failure
         self._timeout = timeout
+        self._tracer = tracer
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -65,10 +68,24 @@ class Link:
 
     def _drain(self) -> None:
         while (msg := self._queue.get()) is not None:
+            start = self._tracer.now_ns() if self._tracer is not None else 0
             try:
                 send(self._stub, self.address, msg, self._timeout)
                 if self._on_sent is not None:
                     self._on_sent(self.address, msg.tensor.numel() * msg.tensor.element_size())
+                if self._tracer is not None:
+                    self._tracer.record(
+                        Span(
+                            SpanKind.SEND,
+                            start,
+                            self._tracer.now_ns(),
+                            msg.step,
+                            msg.run,
+                            msg.micro_batch,
+                            peer=self.address,
+                            epoch=msg.epoch,
+                        )
+                    )
             except ElasticPipeError as exc:
                 log.warning(
                     "send_failed",

@@ -18,6 +18,7 @@ from elasticpipe.stage_server.mailbox import Slot
 from elasticpipe.stage_server.protocol import Decision, RunState
 from elasticpipe.stage_server.snapshots import Holding
 from elasticpipe.stage_server.stage import Admitted, Stage
+from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind
 from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
@@ -194,6 +195,8 @@ class StageServicer:
             compute_s=result.compute_s,
             wall_s=result.wall_s,
             timings=timings_to_proto(self.stage.timings()),
+            forward_s=[result.forward_s[i] for i in sorted(result.forward_s)],
+            backward_s=[result.backward_s[i] for i in sorted(result.backward_s)],
             grad_sq_norm=result.grad_sq_norm,
             lr=result.lr,
         )
@@ -214,11 +217,11 @@ class StageServicer:
     def CommitStep(
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
-        return stage_pb2.CommitStepResponse(
-            committed_step=self.stage.commit_step(
+        with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
+            committed = self.stage.commit_step(
                 req.epoch, req.run, req.step, req.client, _clip(req.clip)
             )
-        )
+        return stage_pb2.CommitStepResponse(committed_step=committed)
 
     def AbortStep(
         self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext
@@ -268,11 +271,11 @@ class StageServicer:
     ) -> stage_pb2.FreezeResponse:
         remaining = ctx.time_remaining() or 30.0
         lease = _lease(req.lease_s or 60.0, "lease_s")
-        return stage_pb2.FreezeResponse(
-            committed_step=self.stage.freeze(
+        with self.stage.tracer.span(SpanKind.FREEZE, epoch=req.epoch):
+            committed = self.stage.freeze(
                 req.epoch, max(0.0, remaining - 0.5), lease, req.abort_running
             )
-        )
+        return stage_pb2.FreezeResponse(committed_step=committed)
 
     def PrepareEpoch(
         self, req: stage_pb2.PrepareEpochRequest, ctx: grpc.ServicerContext
@@ -285,18 +288,19 @@ class StageServicer:
             )
         incoming = [(src.layer, src.address) for src in req.incoming]
         remaining = ctx.time_remaining() or req.timeout_s or 60.0
-        received, seconds = self.stage.prepare_epoch(
-            req.epoch,
-            placement,
-            job,
-            incoming,
-            req.committed_step,
-            req.source_epoch,
-            req.rollback,
-            req.restored_by_client,
-            _lease(req.lease_s or 60.0, "lease_s"),
-            max(0.1, remaining - 0.5),
-        )
+        with self.stage.tracer.span(SpanKind.PREPARE, epoch=req.epoch):
+            received, seconds = self.stage.prepare_epoch(
+                req.epoch,
+                placement,
+                job,
+                incoming,
+                req.committed_step,
+                req.source_epoch,
+                req.rollback,
+                req.restored_by_client,
+                _lease(req.lease_s or 60.0, "lease_s"),
+                max(0.1, remaining - 0.5),
+            )
         return stage_pb2.PrepareEpochResponse(
             committed_step=self.stage.committed_step, bytes_received=received, transfer_s=seconds
         )
@@ -304,7 +308,9 @@ class StageServicer:
     def CommitEpoch(
         self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.EpochResponse:
-        return stage_pb2.EpochResponse(epoch=self.stage.commit_epoch(req.epoch))
+        with self.stage.tracer.span(SpanKind.EPOCH_COMMIT, epoch=req.epoch):
+            epoch = self.stage.commit_epoch(req.epoch)
+        return stage_pb2.EpochResponse(epoch=epoch)
 
     def AbortEpoch(
         self, req: stage_pb2.EpochRequest, ctx: grpc.ServicerContext
@@ -331,7 +337,7 @@ class StageServicer:
         overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
         pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
         layers = []
-        for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes):
+        for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_layer_bytes):
             self.stage.stage_restored(first.epoch, layer, blob, builder, overrides)
             layers.append(layer)
         return stage_pb2.RestoreResponse(layers=layers)
@@ -344,7 +350,7 @@ class StageServicer:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         generation = self.stage.snapshots.generation
         pieces = (message.chunk for message in chunks)
-        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes))
+        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_layer_bytes))
         self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         return stage_pb2.Ack()
 
@@ -369,6 +375,21 @@ class StageServicer:
             frozen=stage.frozen,
             state=state_to_proto(stage.state()),
             snapshots=holdings_to_proto(stage.holdings()),
+        )
+
+    def GetTrace(
+        self, req: stage_pb2.TraceRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.TraceResponse:
+        tracer = self.stage.tracer
+        now = tracer.now_ns()
+        steps = int(bounds.number(req.steps, "steps", 0, tracer.steps_kept))
+        spans, truncated = tracer.last(steps, MAX_TRACE_SPANS)
+        return stage_pb2.TraceResponse(
+            now_ns=now,
+            name=self.stage.config.name,
+            spans=[s.to_proto() for s in spans],
+            truncated=truncated,
+            steps_kept=tracer.steps_kept,
         )
 
     def SetSlowdown(

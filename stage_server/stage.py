@@ -48,7 +48,9 @@ from elasticpipe.stage_server.snapshots import (
     check_copy,
     check_layers,
 )
+from elasticpipe.stage_server.tracing import Tracer
 from elasticpipe.tls import TLS
+from elasticpipe.training import check_job
 from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
@@ -72,6 +74,7 @@ class StageConfig:
     slowdown: float = 1.0
     timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
+    max_layer_bytes: int = codec.DEFAULT_MAX_LAYER_BYTES  # one layer's state, all tensors
     mailbox_bytes: int = 4 << 30
     send_timeout_s: float = 30.0
     commit_lease_s: float = 30.0
@@ -122,6 +125,7 @@ class Stage:
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
+        self.tracer = Tracer()
         self.stage_id = ""  # this incarnation's id, once registered
         self.job: JobConfig | None = None
         self.slice: LayerSlice | None = None
@@ -213,8 +217,9 @@ class Stage:
 
     def describe(self, job: JobConfig) -> tuple[int, list[int], str, str]:
         """Number of layers and bytes of each, and the factory's module file and hash,
-        checking the model is allowed here."""
+        checking the model, loss and optimizer are allowed here."""
         num_layers, sizes = models.describe(job.model, job.model_kwargs, self.config.allow_models)
+        check_job(job.loss, job.optimizer, job.optimizer_kwargs, self.config.allow_models)
         path, digest = models.factory_source(job.model, self.config.allow_models)
         return num_layers, sizes, path, digest
 
@@ -253,7 +258,9 @@ class Stage:
 
         One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
         """
-        model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
+        model = models.build(
+            job.model, job.seed, self.config.allow_models, job.external_weights, **job.model_kwargs
+        )
         probe = self._new_slice(job)
         probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
         runs: list[dict[int, LayerTiming]] = []
@@ -291,6 +298,7 @@ class Stage:
                     self.config.send_timeout_s,
                     self.config.tls,
                     self.metrics.sent,
+                    self.tracer,
                 )
 
     def _fail_run(self, run: int, error: ElasticPipeError) -> None:
@@ -372,6 +380,7 @@ class Stage:
                 step=step,
                 train=train,
                 deadline=time.monotonic() + timeout,
+                tracer=self.tracer,
             )
         self.faults.point("run_started")
         placement = ctx.placement
@@ -515,7 +524,9 @@ class Stage:
                     deadline,
                 )
                 received += len(blob)
-                state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+                state = codec.unpack_state(
+                    blob, self.config.max_tensor_bytes, self.config.max_layer_bytes
+                )
                 if not isinstance(state, dict):
                     raise TransferError(f"layer {layer}: state is not a mapping")
                 staged[layer] = target.load_layer(layer, state)
@@ -578,7 +589,7 @@ class Stage:
             source,
             request,
             deadline,
-            self.config.max_tensor_bytes,
+            self.config.max_layer_bytes,
             self.faults.take_import_fault(),
         )
 
@@ -700,7 +711,7 @@ class Stage:
             raise NotReady(
                 f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
             )
-        state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+        state = codec.unpack_state(blob, self.config.max_tensor_bytes, self.config.max_layer_bytes)
         if not isinstance(state, dict):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state)

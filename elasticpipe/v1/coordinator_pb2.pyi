@@ -369,20 +369,28 @@ class LeaseRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     CLIENT_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    LAST_STEP_FIELD_NUMBER: _builtins.int
+    EFFICIENCY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     client: _builtins.int
     release: _builtins.bool
     """the client is done: the job is free"""
+    last_step: _builtins.int
+    """the client's last completed step (0: none yet)"""
+    efficiency: _builtins.float
+    """its pipeline efficiency: ideal / measured step time"""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         client: _builtins.int = ...,
         release: _builtins.bool = ...,
+        last_step: _builtins.int = ...,
+        efficiency: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job_id", b"job_id", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "efficiency", b"efficiency", "job_id", b"job_id", "last_step", b"last_step", "release", b"release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -771,6 +779,8 @@ class StatusResponse(_message.Message):
     JOB_FAILURE_FIELD_NUMBER: _builtins.int
     FACTORY_FILE_FIELD_NUMBER: _builtins.int
     FACTORY_SHA256_FIELD_NUMBER: _builtins.int
+    EFFICIENCY_FIELD_NUMBER: _builtins.int
+    EFFICIENCY_STEP_FIELD_NUMBER: _builtins.int
     job_model: _builtins.str
     num_layers: _builtins.int
     auto_rebalance: _builtins.bool
@@ -784,6 +794,9 @@ class StatusResponse(_message.Message):
     """the model factory's module file on the stages"""
     factory_sha256: _builtins.str
     """and its hash (every stage of the job has the same)"""
+    efficiency: _builtins.float
+    """pipeline efficiency of step ``efficiency_step`` (client's lease)"""
+    efficiency_step: _builtins.int
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageInfo]: ...
     @_builtins.property
@@ -805,10 +818,12 @@ class StatusResponse(_message.Message):
         job_failure: _builtins.str = ...,
         factory_file: _builtins.str = ...,
         factory_sha256: _builtins.str = ...,
+        efficiency: _builtins.float = ...,
+        efficiency_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "client", b"client", "committed_step", b"committed_step", "factory_file", b"factory_file", "factory_sha256", b"factory_sha256", "history", b"history", "job_failure", b"job_failure", "job_id", b"job_id", "job_model", b"job_model", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "client", b"client", "committed_step", b"committed_step", "efficiency", b"efficiency", "efficiency_step", b"efficiency_step", "factory_file", b"factory_file", "factory_sha256", b"factory_sha256", "history", b"history", "job_failure", b"job_failure", "job_id", b"job_id", "job_model", b"job_model", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

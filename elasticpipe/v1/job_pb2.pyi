@@ -34,6 +34,7 @@ class JobSpec(_message.Message):
     SCHEDULE_FIELD_NUMBER: _builtins.int
     SAMPLE_INPUT_FIELD_NUMBER: _builtins.int
     SNAPSHOT_EVERY_FIELD_NUMBER: _builtins.int
+    EXTERNAL_WEIGHTS_FIELD_NUMBER: _builtins.int
     SCHEDULER_FIELD_NUMBER: _builtins.int
     SCHEDULER_KWARGS_JSON_FIELD_NUMBER: _builtins.int
     WARMUP_STEPS_FIELD_NUMBER: _builtins.int
@@ -57,6 +58,8 @@ class JobSpec(_message.Message):
     """"gpipe", "1f1b" """
     snapshot_every: _builtins.int
     """committed steps between snapshots (0: none)"""
+    external_weights: _builtins.bool
+    """The client streams the initial weights (init_state): layers need no reset_parameters()."""
     scheduler: _builtins.str
     """torch.optim.lr_scheduler class ("": constant lr)"""
     scheduler_kwargs_json: _builtins.str
@@ -90,6 +93,7 @@ class JobSpec(_message.Message):
         schedule: _builtins.str = ...,
         sample_input: _tensor_pb2.Tensor | None = ...,
         snapshot_every: _builtins.int = ...,
+        external_weights: _builtins.bool = ...,
         scheduler: _builtins.str = ...,
         scheduler_kwargs_json: _builtins.str = ...,
         warmup_steps: _builtins.int = ...,
@@ -100,7 +104,7 @@ class JobSpec(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

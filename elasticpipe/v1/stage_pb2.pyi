@@ -114,6 +114,50 @@ PAUSE_AT: Fault.ValueType  # 4
 """block at protocol point ``point`` (a test then kills)"""
 Global___Fault: _TypeAlias = Fault  # noqa: Y015
 
+class _SpanKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SpanKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpanKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SPAN_UNSPECIFIED: _SpanKind.ValueType  # 0
+    SPAN_FORWARD: _SpanKind.ValueType  # 1
+    """a micro-batch's forward through layers [layer_lo, layer_hi)"""
+    SPAN_BACKWARD: _SpanKind.ValueType  # 2
+    SPAN_SEND: _SpanKind.ValueType  # 3
+    """streaming an activation or gradient to ``peer``"""
+    SPAN_RECV_WAIT: _SpanKind.ValueType  # 4
+    """waiting for a micro-batch's input, gradient or target"""
+    SPAN_COMMIT: _SpanKind.ValueType  # 5
+    """CommitStep: the optimizer step"""
+    SPAN_FREEZE: _SpanKind.ValueType  # 6
+    """the epoch-change protocol: waiting for the step boundary"""
+    SPAN_PREPARE: _SpanKind.ValueType  # 7
+    """gathering the layers of the new epoch"""
+    SPAN_EPOCH_COMMIT: _SpanKind.ValueType  # 8
+    """installing them"""
+
+class SpanKind(_SpanKind, metaclass=_SpanKindEnumTypeWrapper):
+    """---- traces -----------------------------------------------------------------"""
+
+SPAN_UNSPECIFIED: SpanKind.ValueType  # 0
+SPAN_FORWARD: SpanKind.ValueType  # 1
+"""a micro-batch's forward through layers [layer_lo, layer_hi)"""
+SPAN_BACKWARD: SpanKind.ValueType  # 2
+SPAN_SEND: SpanKind.ValueType  # 3
+"""streaming an activation or gradient to ``peer``"""
+SPAN_RECV_WAIT: SpanKind.ValueType  # 4
+"""waiting for a micro-batch's input, gradient or target"""
+SPAN_COMMIT: SpanKind.ValueType  # 5
+"""CommitStep: the optimizer step"""
+SPAN_FREEZE: SpanKind.ValueType  # 6
+"""the epoch-change protocol: waiting for the step boundary"""
+SPAN_PREPARE: SpanKind.ValueType  # 7
+"""gathering the layers of the new epoch"""
+SPAN_EPOCH_COMMIT: SpanKind.ValueType  # 8
+"""installing them"""
+Global___SpanKind: _TypeAlias = SpanKind  # noqa: Y015
+
 @_typing.final
 class DataHeader(_message.Message):
     """---- data path ----------------------------------------------------------
@@ -383,6 +427,8 @@ class StepReport(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _builtins.int
     WALL_S_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    FORWARD_S_FIELD_NUMBER: _builtins.int
+    BACKWARD_S_FIELD_NUMBER: _builtins.int
     GRAD_SQ_NORM_FIELD_NUMBER: _builtins.int
     LR_FIELD_NUMBER: _builtins.int
     run: _builtins.int
@@ -402,6 +448,14 @@ class StepReport(_message.Message):
 
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerTiming]: ...
+    @_builtins.property
+    def forward_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Train runs: seconds each micro-batch's forward (loss included on the last stage) and
+        backward took here, by micro-batch id (for the pipeline-efficiency figure).
+        """
+
+    @_builtins.property
+    def backward_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -412,12 +466,14 @@ class StepReport(_message.Message):
         compute_s: _builtins.float = ...,
         wall_s: _builtins.float = ...,
         timings: _abc.Iterable[Global___LayerTiming] | None = ...,
+        forward_s: _abc.Iterable[_builtins.float] | None = ...,
+        backward_s: _abc.Iterable[_builtins.float] | None = ...,
         grad_sq_norm: _builtins.float = ...,
         lr: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "grad_sq_norm", b"grad_sq_norm", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "grad_sq_norm", b"grad_sq_norm", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1318,3 +1374,110 @@ class FaultRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FaultRequest: _TypeAlias = FaultRequest  # noqa: Y015
+
+@_typing.final
+class Span(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    START_NS_FIELD_NUMBER: _builtins.int
+    DURATION_NS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    MICRO_BATCH_FIELD_NUMBER: _builtins.int
+    LAYER_LO_FIELD_NUMBER: _builtins.int
+    LAYER_HI_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    kind: Global___SpanKind.ValueType
+    start_ns: _builtins.int
+    """the stage's clock (TraceResponse.now_ns's), nanoseconds"""
+    duration_ns: _builtins.int
+    step: _builtins.int
+    """the step (for an epoch change: the step committed at the cut)"""
+    run: _builtins.int
+    micro_batch: _builtins.int
+    """-1: none"""
+    layer_lo: _builtins.int
+    layer_hi: _builtins.int
+    peer: _builtins.str
+    """SPAN_SEND: the address sent to"""
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        kind: Global___SpanKind.ValueType = ...,
+        start_ns: _builtins.int = ...,
+        duration_ns: _builtins.int = ...,
+        step: _builtins.int = ...,
+        run: _builtins.int = ...,
+        micro_batch: _builtins.int = ...,
+        layer_lo: _builtins.int = ...,
+        layer_hi: _builtins.int = ...,
+        peer: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ns", b"duration_ns", "epoch", b"epoch", "kind", b"kind", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "micro_batch", b"micro_batch", "peer", b"peer", "run", b"run", "start_ns", b"start_ns", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Span: _TypeAlias = Span  # noqa: Y015
+
+@_typing.final
+class TraceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_FIELD_NUMBER: _builtins.int
+    steps: _builtins.int
+    """the spans of the last ``steps`` steps kept (0: only the clock)"""
+    def __init__(
+        self,
+        *,
+        steps: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceRequest: _TypeAlias = TraceRequest  # noqa: Y015
+
+@_typing.final
+class TraceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOW_NS_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    STEPS_KEPT_FIELD_NUMBER: _builtins.int
+    now_ns: _builtins.int
+    """this stage's clock when the request arrived (unix ns)"""
+    name: _builtins.str
+    truncated: _builtins.bool
+    """older spans were left out to bound the response"""
+    steps_kept: _builtins.int
+    """how many steps the stage keeps (its ring buffer)"""
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___Span]:
+        """oldest first; at most MAX_TRACE_SPANS"""
+
+    def __init__(
+        self,
+        *,
+        now_ns: _builtins.int = ...,
+        name: _builtins.str = ...,
+        spans: _abc.Iterable[Global___Span] | None = ...,
+        truncated: _builtins.bool = ...,
+        steps_kept: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "now_ns", b"now_ns", "spans", b"spans", "steps_kept", b"steps_kept", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceResponse: _TypeAlias = TraceResponse  # noqa: Y015

@@ -134,6 +134,11 @@ class StageServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.StatsRequest.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.StageStats.FromString,
                 _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/elasticpipe.v1.StageService/GetTrace',
+                request_serializer=elasticpipe_dot_v1_dot_stage__pb2.TraceRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.TraceResponse.FromString,
+                _registered_method=True)
         self.SetSlowdown = channel.unary_unary(
                 '/elasticpipe.v1.StageService/SetSlowdown',
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.SlowdownRequest.SerializeToString,
@@ -276,6 +281,13 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrace(self, request, context):
+        """also the clock, for offsets
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetSlowdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -390,6 +402,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.StatsRequest.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_stage__pb2.StageStats.SerializeToString,
+            ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.TraceRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_stage__pb2.TraceResponse.SerializeToString,
             ),
             'SetSlowdown': grpc.unary_unary_rpc_method_handler(
                     servicer.SetSlowdown,
@@ -942,6 +959,33 @@ class StageService:
             '/elasticpipe.v1.StageService/GetStats',
             elasticpipe_dot_v1_dot_stage__pb2.StatsRequest.SerializeToString,
             elasticpipe_dot_v1_dot_stage__pb2.StageStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.StageService/GetTrace',
+            elasticpipe_dot_v1_dot_stage__pb2.TraceRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_stage__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

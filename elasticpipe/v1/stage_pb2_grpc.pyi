@@ -58,6 +58,8 @@ class StageServiceStub:
     """keep a peer's copy"""
     GetStats: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StatsRequest, _stage_pb2.StageStats]
     """Stats and admin."""
+    GetTrace: _grpc.UnaryUnaryMultiCallable[_stage_pb2.TraceRequest, _stage_pb2.TraceResponse]
+    """also the clock, for offsets"""
     SetSlowdown: _grpc.UnaryUnaryMultiCallable[_stage_pb2.SlowdownRequest, _stage_pb2.Ack]
     InjectFault: _grpc.UnaryUnaryMultiCallable[_stage_pb2.FaultRequest, _stage_pb2.Ack]
 
@@ -91,6 +93,8 @@ class StageServiceAsyncStub(StageServiceStub):
     """keep a peer's copy"""
     GetStats: _aio.UnaryUnaryMultiCallable[_stage_pb2.StatsRequest, _stage_pb2.StageStats]  # type: ignore[assignment]
     """Stats and admin."""
+    GetTrace: _aio.UnaryUnaryMultiCallable[_stage_pb2.TraceRequest, _stage_pb2.TraceResponse]  # type: ignore[assignment]
+    """also the clock, for offsets"""
     SetSlowdown: _aio.UnaryUnaryMultiCallable[_stage_pb2.SlowdownRequest, _stage_pb2.Ack]  # type: ignore[assignment]
     InjectFault: _aio.UnaryUnaryMultiCallable[_stage_pb2.FaultRequest, _stage_pb2.Ack]  # type: ignore[assignment]
 
@@ -241,6 +245,14 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.StageStats, _abc.Awaitable[_stage_pb2.StageStats]]:
         """Stats and admin."""
+
+    @_abc_1.abstractmethod
+    def GetTrace(
+        self,
+        request: _stage_pb2.TraceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.TraceResponse, _abc.Awaitable[_stage_pb2.TraceResponse]]:
+        """also the clock, for offsets"""
 
     @_abc_1.abstractmethod
     def SetSlowdown(

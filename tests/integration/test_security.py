@@ -124,6 +124,17 @@ def test_stage_rpcs_take_only_their_roles(cluster: LocalCluster) -> None:
     assert admin.GetStats(stage_pb2.StatsRequest(), timeout=10).name == "stage-0"
 
 
+def test_traces_are_for_admins_only(cluster: LocalCluster) -> None:
+    """A stage's spans and clock (GetTrace) answer an admin and refuse a client."""
+    address = cluster.stage_addresses[0]
+    with pytest.raises(grpc.RpcError) as info:
+        _stage(address, cluster.client_tls).GetTrace(stage_pb2.TraceRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert "StageService/GetTrace" in info.value.details()  # type: ignore[attr-defined]
+    reply = _stage(address, cluster.admin_tls).GetTrace(stage_pb2.TraceRequest(), timeout=10)
+    assert reply.name == "stage-0" and reply.now_ns > 0
+
+
 def test_callers_without_a_cluster_certificate_get_nothing(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:

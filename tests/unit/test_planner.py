@@ -431,3 +431,14 @@ def test_large_instance_runs_and_is_consistent() -> None:
     assert len(b) == n_stages + 1 and b[0] == 0 and b[-1] == n_layers
     assert all(memory[b[s] : b[s + 1]].sum() <= caps[s] for s in range(n_stages))
     assert result.bottleneck >= costs.sum() / speeds.sum()
+
+
+def test_spare_positions_are_the_ends_and_beside_the_busiest_stages() -> None:
+    """A constant number of candidates, whatever the chain's length; all for short chains."""
+    from elasticpipe.coordinator.planner import spare_positions
+
+    assert spare_positions([1.0, 1.0, 1.0]) == [0, 1, 2, 3]
+    times = [1.0] * 256
+    times[100], times[7], times[200] = 5.0, 4.0, 3.0
+    assert spare_positions(times) == [0, 7, 8, 100, 101, 200, 201, 256]
+    assert len(spare_positions([float(i % 7) for i in range(1000)])) <= 8

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elasticpipe.errors import InvalidRequest
+from elasticpipe.errors import InvalidRequest, PermissionDenied, UserCodeError
+from elasticpipe.job import JobConfig
 from elasticpipe.schedule import split_sizes
 from elasticpipe.training import (
     LOSSES,
     OPTIMIZERS,
     check_optimizer,
+    check_per_parameter,
     loss_fn,
     make_optimizer,
     reference_step,
+    scaled_loss,
+    torch_optimizers,
 )
 
 
@@ -118,3 +124,72 @@ def test_unknown_names_and_bad_arguments_are_invalid(call: object, value: str) -
     """Unknown loss/optimizer names and rejected optimizer arguments raise InvalidRequest."""
     with pytest.raises(InvalidRequest, match=value):
         call()  # type: ignore[operator]
+
+
+# ---- any torch.optim class, custom losses and optimizers by path ------------------------
+
+CUSTOM = "tests.integration.custom_models"
+
+
+@pytest.mark.parametrize("name", sorted(torch_optimizers()))
+def test_every_torch_optimizer_is_accepted_by_name_or_refused_with_the_reason(name: str) -> None:
+    """Each torch.optim class passes the per-parameter probe by its own name, except LBFGS
+    (refused: global line search) and SparseAdam (dense gradients make it fail the probe)."""
+    kwargs = {} if name in ("LBFGS", "Adadelta", "Rprop") else {"lr": 0.01}
+    if name == "LBFGS":
+        with pytest.raises(InvalidRequest, match="'LBFGS' is refused: it runs a line search"):
+            check_optimizer(name, kwargs)
+    elif name == "SparseAdam":
+        with pytest.raises(InvalidRequest, match="'SparseAdam' failed a probe step"):
+            check_optimizer(name, kwargs)
+    else:
+        check_optimizer(name, kwargs)
+        JobConfig(model="mlp", optimizer=name)  # the job accepts the name too
+
+
+def test_an_optimizer_looking_across_parameters_is_refused() -> None:
+    """A global-norm optimizer fails the per-parameter probe; a per-layer copy would differ."""
+    name = f"{CUSTOM}:GlobalNormSGD"
+    check_optimizer(name, {"lr": 0.1})  # the client checks a path's form only
+    with pytest.raises(InvalidRequest, match=f"'{name}' is not per-parameter"):
+        check_per_parameter(name, {"lr": 0.1}, allow=[CUSTOM])
+    with pytest.raises(PermissionDenied, match=name):
+        check_per_parameter(name, {"lr": 0.1}, allow=[])
+
+
+def test_custom_optimizer_by_path_builds_and_checks_its_result() -> None:
+    """A path to an optimizer class builds it; a path to something that is not one is an
+    InvalidRequest naming it; bad arguments are named."""
+    from tests.integration.custom_models import GlobalNormSGD
+
+    param = nn.Parameter(torch.zeros(2))
+    opt = make_optimizer(f"{CUSTOM}:GlobalNormSGD", [param], {"lr": 0.5}, allow=[CUSTOM])
+    assert isinstance(opt, GlobalNormSGD)
+    with pytest.raises(InvalidRequest, match=r"returned a list, not a torch\.optim"):
+        make_optimizer(f"{CUSTOM}:no_optimizer", [param], {}, allow=[CUSTOM])
+    with pytest.raises(InvalidRequest, match=r"rejected \{'momentum': 0\.9\}"):
+        make_optimizer(f"{CUSTOM}:GlobalNormSGD", [param], {"momentum": 0.9}, allow=[CUSTOM])
+
+
+def test_custom_loss_by_path_follows_the_allow_list() -> None:
+    """A loss by path resolves when allowed, is refused naming it otherwise, and malformed
+    or unknown names are InvalidRequest naming them (also in a JobConfig)."""
+    from tests.integration.custom_models import half_mse
+
+    assert loss_fn(f"{CUSTOM}:half_mse", allow=[CUSTOM]) is half_mse
+    with pytest.raises(PermissionDenied, match=f"{CUSTOM}:half_mse"):
+        loss_fn(f"{CUSTOM}:half_mse")
+    for bad in ("hinge", "a b:c", "mod:"):
+        with pytest.raises(InvalidRequest, match=re.escape(repr(bad))):
+            JobConfig(model="mlp", loss=bad)
+    JobConfig(model="mlp", loss=f"{CUSTOM}:half_mse")
+
+
+def test_scaled_loss_names_a_loss_that_is_not_a_scalar() -> None:
+    """A loss returning a vector is the user's error, naming the loss and the shape."""
+    out, target = torch.randn(4, 3), torch.randn(4, 3)
+    with pytest.raises(UserCodeError, match=r"loss 'vec' failed on micro-batch 2 .*\[4, 3\]"):
+        scaled_loss("vec", lambda o, t: (o - t) ** 2, out, target, 0.5, "on micro-batch 2")
+    grad, loss = scaled_loss("mse", loss_fn("mse"), out, target, 0.5, "")
+    assert loss == pytest.approx(0.5 * float(F.mse_loss(out, target)))
+    torch.testing.assert_close(grad, 0.5 * 2 * (out - target) / out.numel())

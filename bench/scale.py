@@ -1,0 +1,1407 @@
+"""The control plane at scale: 64, 128 and 256 fake stages against a real coordinator and client.
+
+Each chain size runs on a fresh cluster of three processes:
+
+* **the coordinator** -- the real one (``elasticpipe coordinator``, started by
+  ``LocalCluster`` with no stage; ``--state :memory: --no-auto-rebalance``, heartbeat
+  interval ``--heartbeat-interval``, default 1 s, the product's default);
+* **the fake stages** -- one child process holding S fake stages. Each is a real gRPC
+  server (``serving.start_server``, like a stage server's) whose servicer implements
+  every method of ``StageService`` with no compute, and a membership thread that
+  registers and heartbeats exactly like ``stage_server/server.py`` (``Register``, then a
+  ``HeartbeatRequest`` with epoch, per-layer timings, committed step, run state and
+  snapshot holdings every interval; re-registers when told). What the fakes keep is what
+  the coordinator and the client look at: the step and epoch protocols (epoch checks,
+  client fences, one run at a time, ``RunStep``/``CommitStep``/``AbortStep``/``Fence``;
+  ``Freeze``/``PrepareEpoch``/``CommitEpoch``/``AbortEpoch``), the layers owned, per-layer
+  timings, and snapshots: at step 0 and every ``snapshot_every`` committed steps a fake
+  records its own snapshot and pushes a copy to the next stage (``PushSnapshot``, real
+  checksummed ``LayerChunk`` streams of a 1 KiB state blob per layer), and reports both in
+  its holdings, so the coordinator's safe-step bookkeeping and its wait for step 0's
+  copies at job setup run for real. ``Describe`` answers with the real model description
+  (``models.describe``/``factory_source``, allocating nothing), ``Profile`` with
+  synthetic timings (distinct speeds per stage, so the planner has work), a migration's
+  ``PrepareEpoch`` pulls each incoming layer from its owner through ``ExportLayers``
+  (``transfers.pull_layer``, as a stage does). The data path is accepted and dropped: the
+  first stage's ``RunStep`` waits until the client's inputs for the run arrived, the last
+  stage's until its targets did, every other stage answers at once with an empty report
+  (no activations flow between fakes). Losses are reported as 0.
+* **the client** -- this process: a real ``Pipeline`` over all S stages (mlp of 4S+1
+  layers, SGD, 4 micro-batches, snapshots every 10 steps, the defaults otherwise), and
+  admin calls to the coordinator.
+
+Measured per chain size S:
+
+* **registration**: from starting the S membership threads at once (a cluster restart)
+  until every fake is registered; the Register RPC latencies; the coordinator's CPU.
+* **heartbeat load**: with every fake heartbeating and nothing else happening, over a
+  ``--window`` of seconds: heartbeats answered, the coordinator process's CPU seconds
+  (``/proc``, all threads; 10 ms ticks) per heartbeat, and its CPU share, against its idle
+  CPU with no stage (measured first); heartbeat RPC latencies and the largest gap between
+  two heartbeats of one fake (a fake is declared dead after ``--dead-after`` s without
+  one).
+* **planning**: the coordinator's planner (``planner.plan``) on the job's costs and the
+  fakes' speeds in this process (median of 5), ``order_hosts`` (which job setup runs
+  once), and the coordinator's ``Plan`` RPC (``plan_view``: the planner plus its bookkeeping,
+  median of 3).
+* **job setup**: the first ``train_step`` (SetupJob: Describe on every stage, Profile on
+  each in turn, ``order_hosts``, Assign everywhere, waiting for step 0's snapshot copies;
+  then the first step).
+* **step fan-out**: ``--steps`` timed ``train_step`` calls after a warm-up step (inputs to
+  the first stage, targets to the last, RunStep on every stage, CommitStep on every
+  stage), with this process's CPU per step and the fakes' and coordinator's.
+* **migration**: the coordinator's ``SetPartition`` moving every interior boundary by one
+  layer (S-1 layers change owner: freeze, prepare with S-1 layer pulls, commit on every
+  stage), timed around the RPC, and back again (median of the two), with the pause the
+  coordinator records; then the client's first step after it (a StaleEpoch, a partition
+  refresh and a retry).
+
+The last table divides each figure by S and fits the exponent k of figure ~ S^k between
+the smallest and the largest chain: k near 1 is linear, k > ~1.3 is flagged as growing
+worse than linearly. Dead declarations, re-registrations and failed heartbeats are counted
+and the coordinator's log is searched for warnings.
+
+On this 2-core machine the three processes share both cores with each other (and with
+other work): the fakes' process serves S gRPC servers and S membership threads on one
+GIL, so wall times include its queueing; the CPU columns separate who spent what. A real
+stage serves its RPCs on its own host. The printed load averages say how busy the machine
+was.
+
+Run: ``python bench/scale.py [--stages 64,128,256] [--steps N] [--window S]
+[--heartbeat-interval S] [--dead-after S] [--snapshot-every K] [--quick]``
+(default: about 2-3 minutes; ``--quick``: 16 and 64 stages, shorter windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/scale.py`
+
+from elasticpipe import codec, models, rpc, serving
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.coordinator.planner import order_hosts, plan, spare_positions
+from elasticpipe.errors import (
+    ElasticPipeError,
+    Fenced,
+    InvalidRequest,
+    NotReady,
+    Rebalancing,
+    StaleEpoch,
+    StepAborted,
+)
+from elasticpipe.job import JobConfig
+from elasticpipe.partition import Placement
+from elasticpipe.stage_server import transfers
+from elasticpipe.transport import layer_chunks
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+
+STAGE_COUNTS = (64, 128, 256)
+MICRO_BATCHES = 4
+BATCH = 8
+WIDTH = 4
+PARAM_FLOATS = 256  # each layer's state blob: 1 KiB of weights (msgpack)
+KEEP_SNAPSHOTS = 2
+REGISTER_TIMEOUT_S = 5.0
+BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
+SUPERLINEAR = 1.3  # growth exponent above which a figure is flagged
+
+
+def model_kwargs(stages: int) -> dict[str, Any]:
+    """An mlp of 4S+1 layers (2S+1 Linear, 2S ReLU): ~4 layers per stage."""
+    return {"sizes": [WIDTH] * (2 * stages + 2)}
+
+
+def layer_cost(layer: int) -> float:
+    """Seconds of forward + backward of one micro-batch through ``layer`` on a speed-1 stage."""
+    return 1e-3 * (1.0 + (layer % 5) / 4)
+
+
+def stage_speed(index: int) -> float:
+    """A fake's speed: distinct per stage, between 0.7 and 1.3."""
+    return 0.7 + 0.6 * ((index * 37) % 101) / 100
+
+
+@functools.cache
+def describe(model: str, kwargs_json: str) -> tuple[int, tuple[int, ...], str, str]:
+    """The real model description (``models.describe``/``factory_source``), once per
+    process: S real stages would each compute it on their own host, in parallel."""
+    num_layers, sizes = models.describe(model, json.loads(kwargs_json))
+    path, digest = models.factory_source(model)
+    return num_layers, tuple(sizes), path, digest
+
+
+BLOB = codec.pack_state({"model": {"weight": torch.zeros(PARAM_FLOATS)}, "optimizer": None})
+
+
+# ---- the fake stage ------------------------------------------------------------------
+
+
+class Counters:
+    """What the fakes' membership threads saw (shared by all fakes of the process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.heartbeats = 0
+        self.heartbeat_latency: list[float] = []
+        self.register_latency: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.max_gap = 0.0
+        self.reregistered = 0
+        self.dead = 0
+        self.calls: Counter[str] = Counter()  # RPCs served by the fakes, by method
+        self.max_lag = 0.0  # the worst oversleep of a 50 ms sleep in the fakes' process
+
+    def take(self) -> dict[str, Any]:
+        """A snapshot of the counters; resets the latency lists and the largest gap."""
+        with self.lock:
+            out = {
+                "heartbeats": self.heartbeats,
+                "heartbeat_latency": self.heartbeat_latency,
+                "register_latency": self.register_latency,
+                "errors": dict(self.errors),
+                "max_gap": self.max_gap,
+                "reregistered": self.reregistered,
+                "dead": self.dead,
+                "calls": dict(self.calls),
+                "max_lag": self.max_lag,
+            }
+            self.heartbeat_latency, self.register_latency, self.max_gap = [], [], 0.0
+            self.calls, self.max_lag = Counter(), 0.0
+        return out
+
+    def watch(self, stop: threading.Event, period: float = 0.05) -> None:
+        """Measures how late this process's threads get to run (GIL and CPU starvation)."""
+        while True:
+            started = time.monotonic()
+            if stop.wait(period):
+                return
+            lag = time.monotonic() - started - period
+            with self.lock:
+                self.max_lag = max(self.max_lag, lag)
+
+
+class Counted:
+    """A fake stage's servicer as gRPC sees it: every call counted by method."""
+
+    def __init__(self, fake: FakeStage):
+        self._fake = fake
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._fake, name)
+        counters = self._fake.counters
+
+        def call(request: Any, context: Any) -> Any:
+            with counters.lock:
+                counters.calls[name] += 1
+            return method(request, context)
+
+        return call
+
+
+class FakeStage:
+    """A StageService with no compute, and the membership loop of a real stage server."""
+
+    def __init__(self, name: str, index: int, coordinator: str, counters: Counters):
+        self.name = name
+        self.speed = stage_speed(index)
+        self.coordinator = coordinator
+        self.counters = counters
+        self.cond = threading.Condition()
+        self.pool = rpc.StagePool()
+        # protocol state, as stage_server.protocol.StepMachine keeps it
+        self.job: JobConfig | None = None
+        self.placement: Placement | None = None
+        self.epoch = self.committed_step = self.committed_run = 0
+        self.phase = "idle"
+        self.active_run = self.active_step = self.active_client = 0
+        self.fence = self.closed_below = 0
+        self.frozen_for, self.prepared, self.prepared_step = 0, False, 0
+        self.staged: Placement | None = None
+        self.staged_job: JobConfig | None = None
+        self.prepared_rollback = False
+        self.timings: dict[int, list[float]] = {}  # layer -> [forward, backward, bytes, n]
+        self.inbox: dict[tuple[int, int], set[int]] = {}  # (run, slot) -> micro-batches
+        self.own: dict[int, tuple[int, ...]] = {}  # step -> layers
+        self.copies: dict[str, dict[int, tuple[int, ...]]] = {}  # source -> step -> layers
+        self.stage_id = ""
+        self.registered = threading.Event()
+        self._stop = threading.Event()
+        self._server: serving.RunningServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def serve(self) -> str:
+        self._server = serving.start_server(
+            "127.0.0.1:0",
+            [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], Counted(self))],
+        )
+        return self._server.address
+
+    @property
+    def address(self) -> str:
+        assert self._server is not None
+        return self._server.address
+
+    def join_cluster(self) -> None:
+        self._thread = threading.Thread(target=self._membership, name="membership", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.stop(grace=0.1)
+        self.pool.close()
+
+    # ---- membership (as stage_server/server.py) -------------------------------------
+
+    def _membership(self) -> None:
+        backoff, interval = BACKOFF_START_S, 1.0
+        last_sent = 0.0
+        with rpc.channel(self.coordinator) as chan:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
+            while not self._stop.is_set():
+                try:
+                    if not self.stage_id:
+                        interval = self._register(stub)
+                        backoff = BACKOFF_START_S
+                    else:
+                        now = time.monotonic()
+                        if last_sent:
+                            with self.counters.lock:
+                                self.counters.max_gap = max(self.counters.max_gap, now - last_sent)
+                        last_sent = now
+                        self._heartbeat(stub, interval)
+                    self._stop.wait(interval)
+                except ElasticPipeError as exc:
+                    with self.counters.lock:
+                        self.counters.errors[f"{type(exc).__name__}: {str(exc)[:60]}"] += 1
+                    self._stop.wait(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _register(self, stub: coordinator_pb2_grpc.CoordinatorServiceStub) -> float:
+        started = time.perf_counter()
+        reply = rpc.call(
+            self.coordinator,
+            stub.Register,
+            coordinator_pb2.RegisterRequest(name=self.name, address=self.address, device="fake"),
+            timeout=REGISTER_TIMEOUT_S,
+        )
+        with self.counters.lock:
+            self.counters.register_latency.append(time.perf_counter() - started)
+        self.stage_id = reply.stage_id
+        self.registered.set()
+        return reply.heartbeat_interval_s or 1.0
+
+    def _heartbeat(
+        self, stub: coordinator_pb2_grpc.CoordinatorServiceStub, interval: float
+    ) -> None:
+        with self.cond:
+            request = coordinator_pb2.HeartbeatRequest(
+                stage_id=self.stage_id,
+                epoch=self.epoch,
+                timings=self._timings(),
+                committed_step=self.committed_step,
+                slowdown=1.0,
+                state=self._state(),
+                snapshots=self._holdings(),
+            )
+        started = time.perf_counter()
+        reply = rpc.call(self.coordinator, stub.Heartbeat, request, timeout=max(1.0, interval * 2))
+        with self.counters.lock:
+            self.counters.heartbeats += 1
+            self.counters.heartbeat_latency.append(time.perf_counter() - started)
+        if reply.dead:
+            with self.cond:
+                self.job = self.placement = None
+            with self.counters.lock:
+                self.counters.dead += 1
+        if reply.reregister:
+            self.stage_id = ""
+            with self.counters.lock:
+                self.counters.reregistered += 1
+
+    # ---- state in wire form (lock held) ----------------------------------------------
+
+    def _timings(self) -> list[stage_pb2.LayerTiming]:
+        return [
+            stage_pb2.LayerTiming(
+                layer=i, forward_s=t[0], backward_s=t[1], output_bytes=int(t[2]), samples=int(t[3])
+            )
+            for i, t in sorted(self.timings.items())
+        ]
+
+    def _state(self) -> stage_pb2.RunState:
+        return stage_pb2.RunState(
+            phase=self.phase,
+            epoch=self.epoch,
+            committed_step=self.committed_step,
+            committed_run=self.committed_run,
+            active_run=self.active_run,
+            active_step=self.active_step,
+            fence=self.fence,
+            frozen_for=self.frozen_for,
+            prepared=self.prepared,
+        )
+
+    def _holdings(self) -> list[stage_pb2.SnapshotHolding]:
+        job = self.job.job_id if self.job else ""
+        out = [
+            stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, replica=False)
+            for step, layers in sorted(self.own.items())
+        ]
+        for held in self.copies.values():
+            out += [
+                stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, replica=True)
+                for step, layers in sorted(held.items())
+            ]
+        return out
+
+    # ---- checks (lock held) -----------------------------------------------------------
+
+    def _check_epoch(self, epoch: int) -> None:
+        if self.job is None or self.placement is None:
+            raise NotReady(f"stage {self.name} has no job assigned")
+        if epoch != self.epoch:
+            raise StaleEpoch(f"stale epoch {epoch}: stage {self.name} is at epoch {self.epoch}")
+        if self.frozen_for:
+            raise Rebalancing(f"rebalancing from epoch {self.epoch} to {self.frozen_for}")
+
+    def _check_client(self, client: int) -> None:
+        if client < self.fence:
+            raise Fenced(f"client {client} fenced by stage {self.name} (fence {self.fence})")
+
+    def _owned(self) -> range:
+        return self.placement.layers if self.placement is not None else range(0)
+
+    # ---- snapshots --------------------------------------------------------------------
+
+    def _capture(self, step: int) -> None:
+        """Records this stage's snapshot of ``step`` and pushes a copy (lock held)."""
+        job, placement = self.job, self.placement
+        if job is None or placement is None or not job.snapshot_every or not placement.in_chain:
+            return
+        self.own[step] = tuple(placement.layers)
+        for old in sorted(self.own)[:-KEEP_SNAPSHOTS]:
+            del self.own[old]
+        peer = placement.replica
+        if peer:
+            args = (peer, job.job_id, step, tuple(placement.layers), self.stage_id)
+            threading.Thread(target=self._push, args=args, daemon=True).start()
+
+    def _push(self, peer: str, job_id: str, step: int, layers: Sequence[int], me: str) -> None:
+        def messages() -> Iterator[stage_pb2.SnapshotChunk]:
+            yield stage_pb2.SnapshotChunk(job_id=job_id, step=step, source=me)
+            for layer in layers:
+                for chunk in layer_chunks(layer, BLOB):
+                    yield stage_pb2.SnapshotChunk(chunk=chunk)
+
+        for attempt in range(40):  # the peer may not have its job yet (as transfers.push)
+            try:
+                rpc.call(peer, self.pool.stub(peer).PushSnapshot, messages(), timeout=60.0)
+                return
+            except NotReady:
+                time.sleep(min(0.02 * (attempt + 1), 0.5))
+            except ElasticPipeError as exc:
+                with self.counters.lock:
+                    self.counters.errors[f"push: {type(exc).__name__}"] += 1
+                return
+
+    # ---- data path --------------------------------------------------------------------
+
+    def _accept(self, slot: int, header: stage_pb2.DataHeader, chunks: Iterator[bytes]) -> None:
+        codec.check_meta(header.meta, codec.DEFAULT_MAX_TENSOR_BYTES)
+        with self.cond:
+            self._check_epoch(header.epoch)
+        assembler = codec.TensorAssembler(header.meta)
+        for data in chunks:
+            assembler.add(data)
+        assembler.finish()
+        with self.cond:
+            self._check_epoch(header.epoch)
+            if header.run >= self.closed_below:
+                self.inbox.setdefault((header.run, slot), set()).add(header.micro_batch)
+                self.cond.notify_all()
+
+    def _stream(self, slot: int, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
+        first = next(chunks, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidRequest("a data stream must start with a DataHeader")
+        self._accept(slot, first.header, (c.data for c in chunks))
+        return stage_pb2.Ack()
+
+    def Forward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
+        return self._stream(stage_pb2.INPUT, chunks)
+
+    def Backward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
+        return self._stream(stage_pb2.GRAD, chunks)
+
+    def Targets(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
+        return self._stream(stage_pb2.TARGET, chunks)
+
+    def Deliver(self, msg: stage_pb2.DataMessage, ctx: Any) -> stage_pb2.Ack:
+        self._accept(msg.slot, msg.header, iter([msg.data]))
+        return stage_pb2.Ack()
+
+    def RunStep(self, req: stage_pb2.RunStepRequest, ctx: Any) -> stage_pb2.StepReport:
+        started = time.perf_counter()
+        remaining = ctx.time_remaining()
+        deadline = time.monotonic() + min(req.timeout_s, remaining or req.timeout_s)
+        train = req.mode == stage_pb2.TRAIN
+        with self.cond:
+            self._check_client(req.client)
+            self._check_epoch(req.epoch)
+            for d in req.previous:  # a decision the client could not deliver earlier
+                if self.phase == "awaiting_commit" and d.run == self.active_run:
+                    if d.commit:
+                        self._commit(d.run, d.step)
+                    else:
+                        self._abort_awaiting()
+            if self.phase != "idle":
+                raise NotReady(f"stage {self.name} is busy with run {self.active_run}")
+            if req.run < self.closed_below:
+                raise StepAborted(f"run {req.run} was aborted before it started")
+            if train and req.step != self.committed_step + 1:
+                raise NotReady(f"step {req.step} is not the next step of stage {self.name}")
+            self.fence = max(self.fence, req.client)
+            self.phase, self.active_run, self.active_step = "running", req.run, req.step
+            self.active_client = req.client
+            placement = self.placement
+            assert placement is not None
+            wanted = []
+            if placement.index == 0:
+                wanted.append(stage_pb2.INPUT)
+            if placement.index == placement.num_stages - 1 and train:
+                wanted.append(stage_pb2.TARGET)
+
+            def arrived() -> bool:
+                if self.closed_below > req.run or self.active_run != req.run:
+                    return True
+                return all(
+                    len(self.inbox.get((req.run, slot), ())) >= req.micro_batches for slot in wanted
+                )
+
+            if not self.cond.wait_for(arrived, max(0.0, deadline - time.monotonic())):
+                self._fail_run(req.run)
+                raise StepAborted(f"run {req.run}: the client's data did not arrive in time")
+            if self.closed_below > req.run or self.phase != "running":
+                self._fail_run(req.run)
+                raise StepAborted(f"run {req.run} aborted on stage {self.name}")
+            self.phase = "awaiting_commit" if train else "idle"
+            compute = 0.0
+            for layer in placement.layers:
+                seconds = layer_cost(layer) / self.speed
+                t = self.timings.setdefault(layer, [0.0, 0.0, 0.0, 0.0])
+                t[0], t[1], t[2], t[3] = seconds / 3, 2 * seconds / 3, BATCH * WIDTH, t[3] + 1
+                compute += seconds * req.micro_batches
+            last = placement.index == placement.num_stages - 1
+            return stage_pb2.StepReport(
+                run=req.run,
+                losses=[0.0] * req.micro_batches if last and train else [],
+                compute_s=compute,
+                wall_s=time.perf_counter() - started,
+                timings=self._timings(),
+            )
+
+    def _fail_run(self, run: int) -> None:
+        self.closed_below = max(self.closed_below, run + 1)
+        if self.active_run == run and self.phase == "running":
+            self.phase = "idle"
+        self._drop_inbox()
+
+    def _drop_inbox(self) -> None:
+        for key in [k for k in self.inbox if k[0] < self.closed_below]:
+            del self.inbox[key]
+
+    def _commit(self, run: int, step: int) -> None:
+        self.phase = "idle"
+        self.committed_step, self.committed_run = step, run
+        self.closed_below = max(self.closed_below, run + 1)
+        self._drop_inbox()
+        job = self.job
+        if job is not None and job.snapshot_every and step % job.snapshot_every == 0:
+            self._capture(step)
+
+    def _abort_awaiting(self) -> None:
+        self.phase = "idle"
+        self.closed_below = max(self.closed_below, self.active_run + 1)
+        self._drop_inbox()
+
+    def FetchOutput(
+        self, req: stage_pb2.FetchOutputRequest, ctx: Any
+    ) -> Iterator[stage_pb2.DataChunk]:
+        raise NotReady(f"stage {self.name} is a fake: it keeps no inference output")
+        yield stage_pb2.DataChunk()  # unreachable: makes this a generator
+
+    def CommitStep(
+        self, req: stage_pb2.CommitStepRequest, ctx: Any
+    ) -> stage_pb2.CommitStepResponse:
+        with self.cond:
+            self._check_client(req.client)
+            if not (self.committed_run == req.run and self.committed_step == req.step):
+                if req.epoch != self.epoch:
+                    raise StaleEpoch(
+                        f"stale epoch {req.epoch}: stage {self.name} is at {self.epoch}"
+                    )
+                if self.phase != "awaiting_commit" or self.active_run != req.run:
+                    raise NotReady(f"run {req.run} is not awaiting commit on stage {self.name}")
+                self._commit(req.run, req.step)
+            self.cond.notify_all()
+            return stage_pb2.CommitStepResponse(committed_step=self.committed_step)
+
+    def AbortStep(self, req: stage_pb2.AbortStepRequest, ctx: Any) -> stage_pb2.Ack:
+        with self.cond:
+            self._check_client(req.client)
+            if not (self.committed_run == req.run and req.run):
+                if self.active_run == req.run and self.phase == "awaiting_commit":
+                    self._abort_awaiting()
+                else:
+                    self.closed_below = max(self.closed_below, req.run + 1)
+                    self._drop_inbox()
+            self.cond.notify_all()
+        return stage_pb2.Ack()
+
+    def Fence(self, req: stage_pb2.FenceRequest, ctx: Any) -> stage_pb2.RunState:
+        with self.cond:
+            self.fence = max(self.fence, req.client)
+            if self.phase == "running" and self.active_client < self.fence:
+                self.closed_below = max(self.closed_below, self.active_run + 1)
+                self.cond.notify_all()
+            return self._state()
+
+    # ---- control ----------------------------------------------------------------------
+
+    def Describe(self, req: stage_pb2.DescribeRequest, ctx: Any) -> stage_pb2.DescribeResponse:
+        num_layers, sizes, path, digest = describe(req.job.model, req.job.model_kwargs_json)
+        return stage_pb2.DescribeResponse(
+            num_layers=num_layers, param_bytes=sizes, factory_file=path, factory_sha256=digest
+        )
+
+    def Profile(self, req: stage_pb2.ProfileRequest, ctx: Any) -> stage_pb2.ProfileResponse:
+        num_layers = describe(req.job.model, req.job.model_kwargs_json)[0]
+        return stage_pb2.ProfileResponse(
+            timings=[
+                stage_pb2.LayerTiming(
+                    layer=i,
+                    forward_s=layer_cost(i) / self.speed / 3,
+                    backward_s=2 * layer_cost(i) / self.speed / 3,
+                    output_bytes=BATCH * WIDTH * 4 // MICRO_BATCHES,
+                    samples=req.repeats,
+                )
+                for i in range(num_layers)
+            ]
+        )
+
+    def Assign(self, req: stage_pb2.AssignRequest, ctx: Any) -> stage_pb2.AssignResponse:
+        job = JobConfig.from_proto(req.job)
+        placement = Placement.from_proto(req.assignment)
+        with self.cond:
+            if self.phase == "running":
+                self.closed_below = max(self.closed_below, self.active_run + 1)
+            self.job, self.placement, self.epoch = job, placement, placement.epoch
+            self.committed_step = self.committed_run = 0
+            self.phase, self.frozen_for, self.prepared, self.staged = "idle", 0, False, None
+            self.inbox.clear()
+            self.timings = {i: [0.0, 0.0, 0.0, 0.0] for i in placement.layers}
+            self.own.clear()
+            self.copies.clear()
+            self._capture(0)
+            self.cond.notify_all()
+        return stage_pb2.AssignResponse(num_layers=placement.hi - placement.lo)
+
+    def Freeze(self, req: stage_pb2.EpochRequest, ctx: Any) -> stage_pb2.FreezeResponse:
+        timeout = max(0.0, (ctx.time_remaining() or 30.0) - 0.5)
+        with self.cond:
+            if req.epoch <= self.epoch:
+                raise InvalidRequest(f"cannot freeze for epoch {req.epoch} at epoch {self.epoch}")
+            if req.abort_running and self.phase == "running":
+                self._fail_run(self.active_run)
+            if not self.cond.wait_for(lambda: self.phase == "idle", timeout):
+                raise NotReady(f"stage {self.name} did not reach a step boundary")
+            if self.frozen_for != req.epoch:
+                self.frozen_for, self.prepared, self.staged = req.epoch, False, None
+            return stage_pb2.FreezeResponse(committed_step=self.committed_step)
+
+    def PrepareEpoch(
+        self, req: stage_pb2.PrepareEpochRequest, ctx: Any
+    ) -> stage_pb2.PrepareEpochResponse:
+        started = time.perf_counter()
+        placement = Placement.from_proto(req.assignment)
+        deadline = time.monotonic() + (ctx.time_remaining() or req.timeout_s or 60.0) - 0.5
+        with self.cond:
+            if self.frozen_for != req.epoch:
+                raise NotReady(f"epoch {req.epoch} was abandoned on stage {self.name}")
+        received = 0
+        if req.rollback:  # a recovery: every owned layer from the snapshot of committed_step
+            sources = {src.layer: src.address for src in req.incoming}
+            with self.cond:
+                held = set(self.own.get(req.committed_step, ()))
+                for copy in self.copies.values():
+                    held |= set(copy.get(req.committed_step, ()))
+            wanted = [
+                (
+                    layer,
+                    stage_pb2.ExportLayersRequest(
+                        layers=[layer],
+                        include_optimizer=True,
+                        from_snapshot=True,
+                        snapshot_step=req.committed_step,
+                        job_id=req.job.job_id,
+                    ),
+                )
+                for layer in placement.layers
+                if layer not in held
+            ]
+        else:
+            sources = {src.layer: src.address for src in req.incoming}
+            wanted = [
+                (
+                    src.layer,
+                    stage_pb2.ExportLayersRequest(
+                        epoch=req.source_epoch, layers=[src.layer], include_optimizer=True
+                    ),
+                )
+                for src in req.incoming
+            ]
+        for layer, request in wanted:
+            if not sources.get(layer):
+                raise NotReady(f"layer {layer}: no source and no snapshot on {self.name}")
+            received += len(
+                transfers.pull_layer(
+                    self.pool, sources[layer], request, deadline, codec.DEFAULT_MAX_TENSOR_BYTES
+                )
+            )
+        with self.cond:
+            if self.frozen_for != req.epoch:
+                raise NotReady(f"epoch {req.epoch} was abandoned on stage {self.name}")
+            self.staged, self.prepared, self.prepared_step = placement, True, req.committed_step
+            self.prepared_rollback = req.rollback
+            self.staged_job = JobConfig.from_proto(req.job)
+            return stage_pb2.PrepareEpochResponse(
+                committed_step=self.committed_step,
+                bytes_received=received,
+                transfer_s=time.perf_counter() - started,
+            )
+
+    def CommitEpoch(self, req: stage_pb2.EpochRequest, ctx: Any) -> stage_pb2.EpochResponse:
+        with self.cond:
+            if self.epoch == req.epoch and self.frozen_for != req.epoch:
+                return stage_pb2.EpochResponse(epoch=self.epoch)
+            if self.frozen_for != req.epoch or not self.prepared or self.staged is None:
+                raise NotReady(f"nothing is prepared for epoch {req.epoch} on {self.name}")
+            self.epoch, self.placement = req.epoch, self.staged
+            self.committed_step = self.prepared_step
+            self.frozen_for, self.prepared, self.staged = 0, False, None
+            if self.job is None or self.prepared_rollback:
+                self.job = self.staged_job
+            if self.prepared_rollback:  # as StepMachine.commit_epoch: prune, then snapshot
+                self.committed_run = 0
+                self.inbox.clear()
+                self.own = {k: v for k, v in self.own.items() if k <= self.committed_step}
+                for held in self.copies.values():
+                    for k in [k for k in held if k > self.committed_step]:
+                        del held[k]
+                self._capture(self.committed_step)
+            self.timings = {
+                i: self.timings.get(i, [0.0, 0.0, 0.0, 0.0]) for i in self.placement.layers
+            }
+            self.cond.notify_all()
+            return stage_pb2.EpochResponse(epoch=self.epoch)
+
+    def AbortEpoch(self, req: stage_pb2.EpochRequest, ctx: Any) -> stage_pb2.EpochResponse:
+        with self.cond:
+            if self.frozen_for == req.epoch:
+                self.frozen_for, self.prepared, self.staged = 0, False, None
+                self.cond.notify_all()
+            return stage_pb2.EpochResponse(epoch=self.epoch)
+
+    def ExportLayers(
+        self, req: stage_pb2.ExportLayersRequest, ctx: Any
+    ) -> Iterator[stage_pb2.LayerChunk]:
+        with self.cond:
+            if req.from_snapshot:
+                held = set(self.own.get(req.snapshot_step, ()))
+                for copy in self.copies.values():
+                    held |= set(copy.get(req.snapshot_step, ()))
+            else:
+                if req.epoch and req.epoch != self.epoch:
+                    self._check_epoch(req.epoch)
+                held = set(self._owned())
+            missing = [i for i in req.layers if i not in held]
+        if missing:
+            raise NotReady(f"stage {self.name} does not hold layers {missing}")
+        for layer in req.layers:
+            yield from layer_chunks(layer, BLOB)
+
+    def RestoreLayers(
+        self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: Any
+    ) -> stage_pb2.RestoreResponse:
+        pieces = (message.chunk for message in chunks)
+        layers = [layer for layer, _ in codec.layer_blobs(pieces, codec.DEFAULT_MAX_TENSOR_BYTES)]
+        return stage_pb2.RestoreResponse(layers=layers)
+
+    def PushSnapshot(self, chunks: Iterator[stage_pb2.SnapshotChunk], ctx: Any) -> stage_pb2.Ack:
+        first = next(chunks, None)
+        if first is None or not first.source:
+            raise InvalidRequest("a snapshot stream must start with its job, step and source")
+        pieces = (message.chunk for message in chunks)
+        blobs = dict(codec.layer_blobs(pieces, codec.DEFAULT_MAX_TENSOR_BYTES))
+        with self.cond:
+            if self.job is None or self.job.job_id != first.job_id:
+                raise NotReady(f"stage {self.name} does not run job {first.job_id!r} (yet)")
+            held = self.copies.setdefault(first.source, {})
+            held[first.step] = tuple(sorted(blobs))
+            for old in sorted(held)[:-KEEP_SNAPSHOTS]:
+                del held[old]
+        return stage_pb2.Ack()
+
+    def GetStats(self, req: stage_pb2.StatsRequest, ctx: Any) -> stage_pb2.StageStats:
+        with self.cond:
+            owned = self._owned()
+            return stage_pb2.StageStats(
+                stage_id=self.stage_id,
+                name=self.name,
+                epoch=self.epoch,
+                layer_lo=owned.start if owned else 0,
+                layer_hi=owned.stop if owned else 0,
+                committed_step=self.committed_step,
+                slowdown=1.0,
+                timings=self._timings(),
+                device="fake",
+                frozen=bool(self.frozen_for),
+                state=self._state(),
+                snapshots=self._holdings(),
+            )
+
+    def SetSlowdown(self, req: stage_pb2.SlowdownRequest, ctx: Any) -> stage_pb2.Ack:
+        return stage_pb2.Ack()
+
+    def InjectFault(self, req: stage_pb2.FaultRequest, ctx: Any) -> stage_pb2.Ack:
+        raise InvalidRequest("fault injection is off on fake stages")
+
+
+def fakes_main(conn: Connection, coordinator: str, count: int) -> None:
+    """The fake stages' process: serves ``count`` fakes; answers the bench's commands."""
+    torch.set_num_threads(1)
+    describe("mlp", json.dumps(model_kwargs(count), sort_keys=True))  # as JobConfig sends it
+    counters = Counters()
+    stop = threading.Event()
+    threading.Thread(target=counters.watch, args=(stop,), name="watch", daemon=True).start()
+    fakes = [FakeStage(f"fake-{i:03d}", i, coordinator, counters) for i in range(count)]
+    started = time.perf_counter()
+    for fake in fakes:
+        fake.serve()
+    conn.send({"serve_s": time.perf_counter() - started})
+    try:
+        while True:
+            command = conn.recv()
+            if command == "register":
+                started = time.perf_counter()
+                for fake in fakes:
+                    fake.join_cluster()
+                ok = all(
+                    f.registered.wait(max(0.0, 120 - time.perf_counter() + started)) for f in fakes
+                )
+                conn.send({"ok": ok, "wall_s": time.perf_counter() - started, **counters.take()})
+            elif command == "counters":
+                conn.send(counters.take())
+            elif command == "stop":
+                break
+    finally:
+        stop.set()
+        for fake in fakes:
+            fake.stop()
+        conn.send("stopped")
+
+
+# ---- the bench (this process: the client and the measurements) ------------------------
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+def receive(conn: Connection, proc: Any, timeout: float) -> Any:
+    """The fakes' next answer, or an error if they died or took longer than ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"the fake stages' process exited with code {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the fake stages did not answer within {timeout:.0f}s")
+    return conn.recv()
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def shifted(boundaries: Sequence[int]) -> list[int]:
+    """Every interior boundary one layer later (or earlier where that is not possible)."""
+    b = list(boundaries)
+    for step in (1, -1):
+        new = [b[0], *(x + step for x in b[1:-1]), b[-1]]
+        if all(new[i] < new[i + 1] for i in range(len(new) - 1)):
+            return new
+    new = list(b)  # fall back: move the first cut that can move
+    for i in range(1, len(b) - 1):
+        if b[i] + 1 < b[i + 1]:
+            new[i] += 1
+            return new
+    raise ValueError(f"no layer can move in {b}")
+
+
+def coordinator_log_events(path: Path) -> Counter[str]:
+    """Warnings and errors the coordinator logged, by event name."""
+    events: Counter[str] = Counter()
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            m = re.search(r"\[(warning|error|critical)\s*\]\s+(\S+)", line)
+            if m:
+                events[f"{m.group(1)}: {m.group(2)}"] += 1
+    return events
+
+
+class Admin:
+    """The coordinator's admin RPCs."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = rpc.channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
+
+    def call(self, method: str, request: Any, timeout: float = 600.0) -> Any:
+        return rpc.call(self.address, getattr(self.stub, method), request, timeout=timeout)
+
+    def alive(self) -> int:
+        return sum(s.alive for s in self.call("Status", coordinator_pb2.StatusRequest()).stages)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def timed(fn: Any, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn``."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class Probe:
+    """Asks the coordinator a cheap question every ``interval`` s from this process (a
+    ``Heartbeat`` of an unknown stage id: the membership lock and a reply, nothing else)
+    and keeps the latencies, so that a stalled coordinator shows apart from stalled fakes."""
+
+    def __init__(self, address: str, interval: float = 0.2):
+        self.admin = Admin(address)
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []  # (monotonic time sent, latency)
+        self.pending_since: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        request = coordinator_pb2.HeartbeatRequest(stage_id="bench-probe")
+        while not self._stop.wait(self.interval):
+            sent = self.pending_since = time.monotonic()
+            with contextlib.suppress(ElasticPipeError):
+                self.admin.call("Heartbeat", request, timeout=30.0)
+            self.pending_since = None
+            self.samples.append((sent, time.monotonic() - sent))
+
+    def worst(self, since: float, until: float) -> float:
+        """The largest latency of a probe sent in [since, until], counting one still
+        unanswered with its wait so far."""
+        worst = max((lat for t, lat in self.samples if since <= t <= until), default=0.0)
+        pending = self.pending_since
+        return max(worst, until - pending) if pending is not None else worst
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=35)
+        self.admin.close()
+
+
+class Phases:
+    """Times the bench's phases, with the probe's worst latency and the fakes' deaths in
+    each."""
+
+    def __init__(self, out: dict[str, Any], probe: Probe, counters: Any, since: Any):
+        self.out, self.probe, self.counters, self.since = out, probe, counters, since
+        self.out["phases"] = {}
+        self._last = counters()
+        since()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            now = self.counters()
+            seen = self.since()
+            self.out["phases"][name] = {
+                "s": round(time.monotonic() - started, 3),
+                "coordinator_probe_max_ms": round(
+                    1000 * self.probe.worst(started, time.monotonic()), 1
+                ),
+                "fakes_declared_dead": now["dead"] - self._last["dead"],
+                "fakes_reregistered": now["reregistered"] - self._last["reregistered"],
+                "fakes_max_lag_ms": round(1000 * seen["max_lag"], 1),
+                "fakes_rpcs": seen["calls"],
+            }
+            self._last = now
+
+
+def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Everything measured on a fresh coordinator with ``stages`` fake stages (and one spare),
+    into ``out`` (what was measured stays there if a later phase fails)."""
+    hb = args.heartbeat_interval
+    coordinator_args = [
+        "--state",
+        ":memory:",
+        "--no-auto-rebalance",
+        "--heartbeat-interval",
+        str(hb),
+        "--dead-after",
+        str(args.dead_after),
+    ]
+    started = time.perf_counter()
+    log_dir = Path(args.log_dir) / f"{stages}-stages" if args.log_dir else None
+    with LocalCluster(stages=0, coordinator_args=coordinator_args, log_dir=log_dir) as cluster:
+        cpid = cluster.procs["coordinator"].pid
+        admin = Admin(cluster.coordinator)
+        time.sleep(0.5)
+        c0, t0 = process_cpu_s(cpid), time.perf_counter()
+        time.sleep(args.idle)
+        out["idle_cpu_frac"] = (process_cpu_s(cpid) - c0) / (time.perf_counter() - t0)
+
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=fakes_main, args=(child, cluster.coordinator, stages + 1), daemon=True
+        )
+        proc.start()
+        assert proc.pid is not None
+        fpid = proc.pid
+        probe = Probe(cluster.coordinator)
+        pipe: Pipeline | None = None
+
+        seen: dict[str, Any] = {"calls": Counter(), "max_lag": 0.0}  # since the last phase
+
+        def counters() -> dict[str, Any]:
+            conn.send("counters")
+            taken: dict[str, Any] = receive(conn, proc, 60)
+            seen["calls"].update(taken["calls"])
+            seen["max_lag"] = max(seen["max_lag"], taken["max_lag"])
+            return taken
+
+        def since_last_phase() -> dict[str, Any]:
+            out = {"calls": dict(seen["calls"]), "max_lag": seen["max_lag"]}
+            seen["calls"], seen["max_lag"] = Counter(), 0.0
+            return out
+
+        try:
+            out["serve_s"] = receive(conn, proc, 300)["serve_s"]
+            print(
+                f"  {stages} + 1 spare fake stage servers up in {out['serve_s']:.1f}s "
+                f"(cluster start to here {time.perf_counter() - started:.1f}s)",
+                flush=True,
+            )
+            phase = Phases(out, probe, counters, since_last_phase)
+
+            with phase("registration"):
+                c0 = process_cpu_s(cpid)
+                conn.send("register")
+                reg = receive(conn, proc, 300)
+                if not reg["ok"]:
+                    raise RuntimeError(f"not every fake registered within 120 s: {reg['errors']}")
+                out["register_s"] = reg["wall_s"]
+                out["register_cpu_s"] = process_cpu_s(cpid) - c0
+                out["register_p50_ms"] = 1000 * quantile(reg["register_latency"], 0.5)
+                out["register_max_ms"] = 1000 * max(reg["register_latency"])
+                out["register_errors"] = reg["errors"]
+            print(
+                f"  registered in {out['register_s']:.2f}s "
+                f"(p50 {out['register_p50_ms']:.1f} ms, max {out['register_max_ms']:.0f} ms"
+                f"{', errors ' + str(reg['errors']) if reg['errors'] else ''})",
+                flush=True,
+            )
+
+            with phase("heartbeats"):
+                time.sleep(2 * hb)
+                before = counters()
+                c0, f0, t0 = process_cpu_s(cpid), process_cpu_s(fpid), time.perf_counter()
+                time.sleep(args.window)
+                c1, f1, t1 = process_cpu_s(cpid), process_cpu_s(fpid), time.perf_counter()
+                after = counters()
+                beats = after["heartbeats"] - before["heartbeats"]
+                out["heartbeats_per_s"] = beats / (t1 - t0)
+                out["hb_cpu_frac"] = (c1 - c0) / (t1 - t0)
+                out["hb_cpu_ms"] = 1000 * (c1 - c0) / max(beats, 1)
+                net = max(0.0, out["hb_cpu_frac"] - out["idle_cpu_frac"]) * (t1 - t0)
+                out["hb_net_cpu_ms"] = 1000 * net / max(beats, 1)
+                out["hb_p50_ms"] = 1000 * quantile(after["heartbeat_latency"], 0.5)
+                out["hb_p99_ms"] = 1000 * quantile(after["heartbeat_latency"], 0.99)
+                out["hb_max_gap_s"] = after["max_gap"]
+                out["fakes_hb_cpu_frac"] = (f1 - f0) / (t1 - t0)
+                out["alive_after_window"] = admin.alive()
+            print(
+                f"  heartbeats: {out['heartbeats_per_s']:.0f}/s, coordinator CPU "
+                f"{100 * out['hb_cpu_frac']:.1f}% of a core "
+                f"(idle {100 * out['idle_cpu_frac']:.1f}%)"
+                f" = {out['hb_cpu_ms']:.2f} ms per heartbeat; latency p50 "
+                f"{out['hb_p50_ms']:.1f} ms p99 {out['hb_p99_ms']:.1f} ms; "
+                f"{out['alive_after_window']}/{stages + 1} alive",
+                flush=True,
+            )
+
+            with phase("planning (in the client process)"):
+                num_layers, _ = models.describe("mlp", model_kwargs(stages))
+                out["layers"] = num_layers
+                costs = [layer_cost(i) for i in range(num_layers)]
+                speeds = [stage_speed(i) for i in range(stages)]
+                out["plan_ms"] = 1000 * timed(lambda: plan(costs, speeds), 5)
+                out["order_hosts_ms"] = 1000 * timed(lambda: order_hosts(costs, speeds), 1)
+                spare = stage_speed(stages)
+                now = plan(costs, speeds)
+                out["scale_out_eval_ms"] = (
+                    1000
+                    * timed(  # as Rebalancer.scale_out does
+                        lambda: [
+                            plan(costs, [*speeds[:p], spare, *speeds[p:]])
+                            for p in spare_positions(now.stage_times)
+                        ],
+                        1,
+                    )
+                )
+
+            gen = torch.Generator().manual_seed(0)
+            batches = [
+                (torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen))
+                for _ in range(4)
+            ]
+            pipe = Pipeline(
+                coordinator=cluster.coordinator,
+                model="mlp",
+                model_kwargs=model_kwargs(stages),
+                optimizer="sgd",
+                optimizer_kwargs={"lr": 0.1},
+                loss="mse",
+                micro_batches=MICRO_BATCHES,
+                stages=stages,
+                snapshot_every=args.snapshot_every,
+                setup_timeout=300.0,
+            )
+            with phase("job setup + first step"):
+                t0 = time.perf_counter()
+                pipe.train_step(*batches[0])
+                out["setup_s"] = time.perf_counter() - t0
+                assert pipe.partition.num_stages == stages, pipe.partition.num_stages
+            with phase("steps"):
+                pipe.train_step(*batches[1])  # warm-up
+                step_s = []
+                cpu0 = (time.process_time(), process_cpu_s(fpid), process_cpu_s(cpid))
+                for k in range(args.steps):
+                    t0 = time.perf_counter()
+                    pipe.train_step(*batches[k % len(batches)])
+                    step_s.append(time.perf_counter() - t0)
+                cpu1 = (time.process_time(), process_cpu_s(fpid), process_cpu_s(cpid))
+                out["step_s"] = statistics.median(step_s)
+                out["step_min_s"] = min(step_s)
+                out["client_cpu_ms"], out["fakes_cpu_ms"], out["coordinator_cpu_ms"] = (
+                    1000 * (b - a) / args.steps for a, b in zip(cpu0, cpu1, strict=True)
+                )
+                out["ran_step"] = True
+            print(
+                f"  setup + first step {out['setup_s']:.2f}s; step {1000 * out['step_s']:.0f} ms "
+                f"(CPU per step: client {out['client_cpu_ms']:.0f} ms, fakes "
+                f"{out['fakes_cpu_ms']:.0f} ms, coordinator {out['coordinator_cpu_ms']:.0f} ms)",
+                flush=True,
+            )
+            out["plan_rpc_ms"] = 1000 * timed(
+                lambda: admin.call("Plan", coordinator_pb2.PlanRequest()), 3
+            )
+
+            with phase("policy loop on, 1 spare"):
+                kinds_before = Counter(
+                    r.kind for r in admin.call("Status", coordinator_pb2.StatusRequest()).history
+                )
+                admin.call("SetAutoRebalance", coordinator_pb2.AutoRebalanceRequest(enabled=True))
+                time.sleep(1.0)
+                counters()
+                c0, t0 = process_cpu_s(cpid), time.perf_counter()
+                time.sleep(args.window)
+                c1, t1 = process_cpu_s(cpid), time.perf_counter()
+                during = counters()
+                admin.call("SetAutoRebalance", coordinator_pb2.AutoRebalanceRequest(enabled=False))
+                out["policy_cpu_frac"] = (c1 - c0) / (t1 - t0)
+                out["policy_hb_p99_ms"] = 1000 * quantile(during["heartbeat_latency"], 0.99)
+                out["policy_hb_max_gap_s"] = during["max_gap"]
+                kinds = Counter(
+                    r.kind for r in admin.call("Status", coordinator_pb2.StatusRequest()).history
+                )
+                out["policy_epochs"] = dict(kinds - kinds_before)
+            print(
+                f"  auto-rebalance on, 1 spare: coordinator CPU {100 * out['policy_cpu_frac']:.0f}%"
+                f" of a core (heartbeats alone {100 * out['hb_cpu_frac']:.0f}%), heartbeat p99 "
+                f"{out['policy_hb_p99_ms']:.0f} ms, largest gap {out['policy_hb_max_gap_s']:.2f}s,"
+                f" epoch changes {out['policy_epochs'] or 'none'}; scale-out evaluation "
+                f"(spare_positions plans) in process {out['scale_out_eval_ms']:.0f} ms",
+                flush=True,
+            )
+            if out["policy_epochs"]:
+                pipe.train_step(*batches[3])  # adopt whatever partition came of it
+
+            with phase("migrations"):
+                original = list(pipe.partition.boundaries)
+                moves = []
+                for target in (shifted(original), original):
+                    t0 = time.perf_counter()
+                    reply = admin.call(
+                        "SetPartition", coordinator_pb2.SetPartitionRequest(boundaries=target)
+                    )
+                    wall = time.perf_counter() - t0
+                    assert reply.changed, reply.decision
+                    moves.append((wall, reply.pause_s, reply.bytes_moved))
+                history = admin.call("Status", coordinator_pb2.StatusRequest()).history
+                out["layers_moved"] = history[-1].layers_moved
+                out["migration_s"] = statistics.median(m[0] for m in moves)
+                out["migration_pause_s"] = statistics.median(m[1] for m in moves)
+                out["migration_bytes"] = moves[0][2]
+                t0 = time.perf_counter()
+                pipe.train_step(*batches[2])
+                out["step_after_move_s"] = time.perf_counter() - t0
+                out["attempts_after_move"] = pipe.last_step.attempts
+            print(
+                f"  migration ({out['layers_moved']} layers): {out['migration_s']:.2f}s "
+                f"(pause {out['migration_pause_s']:.2f}s); next step "
+                f"{1000 * out['step_after_move_s']:.0f} ms in {out['attempts_after_move']} "
+                f"attempts; Plan RPC {out['plan_rpc_ms']:.0f} ms",
+                flush=True,
+            )
+        finally:
+            try:
+                final = counters()
+                out["dead"], out["reregistered"] = final["dead"], final["reregistered"]
+                out["membership_errors"] = final["errors"]
+            except (RuntimeError, TimeoutError, EOFError, OSError):
+                pass
+            out["coordinator_threads"] = process_threads(cpid)
+            if pipe is not None:
+                with contextlib.suppress(ElasticPipeError):
+                    pipe.close()
+            probe.close()
+            if proc.is_alive():
+                conn.send("stop")
+                try:
+                    receive(conn, proc, 60)
+                except (RuntimeError, TimeoutError, EOFError):
+                    proc.kill()
+            proc.join(timeout=10)
+            admin.close()
+            out["coordinator_log"] = dict(
+                coordinator_log_events(cluster.log_dir / "coordinator.log")
+            )
+    out["total_s"] = time.perf_counter() - started
+
+
+def exponent(results: Sequence[dict[str, Any]], key: str) -> float | None:
+    """k in figure ~ S^k between the smallest and the largest chain that measured it."""
+    points = [(r["stages"], r[key]) for r in results if r.get(key) and r[key] > 0]
+    if len(points) < 2 or points[0][0] == points[-1][0]:
+        return None
+    (s0, v0), (s1, v1) = points[0], points[-1]
+    return math.log(v1 / v0) / math.log(s1 / s0)
+
+
+# (key, label, unit scale, unit, the exponent it should have: 1 linear, 0 flat, None: not
+# judged)
+FIGURES: list[tuple[str, str, float, str, float | None]] = [
+    ("register_s", "registration, all stages at once", 1.0, "s", 1.0),
+    ("register_p50_ms", "  Register RPC, median", 1.0, "ms", 0.0),
+    ("register_cpu_s", "  coordinator CPU for it", 1.0, "s", 1.0),
+    ("heartbeats_per_s", "heartbeats answered", 1.0, "/s", 1.0),
+    ("hb_cpu_frac", "  coordinator CPU (share of a core)", 100.0, "%", 1.0),
+    ("hb_cpu_ms", "  coordinator CPU per heartbeat", 1.0, "ms", 0.0),
+    ("hb_p99_ms", "  heartbeat RPC p99", 1.0, "ms", 0.0),
+    ("hb_max_gap_s", "  largest gap between heartbeats", 1.0, "s", 0.0),
+    ("plan_ms", "planner.plan (in process)", 1.0, "ms", 1.0),
+    ("order_hosts_ms", "order_hosts (job setup)", 1.0, "ms", 1.0),
+    ("plan_rpc_ms", "Plan RPC (plan_view)", 1.0, "ms", 1.0),
+    ("scale_out_eval_ms", "scale-out evaluation (spare_positions)", 1.0, "ms", 1.0),
+    ("policy_cpu_frac", "policy loop on + spare: coord. CPU", 100.0, "%", 1.0),
+    ("policy_hb_p99_ms", "  heartbeat RPC p99 meanwhile", 1.0, "ms", 0.0),
+    ("policy_hb_max_gap_s", "  largest heartbeat gap meanwhile", 1.0, "s", 0.0),
+    ("setup_s", "job setup + first step", 1.0, "s", 1.0),
+    ("step_s", "train_step (fan-out), median", 1000.0, "ms", 1.0),
+    ("client_cpu_ms", "  client CPU per step", 1.0, "ms", 1.0),
+    ("fakes_cpu_ms", "  fake stages' CPU per step", 1.0, "ms", 1.0),
+    ("coordinator_cpu_ms", "  coordinator CPU per step (heartbeats)", 1.0, "ms", None),
+    ("migration_s", "migration (SetPartition), median", 1.0, "s", 1.0),
+    ("migration_pause_s", "  its pause (coordinator's record)", 1.0, "s", 1.0),
+    ("step_after_move_s", "  first step after it", 1000.0, "ms", 1.0),
+]
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    ok = [r for r in results if r.get("ran_step")]
+    sizes = [r["stages"] for r in ok]
+    print()
+    print(f"{'':40}" + "".join(f"{s:>10}" for s in sizes) + f"{'k':>7}  growth")
+    for key, label, scale, unit, expected in FIGURES:
+        cells = "".join(
+            f"{scale * r[key]:>10.3g}" if r.get(key) is not None else f"{'-':>10}" for r in ok
+        )
+        k = exponent(ok, key)
+        verdict = ""
+        if k is not None and expected is not None:
+            if expected >= 1.0 and k > SUPERLINEAR:
+                verdict = "WORSE THAN LINEAR"
+            elif expected == 0.0 and k > SUPERLINEAR - 1.0:
+                verdict = "grows with S (should be flat)"
+            else:
+                verdict = "ok"
+        ktext = f"{k:>7.2f}" if k is not None else f"{'':>7}"
+        print(f"{label + ' (' + unit + ')':<40}{cells}{ktext}  {verdict}")
+    print()
+    print("per stage (figure / S), for the figures that should grow linearly:")
+    print(f"{'':40}" + "".join(f"{s:>10}" for s in sizes))
+    for key, label, scale, unit, expected in FIGURES:
+        if expected != 1.0:
+            continue
+        cells = "".join(
+            f"{scale * r[key] / r['stages']:>10.3g}" if r.get(key) else f"{'-':>10}" for r in ok
+        )
+        print(f"{label.strip() + ' (' + unit + '/stage)':<40}{cells}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--stages", default=",".join(map(str, STAGE_COUNTS)), help="chain sizes, comma-separated"
+    )
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per size")
+    parser.add_argument("--window", type=float, default=5.0, help="seconds of heartbeats timed")
+    parser.add_argument("--idle", type=float, default=2.0, help="seconds of idle coordinator")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--dead-after", type=float, default=5.0)
+    parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--log-dir", default="", help="keep the coordinator's logs there")
+    parser.add_argument("--quick", action="store_true", help="16 and 64 stages, short windows")
+    args = parser.parse_args()
+    if args.quick:
+        args.stages, args.steps, args.window, args.idle = "16,64", 3, 3.0, 1.0
+    sizes = sorted(int(s) for s in args.stages.split(","))
+    if any(s < 2 for s in sizes) or args.steps < 1:
+        parser.error("every chain size must be >= 2 and --steps >= 1")
+
+    bench_started = time.perf_counter()
+    load_before = os.getloadavg()
+    print(
+        f"chains of {sizes} fake stages; heartbeat every {args.heartbeat_interval:g}s, dead "
+        f"after {args.dead_after:g}s; {args.steps} timed steps; snapshots every "
+        f"{args.snapshot_every} steps; {os.cpu_count()} CPUs; load average {load_before[0]:.2f}",
+        flush=True,
+    )
+    results = []
+    for stages in sizes:
+        print(f"{stages} stages:", flush=True)
+        result: dict[str, Any] = {"stages": stages}
+        try:
+            run_size(stages, args, result)
+        except (ElasticPipeError, grpc.RpcError, RuntimeError, TimeoutError, AssertionError) as exc:
+            print(f"  FAILED at {stages} stages: {type(exc).__name__}: {exc}", flush=True)
+            result["failed"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        results.append(result)
+        if result.get("phases"):
+            print(
+                f"  {'phase':<34}{'s':>8}{'coord. probe':>13}{'fakes lag':>11}{'dead':>6}"
+                f"{'re-reg.':>8}  RPCs the fakes served (most frequent)"
+            )
+            for name, ph in result["phases"].items():
+                top = sorted(ph["fakes_rpcs"].items(), key=lambda kv: -kv[1])[:4]
+                print(
+                    f"  {name:<34}{ph['s']:>8.2f}{ph['coordinator_probe_max_ms']:>10.0f} ms"
+                    f"{ph['fakes_max_lag_ms']:>8.0f} ms{ph['fakes_declared_dead']:>6}"
+                    f"{ph['fakes_reregistered']:>8}  {', '.join(f'{k} {v}' for k, v in top)}"
+                )
+        problems = {
+            k: result[k]
+            for k in ("register_errors", "membership_errors", "coordinator_log")
+            if result.get(k)
+        }
+        if result.get("dead") or result.get("reregistered"):
+            problems["dead/reregistered"] = (result["dead"], result["reregistered"])
+        if problems:
+            print(f"  noticed: {problems}", flush=True)
+    load_after = os.getloadavg()
+
+    report(results)
+    ok = [r for r in results if r.get("ran_step")]
+    largest = ok[-1] if ok else {}
+    print(
+        f"\nload average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+        f"bench took {time.perf_counter() - bench_started:.0f} s"
+    )
+    keep = [k for k, *_ in FIGURES] + ["stages", "layers", "layers_moved", "failed"]
+    figures = {
+        "max_stages": largest.get("stages", 0),
+        "plan_ms": round(largest["plan_ms"], 3) if largest else None,
+        "migration_s": round(largest["migration_s"], 3) if largest else None,
+        "step_fanout_s": round(largest["step_s"], 4) if largest else None,
+        "exponents": {k: round(e, 3) for k, *_ in FIGURES if (e := exponent(ok, k)) is not None},
+        "sizes": [
+            {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items() if k in keep}
+            for r in results
+        ],
+        "failed": [r["stages"] for r in results if "failed" in r],
+        "load_before": round(load_before[0], 2),
+        "load_after": round(load_after[0], 2),
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

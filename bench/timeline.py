@@ -1,0 +1,72 @@
+"""The example timeline of docs/tracing.md: one 1F1B step of the char-GPT on 4 local stages.
+
+Starts a ``LocalCluster`` of 4 stage processes, trains a few steps of the built-in ``gpt``
+(6 blocks, so 8 layers: 2 per stage) with 8 micro-batches, then runs
+``elasticpipe admin trace --steps 1`` and writes the trace JSON and the PNG. Prints the
+step's pipeline efficiency as the client measured it (``pipe.last_step``) and as the trace
+measured it (first forward to last backward, clocks corrected).
+
+    .venv/bin/python bench/timeline.py --png docs/img/timeline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import torch
+
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--png", default="timeline.png")
+    parser.add_argument("--out", default="trace.json")
+    parser.add_argument("--steps", type=int, default=4, help="steps trained before tracing")
+    args = parser.parse_args()
+    kwargs = {"n_layers": 6, "d_model": 64, "max_seq_len": 32}
+    with (
+        LocalCluster(stages=4, coordinator_args=["--no-auto-rebalance"]) as cluster,
+        Pipeline(
+            coordinator=cluster.coordinator,
+            model="gpt",
+            model_kwargs=kwargs,
+            micro_batches=8,
+            schedule="1f1b",
+            stages=4,
+        ) as pipe,
+    ):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(args.steps):
+            tokens = torch.randint(0, 96, (32, 33), generator=g)
+            pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+        print(pipe.last_step)
+        print(
+            f"client: ideal {pipe.last_step.ideal_s * 1e3:.1f} ms, "
+            f"efficiency {pipe.last_step.efficiency:.1%}"
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "elasticpipe",
+                "admin",
+                "--coordinator",
+                cluster.coordinator,
+                "trace",
+                "--steps",
+                "1",
+                "--out",
+                args.out,
+                "--png",
+                args.png,
+            ],
+            check=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
