@@ -63,6 +63,13 @@ RESUME_FIELDS = (
     "schedule",
     "snapshot_every",
     "precision",
+    "scheduler",
+    "scheduler_kwargs",
+    "warmup_steps",
+    "max_grad_norm",
+    "recompute_all",
+    "recompute",
+    "wire_dtype",
 )
 
 
@@ -506,8 +513,15 @@ class Jobs:
         for run, step in undecided:
             committed = any(s.committed_run == run or s.committed_step >= step for s in states)
             if committed:
+                # The clipping the committed stages applied (a run committed anywhere had
+                # its decision, coefficient included, delivered there).
+                clips = [s.committed_clip for s in states if s.committed_run == run]
                 request = stage_pb2.CommitStepRequest(
-                    epoch=partition.epoch, run=run, step=step, client=client
+                    epoch=partition.epoch,
+                    run=run,
+                    step=step,
+                    client=client,
+                    clip=clips[0] if clips else None,
                 )
                 targets = [
                     a
@@ -566,10 +580,11 @@ class Jobs:
             for a, r in zip(partition.addresses, results, strict=True)
             if not isinstance(r, ElasticPipeError)
         ]
-        if not any(st.committed_run == run for _, st in states):
+        clips = [st.committed_clip for _, st in states if st.committed_run == run]
+        if not clips:
             return False
         request = stage_pb2.CommitStepRequest(
-            epoch=partition.epoch, run=run, step=step, client=client
+            epoch=partition.epoch, run=run, step=step, client=client, clip=clips[0]
         )
         waiting = [a for a, st in states if st.phase == "awaiting_commit" and st.active_run == run]
         self.c.pool.each([(a, request) for a in waiting], "CommitStep", 30.0)

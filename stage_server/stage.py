@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from elasticpipe import bounds, capacity, codec, models, rpc
+from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -34,7 +35,7 @@ from elasticpipe.schedule import forward_ops, stage_ops
 from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
-from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
+from elasticpipe.stage_server.layers import Built, LayerSlice, LayerTiming, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
 from elasticpipe.stage_server.profiling import profile_layers
@@ -59,7 +60,7 @@ SNAPSHOT_PUSH_TIMEOUT_S = 120.0
 ABORT_WAIT_S = 10.0
 EXTEND_MARGIN_S = 30.0
 
-Layers = dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
+Layers = dict[int, Built]
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class Stage:
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
                 try:
-                    self.slice.step()
+                    self.slice.step(e.clip)
                 except Exception as exc:
                     # Some layers may have stepped and others not: this stage's state is
                     # no longer any step's. It gives up its job; recovery rolls back.
@@ -384,6 +385,10 @@ class Stage:
                 self._apply(self.machine.fail_run(run))
                 raise
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
+            if train:
+                result.lr = self.slice.lr()
+                if self.job is not None and self.job.max_grad_norm:
+                    result.grad_sq_norm = self.slice.grad_sq_norm()
             if not train:
                 self._outputs = (run, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)
@@ -401,13 +406,15 @@ class Stage:
                 )
             return outputs[micro_batch]
 
-    def commit_step(self, epoch: int, run: int, step: int, client: int = 0) -> int:
-        """Applies the run's accumulated gradients: one optimizer step."""
+    def commit_step(
+        self, epoch: int, run: int, step: int, client: int = 0, clip: GradClip = NO_CLIP
+    ) -> int:
+        """Applies the run's accumulated gradients (clipped by ``clip``): one optimizer step."""
         if self.faults.drops_commit(run):
             raise StageUnavailable(f"commit of run {run} lost on the way (injected fault)")
         self.faults.point("commit")
         with self._cond:
-            self._apply(self.machine.commit(epoch, run, step, client))
+            self._apply(self.machine.commit(epoch, run, step, client, clip))
             return self.machine.committed_step
 
     def abort_step(self, run: int, reason: str, client: int = 0) -> None:
@@ -574,9 +581,9 @@ class Stage:
         if staged.new_slice is not None:
             self.job, self.slice = staged.job, staged.new_slice
         assert self.slice is not None
-        for index, (layer, optimizer) in staged.layers.items():
+        for index, built in staged.layers.items():
             self.slice.drop(index)
-            self.slice.install(index, layer, optimizer)
+            self.slice.install(index, built)
         for index in [i for i in self.slice.layers if i not in staged.placement.layers]:
             self.slice.drop(index)
         self._set_placement(staged.placement)
@@ -689,8 +696,8 @@ class Stage:
         if not isinstance(state, dict):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state)
-        if overrides and built[1] is not None:
-            for group in built[1].param_groups:
+        if overrides and built.optimizer is not None:
+            for group in built.optimizer.param_groups:
                 unknown = sorted(set(overrides) - set(group))
                 if unknown:
                     raise InvalidRequest(
