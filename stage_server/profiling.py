@@ -112,7 +112,7 @@ def profile_layers(
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 out, stash = probe.forward(x, train=True, input_grad=index > 0)
             assert stash is not None
-            held = [*saved, *(t for pair in stash.pairs for t in pair)]
+            held = [*saved, *(t for pair in stash.pairs for t in pair if t is not None)]
             stash_bytes = tensor_bytes(t for t in held if _storage(t) not in own)
             saved.clear()
             probe.backward(stash, torch.ones_like(out) if out.requires_grad else None)
