@@ -112,8 +112,12 @@ class Placement:
             prev=a.prev.address,
             next=a.next.address,
             chain=chain,
-            names=tuple(p.name for p in a.chain),
-            ranges=tuple((p.layer_lo, p.layer_hi) for p in a.chain),
+            names=tuple(p.name for p in a.chain) if any(p.name for p in a.chain) else (),
+            ranges=(
+                tuple((p.layer_lo, p.layer_hi) for p in a.chain)
+                if any(p.layer_hi for p in a.chain)
+                else ()
+            ),
         )
 
 
