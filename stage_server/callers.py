@@ -71,9 +71,12 @@ class ClientGate:
             PermissionDenied: with TLS, a client certificate other than the holder's.
         """
         identity = authz.caller()
-        if identity is not None and identity[1] == authz.COORDINATOR and coordinator_may:
+        role = identity[1] if identity is not None else ""
+        if role == authz.COORDINATOR and coordinator_may:
             return
-        as_client = identity is not None and identity[1] == authz.CLIENT
+        as_client = role == authz.CLIENT
+        if client is None and not as_client:
+            return  # a stage's data, or no TLS: nothing to bind (and no lock taken)
         state = self.stage.state()
         past_fence = client is not None and client > state.fence
         if past_fence or (as_client and identity is not None and identity[0] != state.holder):
@@ -87,20 +90,21 @@ class ClientGate:
             )
 
     def _learn(self) -> None:
-        """Asks the coordinator for the job's grant (one question at a time, at most
-        every ``interval_s``) and follows it."""
+        """Asks the coordinator for the job's grant and follows it: one question at a
+        time -- a request arriving meanwhile waits for its answer (an abort racing the
+        run it aborts must see the same fence) -- and at most every ``interval_s``."""
         with self._lock:
-            now = time.monotonic()
-            if self.ask is None or now - self._asked < self.interval_s:
+            if self.ask is None or time.monotonic() - self._asked < self.interval_s:
                 return
-            self._asked = now
-        try:
-            grant = self.ask()
-        except ElasticPipeError as exc:
-            log.warning("job_client_unknown", error=str(exc))
-            return
-        job = self.stage.job
-        if job is not None and grant.job_id == job.job_id:
+            try:
+                grant = self.ask()
+            except ElasticPipeError as exc:
+                log.warning("job_client_unknown", error=str(exc))
+                return
+            finally:
+                self._asked = time.monotonic()
+            # Generations are the coordinator's, across jobs: follow its newest grant even
+            # while the job is still being installed here (a joining stage asks early).
             self.stage.fence(grant.client, grant.holder)
 
 
