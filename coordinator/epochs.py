@@ -138,9 +138,10 @@ def prepare(
     spec = job.to_proto()
     rollback = change.rollback_step is not None
     requests = []
+    names = cluster.names(change.new.stage_ids)  # a copy's source is checked by name
     for address in change.involved:
         stage_id = next((s.stage_id for s in change.new.stages if s.address == address), "")
-        placement = change.new.assignment(stage_id)
+        placement = change.new.assignment(stage_id, names)
         if rollback:
             incoming = [
                 stage_pb2.LayerSource(layer=layer, address=change.holders.get(layer, ""))

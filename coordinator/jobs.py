@@ -247,7 +247,7 @@ class Jobs:
             self._check_free(job)
             partition = self.c.require_job()[1]
             client = self.c.store.next_client()
-            step = self.settle(partition, client)  # fences every older client
+            step = self.settle(partition, client, holder)  # fences every older client
             self._grant(job.job_id, lease_s, holder, client)
         log.info("client_attached", job=job.job_id, client=holder, step=step)
         return Attached(
@@ -338,11 +338,12 @@ class Jobs:
                 stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
                 predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
             ).validate(num_layers)
+            names = self.c.names(partition.stage_ids)  # a copy's source is checked by name
             assign = [
                 (
                     ref.address,
                     stage_pb2.AssignRequest(
-                        job=spec, assignment=partition.assignment(ref.stage_id).to_proto()
+                        job=spec, assignment=partition.assignment(ref.stage_id, names).to_proto()
                     ),
                 )
                 for ref in partition.stages
@@ -389,7 +390,9 @@ class Jobs:
                 member.timings, member.speed = {}, None
             self.c.last_move = time.monotonic()
             self.wait_for_copies(partition, job, 0)
-            client = self._grant(job.job_id, lease_s, holder)
+            client = self.c.store.next_client()
+            self.settle(partition, client, holder)  # the stages follow the new client only
+            self._grant(job.job_id, lease_s, holder, client)
         log.info(
             "job_started",
             job=job.job_id,
@@ -493,8 +496,10 @@ class Jobs:
 
     # ---- settling undecided runs -----------------------------------------------------
 
-    def settle(self, partition: Partition, client: int) -> int:
-        """Fences clients below ``client`` on every stage and decides any undecided run.
+    def settle(self, partition: Partition, client: int, holder: str = "") -> int:
+        """Makes every stage follow client generation ``client``, held by ``holder`` (the
+        certificate name of the client granted the job; empty: nobody), fencing out older
+        clients, and decides any undecided run.
 
         Returns:
             The step every stage has committed.
@@ -503,7 +508,9 @@ class Jobs:
             StageUnavailable: a stage of the chain cannot be reached (recovery follows).
             NotReady: the stages disagree on the committed step.
         """
-        fence = [(a, stage_pb2.FenceRequest(client=client)) for a in partition.addresses]
+        fence = [
+            (a, stage_pb2.FenceRequest(client=client, holder=holder)) for a in partition.addresses
+        ]
         deadline = time.monotonic() + SETTLE_WAIT_S
         states = self.c.pool.all(fence, "Fence", 10.0)
         while any(s.phase == "running" for s in states) and time.monotonic() < deadline:
@@ -589,6 +596,18 @@ class Jobs:
         waiting = [a for a, st in states if st.phase == "awaiting_commit" and st.active_run == run]
         self.c.pool.each([(a, request) for a in waiting], "CommitStep", 30.0)
         return True
+
+    def grant(self) -> tuple[str, int, str]:
+        """The running job, the newest client generation granted (which the stages
+        follow) and its holder ("" when no client holds the job)."""
+        job = self.c.job
+        with self._lock:
+            lease = self._lease
+        if job is None:
+            return "", 0, ""
+        if lease is not None and lease.job_id == job.job_id:
+            return job.job_id, lease.client, lease.holder
+        return job.job_id, int(self.c.store.get("client_generation") or 0), ""
 
     # ---- checkpoint loads ------------------------------------------------------------
 
