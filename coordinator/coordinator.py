@@ -59,7 +59,7 @@ class Coordinator:
         self._released = threading.Event()
         self.jobs = Jobs(self.cluster, self._pause)
         self.rebalancer = Rebalancer(self.cluster, policy or PolicyConfig(), self._pause)
-        self.recovery = Recovery(self.cluster, self._pause)
+        self.recovery = Recovery(self.cluster, self._pause, self.jobs.abandon_stale_load)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -97,8 +97,15 @@ class Coordinator:
         stage_id, older = self.cluster.members.register(name, address, device)
         state = "spare" if self.cluster.job is not None else "registered"
         log.info("stage_registered", stage_id=stage_id, name=name, address=address, state=state)
-        for old in older:
-            log.warning("stage_replaced", name=name, old=old.row.stage_id, new=stage_id)
+        for old in older:  # the same name again: a new incarnation, the old one is dead
+            log.warning(
+                "stage_came_back",
+                name=name,
+                old=old.row.stage_id,
+                new=stage_id,
+                was_dead=old.row.dead,
+                state=state,
+            )
         return stage_id
 
     def heartbeat(
