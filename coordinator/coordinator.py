@@ -94,16 +94,21 @@ class Coordinator:
             raise InvalidRequest(
                 f"register needs a name and an address (got {name!r}, {address!r})"
             )
+        previous = max(
+            (m for m in self.cluster.members.members() if m.row.name == name),
+            key=lambda m: m.row.incarnation,
+            default=None,
+        )
         stage_id, older = self.cluster.members.register(name, address, device)
         state = "spare" if self.cluster.job is not None else "registered"
         log.info("stage_registered", stage_id=stage_id, name=name, address=address, state=state)
-        for old in older:  # the same name again: a new incarnation, the old one is dead
+        if previous is not None:  # the same name again: a new incarnation, the old one dead
             log.warning(
                 "stage_came_back",
                 name=name,
-                old=old.row.stage_id,
+                old=previous.row.stage_id,
                 new=stage_id,
-                was_dead=old.row.dead,
+                old_state="alive, declared dead now" if older else "dead",
                 state=state,
             )
         return stage_id

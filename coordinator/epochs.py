@@ -320,11 +320,16 @@ def finish_pending(cluster: Cluster) -> None:
         request = stage_pb2.EpochRequest(epoch=epoch)
         cluster.pool.each([(a, request) for a in involved], "CommitEpoch", 30.0)
         cluster.store.delete(CHANGE_KEY)
+        # The commit point wrote the change's row; it says now how the change ended.
+        written = next((r for r in cluster.store.epochs(1000) if r.epoch == epoch), None)
+        reason = f"{record.get('reason')} (finished after a coordinator restart)"
         cluster.store.add_epoch(
-            EpochRow(
+            replace(written, reason=f"{written.reason} (finished after a coordinator restart)")
+            if written is not None
+            else EpochRow(
                 epoch=epoch,
                 at=time.time(),
-                reason=f"{record.get('reason')} (finished after a coordinator restart)",
+                reason=reason,
                 boundaries=new.boundaries,
                 stage_ids=new.stage_ids,
                 kind=str(record.get("kind")),
