@@ -42,7 +42,7 @@ only the coordinator's store knows whether the commit point passed. An epoch tha
 back (recovery from a snapshot, a checkpoint load) also sets the committed step.
 
 Snapshots: the committed state is snapshotted at step 0, at every multiple of
-``snapshot_every``, and wherever an epoch rolled back to (``Do.SNAPSHOT``).
+``snapshot_every``, and at the first step of every new epoch (``Do.SNAPSHOT``).
 """
 
 from __future__ import annotations
@@ -580,12 +580,14 @@ class StepMachine:
             self.committed_run = 0
             effects.append(Effect(Do.RESET_RUNS))
         if frozen.rollback:
-            effects += [
+            effects.append(
                 Effect(
                     Do.PRUNE_SNAPSHOTS, step=frozen.committed_step, everything=frozen.new_history
-                ),
-                Effect(Do.SNAPSHOT, step=frozen.committed_step),
-            ]
+                )
+            )
+        # Every epoch starts with a snapshot of its first step, copied along the new chain: a
+        # stage that left took its copies of its predecessor's snapshots with it.
+        effects.append(Effect(Do.SNAPSHOT, step=frozen.committed_step))
         return effects
 
     def abort_epoch(self, epoch: int) -> list[Effect]:

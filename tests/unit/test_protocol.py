@@ -325,7 +325,7 @@ def test_an_epoch_change_freezes_prepares_and_commits() -> None:
     m = machine()
     assert m.freeze(2, 60.0, now=0.0) == []
     m.prepared(2, 0, now=0.0, lease_s=60.0)
-    assert kinds(m.commit_epoch(2)) == [Do.INSTALL_STAGED]
+    assert m.commit_epoch(2) == [Effect(Do.INSTALL_STAGED, epoch=2), Effect(Do.SNAPSHOT, step=0)]
     assert (m.epoch, m.frozen) == (2, None)
     assert m.commit_epoch(2) == []  # a retried CommitEpoch
 
