@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from elasticpipe import models
+from elasticpipe import clipping, models, schedulers
 from elasticpipe.client import initial
 from elasticpipe.client.pipeline import StepStats
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig
+from elasticpipe.job import JobConfig, recompute_fields
 from elasticpipe.schedule import split_sizes
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.training import check_job, scaled_loss
@@ -58,6 +58,11 @@ class LocalPipeline:
         allow: Sequence[str] = (),
         init_state: Any = None,
         precision: str = "fp32",
+        scheduler: str = "",
+        scheduler_kwargs: dict[str, Any] | None = None,
+        warmup_steps: int = 0,
+        max_grad_norm: float = 0.0,
+        recompute: bool | list[int] | tuple[int, ...] = False,
     ):
         """Builds the model and its per-layer optimizers.
 
@@ -72,6 +77,9 @@ class LocalPipeline:
                 losses and optimizers (what ``--allow-models`` is to a stage).
             init_state: initial weights, as for ``Pipeline`` (checked the same way).
             precision: as for ``Pipeline`` ("fp32" or "bf16").
+            scheduler, scheduler_kwargs, warmup_steps, max_grad_norm, recompute: as for
+                ``Pipeline``. (``wire_dtype`` has no counterpart: one process has no cuts
+                between stages to round at.)
 
         Raises:
             InvalidRequest: an argument that ``Pipeline``'s stages would refuse.
@@ -93,7 +101,13 @@ class LocalPipeline:
             schedule=schedule,
             external_weights=init_state is not None,
             precision=precision,
+            scheduler=scheduler,
+            scheduler_kwargs=dict(scheduler_kwargs or {}),
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+            **recompute_fields(recompute),
         )
+        schedulers.check(scheduler, self._job.scheduler_kwargs, warmup_steps)
         self.allow = tuple(allow)
         check_job(loss, optimizer, self._job.optimizer_kwargs, self.allow)
         num_layers, _ = models.describe(model, self._job.model_kwargs, self.allow)
@@ -182,11 +196,19 @@ class LocalPipeline:
         except BaseException:
             layers.zero_grad()  # the step is discarded, as a stage discards an aborted run
             raise
-        layers.step()
+        norm: float | None = None
+        clip = clipping.NO_CLIP
+        if self._job.max_grad_norm:  # one stage's share is the whole model's here
+            norm, clip = clipping.decide([layers.grad_sq_norm()], self._job.max_grad_norm)
+        layers.step(clip)
         self._step = step
         total = float(sum(losses))
         self.last_step = StepStats(
-            step=step, loss=total, seconds=time.perf_counter() - started, attempts=1
+            step=step,
+            loss=total,
+            seconds=time.perf_counter() - started,
+            attempts=1,
+            grad_norm=norm,
         )
         return total
 

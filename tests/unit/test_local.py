@@ -118,3 +118,50 @@ def test_a_failed_step_changes_nothing() -> None:
         pipe.train_step(torch.randn(4, 4), torch.zeros(4, dtype=torch.long))
         assert pipe.step == 1
         assert not torch.equal(pipe.state_dict()["0.weight"], before["0.weight"])
+
+
+def test_schedules_clipping_and_recompute_equal_plain_pytorch() -> None:
+    """A cosine schedule with warm-up, global-norm clipping and recomputation in
+    LocalPipeline equal the same features of plain PyTorch on the whole model."""
+    kwargs = {"sizes": [12, 24, 24, 6]}
+    reference = models.build("mlp", seed=5, **kwargs)
+    optimizer = make_optimizer("sgd", reference.parameters(), {"lr": 0.5})
+    warmup, cosine = 2, {"T_max": 6}
+    schedule = torch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        [
+            torch.optim.lr_scheduler.LinearLR(
+                optimizer, start_factor=1 / warmup, total_iters=warmup - 1
+            ),
+            torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, **cosine),
+        ],
+        milestones=[warmup],
+    )
+    g = torch.Generator().manual_seed(2)
+    with LocalPipeline(
+        model="mlp",
+        model_kwargs=kwargs,
+        seed=5,
+        optimizer="sgd",
+        optimizer_kwargs={"lr": 0.5},
+        micro_batches=1,
+        scheduler="CosineAnnealingLR",
+        scheduler_kwargs=cosine,
+        warmup_steps=warmup,
+        max_grad_norm=0.05,
+        recompute=True,
+    ) as pipe:
+        for _ in range(STEPS + 2):
+            x, y = torch.randn(10, 12, generator=g) * 10, torch.randint(0, 6, (10,), generator=g)
+            got = pipe.train_step(x, y)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(reference(x), y)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+            optimizer.step()
+            schedule.step()
+            assert got == pytest.approx(float(loss.detach()), rel=1e-6)
+            assert pipe.last_step.grad_norm == pytest.approx(float(norm), rel=1e-5)
+        state = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value)
