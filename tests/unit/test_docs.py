@@ -35,3 +35,32 @@ def test_the_facade_exports_tls() -> None:
     import elasticpipe
 
     assert elasticpipe.TLS is tls.TLS
+
+
+def test_the_sdk_reference_covers_every_argument_member_and_field() -> None:
+    """docs/sdk.md names every argument of Pipeline and LocalPipeline, every public member,
+    every StepStats and StageStep field and every error class, so it cannot fall behind."""
+    import dataclasses
+    import inspect
+
+    from elasticpipe import LocalPipeline, Pipeline, StepStats, errors
+    from elasticpipe.client.pipeline import StageStep
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sdk.md").read_text()
+    names = {
+        *list(inspect.signature(Pipeline.__init__).parameters)[1:],
+        *list(inspect.signature(LocalPipeline.__init__).parameters)[1:],
+        *(n for n in dir(Pipeline) if not n.startswith("_")),
+        *(n for n in dir(LocalPipeline) if not n.startswith("_")),
+        *(f.name for f in dataclasses.fields(StepStats)),
+        *(f.name for f in dataclasses.fields(StageStep)),
+        *(
+            name
+            for name, cls in vars(errors).items()
+            if isinstance(cls, type)
+            and issubclass(cls, errors.ElasticPipeError)
+            and cls not in (errors.ElasticPipeError, errors.Unavailable)
+        ),
+    }
+    missing = sorted(n for n in names if f"`{n}`" not in text and f"`{n}(" not in text)
+    assert not missing, f"docs/sdk.md does not document {missing}"
