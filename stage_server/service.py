@@ -188,6 +188,7 @@ class StageServicer:
     def FetchOutput(
         self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.DataChunk]:
+        bounds.integer(req.micro_batch, "micro_batch", 0, bounds.MAX_MICRO_BATCHES - 1)
         tensor = self.stage.fetch_output(req.run, req.micro_batch)
         meta, chunks = codec.tensor_chunks(tensor)
         yield stage_pb2.DataChunk(
@@ -201,6 +202,9 @@ class StageServicer:
     def CommitStep(
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
+        bounds.epoch(req.epoch, self.stage.epoch)
+        bounds.run(req.run)
+        bounds.step(req.step)
         with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
             committed = self.stage.commit_step(req.epoch, req.run, req.step, req.client)
         return stage_pb2.CommitStepResponse(committed_step=committed)
@@ -231,11 +235,11 @@ class StageServicer:
         self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.ProfileResponse:
         job = JobConfig.from_proto(req.job)
+        if not 0 < req.repeats <= 100:  # before the sample is decoded
+            raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
         if not req.job.HasField("sample_input"):
             raise InvalidRequest("Profile needs job.sample_input (one micro-batch of inputs)")
         sample = codec.from_proto(req.job.sample_input, self.stage.config.max_tensor_bytes)
-        if not 0 < req.repeats <= 100:
-            raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
         timings = self.stage.profile(job, sample, req.repeats)
         return stage_pb2.ProfileResponse(timings=timings_to_proto(dict(enumerate(timings))))
 
@@ -303,6 +307,7 @@ class StageServicer:
         self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.LayerChunk]:
         bounds.count(req.layers, "layers", bounds.MAX_LAYERS)
+        bounds.step(req.snapshot_step, "snapshot_step")
         snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
         for layer, blob in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
