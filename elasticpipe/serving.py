@@ -202,6 +202,26 @@ def advertised(listen: str, port: int, advertise: str | None) -> str:
     return join_address(host, port)
 
 
+def metrics_host(listen: str, metrics_listen: str = "", insecure: bool = False) -> str:
+    """Where the metrics endpoint (plain HTTP, no authentication) listens: ``metrics_listen``
+    if the operator chose it, else the gRPC listen host.
+
+    Raises:
+        InvalidRequest: the gRPC listen host is beyond loopback and neither
+            ``--metrics-listen`` nor ``--insecure`` says that plaintext metrics there are
+            meant.
+    """
+    if metrics_listen:
+        return metrics_listen.strip("[]")
+    host = split_address(listen)[0]
+    if not insecure and not is_loopback(host):
+        raise InvalidRequest(
+            f"refusing to serve metrics (plain HTTP, no authentication) on {host}: give "
+            "--metrics-listen HOST (127.0.0.1 for a local scraper) or --insecure"
+        )
+    return host
+
+
 def start_server(
     listen: str,
     services: list[tuple[ServiceDescriptor, object]],

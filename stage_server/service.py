@@ -234,9 +234,9 @@ class StageServicer:
     def Profile(
         self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.ProfileResponse:
-        job = JobConfig.from_proto(req.job)
-        if not 0 < req.repeats <= 100:  # before the sample is decoded
+        if not 0 < req.repeats <= 100:  # before the job and its sample are decoded
             raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
+        job = JobConfig.from_proto(req.job)
         if not req.job.HasField("sample_input"):
             raise InvalidRequest("Profile needs job.sample_input (one micro-batch of inputs)")
         sample = codec.from_proto(req.job.sample_input, self.stage.config.max_tensor_bytes)

@@ -81,6 +81,7 @@ class StageConfig:
     insecure: bool = False  # plaintext beyond loopback, on a trusted network
     advertise: str = ""  # the address peers use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
+    metrics_listen: str = ""  # the metrics' host (default: the listen host, loopback only)
 
 
 @dataclass(frozen=True)
