@@ -23,7 +23,7 @@ names, addresses, reasons                   at most 256 characters (reasons: 500
 SetPartition boundaries / stage ids         at most 65,537 / 4,096 entries
 ReportFailure suspects                      at most 4,096
 tensor shapes                               at most 32 dimensions
-steps (Heartbeat committed_step, CommitStep 0 .. 2**53
+steps (Heartbeat committed_step, CommitStep, 0 .. 2**53
   ResolveRun, EndRestore, snapshot_step)
 run ids at the coordinator and CommitStep   0 .. 2**63 - 1
 epochs (Heartbeat, EndRestore, CommitStep,  at most 1,000,000 past the receiver's epoch
