@@ -295,20 +295,25 @@ def _big_forward(header: stage_pb2.DataHeader) -> list[bytes]:
 
 def _big_stream_calls(
     cluster: LocalCluster, channel: Callable[[str, tls.TLS | None, str], grpc.Channel]
-) -> list[tuple[str, MethodDescriptor, grpc.Channel, list[bytes]]]:
+) -> list[tuple[str, MethodDescriptor, grpc.Channel, Callable[[], list[bytes]]]]:
     """Many-chunk streams: right-role Forwards the stage reads to the end (a run of a client
-    generation the job never reaches, in the running job's epoch), and wrong-role
-    PushSnapshots of as many chunks."""
+    generation the job never reaches, in the epoch the stage is at when the stream starts),
+    and wrong-role PushSnapshots of as many chunks."""
     stage = cluster.stage_addresses[0]
     admin = stage_pb2_grpc.StageServiceStub(channel(stage, cluster.admin_tls, "admin"))
-    stats = admin.GetStats(stage_pb2.StatsRequest(), timeout=10)
-    header = stage_pb2.DataHeader(epoch=stats.epoch, run=(stats.state.fence + 8) << 40)
+
+    def payloads() -> list[bytes]:
+        stats = admin.GetStats(stage_pb2.StatsRequest(), timeout=10)
+        return _big_forward(
+            stage_pb2.DataHeader(epoch=stats.epoch, run=(stats.state.fence + 8) << 40)
+        )
+
     forward = SERVICES[0].methods_by_name["Forward"]
     push = SERVICES[0].methods_by_name["PushSnapshot"]
     who = channel(stage, cluster.tls_of("fuzz-stage", "stage"), "stage")
     wrong = channel(stage, cluster.tls_of("fuzz-client", "client"), "client")
-    calls = [("big", forward, who, _big_forward(header)) for _ in range(BIG_AT_ONCE * BIG_ROUNDS)]
-    calls += [("wrong", push, wrong, _big_forward(header)) for _ in range(BIG_AT_ONCE)]
+    calls = [("big", forward, who, payloads) for _ in range(BIG_AT_ONCE * BIG_ROUNDS)]
+    calls += [("wrong", push, wrong, payloads) for _ in range(BIG_AT_ONCE)]
     return calls
 
 
@@ -340,7 +345,7 @@ def test_fuzzing_every_rpc_breaks_no_server_and_no_job(
             channels[(address, key)] = rpc.channel(address, who)
         return channels[(address, key)]
 
-    jobs: list[tuple[str, MethodDescriptor, grpc.Channel, list[bytes]]] = []
+    jobs: list[tuple[str, MethodDescriptor, grpc.Channel, Any]] = []
     for method in METHODS:
         addresses = _servers(busy)[method.containing_service.full_name]
         for i in range(PER_METHOD):
@@ -360,9 +365,10 @@ def test_fuzzing_every_rpc_breaks_no_server_and_no_job(
     stop = threading.Event()
     results: list[tuple[str, MethodDescriptor, grpc.StatusCode, str]] = []
 
-    def send(job: tuple[str, MethodDescriptor, grpc.Channel, list[bytes]]) -> None:
-        timeout = BIG_TIMEOUT_S if len(job[3]) > 3 else CALL_TIMEOUT_S
-        results.append((job[0], job[1], *_call(job[2], job[1], job[3], timeout)))
+    def send(job: tuple[str, MethodDescriptor, grpc.Channel, Any]) -> None:
+        payloads = job[3] if isinstance(job[3], list) else job[3]()  # big ones: made now
+        timeout = BIG_TIMEOUT_S if len(payloads) > 3 else CALL_TIMEOUT_S
+        results.append((job[0], job[1], *_call(job[2], job[1], payloads, timeout)))
 
     def traffic() -> None:
         """Every call once, then the right-role ones again until the job is done."""
@@ -389,6 +395,7 @@ def test_fuzzing_every_rpc_breaks_no_server_and_no_job(
         assert torch.equal(got_state[key], value), key
 
     counts: dict[str, int] = {}
+    read = 0  # big streams the stage read to the end
     passed: set[str] = set()
     denied: dict[tuple[str, str], int] = {}
     for caller, method, code, details in results:
@@ -402,15 +409,20 @@ def test_fuzzing_every_rpc_breaks_no_server_and_no_job(
             denied[(_row(method), role)] = denied.get((_row(method), role), 0) + 1
         if caller == "right" and code != grpc.StatusCode.PERMISSION_DENIED:
             passed.add(_row(method))
-        if caller == "big":
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        if caller == "big" and code == grpc.StatusCode.INVALID_ARGUMENT:
             assert f"for a tensor declared as {(BIG_CHUNKS + 4) * CHUNK} bytes" in details
+            read += 1
+        elif caller == "big":  # the epoch moved on between GetStats and the header
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+            assert details.startswith("stale epoch"), details
     every_wrong = {(_row(m), r) for m in METHODS for r in _wrong_roles(m)}
     assert set(denied) == every_wrong, every_wrong - set(denied)
     right = {_row(m) for m in METHODS if _right_roles(m)}
     assert passed == right, right - passed
     assert {"StageService/PushSnapshot", "CoordinatorService/Heartbeat"} <= right
 
+    admin = stage_pb2_grpc.StageServiceStub(rpc.channel(busy.stage_addresses[0], busy.admin_tls))
+    epoch = admin.GetStats(stage_pb2.StatsRequest(), timeout=10).epoch
     peaks = {}
     for name, proc in busy.procs.items():
         assert proc.poll() is None, f"{name} died"
@@ -419,12 +431,14 @@ def test_fuzzing_every_rpc_breaks_no_server_and_no_job(
     for address in busy.stage_addresses:
         assert _serving(address, busy.admin_tls)
     assert max(peaks.values()) < RSS_BOUND, peaks
-    streamed = counts.get("big", 0) * BIG_CHUNKS * CHUNK
+    assert read >= counts.get("big", 0) / 2, (read, counts)
+    streamed = read * BIG_CHUNKS * CHUNK
     grown = peaks["stage-0"] - baseline
     assert grown < streamed / 2 or streamed == 0, (grown, streamed)
     print(
         f"\nfuzzed {len(METHODS)} RPCs with {len(results)} requests {counts} "
         f"({len(right)} methods by right roles, {len(every_wrong)} method x wrong role pairs); "
+        f"the job ended at epoch {epoch}; "
         f"{streamed / 2**20:.0f} MiB streamed; peak RSS {max(peaks.values()) / 2**20:.0f} MiB "
         f"(bound {RSS_BOUND / 2**20:.0f} MiB; stage 0 grew {grown / 2**20:.0f} MiB)"
     )
