@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,6 +29,7 @@ from elasticpipe.coordinator.planner import PlanError, order_hosts, predict_step
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import (
+    DeadlineExceeded,
     ElasticPipeError,
     Fenced,
     InvalidRequest,
@@ -217,14 +219,19 @@ class Jobs:
         resume: bool,
         lease_s: float,
         holder: str,
+        active: Callable[[], bool] = lambda: True,
     ) -> Attached:
         """Starts a new job, or attaches to the running one (``resume``).
+
+        ``active`` tells whether the caller still waits (a cancelled call stops waiting
+        for stages at once).
 
         Raises:
             JobInUse: a live client holds the running job.
             InvalidRequest: ``resume`` with a description unlike the running job's.
             LayersLost: ``resume`` of a job that failed beyond recovery.
             NotReady: not enough live stages within ``wait_s``.
+            DeadlineExceeded: the caller went away while this waited for stages.
         """
         if not 0 < lease_s <= 3600:
             raise InvalidRequest(f"lease_s must be in (0, 3600] (got {lease_s})")
@@ -241,7 +248,7 @@ class Jobs:
             if self.c.failure:
                 raise LayersLost(f"cannot resume job {current.job_id}: {self.c.failure}")
             return self._attach(current, lease_s, holder)
-        return self._start(job, sample, num_stages, wait_s, lease_s, holder)
+        return self._start(job, sample, num_stages, wait_s, lease_s, holder, active)
 
     def _attach(self, job: JobConfig, lease_s: float, holder: str) -> Attached:
         with self.c.move_lock:
@@ -301,7 +308,9 @@ class Jobs:
             return partition, False
         return new, self.wait_for_copies(new, job, step)
 
-    def _wait_for_stages(self, num_stages: int, wait_s: float) -> list[Member]:
+    def _wait_for_stages(
+        self, num_stages: int, wait_s: float, active: Callable[[], bool]
+    ) -> list[Member]:
         deadline = time.monotonic() + wait_s
         need = max(num_stages, 1)
         logged = 0.0
@@ -315,6 +324,10 @@ class Jobs:
                     f"need {need} live stages, have {len(live)} "
                     f"({[m.row.name for m in live]}) after waiting {wait_s:.0f}s: start "
                     f"more stages, or ask for fewer (stages={len(live)})"
+                )
+            if not active():
+                raise DeadlineExceeded(
+                    f"the caller stopped waiting for {need} live stages (have {len(live)})"
                 )
             if now - logged >= 5.0:
                 log.info(
@@ -334,8 +347,9 @@ class Jobs:
         wait_s: float,
         lease_s: float,
         holder: str,
+        active: Callable[[], bool],
     ) -> Attached:
-        chosen = self._wait_for_stages(num_stages, wait_s)
+        chosen = self._wait_for_stages(num_stages, wait_s, active)
         job = job.with_id()
         try:
             return self._assign(job, sample, chosen, lease_s, holder)

@@ -10,7 +10,7 @@ from elasticpipe.coordinator.service import CoordinatorServicer
 from elasticpipe.coordinator.store import Store
 from elasticpipe.logs import get_logger
 from elasticpipe.metrics import MetricsEndpoint
-from elasticpipe.serving import RunningServer, split_address, start_server
+from elasticpipe.serving import RunningServer, metrics_host, start_server
 from elasticpipe.tls import TLS
 from elasticpipe.v1 import coordinator_pb2
 
@@ -34,6 +34,7 @@ class CoordinatorServer:
         insecure: bool = False,
         advertise: str = "",
         metrics_port: int | None = None,
+        metrics_listen: str = "",
     ):
         self._listen = listen
         self._state = state
@@ -47,6 +48,7 @@ class CoordinatorServer:
         self.coordinator: Coordinator | None = None
         self._server: RunningServer | None = None
         self._metrics_port = metrics_port  # None: no metrics endpoint; 0: any port
+        self._metrics_listen = metrics_listen  # its host (default: the listen host)
         self.metrics: MetricsEndpoint | None = None
 
     @property
@@ -57,6 +59,11 @@ class CoordinatorServer:
 
     def start(self) -> CoordinatorServer:
         """Opens the state file, binds the port and starts the policy loop."""
+        metrics_on = (
+            metrics_host(self._listen, self._metrics_listen, self._insecure)
+            if self._metrics_port is not None
+            else ""
+        )
         self.coordinator = Coordinator(
             Store(self._state),
             self._policy,
@@ -80,11 +87,9 @@ class CoordinatorServer:
             advertise=self._advertise or None,
             interceptors=[self.coordinator.cluster.metrics.interceptor()],
         )
-        if self._metrics_port is not None:  # on the gRPC listen host
+        if self._metrics_port is not None:
             self.metrics = MetricsEndpoint(
-                self.coordinator.cluster.metrics.registry,
-                split_address(self._listen)[0],
-                self._metrics_port,
+                self.coordinator.cluster.metrics.registry, metrics_on, self._metrics_port
             )
         self.coordinator.start()
         log.info(

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
 
 from elasticpipe import authz, bounds, codec
+from elasticpipe.admission import Limits
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.claims import Claims
 from elasticpipe.coordinator.coordinator import Coordinator
@@ -54,6 +56,12 @@ def _holder(named: str) -> str:
     return identity[0] if identity is not None else named
 
 
+def _within_deadline(wait_s: float, ctx: grpc.ServicerContext) -> float:
+    """A wait no longer than the caller's deadline (nobody would hear the answer)."""
+    remaining = ctx.time_remaining()
+    return wait_s if remaining is None else min(wait_s, max(0.0, remaining - 0.1))
+
+
 class CoordinatorServicer:
     """Implements elasticpipe.v1.CoordinatorService on top of a ``Coordinator``."""
 
@@ -61,6 +69,12 @@ class CoordinatorServicer:
         self.c = coordinator
         self._polls = threading.BoundedSemaphore(MAX_LONG_POLLS)
         self._claims = Claims(coordinator.members)
+        self._watch_s = Limits.from_env().watch_s
+
+    def _epoch(self) -> int:
+        """The current epoch, against which requests' epochs are bounded."""
+        p = self.c.cluster.partition
+        return p.epoch if p is not None else 0
 
     # ---- stages ----------------------------------------------------------------------
 
@@ -88,15 +102,18 @@ class CoordinatorServicer:
         self, req: coordinator_pb2.HeartbeatRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
         self._check_stage(req.stage_id)
+        bounds.count(req.timings, "timings", bounds.MAX_LAYERS)
+        for t in req.timings:
+            bounds.timing(t.layer, t.forward_s, t.backward_s, t.output_bytes, t.samples)
         timings = {
             t.layer: (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in req.timings
         }
         heard = self.c.heartbeat(
             req.stage_id,
-            req.epoch,
+            bounds.epoch(req.epoch, self._epoch()),
             timings,
-            req.committed_step,
-            req.slowdown,
+            bounds.step(req.committed_step, "committed_step"),
+            bounds.slowdown_report(req.slowdown),
             req.state if req.HasField("state") else None,
             list(req.snapshots),
         )
@@ -113,7 +130,9 @@ class CoordinatorServicer:
     ) -> coordinator_pb2.ResolveRunResponse:
         self._check_stage(req.stage_id)
         return coordinator_pb2.ResolveRunResponse(
-            decision=self.c.jobs.resolve_run(req.stage_id, req.run, req.step)
+            decision=self.c.jobs.resolve_run(
+                req.stage_id, bounds.run(req.run), bounds.step(req.step)
+            )
         )
 
     def JobClient(
@@ -127,14 +146,16 @@ class CoordinatorServicer:
         self, req: coordinator_pb2.EpochOutcomeRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.EpochOutcomeResponse:
         return coordinator_pb2.EpochOutcomeResponse(
-            outcome=epochs.outcome(self.c.cluster, req.epoch)
+            outcome=epochs.outcome(self.c.cluster, bounds.epoch(req.epoch, self._epoch()))
         )
 
     def Leave(
         self, req: coordinator_pb2.LeaveRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RebalanceResponse:
         self._check_stage(req.stage_id)
-        return _outcome(self.c.leave(req.stage_id, _bounded(req.timeout_s, "timeout_s")))
+        timeout = _within_deadline(_bounded(req.timeout_s, "timeout_s"), ctx)
+        with self._long_poll("Leave"):  # it waits for the layers to move off
+            return _outcome(self.c.leave(req.stage_id, timeout))
 
     # ---- clients ---------------------------------------------------------------------
 
@@ -146,15 +167,18 @@ class CoordinatorServicer:
         sample = (
             codec.from_proto(req.job.sample_input) if req.job.HasField("sample_input") else None
         )
-        attached = self.c.jobs.setup(
-            job,
-            sample,
-            req.num_stages,
-            _bounded(req.wait_s, "wait_s"),
-            req.resume,
-            req.lease_s or DEFAULT_LEASE_S,
-            _holder(req.client_name[:200] or ctx.peer()),
-        )
+        wait_s = _within_deadline(_bounded(req.wait_s, "wait_s"), ctx)
+        with self._long_poll("SetupJob"):  # it may wait for stages to register
+            attached = self.c.jobs.setup(
+                job,
+                sample,
+                req.num_stages,
+                wait_s,
+                req.resume,
+                req.lease_s or DEFAULT_LEASE_S,
+                _holder(req.client_name[:200] or ctx.peer()),
+                ctx.is_active,  # a cancelled call gives its place back at once
+            )
         return coordinator_pb2.SetupJobResponse(
             partition=partition_to_proto(attached.partition),
             num_layers=attached.num_layers,
@@ -168,6 +192,7 @@ class CoordinatorServicer:
     def ProfileJob(
         self, req: coordinator_pb2.ProfileJobRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.Partition:
+        bounds.client(req.client)
         self.c.profile_job(req.job_id, req.client, codec.from_proto(req.sample_input))
         return partition_to_proto(self.c.cluster.partition)
 
@@ -175,6 +200,8 @@ class CoordinatorServicer:
         self, req: coordinator_pb2.LeaseRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.LeaseResponse:
         figure = bounds.number(req.efficiency, "efficiency", 0.0, 1.0)
+        bounds.client(req.client)
+        bounds.step(req.last_step, "last_step")
         held, safe = self.c.jobs.renew(req.job_id, req.client, req.release, (req.last_step, figure))
         return coordinator_pb2.LeaseResponse(held=held, safe_step=safe)
 
@@ -188,7 +215,7 @@ class CoordinatorServicer:
     def BeginRestore(
         self, req: coordinator_pb2.RestoreBeginRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.RestoreBeginResponse:
-        epoch, partition = self.c.jobs.begin_restore(req.job_id, req.client)
+        epoch, partition = self.c.jobs.begin_restore(req.job_id, bounds.client(req.client))
         return coordinator_pb2.RestoreBeginResponse(
             epoch=epoch, partition=partition_to_proto(partition)
         )
@@ -197,7 +224,12 @@ class CoordinatorServicer:
         self, req: coordinator_pb2.RestoreEndRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.Partition:
         return partition_to_proto(
-            self.c.jobs.end_restore(req.job_id, req.epoch, req.step, req.commit)
+            self.c.jobs.end_restore(
+                req.job_id,
+                bounds.epoch(req.epoch, self._epoch()),
+                bounds.step(req.step),
+                req.commit,
+            )
         )
 
     def GetPartition(
@@ -209,32 +241,35 @@ class CoordinatorServicer:
             timeout = min(timeout, max(0.0, remaining - 0.1))
         if timeout <= 0:
             return partition_to_proto(self.c.cluster.get_partition(req.newer_than, 0.0))
-        with self._long_poll():
+        with self._long_poll("GetPartition"):
             return partition_to_proto(self.c.cluster.get_partition(req.newer_than, timeout))
 
     def WatchPartition(
         self, req: coordinator_pb2.GetPartitionRequest, ctx: grpc.ServicerContext
     ) -> Iterator[coordinator_pb2.Partition]:
         seen = req.newer_than
-        with self._long_poll():
-            while ctx.is_active():
+        ends = time.monotonic() + self._watch_s  # the watcher calls again: no call is forever
+        with self._long_poll("WatchPartition"):
+            while ctx.is_active() and time.monotonic() < ends:
                 partition = self.c.cluster.get_partition(seen, 1.0)
                 if partition.epoch > seen:
                     seen = partition.epoch
                     yield partition_to_proto(partition)
 
     @contextlib.contextmanager
-    def _long_poll(self) -> Iterator[None]:
-        """A place among the few calls that may wait for a newer partition: the server's
-        workers stay free for heartbeats and the rest.
+    def _long_poll(self, method: str) -> Iterator[None]:
+        """A place among the few calls that may wait long (for a newer partition, for
+        stages to register, for layers to move): the server's workers stay free for the
+        rest.
 
         Raises:
             TooLarge: every place is taken.
         """
         if not self._polls.acquire(blocking=False):
             raise TooLarge(
-                f"too many calls waiting for a newer partition (at most {MAX_LONG_POLLS}); "
-                "retry shortly"
+                f"{method} refused: {MAX_LONG_POLLS} calls already wait (partition long "
+                "polls, SetupJob, Leave: at most "
+                f"{MAX_LONG_POLLS} at once); retry shortly"
             )
         try:
             yield

@@ -23,6 +23,18 @@ names, addresses, reasons                   at most 256 characters (reasons: 500
 SetPartition boundaries / stage ids         at most 65,537 / 4,096 entries
 ReportFailure suspects                      at most 4,096
 tensor shapes                               at most 32 dimensions
+steps (Heartbeat committed_step, CommitStep, 0 .. 2**53
+  ResolveRun, EndRestore, snapshot_step)
+run ids at the coordinator and CommitStep   0 .. 2**63 - 1
+epochs (Heartbeat, EndRestore, CommitStep,  at most 1,000,000 past the receiver's epoch
+  EpochOutcome)
+client generations (RenewLease, ProfileJob, 0 .. 2**23
+  BeginRestore)
+FetchOutput micro_batch                     0 .. 4095
+Heartbeat timings                           at most 65,536 entries; layer 0 .. 65,535;
+                                            seconds finite in [0, 1e6]; bytes and
+                                            samples 0 .. 2**50
+Heartbeat slowdown                          0 (not reported) or [1, 1000]
 ==========================================  ==========================================
 """
 
@@ -47,6 +59,11 @@ MAX_LAYERS = 65_536
 MAX_NAME = 256
 MAX_REASON = 500
 MAX_DIMS = 32
+MAX_STEP = 2**53  # exact as a float, in JSON and in SQLite
+MAX_RUN = 2**63 - 1  # SQLite's largest integer
+MAX_CLIENT = 2**23  # a client generation: run ids (generation << 40) stay under 2**63
+MAX_TIMING_S = 1e6
+MAX_COUNTED = 2**50  # bytes or samples one layer reports
 
 
 def number(value: float, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -86,3 +103,56 @@ def text(value: str, what: str, most: int = MAX_NAME) -> str:
 def generation(run: int) -> int:
     """The client generation a run id belongs to."""
     return run >> RUN_ID_BITS
+
+
+def integer(value: int, what: str, lo: int, hi: int) -> int:
+    """``value`` if ``lo <= value <= hi`` (integers: no float rounding at 2**63).
+
+    Raises:
+        InvalidRequest: naming the field, the value and the bound.
+    """
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"{what} must be in [{lo}, {hi}] (got {value})")
+    return value
+
+
+def step(value: int, what: str = "step") -> int:
+    """A training step: 0 .. ``MAX_STEP``."""
+    return integer(value, what, 0, MAX_STEP)
+
+
+def run(value: int, what: str = "run") -> int:
+    """A run id: 0 .. ``MAX_RUN``."""
+    return integer(value, what, 0, MAX_RUN)
+
+
+def client(value: int, what: str = "client") -> int:
+    """A client generation: 0 .. ``MAX_CLIENT``."""
+    return integer(value, what, 0, MAX_CLIENT)
+
+
+def epoch(value: int, current: int, what: str = "epoch") -> int:
+    """An epoch at most ``MAX_EPOCHS_AHEAD`` past the receiver's ``current`` one."""
+    return integer(value, what, 0, max(0, current) + MAX_EPOCHS_AHEAD)
+
+
+def slowdown_report(value: float, what: str = "slowdown") -> float:
+    """A reported slowdown factor: 0 (not reported, read as 1) or [1, ``MAX_SLOWDOWN``]."""
+    if value == 0:
+        return 1.0
+    return number(value, what, 1.0, MAX_SLOWDOWN)
+
+
+def timing(
+    layer: int, forward_s: float, backward_s: float, output_bytes: int, samples: int
+) -> None:
+    """One layer's measurements in a heartbeat.
+
+    Raises:
+        InvalidRequest: naming the field (with its layer), the value and the bound.
+    """
+    integer(layer, "timings.layer", 0, MAX_LAYERS - 1)
+    number(forward_s, f"timings[{layer}].forward_s", 0.0, MAX_TIMING_S)
+    number(backward_s, f"timings[{layer}].backward_s", 0.0, MAX_TIMING_S)
+    integer(output_bytes, f"timings[{layer}].output_bytes", 0, MAX_COUNTED)
+    integer(samples, f"timings[{layer}].samples", 0, MAX_COUNTED)

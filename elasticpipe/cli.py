@@ -114,6 +114,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         args.insecure,
         args.advertise,
         args.metrics_port,
+        args.metrics_listen,
     ).start()
     return _serve_until_signalled(server, args.ready_file)
 
@@ -155,6 +156,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         advertise=args.advertise,
         metrics_port=args.metrics_port,
         memory_bytes=args.memory,
+        metrics_listen=args.metrics_listen,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
     return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
@@ -221,8 +223,16 @@ def _network_options(parser: argparse.ArgumentParser, port: int) -> None:
         type=int,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics over HTTP at PORT/metrics, on the --listen host "
-        "(0: any free port, logged; default: no metrics endpoint)",
+        help="serve Prometheus metrics over plain HTTP, without authentication, at "
+        "PORT/metrics on the --listen host (0: any free port, logged; default: no metrics "
+        "endpoint); beyond loopback only with --metrics-listen or --insecure",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        default="",
+        metavar="HOST",
+        help="the host the metrics endpoint listens on (default: the --listen host), e.g. "
+        "127.0.0.1 for a scraper on this host",
     )
     _tls_options(parser)
 

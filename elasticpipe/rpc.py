@@ -13,6 +13,7 @@ gRPC futures, so no thread pool bounds how many stages a chain may have.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +28,7 @@ from google.rpc.error_details_pb2 import ErrorInfo
 from google.rpc.status_pb2 import Status
 from grpc_status import rpc_status
 
-from elasticpipe import authz, errors
+from elasticpipe import admission, authz, errors
 from elasticpipe.logs import get_logger
 from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2_grpc
@@ -236,28 +237,38 @@ def _parsed_stream(cls: type[pb_message.Message], raw_iter: Iterator[bytes]) -> 
 
 
 def _handler(
-    method: MethodDescriptor, impl: Callable[..., Any], authorize: bool
+    method: MethodDescriptor,
+    impl: Callable[..., Any],
+    authorize: bool,
+    guard: admission.Guard | None = None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     req_cls = GetMessageClass(method.input_type)
     name = method.full_name
     row = f"{method.containing_service.name}/{method.name}"  # the authorization table's key
     serialize = GetMessageClass(method.output_type).SerializeToString
 
+    def admit(context: grpc.ServicerContext) -> contextlib.AbstractContextManager[None]:
+        # Who calls, before the request is even parsed; then the caller's place (its cap).
+        identity = authz.authorize(row, context) if authorize else None
+        return guard.hold(context, identity, row) if guard else contextlib.nullcontext()
+
     def parse(arg: Any, context: grpc.ServicerContext) -> Any:
-        if authorize:  # before the request is even parsed
-            authz.authorize(row, context)
         # Unary requests arrive as bytes, streamed ones as an iterator of bytes.
-        return _parsed_stream(req_cls, arg) if method.client_streaming else _parse(req_cls, arg)
+        if not method.client_streaming:
+            return _parse(req_cls, arg)
+        return _parsed_stream(req_cls, guard.streams.watch(arg, context, row) if guard else arg)
 
     def unary_out(arg: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return impl(parse(arg, context), context)
+            with admit(context):
+                return impl(parse(arg, context), context)
         except Exception as exc:
             _abort(context, exc, name)
 
     def stream_out(arg: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            yield from impl(parse(arg, context), context)
+            with admit(context):
+                yield from impl(parse(arg, context), context)
         except Exception as exc:
             _abort(context, exc, name)
 
@@ -277,12 +288,17 @@ def _handler(
 
 
 def add_service(
-    server: grpc.Server, service: ServiceDescriptor, servicer: object, authorize: bool = False
+    server: grpc.Server,
+    service: ServiceDescriptor,
+    servicer: object,
+    authorize: bool = False,
+    guard: admission.Guard | None = None,
 ) -> None:
     """Registers ``servicer`` (methods named as in the .proto) for ``service`` on ``server``.
 
     Args:
         authorize: check each caller's role against ``elasticpipe.authz`` (mutual TLS).
+        guard: cap each peer's calls and time out idle client streams (``admission``).
 
     Raises:
         TypeError: the servicer lacks a method of the service.
@@ -292,7 +308,7 @@ def add_service(
         impl = getattr(servicer, method.name, None)
         if impl is None:
             raise TypeError(f"{type(servicer).__name__} does not implement {method.full_name}")
-        handlers[method.name] = _handler(method, impl, authorize)
+        handlers[method.name] = _handler(method, impl, authorize, guard)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )

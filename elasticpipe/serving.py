@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from elasticpipe import rpc
+from elasticpipe.admission import Guard, Limits, RoutingExecutor
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.tls import TLS
 
@@ -39,6 +39,7 @@ class RunningServer:
     server: grpc.Server
     address: str
     health: health.HealthServicer
+    guard: Guard
 
     def stop(self, grace: float = 1.0) -> None:
         """Stops serving, letting calls in flight finish for ``grace`` seconds."""
@@ -80,13 +81,20 @@ def is_loopback(host: str) -> bool:
 
 
 def primary_address(ipv6: bool = False) -> str:
-    """This host's address for other hosts: the source address of its default route or,
-    without one, its only non-loopback interface address.
+    """This host's address for other hosts: the address of the default route's interface
+    (``/proc/net/route``, ``/proc/net/ipv6_route``), else the source address the kernel
+    picks for a private destination, else the only non-loopback interface address.
+
+    The default route comes first: a VPN or container bridge routing 10.0.0.0/8 would
+    otherwise win the probe.
 
     Raises:
         InvalidRequest: no such address, or several with no default route to choose;
             ``--advertise`` must say.
     """
+    found = default_route_address(ipv6)
+    if found:
+        return found
     family = socket.AF_INET6 if ipv6 else socket.AF_INET
     probe = ("fd00::1", 9) if ipv6 else ("10.255.255.255", 9)
     try:
@@ -104,6 +112,46 @@ def primary_address(ipv6: bool = False) -> str:
     raise InvalidRequest(
         f"cannot tell this host's address for its peers ({why}): pass --advertise HOST:PORT"
     )
+
+
+def default_route_address(ipv6: bool = False, proc: Path = Path("/proc/net")) -> str | None:
+    """The address of the interface the default route leaves by (Linux), or None."""
+    interface = _default_interface(ipv6, proc)
+    if interface is None:
+        return None
+    if not ipv6:
+        return _ipv4_of(interface)
+    try:
+        lines = (proc / "if_inet6").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # address, index, prefix length, scope (00: global), flags, name
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == interface and fields[3] == "00":
+            return str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))
+    return None
+
+
+def _default_interface(ipv6: bool, proc: Path) -> str | None:
+    """The interface of the default route with the lowest metric, or None."""
+    try:
+        lines = (proc / ("ipv6_route" if ipv6 else "route")).read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in lines:
+        fields = line.split()
+        if ipv6:  # dest, dest prefix, src, src prefix, next hop, metric, ..., flags, name
+            if len(fields) < 10 or fields[0] != "0" * 32 or fields[1] != "00":
+                continue
+            metric, name, up = int(fields[5], 16), fields[9], int(fields[8], 16) & 1
+        else:  # Iface Destination Gateway Flags RefCnt Use Metric Mask ...
+            if len(fields) < 8 or fields[1] != "00000000" or fields[7] != "00000000":
+                continue
+            metric, name, up = int(fields[6]), fields[0], int(fields[3], 16) & 1
+        if up and name != "lo" and (best is None or metric < best[0]):
+            best = (metric, name)
+    return best[1] if best else None
 
 
 def interface_addresses(ipv6: bool = False) -> list[str]:
@@ -154,6 +202,26 @@ def advertised(listen: str, port: int, advertise: str | None) -> str:
     return join_address(host, port)
 
 
+def metrics_host(listen: str, metrics_listen: str = "", insecure: bool = False) -> str:
+    """Where the metrics endpoint (plain HTTP, no authentication) listens: ``metrics_listen``
+    if the operator chose it, else the gRPC listen host.
+
+    Raises:
+        InvalidRequest: the gRPC listen host is beyond loopback and neither
+            ``--metrics-listen`` nor ``--insecure`` says that plaintext metrics there are
+            meant.
+    """
+    if metrics_listen:
+        return metrics_listen.strip("[]")
+    host = split_address(listen)[0]
+    if not insecure and not is_loopback(host):
+        raise InvalidRequest(
+            f"refusing to serve metrics (plain HTTP, no authentication) on {host}: give "
+            "--metrics-listen HOST (127.0.0.1 for a local scraper) or --insecure"
+        )
+    return host
+
+
 def start_server(
     listen: str,
     services: list[tuple[ServiceDescriptor, object]],
@@ -163,6 +231,7 @@ def start_server(
     insecure: bool = False,
     advertise: str | None = None,
     interceptors: Sequence[grpc.ServerInterceptor[Any, Any]] = (),
+    limits: Limits | None = None,
 ) -> RunningServer:
     """Starts a server on ``listen`` ("host:port"; port 0 picks a free one).
 
@@ -171,6 +240,9 @@ def start_server(
         insecure: allow plaintext beyond loopback (a trusted network).
         advertise: the address peers use (default: see the module's docstring).
         interceptors: wrap every call (the metrics' RPC error counter).
+        limits: per-peer cap and stream timeouts (default: ``Limits.from_env()``);
+            heartbeats and other quick control calls get workers of their own
+            (``elasticpipe.admission``).
 
     Raises:
         InvalidRequest: the address cannot be bound, or plaintext beyond loopback
@@ -183,13 +255,14 @@ def start_server(
             "--tls-ca (see 'elasticpipe certs'), or --insecure on a trusted network"
         )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        RoutingExecutor(max_workers),
         options=rpc.server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_workers * 4,
         interceptors=list(interceptors),
     )
+    guard = Guard(limits or Limits.from_env())
     for descriptor, servicer in services:
-        rpc.add_service(server, descriptor, servicer, authorize=tls is not None)
+        rpc.add_service(server, descriptor, servicer, authorize=tls is not None, guard=guard)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection: grpcurl and other generic tools list and call the services unaided.
@@ -216,4 +289,4 @@ def start_server(
     for descriptor, _ in services:
         health_servicer.set(descriptor.full_name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, address=address, health=health_servicer)
+    return RunningServer(server=server, address=address, health=health_servicer, guard=guard)

@@ -10,7 +10,7 @@ from elasticpipe import rpc
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.metrics import MetricsEndpoint
-from elasticpipe.serving import RunningServer, split_address, start_server
+from elasticpipe.serving import RunningServer, metrics_host, start_server
 from elasticpipe.stage_server.callers import Grant
 from elasticpipe.stage_server.protocol import Do, Effect
 from elasticpipe.stage_server.service import (
@@ -54,8 +54,13 @@ class StageServer:
 
     def start(self) -> StageServer:
         """Binds the port and starts registering in the background."""
-        servicer = StageServicer(Stage(self._config))
         config = self._config
+        metrics_on = (
+            metrics_host(self._listen, config.metrics_listen, config.insecure)
+            if config.metrics_port is not None
+            else ""
+        )
+        servicer = StageServicer(Stage(self._config))
         self._server = start_server(
             self._listen,
             [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], servicer)],
@@ -64,10 +69,9 @@ class StageServer:
             advertise=config.advertise or None,
             interceptors=[servicer.stage.metrics.interceptor()],
         )
-        if config.metrics_port is not None:  # on the gRPC listen host
-            host = split_address(self._listen)[0]
+        if config.metrics_port is not None:
             self.metrics = MetricsEndpoint(
-                servicer.stage.metrics.registry, host, config.metrics_port
+                servicer.stage.metrics.registry, metrics_on, config.metrics_port
             )
         config = StageConfig(**{**vars(self._config), "address": self._server.address})
         servicer.stage.config = config

@@ -211,6 +211,7 @@ class StageServicer:
         self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.DataChunk]:
         self.gate.check(f"FetchOutput of run {req.run}")
+        bounds.integer(req.micro_batch, "micro_batch", 0, bounds.MAX_MICRO_BATCHES - 1)
         tensor = self.stage.fetch_output(req.run, req.micro_batch)
         meta, chunks = codec.tensor_chunks(tensor)
         yield stage_pb2.DataChunk(
@@ -225,6 +226,9 @@ class StageServicer:
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
         self.gate.check(f"CommitStep of run {req.run}", req.client, coordinator_may=True)
+        bounds.epoch(req.epoch, self.stage.epoch)
+        bounds.run(req.run)
+        bounds.step(req.step)
         with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
             committed = self.stage.commit_step(
                 req.epoch, req.run, req.step, req.client, _clip(req.clip)
@@ -258,12 +262,12 @@ class StageServicer:
     def Profile(
         self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.ProfileResponse:
+        if not 0 < req.repeats <= 100:  # before the job and its sample are decoded
+            raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
         job = JobConfig.from_proto(req.job)
         if not req.job.HasField("sample_input"):
             raise InvalidRequest("Profile needs job.sample_input (one micro-batch of inputs)")
         sample = codec.from_proto(req.job.sample_input, self.stage.config.max_tensor_bytes)
-        if not 0 < req.repeats <= 100:
-            raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
         timings = self.stage.profile(job, sample, req.repeats)
         return stage_pb2.ProfileResponse(timings=timings_to_proto(dict(enumerate(timings))))
 
@@ -332,6 +336,7 @@ class StageServicer:
     ) -> Iterator[stage_pb2.LayerChunk]:
         bounds.count(req.layers, "layers", bounds.MAX_LAYERS)
         self.gate.check("ExportLayers")  # a client's export: the holder's state_dict only
+        bounds.step(req.snapshot_step, "snapshot_step")
         snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
         for layer, blob in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot

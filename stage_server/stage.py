@@ -86,6 +86,7 @@ class StageConfig:
     advertise: str = ""  # the address peers use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
     memory_bytes: int = 0  # what this stage offers its job (0: measure, see capacity.detect)
+    metrics_listen: str = ""  # the metrics' host (default: the listen host, loopback only)
 
 
 @dataclass(frozen=True)

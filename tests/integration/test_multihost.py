@@ -229,4 +229,7 @@ def test_training_across_namespaced_hosts_with_a_live_migration(
     assert after["stage_ids"] == list(reversed(before["stage_ids"]))
     assert after["boundaries"] == [0, 2, 5, 9]
     assert result["moved"]["changed"] and result["moved"]["bytes_moved"] > 0, result["moved"]
-    assert result["close"], (result["losses"], result["want"])
+    # Close, not bit for bit: the pipeline sums three micro-batches' gradients where the
+    # single-process reference takes one whole-batch step (measured: losses differ in the
+    # last bits), so ``exact`` is reported by the client but not required.
+    assert result["close"], (result["losses"], result["exact"], result["want"])

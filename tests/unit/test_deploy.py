@@ -55,6 +55,7 @@ from cryptography.hazmat.primitives import serialization
 from dockerfile_parse import DockerfileParser
 
 from elasticpipe.cli import build_parser
+from elasticpipe.serving import metrics_host
 from elasticpipe.tls import (
     DEFAULT_HOSTS,
     ENV_CA,
@@ -613,6 +614,14 @@ def test_metrics_port_is_exposed_and_annotated(invocation: Invocation) -> None:
     assert annotations["prometheus.io/port"] == str(args.metrics_port)
     for probe in ("readinessProbe", "livenessProbe"):
         assert invocation.container[probe]["tcpSocket"]["port"] == "grpc"
+
+
+@pytest.mark.parametrize("invocation", K8S_SERVERS, ids=lambda i: i.where)
+def test_metrics_endpoint_placement_is_chosen_explicitly(invocation: Invocation) -> None:
+    """A TLS server beyond loopback serves plaintext metrics only where --metrics-listen
+    says (else it would refuse to start)."""
+    args = parse(invocation)
+    assert metrics_host(args.listen, args.metrics_listen, args.insecure) == "0.0.0.0"
 
 
 def test_training_job_runs_the_configmap_script_with_pipeline() -> None:

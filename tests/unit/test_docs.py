@@ -64,3 +64,31 @@ def test_the_sdk_reference_covers_every_argument_member_and_field() -> None:
     }
     missing = sorted(n for n in names if f"`{n}`" not in text and f"`{n}(" not in text)
     assert not missing, f"docs/sdk.md does not document {missing}"
+
+
+def _table_rows(lines: list[str]) -> set[tuple[str, str]]:
+    """The (field, bound) rows of the fixed-width table in ``elasticpipe.bounds``."""
+    rules = [i for i, line in enumerate(lines) if line.startswith("====")]
+    rows: list[list[str]] = []
+    for line in lines[rules[1] + 1 : rules[2]]:
+        field, bound = line[:44].strip(), line[44:].strip()
+        if not line.startswith(" "):
+            rows.append([field, bound])
+            continue
+        rows[-1][0] += f" {field}" if field else ""
+        rows[-1][1] += f" {bound}" if bound else ""
+    return {(f, b) for f, b in rows}
+
+
+def test_the_documented_bounds_are_the_codes() -> None:
+    """docs/security.md's bounds table is the one in elasticpipe/bounds.py, row for row."""
+    from elasticpipe import bounds
+
+    text = (DOCS / "security.md").read_text()
+    section = text.split("## Bounds", 1)[1].split("\n## ", 1)[0]
+    documented = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0] not in ("field", "---"):
+            documented.add((cells[0], cells[1].strip("`")))
+    assert documented == _table_rows((bounds.__doc__ or "").splitlines())
