@@ -178,8 +178,12 @@ class TensorAssembler:
         return torch.frombuffer(buffer, dtype=self._dtype).reshape(self._shape)
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the wire and error messages name it: "float32"."""
     return str(dtype).removeprefix("torch.")
+
+
+_name = dtype_name
 
 
 # ---- layer state: nested dicts/lists of scalars and tensors, as msgpack ----------------

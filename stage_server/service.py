@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import bounds, codec
+from elasticpipe import bounds, codec, layerwire
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
@@ -18,7 +19,6 @@ from elasticpipe.stage_server.protocol import Decision, RunState
 from elasticpipe.stage_server.snapshots import Holding
 from elasticpipe.stage_server.stage import Admitted, Stage
 from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind
-from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
 _SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
@@ -304,10 +304,10 @@ class StageServicer:
     ) -> Iterator[stage_pb2.LayerChunk]:
         bounds.count(req.layers, "layers", bounds.MAX_LAYERS)
         snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
-        for layer, blob in self.stage.export_layers(
+        for layer, packed in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
         ):
-            yield from layer_chunks(layer, blob)
+            yield from layerwire.messages(layer, packed, self.stage.config.transfer_chunk_bytes)
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext
@@ -319,9 +319,11 @@ class StageServicer:
         overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
         pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
         layers = []
-        for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_layer_bytes):
-            self.stage.stage_restored(first.epoch, layer, blob, builder, overrides)
-            layers.append(layer)
+        limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
+        into = functools.partial(self.stage.restore_into, builder=builder)  # on each header
+        for got in layerwire.receive(pieces, *limits, into):
+            self.stage.stage_restored(first.epoch, got, builder, overrides)
+            layers.append(got.layer)
         return stage_pb2.RestoreResponse(layers=layers)
 
     def PushSnapshot(
@@ -332,7 +334,8 @@ class StageServicer:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         generation = self.stage.snapshots.generation
         pieces = (message.chunk for message in chunks)
-        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_layer_bytes))
+        limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
+        blobs = {got.layer: got.packed for got in layerwire.receive(pieces, *limits)}
         self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         return stage_pb2.Ack()
 
