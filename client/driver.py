@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from elasticpipe import codec, rpc
+from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -163,7 +164,12 @@ def abort(
 
 
 def commit(
-    clients: StageClients, partition: Partition, run_id: int, step: int, client: int = 0
+    clients: StageClients,
+    partition: Partition,
+    run_id: int,
+    step: int,
+    client: int = 0,
+    clip: GradClip = NO_CLIP,
 ) -> None:
     """Commits a completed step on every stage (each applies its optimizer step).
 
@@ -175,7 +181,7 @@ def commit(
             (commit), and they learn it from the next run or from recovery.
     """
     request = stage_pb2.CommitStepRequest(
-        epoch=partition.epoch, run=run_id, step=step, client=client
+        epoch=partition.epoch, run=run_id, step=step, client=client, clip=clip.to_proto()
     )
     failed = _all(clients, partition.addresses, "CommitStep", request, COMMIT_TIMEOUT_S)
     retry = [a for a, e in failed.items() if isinstance(e, StageUnavailable | DeadlineExceeded)]

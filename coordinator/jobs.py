@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from elasticpipe import codec
-from elasticpipe.coordinator import copies, epochs, estimates
+from elasticpipe.coordinator import copies, epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import Member
@@ -62,6 +62,14 @@ RESUME_FIELDS = (
     "micro_batches",
     "schedule",
     "snapshot_every",
+    "precision",
+    "scheduler",
+    "scheduler_kwargs",
+    "warmup_steps",
+    "max_grad_norm",
+    "recompute_all",
+    "recompute",
+    "wire_dtype",
 )
 
 
@@ -314,7 +322,13 @@ class Jobs:
             self.c.profile = profile
             self.c.num_layers = num_layers
             links = self.c.links(len(speeds))
-            order, best = order_hosts(costs, speeds, links.activation_bytes, links.link_bandwidths)
+            mem = memory.terms([m.memory_bytes for m in chosen], param_bytes, profile, job)
+            try:
+                order, best = order_hosts(costs, speeds, *links, *mem)
+            except PlanError as exc:
+                raise PlanError(
+                    f"{exc}; {memory.offers([m.row.name for m in chosen], mem)}"
+                ) from exc
             ordered = [chosen[i] for i in order]
             epoch = self.c.store.reserve_epoch()
             partition = Partition(
@@ -356,14 +370,7 @@ class Jobs:
             store.put("factory", [described.factory_file, described.factory_sha256])
             store.delete("job_failure")
             if profile:
-                store.put(
-                    "profile",
-                    {
-                        "costs": list(profile.costs),
-                        "speeds": profile.speeds,
-                        "activation_bytes": list(profile.activation_bytes),
-                    },
-                )
+                store.put("profile", profile.to_store())
             self.c.job, self.c.param_bytes, self.c.failure = job, param_bytes, ""
             self.c.install(
                 partition,
@@ -425,6 +432,7 @@ class Jobs:
         spec = job.to_proto()
         spec.sample_input.CopyFrom(codec.to_proto(sample))
         profiles: dict[str, list[Timing]] = {}
+        needs: dict[str, list[tuple[int, int]]] = {}
         # One stage at a time: stages sharing a host would otherwise slow each other down.
         for member in chosen:
             reply = self.c.pool.call(
@@ -436,7 +444,8 @@ class Jobs:
             profiles[member.row.stage_id] = [
                 (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in reply.timings
             ]
-        profile = estimates.from_profiles(profiles)
+            needs[member.row.stage_id] = [(t.stash_bytes, t.state_bytes) for t in reply.timings]
+        profile = estimates.from_profiles(profiles, needs)
         log.info(
             "stages_profiled",
             speeds={self.c.name(s): round(v, 3) for s, v in profile.speeds.items()},
@@ -480,14 +489,7 @@ class Jobs:
         members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
         profile = self._profile(job, sample, members)
         self.c.profile = profile
-        self.c.store.put(
-            "profile",
-            {
-                "costs": list(profile.costs),
-                "speeds": profile.speeds,
-                "activation_bytes": list(profile.activation_bytes),
-            },
-        )
+        self.c.store.put("profile", profile.to_store())
 
     # ---- settling undecided runs -----------------------------------------------------
 
@@ -511,8 +513,15 @@ class Jobs:
         for run, step in undecided:
             committed = any(s.committed_run == run or s.committed_step >= step for s in states)
             if committed:
+                # The clipping the committed stages applied (a run committed anywhere had
+                # its decision, coefficient included, delivered there).
+                clips = [s.committed_clip for s in states if s.committed_run == run]
                 request = stage_pb2.CommitStepRequest(
-                    epoch=partition.epoch, run=run, step=step, client=client
+                    epoch=partition.epoch,
+                    run=run,
+                    step=step,
+                    client=client,
+                    clip=clips[0] if clips else None,
                 )
                 targets = [
                     a
@@ -571,10 +580,11 @@ class Jobs:
             for a, r in zip(partition.addresses, results, strict=True)
             if not isinstance(r, ElasticPipeError)
         ]
-        if not any(st.committed_run == run for _, st in states):
+        clips = [st.committed_clip for _, st in states if st.committed_run == run]
+        if not clips:
             return False
         request = stage_pb2.CommitStepRequest(
-            epoch=partition.epoch, run=run, step=step, client=client
+            epoch=partition.epoch, run=run, step=step, client=client, clip=clips[0]
         )
         waiting = [a for a, st in states if st.phase == "awaiting_commit" and st.active_run == run]
         self.c.pool.each([(a, request) for a in waiting], "CommitStep", 30.0)

@@ -57,6 +57,7 @@ class LocalPipeline:
         device: str | torch.device = "cpu",
         allow: Sequence[str] = (),
         init_state: Any = None,
+        precision: str = "fp32",
     ):
         """Builds the model and its per-layer optimizers.
 
@@ -70,6 +71,7 @@ class LocalPipeline:
             allow: module prefixes allowed for ``"package.module:name"`` factories,
                 losses and optimizers (what ``--allow-models`` is to a stage).
             init_state: initial weights, as for ``Pipeline`` (checked the same way).
+            precision: as for ``Pipeline`` ("fp32" or "bf16").
 
         Raises:
             InvalidRequest: an argument that ``Pipeline``'s stages would refuse.
@@ -90,6 +92,7 @@ class LocalPipeline:
             micro_batches=micro_batches,
             schedule=schedule,
             external_weights=init_state is not None,
+            precision=precision,
         )
         self.allow = tuple(allow)
         check_job(loss, optimizer, self._job.optimizer_kwargs, self.allow)
@@ -101,7 +104,7 @@ class LocalPipeline:
             init = initial.check(self._job, init_state)
             try:
                 for i in range(num_layers):
-                    self._slice.install(i, *self._slice.load_layer(i, init.layer_state(i)))
+                    self._slice.install(i, self._slice.load_layer(i, init.layer_state(i)))
             finally:
                 init.close()
         self.num_layers = num_layers

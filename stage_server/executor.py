@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elasticpipe import wire
 from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
@@ -43,6 +44,8 @@ class StepResult:
     forward_s: dict[int, float] = field(default_factory=dict)  # by micro-batch, loss included
     backward_s: dict[int, float] = field(default_factory=dict)
     op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, s), in order
+    grad_sq_norm: float = 0.0  # training with clipping: of the accumulated gradients
+    lr: float = 0.0  # training: the learning rate the commit applies
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
     stashes: dict[int, Stash] = {}
     loss_grads: dict[int, torch.Tensor] = {}
     losses: dict[int, float] = {}
+    wire_dtype = ctx.layers.job.wire_dtype
     started = time.perf_counter()
     tracer, now, epoch = ctx.tracer, ctx.tracer.now_ns, placement.epoch
 
@@ -104,6 +108,8 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
         if op.kind is OpKind.FORWARD:
             w0 = now()
             x = mailbox.take(run, Slot.INPUT, i, ctx.deadline)
+            if not first:
+                x = wire.decode(x, wire_dtype)
             target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
@@ -121,7 +127,14 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 result.outputs[i] = y.detach().cpu()
             elif not last:
                 ctx.links[placement.next].put(
-                    Outgoing("Forward", placement.epoch, run, ctx.step, i, y.detach())
+                    Outgoing(
+                        "Forward",
+                        placement.epoch,
+                        run,
+                        ctx.step,
+                        i,
+                        wire.encode(y.detach(), wire_dtype),
+                    )
                 )
             if stash is not None:
                 stashes[i] = stash
@@ -130,7 +143,10 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
         else:
             w0 = now()
-            grad = loss_grads.pop(i) if last else mailbox.take(run, Slot.GRAD, i, ctx.deadline)
+            if last:
+                grad = loss_grads.pop(i)
+            else:
+                grad = wire.decode(mailbox.take(run, Slot.GRAD, i, ctx.deadline), wire_dtype)
             t0 = now()
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
@@ -142,7 +158,14 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             result.op_seconds.append(("backward", result.backward_s[i]))
             if not first and grad_in is not None:
                 ctx.links[placement.prev].put(
-                    Outgoing("Backward", placement.epoch, run, ctx.step, i, grad_in.detach())
+                    Outgoing(
+                        "Backward",
+                        placement.epoch,
+                        run,
+                        ctx.step,
+                        i,
+                        wire.encode(grad_in.detach(), wire_dtype),
+                    )
                 )
     for link in ctx.links.values():
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)

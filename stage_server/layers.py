@@ -10,14 +10,16 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from elasticpipe import models, rng
+from elasticpipe import clipping, models, precision, rng, schedulers
+from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
 from elasticpipe.training import loss_fn, make_optimizer
@@ -33,6 +35,8 @@ class LayerTiming:
     backward_s: float = 0.0
     output_bytes: int = 0
     samples: int = 0
+    stash_bytes: int = 0  # profiling only (see profiling.py)
+    state_bytes: int = 0  # profiling only
 
     def observe(self, forward_s: float | None, backward_s: float | None, out: int) -> None:
         """Folds one measurement in (EWMA; the first sample is taken as is)."""
@@ -49,13 +53,32 @@ class LayerTiming:
 
 @dataclass
 class Stash:
-    """What backward needs of one micro-batch: each layer's (detached input, output)."""
+    """What backward needs of one micro-batch: each layer's (detached input, output);
+    the output is None for a layer that recomputes its forward during backward."""
 
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    seeds: dict[int, int] = field(default_factory=dict)  # recomputed layers' RNG seeds
+
+    saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
 
     def nbytes(self) -> int:
-        """Bytes of the activations held (inputs and outputs of every layer)."""
-        return sum(t.numel() * t.element_size() for pair in self.pairs for t in pair)
+        """Bytes of activation memory held: every layer's input and output, and what the
+        autograd graph still keeps for backward (parameters excluded), each storage once."""
+        alive = [t for ref in self.saved if (t := ref()) is not None]
+        held = {}
+        for t in [*alive, *(t for pair in self.pairs for t in pair if t is not None)]:
+            storage = t.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+        return sum(held.values())
+
+
+class Built(NamedTuple):
+    """One layer with its optimizer and learning-rate scheduler (None without parameters
+    or without a schedule)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: schedulers.Scheduler | None
 
 
 class Slowdown:
@@ -122,6 +145,7 @@ class LayerSlice:
         self.slowdown = slowdown
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.schedulers: dict[int, schedulers.Scheduler] = {}
         self.timings: dict[int, LayerTiming] = {}
         self.loss = loss_fn(job.loss, self.allow)
         self._lock = threading.Lock()
@@ -144,6 +168,9 @@ class LayerSlice:
         self.optimizers = {
             i: opt for i, layer in self.layers.items() if (opt := self._optimizer(layer))
         }
+        self.schedulers = {
+            i: sched for i, opt in self.optimizers.items() if (sched := self._scheduler(opt))
+        }
         self.timings = {i: LayerTiming() for i in self.layers}
 
     def _optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
@@ -152,6 +179,11 @@ class LayerSlice:
         if not params:
             return None
         return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs, self.allow)
+
+    def _scheduler(self, optimizer: torch.optim.Optimizer) -> schedulers.Scheduler | None:
+        """The optimizer's learning-rate scheduler; None without a schedule."""
+        job = self.job
+        return schedulers.build(job.scheduler, job.scheduler_kwargs, job.warmup_steps, optimizer)
 
     @property
     def indices(self) -> list[int]:
@@ -194,14 +226,36 @@ class LayerSlice:
         if not train:
             return self._infer(x, micro_batch, step), None
         stash = Stash()
-        with torch.enable_grad(), rng.forked(self.device) as seed_layer:
+        params = {
+            p.untyped_storage().data_ptr() for m in self.layers.values() for p in m.parameters()
+        }
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                stash.saved.append(weakref.ref(t))
+            return t
+
+        with (
+            torch.enable_grad(),
+            rng.forked(self.device) as seed_layer,
+            torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
+        ):
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 if x.is_floating_point():
                     x = x.detach().requires_grad_(input_grad or n > 0)
-                seed_layer(rng.forward_seed(self.job.seed, step, micro_batch, i))
-                y = self._run_layer(i, layer, x, micro_batch)
-                stash.pairs.append((x, y))
+                seed = rng.forward_seed(self.job.seed, step, micro_batch, i)
+                seed_layer(seed)
+                if self.job.recomputes(i):
+                    # Keeps only the input and the layer's seed: backward runs the forward
+                    # again (the same function) under the same seed: dropout masks match.
+                    stash.seeds[i] = seed
+                    with torch.no_grad():
+                        y = self._run_layer(i, layer, x, micro_batch)
+                    stash.pairs.append((x, None))
+                else:
+                    y = self._run_layer(i, layer, x, micro_batch)
+                    stash.pairs.append((x, y))
                 x = y
         self.slowdown.pay()
         return x, stash
@@ -222,16 +276,56 @@ class LayerSlice:
     def _run_layer(
         self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
     ) -> torch.Tensor:
+        y, seconds = self._forward_layer(i, layer, x, micro_batch)
+        self.timings[i].observe(seconds, None, y.numel() * y.element_size())
+        return y
+
+    def _forward_layer(
+        self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
+    ) -> tuple[torch.Tensor, float]:
+        """The one place a layer's forward runs: the first time and when recomputed."""
         try:
-            y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)
+            y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync)
         except ElasticPipeError:
             raise
         except Exception as exc:  # the user's code may raise anything: report it as theirs
             raise _user_error("forward", i, layer, x, micro_batch, exc) from exc
         if not isinstance(y, torch.Tensor):
             raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
-        self.timings[i].observe(seconds, None, y.numel() * y.element_size())
-        return y
+        return y, seconds
+
+    def _recompute(
+        self, i: int, x: torch.Tensor, seed: int, micro_batch: int
+    ) -> tuple[torch.Tensor, float]:
+        """Runs layer ``i``'s forward on its stashed input again, with the graph.
+
+        It runs under the seed of the first forward (``elasticpipe.rng``), in a fork of the
+        generators, so dropout masks match and the stage's random stream is left as it was.
+        The forward runs on copies of the layer's buffers (batch-norm statistics): the
+        first forward already updated them once, as training without recomputation does.
+        """
+        layer = self.layers[i]
+        owners = [
+            (module, name, buffer)
+            for module in layer.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        for module, name, buffer in owners:
+            module._buffers[name] = buffer.clone()
+        try:
+            with torch.enable_grad(), rng.forked(self.device) as seed_layer:
+                seed_layer(seed)
+                y, seconds = self._forward_layer(i, layer, x, micro_batch)
+        finally:
+            for module, name, buffer in owners:
+                module._buffers[name] = buffer
+        return y, seconds
+
+    def _call(self, layer: nn.Module, x: torch.Tensor) -> Any:
+        """One layer's forward, under the job's autocast (``precision.py``)."""
+        with precision.autocast(self.device, self.job.precision):
+            return layer(x)
 
     def backward(
         self, stash: Stash, grad: torch.Tensor | None, micro_batch: int = -1
@@ -244,8 +338,11 @@ class LayerSlice:
         Raises:
             UserCodeError: a layer's backward raised.
         """
-        for i, (x, y) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
-            if not y.requires_grad or grad is None:
+        for i, (x, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+            y, again = kept, 0.0
+            if y is None and grad is not None:
+                y, again = self._recompute(i, x, stash.seeds.pop(i), micro_batch)
+            if y is None or not y.requires_grad or grad is None:
                 grad = None
                 continue
             g = grad
@@ -256,17 +353,41 @@ class LayerSlice:
                 )
             except Exception as exc:  # the user's code may raise anything
                 raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
-            self.timings[i].observe(None, seconds, 0)
+            self.timings[i].observe(None, seconds + again, 0)
             grad = x.grad if x.requires_grad else None
         stash.pairs.clear()
+        stash.seeds.clear()
         self.slowdown.pay()
         return grad
 
-    def step(self) -> None:
-        """Applies the accumulated gradients (one optimizer step) and clears them."""
-        for opt in self.optimizers.values():
-            opt.step()
+    def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
+        """Applies the accumulated gradients (one optimizer step) and clears them; then
+        the learning-rate schedulers step.
+
+        Args:
+            clip: scale the gradients first, or skip the optimizer step (a non-finite
+                global norm: the schedulers still step, see ``elasticpipe.clipping``).
+        """
+        for i, opt in self.optimizers.items():
+            if not clip.skip:
+                if clip.coef:
+                    _scale_grads(self.layers[i].parameters(), clip.coef)
+                opt.step()
             opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers.values():
+            sched.step()
+
+    def grad_sq_norm(self) -> float:
+        """Sum of the squared norms of every owned layer's accumulated gradients."""
+        return sum(_sq_norm(self.layers[i].parameters()) for i in self.optimizers)
+
+    def lr(self) -> float:
+        """The learning rate the next optimizer step applies (the first owned layer with
+        parameters; every layer's schedule is the same); 0 with no such layer."""
+        for i in self.indices:
+            if i in self.optimizers:
+                return schedulers.current_lr(self.optimizers[i])
+        return 0.0
 
     def zero_grad(self) -> None:
         """Discards accumulated gradients (an aborted step)."""
@@ -289,6 +410,8 @@ class LayerSlice:
         }
         if include_optimizer and index in self.optimizers:
             state["optimizer"] = _tensors_to_cpu(self.optimizers[index].state_dict())
+        if include_optimizer and index in self.schedulers:
+            state["scheduler"] = schedulers.dumps(self.schedulers[index])
         return state
 
     def new_layer(self, index: int) -> nn.Module:
@@ -308,7 +431,7 @@ class LayerSlice:
 
     def load_layer(
         self, index: int, state: dict[str, Any], layer: nn.Module | None = None
-    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    ) -> Built:
         """Builds a layer from exported state without installing it (staged).
 
         Args:
@@ -327,6 +450,9 @@ class LayerSlice:
         except (RuntimeError, KeyError, TypeError) as exc:
             raise InvalidRequest(f"state of layer {index} does not fit the model: {exc}") from exc
         optimizer = self._optimizer(layer)
+        # The scheduler is built before the states are loaded (building sets the lr of
+        # step 0); loading the optimizer's state then sets the lr it had, as in PyTorch.
+        scheduler = self._scheduler(optimizer) if optimizer is not None else None
         if optimizer is not None and "optimizer" in state:
             try:
                 optimizer.load_state_dict(state["optimizer"])
@@ -334,22 +460,53 @@ class LayerSlice:
                 raise InvalidRequest(
                     f"optimizer state of layer {index} is unusable: {exc}"
                 ) from exc
-        return layer, optimizer
+        if scheduler is not None and "optimizer" in state:
+            text = state.get("scheduler")
+            if not isinstance(text, str):
+                raise InvalidRequest(
+                    f"state of layer {index} carries no scheduler state, but the job "
+                    f"schedules its learning rate ({self.job.scheduler or 'warm-up'})"
+                )
+            schedulers.loads(scheduler, text, index)
+        return Built(layer, optimizer, scheduler)
 
-    def install(
-        self, index: int, layer: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> None:
+    def install(self, index: int, built: Built) -> None:
         """Takes ownership of a staged layer."""
-        self.layers[index] = layer
-        if optimizer is not None:
-            self.optimizers[index] = optimizer
+        self.layers[index] = built.module
+        if built.optimizer is not None:
+            self.optimizers[index] = built.optimizer
+        if built.scheduler is not None:
+            self.schedulers[index] = built.scheduler
         self.timings.setdefault(index, LayerTiming())
 
     def drop(self, index: int) -> None:
         """Frees a layer that now lives elsewhere."""
         self.layers.pop(index, None)
         self.optimizers.pop(index, None)
+        self.schedulers.pop(index, None)
         self.timings.pop(index, None)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _sq_norm(params: Iterable[torch.Tensor]) -> float:
+    """Sum of the squared 2-norms of the parameters' gradients (float64; inf or nan kept)."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
+    return total
+
+
+def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
+    """Multiplies the gradients by ``coef`` in place, as ``clip_grad_norm_`` does (it
+    multiplies by the clamped coefficient even when that is 1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        scale = torch.tensor(coef, dtype=torch.float32, device=grads[0].device)
+        torch._foreach_mul_(grads, scale)
 
 
 def _tensors_cloned(obj: Any) -> Any:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from elasticpipe import bounds
+from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     Fenced,
     InvalidRequest,
@@ -91,6 +92,7 @@ class Effect:
     step: int = 0
     epoch: int = 0
     everything: bool = False
+    clip: GradClip = NO_CLIP  # APPLY_STEP: what to do to the gradients first
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class Decision:
     run: int
     step: int
     commit: bool
+    clip: GradClip = NO_CLIP  # a commit's gradient clipping
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class RunState:
     fence: int
     frozen_for: int
     prepared: bool
+    committed_clip: GradClip = NO_CLIP  # what the commit of ``committed_run`` clipped
 
 
 class StepMachine:
@@ -152,6 +156,7 @@ class StepMachine:
         self.epoch = 0
         self.committed_step = 0
         self.committed_run = 0
+        self.committed_clip = NO_CLIP
         self.phase = Phase.IDLE
         self.active_run = 0
         self.active_step = 0
@@ -171,6 +176,7 @@ class StepMachine:
             epoch=self.epoch,
             committed_step=self.committed_step,
             committed_run=self.committed_run,
+            committed_clip=self.committed_clip,
             active_run=self.active_run,
             active_step=self.active_step,
             fence=self.fence,
@@ -291,7 +297,7 @@ class StepMachine:
         effects: list[Effect] = []
         if prior is not None:
             if prior.commit:
-                effects += self._commit(prior.run, prior.step)
+                effects += self._commit(prior.run, prior.step, prior.clip)
             else:
                 effects += self._abort_awaiting()
         self.fence = max(self.fence, client)
@@ -324,8 +330,10 @@ class StepMachine:
             return [Effect(Do.DISCARD_GRADS), Effect(Do.CLOSE_RUNS, run=run)]
         return [Effect(Do.CLOSE_RUNS, run=run)]
 
-    def commit(self, epoch: int, run: int, step: int, client: int) -> list[Effect]:
-        """Commits the awaiting run: one optimizer step.
+    def commit(
+        self, epoch: int, run: int, step: int, client: int, clip: GradClip = NO_CLIP
+    ) -> list[Effect]:
+        """Commits the awaiting run: one optimizer step (its gradients clipped by ``clip``).
 
         Raises:
             Fenced / StaleEpoch: see above.
@@ -345,13 +353,16 @@ class StepMachine:
             raise InvalidRequest(
                 f"commit of run {run} names step {step}, but the run is step {self.active_step}"
             )
-        return self._commit(run, step)
+        return self._commit(run, step, clip)
 
-    def _commit(self, run: int, step: int) -> list[Effect]:
+    def _commit(self, run: int, step: int, clip: GradClip) -> list[Effect]:
         self.phase, self.lease_until = Phase.IDLE, math.inf
-        self.committed_step, self.committed_run = step, run
+        self.committed_step, self.committed_run, self.committed_clip = step, run, clip
         self.closed_below = max(self.closed_below, run + 1)
-        effects = [Effect(Do.APPLY_STEP, run=run, step=step), Effect(Do.CLOSE_RUNS, run=run)]
+        effects = [
+            Effect(Do.APPLY_STEP, run=run, step=step, clip=clip),
+            Effect(Do.CLOSE_RUNS, run=run),
+        ]
         if self.snapshot_every and step % self.snapshot_every == 0:
             effects.append(Effect(Do.SNAPSHOT, step=step))
         return effects

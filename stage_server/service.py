@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from elasticpipe import bounds, codec, layerwire
+from elasticpipe.clipping import GradClip
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
@@ -35,9 +36,23 @@ def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTim
             backward_s=t.backward_s,
             output_bytes=t.output_bytes,
             samples=t.samples,
+            stash_bytes=t.stash_bytes,
+            state_bytes=t.state_bytes,
         )
         for i, t in sorted(timings.items())
     ]
+
+
+def _clip(msg: stage_pb2.GradClip) -> GradClip:
+    """A commit's clipping from the wire.
+
+    Raises:
+        InvalidRequest: a coefficient outside [0, 1].
+    """
+    try:
+        return GradClip.from_proto(msg)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 def state_to_proto(state: RunState) -> stage_pb2.RunState:
@@ -52,6 +67,7 @@ def state_to_proto(state: RunState) -> stage_pb2.RunState:
         fence=state.fence,
         frozen_for=state.frozen_for,
         prepared=state.prepared,
+        committed_clip=state.committed_clip.to_proto(),
     )
 
 
@@ -161,7 +177,7 @@ class StageServicer:
         remaining = ctx.time_remaining()
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
         bounds.count(req.previous, "previous", bounds.MAX_DECISIONS)
-        previous = [Decision(d.run, d.step, d.commit) for d in req.previous]
+        previous = [Decision(d.run, d.step, d.commit, _clip(d.clip)) for d in req.previous]
         result = self.stage.run_step(
             req.epoch,
             req.run,
@@ -183,6 +199,8 @@ class StageServicer:
             timings=timings_to_proto(self.stage.timings()),
             forward_s=[result.forward_s[i] for i in sorted(result.forward_s)],
             backward_s=[result.backward_s[i] for i in sorted(result.backward_s)],
+            grad_sq_norm=result.grad_sq_norm,
+            lr=result.lr,
         )
 
     def FetchOutput(
@@ -202,7 +220,9 @@ class StageServicer:
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
         with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
-            committed = self.stage.commit_step(req.epoch, req.run, req.step, req.client)
+            committed = self.stage.commit_step(
+                req.epoch, req.run, req.step, req.client, _clip(req.clip)
+            )
         return stage_pb2.CommitStepResponse(committed_step=committed)
 
     def AbortStep(

@@ -9,7 +9,6 @@ coordinator whatever a lease that ran out leaves undecided.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,7 +17,8 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, codec, layerwire, models, rpc
+from elasticpipe import bounds, capacity, codec, layerwire, models, rpc
+from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -36,9 +36,10 @@ from elasticpipe.schedule import forward_ops, stage_ops
 from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
-from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
+from elasticpipe.stage_server.layers import Built, LayerSlice, LayerTiming, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
+from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
 from elasticpipe.stage_server.snapshots import (
     Capture,
@@ -60,7 +61,7 @@ SNAPSHOT_PUSH_TIMEOUT_S = 120.0
 ABORT_WAIT_S = 10.0
 EXTEND_MARGIN_S = 30.0
 
-Layers = dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
+Layers = dict[int, Built]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class StageConfig:
     insecure: bool = False  # plaintext beyond loopback, on a trusted network
     advertise: str = ""  # the address peers use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
+    memory_bytes: int = 0  # what this stage offers its job (0: measure, see capacity.detect)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class Stage:
         self.config = config
         self.device = torch.device(config.device)
         self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device))
+        self.memory_bytes = capacity.detect(self.device, config.memory_bytes)
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
@@ -158,7 +161,7 @@ class Stage:
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
                 try:
-                    self.slice.step()
+                    self.slice.step(e.clip)
                 except Exception as exc:
                     # Some layers may have stepped and others not: this stage's state is
                     # no longer any step's. It gives up its job; recovery rolls back.
@@ -255,32 +258,11 @@ class Stage:
         return LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
 
     def profile(self, job: JobConfig, sample: torch.Tensor, repeats: int) -> list[LayerTiming]:
-        """Times forward and backward of every layer of the whole model on this device.
-
-        One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
-        """
-        model = models.build(
-            job.model, job.seed, self.config.allow_models, job.external_weights, **job.model_kwargs
+        """Times forward and backward of every layer of the whole model on this device, one
+        layer resident at a time (``profiling.profile_layers``), with its memory needs."""
+        return profile_layers(
+            job, sample, self.device, self.slowdown, self.config.allow_models, repeats
         )
-        probe = self._new_slice(job)
-        probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
-        runs: list[dict[int, LayerTiming]] = []
-        for _ in range(max(1, repeats) + 1):
-            probe.timings = {i: LayerTiming() for i in probe.layers}
-            out, stash = probe.forward(sample.to(self.device), train=True, input_grad=False)
-            assert stash is not None
-            probe.backward(stash, torch.ones_like(out) if out.requires_grad else None)
-            runs.append(probe.timings)
-        measured = runs[1:]
-        return [
-            LayerTiming(
-                forward_s=statistics.median(r[i].forward_s for r in measured),
-                backward_s=statistics.median(r[i].backward_s for r in measured),
-                output_bytes=measured[-1][i].output_bytes,
-                samples=len(measured),
-            )
-            for i in sorted(probe.layers)
-        ]
 
     def _set_placement(self, placement: Placement) -> None:
         self.placement = placement
@@ -405,6 +387,10 @@ class Stage:
                 self._apply(self.machine.fail_run(run))
                 raise
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
+            if train:
+                result.lr = self.slice.lr()
+                if self.job is not None and self.job.max_grad_norm:
+                    result.grad_sq_norm = self.slice.grad_sq_norm()
             if not train:
                 self._outputs = (run, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)
@@ -422,13 +408,15 @@ class Stage:
                 )
             return outputs[micro_batch]
 
-    def commit_step(self, epoch: int, run: int, step: int, client: int = 0) -> int:
-        """Applies the run's accumulated gradients: one optimizer step."""
+    def commit_step(
+        self, epoch: int, run: int, step: int, client: int = 0, clip: GradClip = NO_CLIP
+    ) -> int:
+        """Applies the run's accumulated gradients (clipped by ``clip``): one optimizer step."""
         if self.faults.drops_commit(run):
             raise StageUnavailable(f"commit of run {run} lost on the way (injected fault)")
         self.faults.point("commit")
         with self._cond:
-            self._apply(self.machine.commit(epoch, run, step, client))
+            self._apply(self.machine.commit(epoch, run, step, client, clip))
             return self.machine.committed_step
 
     def abort_step(self, run: int, reason: str, client: int = 0) -> None:
@@ -598,9 +586,9 @@ class Stage:
         if staged.new_slice is not None:
             self.job, self.slice = staged.job, staged.new_slice
         assert self.slice is not None
-        for index, (layer, optimizer) in staged.layers.items():
+        for index, built in staged.layers.items():
             self.slice.drop(index)
-            self.slice.install(index, layer, optimizer)
+            self.slice.install(index, built)
         for index in [i for i in self.slice.layers if i not in staged.placement.layers]:
             self.slice.drop(index)
         self._set_placement(staged.placement)
@@ -723,8 +711,8 @@ class Stage:
         if not isinstance(state, dict) or not isinstance(got.destination, IntoModule):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state, got.destination.module)
-        if overrides and built[1] is not None:
-            for group in built[1].param_groups:
+        if overrides and built.optimizer is not None:
+            for group in built.optimizer.param_groups:
                 unknown = sorted(set(overrides) - set(group))
                 if unknown:
                     raise InvalidRequest(

@@ -281,24 +281,56 @@ class StepDecision(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    CLIP_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     step: _builtins.int
     commit: _builtins.bool
     """false: aborted"""
+    @_builtins.property
+    def clip(self) -> Global___GradClip:
+        """what the commit does to the gradients first"""
+
     def __init__(
         self,
         *,
         run: _builtins.int = ...,
         step: _builtins.int = ...,
         commit: _builtins.bool = ...,
+        clip: Global___GradClip | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "run", b"run", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip", "commit", b"commit", "run", b"run", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepDecision: _TypeAlias = StepDecision  # noqa: Y015
+
+@_typing.final
+class GradClip(_message.Message):
+    """Global-norm gradient clipping, decided by the client from every stage's squared norm."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COEF_FIELD_NUMBER: _builtins.int
+    SKIP_FIELD_NUMBER: _builtins.int
+    coef: _builtins.float
+    """multiply the accumulated gradients by this (0: not clipped)"""
+    skip: _builtins.bool
+    """the global norm was not finite: no optimizer step"""
+    def __init__(
+        self,
+        *,
+        coef: _builtins.float = ...,
+        skip: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coef", b"coef", "skip", b"skip"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GradClip: _TypeAlias = GradClip  # noqa: Y015
 
 @_typing.final
 class RunStepRequest(_message.Message):
@@ -359,6 +391,8 @@ class LayerTiming(_message.Message):
     BACKWARD_S_FIELD_NUMBER: _builtins.int
     OUTPUT_BYTES_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    STASH_BYTES_FIELD_NUMBER: _builtins.int
+    STATE_BYTES_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
     forward_s: _builtins.float
     """EWMA seconds per micro-batch, slowdown included"""
@@ -367,6 +401,12 @@ class LayerTiming(_message.Message):
     """bytes of this layer's output activation (one micro-batch)"""
     samples: _builtins.int
     """how many measurements the averages hold"""
+    stash_bytes: _builtins.int
+    """Profile only: bytes one micro-batch keeps for this layer's backward (its input, its
+    output and what autograd saves), and bytes of its weights, buffers, gradients and
+    optimizer state after one optimizer step.
+    """
+    state_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -375,10 +415,12 @@ class LayerTiming(_message.Message):
         backward_s: _builtins.float = ...,
         output_bytes: _builtins.int = ...,
         samples: _builtins.int = ...,
+        stash_bytes: _builtins.int = ...,
+        state_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "forward_s", b"forward_s", "layer", b"layer", "output_bytes", b"output_bytes", "samples", b"samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "forward_s", b"forward_s", "layer", b"layer", "output_bytes", b"output_bytes", "samples", b"samples", "stash_bytes", b"stash_bytes", "state_bytes", b"state_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -397,6 +439,8 @@ class StepReport(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     FORWARD_S_FIELD_NUMBER: _builtins.int
     BACKWARD_S_FIELD_NUMBER: _builtins.int
+    GRAD_SQ_NORM_FIELD_NUMBER: _builtins.int
+    LR_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     peak_stashed: _builtins.int
     """most micro-batches whose activations were alive at once"""
@@ -404,6 +448,10 @@ class StepReport(_message.Message):
     compute_s: _builtins.float
     """time spent computing (slowdown included)"""
     wall_s: _builtins.float
+    grad_sq_norm: _builtins.float
+    """training with clipping: sum of squared gradient norms"""
+    lr: _builtins.float
+    """the learning rate this step applies (first layer's)"""
     @_builtins.property
     def losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """last stage only: scaled loss of each micro-batch"""
@@ -430,10 +478,12 @@ class StepReport(_message.Message):
         timings: _abc.Iterable[Global___LayerTiming] | None = ...,
         forward_s: _abc.Iterable[_builtins.float] | None = ...,
         backward_s: _abc.Iterable[_builtins.float] | None = ...,
+        grad_sq_norm: _builtins.float = ...,
+        lr: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "losses", b"losses", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "grad_sq_norm", b"grad_sq_norm", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -469,10 +519,13 @@ class CommitStepRequest(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     CLIENT_FIELD_NUMBER: _builtins.int
+    CLIP_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
     client: _builtins.int
+    @_builtins.property
+    def clip(self) -> Global___GradClip: ...
     def __init__(
         self,
         *,
@@ -480,10 +533,11 @@ class CommitStepRequest(_message.Message):
         run: _builtins.int = ...,
         step: _builtins.int = ...,
         client: _builtins.int = ...,
+        clip: Global___GradClip | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "run", b"run", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "clip", b"clip", "epoch", b"epoch", "run", b"run", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -569,6 +623,7 @@ class RunState(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     FROZEN_FOR_FIELD_NUMBER: _builtins.int
     PREPARED_FIELD_NUMBER: _builtins.int
+    COMMITTED_CLIP_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
     """"idle", "running", "awaiting_commit" """
     epoch: _builtins.int
@@ -581,6 +636,10 @@ class RunState(_message.Message):
     frozen_for: _builtins.int
     """epoch of a change in progress (0: none)"""
     prepared: _builtins.bool
+    @_builtins.property
+    def committed_clip(self) -> Global___GradClip:
+        """the clipping ``committed_run`` applied"""
+
     def __init__(
         self,
         *,
@@ -593,10 +652,11 @@ class RunState(_message.Message):
         fence: _builtins.int = ...,
         frozen_for: _builtins.int = ...,
         prepared: _builtins.bool = ...,
+        committed_clip: Global___GradClip | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["committed_clip", b"committed_clip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_run", b"active_run", "active_step", b"active_step", "committed_run", b"committed_run", "committed_step", b"committed_step", "epoch", b"epoch", "fence", b"fence", "frozen_for", b"frozen_for", "phase", b"phase", "prepared", b"prepared"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_run", b"active_run", "active_step", b"active_step", "committed_clip", b"committed_clip", "committed_run", b"committed_run", "committed_step", b"committed_step", "epoch", b"epoch", "fence", b"fence", "frozen_for", b"frozen_for", "phase", b"phase", "prepared", b"prepared"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elasticpipe.clipping import GradClip
 from elasticpipe.errors import (
     ElasticPipeError,
     Fenced,
@@ -162,6 +163,20 @@ def test_the_next_run_carries_a_lost_commit() -> None:
     effects = m.begin_run(1, R(6), 2, 1, True, [Decision(R(5), 1, commit=True)])
     assert kinds(effects) == [Do.APPLY_STEP, Do.CLOSE_RUNS]
     assert (m.committed_step, m.phase, m.active_run) == (1, Phase.RUNNING, R(6))
+
+
+def test_a_commit_and_a_carried_commit_apply_their_clip() -> None:
+    """The clipping decided for a run reaches the optimizer step however the commit
+    arrives, and the state says which clipping the committed run applied."""
+    clip = GradClip(coef=0.25)
+    m = machine()
+    awaiting(m)
+    (apply, _) = m.commit(1, R(5), 1, 1, clip)
+    assert (apply.do, apply.clip, m.state().committed_clip) == (Do.APPLY_STEP, clip, clip)
+    awaiting(m, run=R(6), step=2)
+    skip = GradClip(skip=True)
+    effects = m.begin_run(1, R(7), 3, 1, True, [Decision(R(6), 2, True, skip)])
+    assert effects[0].clip == skip and m.state().committed_clip == skip
 
 
 def test_the_next_run_carries_a_lost_abort() -> None:
