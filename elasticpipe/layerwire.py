@@ -55,10 +55,25 @@ class PackedLayer:
         """Bytes held (the state and every tensor)."""
         return len(self.state) + sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def unpack(self, copy: bool = False) -> Any:
-        """The state again, with these tensors in it (independent clones if ``copy``)."""
-        tensors = [t.clone() for t in self.tensors] if copy else list(self.tensors)
-        return _join(_decode(self.state, len(tensors))[0], tensors)
+    def unpack(self) -> Any:
+        """The state again, with these tensors in it (not copies)."""
+        return _join(_decode(self.state, len(self.tensors))[0], list(self.tensors))
+
+    def copy_into(self, destination: Destination) -> Any:
+        """The state with copies of these tensors, in ``destination``'s memory, checked
+        against it as a received layer's are (a rollback from a snapshot held here).
+
+        Raises:
+            InvalidRequest: a tensor does not fit the destination.
+        """
+        state, paths = _decode(self.state, len(self.tensors))
+        for path, tensor in zip(paths, self.tensors, strict=True):
+            destination.check(path, tensor.dtype, tuple(tensor.shape))
+        copies = [
+            destination.allocate(path, t.dtype, tuple(t.shape)).copy_(t)
+            for path, t in zip(paths, self.tensors, strict=True)
+        ]
+        return _join(state, copies)
 
 
 class _Ref:

@@ -550,7 +550,7 @@ class Stage:
         if snapshot_step is not None:
             held = self.snapshots.get(job.job_id, snapshot_step, layer)
             if held is not None:
-                return held.unpack(copy=True), held.nbytes
+                return held.copy_into(into), held.nbytes
         if not source:
             raise TransferError(
                 f"layer {layer}: no source given and no snapshot of step {snapshot_step} here"

@@ -96,6 +96,21 @@ def test_weights_land_in_the_modules_own_memory() -> None:
     torch.testing.assert_close(target.weight.detach(), source.weight.detach())
 
 
+def test_a_held_snapshot_is_copied_into_a_new_layer_and_stays_intact() -> None:
+    """A rollback from a snapshot held here: the weights are copied into the new layer's
+    own memory, the optimizer tensors into fresh memory, and the snapshot is untouched."""
+    held = pack(_adam_state(nn.Linear(6, 4)))
+    target = nn.Linear(6, 4)
+    pointers = {k: v.data_ptr() for k, v in target.state_dict().items()}
+    out = held.copy_into(IntoModule(target, "layer 3"))
+    assert {k: v.data_ptr() for k, v in out["model"].items()} == pointers
+    assert _same(out, held.unpack())
+    out["optimizer"]["state"][0]["exp_avg"].add_(1.0)
+    assert not _same(out, held.unpack())
+    with pytest.raises(InvalidRequest, match=r"\[4, 6\], but the layer's is float32 \[5, 6\]"):
+        held.copy_into(IntoModule(nn.Linear(6, 5), "layer 3"))
+
+
 def _header(*metas: tuple[int, list[int], int]) -> stage_pb2.LayerChunk:
     state = pack({"model": {f"t{i}": torch.zeros(1) for i in range(len(metas))}}).state
     return stage_pb2.LayerChunk(
