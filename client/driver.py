@@ -23,6 +23,7 @@ from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
+    Fenced,
     InvalidRequest,
     StageUnavailable,
     StepAborted,
@@ -177,6 +178,8 @@ def commit(
     more.
 
     Raises:
+        Fenced: a stage follows a newer client generation: this client lost the job,
+            and the run is decided without it (this step may well be aborted).
         CommitIncomplete: some stages still could not be told; the decision stands
             (commit), and they learn it from the next run or from recovery.
     """
@@ -188,6 +191,9 @@ def commit(
     if retry:
         failed = {a: e for a, e in failed.items() if a not in retry}
         failed |= _all(clients, retry, "CommitStep", request, COMMIT_TIMEOUT_S)
+    fenced = [e for e in failed.values() if isinstance(e, Fenced)]
+    if fenced:
+        raise fenced[0]  # another client holds the job: the coordinator settled this run
     if failed:
         raise CommitIncomplete(
             f"step {step} could not be committed on {sorted(failed)}: "

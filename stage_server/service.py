@@ -13,6 +13,7 @@ from elasticpipe.clipping import GradClip
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
+from elasticpipe.stage_server import callers
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.layers import LayerTiming
 from elasticpipe.stage_server.mailbox import Slot
@@ -92,11 +93,13 @@ class StageServicer:
 
     def __init__(self, stage: Stage):
         self.stage = stage
+        self.gate = callers.ClientGate(stage)  # the client granted the job, nobody else
 
     def _admit(self, header: stage_pb2.DataHeader) -> tuple[codec.TensorAssembler, Admitted]:
         """Checks the declared tensor, the epoch, the run and the room left, and reserves
         the room, before anything is allocated for it."""
         codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
+        self.gate.check(f"data of run {header.run}")
         admitted = self.stage.admit(
             header.epoch, header.run, header.micro_batch, header.meta.nbytes
         )
@@ -177,6 +180,7 @@ class StageServicer:
         remaining = ctx.time_remaining()
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
         bounds.count(req.previous, "previous", bounds.MAX_DECISIONS)
+        self.gate.check(f"RunStep of run {req.run}", req.client)
         previous = [Decision(d.run, d.step, d.commit, _clip(d.clip)) for d in req.previous]
         result = self.stage.run_step(
             req.epoch,
@@ -206,6 +210,7 @@ class StageServicer:
     def FetchOutput(
         self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.DataChunk]:
+        self.gate.check(f"FetchOutput of run {req.run}")
         tensor = self.stage.fetch_output(req.run, req.micro_batch)
         meta, chunks = codec.tensor_chunks(tensor)
         yield stage_pb2.DataChunk(
@@ -219,6 +224,7 @@ class StageServicer:
     def CommitStep(
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
+        self.gate.check(f"CommitStep of run {req.run}", req.client, coordinator_may=True)
         with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
             committed = self.stage.commit_step(
                 req.epoch, req.run, req.step, req.client, _clip(req.clip)
@@ -228,11 +234,13 @@ class StageServicer:
     def AbortStep(
         self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.Ack:
+        self.gate.check(f"AbortStep of run {req.run}", req.client, coordinator_may=True)
         self.stage.abort_step(req.run, req.reason[:500] or "aborted by the client", req.client)
         return stage_pb2.Ack()
 
     def Fence(self, req: stage_pb2.FenceRequest, ctx: grpc.ServicerContext) -> stage_pb2.RunState:
-        return state_to_proto(self.stage.fence(req.client))
+        bounds.text(req.holder, "holder")
+        return state_to_proto(self.stage.fence(req.client, req.holder))
 
     # ---- control ---------------------------------------------------------------------
 
@@ -323,6 +331,7 @@ class StageServicer:
         self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.LayerChunk]:
         bounds.count(req.layers, "layers", bounds.MAX_LAYERS)
+        self.gate.check("ExportLayers")  # a client's export: the holder's state_dict only
         snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
         for layer, packed in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
@@ -332,12 +341,16 @@ class StageServicer:
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext
     ) -> stage_pb2.RestoreResponse:
+        self.gate.check("RestoreLayers")
         first = next(chunks, None)
         if first is None:
             raise InvalidRequest("empty restore stream")
         builder = self.stage.check_restore(first.epoch)  # before a single layer is read
         overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
-        pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
+        pieces = callers.first_pieces(
+            itertools.chain([first.chunk], (message.chunk for message in chunks)),
+            self.stage.check_restored_layer,  # ownership, before the layer is assembled
+        )
         layers = []
         limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
         into = functools.partial(self.stage.restore_into, builder=builder)  # on each header
@@ -353,7 +366,9 @@ class StageServicer:
         if first is None or not first.source:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         generation = self.stage.snapshots.generation
-        pieces = (message.chunk for message in chunks)
+        layers = self.stage.check_copy_source(first.job_id, first.source)  # before any layer
+        check = callers.in_source_range(layers, first.source)
+        pieces = callers.first_pieces((m.chunk for m in chunks), check)
         limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
         blobs = {got.layer: got.packed for got in layerwire.receive(pieces, *limits)}
         self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)

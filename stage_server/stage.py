@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import forward_ops, stage_ops
 from elasticpipe.stage_server import transfers
+from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
 from elasticpipe.stage_server.layers import Built, LayerSlice, LayerTiming, Slowdown
@@ -432,10 +434,11 @@ class Stage:
             )
         log.debug("run_aborted", run=run, reason=reason)
 
-    def fence(self, client: int) -> RunState:
-        """Refuses older clients from now on; says where the stage is."""
+    def fence(self, client: int, holder: str = "") -> RunState:
+        """Follows client generation ``client``, held by ``holder`` (the coordinator's
+        grant), and refuses older clients from now on; says where the stage is."""
         with self._cond:
-            self._apply(self.machine.fence_clients(client))
+            self._apply(self.machine.fence_clients(client, holder))
             return self.machine.state()
 
     # ---- epoch changes -----------------------------------------------------------------
@@ -633,7 +636,14 @@ class Stage:
             layers: which layers.
             include_optimizer: with optimizer state.
             snapshot: (job id, step) to export a snapshot held here instead.
+
+        Raises:
+            InvalidRequest: a layer asked for twice.
+            NotReady: a layer not owned (or not held), or the state moved on meanwhile.
         """
+        repeated = sorted(i for i, n in Counter(layers).items() if n > 1)
+        if repeated:
+            raise InvalidRequest(f"layers {repeated} asked for more than once")
         if snapshot is not None:
             job_id, step = snapshot
             for layer in layers:
@@ -656,8 +666,15 @@ class Stage:
                     f"stage {self.config.name} does not own layers {missing} "
                     f"(owns {self.slice.indices})"
                 )
-            states = [self.slice.export_layer(i, include_optimizer) for i in layers]
-        for i, state in zip(layers, states, strict=True):
+            at = (self.machine.epoch, self.machine.committed_step)
+        for i in layers:  # one layer at a time, all of the same committed state
+            with self._cond:
+                if (self.machine.epoch, self.machine.committed_step) != at or self.slice is None:
+                    raise NotReady(
+                        f"stage {self.config.name} moved past epoch {at[0]}, step {at[1]} "
+                        "during the export: export again"
+                    )
+                state = self.slice.export_layer(i, include_optimizer)
             yield i, layerwire.pack(state)
 
     def check_restore(self, epoch: int) -> LayerSlice:
@@ -672,12 +689,11 @@ class Stage:
                 raise NotReady(f"stage {self.config.name} has no job assigned")
             return self._new_slice(self.job)
 
-    def restore_into(self, index: int, builder: LayerSlice) -> IntoModule:
-        """Where a checkpointed layer's tensors go, checked on its header before any of
-        it is allocated: a new layer of ``builder``'s.
+    def check_restored_layer(self, index: int) -> None:
+        """Checks a checkpointed layer is this stage's, at its first chunk.
 
         Raises:
-            NotReady: the layer is not this stage's.
+            NotReady: naming the layer and the layers owned.
         """
         with self._cond:
             owned = self.placement.layers if self.placement is not None else range(0)
@@ -685,6 +701,11 @@ class Stage:
             raise NotReady(
                 f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
             )
+
+    def restore_into(self, index: int, builder: LayerSlice) -> IntoModule:
+        """Where a checkpointed layer's tensors go, on its header (after
+        ``check_restored_layer``), before any of it is allocated: a new layer of
+        ``builder``'s."""
         return IntoModule(builder.new_layer(index), f"layer {index}")
 
     def stage_restored(
@@ -757,6 +778,14 @@ class Stage:
             SNAPSHOT_PUSH_TIMEOUT_S,
             self.config.transfer_chunk_bytes,
         )
+
+    def check_copy_source(self, job_id: str, source: str) -> range:
+        """Checks, before any layer arrives, that a pushed copy is of this job and from a
+        stage of the chain (with TLS: the caller); returns the layers it may hold."""
+        with self._cond:
+            chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
+            check_copy(job_id, self.job.job_id if self.job else "", source, chain)
+            return check_source(source, self.placement)
 
     def keep_copy(
         self, job_id: str, step: int, source: str, blobs: dict[int, PackedLayer], generation: int

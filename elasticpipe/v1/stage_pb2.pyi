@@ -594,15 +594,19 @@ class FenceRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLIENT_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
     client: _builtins.int
+    holder: _builtins.str
+    """with mutual TLS: the certificate name of the client holding"""
     def __init__(
         self,
         *,
         client: _builtins.int = ...,
+        holder: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "holder", b"holder"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -670,17 +674,28 @@ class Peer(_message.Message):
 
     STAGE_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    LAYER_LO_FIELD_NUMBER: _builtins.int
+    LAYER_HI_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     address: _builtins.str
+    name: _builtins.str
+    """in Assignment.chain: the stage's registered name"""
+    layer_lo: _builtins.int
+    """in Assignment.chain: the layers it owns, [layer_lo, layer_hi)"""
+    layer_hi: _builtins.int
     def __init__(
         self,
         *,
         stage_id: _builtins.str = ...,
         address: _builtins.str = ...,
+        name: _builtins.str = ...,
+        layer_lo: _builtins.int = ...,
+        layer_hi: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "stage_id", b"stage_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "stage_id", b"stage_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
