@@ -98,7 +98,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/scale.py`
 
-from elasticpipe import codec, models, rpc, serving
+from elasticpipe import codec, layerwire, models, rpc, serving
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.planner import order_hosts, plan, spare_positions
@@ -114,7 +114,6 @@ from elasticpipe.errors import (
 from elasticpipe.job import JobConfig
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server import transfers
-from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 STAGE_COUNTS = (64, 128, 256)
@@ -152,7 +151,7 @@ def describe(model: str, kwargs_json: str) -> tuple[int, tuple[int, ...], str, s
     return num_layers, tuple(sizes), path, digest
 
 
-BLOB = codec.pack_state({"model": {"weight": torch.zeros(PARAM_FLOATS)}, "optimizer": None})
+BLOB = layerwire.pack({"model": {"weight": torch.zeros(PARAM_FLOATS)}, "optimizer": None})
 
 
 # ---- the fake stage ------------------------------------------------------------------
@@ -417,7 +416,7 @@ class FakeStage:
         def messages() -> Iterator[stage_pb2.SnapshotChunk]:
             yield stage_pb2.SnapshotChunk(job_id=job_id, step=step, source=me)
             for layer in layers:
-                for chunk in layer_chunks(layer, BLOB):
+                for chunk in layerwire.messages(layer, BLOB):
                     yield stage_pb2.SnapshotChunk(chunk=chunk)
 
         for attempt in range(40):  # the peer may not have its job yet (as transfers.push)
@@ -690,11 +689,11 @@ class FakeStage:
         for layer, request in wanted:
             if not sources.get(layer):
                 raise NotReady(f"layer {layer}: no source and no snapshot on {self.name}")
-            received += len(
-                transfers.pull_layer(
-                    self.pool, sources[layer], request, deadline, codec.DEFAULT_MAX_TENSOR_BYTES
-                )
+            limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
+            got = transfers.pull_layer(
+                self.pool, sources[layer], request, deadline, limits, layerwire.Destination()
             )
+            received += got.packed.nbytes
         with self.cond:
             if self.frozen_for != req.epoch:
                 raise NotReady(f"epoch {req.epoch} was abandoned on stage {self.name}")
@@ -755,13 +754,14 @@ class FakeStage:
         if missing:
             raise NotReady(f"stage {self.name} does not hold layers {missing}")
         for layer in req.layers:
-            yield from layer_chunks(layer, BLOB)
+            yield from layerwire.messages(layer, BLOB)
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: Any
     ) -> stage_pb2.RestoreResponse:
         pieces = (message.chunk for message in chunks)
-        layers = [layer for layer, _ in codec.layer_blobs(pieces, codec.DEFAULT_MAX_TENSOR_BYTES)]
+        limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
+        layers = [got.layer for got in layerwire.receive(pieces, *limits)]
         return stage_pb2.RestoreResponse(layers=layers)
 
     def PushSnapshot(self, chunks: Iterator[stage_pb2.SnapshotChunk], ctx: Any) -> stage_pb2.Ack:
@@ -769,7 +769,8 @@ class FakeStage:
         if first is None or not first.source:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         pieces = (message.chunk for message in chunks)
-        blobs = dict(codec.layer_blobs(pieces, codec.DEFAULT_MAX_TENSOR_BYTES))
+        limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
+        blobs = {got.layer: got.packed for got in layerwire.receive(pieces, *limits)}
         with self.cond:
             if self.job is None or self.job.job_id != first.job_id:
                 raise NotReady(f"stage {self.name} does not run job {first.job_id!r} (yet)")

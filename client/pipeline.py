@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import clipping, codec, efficiency, models, rpc, schedulers, weights
+from elasticpipe import clipping, codec, efficiency, layerwire, models, rpc, schedulers, weights
 from elasticpipe.client import checkpoints, driver, initial
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -63,12 +63,12 @@ from elasticpipe.errors import (
     TransferError,
 )
 from elasticpipe.job import JobConfig, recompute_fields
+from elasticpipe.layerwire import PackedLayer
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.schedule import split_sizes
 from elasticpipe.tls import TLS
 from elasticpipe.training import check_optimizer
-from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = get_logger(__name__)
@@ -475,7 +475,7 @@ class Pipeline:
         """Streams ``init_state`` to the stages (at job setup; again after a failure)."""
         init = self._init
         assert init is not None
-        self._restore(0, lambda layer: codec.pack_state(init.layer_state(layer)), "")
+        self._restore(0, init.layer_state, "")
         self._init = None
         init.close()
 
@@ -862,8 +862,8 @@ class Pipeline:
             try:
                 state: dict[str, torch.Tensor] = {}
                 for s in range(partition.num_stages):
-                    for layer, blob in self._export(partition, s, include_optimizer=False).items():
-                        for name, tensor in codec.unpack_state(blob)["model"].items():
+                    for layer, packed in self._export_iter(partition, s, include_optimizer=False):
+                        for name, tensor in packed.unpack()["model"].items():
                             state[f"{layer}.{name}"] = tensor
                 return state
             except (StaleEpoch, Rebalancing) as exc:
@@ -874,16 +874,10 @@ class Pipeline:
             except RECOVERABLE as exc:
                 self._recover(exc, deadline)
 
-    def _export(
-        self, partition: Partition, stage: int, include_optimizer: bool
-    ) -> dict[int, bytes]:
-        """Each layer of one stage as its checksummed state blob."""
-        return dict(self._export_iter(partition, stage, include_optimizer))
-
     def _export_iter(
         self, partition: Partition, stage: int, include_optimizer: bool
-    ) -> Iterator[tuple[int, bytes]]:
-        """Each layer of one stage as its checksummed state blob, one layer at a time."""
+    ) -> Iterator[tuple[int, PackedLayer]]:
+        """Each layer of one stage, received tensor by tensor, one layer at a time."""
         address = partition.addresses[stage]
         request = stage_pb2.ExportLayersRequest(
             epoch=partition.epoch,
@@ -892,7 +886,9 @@ class Pipeline:
         )
         try:
             stream = self._clients.stub(address).ExportLayers(request, timeout=self._step_timeout)
-            yield from codec.layer_blobs(stream, codec.DEFAULT_MAX_LAYER_BYTES)
+            limits = (codec.DEFAULT_MAX_LAYER_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
+            for got in layerwire.receive(stream, *limits):
+                yield got.layer, got.packed
         except grpc.RpcError as exc:
             raise rpc.translate(exc, address) from exc
 
@@ -919,8 +915,8 @@ class Pipeline:
             writer = checkpoints.Writer(Path(path), self._job, params)
             try:
                 for s in range(partition.num_stages):
-                    for _, blob in self._export_iter(partition, s, include_optimizer=True):
-                        writer.add(codec.unpack_state(blob))
+                    for _, packed in self._export_iter(partition, s, include_optimizer=True):
+                        writer.add(packed.unpack())
                 writer.commit(self._step)
                 break
             except (StaleEpoch, Rebalancing):
@@ -976,9 +972,7 @@ class Pipeline:
             self._ensure_job(None)
             self._restore(
                 reader.step,
-                lambda layer: codec.pack_state(
-                    reader.layer_state(layer, plan.layer_state(layer), params[layer])
-                ),
+                lambda layer: reader.layer_state(layer, plan.layer_state(layer), params[layer]),
                 overrides_json,
             )
         finally:
@@ -997,16 +991,21 @@ class Pipeline:
         if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
             raise InvalidRequest(f"checkpoint {path} is of {theirs}, this pipeline trains {mine}")
         layers: dict[int, bytes] = checkpoint["layers"]
+        max_bytes = max(len(raw), 1)
         partition = self._ensure_job(None)
         if sorted(layers) != list(range(partition.num_layers)):
             raise InvalidRequest(
                 f"checkpoint {path} has layers {sorted(layers)}, the model {partition.num_layers}"
             )
-        self._restore(int(checkpoint["step"]), layers.__getitem__, overrides_json)
+        self._restore(
+            int(checkpoint["step"]),
+            lambda layer: codec.unpack_state(layers[layer], max_bytes, max_bytes),
+            overrides_json,
+        )
         log.info("checkpoint_loaded", path=str(path), step=self._step, layers=len(layers))
 
-    def _restore(self, step: int, blob_of: Callable[[int], bytes], overrides_json: str) -> None:
-        """Streams every layer's state (``blob_of(layer)``, built one at a time) to its
+    def _restore(self, step: int, state_of: Callable[[int], Any], overrides_json: str) -> None:
+        """Streams every layer's state (``state_of(layer)``, read one at a time) to its
         owner and makes it take effect at ``step`` on every stage or on none."""
         partition = self._partition
         assert partition is not None
@@ -1026,7 +1025,7 @@ class Pipeline:
                 ) -> Iterator[stage_pb2.RestoreChunk]:
                     first = True
                     for layer in owned:
-                        for chunk in layer_chunks(layer, blob_of(layer)):
+                        for chunk in layerwire.messages(layer, layerwire.pack(state_of(layer))):
                             yield stage_pb2.RestoreChunk(
                                 epoch=begun.epoch if first else 0,
                                 committed_step=step if first else 0,

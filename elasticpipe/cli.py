@@ -149,6 +149,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
         timer=args.timer,
         max_tensor_bytes=args.max_tensor_bytes,
+        transfer_chunk_bytes=args.transfer_chunk_bytes,
         commit_lease_s=args.commit_lease,
         enable_fault_injection=args.enable_fault_injection,
         tls=TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
@@ -419,6 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sharing a host do not see each other's load) or wall time (auto on CUDA)",
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
+    st.add_argument(
+        "--transfer-chunk-bytes",
+        type=int,
+        default=1 << 20,
+        help="chunk size of layer state sent to peers (migration, snapshots, exports)",
+    )
     st.add_argument(
         "--memory",
         type=_memory_size,

@@ -1,4 +1,6 @@
-"""The wire codec: tensors as dtype + shape + raw bytes, and layer state as msgpack.
+"""The wire codec: tensors as dtype + shape + raw bytes. (Layer state moves tensor by tensor:
+``elasticpipe.layerwire``; ``pack_state``/``unpack_state`` here read and write the one-blob
+msgpack form of earlier checkpoint files.)
 
 Nothing here unpickles or evaluates: a receiver checks the declared dtype, shape and byte
 count against each other and against its size limit *before* it allocates, then fills a
@@ -12,16 +14,15 @@ reading any data.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import zlib
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import torch
 
-from elasticpipe.errors import InvalidRequest, TooLarge, TransferError
+from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.v1 import tensor_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: grpcio streams fastest around this size
@@ -178,11 +179,15 @@ class TensorAssembler:
         return torch.frombuffer(buffer, dtype=self._dtype).reshape(self._shape)
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the wire and error messages name it: "float32"."""
     return str(dtype).removeprefix("torch.")
 
 
-# ---- layer state: nested dicts/lists of scalars and tensors, as msgpack ----------------
+_name = dtype_name
+
+
+# ---- one-blob layer state (checkpoint files of earlier versions), as msgpack -----------
 
 _TENSOR_EXT = 1
 
@@ -238,109 +243,9 @@ def unpack_state(
         raise InvalidRequest(f"malformed layer state ({len(blob)} bytes): {exc}") from exc
 
 
-# ---- checksummed chunking of blobs (layer migration) -----------------------------------
-
-
-def blob_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
-    """Yields (offset, chunk) over a blob; an empty blob yields one empty chunk."""
-    if not blob:
-        yield 0, b""
-        return
-    view = memoryview(blob)
-    for start in range(0, len(blob), chunk_bytes):
-        yield start, bytes(view[start : start + chunk_bytes])
+# ---- checksums -------------------------------------------------------------------------
 
 
 def crc32(data: bytes) -> int:
     """CRC-32 of one chunk."""
     return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def sha256(data: bytes) -> bytes:
-    """SHA-256 of a whole blob."""
-    return hashlib.sha256(data).digest()
-
-
-class BlobAssembler:
-    """Reassembles a checksummed blob from ordered chunks, refusing anything inconsistent;
-    memory grows with the data that arrives, up to the declared size."""
-
-    def __init__(self, total_bytes: int, max_bytes: int, what: str):
-        if total_bytes > max_bytes:
-            raise TooLarge(f"{what}: {total_bytes} bytes is over the limit of {max_bytes}")
-        self._what = what
-        self._total = total_bytes
-        self._buffer = bytearray()
-
-    def add(self, offset: int, data: bytes, chunk_crc: int) -> None:
-        """Adds the next chunk; raises TransferError on a gap, overflow or bad CRC."""
-        filled = len(self._buffer)
-        if offset != filled or offset + len(data) > self._total:
-            raise TransferError(
-                f"{self._what}: chunk at offset {offset} (+{len(data)} bytes) does not follow "
-                f"{filled} of {self._total} bytes"
-            )
-        if crc32(data) != chunk_crc:
-            raise TransferError(f"{self._what}: chunk at offset {offset} failed its CRC-32")
-        self._buffer += data
-
-    def finish(self, digest: bytes) -> bytes:
-        """Returns the blob once complete and matching its SHA-256, else raises TransferError."""
-        if len(self._buffer) != self._total:
-            raise TransferError(
-                f"{self._what}: transfer stopped at {len(self._buffer)} of {self._total} bytes"
-            )
-        blob = bytes(self._buffer)
-        if sha256(blob) != digest:
-            raise TransferError(f"{self._what}: SHA-256 mismatch after {len(blob)} bytes")
-        return blob
-
-
-class LayerPiece(Protocol):
-    """What a ``LayerChunk`` message carries (a protocol so the codec needs no stubs)."""
-
-    layer: int
-    total_bytes: int
-    offset: int
-    data: bytes
-    crc32: int
-    sha256: bytes
-
-
-def blob_pieces(
-    blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[tuple[int, bytes, int, bytes]]:
-    """(offset, data, crc32, sha256-on-the-last-piece-else-empty) over a blob."""
-    digest = sha256(blob)
-    pieces = list(blob_chunks(blob, chunk_bytes))
-    for n, (offset, data) in enumerate(pieces):
-        yield offset, data, crc32(data), digest if n == len(pieces) - 1 else b""
-
-
-def layer_blobs(pieces: Iterable[LayerPiece], max_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """Reassembles (layer, blob) pairs from a stream of checksummed pieces, one layer at a
-    time (a layer's pieces are contiguous), so at most one layer is buffered while open.
-
-    Raises:
-        TransferError: a gap, overflow, bad CRC or SHA-256 mismatch, or a layer left open.
-        InvalidRequest: a layer sent twice.
-    """
-    current: tuple[int, BlobAssembler] | None = None
-    done: set[int] = set()
-    for piece in pieces:
-        if piece.layer in done:
-            raise InvalidRequest(f"layer {piece.layer} sent twice")
-        if current is None:
-            current = (
-                piece.layer,
-                BlobAssembler(piece.total_bytes, max_bytes, f"layer {piece.layer}"),
-            )
-        elif current[0] != piece.layer:
-            raise TransferError(f"layer {piece.layer} started before layer {current[0]} ended")
-        current[1].add(piece.offset, piece.data, piece.crc32)
-        if piece.sha256:
-            done.add(piece.layer)
-            yield piece.layer, current[1].finish(piece.sha256)
-            current = None
-    if current is not None:
-        raise TransferError(f"stream ended inside layer {current[0]}")

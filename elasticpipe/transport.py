@@ -70,11 +70,3 @@ def send(
         return
     method = getattr(stub, msg.method)
     rpc.call(address, method, data_stream(msg, chunk_bytes), timeout=timeout)
-
-
-def layer_chunks(layer: int, blob: bytes) -> Iterator[stage_pb2.LayerChunk]:
-    """One layer's state blob as checksummed ``LayerChunk`` messages."""
-    for offset, data, crc, digest in codec.blob_pieces(blob):
-        yield stage_pb2.LayerChunk(
-            layer=layer, total_bytes=len(blob), offset=offset, data=data, crc32=crc, sha256=digest
-        )

@@ -22,10 +22,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from elasticpipe import authz
-from elasticpipe.codec import LayerPiece
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady, PermissionDenied
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Placement
@@ -140,9 +139,16 @@ def check_source(source: str, placement: Placement | None) -> range:
     return range(0)
 
 
-def first_pieces(
-    pieces: Iterable[LayerPiece], check: Callable[[int], None]
-) -> Iterator[LayerPiece]:
+class LayerPiece(Protocol):
+    """A message of a layer stream (``LayerChunk``): which layer it belongs to."""
+
+    layer: int
+
+
+P = TypeVar("P", bound=LayerPiece)
+
+
+def first_pieces(pieces: Iterable[P], check: Callable[[int], None]) -> Iterator[P]:
     """Passes on a stream of layer pieces, calling ``check(layer)`` at each layer's first
     piece and refusing a layer sent twice, before anything of the layer is assembled.
 

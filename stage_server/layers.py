@@ -414,14 +414,12 @@ class LayerSlice:
             state["scheduler"] = schedulers.dumps(self.schedulers[index])
         return state
 
-    def load_layer(self, index: int, state: dict[str, Any]) -> Built:
-        """Builds a layer from exported state without installing it (staged).
+    def new_layer(self, index: int) -> nn.Module:
+        """Allocates layer ``index`` of the job's model, initialised, to load state into.
 
         Raises:
-            InvalidRequest: the state does not fit the layer the job's model defines.
+            InvalidRequest: no such layer.
         """
-        if state.get("index") != index:
-            raise InvalidRequest(f"state for layer {state.get('index')} sent as layer {index}")
         skeleton = models.build_skeleton(self.job.model, self.job.model_kwargs, self.allow)
         if not 0 <= index < len(skeleton):
             raise InvalidRequest(f"layer {index} out of range (model has {len(skeleton)})")
@@ -429,6 +427,24 @@ class LayerSlice:
         # Initialise first: buffers that the state dict does not carry (non-persistent
         # ones, such as causal masks) must not stay uninitialised memory.
         models.prepare_layer(layer, self.job.seed, index, self.job.external_weights)
+        return layer
+
+    def load_layer(
+        self, index: int, state: dict[str, Any], layer: nn.Module | None = None
+    ) -> Built:
+        """Builds a layer from exported state without installing it (staged).
+
+        Args:
+            layer: from ``new_layer``, possibly already holding the state's weights (they
+                were received into it); a new one if None.
+
+        Raises:
+            InvalidRequest: the state does not fit the layer the job's model defines.
+        """
+        if state.get("index") != index:
+            raise InvalidRequest(f"state for layer {state.get('index')} sent as layer {index}")
+        if layer is None:
+            layer = self.new_layer(index)
         try:
             layer.load_state_dict(state["model"], strict=True)
         except (RuntimeError, KeyError, TypeError) as exc:

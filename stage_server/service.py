@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import bounds, codec
+from elasticpipe import bounds, codec, layerwire
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
@@ -20,7 +21,6 @@ from elasticpipe.stage_server.protocol import Decision, RunState
 from elasticpipe.stage_server.snapshots import Holding
 from elasticpipe.stage_server.stage import Admitted, Stage
 from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind
-from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
 _SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
@@ -338,10 +338,10 @@ class StageServicer:
         self.gate.check("ExportLayers")  # a client's export: the holder's state_dict only
         bounds.step(req.snapshot_step, "snapshot_step")
         snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
-        for layer, blob in self.stage.export_layers(
+        for layer, packed in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
         ):
-            yield from layer_chunks(layer, blob)
+            yield from layerwire.messages(layer, packed, self.stage.config.transfer_chunk_bytes)
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext
@@ -357,9 +357,11 @@ class StageServicer:
             self.stage.check_restored_layer,  # ownership, before the layer is assembled
         )
         layers = []
-        for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_layer_bytes):
-            self.stage.stage_restored(first.epoch, layer, blob, builder, overrides)
-            layers.append(layer)
+        limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
+        into = functools.partial(self.stage.restore_into, builder=builder)  # on each header
+        for got in layerwire.receive(pieces, *limits, into):
+            self.stage.stage_restored(first.epoch, got, builder, overrides)
+            layers.append(got.layer)
         return stage_pb2.RestoreResponse(layers=layers)
 
     def PushSnapshot(
@@ -372,7 +374,8 @@ class StageServicer:
         layers = self.stage.check_copy_source(first.job_id, first.source)  # before any layer
         check = callers.in_source_range(layers, first.source)
         pieces = callers.first_pieces((m.chunk for m in chunks), check)
-        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_layer_bytes))
+        limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
+        blobs = {got.layer: got.packed for got in layerwire.receive(pieces, *limits)}
         self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         return stage_pb2.Ack()
 

@@ -2,11 +2,11 @@
 
 At step 0, every ``snapshot_every`` committed steps and at the first step of every epoch, a stage
 captures the full state of its layers (weights, optimizer state, buffers) at the step
-boundary -- a clone, so training goes on at once -- and a background thread packs it and
-pushes a copy to the next stage of the chain. A recovery restores lost layers from
-whichever live host holds them. Each store keeps the last ``keep`` complete steps of its
-own snapshots and of each peer's copy, so while a new one is being written the last
-complete one always exists (double buffering)::
+boundary -- a clone, so training goes on at once -- and a background thread packs it
+(splits it for the wire, copying nothing) and pushes a copy to the next stage of the
+chain. A recovery restores lost layers from whichever live host holds them. Each store
+keeps the last ``keep`` complete steps of its own snapshots and of each peer's copy, so
+while a new one is being written the last complete one always exists (double buffering)::
 
     step 20 committed -> capture (clones)          own: {10, 20*}  peer copy: {10}
     packed            -> own complete               own: {10, 20}
@@ -29,8 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elasticpipe import codec
+from elasticpipe import layerwire
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady
+from elasticpipe.layerwire import PackedLayer
 from elasticpipe.logs import get_logger
 
 log = get_logger(__name__)
@@ -53,7 +54,7 @@ class Holding:
 class _Snapshot:
     job_id: str
     step: int
-    blobs: dict[int, bytes] = field(default_factory=dict)
+    blobs: dict[int, PackedLayer] = field(default_factory=dict)
 
 
 class SnapshotStore:
@@ -69,7 +70,9 @@ class SnapshotStore:
         self.generation = 0  # bumped by every prune: captures taken before it are void
         self._keep_from = 0  # the coordinator's newest safe step: kept whatever ``keep``
 
-    def add_own(self, job_id: str, step: int, blobs: Mapping[int, bytes], generation: int) -> bool:
+    def add_own(
+        self, job_id: str, step: int, blobs: Mapping[int, PackedLayer], generation: int
+    ) -> bool:
         """Records a complete snapshot of this stage's layers, unless a prune since its
         capture voided it; returns whether it was kept."""
         with self._lock:
@@ -80,7 +83,7 @@ class SnapshotStore:
             return True
 
     def add_copy(
-        self, source: str, job_id: str, step: int, blobs: Mapping[int, bytes], generation: int
+        self, source: str, job_id: str, step: int, blobs: Mapping[int, PackedLayer], generation: int
     ) -> bool:
         """Records a complete copy of a peer's snapshot, unless a prune since it began
         arriving voided it; returns whether it was kept."""
@@ -102,8 +105,8 @@ class SnapshotStore:
             if not self._keep_from or old < self._keep_from:  # 0: no safe step known
                 del steps[old]
 
-    def get(self, job_id: str, step: int, layer: int) -> bytes | None:
-        """The state blob of ``layer`` at ``step``, own or copy, if held here."""
+    def get(self, job_id: str, step: int, layer: int) -> PackedLayer | None:
+        """The packed state of ``layer`` at ``step``, own or copy, if held here."""
         with self._lock:
             for steps in (self._own, *self._copies.values()):
                 snap = steps.get(step)
@@ -136,7 +139,7 @@ class SnapshotStore:
         """Bytes held."""
         with self._lock:
             return sum(
-                len(b)
+                b.nbytes
                 for steps in (self._own, *self._copies.values())
                 for s in steps.values()
                 for b in s.blobs.values()
@@ -155,7 +158,7 @@ class Capture:
     generation: int  # the store's generation when captured
 
 
-Pusher = Callable[[str, Capture, Sequence[tuple[int, bytes]]], None]
+Pusher = Callable[[str, Capture, Sequence[tuple[int, PackedLayer]]], None]
 
 
 class Snapshotter:
@@ -211,7 +214,7 @@ class Snapshotter:
         _lower_priority()
         while (capture := self._next()) is not None:
             try:
-                blobs = {i: codec.pack_state(state) for i, state in capture.states.items()}
+                blobs = {i: layerwire.pack(state) for i, state in capture.states.items()}
                 kept = self._store.add_own(capture.job_id, capture.step, blobs, capture.generation)
                 self._before_push()
                 if kept and capture.peer:
@@ -247,7 +250,7 @@ def check_copy(job_id: str, current_job: str, source: str, chain: tuple[str, ...
         raise NotReady(f"snapshot copy from {source!r}, which is not in the chain {list(chain)}")
 
 
-def check_layers(blobs: Mapping[int, bytes], source: str, step: int) -> None:
+def check_layers(blobs: Mapping[int, PackedLayer], source: str, step: int) -> None:
     """Refuses a copy without layers (a stream cut before its first layer).
 
     Raises:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, capacity, codec, models, rpc
+from elasticpipe import bounds, capacity, codec, layerwire, models, rpc
 from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
@@ -29,6 +29,7 @@ from elasticpipe.errors import (
     TransferError,
 )
 from elasticpipe.job import JobConfig
+from elasticpipe.layerwire import IntoModule, PackedLayer, Received
 from elasticpipe.logs import get_logger
 from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
@@ -77,6 +78,7 @@ class StageConfig:
     timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
     max_layer_bytes: int = codec.DEFAULT_MAX_LAYER_BYTES  # one layer's state, all tensors
+    transfer_chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES  # layer state sent in such chunks
     mailbox_bytes: int = 4 << 30
     send_timeout_s: float = 30.0
     commit_lease_s: float = 30.0
@@ -500,21 +502,20 @@ class Stage:
             sources = dict(incoming)
             wanted = list(placement.layers) if rollback else [layer for layer, _ in incoming]
             for layer in wanted:
-                blob = self._fetch(
+                into = IntoModule(target.new_layer(layer), f"layer {layer}")
+                state, size = self._fetch(
                     job,
                     layer,
                     sources.get(layer, ""),
                     source_epoch,
                     committed_step if rollback else None,
                     deadline,
+                    into,
                 )
-                received += len(blob)
-                state = codec.unpack_state(
-                    blob, self.config.max_tensor_bytes, self.config.max_layer_bytes
-                )
+                received += size
                 if not isinstance(state, dict):
                     raise TransferError(f"layer {layer}: state is not a mapping")
-                staged[layer] = target.load_layer(layer, state)
+                staged[layer] = target.load_layer(layer, state, into.module)
         owned = set(keep.layers if keep is not None else ()) | set(staged)
         missing = [i for i in placement.layers if i not in owned]
         if missing:
@@ -546,12 +547,14 @@ class Stage:
         source_epoch: int,
         snapshot_step: int | None,
         deadline: float,
-    ) -> bytes:
-        """One layer's state blob: a snapshot held here, or pulled from ``source``."""
+        into: IntoModule,
+    ) -> tuple[Any, int]:
+        """One layer's state and its size: a copy of a snapshot held here, or pulled from
+        ``source`` (its weights straight into ``into``'s module)."""
         if snapshot_step is not None:
-            blob = self.snapshots.get(job.job_id, snapshot_step, layer)
-            if blob is not None:
-                return blob
+            held = self.snapshots.get(job.job_id, snapshot_step, layer)
+            if held is not None:
+                return held.copy_into(into), held.nbytes
         if not source:
             raise TransferError(
                 f"layer {layer}: no source given and no snapshot of step {snapshot_step} here"
@@ -569,14 +572,16 @@ class Stage:
                 epoch=source_epoch, layers=[layer], include_optimizer=True
             )
         )
-        return transfers.pull_layer(
+        got = transfers.pull_layer(
             self._peers,
             source,
             request,
             deadline,
-            self.config.max_layer_bytes,
+            (self.config.max_tensor_bytes, self.config.max_layer_bytes),
+            into,
             self.faults.take_import_fault(),
         )
+        return got.packed.unpack(), got.packed.nbytes
 
     def _install(self, epoch: int) -> None:
         """Installs what was staged for ``epoch`` (the lock is held)."""
@@ -624,8 +629,8 @@ class Stage:
         layers: Sequence[int],
         include_optimizer: bool,
         snapshot: tuple[str, int] | None = None,
-    ) -> Iterator[tuple[int, bytes]]:
-        """Packs the full state of owned layers (or of a snapshot held here), one blob each.
+    ) -> Iterator[tuple[int, PackedLayer]]:
+        """Packs the full state of owned layers (or of a snapshot held here), one at a time.
 
         Args:
             epoch: the epoch the caller computed in (0: no check, the client between steps).
@@ -643,13 +648,13 @@ class Stage:
         if snapshot is not None:
             job_id, step = snapshot
             for layer in layers:
-                blob = self.snapshots.get(job_id, step, layer)
-                if blob is None:
+                held = self.snapshots.get(job_id, step, layer)
+                if held is None:
                     raise NotReady(
                         f"stage {self.config.name} holds no snapshot of layer {layer} at step "
                         f"{step} of job {job_id!r}"
                     )
-                yield layer, blob
+                yield layer, held
             return
         with self._cond:
             if epoch and epoch != self.machine.epoch:
@@ -663,7 +668,7 @@ class Stage:
                     f"(owns {self.slice.indices})"
                 )
             at = (self.machine.epoch, self.machine.committed_step)
-        for i in layers:  # one layer in memory at a time, all of the same committed state
+        for i in layers:  # one layer at a time, all of the same committed state
             with self._cond:
                 if (self.machine.epoch, self.machine.committed_step) != at or self.slice is None:
                     raise NotReady(
@@ -671,7 +676,7 @@ class Stage:
                         "during the export: export again"
                     )
                 state = self.slice.export_layer(i, include_optimizer)
-            yield i, codec.pack_state(state)
+            yield i, layerwire.pack(state)
 
     def check_restore(self, epoch: int) -> LayerSlice:
         """Checks, before any layer arrives, that a load's epoch change holds this stage.
@@ -698,35 +703,36 @@ class Stage:
                 f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
             )
 
+    def restore_into(self, index: int, builder: LayerSlice) -> IntoModule:
+        """Where a checkpointed layer's tensors go, on its header (after
+        ``check_restored_layer``), before any of it is allocated: a new layer of
+        ``builder``'s."""
+        return IntoModule(builder.new_layer(index), f"layer {index}")
+
     def stage_restored(
         self,
         epoch: int,
-        index: int,
-        blob: bytes,
+        got: Received,
         builder: LayerSlice,
         overrides: dict[str, Any] | None = None,
     ) -> None:
         """Builds one checkpointed layer and holds it for ``epoch``'s change (a load).
 
         Args:
+            got: the layer as received (into ``restore_into``'s destination).
             overrides: optimizer hyper-parameters to set after loading its state (as in
                 plain PyTorch: load the state, then set the ``lr``).
 
         Raises:
-            NotReady: the layer is not this stage's, or the change was abandoned.
+            NotReady: the change was abandoned.
             InvalidRequest: the state does not fit the layer, or an override names a
                 hyper-parameter the optimizer does not have.
         """
-        with self._cond:
-            owned = self.placement.layers if self.placement is not None else range(0)
-        if index not in owned:
-            raise NotReady(
-                f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
-            )
-        state = codec.unpack_state(blob, self.config.max_tensor_bytes, self.config.max_layer_bytes)
-        if not isinstance(state, dict):
+        index = got.layer
+        state = got.packed.unpack()
+        if not isinstance(state, dict) or not isinstance(got.destination, IntoModule):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
-        built = builder.load_layer(index, state)
+        built = builder.load_layer(index, state, got.destination.module)
         if overrides and built.optimizer is not None:
             for group in built.optimizer.param_groups:
                 unknown = sorted(set(overrides) - set(group))
@@ -762,8 +768,17 @@ class Stage:
             )
         )
 
-    def _push_copy(self, peer: str, capture: Capture, blobs: Sequence[tuple[int, bytes]]) -> None:
-        transfers.push_snapshot(self._peers, peer, capture, blobs, SNAPSHOT_PUSH_TIMEOUT_S)
+    def _push_copy(
+        self, peer: str, capture: Capture, blobs: Sequence[tuple[int, PackedLayer]]
+    ) -> None:
+        transfers.push_snapshot(
+            self._peers,
+            peer,
+            capture,
+            blobs,
+            SNAPSHOT_PUSH_TIMEOUT_S,
+            self.config.transfer_chunk_bytes,
+        )
 
     def check_copy_source(self, job_id: str, source: str) -> range:
         """Checks, before any layer arrives, that a pushed copy is of this job and from a
@@ -774,7 +789,7 @@ class Stage:
             return check_source(source, self.placement)
 
     def keep_copy(
-        self, job_id: str, step: int, source: str, blobs: dict[int, bytes], generation: int
+        self, job_id: str, step: int, source: str, blobs: dict[int, PackedLayer], generation: int
     ) -> None:
         """Keeps a peer's snapshot copy (it must be of this job, from this chain, and not
         voided by a prune since ``generation``, taken when it began arriving)."""

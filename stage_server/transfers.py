@@ -1,8 +1,9 @@
 """Layer state between stages: pulling a layer (migration, recovery), pushing a snapshot copy.
 
-Both travel as checksummed ``LayerChunk`` streams (CRC-32 per chunk, SHA-256 per layer):
-a puller accepts a layer only whole and intact, so a transfer cut short or corrupted
-fails the epoch change that asked for it, which then leaves the old epoch in force.
+Both travel as ``LayerChunk`` streams, tensor by tensor (see ``elasticpipe.layerwire``:
+CRC-32 per chunk, SHA-256 per layer): a puller accepts a layer only whole and intact, so
+a transfer cut short or corrupted fails the epoch change that asked for it, which then
+leaves the old epoch in force.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from elasticpipe import codec, rpc
+from elasticpipe import layerwire, rpc
 from elasticpipe.errors import NotReady, TransferError
+from elasticpipe.layerwire import Destination, PackedLayer, Received
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.snapshots import Capture
-from elasticpipe.transport import layer_chunks
 from elasticpipe.v1 import stage_pb2
 
 PUSH_RETRIES = 40
@@ -28,17 +29,19 @@ def pull_layer(
     address: str,
     request: stage_pb2.ExportLayersRequest,
     deadline: float,
-    max_bytes: int,
+    limits: tuple[int, int],
+    destination: Destination,
     fault: Fault = Fault.NONE,
-) -> bytes:
-    """Fetches one layer's state blob from the stage at ``address``.
+) -> Received:
+    """Fetches one layer's state from the stage at ``address``.
 
     Args:
         pool: channels to stages.
         address: the stage holding the layer (its live state or a snapshot).
         request: an ``ExportLayers`` request naming exactly one layer.
         deadline: a ``time.monotonic()`` value.
-        max_bytes: the largest blob accepted.
+        limits: the largest tensor and the largest layer (its tensors' sum) accepted.
+        destination: where the layer's tensors go (checked against it first).
         fault: an injected fault (tests): corrupt the first chunk or cut the stream.
 
     Raises:
@@ -49,25 +52,30 @@ def pull_layer(
     stream = pool.stub(address).ExportLayers(request, timeout=max(0.1, deadline - time.monotonic()))
 
     def received() -> Iterator[stage_pb2.LayerChunk]:
+        corrupt = fault is Fault.CORRUPT_NEXT_IMPORT  # the first chunk of data
         for n, chunk in enumerate(stream):
             if n == 0 and fault is Fault.CANCEL_NEXT_IMPORT:
                 stream.cancel()  # type: ignore[no-untyped-call]
                 raise TransferError(
                     f"{what}: transfer cancelled after {len(chunk.data)} bytes (injected fault)"
                 )
-            if n == 0 and fault is Fault.CORRUPT_NEXT_IMPORT and chunk.data:
+            if corrupt and (chunk.data or chunk.sha256):  # a layer without tensors: its SHA
                 corrupted = stage_pb2.LayerChunk()
                 corrupted.CopyFrom(chunk)
-                corrupted.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+                if chunk.data:
+                    corrupted.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+                else:
+                    corrupted.sha256 = bytes([chunk.sha256[0] ^ 0xFF]) + chunk.sha256[1:]
                 yield corrupted
+                corrupt = False
             else:
                 yield chunk
 
     try:
-        for got, blob in codec.layer_blobs(received(), max_bytes):
-            if got != layer:
-                raise TransferError(f"{what}: received layer {got} instead")
-            return blob
+        for got in layerwire.receive(received(), *limits, lambda _: destination):
+            if got.layer != layer:
+                raise TransferError(f"{what}: received layer {got.layer} instead")
+            return got
     except grpc.RpcError as exc:
         raise TransferError(f"{what}: {rpc.translate(exc, address)}") from exc
     raise TransferError(f"{what}: stream ended before the final checksum")
@@ -77,8 +85,9 @@ def push_snapshot(
     pool: rpc.StagePool,
     address: str,
     capture: Capture,
-    blobs: Sequence[tuple[int, bytes]],
+    blobs: Sequence[tuple[int, PackedLayer]],
     timeout: float,
+    chunk_bytes: int,
 ) -> None:
     """Sends a snapshot's packed layers to the stage that keeps its copy.
 
@@ -90,8 +99,8 @@ def push_snapshot(
         yield stage_pb2.SnapshotChunk(
             job_id=capture.job_id, step=capture.step, source=capture.source
         )
-        for layer, blob in blobs:
-            for chunk in layer_chunks(layer, blob):
+        for layer, packed in blobs:
+            for chunk in layerwire.messages(layer, packed, chunk_bytes):
                 yield stage_pb2.SnapshotChunk(chunk=chunk)
 
     deadline = time.monotonic() + timeout

@@ -1114,42 +1114,82 @@ Global___ExportLayersRequest: _TypeAlias = ExportLayersRequest  # noqa: Y015
 
 @_typing.final
 class LayerChunk(_message.Message):
-    """A layer's full state as a msgpack blob, sent in chunks."""
+    """A layer's full state, tensor by tensor. Its first message carries ``header``: the small
+    non-tensor part (msgpack, each tensor replaced by a reference to its index) and every
+    tensor's dtype, shape and size, so a receiver checks them all against its limits and
+    the layer's expected layout before it allocates. Then each tensor's bytes follow in
+    order, in chunks of ``tensor``/``offset``/``data`` with a CRC-32 each, written straight
+    into the tensor's preallocated memory. The last message carries only ``sha256``: of the
+    header's ``state`` and every tensor's bytes, in order.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     LAYER_FIELD_NUMBER: _builtins.int
-    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    TENSOR_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CRC32_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
-    total_bytes: _builtins.int
-    """size of the whole blob (set on every chunk)"""
+    tensor: _builtins.int
+    """which tensor this chunk belongs to (its index)"""
     offset: _builtins.int
+    """within that tensor's bytes"""
     data: _builtins.bytes
     crc32: _builtins.int
     """of this chunk's data"""
     sha256: _builtins.bytes
-    """of the whole blob, on the last chunk only"""
+    """a layer's last message only"""
+    @_builtins.property
+    def header(self) -> Global___LayerHeader:
+        """a layer's first message only"""
+
     def __init__(
         self,
         *,
         layer: _builtins.int = ...,
-        total_bytes: _builtins.int = ...,
+        header: Global___LayerHeader | None = ...,
+        tensor: _builtins.int = ...,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
         crc32: _builtins.int = ...,
         sha256: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "layer", b"layer", "offset", b"offset", "sha256", b"sha256", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "header", b"header", "layer", b"layer", "offset", b"offset", "sha256", b"sha256", "tensor", b"tensor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LayerChunk: _TypeAlias = LayerChunk  # noqa: Y015
+
+@_typing.final
+class LayerHeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    state: _builtins.bytes
+    """msgpack: the state, tensors as references"""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorMeta]:
+        """dtype, shape and size of each tensor, in order"""
+
+    def __init__(
+        self,
+        *,
+        state: _builtins.bytes = ...,
+        tensors: _abc.Iterable[_tensor_pb2.TensorMeta] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerHeader: _TypeAlias = LayerHeader  # noqa: Y015
 
 @_typing.final
 class RestoreChunk(_message.Message):

@@ -15,10 +15,16 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import codec, rpc, tls
+from elasticpipe import codec, layerwire, rpc, tls
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.stage_server.protocol import ABORT_WINDOW
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    stage_pb2,
+    stage_pb2_grpc,
+    tensor_pb2,
+)
 from tests.integration.scenario import FAST, STEPS, Trainer, batch, check, history, pipeline
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,15 +63,23 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def _piece(layer: int, data: bytes, total: int = 0, last: bool = True) -> stage_pb2.LayerChunk:
-    return stage_pb2.LayerChunk(
-        layer=layer,
-        total_bytes=total or len(data),
-        offset=0,
-        data=data,
-        crc32=zlib.crc32(data),
-        sha256=hashlib.sha256(data).digest() if last else b"",
-    )
+def _pieces(
+    layer: int, data: bytes, total: int = 0, last: bool = True
+) -> list[stage_pb2.LayerChunk]:
+    """A layer of one uint8 tensor declared as ``total`` bytes, of which ``data`` is sent."""
+    state = layerwire.pack({"t": torch.zeros(0, dtype=torch.uint8)}).state
+    meta = tensor_pb2.TensorMeta(dtype=tensor_pb2.UINT8, shape=[total or len(data)])
+    meta.nbytes = total or len(data)
+    pieces = [
+        stage_pb2.LayerChunk(
+            layer=layer, header=stage_pb2.LayerHeader(state=state, tensors=[meta])
+        ),
+        stage_pb2.LayerChunk(layer=layer, tensor=0, data=data, crc32=zlib.crc32(data)),
+    ]
+    if last:
+        digest = hashlib.sha256(state + data).digest()
+        pieces.append(stage_pb2.LayerChunk(layer=layer, sha256=digest))
+    return pieces
 
 
 def test_a_second_client_certificate_can_neither_stall_nor_fence_the_job(
@@ -189,7 +203,8 @@ def test_snapshot_copies_are_checked_before_a_layer_is_assembled(cluster: LocalC
         def flood() -> Iterator[stage_pb2.SnapshotChunk]:
             yield stage_pb2.SnapshotChunk(job_id="not-the-job", step=1, source="nobody")
             for layer in range(40):
-                yield stage_pb2.SnapshotChunk(chunk=_piece(layer, blob[: 4 << 20], len(blob)))
+                for piece in _pieces(layer, blob[: 4 << 20], len(blob), last=False):
+                    yield stage_pb2.SnapshotChunk(chunk=piece)
 
         pid = cluster.procs[target_name].pid
         before = _rss_mb(pid)
@@ -215,13 +230,16 @@ def test_snapshot_copies_are_checked_before_a_layer_is_assembled(cluster: LocalC
         outside = bounds[1]  # stage 1's first layer: not stage 0's
         _refused(
             lambda: source.PushSnapshot(
-                iter([header, stage_pb2.SnapshotChunk(chunk=_piece(outside, b"x", 1 << 30))]),
+                iter(
+                    [header]
+                    + [stage_pb2.SnapshotChunk(chunk=p) for p in _pieces(outside, b"x", 1 << 30)]
+                ),
                 timeout=10,
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
             f"holds layer {outside}, outside the layers it owns [0, {bounds[1]})",
         )
-        twice = [header, *(stage_pb2.SnapshotChunk(chunk=_piece(0, b"layer")) for _ in range(2))]
+        twice = [header] + [stage_pb2.SnapshotChunk(chunk=p) for p in 2 * _pieces(0, b"layer")]
         _refused(
             lambda: source.PushSnapshot(iter(twice), timeout=10),
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -258,9 +276,8 @@ def test_exports_and_restores_refuse_bad_layers_first(cluster: LocalCluster) -> 
         try:
             foreign = partition.boundaries[1]  # the second stage's first layer
             stream = [
-                stage_pb2.RestoreChunk(
-                    epoch=begun.epoch, chunk=_piece(foreign, b"x" * 1000, 1 << 30, last=False)
-                )
+                stage_pb2.RestoreChunk(epoch=begun.epoch, chunk=piece)
+                for piece in _pieces(foreign, b"x" * 1000, 1 << 30, last=False)
             ]
             _refused(
                 lambda: first.RestoreLayers(iter(stream), timeout=10),

@@ -13,20 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elasticpipe.codec import (
-    BlobAssembler,
     TensorAssembler,
-    blob_chunks,
     check_meta,
-    crc32,
     from_proto,
     pack_state,
-    sha256,
     tensor_chunks,
     tensor_meta,
     to_proto,
     unpack_state,
 )
-from elasticpipe.errors import InvalidRequest, TooLarge, TransferError
+from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.v1 import tensor_pb2
 
 DTYPES = [
@@ -420,71 +416,3 @@ def test_fuzzed_tensor_headers_never_raise_other_errors(header: list[Any], paylo
     except (OverflowError, ValueError):
         return  # msgpack cannot even encode this header
     _decodes_or_refuses(blob)
-
-
-# --------------------------------------------------------------------------- blobs
-
-
-@settings(deadline=None, max_examples=100)
-@given(blob=st.binary(max_size=300), chunk_bytes=st.integers(1, 64))
-def test_blob_chunks_cover_the_blob_and_reassemble(blob: bytes, chunk_bytes: int) -> None:
-    """Chunks are contiguous, bounded, cover the blob exactly, and pass the assembler."""
-    chunks = list(blob_chunks(blob, chunk_bytes))
-    offsets = [0]
-    for offset, chunk in chunks:
-        assert offset == offsets[-1]
-        assert len(chunk) <= chunk_bytes
-        offsets.append(offset + len(chunk))
-    assert b"".join(c for _, c in chunks) == blob
-    assembler = BlobAssembler(len(blob), len(blob), "layer 3")
-    for offset, chunk in chunks:
-        assembler.add(offset, chunk, crc32(chunk))
-    assert assembler.finish(sha256(blob)) == blob
-
-
-def test_empty_blob_is_one_empty_chunk() -> None:
-    """An empty blob travels as exactly one empty chunk at offset 0."""
-    assert list(blob_chunks(b"")) == [(0, b"")]
-
-
-def _assembler_with_first_chunk() -> BlobAssembler:
-    assembler = BlobAssembler(8, 8, "layer 3")
-    assembler.add(0, b"abcd", crc32(b"abcd"))
-    return assembler
-
-
-def test_blob_crc_mismatch_is_transfer_error() -> None:
-    """A chunk whose CRC-32 does not match is refused with TransferError."""
-    with pytest.raises(TransferError, match="CRC"):
-        _assembler_with_first_chunk().add(4, b"efgh", crc32(b"efgX"))
-
-
-@pytest.mark.parametrize(
-    ("offset", "data"),
-    [(6, b"gh"), (2, b"cdef"), (4, b"efghi")],
-    ids=["gap", "overlap", "overflow"],
-)
-def test_blob_out_of_order_chunk_is_transfer_error(offset: int, data: bytes) -> None:
-    """A chunk that leaves a gap, overlaps, or runs past the total raises TransferError."""
-    with pytest.raises(TransferError, match=f"offset {offset}"):
-        _assembler_with_first_chunk().add(offset, data, crc32(data))
-
-
-def test_blob_truncated_is_transfer_error() -> None:
-    """Finishing before all bytes arrived raises TransferError naming how far it got."""
-    with pytest.raises(TransferError, match="4 of 8"):
-        _assembler_with_first_chunk().finish(sha256(b"abcdefgh"))
-
-
-def test_blob_sha_mismatch_is_transfer_error() -> None:
-    """A complete blob whose SHA-256 differs from the sender's raises TransferError."""
-    assembler = _assembler_with_first_chunk()
-    assembler.add(4, b"efgh", crc32(b"efgh"))
-    with pytest.raises(TransferError, match="SHA-256"):
-        assembler.finish(sha256(b"abcdefgX"))
-
-
-def test_blob_over_limit_is_too_large() -> None:
-    """Declaring a blob over the limit raises TooLarge before allocating it."""
-    with pytest.raises(TooLarge, match="layer 3"):
-        BlobAssembler(2**60, 1 << 20, "layer 3")

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from elasticpipe import codec
 from elasticpipe.errors import NotReady, StageUnavailable
+from elasticpipe.layerwire import PackedLayer
 from elasticpipe.stage_server.snapshots import (
     Capture,
     Holding,
@@ -71,7 +71,7 @@ def test_the_snapshotter_packs_stores_and_pushes_off_the_critical_path() -> None
     pushed: list[tuple[str, int, list[int]]] = []
     fail = threading.Event()
 
-    def push(peer: str, capture: Capture, blobs: Sequence[tuple[int, bytes]]) -> None:
+    def push(peer: str, capture: Capture, blobs: Sequence[tuple[int, PackedLayer]]) -> None:
         if fail.is_set():
             raise StageUnavailable("peer gone")
         pushed.append((peer, capture.step, [layer for layer, _ in blobs]))
@@ -82,7 +82,8 @@ def test_the_snapshotter_packs_stores_and_pushes_off_the_critical_path() -> None
         snapper.submit(Capture("j", 4, "s0", {0: state}, "h:2", store.generation))
         assert snapper.flush(10)
         assert pushed == [("h:2", 4, [0])]
-        assert codec.unpack_state(store.get("j", 4, 0) or b"")["model"]["w"].tolist() == [1, 1]
+        held = store.get("j", 4, 0)
+        assert held is not None and held.unpack()["model"]["w"].tolist() == [1, 1]
         fail.set()
         snapper.submit(Capture("j", 8, "s0", {0: state}, "h:2", store.generation))
         assert snapper.flush(10)
