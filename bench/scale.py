@@ -780,6 +780,9 @@ class FakeStage:
                 del held[old]
         return stage_pb2.Ack()
 
+    def GetTrace(self, req: stage_pb2.TraceRequest, ctx: Any) -> stage_pb2.TraceResponse:
+        return stage_pb2.TraceResponse()  # no ops, no spans
+
     def GetStats(self, req: stage_pb2.StatsRequest, ctx: Any) -> stage_pb2.StageStats:
         with self.cond:
             owned = self._owned()
