@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import codec, efficiency, models, rpc
+from elasticpipe import codec, efficiency, models, rpc, structure
 from elasticpipe.client import driver
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -65,7 +65,7 @@ from elasticpipe.errors import (
 from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
-from elasticpipe.schedule import split_sizes
+from elasticpipe.structure import Value, split_batch
 from elasticpipe.tls import TLS
 from elasticpipe.training import check_optimizer
 from elasticpipe.transport import layer_chunks
@@ -138,7 +138,7 @@ class StepStats:
 
 @dataclass
 class _Batch:
-    xs: list[torch.Tensor]
+    xs: list[Value]
     ys: list[torch.Tensor]
     scales: list[float]
 
@@ -318,11 +318,11 @@ class Pipeline:
 
     # ---- job, lease and partition --------------------------------------------------------
 
-    def _ensure_job(self, sample: torch.Tensor | None) -> Partition:
+    def _ensure_job(self, sample: Value | None) -> Partition:
         if self._partition is not None:
             return self._partition
         spec = self._job.to_proto()
-        if sample is not None:
+        if isinstance(sample, torch.Tensor):  # structured inputs: no profiling sample yet
             spec.sample_input.CopyFrom(codec.to_proto(sample))
         request = coordinator_pb2.SetupJobRequest(
             job=spec,
@@ -386,11 +386,12 @@ class Pipeline:
         )
         return partition
 
-    def _profile(self, sample: torch.Tensor) -> None:
+    def _profile(self, sample: Value) -> None:
         """Sends the first micro-batch for profiling if the job was set up without one
         (``load`` or ``state_dict`` before the first step): the partition then follows the
-        measured costs and speeds."""
-        if self._profiled:
+        measured costs and speeds. Inputs of several tensors are not profiled up front: the
+        planner learns their costs and activation sizes from the steps."""
+        if self._profiled or not isinstance(sample, torch.Tensor):
             return
         partition = self._partition
         assert partition is not None
@@ -492,22 +493,9 @@ class Pipeline:
     # ---- training ----------------------------------------------------------------------
 
     def _split(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-            raise InvalidRequest("inputs must be a tensor with a batch dimension")
-        sizes = split_sizes(inputs.shape[0], self._job.micro_batches)
-        xs = list(torch.split(inputs.detach().cpu(), sizes))
-        ys: list[torch.Tensor] = []
-        if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.shape[:1] != inputs.shape[:1]:
-                raise InvalidRequest(
-                    f"targets must have the batch size of the inputs ({inputs.shape[0]}), got "
-                    f"{list(getattr(targets, 'shape', []))}"
-                )
-            ys = list(torch.split(targets.detach().cpu(), sizes))
-        scales = [n / inputs.shape[0] for n in sizes]
-        return xs, ys, scales
+        self, inputs: Value, targets: torch.Tensor | None
+    ) -> tuple[list[Value], list[torch.Tensor], list[float]]:
+        return split_batch(inputs, targets, self._job.micro_batches, torch.device("cpu"))
 
     def _run(
         self, step: int, batch: _Batch, train: bool
@@ -660,8 +648,11 @@ class Pipeline:
                 self._last_reports = reports
         return loss, attempts, replayed
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: Value, targets: torch.Tensor) -> float:
         """One synchronous training step on a mini-batch.
+
+        ``inputs`` is a tensor, or a tuple or flat dict of tensors (what the first layer
+        takes; every tensor is split along its first, batch, dimension).
 
         Splits the batch into micro-batches, runs forward and backward through every stage
         (the loss is computed on the last stage), then commits the optimizer step on every
@@ -716,9 +707,10 @@ class Pipeline:
         )
         return loss
 
-    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+    def predict(self, inputs: Value) -> Value:
         """The model's output on ``inputs``: forward only, in eval mode (dropout off,
-        batch-norm statistics used and left unchanged); changes nothing."""
+        batch-norm statistics used and left unchanged); changes nothing. A last layer that
+        returns a tuple or dict gives a tuple or dict."""
         xs, _, scales = self._split(inputs, None)
         batch = _Batch(xs, [], scales)
         self._ensure_job(xs[0])
@@ -728,7 +720,7 @@ class Pipeline:
             self._catch_up(self._done, None)  # after a rollback, replay first
             try:
                 _, partition, run_id, _ = self._run(self._step, batch, train=False)
-                return torch.cat(
+                return structure.cat(
                     [
                         driver.fetch_output(
                             self._clients, partition.addresses[-1], run_id, i, self._step_timeout

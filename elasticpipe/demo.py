@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from elasticpipe import structure
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.data import CharCorpus, sample_text
 
@@ -100,7 +101,7 @@ def run_demo(
                 elapsed = time.perf_counter() - started
                 print(f"trained {steps} steps in {elapsed:.1f}s", file=out)
                 text = sample_text(
-                    pipe.predict,
+                    lambda x: structure.single(pipe.predict(x), "the model returned"),
                     corpus,
                     prompt="def ",
                     length=200,

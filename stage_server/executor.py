@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elasticpipe import structure
 from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
@@ -23,6 +24,7 @@ from elasticpipe.stage_server.layers import LayerSlice, Stash
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
+from elasticpipe.structure import Value
 from elasticpipe.training import scaled_loss
 from elasticpipe.transport import Outgoing
 
@@ -35,7 +37,7 @@ class StepResult:
 
     run: int
     losses: list[float] = field(default_factory=list)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # inference, last stage
+    outputs: dict[int, Value] = field(default_factory=dict)  # inference, last stage
     peak_stashed: int = 0
     peak_stashed_bytes: int = 0
     compute_s: float = 0.0
@@ -62,14 +64,15 @@ class RunContext:
 
 
 def _loss(
-    ctx: RunContext, y: torch.Tensor, micro_batch: int, target: torch.Tensor, scale: float
+    ctx: RunContext, y: Value, micro_batch: int, target: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, float]:
     """The scaled loss of one micro-batch and the gradient of the slice's output."""
     layers = ctx.layers
+    last = f"layer {layers.indices[-1]} returned" if layers.indices else "the model returned"
     return scaled_loss(
         layers.job.loss,
         layers.loss,
-        y,
+        structure.single(y, last),
         target.to(ctx.device),
         scale,
         f"on micro-batch {micro_batch}",
@@ -108,7 +111,11 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
             y, stash = ctx.layers.forward(
-                x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i, step=ctx.step
+                structure.to_device(x, ctx.device),
+                ctx.train,
+                input_grad=not first,
+                micro_batch=i,
+                step=ctx.step,
             )
             result.compute_s += (now() - t0) / 1e9
             if target is not None:
@@ -118,10 +125,10 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             result.forward_s[i] = (t1 - t0) / 1e9
             result.op_seconds.append(("forward", result.forward_s[i]))
             if last and not ctx.train:
-                result.outputs[i] = y.detach().cpu()
+                result.outputs[i] = structure.to_device(structure.detached(y), torch.device("cpu"))
             elif not last:
                 ctx.links[placement.next].put(
-                    Outgoing("Forward", placement.epoch, run, ctx.step, i, y.detach())
+                    Outgoing("Forward", placement.epoch, run, ctx.step, i, structure.detached(y))
                 )
             if stash is not None:
                 stashes[i] = stash
@@ -134,7 +141,9 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             t0 = now()
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
-            grad_in = ctx.layers.backward(stashes.pop(i), grad.to(ctx.device), micro_batch=i)
+            grad_in = ctx.layers.backward(
+                stashes.pop(i), structure.to_device(grad, ctx.device), micro_batch=i
+            )
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
             span(SpanKind.BACKWARD, i, t0, t1)
@@ -142,7 +151,9 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             result.op_seconds.append(("backward", result.backward_s[i]))
             if not first and grad_in is not None:
                 ctx.links[placement.prev].put(
-                    Outgoing("Backward", placement.epoch, run, ctx.step, i, grad_in.detach())
+                    Outgoing(
+                        "Backward", placement.epoch, run, ctx.step, i, structure.detached(grad_in)
+                    )
                 )
     for link in ctx.links.values():
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticpipe import models, rng
+from elasticpipe import models, rng, structure
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
+from elasticpipe.structure import Value
 from elasticpipe.training import loss_fn, make_optimizer
 
 EWMA_ALPHA = 0.3
@@ -49,13 +50,14 @@ class LayerTiming:
 
 @dataclass
 class Stash:
-    """What backward needs of one micro-batch: each layer's (detached input, output)."""
+    """What backward needs of one micro-batch: each layer's (detached inputs, outputs),
+    as flat lists of tensors (``elasticpipe.structure``)."""
 
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
 
     def nbytes(self) -> int:
         """Bytes of the activations held (inputs and outputs of every layer)."""
-        return sum(t.numel() * t.element_size() for pair in self.pairs for t in pair)
+        return sum(t.numel() * t.element_size() for pair in self.pairs for ts in pair for t in ts)
 
 
 class Slowdown:
@@ -99,14 +101,13 @@ class Slowdown:
 
 
 def _user_error(
-    what: str, index: int, layer: nn.Module, x: torch.Tensor, micro_batch: int, exc: Exception
+    what: str, index: int, layer: nn.Module, x: Value, micro_batch: int, exc: Exception
 ) -> UserCodeError:
     """The user's layer raised: say which layer, on which micro-batch and input."""
     where = f" on micro-batch {micro_batch}" if micro_batch >= 0 else ""
     return UserCodeError(
-        f"{what} of layer {index} ({type(layer).__name__}) failed{where} with input of shape "
-        f"{list(x.shape)} and dtype {str(x.dtype).removeprefix('torch.')}: "
-        f"{type(exc).__name__}: {exc}"
+        f"{what} of layer {index} ({type(layer).__name__}) failed{where} with input of "
+        f"{structure.describe(x)}: {type(exc).__name__}: {exc}"
     )
 
 
@@ -159,12 +160,12 @@ class LayerSlice:
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: Value,
         train: bool,
         input_grad: bool = True,
         micro_batch: int = -1,
         step: int = 0,
-    ) -> tuple[torch.Tensor, Stash | None]:
+    ) -> tuple[Value, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
 
         Inference (``train`` False) runs the layers in eval mode under
@@ -172,17 +173,19 @@ class LayerSlice:
         off and batch-norm statistics are used, not updated.
 
         Args:
-            x: the slice's input.
+            x: the slice's input: a tensor, or a tuple or flat dict of tensors.
             train: keep the graph for backward.
-            input_grad: whether backward must produce the gradient of ``x`` (not on the
-                first stage, whose input is data: computing it would waste a matmul).
+            input_grad: whether backward must produce the gradients of ``x``'s floating
+                tensors (not on the first stage, whose input is data: computing them would
+                waste a matmul).
             micro_batch: the micro-batch's index in its mini-batch (named in errors).
             step: the logical step (``elasticpipe.rng``: with ``micro_batch`` and the
                 layer's index it seeds the layer's random draws).
 
         Raises:
             UserCodeError: a layer raised on the input it was given.
-            ModelError: a layer returned something other than a tensor.
+            ModelError: a layer returned something other than a tensor, a tuple of tensors
+                or a flat dict of tensors.
         """
         if not train:
             return self._infer(x, micro_batch, step), None
@@ -190,16 +193,25 @@ class LayerSlice:
         with torch.enable_grad(), rng.forked(self.device) as seed_layer:
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
-                if x.is_floating_point():
-                    x = x.detach().requires_grad_(input_grad or n > 0)
+                need = input_grad or n > 0
+                if isinstance(x, torch.Tensor):  # the common case, without a detour
+                    if x.is_floating_point():
+                        x = x.detach().requires_grad_(need)
+                    xs = [x]
+                else:
+                    xs, shape = structure.flatten(x, f"the input of layer {i} is")
+                    xs = [
+                        t.detach().requires_grad_(need) if t.is_floating_point() else t for t in xs
+                    ]
+                    x = structure.unflatten(xs, shape)
                 seed_layer(rng.forward_seed(self.job.seed, step, micro_batch, i))
                 y = self._run_layer(i, layer, x, micro_batch)
-                stash.pairs.append((x, y))
+                stash.pairs.append((xs, structure.tensors(y)))
                 x = y
         self.slowdown.pay()
         return x, stash
 
-    def _infer(self, x: torch.Tensor, micro_batch: int, step: int) -> torch.Tensor:
+    def _infer(self, x: Value, micro_batch: int, step: int) -> Value:
         with torch.inference_mode(), rng.forked(self.device) as seed_layer:
             for i in self.indices:
                 layer = self.layers[i]
@@ -212,48 +224,72 @@ class LayerSlice:
         self.slowdown.pay()
         return x
 
-    def _run_layer(
-        self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
-    ) -> torch.Tensor:
+    def _run_layer(self, i: int, layer: nn.Module, x: Value, micro_batch: int) -> Value:
         try:
             y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)
         except ElasticPipeError:
             raise
         except Exception as exc:  # the user's code may raise anything: report it as theirs
             raise _user_error("forward", i, layer, x, micro_batch, exc) from exc
-        if not isinstance(y, torch.Tensor):
-            raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
-        self.timings[i].observe(seconds, None, y.numel() * y.element_size())
-        return y
+        if isinstance(y, torch.Tensor):
+            out = y.numel() * y.element_size()
+        else:
+            where = f"layer {i} ({type(layer).__name__}) returned"
+            parts, _ = structure.flatten(y, where, ModelError)
+            out = sum(t.numel() * t.element_size() for t in parts)
+        self.timings[i].observe(seconds, None, out)
+        return y  # type: ignore[no-any-return]
 
-    def backward(
-        self, stash: Stash, grad: torch.Tensor | None, micro_batch: int = -1
-    ) -> torch.Tensor | None:
+    def backward(self, stash: Stash, grad: Value | None, micro_batch: int = -1) -> Value | None:
         """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
 
+        ``grad`` holds one tensor per floating tensor of the slice's output, in order (a
+        plain tensor when there is one, else a tuple; ``elasticpipe.structure``); integer
+        and bool tensors (masks, ids) get none. A floating output that does not require
+        grad (no path from the parameters) just drops its gradient.
+
         Returns:
-            The gradient of the slice's input, or None where the input needs none.
+            The gradients of the slice's input's floating tensors in the same form (a
+            floating input the layers do not use gets zeros), or None where the input
+            needs none (the first stage).
 
         Raises:
+            InvalidRequest: ``grad`` holds another number of tensors than the output has
+                floating tensors.
             UserCodeError: a layer's backward raised.
         """
-        for i, (x, y) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
-            if not y.requires_grad or grad is None:
-                grad = None
-                continue
-            g = grad
-            try:
-                _, seconds = self.slowdown.timed(
-                    lambda: torch.autograd.backward(y, g),  # noqa: B023
-                    self._sync,
+        grads = structure.tensors(grad) if grad is not None else None
+        for i, (xs, ys) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+            if grads is None:
+                break
+            floating = structure.floating(ys)
+            if len(grads) != len(floating):
+                raise InvalidRequest(
+                    f"layer {i} returned {len(floating)} floating tensors but {len(grads)} "
+                    f"gradients came back for them (micro-batch {micro_batch})"
                 )
-            except Exception as exc:  # the user's code may raise anything
-                raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
-            self.timings[i].observe(None, seconds, 0)
-            grad = x.grad if x.requires_grad else None
+            pairs = [
+                (ys[p], g) for p, g in zip(floating, grads, strict=True) if ys[p].requires_grad
+            ]
+            if pairs:
+                outs, gs = [p[0] for p in pairs], [p[1] for p in pairs]
+                try:
+                    _, seconds = self.slowdown.timed(
+                        lambda: torch.autograd.backward(outs, gs),  # noqa: B023
+                        self._sync,
+                    )
+                except Exception as exc:  # the user's code may raise anything
+                    g = structure.grads_value(gs)
+                    raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
+                self.timings[i].observe(None, seconds, 0)
+            inputs = [xs[p] for p in structure.floating(xs)]
+            if not all(x.requires_grad for x in inputs):
+                grads = None  # the first stage's data: no gradient wanted
+                continue
+            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
         stash.pairs.clear()
         self.slowdown.pay()
-        return grad
+        return structure.grads_value(grads) if grads is not None else None
 
     def step(self) -> None:
         """Applies the accumulated gradients (one optimizer step) and clears them."""

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import bounds, codec
+from elasticpipe import bounds, bundle, codec
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
@@ -77,14 +77,16 @@ class StageServicer:
     def __init__(self, stage: Stage):
         self.stage = stage
 
-    def _admit(self, header: stage_pb2.DataHeader) -> tuple[codec.TensorAssembler, Admitted]:
-        """Checks the declared tensor, the epoch, the run and the room left, and reserves
-        the room, before anything is allocated for it."""
-        codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
-        admitted = self.stage.admit(
-            header.epoch, header.run, header.micro_batch, header.meta.nbytes
-        )
-        return codec.TensorAssembler(header.meta, self.stage.config.max_tensor_bytes), admitted
+    def _admit(
+        self, header: stage_pb2.DataHeader, nbytes: int | None = None
+    ) -> tuple[bundle.Assembler, Admitted]:
+        """Checks the declared tensor(s) (unless ``nbytes`` says it was done), the epoch,
+        the run and the room left, and reserves the room, before anything is allocated."""
+        limit = self.stage.config.max_tensor_bytes
+        if nbytes is None:
+            nbytes = bundle.declared_bytes(header, limit)
+        admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
+        return bundle.assembler(header, limit), admitted
 
     def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
         first = next(chunks, None)
@@ -130,13 +132,12 @@ class StageServicer:
         if slot is None:
             raise InvalidRequest(f"unknown slot {msg.slot} (expected INPUT, GRAD or TARGET)")
         header = msg.header
-        if len(msg.data) != header.meta.nbytes:
-            codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
+        declared = bundle.declared_bytes(header, self.stage.config.max_tensor_bytes)
+        if len(msg.data) != declared:
             raise InvalidRequest(
-                f"received {len(msg.data)} bytes for a tensor declared as "
-                f"{header.meta.nbytes} bytes"
+                f"received {len(msg.data)} bytes for a tensor declared as {declared} bytes"
             )
-        assembler, admitted = self._admit(header)
+        assembler, admitted = self._admit(header, declared)
         try:
             assembler.add(msg.data)
             tensor = assembler.finish()
@@ -188,14 +189,13 @@ class StageServicer:
     def FetchOutput(
         self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.DataChunk]:
-        tensor = self.stage.fetch_output(req.run, req.micro_batch)
-        meta, chunks = codec.tensor_chunks(tensor)
-        yield stage_pb2.DataChunk(
-            header=stage_pb2.DataHeader(
-                epoch=self.stage.epoch, run=req.run, micro_batch=req.micro_batch, meta=meta
-            )
+        value = self.stage.fetch_output(req.run, req.micro_batch)
+        head = stage_pb2.DataHeader(
+            epoch=self.stage.epoch, run=req.run, micro_batch=req.micro_batch
         )
-        for chunk in chunks:
+        bundle.describe(head, value)
+        yield stage_pb2.DataChunk(header=head)
+        for chunk in bundle.chunks(value):
             yield stage_pb2.DataChunk(data=chunk)
 
     def CommitStep(

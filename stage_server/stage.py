@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, codec, models, rpc
+from elasticpipe import bounds, codec, models, rpc, structure
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -48,6 +48,7 @@ from elasticpipe.stage_server.snapshots import (
     check_layers,
 )
 from elasticpipe.stage_server.tracing import Tracer
+from elasticpipe.structure import Value
 from elasticpipe.tls import TLS
 from elasticpipe.training import check_job
 from elasticpipe.v1 import stage_pb2
@@ -135,7 +136,7 @@ class Stage:
         self._mailbox = Mailbox(config.mailbox_bytes)
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
-        self._outputs: tuple[int, dict[int, torch.Tensor]] = (0, {})
+        self._outputs: tuple[int, dict[int, Value]] = (0, {})
         self._staged: _Staged | None = None
         self._restoring: tuple[int, Layers] | None = None  # (epoch, layers) of a load
         self._questions: list[Effect] = []
@@ -251,7 +252,7 @@ class Stage:
     def _new_slice(self, job: JobConfig) -> LayerSlice:
         return LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
 
-    def profile(self, job: JobConfig, sample: torch.Tensor, repeats: int) -> list[LayerTiming]:
+    def profile(self, job: JobConfig, sample: Value, repeats: int) -> list[LayerTiming]:
         """Times forward and backward of every layer of the whole model on this device.
 
         One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
@@ -262,9 +263,13 @@ class Stage:
         runs: list[dict[int, LayerTiming]] = []
         for _ in range(max(1, repeats) + 1):
             probe.timings = {i: LayerTiming() for i in probe.layers}
-            out, stash = probe.forward(sample.to(self.device), train=True, input_grad=False)
+            out, stash = probe.forward(
+                structure.to_device(sample, self.device), train=True, input_grad=False
+            )
             assert stash is not None
-            probe.backward(stash, torch.ones_like(out) if out.requires_grad else None)
+            outs = structure.tensors(out)
+            ones = [torch.ones_like(outs[p]) for p in structure.floating(outs)]
+            probe.backward(stash, structure.grads_value(ones))
             runs.append(probe.timings)
         measured = runs[1:]
         return [
@@ -328,7 +333,7 @@ class Stage:
         slot: Slot,
         run: int,
         micro_batch: int,
-        tensor: torch.Tensor,
+        tensor: Value,
         loss_scale: float = 0.0,
     ) -> None:
         """Accepts an activation, gradient or target for a run (maybe before its RunStep)
@@ -339,8 +344,10 @@ class Stage:
                     f"targets of micro-batch {micro_batch} need a loss_scale in (0, 1] "
                     f"(got {loss_scale})"
                 )
+            if slot is Slot.TARGET and not isinstance(tensor, torch.Tensor):
+                raise InvalidRequest(f"targets of micro-batch {micro_batch} must be one tensor")
             value = (tensor, loss_scale) if slot is Slot.TARGET else tensor
-            nbytes = tensor.numel() * tensor.element_size()
+            nbytes = structure.nbytes(tensor)
             admitted.mailbox.put(run, slot, micro_batch, value, nbytes, admitted.reservation)
             placement = self.placement
             peers = {Slot.INPUT: placement.prev, Slot.GRAD: placement.next} if placement else {}
@@ -406,7 +413,7 @@ class Stage:
         self.faults.point("awaiting_commit")
         return result
 
-    def fetch_output(self, run: int, micro_batch: int) -> torch.Tensor:
+    def fetch_output(self, run: int, micro_batch: int) -> Value:
         """An inference output kept by the last stage."""
         with self._cond:
             kept_run, outputs = self._outputs
