@@ -125,11 +125,11 @@ def flatten(
     tensors: list[torch.Tensor] = []
     for key, item in items:
         if not isinstance(item, torch.Tensor):
-            kind = "nested " if isinstance(item, (tuple, list, dict)) else ""
+            kind = "nested " if isinstance(item, (tuple, dict)) else ""
             raise error(
                 f"{where} a {type(value).__name__} whose element {key!r} is a "
-                f"{kind}{_describe(item)}, not a tensor (tuples and dicts must hold tensors only, "
-                "not nested)"
+                f"{kind}{_describe(item)}, not a tensor (a tuple or dict of a layer holds "
+                "tensors only, not nested)"
             )
         tensors.append(item)
     return tensors, Structure(keys, len(tensors))

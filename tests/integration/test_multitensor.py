@@ -5,6 +5,7 @@ bad structure is a clear error naming the layer."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,7 +203,7 @@ def test_bad_structures_are_errors_naming_the_layer(
     """A layer returning a nested tuple or a dict holding a float fails the step with an
     error naming the layer and the element, on a stage as locally; the job still trains
     nothing wrong (the next good job runs)."""
-    kwargs = {"kind": kind}
+    kwargs, message = {"kind": kind}, re.escape(message)
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     with (
         LocalPipeline(
