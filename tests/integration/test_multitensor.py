@@ -9,15 +9,18 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
-from elasticpipe import LocalPipeline, models, rpc
+from elasticpipe import LocalPipeline, bundle, codec, models, rpc
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
+from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.stage_server.server import StageServer
 from elasticpipe.training import reference_step
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.integration.scenario import FAST
 
 ALLOWED = "tests.integration.custom_models"
@@ -242,3 +245,63 @@ def test_bad_inputs_are_refused_before_anything_is_sent() -> None:
         with pytest.raises(InvalidRequest, match="batch size of the inputs \\(4\\)"):
             local.train_step((ids, mask), y[:3])
         assert local.step == 0
+
+
+@pytest.mark.timeout(90)
+def test_malformed_multi_tensor_messages_get_precise_statuses(
+    coordinator_server: CoordinatorServer, stage_servers: list[StageServer]
+) -> None:
+    """A stage refuses a structure that disagrees with its declared tensors, a descriptor that
+    is not one, a part whose bytes disagree with its shape (INVALID_ARGUMENT) and parts over
+    its limit together (RESOURCE_EXHAUSTED), by Deliver and by stream, and keeps serving."""
+    with Pipeline(
+        coordinator=coordinator_server.address,
+        model="mlp",
+        model_kwargs={"sizes": [12, 16, 6]},
+        micro_batches=2,
+        stages=2,
+    ) as pipe:
+        pipe.train_step(torch.randn(4, 12), torch.randint(0, 6, (4,)))
+        first = next(s for s in stage_servers if s.address == pipe.partition.addresses[0])
+        stub = stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(first.address))
+        value = (torch.ones(2, 3), torch.ones(2, dtype=torch.bool))
+        raw = bundle.data(value)
+
+        def head(**changes: Any) -> stage_pb2.DataHeader:
+            h = stage_pb2.DataHeader(epoch=pipe.partition.epoch, run=1)
+            bundle.describe(h, value)
+            for name, change in changes.items():
+                setattr(h, name, change)
+            return h
+
+        def refused(h: stage_pb2.DataHeader, data: bytes = raw) -> grpc.RpcError:
+            message = stage_pb2.DataMessage(slot=stage_pb2.INPUT, header=h, data=data)
+            with pytest.raises(grpc.RpcError) as unary:
+                stub.Deliver(message, timeout=5)
+            chunks = [stage_pb2.DataChunk(header=h), stage_pb2.DataChunk(data=data)]
+            with pytest.raises(grpc.RpcError) as stream:
+                stub.Forward(iter(chunks), timeout=5)
+            assert unary.value.code() == stream.value.code()
+            return unary.value
+
+        err = refused(head(structure='{"tuple":3}'))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "holds 3 tensors but 2 were declared" in err.details()
+        err = refused(head(structure='{"dict":["a","a"]}'))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "repeats a key" in err.details()
+        err = refused(head(structure="[2]"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "'[2]'" in err.details()
+        bad = head()
+        bad.parts[0].nbytes = 23
+        err = refused(bad, raw[:-1])
+        assert (
+            err.code() == grpc.StatusCode.INVALID_ARGUMENT and "23 were declared" in err.details()
+        )
+        err = refused(head(), raw + b"\0")
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "26" in err.details()
+        big = head()
+        for meta in big.parts:  # each part under the stage's 1 MiB limit, together over it
+            meta.CopyFrom(codec.tensor_meta(torch.empty(192 * 1024, dtype=torch.float32)))
+        err = refused(big, b"")
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(1 << 20) in err.details()
+        assert pipe.train_step(torch.randn(4, 12), torch.randint(0, 6, (4,))) > 0
