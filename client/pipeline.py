@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import codec, efficiency, models, rpc, structure
+from elasticpipe import bundle, codec, efficiency, models, rpc, structure
 from elasticpipe.client import driver
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -322,8 +322,8 @@ class Pipeline:
         if self._partition is not None:
             return self._partition
         spec = self._job.to_proto()
-        if isinstance(sample, torch.Tensor):  # structured inputs: no profiling sample yet
-            spec.sample_input.CopyFrom(codec.to_proto(sample))
+        if sample is not None:
+            bundle.set_sample(spec, sample)
         request = coordinator_pb2.SetupJobRequest(
             job=spec,
             num_stages=self._num_stages,
@@ -389,19 +389,14 @@ class Pipeline:
     def _profile(self, sample: Value) -> None:
         """Sends the first micro-batch for profiling if the job was set up without one
         (``load`` or ``state_dict`` before the first step): the partition then follows the
-        measured costs and speeds. Inputs of several tensors are not profiled up front: the
-        planner learns their costs and activation sizes from the steps."""
-        if self._profiled or not isinstance(sample, torch.Tensor):
+        measured costs and speeds."""
+        if self._profiled:
             return
         partition = self._partition
         assert partition is not None
-        reply = self._coordinator_call(
-            "ProfileJob",
-            coordinator_pb2.ProfileJobRequest(
-                job_id=partition.job_id, client=self._client, sample_input=codec.to_proto(sample)
-            ),
-            timeout=self._setup_timeout + 120.0,
-        )
+        request = coordinator_pb2.ProfileJobRequest(job_id=partition.job_id, client=self._client)
+        bundle.set_sample(request, sample)
+        reply = self._coordinator_call("ProfileJob", request, timeout=self._setup_timeout + 120.0)
         self._profiled = True
         self._adopt(Partition.from_proto(reply))
 

@@ -17,9 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
-from elasticpipe import codec
+from elasticpipe import bundle
 from elasticpipe.coordinator import copies, epochs, estimates
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
@@ -40,6 +38,7 @@ from elasticpipe.errors import (
 from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
+from elasticpipe.structure import Value
 from elasticpipe.v1 import job_pb2, stage_pb2
 
 log = get_logger(__name__)
@@ -202,7 +201,7 @@ class Jobs:
     def setup(
         self,
         job: JobConfig,
-        sample: torch.Tensor | None,
+        sample: Value | None,
         num_stages: int,
         wait_s: float,
         resume: bool,
@@ -275,7 +274,7 @@ class Jobs:
     def _start(
         self,
         job: JobConfig,
-        sample: torch.Tensor | None,
+        sample: Value | None,
         num_stages: int,
         wait_s: float,
         lease_s: float,
@@ -292,7 +291,7 @@ class Jobs:
     def _assign(
         self,
         job: JobConfig,
-        sample: torch.Tensor | None,
+        sample: Value | None,
         chosen: list[Member],
         lease_s: float,
         holder: str,
@@ -421,9 +420,9 @@ class Jobs:
             )
         return replies[0]  # type: ignore[no-any-return]
 
-    def _profile(self, job: JobConfig, sample: torch.Tensor, chosen: list[Member]) -> Profile:
+    def _profile(self, job: JobConfig, sample: Value, chosen: list[Member]) -> Profile:
         spec = job.to_proto()
-        spec.sample_input.CopyFrom(codec.to_proto(sample))
+        bundle.set_sample(spec, sample)
         profiles: dict[str, list[Timing]] = {}
         # One stage at a time: stages sharing a host would otherwise slow each other down.
         for member in chosen:
@@ -470,7 +469,7 @@ class Jobs:
                 return False
             time.sleep(0.05)
 
-    def profile_later(self, job_id: str, client: int, sample: torch.Tensor) -> None:
+    def profile_later(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first).
 
         Raises:

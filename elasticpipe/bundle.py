@@ -14,7 +14,7 @@ byte (``assembler``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -136,4 +136,53 @@ class Bundle:
         return structure.unflatten([p.finish() for p in self._parts], self._shape)
 
 
-__all__ = ["Assembler", "Bundle", "assembler", "chunks", "data", "declared_bytes", "describe"]
+# ---- the profiling sample (JobSpec, ProfileJobRequest) -----------------------------------
+
+
+def set_sample(message: Any, value: Value) -> None:
+    """Puts one micro-batch of inputs in ``message``'s ``sample_input`` (a tensor) or
+    ``sample_structure`` and ``sample_parts`` (several)."""
+    if isinstance(value, torch.Tensor):
+        message.sample_input.CopyFrom(codec.to_proto(value))
+        return
+    parts, shape = structure.flatten(value, "the sample is")
+    assert shape is not None
+    message.sample_structure = shape.to_json()
+    message.sample_parts.extend(codec.to_proto(t) for t in parts)
+
+
+def get_sample(message: Any, max_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES) -> Value | None:
+    """The sample ``set_sample`` put in ``message``, or None if there is none.
+
+    Raises:
+        InvalidRequest / TooLarge: a malformed structure, a count that disagrees with it, or
+            tensors (each, or together) over ``max_bytes``; checked before decoding.
+    """
+    if not message.sample_structure:
+        if not message.HasField("sample_input"):
+            return None
+        return codec.from_proto(message.sample_input, max_bytes)
+    shape = Structure.from_json(message.sample_structure)
+    parts = message.sample_parts
+    if len(parts) != shape.size:
+        raise InvalidRequest(
+            f"sample structure {message.sample_structure} holds {shape.size} tensors but "
+            f"{len(parts)} were sent"
+        )
+    total = sum(int(p.meta.nbytes) for p in parts)
+    if total > max_bytes:
+        raise TooLarge(f"sample of {total} bytes is over the limit of {max_bytes} bytes")
+    return structure.unflatten([codec.from_proto(p, max_bytes) for p in parts], shape)
+
+
+__all__ = [
+    "Assembler",
+    "Bundle",
+    "assembler",
+    "chunks",
+    "data",
+    "declared_bytes",
+    "describe",
+    "get_sample",
+    "set_sample",
+]

@@ -231,9 +231,9 @@ class StageServicer:
         self, req: stage_pb2.ProfileRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.ProfileResponse:
         job = JobConfig.from_proto(req.job)
-        if not req.job.HasField("sample_input"):
+        sample = bundle.get_sample(req.job, self.stage.config.max_tensor_bytes)
+        if sample is None:
             raise InvalidRequest("Profile needs job.sample_input (one micro-batch of inputs)")
-        sample = codec.from_proto(req.job.sample_input, self.stage.config.max_tensor_bytes)
         if not 0 < req.repeats <= 100:
             raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
         timings = self.stage.profile(job, sample, req.repeats)

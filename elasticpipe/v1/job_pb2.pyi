@@ -3,9 +3,11 @@
 isort:skip_file
 What a training job is: the model factory, its arguments, seed, optimizer and loss."""
 
+from collections import abc as _abc
 from elasticpipe.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -31,6 +33,8 @@ class JobSpec(_message.Message):
     MICRO_BATCHES_FIELD_NUMBER: _builtins.int
     SCHEDULE_FIELD_NUMBER: _builtins.int
     SAMPLE_INPUT_FIELD_NUMBER: _builtins.int
+    SAMPLE_STRUCTURE_FIELD_NUMBER: _builtins.int
+    SAMPLE_PARTS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_EVERY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     model: _builtins.str
@@ -46,12 +50,18 @@ class JobSpec(_message.Message):
     micro_batches: _builtins.int
     schedule: _builtins.str
     """"gpipe", "1f1b" """
+    sample_structure: _builtins.str
+    """A first layer taking several tensors: the sample's structure (JSON, as
+    DataHeader.structure) and each of its tensors, instead of sample_input.
+    """
     snapshot_every: _builtins.int
     """committed steps between snapshots (0: none)"""
     @_builtins.property
     def sample_input(self) -> _tensor_pb2.Tensor:
         """one micro-batch of real inputs, for the profiling pass"""
 
+    @_builtins.property
+    def sample_parts(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]: ...
     def __init__(
         self,
         *,
@@ -65,11 +75,13 @@ class JobSpec(_message.Message):
         micro_batches: _builtins.int = ...,
         schedule: _builtins.str = ...,
         sample_input: _tensor_pb2.Tensor | None = ...,
+        sample_structure: _builtins.str = ...,
+        sample_parts: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
         snapshot_every: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "loss", b"loss", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "sample_input", b"sample_input", "schedule", b"schedule", "seed", b"seed", "snapshot_every", b"snapshot_every"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "loss", b"loss", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "seed", b"seed", "snapshot_every", b"snapshot_every"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -141,6 +141,10 @@ def test_hidden_and_mask_train_through_3_stages_like_pytorch_across_a_migration(
     with _pipeline(cluster, {}, schedule) as pipe:
         losses = _train_with_a_migration(pipe, cluster, as_dict=False)
         state = pipe.state_dict()
+        first = pipe.stage_stats()[0]
+        embedding = next(t for t in first.timings if t.layer == 0)
+        # A micro-batch of 3 sequences of 5: hidden 3*5*8 float32 plus mask 3*5 bool.
+        assert embedding.output_bytes == 3 * 5 * 8 * 4 + 3 * 5
         x, _ = _batches(1)[0]
         predicted = pipe.predict(x)
     assert losses == local_losses
