@@ -206,7 +206,9 @@ class LayerSlice:
                     x = structure.unflatten(xs, shape)
                 seed_layer(rng.forward_seed(self.job.seed, step, micro_batch, i))
                 y = self._run_layer(i, layer, x, micro_batch)
-                stash.pairs.append((xs, structure.tensors(y)))
+                stash.pairs.append(
+                    (xs, [y] if isinstance(y, torch.Tensor) else structure.tensors(y))
+                )
                 x = y
         self.slowdown.pay()
         return x, stash
@@ -262,17 +264,19 @@ class LayerSlice:
         for i, (xs, ys) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
             if grads is None:
                 break
-            floating = structure.floating(ys)
-            if len(grads) != len(floating):
+            outs, gs, n = [], [], 0  # the floating outputs that need their gradient
+            for y in ys:
+                if y.is_floating_point():
+                    if n < len(grads) and y.requires_grad:
+                        outs.append(y)
+                        gs.append(grads[n])
+                    n += 1
+            if n != len(grads):
                 raise InvalidRequest(
-                    f"layer {i} returned {len(floating)} floating tensors but {len(grads)} "
-                    f"gradients came back for them (micro-batch {micro_batch})"
+                    f"layer {i} returned {n} floating tensors but {len(grads)} gradients came "
+                    f"back for them (micro-batch {micro_batch})"
                 )
-            pairs = [
-                (ys[p], g) for p, g in zip(floating, grads, strict=True) if ys[p].requires_grad
-            ]
-            if pairs:
-                outs, gs = [p[0] for p in pairs], [p[1] for p in pairs]
+            if outs:
                 try:
                     _, seconds = self.slowdown.timed(
                         lambda: torch.autograd.backward(outs, gs),  # noqa: B023
@@ -282,11 +286,7 @@ class LayerSlice:
                     g = structure.grads_value(gs)
                     raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
                 self.timings[i].observe(None, seconds, 0)
-            inputs = [xs[p] for p in structure.floating(xs)]
-            if not all(x.requires_grad for x in inputs):
-                grads = None  # the first stage's data: no gradient wanted
-                continue
-            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+            grads = _input_grads(xs)
         stash.pairs.clear()
         self.slowdown.pay()
         return structure.grads_value(grads) if grads is not None else None
@@ -365,6 +365,19 @@ class LayerSlice:
         self.layers.pop(index, None)
         self.optimizers.pop(index, None)
         self.timings.pop(index, None)
+
+
+def _input_grads(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The gradients of a layer's floating inputs (zeros for one it did not use), or None
+    where they need none (the first stage's data)."""
+    grads = []
+    for x in xs:
+        if x.is_floating_point():
+            if not x.requires_grad:
+                return None
+            g = x.grad
+            grads.append(g if g is not None else torch.zeros_like(x))
+    return grads
 
 
 def _tensors_cloned(obj: Any) -> Any:
