@@ -145,6 +145,18 @@ class MaskedHead(nn.Module):
         return self.proj(pooled)  # type: ignore[no-any-return]
 
 
+class ClampIds(nn.Module):
+    """(ids, mask) -> (ids clamped into the vocabulary, mask): integers only, no gradient."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = x
+        return ids.clamp(0, self.vocab - 1), mask
+
+
 def masked(
     vocab: int = 13,
     width: int = 8,
@@ -152,12 +164,15 @@ def masked(
     classes: int = 3,
     as_dict: bool = False,
     head: bool = True,
+    clamp: bool = False,
 ) -> nn.Sequential:
     """A model whose layers pass (hidden, mask): embedding, ``blocks`` times (masked
     attention, masked MLP), head. Inputs are (ids int64, mask bool); with ``as_dict``,
     {"ids", "mask"} in and {"hidden", "keep" (float)} between layers. Without ``head`` the
-    model ends on a block (its output is (hidden, mask))."""
-    layers: list[nn.Module] = [MaskedEmbedding(vocab, width, as_dict)]
+    model ends on a block (its output is (hidden, mask)). With ``clamp`` a first layer
+    passes (ids, mask) on, integers only (no floating tensor for a gradient)."""
+    layers: list[nn.Module] = [ClampIds(vocab)] if clamp else []
+    layers.append(MaskedEmbedding(vocab, width, as_dict))
     for _ in range(blocks):
         layers += [MaskedAttention(width, as_dict), MaskedMLP(width, as_dict)]
     if head:

@@ -172,6 +172,24 @@ def test_dict_layers_train_through_3_stages_like_locally(cluster: LocalCluster) 
 
 
 @pytest.mark.timeout(90)
+def test_a_cut_carrying_only_integers_sends_an_empty_gradient(cluster: LocalCluster) -> None:
+    """A first stage whose output is (ids, mask), integers only: the second stage sends back
+    a gradient of no tensors (an empty tuple), the first stage's backward completes, and
+    training equals LocalPipeline's bit for bit."""
+    kwargs = {"clamp": True}
+    with _threads_of_a_stage(), _local(kwargs) as local:
+        local_losses = [local.train_step(x, y) for x, y in _batches(2)]
+        local_state = local.state_dict()
+    with _pipeline(cluster, kwargs) as pipe:
+        if list(pipe.partition.boundaries) != [0, 1, 4, 7]:
+            _set_partition(cluster, [0, 1, 4, 7])
+        losses = [pipe.train_step(x, y) for x, y in _batches(2)]
+        assert list(pipe.partition.boundaries) == [0, 1, 4, 7]
+        _exact(pipe.state_dict(), local_state, "integers at the first cut")
+    assert losses == local_losses
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("as_dict", [False, True])
 def test_predict_returns_the_structure_the_last_layer_returns(
     cluster: LocalCluster, as_dict: bool
