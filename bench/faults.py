@@ -9,7 +9,8 @@ Runs of the same script, each a fresh job with the same seed and data:
    pair of runs swings by several percent on this shared host);
 3. with failures: a chain stage SIGKILLed a third of the way in (the spare replaces it),
    the coordinator SIGKILLed halfway and restarted a few steps later, another chain stage
-   SIGKILLed at two thirds (no spare is left: the job shrinks to 3 stages).
+   SIGKILLed at two thirds, once the coordinator is back (no spare is left: the job
+   shrinks to 3 stages).
 
 Per event it prints: detection (kill -> the coordinator declares the stage dead),
 recovery (kill -> the next committed step, minus the compute of the steps replayed and
@@ -65,6 +66,7 @@ def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool
     run = Run()
     plan = {steps // 3: "stage", steps // 2: "coordinator", 2 * steps // 3: "stage"}
     restart_at = steps // 2 + 5
+    restarting: threading.Thread | None = None
     with Pipeline(
         coordinator=cluster.coordinator,
         model="gpt",
@@ -82,6 +84,8 @@ def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool
             event = plan.get(step) if failures else None
             killed_at = 0.0
             if event == "stage":
+                if restarting is not None:  # one failure at a time: the coordinator is back
+                    restarting.join()
                 victim = cluster.name_of(pipe.partition.addresses[1])
                 killed_at = time.time()
                 cluster.kill(victim)
@@ -89,7 +93,8 @@ def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool
                 killed_at = time.time()
                 cluster.kill("coordinator")
             if failures and step == restart_at:
-                threading.Thread(target=cluster.restart_coordinator, daemon=True).start()
+                restarting = threading.Thread(target=cluster.restart_coordinator, daemon=True)
+                restarting.start()
             t0 = time.perf_counter()
             run.losses.append(pipe.train_step(*batch(step)))
             run.step_s.append(time.perf_counter() - t0)

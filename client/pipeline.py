@@ -34,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -43,8 +43,8 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import bundle, codec, efficiency, models, rpc, structure
-from elasticpipe.client import driver
+from elasticpipe import bundle, codec, efficiency, models, rpc, structure, weights
+from elasticpipe.client import checkpoints, driver, initial
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
     CoordinatorUnavailable,
@@ -143,6 +143,32 @@ class _Batch:
     scales: list[float]
 
 
+class _Repeats:
+    """Logs a warning the first time, then the same warning (same event and fields) at
+    most once every ``every`` seconds with how often it recurred: a job waiting out an
+    outage says so without a line per retry."""
+
+    def __init__(self, every: float = 10.0):
+        self._every = every
+        self._last: dict[str, tuple[str, float, int]] = {}  # event: (what, logged at, count)
+
+    def warn(self, event: str, error: str, **fields: Any) -> int:
+        """Logs ``event`` unless it just did; returns how often in a row it happened."""
+        what, now = f"{error}|{sorted(fields.items())!r}", time.monotonic()
+        last = self._last.get(event)
+        if last is not None and last[0] == what:
+            count = last[2] + 1
+            if now - last[1] < self._every:
+                self._last[event] = (what, last[1], count)
+                return count
+            log.warning(event, error=error, repeated=count, **fields)
+            self._last[event] = (what, now, count)
+            return count
+        log.warning(event, error=error, **fields)
+        self._last[event] = (what, now, 1)
+        return 1
+
+
 class Pipeline:
     """A model trained across the stage servers of one coordinator."""
 
@@ -166,6 +192,8 @@ class Pipeline:
         recovery_timeout: float = 300.0,
         lease_s: float = 15.0,
         tls: TLS | None = None,
+        init_state: Any = None,
+        precision: str = "fp32",
     ):
         """Describes the job; nothing is contacted until first use.
 
@@ -198,6 +226,14 @@ class Pipeline:
                 renewing its lease (it renews every ``lease_s / 3`` seconds).
             tls: this client's certificate, key and the cluster's CA (role ``client``);
                 default: ``ELASTICPIPE_TLS_CERT/KEY/CA`` if set, else plaintext.
+            init_state: initial weights instead of the seed's: a mapping with the keys of
+                the model's ``state_dict()``, a ``.safetensors`` file, or a directory of
+                shards (a checkpoint of ``save``, whose optimizer state is then not used,
+                or a Hugging Face ``save_pretrained`` directory). Read lazily; each stage
+                receives only its layers. Layers then need no ``reset_parameters()``.
+            precision: "fp32", or "bf16": every layer's forward under ``torch.autocast``
+                (bfloat16) on its stage's device, float32 master weights, optimizer state
+                and loss (see docs/training.md).
 
         Raises:
             InvalidRequest: an argument that no stage would accept (checked here).
@@ -212,6 +248,8 @@ class Pipeline:
             micro_batches=micro_batches,
             schedule=schedule,
             snapshot_every=snapshot_every,
+            external_weights=init_state is not None,
+            precision=precision,
         )
         models.check_name(model)
         check_optimizer(optimizer, self._job.optimizer_kwargs)
@@ -237,6 +275,7 @@ class Pipeline:
         self._setup_timeout = setup_timeout
         self._rebalance_timeout = rebalance_timeout
         self._recovery_timeout = recovery_timeout
+        self._repeats = _Repeats()
         self._lease_s = lease_s
         self._tls = tls or TLS.from_env()
         self._channel = rpc.channel(coordinator, self._tls)
@@ -260,6 +299,8 @@ class Pipeline:
         self._renewer: threading.Thread | None = None
         self.num_layers = 0
         self.last_step = StepStats()
+        # Checked now, before anything changes anywhere; streamed at job setup.
+        self._init = None if init_state is None or resume else initial.check(self._job, init_state)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -292,6 +333,8 @@ class Pipeline:
                 )
             except ElasticPipeError as exc:
                 log.debug("lease_not_released", error=str(exc))
+        if self._init is not None:
+            self._init.close()
         self._clients.close()
         self._channel.close()
 
@@ -320,6 +363,8 @@ class Pipeline:
 
     def _ensure_job(self, sample: Value | None) -> Partition:
         if self._partition is not None:
+            if self._init is not None:  # its streaming failed: no step before it is in
+                self._apply_init()
             return self._partition
         spec = self._job.to_proto()
         if sample is not None:
@@ -374,6 +419,10 @@ class Pipeline:
         self._restore_epoch = partition.restore_epoch
         self._renewer = threading.Thread(target=self._renew_loop, name="lease", daemon=True)
         self._renewer.start()
+        if reply.resumed or self._step:
+            self._init = None  # the running job has its weights already
+        if self._init is not None:
+            self._apply_init()
         log.info(
             "pipeline_attached" if reply.resumed else "pipeline_ready",
             job=partition.job_id,
@@ -384,7 +433,15 @@ class Pipeline:
             stages=partition.num_stages,
             step=self._step,
         )
-        return partition
+        return self._partition
+
+    def _apply_init(self) -> None:
+        """Streams ``init_state`` to the stages (at job setup; again after a failure)."""
+        init = self._init
+        assert init is not None
+        self._restore(0, lambda layer: codec.pack_state(init.layer_state(layer)), "")
+        self._init = None
+        init.close()
 
     def _profile(self, sample: Value) -> None:
         """Sends the first micro-batch for profiling if the job was set up without one
@@ -589,7 +646,7 @@ class Pipeline:
                 timeout=15.0,
             )
         except CoordinatorUnavailable as unreachable:
-            log.warning("failure_not_reported", error=str(unreachable))
+            self._repeats.warn("failure_not_reported", str(unreachable))
             return []
         return list(ack.dead)
 
@@ -600,11 +657,11 @@ class Pipeline:
         if time.monotonic() > deadline:
             raise exc
         dead = self._report_failure(exc)
-        log.warning("step_failed", step=self._step + 1, error=str(exc)[:300], dead=dead)
+        repeats = self._repeats.warn("step_failed", str(exc)[:300], step=self._step + 1, dead=dead)
         partition = self._partition
         assert partition is not None
-        if not dead:
-            time.sleep(0.2)  # nobody died: a transient failure, try again
+        if not dead:  # nobody died: a transient failure, try again (backing off if it stays)
+            time.sleep(min(2.0, 0.2 * 2 ** min(repeats - 1, 4)))
             with contextlib.suppress(CoordinatorUnavailable):
                 self._refresh(time.monotonic() + 0.1)
             return
@@ -757,6 +814,12 @@ class Pipeline:
         self, partition: Partition, stage: int, include_optimizer: bool
     ) -> dict[int, bytes]:
         """Each layer of one stage as its checksummed state blob."""
+        return dict(self._export_iter(partition, stage, include_optimizer))
+
+    def _export_iter(
+        self, partition: Partition, stage: int, include_optimizer: bool
+    ) -> Iterator[tuple[int, bytes]]:
+        """Each layer of one stage as its checksummed state blob, one layer at a time."""
         address = partition.addresses[stage]
         request = stage_pb2.ExportLayersRequest(
             epoch=partition.epoch,
@@ -765,66 +828,62 @@ class Pipeline:
         )
         try:
             stream = self._clients.stub(address).ExportLayers(request, timeout=self._step_timeout)
-            return dict(codec.layer_blobs(stream, codec.DEFAULT_MAX_TENSOR_BYTES))
+            yield from codec.layer_blobs(stream, codec.DEFAULT_MAX_LAYER_BYTES)
         except grpc.RpcError as exc:
             raise rpc.translate(exc, address) from exc
 
     # ---- checkpoints -------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Writes a checkpoint: every layer's weights, buffers and optimizer state, and the
-        step count, so that ``load`` resumes training exactly where it was.
+        """Writes a checkpoint directory: safetensors shards of every layer's weights and
+        buffers, others of its optimizer state, and a manifest (step, job, optimizer
+        layout, RNG protocol), so that ``load`` resumes training exactly where it was.
 
-        The file is msgpack (no pickle), written atomically; it does not depend on the
-        partition, so it can be loaded on any number of stages.
+        Merging the ``weights-*`` shards with ``safetensors.torch.load_file`` gives the
+        whole model's ``state_dict()``. Layers are fetched and written one at a time; the
+        directory appears complete or not at all. It does not depend on the partition, so
+        it can be loaded on any number of stages. (Checkpoints of earlier versions were one
+        msgpack file: ``load`` still reads them, ``save`` no longer writes them.)
         """
         self._ensure_job(None)
+        _, params = weights.expected_state(self._job.model, self._job.model_kwargs)
         deadline = time.monotonic() + self._recovery_timeout
         while True:
             self._catch_up(self._done, None)
             partition = self._partition
             assert partition is not None
+            writer = checkpoints.Writer(Path(path), self._job, params)
             try:
-                layers: dict[int, bytes] = {}
                 for s in range(partition.num_stages):
-                    layers.update(self._export(partition, s, include_optimizer=True))
+                    for _, blob in self._export_iter(partition, s, include_optimizer=True):
+                        writer.add(codec.unpack_state(blob))
+                writer.commit(self._step)
                 break
             except (StaleEpoch, Rebalancing):
+                writer.abandon()
                 self._refresh(time.monotonic() + RETRY_WAIT_S)
             except RECOVERABLE as exc:
+                writer.abandon()
                 self._recover(exc, deadline)
-        job = self._job
-        checkpoint = {
-            "format": CHECKPOINT_FORMAT,
-            "job": {
-                "model": job.model,
-                "model_kwargs": job.model_kwargs,
-                "seed": job.seed,
-                "optimizer": job.optimizer,
-                "optimizer_kwargs": job.optimizer_kwargs,
-            },
-            "step": self._step,
-            "layers": layers,
-        }
-        target = Path(path)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_bytes(codec.pack_state(checkpoint))
-        tmp.replace(target)
-        log.info("checkpoint_saved", path=str(target), step=self._step, layers=len(layers))
+            except BaseException:
+                writer.abandon()
+                raise
+        log.info("checkpoint_saved", path=str(path), step=self._step, layers=self.num_layers)
 
     def load(
         self, path: str | os.PathLike[str], optimizer_kwargs: dict[str, Any] | None = None
     ) -> None:
         """Restores a checkpoint written by ``save`` for the same model and optimizer, on
-        every stage or on none (an epoch change makes it take effect).
+        every stage or on none (an epoch change makes it take effect), whatever the
+        partition or number of stages it was saved from.
 
         The optimizer's hyper-parameters come from the checkpoint, as with PyTorch's
         ``load_state_dict``; ``optimizer_kwargs`` (``{"lr": 1e-4}``, say) sets some of them
-        after loading.
+        after loading. A file (the msgpack format of earlier versions) is still read.
 
         Raises:
-            InvalidRequest: not a checkpoint, one of another model or optimizer, or an
-                override the optimizer does not have.
+            InvalidRequest: not a checkpoint, one of another model or optimizer, an
+                override the optimizer does not have, or shards that do not fit the model.
         """
         overrides = dict(optimizer_kwargs or {})
         try:
@@ -832,6 +891,38 @@ class Pipeline:
         except TypeError as exc:
             raise InvalidRequest(f"optimizer_kwargs must be JSON-able: {exc}") from exc
         check_optimizer(self._job.optimizer, {**self._job.optimizer_kwargs, **overrides})
+        if Path(path).is_file():
+            self._load_msgpack(path, overrides_json)
+            return
+        reader = checkpoints.Reader(Path(path))
+        try:
+            job = self._job
+            mine = {
+                "model": job.model,
+                "model_kwargs": job.model_kwargs,
+                "optimizer": job.optimizer,
+            }
+            theirs = {k: reader.job.get(k) for k in mine}
+            if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
+                raise InvalidRequest(
+                    f"checkpoint {path} is of {theirs}, this pipeline trains {mine}"
+                )
+            expected, params = weights.expected_state(job.model, job.model_kwargs)
+            plan = weights.plan(reader.weights, expected, weights.no_rename)
+            self._ensure_job(None)
+            self._restore(
+                reader.step,
+                lambda layer: codec.pack_state(
+                    reader.layer_state(layer, plan.layer_state(layer), params[layer])
+                ),
+                overrides_json,
+            )
+        finally:
+            reader.close()
+        log.info("checkpoint_loaded", path=str(path), step=reader.step, layers=self.num_layers)
+
+    def _load_msgpack(self, path: str | os.PathLike[str], overrides_json: str) -> None:
+        """Loads a one-file msgpack checkpoint of an earlier version (read only)."""
         raw = Path(path).read_bytes()
         checkpoint = codec.unpack_state(raw, max(len(raw), 1))
         if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
@@ -847,7 +938,14 @@ class Pipeline:
             raise InvalidRequest(
                 f"checkpoint {path} has layers {sorted(layers)}, the model {partition.num_layers}"
             )
-        step = int(checkpoint["step"])
+        self._restore(int(checkpoint["step"]), layers.__getitem__, overrides_json)
+        log.info("checkpoint_loaded", path=str(path), step=self._step, layers=len(layers))
+
+    def _restore(self, step: int, blob_of: Callable[[int], bytes], overrides_json: str) -> None:
+        """Streams every layer's state (``blob_of(layer)``, built one at a time) to its
+        owner and makes it take effect at ``step`` on every stage or on none."""
+        partition = self._partition
+        assert partition is not None
         self._check_lease()
         begun = self._coordinator_call(
             "BeginRestore",
@@ -864,7 +962,7 @@ class Pipeline:
                 ) -> Iterator[stage_pb2.RestoreChunk]:
                     first = True
                     for layer in owned:
-                        for chunk in layer_chunks(layer, layers[layer]):
+                        for chunk in layer_chunks(layer, blob_of(layer)):
                             yield stage_pb2.RestoreChunk(
                                 epoch=begun.epoch if first else 0,
                                 committed_step=step if first else 0,
@@ -906,7 +1004,6 @@ class Pipeline:
         self._safe_step = step
         self._decisions.clear()
         self._replay.clear()
-        log.info("checkpoint_loaded", path=str(path), step=step, layers=len(layers))
 
     def stage_stats(self) -> list[stage_pb2.StageStats]:
         """Each stage's own report (epoch, layers, timings, peak activations)."""

@@ -87,13 +87,13 @@ class Coordinator:
 
     # ---- membership ------------------------------------------------------------------
 
-    def register(self, name: str, address: str, device: str) -> str:
+    def register(self, name: str, address: str, device: str, memory_bytes: int = 0) -> str:
         """Registers a new incarnation of a stage (older ones of the name are dead)."""
         if not name or not address:
             raise InvalidRequest(
                 f"register needs a name and an address (got {name!r}, {address!r})"
             )
-        stage_id, older = self.cluster.members.register(name, address, device)
+        stage_id, older = self.cluster.members.register(name, address, device, memory_bytes)
         state = "spare" if self.cluster.job is not None else "registered"
         log.info("stage_registered", stage_id=stage_id, name=name, address=address, state=state)
         for old in older:

@@ -35,13 +35,32 @@ class Profile:
     # Bytes crossing a cut after layer l per micro-batch: the activation forward and its
     # gradient backward (the same size).
     activation_bytes: tuple[int, ...] = ()
+    # Per layer, for memory planning (``memory.py``): bytes one micro-batch keeps for its
+    # backward, and bytes of its weights, gradients and optimizer state. Empty: not measured.
+    stash_bytes: tuple[int, ...] = ()
+    state_bytes: tuple[int, ...] = ()
+
+    def to_store(self) -> dict[str, object]:
+        """The persisted form (the store's ``profile`` key)."""
+        return {
+            "costs": list(self.costs),
+            "speeds": self.speeds,
+            "activation_bytes": list(self.activation_bytes),
+            "stash_bytes": list(self.stash_bytes),
+            "state_bytes": list(self.state_bytes),
+        }
 
 
-def from_profiles(profiles: Mapping[str, Sequence[Timing]]) -> Profile:
+def from_profiles(
+    profiles: Mapping[str, Sequence[Timing]],
+    memory: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+) -> Profile:
     """Combines the full-model profiles of several stages.
 
     Args:
         profiles: stage id -> one timing per layer of the whole model.
+        memory: stage id -> ``(stash_bytes, state_bytes)`` per layer; the largest of the
+            stages is kept (devices may differ, e.g. in what autocast saves).
 
     Returns:
         Unit costs (seconds on a speed-1 device) and speeds (the slowest stage is 1).
@@ -57,7 +76,18 @@ def from_profiles(profiles: Mapping[str, Sequence[Timing]]) -> Profile:
     activation_bytes = tuple(
         2 * max(t[layer][2] for t in profiles.values()) for layer in range(num_layers)
     )
-    return Profile(costs=tuple(costs), speeds=speeds, activation_bytes=activation_bytes)
+    stash: tuple[int, ...] = ()
+    state: tuple[int, ...] = ()
+    if memory:
+        stash = tuple(max(m[layer][0] for m in memory.values()) for layer in range(num_layers))
+        state = tuple(max(m[layer][1] for m in memory.values()) for layer in range(num_layers))
+    return Profile(
+        costs=tuple(costs),
+        speeds=speeds,
+        activation_bytes=activation_bytes,
+        stash_bytes=stash,
+        state_bytes=state,
+    )
 
 
 def fallback_costs(param_bytes: Sequence[int]) -> tuple[float, ...]:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 
 from elasticpipe import bundle
-from elasticpipe.coordinator import copies, epochs, estimates
+from elasticpipe.coordinator import copies, epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import Member
@@ -61,6 +61,7 @@ RESUME_FIELDS = (
     "micro_batches",
     "schedule",
     "snapshot_every",
+    "precision",
 )
 
 
@@ -313,7 +314,13 @@ class Jobs:
             self.c.profile = profile
             self.c.num_layers = num_layers
             links = self.c.links(len(speeds))
-            order, best = order_hosts(costs, speeds, links.activation_bytes, links.link_bandwidths)
+            mem = memory.terms([m.memory_bytes for m in chosen], param_bytes, profile, job)
+            try:
+                order, best = order_hosts(costs, speeds, *links, *mem)
+            except PlanError as exc:
+                raise PlanError(
+                    f"{exc}; {memory.offers([m.row.name for m in chosen], mem)}"
+                ) from exc
             ordered = [chosen[i] for i in order]
             epoch = self.c.store.reserve_epoch()
             partition = Partition(
@@ -355,14 +362,7 @@ class Jobs:
             store.put("factory", [described.factory_file, described.factory_sha256])
             store.delete("job_failure")
             if profile:
-                store.put(
-                    "profile",
-                    {
-                        "costs": list(profile.costs),
-                        "speeds": profile.speeds,
-                        "activation_bytes": list(profile.activation_bytes),
-                    },
-                )
+                store.put("profile", profile.to_store())
             self.c.job, self.c.param_bytes, self.c.failure = job, param_bytes, ""
             self.c.install(
                 partition,
@@ -424,6 +424,7 @@ class Jobs:
         spec = job.to_proto()
         bundle.set_sample(spec, sample)
         profiles: dict[str, list[Timing]] = {}
+        needs: dict[str, list[tuple[int, int]]] = {}
         # One stage at a time: stages sharing a host would otherwise slow each other down.
         for member in chosen:
             reply = self.c.pool.call(
@@ -435,7 +436,8 @@ class Jobs:
             profiles[member.row.stage_id] = [
                 (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in reply.timings
             ]
-        profile = estimates.from_profiles(profiles)
+            needs[member.row.stage_id] = [(t.stash_bytes, t.state_bytes) for t in reply.timings]
+        profile = estimates.from_profiles(profiles, needs)
         log.info(
             "stages_profiled",
             speeds={self.c.name(s): round(v, 3) for s, v in profile.speeds.items()},
@@ -479,14 +481,7 @@ class Jobs:
         members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
         profile = self._profile(job, sample, members)
         self.c.profile = profile
-        self.c.store.put(
-            "profile",
-            {
-                "costs": list(profile.costs),
-                "speeds": profile.speeds,
-                "activation_bytes": list(profile.activation_bytes),
-            },
-        )
+        self.c.store.put("profile", profile.to_store())
 
     # ---- settling undecided runs -----------------------------------------------------
 

@@ -48,6 +48,7 @@ class Member:
     snapshots: list[stage_pb2.SnapshotHolding] = field(default_factory=list)
     dead_reason: str = ""
     dead_at: float = 0.0  # unix time it was declared dead
+    memory_bytes: int = 0  # what it offers its job (registration, heartbeats); 0: unknown
 
 
 class Membership:
@@ -68,7 +69,9 @@ class Membership:
             if not member.row.dead:
                 member.last_seen = grace
 
-    def register(self, name: str, address: str, device: str) -> tuple[str, list[Member]]:
+    def register(
+        self, name: str, address: str, device: str, memory_bytes: int = 0
+    ) -> tuple[str, list[Member]]:
         """Adds a new incarnation of ``name``.
 
         Returns:
@@ -91,7 +94,7 @@ class Membership:
                 incarnation=self._store.max_incarnation(name) + 1,
             )
             self._store.add_stage(row)
-            member = Member(row)
+            member = Member(row, memory_bytes=memory_bytes)
             member.last_seen, member.last_seen_unix = self._clock(), time.time()
             self._members[row.stage_id] = member
         for old in older:

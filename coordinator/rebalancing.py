@@ -16,10 +16,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from elasticpipe.coordinator import epochs, estimates
+from elasticpipe.coordinator import epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change, MoveResult
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planner import Plan, plan, predict_step_time, spare_positions
+from elasticpipe.coordinator.planner import (
+    Plan,
+    PlanError,
+    plan,
+    predict_step_time,
+    spare_positions,
+)
 from elasticpipe.coordinator.policy import Decision, PolicyConfig, decide
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -83,7 +89,9 @@ class Rebalancer:
         speeds = self.c.speeds(current.stage_ids)
         links = self.c.links(len(speeds))
         now = estimates.evaluate(current.boundaries, costs, speeds, *links)
-        best = plan(costs, speeds, *links, current=current.boundaries)
+        best = plan(
+            costs, speeds, *links, *self.c.memory(current.stage_ids), current=current.boundaries
+        )
         target = current.evolve(epoch=current.epoch + 1, boundaries=best.boundaries)
         return PlanView(
             current=current,
@@ -200,6 +208,12 @@ class Rebalancer:
                 epoch=current.epoch + 1, boundaries=tuple(boundaries), stages=tuple(stages)
             ).validate(self.c.num_layers)
             self._check_alive(target.stage_ids)
+            memory.check_fits(
+                target.boundaries,
+                self.c.memory(target.stage_ids),
+                self.c.names(target.stage_ids),
+                kind,
+            )
             if target.boundaries == current.boundaries and target.stages == current.stages:
                 return MoveOutcome(False, current, "the partition is already that one", gain)
             epochs.check_no_change_in_progress(self.c)
@@ -321,7 +335,8 @@ class Rebalancer:
     def replan(self, stages: Sequence[StageRef], reason: str) -> MoveOutcome:
         """Moves to the optimal partition over ``stages``."""
         speeds = self.c.speeds([s.stage_id for s in stages])
-        best = plan(self.c.costs(), speeds, *self.c.links(len(speeds)))
+        stage_ids = [s.stage_id for s in stages]
+        best = plan(self.c.costs(), speeds, *self.c.links(len(speeds)), *self.c.memory(stage_ids))
         return self.move(stages, best.boundaries, reason, 0.0)
 
     def set_auto(self, enabled: bool) -> str:
@@ -365,10 +380,19 @@ class Rebalancer:
             refs = list(current.stages)
             refs.insert(position, self._ref(spare))
             with_spare = self.c.speeds([r.stage_id for r in refs])
-            candidate = plan(costs, with_spare, *self.c.links(len(refs)))
+            try:
+                candidate = plan(
+                    costs,
+                    with_spare,
+                    *self.c.links(len(refs)),
+                    *self.c.memory([r.stage_id for r in refs]),
+                )
+            except PlanError:
+                continue  # the layers do not fit memory with the spare here
             if best is None or candidate.bottleneck < best[1].bottleneck:
                 best = (tuple(refs), candidate)
-        assert best is not None
+        if best is None:
+            return None
         chain, optimum = best
         target = Partition(current.epoch + 1, current.job_id, optimum.boundaries, chain)
         decision = decide(

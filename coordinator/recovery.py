@@ -203,7 +203,8 @@ class Recovery:
         if len(chain) > old.num_layers:
             chain = chain[: old.num_layers]
             speeds = speeds[: old.num_layers]
-        best = plan(self.c.costs(), speeds, *self.c.links(len(chain)))
+        memory = self.c.memory([r.stage_id for r in chain])
+        best = plan(self.c.costs(), speeds, *self.c.links(len(chain)), *memory)
         epoch = self.c.store.reserve_epoch()
         new = Partition(
             epoch=epoch,

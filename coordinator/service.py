@@ -62,7 +62,7 @@ class CoordinatorServicer:
             bounds.text(value, what)
         authz.check_name(req.name)  # with TLS, a stage is its certificate's name
         return coordinator_pb2.RegisterResponse(
-            stage_id=self.c.register(req.name, req.address, req.device),
+            stage_id=self.c.register(req.name, req.address, req.device, req.memory_bytes),
             heartbeat_interval_s=self.c.heartbeat_interval_s,
         )
 
@@ -88,6 +88,8 @@ class CoordinatorServicer:
             req.state if req.HasField("state") else None,
             list(req.snapshots),
         )
+        if heard is Heard.OK and (member := self.c.members.by_id(req.stage_id)) is not None:
+            member.memory_bytes = req.memory_bytes
         return coordinator_pb2.HeartbeatResponse(
             reregister=heard is not Heard.OK,
             dead=heard is Heard.DEAD,
@@ -255,6 +257,7 @@ class CoordinatorServicer:
             slowdown=m.slowdown,
             state=state,
             incarnation=m.row.incarnation,
+            memory_bytes=m.memory_bytes,
         )
 
     def Status(

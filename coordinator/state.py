@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from elasticpipe import rpc
-from elasticpipe.coordinator import estimates
+from elasticpipe.coordinator import estimates, memory
 from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import Member, Membership
+from elasticpipe.coordinator.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
 from elasticpipe.errors import LayersLost, NotReady
 from elasticpipe.job import JobConfig
@@ -65,6 +66,8 @@ class Cluster:
                 tuple(raw_profile["costs"]),
                 raw_profile["speeds"],
                 tuple(raw_profile.get("activation_bytes", ())),
+                tuple(raw_profile.get("stash_bytes", ())),
+                tuple(raw_profile.get("state_bytes", ())),
             )
             if raw_profile
             else None
@@ -217,6 +220,15 @@ class Cluster:
         if num_stages < 2:
             return LinkTerms()
         return LinkTerms(list(profile.activation_bytes), [self.link_bandwidth] * (num_stages - 1))
+
+    def memory(self, stage_ids: Sequence[str]) -> MemoryTerms:
+        """The planner's memory terms for a chain of these stages (what each offers)."""
+        if self.job is None:
+            return MemoryTerms()
+        members = [self.members.by_id(sid) for sid in stage_ids]
+        caps = [m.memory_bytes if m is not None else 0 for m in members]
+        sizes = self.param_bytes or [0] * self.num_layers
+        return memory.terms(caps, sizes, self.profile, self.job)
 
     def layer_state_bytes(self, layer: int) -> int:
         """Bytes a layer's full state moves: weights, plus optimizer state (Adam keeps two

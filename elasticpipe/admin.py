@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -36,6 +36,7 @@ columns of the stage table:
   speed   measured speed relative to the job's profile: 1.0 is the slowest profiled
           stage; 2.0 runs the same layers in half the time (0: not measured yet)
   slow    emulated slowdown factor (admin slowdown; 1 = none)
+  memory  bytes the stage offers its job (--memory, or measured at start; -: unknown)
   layers  the layer range owned, LO:HI (HI excluded)
   step    the last optimizer step the stage committed
 the epoch history lists every partition change of the job: its kind (start, move,
@@ -131,13 +132,14 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
     lines += [
         "",
         f"{'name':<{nw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}{'speed':>7}"
-        f"{'slow':>6}{'layers':>9}{'step':>7}  heartbeat",
+        f"{'slow':>6}{'memory':>8}{'layers':>9}{'step':>7}  heartbeat",
     ]
     for st in s.stages:
         layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
         lines.append(
             f"{st.name:<{nw}}{st.state:<9}{st.incarnation:>4}  {st.address:<{aw}}{st.device:<8}"
-            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{layers:>9}{st.committed_step:>7}  "
+            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{_mem(st.memory_bytes):>8}{layers:>9}"
+            f"{st.committed_step:>7}  "
             f"{_ago(st.last_heartbeat_unix)}"
         )
     if s.history:
@@ -235,6 +237,18 @@ def _forget(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
     return reply, reply.message
 
 
+def _mem(value: int) -> str:
+    """A byte count in a status column, binary units: ``400K``, ``2.0G``; ``-`` if unknown."""
+    if not value:
+        return "-"
+    size = float(value)
+    for unit in ("B", "K", "M", "G"):
+        if size < 1024:
+            return f"{size:.0f}{unit}" if unit in ("B", "K") else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}T"
+
+
 def _slowdown(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
     request = coordinator_pb2.AdminSlowdownRequest(stage=args.stage, factor=args.factor)
     reply = stub.Slowdown(request, timeout=args.timeout)
@@ -294,6 +308,45 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def _watch(stub: Any, args: argparse.Namespace) -> int:
+    """``status --watch``: the live view (or JSON lines) until Ctrl-C or ``--count`` polls."""
+    from rich.console import Console
+
+    from elasticpipe.watch import watch
+
+    def fetch() -> coordinator_pb2.StatusResponse:
+        try:
+            reply: coordinator_pb2.StatusResponse = stub.Status(
+                coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            raise rpc.translate(exc, args.coordinator, CoordinatorUnavailable) from exc
+        return reply
+
+    if args.interval <= 0:
+        raise InvalidRequest(f"--interval must be positive, got {args.interval}")
+    if args.count < 0:
+        raise InvalidRequest(f"--count must be 0 (no limit) or positive, got {args.count}")
+    as_json = to_json if args.json else None
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide lines rather than folded cells
+        console = Console(width=max(console.width, 160))
+    return watch(fetch, console, args.interval, args.count, as_json)
+
+
+class AdminParser(argparse.ArgumentParser):
+    """The parser of an admin subcommand: with ``--json`` on the command line, a usage error
+    (a missing or malformed argument) is the JSON error object too, exit code 2, so that a
+    script reads every failure the same way."""
+
+    def error(self, message: str) -> NoReturn:
+        if "--json" in sys.argv[1:]:
+            error = {"code": "INVALID_ARGUMENT", "message": f"{self.prog}: {message}"}
+            _print(json.dumps({"error": error}))
+            raise SystemExit(2)
+        super().error(message)
+
+
 def _print(text: str) -> None:
     """Prints for a reader that may go away (``| head``): a closed pipe ends quietly."""
     try:
@@ -309,6 +362,8 @@ def run_admin(args: argparse.Namespace) -> int:
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         with rpc.channel(address, tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            if args.admin_command == "status" and getattr(args, "watch", False):
+                return _watch(stub, args)
             try:
                 reply, text = COMMANDS[args.admin_command](stub, args)
             except grpc.RpcError as exc:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 # gRPC's core logs every failed TLS handshake at INFO on stderr: one line per port scan or
 # misconfigured client, which would let anyone flood a server's log. Errors only, unless
@@ -26,6 +26,9 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import LEVELS, configure_logging, get_logger
 from elasticpipe.tls import TLS
+
+if TYPE_CHECKING:
+    from elasticpipe.admin import AdminParser
 
 ENV_LOG_FORMAT = "ELASTICPIPE_LOG_FORMAT"
 ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
@@ -115,6 +118,17 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return _serve_until_signalled(server, args.ready_file)
 
 
+def _memory_size(text: str) -> int:
+    """``--memory``'s type: a byte count with an optional unit (argparse reports the error)."""
+    from elasticpipe.capacity import parse_bytes
+    from elasticpipe.errors import InvalidRequest
+
+    try:
+        return parse_bytes(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     """Runs a stage server until SIGTERM/SIGINT."""
     import torch
@@ -140,6 +154,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         advertise=args.advertise,
         metrics_port=args.metrics_port,
+        memory_bytes=args.memory,
     )
     server = StageServer(config, args.coordinator, args.listen).start()
     return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
@@ -147,9 +162,23 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Trains the small GPT on the standard library's source on a local cluster."""
-    from elasticpipe.demo import run_demo
+    from elasticpipe.demo import Events, run_demo
 
+    events = None
+    if args.events:
+        events = Events.spread_over(
+            args.steps,
+            slow_at=args.slow_at,
+            recover_at=args.recover_at,
+            kill_at=args.kill_at,
+            slow_stage=args.slow_stage,
+            kill_stage=args.kill_stage,
+            factor=args.slow_factor,
+        )
     return run_demo(
+        events=events,
+        png=args.png,
+        sample_chars=args.sample_chars,
         stages=args.stages,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -232,10 +261,12 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsH
         return super()._get_help_string(action)
 
 
-def _admin_options(defaults: bool) -> argparse.ArgumentParser:
+def _admin_options(defaults: bool) -> AdminParser:
     """The admin options, accepted before and after the subcommand (only the given ones
     override: the defaults are set once, on the ``admin`` parser)."""
-    common = argparse.ArgumentParser(add_help=False)
+    from elasticpipe.admin import AdminParser
+
+    common = AdminParser(add_help=False)
     kw = (lambda d: {"default": d}) if defaults else (lambda d: {"default": argparse.SUPPRESS})
     common.add_argument(
         "--coordinator",
@@ -379,6 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
     st.add_argument(
+        "--memory",
+        type=_memory_size,
+        default=0,
+        metavar="BYTES",
+        help="memory this stage offers its job, e.g. 512M, 2G (default: CPU MemAvailable "
+        "less 10%%; CUDA free memory less 10%% of the device); the coordinator never "
+        "places more layers here than fit",
+    )
+    st.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
@@ -401,14 +441,53 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="train a small GPT on a local cluster", formatter_class=Formatter
     )
     de.add_argument("--stages", type=int, default=4, help="stage processes")
-    de.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    de.add_argument("--steps", type=int, default=160, help="optimizer steps")
     de.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     de.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
     de.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
-    de.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    de.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="transformer blocks (8 over 4 stages: 2 each, so that moving layers off a slow "
+        "stage overloads another, and moving them back pays when it recovers)",
+    )
     de.add_argument("--d-model", type=int, default=128, help="width of the model")
     de.add_argument(
+        "--sample-chars", type=int, default=200, help="characters of text generated at the end"
+    )
+    de.add_argument(
         "--log-dir", default=None, help="keep the processes' logs here (default: under runs/)"
+    )
+    de.add_argument(
+        "--events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="slow a stage down, let it recover, kill one, and plot it (--no-events: a plain run)",
+    )
+    for flag, what, fraction in (
+        ("--slow-at", "slow --slow-stage down", "1/6"),
+        ("--recover-at", "bring it back to full speed", "9/20"),
+        ("--kill-at", "kill --kill-stage (SIGKILL)", "3/4"),
+    ):
+        de.add_argument(
+            flag,
+            type=int,
+            default=None,
+            metavar="STEP",
+            help=f"after this step, {what} (default: after {fraction} of the steps; 0: never)",
+        )
+    de.add_argument(
+        "--slow-stage", default="", help="the stage slowed down (default: the chain's second)"
+    )
+    de.add_argument("--slow-factor", type=float, default=3.0, help="how many times slower")
+    de.add_argument(
+        "--kill-stage", default="", help="the stage killed (default: the chain's third)"
+    )
+    de.add_argument(
+        "--png",
+        default=None,
+        help="where to draw steps/s and the partition over time (default: LOG_DIR/demo.png)",
     )
     de.set_defaults(func=cmd_demo)
 
@@ -461,8 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_admin_options(defaults=True)],
         formatter_class=Formatter,
     )
+    from elasticpipe.admin import AdminParser
+
     adsub = ad.add_subparsers(
         dest="admin_command",
+        parser_class=AdminParser,  # usage errors as JSON with --json
         required=True,
         metavar="ADMIN_COMMAND",
         help="what to look at or change (ADMIN_COMMAND --help: more)",
@@ -485,6 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status", "stages, their state and speed, the partition and its history", STATUS_HELP
     )
     status.add_argument("--all", action="store_true", help="the history of every job")
+    status.add_argument(
+        "--watch", action="store_true", help="a live view, redrawn every --interval (Ctrl-C ends)"
+    )
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between two polls")
+    status.add_argument("--count", type=int, default=0, help="stop after N polls (0: never)")
     admin("plan", "the current partition next to the optimal one (changes nothing)")
     rb = admin("rebalance", "move to the optimal partition now")
     rb.add_argument(

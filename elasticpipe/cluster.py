@@ -61,6 +61,7 @@ class LocalCluster:
         threads_per_stage: int = 1,
         tls: bool = False,
         metrics: bool = False,
+        per_stage_args: Sequence[Sequence[str]] | None = None,
     ):
         """Describes the cluster; ``start`` (or ``with``) launches it.
 
@@ -76,6 +77,8 @@ class LocalCluster:
                 ``admin_tls``).
             metrics: every process serves Prometheus metrics on a free port
                 (``metrics_ports``, ``metrics_url``).
+            per_stage_args: extra flags of each stage in turn, after ``stage_args``
+                (e.g. ``[["--memory", "2M"], []]``).
         """
         self.num_stages = stages
         self.slowdowns = list(slowdowns or [1.0] * stages)
@@ -83,6 +86,9 @@ class LocalCluster:
             raise ValueError(f"{len(self.slowdowns)} slowdowns given for {stages} stages")
         self._coordinator_args = list(coordinator_args)
         self._stage_args = list(stage_args)
+        self._per_stage_args = [list(a) for a in per_stage_args or [[]] * stages]
+        if len(self._per_stage_args) != stages:
+            raise ValueError(f"{len(self._per_stage_args)} per_stage_args for {stages} stages")
         self._tmp = tempfile.TemporaryDirectory(prefix="elasticpipe-")
         if "--state" not in self._coordinator_args:  # a restarted coordinator finds its state
             self._coordinator_args += ["--state", str(Path(self._tmp.name) / "coordinator.sqlite")]
@@ -214,6 +220,7 @@ class LocalCluster:
         env: Mapping[str, str] | None = None,
     ) -> tuple[subprocess.Popen[bytes], Path, Path]:
         slowdown = self.slowdowns[index] if index is not None else 1.0
+        own = self._per_stage_args[index] if index is not None else []
         return self._spawn(
             name,
             [
@@ -228,6 +235,7 @@ class LocalCluster:
                 str(slowdown),
                 *self._tls_flags(name, "stage"),
                 *self._stage_args,
+                *own,
                 *extra,
             ],
             env,

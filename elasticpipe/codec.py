@@ -26,6 +26,9 @@ from elasticpipe.v1 import tensor_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: grpcio streams fastest around this size
 DEFAULT_MAX_TENSOR_BYTES = 1 << 31  # 2 GiB per tensor unless the operator says otherwise
+# One layer's packed state (weights, buffers, optimizer state): its tensors are checked one
+# by one against the tensor limit, so the layer as a whole is bounded only by this (1 TiB).
+DEFAULT_MAX_LAYER_BYTES = 1 << 40
 MAX_DIMS = 32
 
 _TO_WIRE: dict[torch.dtype, int] = {
@@ -196,10 +199,15 @@ def pack_state(state: Any) -> bytes:
     return bytes(msgpack.packb(state, default=_default, strict_types=False))
 
 
-def unpack_state(blob: bytes, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Any:
-    """Decodes what ``pack_state`` wrote, checking every tensor's size against its header."""
-    if len(blob) > max_bytes:
-        raise TooLarge(f"layer state of {len(blob)} bytes is over the limit of {max_bytes}")
+def unpack_state(
+    blob: bytes,
+    max_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES,
+) -> Any:
+    """Decodes what ``pack_state`` wrote, checking every tensor's size against its header
+    and against ``max_bytes`` (per tensor); the whole state against ``max_layer_bytes``."""
+    if len(blob) > max_layer_bytes:
+        raise TooLarge(f"layer state of {len(blob)} bytes is over the limit of {max_layer_bytes}")
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code != _TENSOR_EXT:

@@ -15,6 +15,7 @@ from elasticpipe.v1 import job_pb2
 MAX_KWARGS_JSON = 1 << 20
 MAX_SNAPSHOT_EVERY = 1_000_000
 MAX_MICRO_BATCHES = 4096
+PRECISIONS = ("fp32", "bf16")
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -52,6 +53,8 @@ class JobConfig:
     schedule: str = "1f1b"
     job_id: str = ""
     snapshot_every: int = 0
+    external_weights: bool = False  # initial weights come from the client (init_state)
+    precision: str = "fp32"  # "bf16": layer forwards under autocast (see precision.py)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -66,6 +69,10 @@ class JobConfig:
         if not 1 <= self.micro_batches <= MAX_MICRO_BATCHES:
             raise InvalidRequest(
                 f"micro_batches must be in [1, {MAX_MICRO_BATCHES}] (got {self.micro_batches})"
+            )
+        if self.precision not in PRECISIONS:
+            raise InvalidRequest(
+                f"unknown precision {self.precision!r} (choose from {list(PRECISIONS)})"
             )
         if self.seed < 0:
             raise InvalidRequest(f"seed must be >= 0 (got {self.seed})")
@@ -91,6 +98,8 @@ class JobConfig:
             micro_batches=self.micro_batches,
             schedule=self.schedule,
             snapshot_every=self.snapshot_every,
+            external_weights=self.external_weights,
+            precision=self.precision,
         )
 
     @classmethod
@@ -111,4 +120,6 @@ class JobConfig:
             schedule=spec.schedule or "1f1b",
             job_id=spec.job_id,
             snapshot_every=spec.snapshot_every,
+            external_weights=spec.external_weights,
+            precision=spec.precision or "fp32",
         )

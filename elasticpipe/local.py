@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from elasticpipe import models, structure
+from elasticpipe.client import initial
 from elasticpipe.client.pipeline import StepStats
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig
@@ -55,6 +56,8 @@ class LocalPipeline:
         schedule: str = "1f1b",
         device: str | torch.device = "cpu",
         allow: Sequence[str] = (),
+        init_state: Any = None,
+        precision: str = "fp32",
     ):
         """Builds the model and its per-layer optimizers.
 
@@ -67,6 +70,8 @@ class LocalPipeline:
             device: where the layers live.
             allow: module prefixes allowed for ``"package.module:name"`` factories,
                 losses and optimizers (what ``--allow-models`` is to a stage).
+            init_state: initial weights, as for ``Pipeline`` (checked the same way).
+            precision: as for ``Pipeline`` ("fp32" or "bf16").
 
         Raises:
             InvalidRequest: an argument that ``Pipeline``'s stages would refuse.
@@ -86,12 +91,22 @@ class LocalPipeline:
             loss=loss,
             micro_batches=micro_batches,
             schedule=schedule,
+            external_weights=init_state is not None,
+            precision=precision,
         )
         self.allow = tuple(allow)
         check_job(loss, optimizer, self._job.optimizer_kwargs, self.allow)
         num_layers, _ = models.describe(model, self._job.model_kwargs, self.allow)
         self._slice = LayerSlice(self._job, torch.device(device), Slowdown(1.0), self.allow)
-        self._slice.build(0, num_layers)
+        if init_state is None:
+            self._slice.build(0, num_layers)
+        else:
+            init = initial.check(self._job, init_state)
+            try:
+                for i in range(num_layers):
+                    self._slice.install(i, *self._slice.load_layer(i, init.layer_state(i)))
+            finally:
+                init.close()
         self.num_layers = num_layers
         self._step = 0
         self.last_step = StepStats()

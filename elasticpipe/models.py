@@ -24,6 +24,7 @@ from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, Per
 
 __all__ = [
     "BUILTIN_MODELS",
+    "PACKAGED_FACTORIES",
     "CausalSelfAttention",
     "LMHead",
     "TokenEmbedding",
@@ -40,6 +41,7 @@ __all__ = [
     "layer_seed",
     "materialize_layer",
     "mlp",
+    "prepare_layer",
     "resolve_factory",
 ]
 
@@ -97,6 +99,9 @@ def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..
     if builtin is not None:
         return builtin
     prefixes = (allow,) if isinstance(allow, str) else tuple(allow)
+    if name_or_path in PACKAGED_FACTORIES:
+        # Shipped with ElasticPipe (optional dependencies): allowed like the built-ins.
+        prefixes = (*prefixes, name_or_path.partition(":")[0])
     module_path, attr = _parse_path(name_or_path)
     if not _is_allowed(module_path, prefixes):
         raise PermissionDenied(
@@ -343,6 +348,39 @@ def init_layer(layer: nn.Module, seed: int, index: int) -> None:
             layer.to(device)
 
 
+def prepare_layer(layer: nn.Module, seed: int, index: int, external: bool) -> None:
+    """Gives a materialized layer defined values before its state dict is loaded into it.
+
+    Without ``external`` weights this is ``init_layer``. With them (``init_state``), the
+    state dict overwrites every parameter and persistent buffer, so a layer without
+    ``reset_parameters()`` is filled with zeros instead; only non-persistent buffers
+    (not in any state dict) must still be set by a reset method.
+
+    Raises:
+        ModelError: as ``init_layer`` without ``external``; with it, a non-persistent
+            buffer that no reset method sets.
+    """
+    if not external:
+        init_layer(layer, seed, index)
+        return
+    try:
+        init_layer(layer, seed, index)
+        return
+    except ModelError:
+        pass
+    with torch.no_grad():
+        for _, _, tensor in _named_tensors(layer):
+            tensor.zero_()
+    persistent = set(layer.state_dict(keep_vars=True))
+    for name, _ in layer.named_buffers():
+        if name not in persistent:
+            raise ModelError(
+                f"layer {index} ({type(layer).__name__}): buffer {name!r} is in no state dict "
+                "(non-persistent), so init_state cannot set it; set it in a "
+                "reset_parameters() or compute it in forward()"
+            )
+
+
 def _reset(module: nn.Module, claimed: set[int]) -> None:
     """Calls the outermost reset methods under ``module``; records the tensors they own."""
     reset = getattr(module, "reset_parameters", None)
@@ -369,7 +407,8 @@ def _check_initialised(layer: nn.Module, where: str, claimed: set[int]) -> None:
         if id(tensor) not in claimed:
             raise ModelError(
                 f"{where}: {kind} {name!r} of {owner} is set by no reset_parameters(); "
-                f"define {owner}.reset_parameters() so that any stage can initialise it"
+                f"define {owner}.reset_parameters() so that any stage can initialise it, or "
+                "pass the initial weights as Pipeline(..., init_state=...)"
             )
         if (tensor.is_floating_point() or tensor.is_complex()) and bool(tensor.isnan().any()):
             raise ModelError(
@@ -406,6 +445,7 @@ def build_layers(
     hi: int,
     device: str | torch.device = "cpu",
     allow: Sequence[str] = (),
+    external: bool = False,
 ) -> list[nn.Module]:
     """Builds and initialises only layers ``[lo, hi)`` of a model.
 
@@ -420,6 +460,7 @@ def build_layers(
         hi: Last layer index (exclusive).
         device: Where the layers live.
         allow: Allowed module prefixes (see ``resolve_factory``).
+        external: the weights will be loaded afterwards (see ``prepare_layer``).
 
     Returns:
         The initialised layers ``lo`` to ``hi - 1``.
@@ -436,18 +477,24 @@ def build_layers(
         raise InvalidRequest(
             f"layer range [{lo!r}, {hi!r}) is not within the {count} layers of {name_or_path!r}"
         )
-    return [_build_layer(skeleton[i], seed, i).to(target) for i in range(lo, hi)]
+    return [_build_layer(skeleton[i], seed, i, external).to(target) for i in range(lo, hi)]
 
 
-def _build_layer(skeleton_layer: nn.Module, seed: int, index: int) -> nn.Module:
+def _build_layer(
+    skeleton_layer: nn.Module, seed: int, index: int, external: bool = False
+) -> nn.Module:
     # Initialise on the CPU whatever the target, so every device gets the same values.
     layer = materialize_layer(skeleton_layer, "cpu")
-    init_layer(layer, seed, index)
+    prepare_layer(layer, seed, index, external)
     return layer
 
 
 def build(
-    name_or_path: str, seed: int = 0, allow: Sequence[str] = (), **kwargs: Any
+    name_or_path: str,
+    seed: int = 0,
+    allow: Sequence[str] = (),
+    external: bool = False,
+    **kwargs: Any,
 ) -> nn.Sequential:
     """Builds the whole model on the CPU, as the single-process reference.
 
@@ -465,7 +512,9 @@ def build(
         ModelError: The factory is unusable (see ``build_skeleton`` and ``init_layer``).
     """
     skeleton = build_skeleton(name_or_path, kwargs, allow)
-    return nn.Sequential(*(_build_layer(layer, seed, i) for i, layer in enumerate(skeleton)))
+    return nn.Sequential(
+        *(_build_layer(layer, seed, i, external) for i, layer in enumerate(skeleton))
+    )
 
 
 def factory_source(name_or_path: str, allow: Sequence[str] = ()) -> tuple[str, str]:
@@ -798,6 +847,10 @@ def cnn(
         nn.Sequential(nn.Flatten(), nn.Linear(2 * width * side * side, num_classes)),
     )
 
+
+# Factories shipped in this package whose dependencies are optional extras: allowed on
+# every stage without --allow-models, imported only when named.
+PACKAGED_FACTORIES = ("elasticpipe.hf:causal_lm",)
 
 BUILTIN_MODELS: dict[str, Callable[..., nn.Module | list[nn.Module]]] = {
     "cnn": cnn,

@@ -123,7 +123,8 @@ def scaled_loss(
     name: str, fn: LossFn, output: torch.Tensor, target: torch.Tensor, scale: float, where: str
 ) -> tuple[torch.Tensor, float]:
     """One micro-batch's loss times ``scale`` (its share of the mini-batch), backpropagated
-    to a detached copy of ``output``.
+    to a detached copy of ``output`` (in float32 when ``output`` is bfloat16 or float16, as
+    autocast computes losses; the gradient comes back in ``output``'s dtype).
 
     Returns:
         The gradient of ``output`` and the scaled loss.
@@ -131,7 +132,10 @@ def scaled_loss(
     Raises:
         UserCodeError: the loss raised or returned something other than a scalar tensor.
     """
-    out = output.detach().requires_grad_(True)
+    out = output.detach()
+    if out.dtype in (torch.bfloat16, torch.float16):  # mixed precision: the loss in float32
+        out = out.float()
+    out.requires_grad_(True)
     try:
         loss = fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -149,7 +153,7 @@ def scaled_loss(
         ) from exc
     if out.grad is None:
         raise UserCodeError(f"loss {name!r} does not depend on the model's output ({where})")
-    return out.grad, float(loss.detach())
+    return out.grad.to(output.dtype), float(loss.detach())
 
 
 # ---- optimizers -------------------------------------------------------------------------

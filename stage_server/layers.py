@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticpipe import models, rng, structure
+from elasticpipe import models, precision, rng, structure
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
 from elasticpipe.structure import Value
@@ -34,6 +34,8 @@ class LayerTiming:
     backward_s: float = 0.0
     output_bytes: int = 0
     samples: int = 0
+    stash_bytes: int = 0  # profiling only (see profiling.py)
+    state_bytes: int = 0  # profiling only
 
     def observe(self, forward_s: float | None, backward_s: float | None, out: int) -> None:
         """Folds one measurement in (EWMA; the first sample is taken as is)."""
@@ -132,7 +134,14 @@ class LayerSlice:
     def build(self, lo: int, hi: int) -> None:
         """Builds layers [lo, hi) fresh from the job's factory (new job)."""
         built = models.build_layers(
-            self.job.model, self.job.seed, self.job.model_kwargs, lo, hi, self.device, self.allow
+            self.job.model,
+            self.job.seed,
+            self.job.model_kwargs,
+            lo,
+            hi,
+            self.device,
+            self.allow,
+            external=self.job.external_weights,
         )
         self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
         self.optimizers = {
@@ -228,7 +237,7 @@ class LayerSlice:
 
     def _run_layer(self, i: int, layer: nn.Module, x: Value, micro_batch: int) -> Value:
         try:
-            y, seconds = self.slowdown.timed(lambda: layer(x), self._sync)
+            y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync)
         except ElasticPipeError:
             raise
         except Exception as exc:  # the user's code may raise anything: report it as theirs
@@ -241,6 +250,11 @@ class LayerSlice:
             out = sum(t.numel() * t.element_size() for t in parts)
         self.timings[i].observe(seconds, None, out)
         return y  # type: ignore[no-any-return]
+
+    def _call(self, layer: nn.Module, x: Value) -> Any:
+        """One layer's forward, under the job's autocast (``precision.py``)."""
+        with precision.autocast(self.device, self.job.precision):
+            return layer(x)
 
     def backward(self, stash: Stash, grad: Value | None, micro_batch: int = -1) -> Value | None:
         """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
@@ -336,7 +350,7 @@ class LayerSlice:
         layer = models.materialize_layer(skeleton[index], self.device).train()
         # Initialise first: buffers that the state dict does not carry (non-persistent
         # ones, such as causal masks) must not stay uninitialised memory.
-        models.init_layer(layer, self.job.seed, index)
+        models.prepare_layer(layer, self.job.seed, index, self.job.external_weights)
         try:
             layer.load_state_dict(state["model"], strict=True)
         except (RuntimeError, KeyError, TypeError) as exc:

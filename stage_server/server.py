@@ -76,6 +76,7 @@ class StageServer:
             name=config.name,
             address=self.address,
             device=config.device,
+            memory_bytes=servicer.stage.memory_bytes,
             coordinator=self.coordinator,
         )
         self._thread = threading.Thread(
@@ -170,7 +171,10 @@ class StageServer:
             self.coordinator,
             stub.Register,
             coordinator_pb2.RegisterRequest(
-                name=self._config.name, address=self.address, device=str(self.stage.device)
+                name=self._config.name,
+                address=self.address,
+                device=str(self.stage.device),
+                memory_bytes=self.stage.memory_bytes,
             ),
             timeout=REGISTER_TIMEOUT_S,
             unavailable=CoordinatorUnavailable,
@@ -197,6 +201,7 @@ class StageServer:
                 slowdown=stage.slowdown.factor,
                 state=state_to_proto(stage.state()),
                 snapshots=holdings_to_proto(stage.holdings()),
+                memory_bytes=stage.memory_bytes,
             ),
             timeout=max(1.0, interval * 2),
             unavailable=CoordinatorUnavailable,

@@ -35,6 +35,8 @@ def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTim
             backward_s=t.backward_s,
             output_bytes=t.output_bytes,
             samples=t.samples,
+            stash_bytes=t.stash_bytes,
+            state_bytes=t.state_bytes,
         )
         for i, t in sorted(timings.items())
     ]
@@ -319,7 +321,7 @@ class StageServicer:
         overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
         pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
         layers = []
-        for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes):
+        for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_layer_bytes):
             self.stage.stage_restored(first.epoch, layer, blob, builder, overrides)
             layers.append(layer)
         return stage_pb2.RestoreResponse(layers=layers)
@@ -332,7 +334,7 @@ class StageServicer:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         generation = self.stage.snapshots.generation
         pieces = (message.chunk for message in chunks)
-        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_tensor_bytes))
+        blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_layer_bytes))
         self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         return stage_pb2.Ack()
 

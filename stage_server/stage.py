@@ -9,7 +9,6 @@ coordinator whatever a lease that ran out leaves undecided.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, codec, models, rpc, structure
+from elasticpipe import bounds, capacity, codec, models, rpc, structure
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -38,6 +37,7 @@ from elasticpipe.stage_server.faults import Fault, Faults
 from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
+from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
 from elasticpipe.stage_server.snapshots import (
     Capture,
@@ -74,6 +74,7 @@ class StageConfig:
     slowdown: float = 1.0
     timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
+    max_layer_bytes: int = codec.DEFAULT_MAX_LAYER_BYTES  # one layer's state, all tensors
     mailbox_bytes: int = 4 << 30
     send_timeout_s: float = 30.0
     commit_lease_s: float = 30.0
@@ -82,6 +83,7 @@ class StageConfig:
     insecure: bool = False  # plaintext beyond loopback, on a trusted network
     advertise: str = ""  # the address peers use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
+    memory_bytes: int = 0  # what this stage offers its job (0: measure, see capacity.detect)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class Stage:
         self.config = config
         self.device = torch.device(config.device)
         self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device))
+        self.memory_bytes = capacity.detect(self.device, config.memory_bytes)
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
@@ -253,34 +256,11 @@ class Stage:
         return LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
 
     def profile(self, job: JobConfig, sample: Value, repeats: int) -> list[LayerTiming]:
-        """Times forward and backward of every layer of the whole model on this device.
-
-        One warm-up pass is discarded; each layer's figure is the median of ``repeats``.
-        """
-        model = models.build(job.model, job.seed, self.config.allow_models, **job.model_kwargs)
-        probe = self._new_slice(job)
-        probe.layers = {i: layer.to(self.device) for i, layer in enumerate(model)}
-        runs: list[dict[int, LayerTiming]] = []
-        for _ in range(max(1, repeats) + 1):
-            probe.timings = {i: LayerTiming() for i in probe.layers}
-            out, stash = probe.forward(
-                structure.to_device(sample, self.device), train=True, input_grad=False
-            )
-            assert stash is not None
-            outs = structure.tensors(out)
-            ones = [torch.ones_like(outs[p]) for p in structure.floating(outs)]
-            probe.backward(stash, structure.grads_value(ones))
-            runs.append(probe.timings)
-        measured = runs[1:]
-        return [
-            LayerTiming(
-                forward_s=statistics.median(r[i].forward_s for r in measured),
-                backward_s=statistics.median(r[i].backward_s for r in measured),
-                output_bytes=measured[-1][i].output_bytes,
-                samples=len(measured),
-            )
-            for i in sorted(probe.layers)
-        ]
+        """Times forward and backward of every layer of the whole model on this device, one
+        layer resident at a time (``profiling.profile_layers``), with its memory needs."""
+        return profile_layers(
+            job, sample, self.device, self.slowdown, self.config.allow_models, repeats
+        )
 
     def _set_placement(self, placement: Placement) -> None:
         self.placement = placement
@@ -521,7 +501,9 @@ class Stage:
                     deadline,
                 )
                 received += len(blob)
-                state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+                state = codec.unpack_state(
+                    blob, self.config.max_tensor_bytes, self.config.max_layer_bytes
+                )
                 if not isinstance(state, dict):
                     raise TransferError(f"layer {layer}: state is not a mapping")
                 staged[layer] = target.load_layer(layer, state)
@@ -584,7 +566,7 @@ class Stage:
             source,
             request,
             deadline,
-            self.config.max_tensor_bytes,
+            self.config.max_layer_bytes,
             self.faults.take_import_fault(),
         )
 
@@ -706,7 +688,7 @@ class Stage:
             raise NotReady(
                 f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
             )
-        state = codec.unpack_state(blob, self.config.max_tensor_bytes)
+        state = codec.unpack_state(blob, self.config.max_tensor_bytes, self.config.max_layer_bytes)
         if not isinstance(state, dict):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state)

@@ -28,21 +28,25 @@ class RegisterRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """stable across restarts of the same host"""
     address: _builtins.str
     """where its StageService listens"""
     device: _builtins.str
+    memory_bytes: _builtins.int
+    """bytes this stage offers its job (0: unknown, no cap)"""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         address: _builtins.str = ...,
         device: _builtins.str = ...,
+        memory_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "memory_bytes", b"memory_bytes", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -82,10 +86,13 @@ class HeartbeatRequest(_message.Message):
     SLOWDOWN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     epoch: _builtins.int
     committed_step: _builtins.int
     slowdown: _builtins.float
+    memory_bytes: _builtins.int
+    """as in RegisterRequest"""
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.LayerTiming]: ...
     @_builtins.property
@@ -102,10 +109,11 @@ class HeartbeatRequest(_message.Message):
         slowdown: _builtins.float = ...,
         state: _stage_pb2.RunState | None = ...,
         snapshots: _abc.Iterable[_stage_pb2.SnapshotHolding] | None = ...,
+        memory_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -157,6 +165,7 @@ class StageInfo(_message.Message):
     SLOWDOWN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     name: _builtins.str
     address: _builtins.str
@@ -175,6 +184,8 @@ class StageInfo(_message.Message):
     """"chain", "spare", "drained", "dead" """
     incarnation: _builtins.int
     """how many times a stage of this name registered"""
+    memory_bytes: _builtins.int
+    """what it offers its job (0: unknown)"""
     def __init__(
         self,
         *,
@@ -192,10 +203,11 @@ class StageInfo(_message.Message):
         slowdown: _builtins.float = ...,
         state: _builtins.str = ...,
         incarnation: _builtins.int = ...,
+        memory_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "memory_bytes", b"memory_bytes", "name", b"name", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

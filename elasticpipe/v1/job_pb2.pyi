@@ -36,6 +36,8 @@ class JobSpec(_message.Message):
     SAMPLE_STRUCTURE_FIELD_NUMBER: _builtins.int
     SAMPLE_PARTS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_EVERY_FIELD_NUMBER: _builtins.int
+    EXTERNAL_WEIGHTS_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     model: _builtins.str
     """built-in name ("mlp", "gpt", "cnn") or "package.module:function" """
@@ -56,6 +58,10 @@ class JobSpec(_message.Message):
     """
     snapshot_every: _builtins.int
     """committed steps between snapshots (0: none)"""
+    external_weights: _builtins.bool
+    """The client streams the initial weights (init_state): layers need no reset_parameters()."""
+    precision: _builtins.str
+    """"fp32" (or empty), "bf16": autocast, float32 master weights"""
     @_builtins.property
     def sample_input(self) -> _tensor_pb2.Tensor:
         """one micro-batch of real inputs, for the profiling pass"""
@@ -78,10 +84,12 @@ class JobSpec(_message.Message):
         sample_structure: _builtins.str = ...,
         sample_parts: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
         snapshot_every: _builtins.int = ...,
+        external_weights: _builtins.bool = ...,
+        precision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "loss", b"loss", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "seed", b"seed", "snapshot_every", b"snapshot_every"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "job_id", b"job_id", "loss", b"loss", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "seed", b"seed", "snapshot_every", b"snapshot_every"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

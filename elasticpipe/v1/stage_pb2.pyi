@@ -371,6 +371,8 @@ class LayerTiming(_message.Message):
     BACKWARD_S_FIELD_NUMBER: _builtins.int
     OUTPUT_BYTES_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    STASH_BYTES_FIELD_NUMBER: _builtins.int
+    STATE_BYTES_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
     forward_s: _builtins.float
     """EWMA seconds per micro-batch, slowdown included"""
@@ -379,6 +381,12 @@ class LayerTiming(_message.Message):
     """bytes of this layer's output activation (one micro-batch)"""
     samples: _builtins.int
     """how many measurements the averages hold"""
+    stash_bytes: _builtins.int
+    """Profile only: bytes one micro-batch keeps for this layer's backward (its input, its
+    output and what autograd saves), and bytes of its weights, buffers, gradients and
+    optimizer state after one optimizer step.
+    """
+    state_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -387,10 +395,12 @@ class LayerTiming(_message.Message):
         backward_s: _builtins.float = ...,
         output_bytes: _builtins.int = ...,
         samples: _builtins.int = ...,
+        stash_bytes: _builtins.int = ...,
+        state_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "forward_s", b"forward_s", "layer", b"layer", "output_bytes", b"output_bytes", "samples", b"samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "forward_s", b"forward_s", "layer", b"layer", "output_bytes", b"output_bytes", "samples", b"samples", "stash_bytes", b"stash_bytes", "state_bytes", b"state_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -197,3 +197,20 @@ def bad_structure(kind: str = "nested", width: int = 8, classes: int = 3) -> nn.
     """Linear, then a layer returning a bad structure (``kind``: "nested" or "non_tensor"),
     then Linear."""
     return nn.Sequential(nn.Linear(width, width), BadStructure(kind), nn.Linear(width, classes))
+
+
+class Scale(nn.Module):
+    """Multiplies by a learned vector set in ``__init__``: it has no ``reset_parameters()``,
+    as many library layers do not (a seed cannot initialise it; ``init_state`` can)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def no_reset(width: int = 6, classes: int = 3) -> nn.Sequential:
+    """Linear, Scale (no reset_parameters), Tanh, Linear."""
+    return nn.Sequential(nn.Linear(width, 12), Scale(12), nn.Tanh(), nn.Linear(12, classes))

@@ -1,0 +1,194 @@
+"""Checkpoint directories: safetensors shards per layer plus a small JSON manifest.
+
+::
+
+    ckpt/
+      manifest.json                 format, step, job, optimizer layout, RNG protocol
+      weights-00000.safetensors     layer 0's state_dict, keys "0.weight", "0.bias"
+      optimizer-00000.safetensors   its optimizer's tensors, keys "0.weight.exp_avg", ...
+      weights-00001.safetensors     ...
+
+Merging every ``weights-*`` shard with ``safetensors.torch.load_file`` gives exactly the
+whole model's ``state_dict()``. Optimizer tensors are keyed ``"<layer>.<param>.<name>"``;
+their non-tensor values and each layer's ``param_groups`` (hyper-parameters) sit in the
+manifest. Nothing in a checkpoint is code: loading one never unpickles anything.
+
+The directory is written beside its target and renamed into place once complete, so a
+crash while saving leaves the previous checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.job import JobConfig
+from elasticpipe.rng import RNG_PROTOCOL
+from elasticpipe.weights import MANIFEST, TensorSource, read_json
+
+FORMAT = "elasticpipe-checkpoint-v2"
+
+
+def weights_name(layer: int) -> str:
+    """The file of one layer's weights and buffers."""
+    return f"weights-{layer:05d}.safetensors"
+
+
+def optimizer_name(layer: int) -> str:
+    """The file of one layer's optimizer tensors."""
+    return f"optimizer-{layer:05d}.safetensors"
+
+
+def job_description(job: JobConfig) -> dict[str, Any]:
+    """What a checkpoint records of the job (and ``load`` compares)."""
+    return {
+        "model": job.model,
+        "model_kwargs": job.model_kwargs,
+        "seed": job.seed,
+        "optimizer": job.optimizer,
+        "optimizer_kwargs": job.optimizer_kwargs,
+        "loss": job.loss,
+        "micro_batches": job.micro_batches,
+        "schedule": job.schedule,
+    }
+
+
+class Writer:
+    """Writes one checkpoint, a layer at a time, into a temporary sibling directory."""
+
+    def __init__(self, target: Path, job: JobConfig, params: list[list[str]]):
+        replaceable = not target.exists() or (target / MANIFEST).is_file()
+        if not replaceable and (not target.is_dir() or any(target.iterdir())):
+            raise InvalidRequest(
+                f"{target} exists and is not a checkpoint directory: refusing to replace it"
+            )
+        self._target = target
+        self._tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+        self._tmp.mkdir(parents=True)
+        self._job = job
+        self._params = params
+        self._weights: list[str] = []
+        self._optimizer: list[str] = []
+        self._groups: dict[str, Any] = {}
+        self._scalars: dict[str, Any] = {}
+
+    def add(self, state: Mapping[str, Any]) -> None:
+        """Writes one exported layer state (``{"index", "model", "optimizer"?}``)."""
+        layer = int(state["index"])
+        model = {f"{layer}.{k}": _contiguous(v) for k, v in state["model"].items()}
+        save_file(model, str(self._tmp / weights_name(layer)))
+        self._weights.append(weights_name(layer))
+        optimizer = state.get("optimizer")
+        if optimizer is None:
+            return
+        names = self._params[layer]
+        tensors: dict[str, torch.Tensor] = {}
+        for idx, per_param in optimizer["state"].items():
+            for key, value in per_param.items():
+                full = f"{layer}.{names[int(idx)]}.{key}"
+                if isinstance(value, torch.Tensor):
+                    tensors[full] = _contiguous(value)
+                else:
+                    self._scalars[full] = value
+        save_file(tensors, str(self._tmp / optimizer_name(layer)))
+        self._optimizer.append(optimizer_name(layer))
+        self._groups[str(layer)] = [
+            {**g, "params": [names[int(i)] for i in g["params"]]} for g in optimizer["param_groups"]
+        ]
+
+    def commit(self, step: int) -> None:
+        """Writes the manifest and puts the directory in place of ``target``."""
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "job": job_description(self._job),
+            "rng_protocol": RNG_PROTOCOL,
+            "weights": self._weights,
+            "optimizer": {
+                "name": self._job.optimizer,
+                "shards": self._optimizer,
+                "layout": "<layer>.<parameter>.<state name>",
+                "param_groups": self._groups,
+                "scalars": self._scalars,
+            },
+        }
+        (self._tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if self._target.exists():
+            old = self._target.with_name(f".{self._target.name}.{uuid.uuid4().hex[:8]}.old")
+            self._target.rename(old)
+            self._tmp.rename(self._target)
+            shutil.rmtree(old)
+        else:
+            self._tmp.rename(self._target)
+
+    def abandon(self) -> None:
+        """Removes the partial directory."""
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class Reader:
+    """Reads a checkpoint directory back, a layer at a time."""
+
+    def __init__(self, directory: Path):
+        manifest = read_json(directory / MANIFEST)
+        if manifest.get("format") != FORMAT:
+            raise InvalidRequest(
+                f"{directory} is not an ElasticPipe checkpoint (format "
+                f"{manifest.get('format')!r}, expected {FORMAT!r})"
+            )
+        self.directory = directory
+        self.manifest = manifest
+        self.step = int(manifest["step"])
+        self.job: dict[str, Any] = manifest["job"]
+        optimizer = manifest["optimizer"]
+        self._groups: dict[str, Any] = optimizer["param_groups"]
+        self._scalars: dict[str, Any] = optimizer["scalars"]
+        self.weights = TensorSource(files=[directory / n for n in manifest["weights"]])
+        self.optimizer = TensorSource(files=[directory / n for n in optimizer["shards"]])
+
+    def layer_state(
+        self, layer: int, model: Mapping[str, torch.Tensor], names: list[str]
+    ) -> dict[str, Any]:
+        """The exported form of one layer (what a stage's ``load_layer`` takes).
+
+        Args:
+            layer: the layer index.
+            model: its weights, already read and checked.
+            names: its trainable parameters in optimizer order.
+        """
+        state: dict[str, Any] = {"index": layer, "model": dict(model)}
+        groups = self._groups.get(str(layer))
+        if groups is None:
+            return state
+        index = {name: i for i, name in enumerate(names)}
+        per_param: dict[int, dict[str, Any]] = {}
+        prefix = f"{layer}."
+        tensor_keys = [k for k in self.optimizer.keys() if k.startswith(prefix)]  # noqa: SIM118 (no dict)
+        for full in [*tensor_keys, *(k for k in self._scalars if k.startswith(prefix))]:
+            param, _, key = full[len(prefix) :].rpartition(".")
+            if param not in index:
+                raise InvalidRequest(
+                    f"optimizer state {full!r} names no parameter of layer {layer} ({names})"
+                )
+            value = self.optimizer.get(full) if full in tensor_keys else self._scalars[full]
+            per_param.setdefault(index[param], {})[key] = value
+        param_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
+        state["optimizer"] = {"state": per_param, "param_groups": param_groups}
+        return state
+
+    def close(self) -> None:
+        """Closes the shards."""
+        self.weights.close()
+        self.optimizer.close()
+
+
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous()

@@ -1,0 +1,140 @@
+"""The profiling pass, one layer at a time: time, activation and state bytes of every layer.
+
+Only one layer of the model exists on the device at any moment: layer ``l`` is built, run
+forward and backward (one warm-up pass, then ``repeats`` timed ones) on the output of layer
+``l - 1``, stepped once by its optimizer so that the optimizer's state exists, measured, and
+freed before layer ``l + 1`` is built. The peak is one layer's state plus its activations, so
+a stage can profile a model far larger than its memory.
+
+What is measured per layer, for one micro-batch (the sample):
+
+* forward and backward seconds (medians of ``repeats``);
+* ``output_bytes``: the activation it sends on;
+* ``stash_bytes``: what a stage keeps for its backward while the micro-batch is in flight:
+  its input and output and every tensor autograd saves, each storage counted once;
+* ``state_bytes``: weights, buffers, gradients and optimizer state after one step (so any
+  optimizer is measured, not guessed).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from elasticpipe import models, structure
+from elasticpipe.job import JobConfig
+from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
+from elasticpipe.structure import Value
+
+__all__ = ["profile_layers", "tensor_bytes"]
+
+
+def _storage(t: torch.Tensor) -> tuple[str, int]:
+    """Identifies the storage behind a tensor (its views share it)."""
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t.device.type != "meta":
+            seen[_storage(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _state_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _state_tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _state_tensors(v)]
+    return []
+
+
+def _state_bytes(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    tensors = [*layer.parameters(), *layer.buffers()]
+    tensors += [p.grad for p in layer.parameters() if p.grad is not None]
+    if optimizer is not None:
+        tensors += _state_tensors(optimizer.state_dict()["state"])
+    return tensor_bytes(tensors)
+
+
+def profile_layers(
+    job: JobConfig,
+    sample: Value,
+    device: torch.device,
+    slowdown: Slowdown,
+    allow: tuple[str, ...],
+    repeats: int,
+) -> list[LayerTiming]:
+    """Profiles every layer of ``job``'s model on ``device``, one layer resident at a time.
+
+    Args:
+        job: the job (model, seed, optimizer, precision).
+        sample: one micro-batch of inputs.
+        device: where to run.
+        slowdown: the stage's emulated slowdown (its times are reported).
+        allow: the stage's allowed model prefixes.
+        repeats: timed passes per layer (after one warm-up).
+
+    Returns:
+        One ``LayerTiming`` per layer, with ``stash_bytes`` and ``state_bytes`` set.
+
+    Raises:
+        UserCodeError / ModelError / PermissionDenied: as building or running the layers.
+    """
+    skeleton = models.build_skeleton(job.model, job.model_kwargs, allow)
+    x = structure.to_device(sample, device)
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    results: list[LayerTiming] = []
+    for index in range(len(skeleton)):
+        probe = LayerSlice(job, device, slowdown, allow)
+        probe.build(index, index + 1)
+        # Autograd saves the weights too: they are state, counted once in state_bytes.
+        own = {
+            _storage(t) for t in [*probe.layers[index].parameters(), *probe.layers[index].buffers()]
+        }
+        runs: list[LayerTiming] = []
+        out, stash_bytes = x, 0
+        for _ in range(max(1, repeats) + 1):
+            probe.timings = {index: LayerTiming()}
+            saved.clear()
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                out, stash = probe.forward(x, train=True, input_grad=index > 0)
+            assert stash is not None
+            held = [*saved, *(t for pair in stash.pairs for ts in pair for t in ts)]
+            stash_bytes = tensor_bytes(t for t in held if _storage(t) not in own)
+            saved.clear()
+            outs = structure.tensors(out)
+            ones = [torch.ones_like(outs[p]) for p in structure.floating(outs)]
+            probe.backward(stash, structure.grads_value(ones))
+            runs.append(probe.timings[index])
+        measured = runs[1:]
+        for optimizer in probe.optimizers.values():
+            optimizer.step()  # creates the optimizer's state; this copy is thrown away
+        results.append(
+            LayerTiming(
+                forward_s=statistics.median(r.forward_s for r in measured),
+                backward_s=statistics.median(r.backward_s for r in measured),
+                output_bytes=measured[-1].output_bytes,
+                samples=len(measured),
+                stash_bytes=stash_bytes,
+                state_bytes=_state_bytes(probe.layers[index], probe.optimizers.get(index)),
+            )
+        )
+        x = structure.detached(out)
+        del probe, out  # only one layer is ever resident
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results

@@ -1,0 +1,155 @@
+"""Hugging Face causal LMs (``elasticpipe.hf:causal_lm``) trained through three real stages
+equal the Hugging Face model's own forward, loss, backward and optimizer step, and
+``LocalPipeline``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elasticpipe import hf, models
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.errors import ModelError
+from elasticpipe.local import LocalPipeline
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = "elasticpipe.hf:causal_lm"
+VOCAB = 37
+# Tiny configs, dropout off; untied heads so that both sides train the same parameters.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_embd": 16,
+        "n_head": 2,
+        "n_positions": 16,
+        "vocab_size": VOCAB,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": False,
+    },
+    "llama": {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 16,
+        "vocab_size": VOCAB,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+    },
+}
+# SGD, not Adam: a key bias gets a gradient of exactly zero in exact arithmetic (softmax
+# ignores a constant per row), and Adam would blow the rounding noise up to a full step.
+SGD = {"lr": 0.5, "momentum": 0.9}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Three stages (the packaged factory needs no --allow-models)."""
+    with LocalCluster(
+        stages=3, coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"]
+    ) as c:
+        yield c
+
+
+def _pretrained(family: str, directory: Path, **overrides: Any) -> Any:
+    """A Hugging Face model from a tiny config, saved with save_pretrained (no hub)."""
+    torch.manual_seed(5)
+    config = transformers.AutoConfig.for_model(**{**CONFIGS[family], **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    return model
+
+
+def _hf_state(pipe: Pipeline, family: str) -> dict[str, torch.Tensor]:
+    """The pipeline's weights under their Hugging Face names."""
+    state = pipe.state_dict()
+    names = hf.source_keys({"config": CONFIGS[family]}, list(state), set())
+    return {names[k]: v for k, v in state.items()}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_training_through_three_stages_equals_the_hugging_face_model(
+    cluster: LocalCluster, tmp_path: Path, family: str
+) -> None:
+    """Same losses and weights as HF's forward(labels=...) + backward + SGD, 3 steps."""
+    reference = _pretrained(family, tmp_path)
+    optimizer = torch.optim.SGD(reference.parameters(), **SGD)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (4, 9), generator=g) for _ in range(3)]
+    expected = []
+    for ids in batches:
+        optimizer.zero_grad()
+        loss = reference(input_ids=ids, labels=ids).loss  # HF shifts the labels itself
+        loss.backward()
+        optimizer.step()
+        expected.append(float(loss.detach()))
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model=MODEL,
+        model_kwargs=hf.model_kwargs(str(tmp_path)),
+        init_state=tmp_path,
+        optimizer="sgd",
+        optimizer_kwargs=SGD,
+        micro_batches=2,
+        stages=3,
+    ) as pipe:
+        assert pipe.partition.num_stages == 3
+        losses = [pipe.train_step(ids[:, :-1], ids[:, 1:]) for ids in batches]
+        torch.testing.assert_close(losses, expected)
+        got = _hf_state(pipe, family)
+        pipe_state = pipe.state_dict()
+    want = reference.state_dict()
+    assert got.keys() == want.keys()
+    torch.testing.assert_close(got, dict(want))
+    with LocalPipeline(
+        model=MODEL,
+        model_kwargs=hf.model_kwargs(str(tmp_path)),
+        init_state=tmp_path,
+        optimizer="sgd",
+        optimizer_kwargs=SGD,
+        micro_batches=2,
+    ) as local:
+        local_losses = [local.train_step(ids[:, :-1], ids[:, 1:]) for ids in batches]
+        torch.testing.assert_close(local_losses, losses)
+        torch.testing.assert_close(local.state_dict(), pipe_state)
+
+
+@pytest.mark.timeout(120)
+def test_a_tied_gpt2_checkpoint_loads_its_embedding_into_the_head(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A tied save_pretrained directory (no lm_head.weight in it) predicts as HF does."""
+    reference = _pretrained("gpt2", tmp_path, tie_word_embeddings=True).eval()
+    ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(2))
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model=MODEL,
+        model_kwargs={"path": str(tmp_path)},  # every stage reads the same local directory
+        init_state=tmp_path,
+        micro_batches=1,
+        stages=3,
+    ) as pipe:
+        got = pipe.predict(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(got, reference(input_ids=ids).logits)
+
+
+@pytest.mark.timeout(60)
+def test_without_init_state_the_error_names_it() -> None:
+    """transformers' layers have no reset_parameters: the error points to init_state."""
+    with pytest.raises(ModelError, match="init_state"):
+        models.build(MODEL, config=CONFIGS["gpt2"])
+    with pytest.raises(ModelError, match="model_type"):
+        models.build_skeleton(MODEL, {"config": {"model_type": "bert"}})
