@@ -178,12 +178,14 @@ def test_a_cut_carrying_only_integers_sends_an_empty_gradient(cluster: LocalClus
     training equals LocalPipeline's bit for bit."""
     kwargs = {"clamp": True}
     with _threads_of_a_stage(), _local(kwargs) as local:
-        local_losses = [local.train_step(x, y) for x, y in _batches(2)]
+        local_losses = [local.train_step(x, y) for x, y in _batches(3)]
         local_state = local.state_dict()
     with _pipeline(cluster, kwargs) as pipe:
-        if list(pipe.partition.boundaries) != [0, 1, 4, 7]:
-            _set_partition(cluster, [0, 1, 4, 7])
-        losses = [pipe.train_step(x, y) for x, y in _batches(2)]
+        losses = []
+        for step, (x, y) in enumerate(_batches(3), start=1):
+            losses.append(pipe.train_step(x, y))
+            if step == 1 and list(pipe.partition.boundaries) != [0, 1, 4, 7]:
+                _set_partition(cluster, [0, 1, 4, 7])  # after the profile's own partition
         assert list(pipe.partition.boundaries) == [0, 1, 4, 7]
         _exact(pipe.state_dict(), local_state, "integers at the first cut")
     assert losses == local_losses
