@@ -149,9 +149,13 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
-        "--overhead-steps", type=int, default=150, help="steps of each snapshot on/off run"
+        "--overhead-steps",
+        type=int,
+        default=0,
+        help="steps of each snapshot on/off run (default: --steps)",
     )
     args = parser.parse_args()
+    overhead_steps = args.overhead_steps or args.steps
     with LocalCluster(
         stages=5,
         coordinator_args=[
@@ -165,7 +169,10 @@ def main() -> None:
         pairs = []
         for _ in range(args.rounds):
             pairs.append(
-                (train(cluster, args.steps, 0), train(cluster, args.steps, args.snapshot_every))
+                (
+                    train(cluster, overhead_steps, 0),
+                    train(cluster, overhead_steps, args.snapshot_every),
+                )
             )
         snap = train(cluster, args.steps, args.snapshot_every)  # the failure-free reference
         faulty = train(cluster, args.steps, args.snapshot_every, failures=True)

@@ -3,7 +3,8 @@
 ::
 
     ckpt/
-      manifest.json                 format, step, job, optimizer layout, RNG protocol
+      manifest.json                 format, step, job, optimizer layout, RNG protocol,
+                                    each layer's LR scheduler state (JSON)
       weights-00000.safetensors     layer 0's state_dict, keys "0.weight", "0.bias"
       optimizer-00000.safetensors   its optimizer's tensors, keys "0.weight.exp_avg", ...
       weights-00001.safetensors     ...
@@ -79,6 +80,7 @@ class Writer:
         self._optimizer: list[str] = []
         self._groups: dict[str, Any] = {}
         self._scalars: dict[str, Any] = {}
+        self._schedulers: dict[str, Any] = {}
 
     def add(self, state: Mapping[str, Any]) -> None:
         """Writes one exported layer state (``{"index", "model", "optimizer"?}``)."""
@@ -86,6 +88,8 @@ class Writer:
         model = {f"{layer}.{k}": _contiguous(v) for k, v in state["model"].items()}
         save_file(model, str(self._tmp / weights_name(layer)))
         self._weights.append(weights_name(layer))
+        if isinstance(state.get("scheduler"), str):  # its LR scheduler's state, JSON text
+            self._schedulers[str(layer)] = json.loads(state["scheduler"])
         optimizer = state.get("optimizer")
         if optimizer is None:
             return
@@ -119,6 +123,7 @@ class Writer:
                 "param_groups": self._groups,
                 "scalars": self._scalars,
             },
+            "schedulers": self._schedulers,  # by layer: each scheduler's state_dict()
         }
         (self._tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if self._target.exists():
@@ -151,6 +156,7 @@ class Reader:
         optimizer = manifest["optimizer"]
         self._groups: dict[str, Any] = optimizer["param_groups"]
         self._scalars: dict[str, Any] = optimizer["scalars"]
+        self._schedulers: dict[str, Any] = manifest.get("schedulers") or {}
         self.weights = TensorSource(files=[directory / n for n in manifest["weights"]])
         self.optimizer = TensorSource(files=[directory / n for n in optimizer["shards"]])
 
@@ -182,6 +188,8 @@ class Reader:
             per_param.setdefault(index[param], {})[key] = value
         param_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
         state["optimizer"] = {"state": per_param, "param_groups": param_groups}
+        if str(layer) in self._schedulers:
+            state["scheduler"] = json.dumps(self._schedulers[str(layer)])
         return state
 
     def close(self) -> None:

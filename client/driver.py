@@ -19,9 +19,11 @@ import grpc
 import torch
 
 from elasticpipe import bundle, codec, rpc
+from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
+    Fenced,
     InvalidRequest,
     StageUnavailable,
     StepAborted,
@@ -164,7 +166,12 @@ def abort(
 
 
 def commit(
-    clients: StageClients, partition: Partition, run_id: int, step: int, client: int = 0
+    clients: StageClients,
+    partition: Partition,
+    run_id: int,
+    step: int,
+    client: int = 0,
+    clip: GradClip = NO_CLIP,
 ) -> None:
     """Commits a completed step on every stage (each applies its optimizer step).
 
@@ -172,17 +179,22 @@ def commit(
     more.
 
     Raises:
+        Fenced: a stage follows a newer client generation: this client lost the job,
+            and the run is decided without it (this step may well be aborted).
         CommitIncomplete: some stages still could not be told; the decision stands
             (commit), and they learn it from the next run or from recovery.
     """
     request = stage_pb2.CommitStepRequest(
-        epoch=partition.epoch, run=run_id, step=step, client=client
+        epoch=partition.epoch, run=run_id, step=step, client=client, clip=clip.to_proto()
     )
     failed = _all(clients, partition.addresses, "CommitStep", request, COMMIT_TIMEOUT_S)
     retry = [a for a, e in failed.items() if isinstance(e, StageUnavailable | DeadlineExceeded)]
     if retry:
         failed = {a: e for a, e in failed.items() if a not in retry}
         failed |= _all(clients, retry, "CommitStep", request, COMMIT_TIMEOUT_S)
+    fenced = [e for e in failed.values() if isinstance(e, Fenced)]
+    if fenced:
+        raise fenced[0]  # another client holds the job: the coordinator settled this run
     if failed:
         raise CommitIncomplete(
             f"step {step} could not be committed on {sorted(failed)}: "

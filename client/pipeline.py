@@ -43,7 +43,17 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import bundle, codec, efficiency, models, rpc, structure, weights
+from elasticpipe import (
+    bundle,
+    clipping,
+    codec,
+    efficiency,
+    models,
+    rpc,
+    schedulers,
+    structure,
+    weights,
+)
 from elasticpipe.client import checkpoints, driver, initial
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -62,7 +72,7 @@ from elasticpipe.errors import (
     StepAborted,
     TransferError,
 )
-from elasticpipe.job import JobConfig
+from elasticpipe.job import JobConfig, recompute_fields
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.structure import Value, split_batch
@@ -94,6 +104,7 @@ class StageStep:
     wait_s: float  # waiting for inputs, gradients and sends (its run's wall time - compute)
     peak_stashed: int  # most micro-batches whose activations were alive at once
     peak_stashed_bytes: int
+    lr: float = 0.0  # the learning rate the step applied on this stage
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,8 @@ class StepStats:
         seconds: wall time of ``train_step`` (replays and retries included).
         attempts: runs it took (more than 1 after a rebalance or a failure).
         replayed: earlier steps replayed first, after a recovery.
+        grad_norm: the global gradient norm before clipping (``max_grad_norm`` only;
+            else None); a non-finite one skipped the optimizer step.
         stages: per stage, in chain order.
         ideal_s: the step's critical path with free communication: the schedule's ops,
             each taking the time it was measured to take (``elasticpipe.efficiency``).
@@ -119,6 +132,7 @@ class StepStats:
     seconds: float = 0.0
     attempts: int = 0
     replayed: int = 0
+    grad_norm: float | None = None
     stages: tuple[StageStep, ...] = ()
     ideal_s: float = 0.0
     efficiency: float = 0.0
@@ -194,6 +208,12 @@ class Pipeline:
         tls: TLS | None = None,
         init_state: Any = None,
         precision: str = "fp32",
+        scheduler: str = "",
+        scheduler_kwargs: dict[str, Any] | None = None,
+        warmup_steps: int = 0,
+        max_grad_norm: float = 0.0,
+        recompute: bool | list[int] | tuple[int, ...] = False,
+        wire_dtype: str = "",
     ):
         """Describes the job; nothing is contacted until first use.
 
@@ -234,6 +254,19 @@ class Pipeline:
             precision: "fp32", or "bf16": every layer's forward under ``torch.autocast``
                 (bfloat16) on its stage's device, float32 master weights, optimizer state
                 and loss (see docs/training.md).
+            scheduler: a class of ``torch.optim.lr_scheduler`` ("CosineAnnealingLR", ...;
+                "" keeps the learning rate constant), stepped once per optimizer step;
+                ``scheduler_kwargs`` its JSON-able arguments (``SequentialLR`` and
+                ``ChainedScheduler`` take ``{"name": ..., "kwargs": {...}}`` children).
+            warmup_steps: a linear warm-up first (step k of N uses ``lr * k / N``).
+            max_grad_norm: clip the gradients of the whole model to this global 2-norm,
+                as ``torch.nn.utils.clip_grad_norm_`` (0: no clipping); a non-finite
+                norm skips the optimizer step on every stage.
+            recompute: True, or a list of layer indices: those layers keep only their
+                input and run their forward again during backward (less activation
+                memory, more compute; same results).
+            wire_dtype: "bf16" or "fp16": activations and gradients travel between
+                stages in that dtype (half the bytes; rounds them at each cut).
 
         Raises:
             InvalidRequest: an argument that no stage would accept (checked here).
@@ -250,8 +283,15 @@ class Pipeline:
             snapshot_every=snapshot_every,
             external_weights=init_state is not None,
             precision=precision,
+            scheduler=scheduler,
+            scheduler_kwargs=dict(scheduler_kwargs or {}),
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+            wire_dtype=wire_dtype,
+            **recompute_fields(recompute),
         )
         models.check_name(model)
+        schedulers.check(scheduler, self._job.scheduler_kwargs, warmup_steps)
         check_optimizer(optimizer, self._job.optimizer_kwargs)
         for what, value in (("model_kwargs", model_kwargs), ("optimizer_kwargs", optimizer_kwargs)):
             try:
@@ -408,6 +448,12 @@ class Pipeline:
                     f"is that its --listen/--advertise address? ({exc})"
                 ) from exc
         self.num_layers = reply.num_layers
+        beyond = [i for i in self._job.recompute if i >= reply.num_layers]
+        if beyond:
+            raise InvalidRequest(
+                f"recompute names layers {beyond}, but the model has {reply.num_layers} "
+                f"(0 to {reply.num_layers - 1})"
+            )
         self._client = reply.client
         self._runs = itertools.count((reply.client << RUN_ID_BITS) + 1)
         self._step = self._done = reply.committed_step
@@ -600,9 +646,13 @@ class Pipeline:
                 raise
         raise AssertionError("unreachable")
 
-    def _decided(self, run: int, step: int, commit: bool) -> None:
+    def _decided(
+        self, run: int, step: int, commit: bool, clip: clipping.GradClip = clipping.NO_CLIP
+    ) -> None:
         """Keeps a decision until a later run has reached every stage."""
-        self._decisions[run] = stage_pb2.StepDecision(run=run, step=step, commit=commit)
+        self._decisions[run] = stage_pb2.StepDecision(
+            run=run, step=step, commit=commit, clip=clip.to_proto()
+        )
         while len(self._decisions) > MAX_DECISIONS:  # the oldest is long settled
             del self._decisions[min(self._decisions)]
 
@@ -610,9 +660,12 @@ class Pipeline:
         """Runs and commits one step; returns its loss, reports and attempts."""
         reports, partition, run_id, attempts = self._run(step, batch, train=True)
         self._test_pause("before_commit", step)
-        self._decided(run_id, step, commit=True)
+        norm, clip = self._clip(reports)
+        if clip.skip:
+            log.warning("step_skipped", step=step, grad_norm=norm, why="non-finite gradient norm")
+        self._decided(run_id, step, commit=True, clip=clip)
         try:
-            driver.commit(self._clients, partition, run_id, step, self._client)
+            driver.commit(self._clients, partition, run_id, step, self._client, clip)
         except CommitIncomplete as exc:
             # The decision is commit: stages that missed it learn it from the next run's
             # ``previous``, or are replaced by recovery if they are dead.
@@ -624,6 +677,12 @@ class Pipeline:
         self._step = step
         self._test_pause("after_commit", step)
         return float(sum(reports[-1].losses)), reports, attempts
+
+    def _clip(self, reports: list[stage_pb2.StepReport]) -> tuple[float | None, clipping.GradClip]:
+        """The global gradient norm of a run and the clipping its commit applies."""
+        if not self._job.max_grad_norm:
+            return None, clipping.NO_CLIP
+        return clipping.decide([r.grad_sq_norm for r in reports], self._job.max_grad_norm)
 
     def _test_pause(self, point: str, step: int) -> None:
         if os.environ.get(ENV_TEST_PAUSE) == f"{point}:{step}":
@@ -743,6 +802,7 @@ class Pipeline:
             seconds=time.perf_counter() - started,
             attempts=attempts,
             replayed=replayed,
+            grad_norm=self._clip(reports)[0],
             stages=tuple(
                 StageStep(
                     address=address,
@@ -750,6 +810,7 @@ class Pipeline:
                     wait_s=max(0.0, r.wall_s - r.compute_s),
                     peak_stashed=r.peak_stashed,
                     peak_stashed_bytes=r.peak_stashed_bytes,
+                    lr=r.lr,
                 )
                 for address, r in zip(self._partition.addresses, reports, strict=False)
             ),

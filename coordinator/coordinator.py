@@ -58,7 +58,7 @@ class Coordinator:
         self._released = threading.Event()
         self.jobs = Jobs(self.cluster, self._pause)
         self.rebalancer = Rebalancer(self.cluster, policy or PolicyConfig(), self._pause)
-        self.recovery = Recovery(self.cluster, self._pause)
+        self.recovery = Recovery(self.cluster, self._pause, self.jobs.abandon_stale_load)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -93,11 +93,23 @@ class Coordinator:
             raise InvalidRequest(
                 f"register needs a name and an address (got {name!r}, {address!r})"
             )
+        previous = max(
+            (m for m in self.cluster.members.members() if m.row.name == name),
+            key=lambda m: m.row.incarnation,
+            default=None,
+        )
         stage_id, older = self.cluster.members.register(name, address, device, memory_bytes)
         state = "spare" if self.cluster.job is not None else "registered"
         log.info("stage_registered", stage_id=stage_id, name=name, address=address, state=state)
-        for old in older:
-            log.warning("stage_replaced", name=name, old=old.row.stage_id, new=stage_id)
+        if previous is not None:  # the same name again: a new incarnation, the old one dead
+            log.warning(
+                "stage_came_back",
+                name=name,
+                old=previous.row.stage_id,
+                new=stage_id,
+                old_state="alive, declared dead now" if older else "dead",
+                state=state,
+            )
         return stage_id
 
     def heartbeat(

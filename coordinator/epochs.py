@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from elasticpipe.coordinator import copies
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import ElasticPipeError, NotReady, TransferError
@@ -138,9 +139,10 @@ def prepare(
     spec = job.to_proto()
     rollback = change.rollback_step is not None
     requests = []
+    names = cluster.names(change.new.stage_ids)  # a copy's source is checked by name
     for address in change.involved:
         stage_id = next((s.stage_id for s in change.new.stages if s.address == address), "")
-        placement = change.new.assignment(stage_id)
+        placement = change.new.assignment(stage_id, names)
         if rollback:
             incoming = [
                 stage_pb2.LayerSource(layer=layer, address=change.holders.get(layer, ""))
@@ -216,19 +218,32 @@ def abort(cluster: Cluster, epoch: int, addresses: Iterable[str], reason: str) -
     cluster.store.delete(CHANGE_KEY)
 
 
+History = Callable[["MoveResult"], EpochRow]  # a change's history row, from what it did
+
+
 def change_epoch(
-    cluster: Cluster, job: JobConfig, change: Change, pause: Pause = _no_pause
+    cluster: Cluster,
+    job: JobConfig,
+    change: Change,
+    pause: Pause = _no_pause,
+    history: History | None = None,
 ) -> MoveResult:
     """Moves from ``change.old`` to ``change.new`` at a consistent cut, or leaves the old
     partition in force.
 
+    ``history`` makes the change's row of the epoch history; it is written in the commit
+    point's transaction (with the pause measured up to then), and written again with the
+    whole pause once every stage is told.
+
     Raises:
+        InvalidRequest: ``change.new`` is not a valid partition of the job's layers.
         ElasticPipeError: the change was abandoned (every stage is back on the old epoch).
     """
     started = time.perf_counter()
     involved = change.involved
     moved = change.old.moves_to(change.new)
     try:
+        change.new.validate(cluster.num_layers or None)
         steps = freeze(cluster, change)
         pause("after_freeze")
         old_chain = set(change.old.addresses)
@@ -245,8 +260,19 @@ def change_epoch(
         frozen_at = time.perf_counter()
         received = prepare(cluster, job, change, cut)
         transferred_at = time.perf_counter()
+        result = MoveResult(
+            layers_moved=len(moved) if change.rollback_step is None else change.new.num_layers,
+            bytes_moved=received,
+            pause_s=transferred_at - frozen_at,
+            committed_step=cut,
+            wait_s=frozen_at - started,
+            transfer_s=transferred_at - frozen_at,
+            cut_steps=cut_steps,
+        )
         pause("before_commit_point")
-        cluster.store.commit_change(change.new, change.record("committed"))
+        cluster.store.commit_change(
+            change.new, change.record("committed"), history(result) if history else None
+        )
     except BaseException as exc:  # whatever went wrong, before the commit point: undo
         log.warning(
             "epoch_change_aborted", epoch=change.new.epoch, kept=change.old.epoch, error=str(exc)
@@ -258,17 +284,11 @@ def change_epoch(
     pause("after_commit_point")
     cluster.adopt(change.new)
     commit(cluster, change)
-    paused = time.perf_counter() - frozen_at
-    cluster.metrics.epoch_changed(change.kind, received, paused)
-    return MoveResult(
-        layers_moved=len(moved) if change.rollback_step is None else change.new.num_layers,
-        bytes_moved=received,
-        pause_s=paused,
-        committed_step=cut,
-        wait_s=frozen_at - started,
-        transfer_s=transferred_at - frozen_at,
-        cut_steps=cut_steps,
-    )
+    result = replace(result, pause_s=time.perf_counter() - frozen_at)
+    if history is not None:
+        cluster.store.add_epoch(history(result))
+    cluster.metrics.epoch_changed(change.kind, received, result.pause_s)
+    return result
 
 
 def record_abandoned(cluster: Cluster, change: Change, why: str) -> None:
@@ -301,11 +321,16 @@ def finish_pending(cluster: Cluster) -> None:
         request = stage_pb2.EpochRequest(epoch=epoch)
         cluster.pool.each([(a, request) for a in involved], "CommitEpoch", 30.0)
         cluster.store.delete(CHANGE_KEY)
+        # The commit point wrote the change's row; it says now how the change ended.
+        written = next((r for r in cluster.store.epochs(1000) if r.epoch == epoch), None)
+        reason = f"{record.get('reason')} (finished after a coordinator restart)"
         cluster.store.add_epoch(
-            EpochRow(
+            replace(written, reason=f"{written.reason} (finished after a coordinator restart)")
+            if written is not None
+            else EpochRow(
                 epoch=epoch,
                 at=time.time(),
-                reason=f"{record.get('reason')} (finished after a coordinator restart)",
+                reason=reason,
                 boundaries=new.boundaries,
                 stage_ids=new.stage_ids,
                 kind=str(record.get("kind")),
@@ -343,6 +368,38 @@ def outcome(cluster: Cluster, epoch: int) -> str:
     if any(r.epoch == epoch and r.kind != "abandoned" for r in cluster.store.epochs(1000)):
         return "committed"
     return "aborted"
+
+
+COPIES_WAIT_S = 10.0
+
+
+def wait_for_copies(cluster: Cluster, partition: Partition, job: JobConfig, step: int) -> bool:
+    """Waits until the snapshot of ``step`` (taken when a job starts, at the first step of
+    every epoch, or when a client attaches) has its copies everywhere, so that a failure
+    right after can recover.
+
+    Returns:
+        Whether the copies arrived within ``COPIES_WAIT_S`` (else a warning is logged).
+    """
+    if not job.snapshot_every:
+        return True
+    need = 2 if partition.num_stages > 1 else 1
+    probe = stage_pb2.StatsRequest()
+    deadline = time.monotonic() + COPIES_WAIT_S
+    while True:
+        results = cluster.pool.each([(a, probe) for a in partition.addresses], "GetStats", 5.0)
+        held = {
+            sid: list(r.snapshots)
+            for sid, r in zip(partition.stage_ids, results, strict=True)
+            if not isinstance(r, ElasticPipeError)
+        }
+        found = copies.copies_by_step(held, job.job_id)
+        if copies.newest_step(found, partition.num_layers, held, need, at_most=step) == step:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("snapshot_copies_late", step=step, waited_s=COPIES_WAIT_S)
+            return False
+        time.sleep(0.05)
 
 
 def check_no_change_in_progress(cluster: Cluster) -> None:

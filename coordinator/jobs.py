@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from elasticpipe import bundle
+from elasticpipe import bounds, bundle
 from elasticpipe.coordinator import copies, epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
@@ -47,9 +47,9 @@ PROFILE_REPEATS = 5
 STAGE_CALL_TIMEOUT_S = 120.0
 SETTLE_WAIT_S = 10.0
 RESTORE_LEASE_S = 600.0
-COPIES_WAIT_S = 10.0
 SAFE_STEP_TTL_S = 0.2
 DEFAULT_LEASE_S = 15.0
+SETTLED_KEPT = 1024  # decisions of settled runs kept to answer repeated questions
 # What must match for a client to resume a job (everything but the id).
 RESUME_FIELDS = (
     "model",
@@ -62,6 +62,13 @@ RESUME_FIELDS = (
     "schedule",
     "snapshot_every",
     "precision",
+    "scheduler",
+    "scheduler_kwargs",
+    "warmup_steps",
+    "max_grad_norm",
+    "recompute_all",
+    "recompute",
+    "wire_dtype",
 )
 
 
@@ -101,8 +108,9 @@ class Jobs:
         self.c = cluster
         self._pause = pause
         self._lock = threading.Lock()
-        self._restoring: tuple[Change, float] | None = None
+        self._restoring: tuple[Change, float, int] | None = None  # change, deadline, client
         self._safe_cache: tuple[float, int] | None = None
+        self._settled: dict[int, str] = {}  # run -> decision, of runs settled here
         self.efficiency: tuple[int, float] = (0, 0.0)  # (step, pipeline efficiency) reported
         raw = cluster.store.get("lease")
         self._lease = (
@@ -237,9 +245,11 @@ class Jobs:
     def _attach(self, job: JobConfig, lease_s: float, holder: str) -> Attached:
         with self.c.move_lock:
             self._check_free(job)
+            self.abandon_stale_load()  # a load its dead client began: abort it first
             partition = self.c.require_job()[1]
             client = self.c.store.next_client()
-            step = self.settle(partition, client)  # fences every older client
+            step = self.settle(partition, client, holder)  # fences every older client
+            partition, safe = self._snapshot_at(job, partition, step, holder)
             self._grant(job.job_id, lease_s, holder, client)
         log.info("client_attached", job=job.job_id, client=holder, step=step)
         return Attached(
@@ -248,9 +258,47 @@ class Jobs:
             client,
             step,
             True,
-            self.safe_step(),
+            step if safe else self.safe_step(),
             self.c.profile is not None,
         )
+
+    def _snapshot_at(
+        self, job: JobConfig, partition: Partition, step: int, holder: str
+    ) -> tuple[Partition, bool]:
+        """Snapshots every stage at ``step`` (the attach point) and waits for the copies:
+        a new client holds no mini-batch before it, so a rollback must never go further
+        back. Done as an epoch change to the same partition (every epoch starts with a
+        snapshot). Under ``move_lock``, with every stage settled and idle.
+
+        Returns:
+            The partition in force, and whether the snapshot of ``step`` is safe.
+        """
+        if not job.snapshot_every:
+            return partition, False
+        new = partition.evolve(epoch=self.c.store.reserve_epoch())
+        reason = f"client {holder} attached at step {step}: snapshot"
+
+        def history(result: epochs.MoveResult) -> EpochRow:
+            return EpochRow(
+                epoch=new.epoch,
+                at=time.time(),
+                reason=reason,
+                boundaries=new.boundaries,
+                stage_ids=new.stage_ids,
+                pause_s=result.pause_s,
+                kind="attach",
+                job_id=new.job_id,
+                stage_names=tuple(self.c.names(new.stage_ids)),
+            )
+
+        try:
+            epochs.change_epoch(
+                self.c, job, Change("attach", reason, partition, new), self._pause, history
+            )
+        except ElasticPipeError as exc:  # recorded as abandoned; the client can still train
+            log.warning("attach_snapshot_failed", step=step, error=str(exc))
+            return partition, False
+        return new, self.wait_for_copies(new, job, step)
 
     def _wait_for_stages(self, num_stages: int, wait_s: float) -> list[Member]:
         deadline = time.monotonic() + wait_s
@@ -268,7 +316,12 @@ class Jobs:
                     f"more stages, or ask for fewer (stages={len(live)})"
                 )
             if now - logged >= 5.0:
-                log.info("waiting_for_stages", need=need, live=len(live))
+                log.info(
+                    "waiting_for_stages",
+                    need=need,
+                    live=len(live),
+                    why=f"waiting for {need - len(live)} more stages: {len(live)} of {need} live",
+                )
                 logged = now
             time.sleep(0.1)
 
@@ -330,11 +383,12 @@ class Jobs:
                 stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
                 predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
             ).validate(num_layers)
+            names = self.c.names(partition.stage_ids)  # a copy's source is checked by name
             assign = [
                 (
                     ref.address,
                     stage_pb2.AssignRequest(
-                        job=spec, assignment=partition.assignment(ref.stage_id).to_proto()
+                        job=spec, assignment=partition.assignment(ref.stage_id, names).to_proto()
                     ),
                 )
                 for ref in partition.stages
@@ -381,7 +435,9 @@ class Jobs:
                 member.timings, member.speed = {}, None
             self.c.last_move = time.monotonic()
             self.wait_for_copies(partition, job, 0)
-            client = self._grant(job.job_id, lease_s, holder)
+            client = self.c.store.next_client()
+            self.settle(partition, client, holder)  # the stages follow the new client only
+            self._grant(job.job_id, lease_s, holder, client)
         log.info(
             "job_started",
             job=job.job_id,
@@ -445,31 +501,9 @@ class Jobs:
         return profile
 
     def wait_for_copies(self, partition: Partition, job: JobConfig, step: int) -> bool:
-        """Waits until the snapshot of ``step`` (taken when a job starts or a checkpoint
-        is loaded) has its copies everywhere, so that a failure right after can recover.
-
-        Returns:
-            Whether the copies arrived within ``COPIES_WAIT_S`` (else a warning is logged).
-        """
-        if not job.snapshot_every:
-            return True
-        need = 2 if partition.num_stages > 1 else 1
-        probe = stage_pb2.StatsRequest()
-        deadline = time.monotonic() + COPIES_WAIT_S
-        while True:
-            results = self.c.pool.each([(a, probe) for a in partition.addresses], "GetStats", 5.0)
-            held = {
-                sid: list(r.snapshots)
-                for sid, r in zip(partition.stage_ids, results, strict=True)
-                if not isinstance(r, ElasticPipeError)
-            }
-            found = copies.copies_by_step(held, job.job_id)
-            if copies.newest_step(found, partition.num_layers, held, need, at_most=step) == step:
-                return True
-            if time.monotonic() > deadline:
-                log.warning("snapshot_copies_late", step=step, waited_s=COPIES_WAIT_S)
-                return False
-            time.sleep(0.05)
+        """Waits until the snapshot of ``step`` has its copies everywhere (see
+        ``epochs.wait_for_copies``)."""
+        return epochs.wait_for_copies(self.c, partition, job, step)
 
     def profile_later(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first).
@@ -485,8 +519,10 @@ class Jobs:
 
     # ---- settling undecided runs -----------------------------------------------------
 
-    def settle(self, partition: Partition, client: int) -> int:
-        """Fences clients below ``client`` on every stage and decides any undecided run.
+    def settle(self, partition: Partition, client: int, holder: str = "") -> int:
+        """Makes every stage follow client generation ``client``, held by ``holder`` (the
+        certificate name of the client granted the job; empty: nobody), fencing out older
+        clients, and decides any undecided run.
 
         Returns:
             The step every stage has committed.
@@ -495,7 +531,9 @@ class Jobs:
             StageUnavailable: a stage of the chain cannot be reached (recovery follows).
             NotReady: the stages disagree on the committed step.
         """
-        fence = [(a, stage_pb2.FenceRequest(client=client)) for a in partition.addresses]
+        fence = [
+            (a, stage_pb2.FenceRequest(client=client, holder=holder)) for a in partition.addresses
+        ]
         deadline = time.monotonic() + SETTLE_WAIT_S
         states = self.c.pool.all(fence, "Fence", 10.0)
         while any(s.phase == "running" for s in states) and time.monotonic() < deadline:
@@ -505,8 +543,15 @@ class Jobs:
         for run, step in undecided:
             committed = any(s.committed_run == run or s.committed_step >= step for s in states)
             if committed:
+                # The clipping the committed stages applied (a run committed anywhere had
+                # its decision, coefficient included, delivered there).
+                clips = [s.committed_clip for s in states if s.committed_run == run]
                 request = stage_pb2.CommitStepRequest(
-                    epoch=partition.epoch, run=run, step=step, client=client
+                    epoch=partition.epoch,
+                    run=run,
+                    step=step,
+                    client=client,
+                    clip=clips[0] if clips else None,
                 )
                 targets = [
                     a
@@ -534,22 +579,45 @@ class Jobs:
     def resolve_run(self, stage_id: str, run: int, step: int) -> str:
         """A stage's commit lease ran out on ``run``: decide it unless a live client can.
 
+        A run is settled once (fencing its client with a new generation); the decision is
+        kept, and every later question about it -- each stage awaiting it asks, and asks
+        again -- is answered from it without the lock. The lease is checked again under
+        ``move_lock``: a client that attached or started a job meanwhile decides instead.
+
         Returns:
             "wait" (a live client holds the job), "commit" or "abort".
         """
+        decided = self._settled.get(run)
+        if decided is not None:
+            return decided
         lease = self.lease()
         if lease is not None:
             # A live client decides; but a run committed anywhere is committed: that
             # decision can be delivered now without the client.
             return "commit" if self._deliver_commit(run, step, lease.client) else "wait"
         with self.c.move_lock:
+            decided = self._settled.get(run)
+            if decided is not None:
+                return decided
+            lease = self.lease()
+            if lease is not None:  # a client attached or started a job meanwhile
+                return "commit" if self._deliver_commit(run, step, lease.client) else "wait"
             _, partition = self.c.require_job()
+            issued = int(self.c.store.get("client_generation") or 0)
+            if stage_id not in partition.stage_ids or bounds.generation(run) > issued:
+                # Not a run of the running job's chain (a stage moved out, an old job's
+                # run, a generation never issued): nothing to settle, the stage drops it.
+                log.info("run_resolved", stage=self.c.name(stage_id), run=run, decision="abort")
+                return "abort"
             client = self.c.store.next_client()  # fences whichever client ran it
             committed = self.settle(partition, client)
             with self._lock:  # the fenced client's lease is over
                 self._lease = None
                 self.c.store.delete("lease")
-        decision = "commit" if committed >= step else "abort"
+            decision = "commit" if committed >= step else "abort"
+            self._settled[run] = decision
+            while len(self._settled) > SETTLED_KEPT:
+                del self._settled[min(self._settled)]
         log.info("run_resolved", stage=self.c.name(stage_id), run=run, step=step, decision=decision)
         return decision
 
@@ -565,14 +633,27 @@ class Jobs:
             for a, r in zip(partition.addresses, results, strict=True)
             if not isinstance(r, ElasticPipeError)
         ]
-        if not any(st.committed_run == run for _, st in states):
+        clips = [st.committed_clip for _, st in states if st.committed_run == run]
+        if not clips:
             return False
         request = stage_pb2.CommitStepRequest(
-            epoch=partition.epoch, run=run, step=step, client=client
+            epoch=partition.epoch, run=run, step=step, client=client, clip=clips[0]
         )
         waiting = [a for a, st in states if st.phase == "awaiting_commit" and st.active_run == run]
         self.c.pool.each([(a, request) for a in waiting], "CommitStep", 30.0)
         return True
+
+    def grant(self) -> tuple[str, int, str]:
+        """The running job, the newest client generation granted (which the stages
+        follow) and its holder ("" when no client holds the job)."""
+        job = self.c.job
+        with self._lock:
+            lease = self._lease
+        if job is None:
+            return "", 0, ""
+        if lease is not None and lease.job_id == job.job_id:
+            return job.job_id, lease.client, lease.holder
+        return job.job_id, int(self.c.store.get("client_generation") or 0), ""
 
     # ---- checkpoint loads ------------------------------------------------------------
 
@@ -611,7 +692,7 @@ class Jobs:
                 epochs.abort(self.c, epoch, change.involved, str(exc))
                 epochs.record_abandoned(self.c, change, str(exc))
                 raise
-            self._restoring = (change, time.monotonic() + RESTORE_LEASE_S)
+            self._restoring = (change, time.monotonic() + RESTORE_LEASE_S, client)
         return epoch, partition
 
     def end_restore(self, job_id: str, epoch: int, step: int, commit: bool) -> Partition:
@@ -637,16 +718,7 @@ class Jobs:
             change = replace(change, new=new, rollback_step=step)
             try:
                 received = epochs.prepare(self.c, job, change, step)
-                self.c.store.commit_change(new, change.record("committed"))
-            except ElasticPipeError as exc:
-                epochs.abort(self.c, epoch, change.involved, str(exc))
-                epochs.record_abandoned(self.c, change, str(exc))
-                raise
-            self.c.adopt(new)
-            epochs.commit(self.c, change)
-            self.wait_for_copies(new, job, step)
-            self.c.store.add_epoch(
-                EpochRow(
+                row = EpochRow(
                     epoch=epoch,
                     at=time.time(),
                     reason=f"checkpoint of step {step} loaded",
@@ -658,19 +730,48 @@ class Jobs:
                     stage_names=tuple(self.c.names(new.stage_ids)),
                     restored_step=step,
                 )
-            )
+                self.c.store.commit_change(new, change.record("committed"), row)
+            except ElasticPipeError as exc:
+                epochs.abort(self.c, epoch, change.involved, str(exc))
+                epochs.record_abandoned(self.c, change, str(exc))
+                raise
+            self.c.adopt(new)
+            epochs.commit(self.c, change)
+            self.wait_for_copies(new, job, step)
         log.info("checkpoint_loaded", job=job_id, step=step, epoch=epoch)
         return new
 
     def expire_restore(self) -> None:
-        """Abandons a load whose client went silent."""
+        """Abandons a load whose client went silent (its lease is gone) or that ran past
+        ``RESTORE_LEASE_S``."""
         restoring = self._restoring
-        if restoring is None or time.monotonic() < restoring[1]:
+        if restoring is None or not self._load_stale(restoring):
             return
         with self.c.move_lock:
-            if self._restoring is not restoring:
-                return
-            self._restoring = None
-            change = restoring[0]
-            epochs.abort(self.c, change.new.epoch, change.involved, "the load timed out")
-            epochs.record_abandoned(self.c, change, "the client went silent during the load")
+            if self._restoring is restoring:
+                self.abandon_stale_load()
+
+    def _load_stale(self, restoring: tuple[Change, float, int]) -> bool:
+        lease = self.lease()
+        client_gone = lease is None or lease.client != restoring[2]
+        return client_gone or time.monotonic() >= restoring[1]
+
+    def abandon_stale_load(self) -> bool:
+        """Aborts the checkpoint load in progress if its client no longer holds the job
+        (or it ran past its lease), and records it as abandoned. Call under ``move_lock``.
+
+        Returns:
+            Whether no load is in progress any more.
+        """
+        restoring = self._restoring
+        if restoring is None:
+            return True
+        if not self._load_stale(restoring):
+            return False
+        self._restoring = None
+        change = restoring[0]
+        why = "the client went silent during the load"
+        log.warning("checkpoint_load_abandoned", epoch=change.new.epoch, why=why)
+        epochs.abort(self.c, change.new.epoch, change.involved, why)
+        epochs.record_abandoned(self.c, change, why)
+        return True

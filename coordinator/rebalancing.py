@@ -74,6 +74,13 @@ class Rebalancer:
         self.c = cluster
         stored = cluster.store.get("auto_rebalance")
         self.policy = policy if stored is None else replace(policy, enabled=bool(stored))
+        if stored is not None and bool(stored) != policy.enabled:
+            log.warning(
+                "auto_rebalance_from_state",
+                enabled=bool(stored),
+                flag=policy.enabled,
+                why="set by `admin auto` before a restart; the stored switch wins",
+            )
         self._pause = pause
         self._last_decision = ""
         # An automatic move must be proposed twice, from measurements of two different
@@ -226,11 +233,10 @@ class Rebalancer:
                 job.schedule,
             )
             new = target.evolve(epoch=self.c.store.reserve_epoch(), predicted_step_s=predicted)
-            result: MoveResult = epochs.change_epoch(
-                self.c, job, Change(kind, reason, current, new), self._pause
-            )
-            self.c.store.add_epoch(
-                EpochRow(
+            names = tuple(self.c.names(new.stage_ids))
+
+            def history(result: MoveResult) -> EpochRow:
+                return EpochRow(
                     epoch=new.epoch,
                     at=time.time(),
                     reason=reason,
@@ -246,9 +252,16 @@ class Rebalancer:
                     },
                     kind=kind,
                     job_id=new.job_id,
-                    stage_names=tuple(self.c.names(new.stage_ids)),
+                    stage_names=names,
                 )
+
+            result: MoveResult = epochs.change_epoch(
+                self.c, job, Change(kind, reason, current, new), self._pause, history
             )
+            if set(current.stage_ids) - set(new.stage_ids):
+                # A stage left the chain with its copies of its predecessor's snapshots:
+                # it may exit only once the new epoch's first snapshot is copied.
+                epochs.wait_for_copies(self.c, new, job, result.committed_step)
             self.c.last_move, self.c.last_pause = time.monotonic(), result.pause_s
             for sid in new.stage_ids:  # speeds of moved-into stages are re-measured from now
                 member = self.c.members.by_id(sid)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from elasticpipe.coordinator import copies, epochs
 from elasticpipe.coordinator.epochs import Change
@@ -41,9 +41,15 @@ PROBE_TIMEOUT_S = 2.0
 class Recovery:
     """Failure detection and recovery of the running job."""
 
-    def __init__(self, cluster: Cluster, pause: epochs.Pause = epochs._no_pause):
+    def __init__(
+        self,
+        cluster: Cluster,
+        pause: epochs.Pause = epochs._no_pause,
+        abandon_stale_load: Callable[[], bool] = lambda: False,
+    ):
         self.c = cluster
         self._pause = pause
+        self._abandon_stale_load = abandon_stale_load
         self._wake = threading.Event()
         self.recoveries = 0
 
@@ -119,8 +125,11 @@ class Recovery:
                     "stage_declared_dead", stage=member.row.name, why="missed its heartbeats"
                 )
         with self.c.move_lock:
-            if self.c.store.get(epochs.CHANGE_KEY) is not None:
-                return  # a change in flight (a load): it fails on the dead stage and aborts
+            # A change in flight is a checkpoint load (moves hold move_lock to the end): a
+            # live client's load fails on the dead stage and aborts; a dead client's is
+            # abandoned here so that recovery can go on.
+            if self.c.store.get(epochs.CHANGE_KEY) is not None and not self._abandon_stale_load():
+                return
             try:
                 self.recover(dead)
             except ElasticPipeError as exc:
@@ -147,6 +156,17 @@ class Recovery:
             if epoch >= since_epoch:
                 out[m.row.stage_id] = list(held)
         return out
+
+    def _former_holders(self, layers: Sequence[int], live: set[str], job_id: str) -> list[str]:
+        """Stages no longer alive that last reported a snapshot (own or copy) of one of
+        ``layers`` of the job: the hosts those layers' copies were lost with."""
+        wanted = set(layers)
+        return [
+            m.row.name
+            for m in self.c.members.members()
+            if m.row.stage_id not in live
+            and any(h.job_id == job_id and wanted & set(h.layers) for h in m.snapshots)
+        ]
 
     def recover(self, dead: Sequence[Member]) -> Partition | None:
         """Replaces or drops the dead stages and rolls every survivor back to a snapshot."""
@@ -181,8 +201,11 @@ class Recovery:
                 if not job.snapshot_every
                 else f"no complete snapshot survived (snapshot_every={job.snapshot_every})"
             )
+            hosts = lost_names + [
+                n for n in self._former_holders(missing, live, job.job_id) if n not in lost_names
+            ]
             self.c.fail_job(
-                f"layers {missing} have no live copy: they were lost with {lost_names}; {why}"
+                f"layers {missing} have no live copy: they were lost with {hosts}; {why}"
             )
             return None
         # A layer comes from a stage of the new chain where possible (most often it holds
@@ -228,10 +251,12 @@ class Recovery:
             gone=frozenset(r.address for r in old.stages if r.stage_id in dead_ids),
         )
         started = time.perf_counter()
-        result = epochs.change_epoch(self.c, job, change, self._pause)
-        lost = max((s - step for s in result.cut_steps), default=0)
-        self.c.store.add_epoch(
-            EpochRow(
+        detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)
+        names = tuple(self.c.names(new.stage_ids))
+
+        def history(result: epochs.MoveResult) -> EpochRow:
+            lost = max((s - step for s in result.cut_steps), default=0)
+            return EpochRow(
                 epoch=epoch,
                 at=time.time(),
                 reason=reason,
@@ -242,13 +267,14 @@ class Recovery:
                 pause_s=result.pause_s,
                 kind="recovery",
                 job_id=new.job_id,
-                stage_names=tuple(self.c.names(new.stage_ids)),
+                stage_names=names,
                 restored_step=step,
                 lost_steps=max(lost, 0),
-                detected_at=min((m.dead_at for m in dead if m.dead_at), default=0.0),
+                detected_at=detected,
                 extra={"recover_s": time.perf_counter() - started},
             )
-        )
+
+        result = epochs.change_epoch(self.c, job, change, self._pause, history)
         self.recoveries += 1
         self.c.last_move = time.monotonic()
         for ref in new.stages:

@@ -10,6 +10,7 @@ import grpc
 
 from elasticpipe import authz, bounds, bundle
 from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator.claims import Claims
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.jobs import DEFAULT_LEASE_S
 from elasticpipe.coordinator.membership import Heard, Member
@@ -46,12 +47,20 @@ def _bounded(value: float, what: str) -> float:
     return value
 
 
+def _holder(named: str) -> str:
+    """Who holds a job: with TLS the client's certificate name (the stages accept the
+    job's steps from that certificate only), else the name the client gave."""
+    identity = authz.caller()
+    return identity[0] if identity is not None else named
+
+
 class CoordinatorServicer:
     """Implements elasticpipe.v1.CoordinatorService on top of a ``Coordinator``."""
 
     def __init__(self, coordinator: Coordinator):
         self.c = coordinator
         self._polls = threading.BoundedSemaphore(MAX_LONG_POLLS)
+        self._claims = Claims(coordinator.members)
 
     # ---- stages ----------------------------------------------------------------------
 
@@ -61,9 +70,11 @@ class CoordinatorServicer:
         for what, value in (("name", req.name), ("address", req.address), ("device", req.device)):
             bounds.text(value, what)
         authz.check_name(req.name)  # with TLS, a stage is its certificate's name
+        self._claims.check_register(req.name)  # a family never takes over an individual
+        stage_id = self.c.register(req.name, req.address, req.device, req.memory_bytes)
+        self._claims.spoke(stage_id)
         return coordinator_pb2.RegisterResponse(
-            stage_id=self.c.register(req.name, req.address, req.device, req.memory_bytes),
-            heartbeat_interval_s=self.c.heartbeat_interval_s,
+            stage_id=stage_id, heartbeat_interval_s=self.c.heartbeat_interval_s
         )
 
     def _check_stage(self, stage_id: str) -> None:
@@ -71,6 +82,7 @@ class CoordinatorServicer:
         member = self.c.members.by_id(stage_id)
         if member is not None:
             authz.check_name(member.row.name, "speak for")
+            self._claims.spoke(stage_id)
 
     def Heartbeat(
         self, req: coordinator_pb2.HeartbeatRequest, ctx: grpc.ServicerContext
@@ -104,6 +116,13 @@ class CoordinatorServicer:
             decision=self.c.jobs.resolve_run(req.stage_id, req.run, req.step)
         )
 
+    def JobClient(
+        self, req: coordinator_pb2.JobClientRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.JobClientResponse:
+        self._check_stage(req.stage_id)
+        job_id, client, holder = self.c.jobs.grant()
+        return coordinator_pb2.JobClientResponse(job_id=job_id, client=client, holder=holder)
+
     def EpochOutcome(
         self, req: coordinator_pb2.EpochOutcomeRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.EpochOutcomeResponse:
@@ -132,7 +151,7 @@ class CoordinatorServicer:
             _bounded(req.wait_s, "wait_s"),
             req.resume,
             req.lease_s or DEFAULT_LEASE_S,
-            req.client_name[:200] or ctx.peer(),
+            _holder(req.client_name[:200] or ctx.peer()),
         )
         return coordinator_pb2.SetupJobResponse(
             partition=partition_to_proto(attached.partition),

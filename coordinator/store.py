@@ -180,14 +180,18 @@ class Store:
         """Makes ``partition`` the durable current partition."""
         self.put("partition", partition.to_json())
 
-    def commit_change(self, partition: Partition, change: dict[str, Any]) -> None:
-        """The commit point of an epoch change: the new partition and the change's
-        "committed" record, written in one transaction."""
+    def commit_change(
+        self, partition: Partition, change: dict[str, Any], row: EpochRow | None = None
+    ) -> None:
+        """The commit point of an epoch change: the new partition, the change's
+        "committed" record and its history row, written in one transaction."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._put("partition", partition.to_json())
                 self._put("epoch_change", {**change, "phase": "committed"})
+                if row is not None:
+                    self._add_epoch(row)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -203,10 +207,13 @@ class Store:
     def add_epoch(self, row: EpochRow) -> None:
         """Records an epoch change."""
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO epochs (epoch, at, record) VALUES (?, ?, ?)",
-                (row.epoch, row.at or time.time(), json.dumps(asdict(row))),
-            )
+            self._add_epoch(row)
+
+    def _add_epoch(self, row: EpochRow) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO epochs (epoch, at, record) VALUES (?, ?, ?)",
+            (row.epoch, row.at or time.time(), json.dumps(asdict(row))),
+        )
 
     def epochs(self, limit: int = 100, job_id: str | None = None) -> list[EpochRow]:
         """The most recent epoch records (of one job, if given), oldest first."""

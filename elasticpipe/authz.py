@@ -24,7 +24,7 @@ StageService GetTrace                  admin (timeline spans and the stage's clo
 StageService InjectFault               admin (and only with --enable-fault-injection)
 CoordinatorService Register,           stage
   Heartbeat, ResolveRun,
-  EpochOutcome, Leave
+  EpochOutcome, Leave, JobClient
 CoordinatorService SetupJob, ...       client (GetPartition, WatchPartition, RenewLease,
                                        ReportFailure, ProfileJob, BeginRestore, EndRestore)
 CoordinatorService admin RPCs          admin (Status, Plan, Rebalance, SetPartition,
@@ -33,7 +33,11 @@ health, reflection                     every role
 =====================================  =================================================
 
 A stage's name is its certificate's name: the coordinator refuses a ``Register`` under
-another name, so nobody can take over another stage's registration.
+another name, so nobody can take over another stage's registration. Beyond the table, a
+stage takes a job's steps (RunStep, CommitStep, AbortStep, FetchOutput and the client's
+data) only from the certificate of the client the coordinator granted the job, and a
+snapshot copy only from the certificate of its source stage
+(``elasticpipe.stage_server.callers``).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     **_rows("StageService", ("InjectFault",), ADMIN),
     **_rows(
         "CoordinatorService",
-        ("Register", "Heartbeat", "ResolveRun", "EpochOutcome", "Leave"),
+        ("Register", "Heartbeat", "ResolveRun", "EpochOutcome", "Leave", "JobClient"),
         STAGE,
     ),
     **_rows(

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticpipe import schedulers
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.schedule import SCHEDULES
 from elasticpipe.training import check_loss_name, check_optimizer_name
@@ -16,6 +17,8 @@ MAX_KWARGS_JSON = 1 << 20
 MAX_SNAPSHOT_EVERY = 1_000_000
 MAX_MICRO_BATCHES = 4096
 PRECISIONS = ("fp32", "bf16")
+MAX_RECOMPUTE = 100_000
+WIRE_DTYPES = ("bf16", "fp16")
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -39,6 +42,23 @@ def json_object(text: str, what: str) -> dict[str, Any]:
     return value
 
 
+def recompute_fields(recompute: bool | list[int] | tuple[int, ...]) -> dict[str, Any]:
+    """``JobConfig``'s recompute fields from ``Pipeline(recompute=...)``.
+
+    Raises:
+        InvalidRequest: neither a bool nor a list of layer indices.
+    """
+    if isinstance(recompute, bool):
+        return {"recompute_all": recompute, "recompute": ()}
+    if not isinstance(recompute, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in recompute
+    ):
+        raise InvalidRequest(
+            f"recompute must be True, False or a list of layer indices (got {recompute!r})"
+        )
+    return {"recompute_all": False, "recompute": tuple(recompute)}
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """Everything a stage needs to build and train its layers."""
@@ -55,6 +75,13 @@ class JobConfig:
     snapshot_every: int = 0
     external_weights: bool = False  # initial weights come from the client (init_state)
     precision: str = "fp32"  # "bf16": layer forwards under autocast (see precision.py)
+    scheduler: str = ""  # a torch.optim.lr_scheduler class ("": constant learning rate)
+    scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    warmup_steps: int = 0
+    max_grad_norm: float = 0.0  # global-norm clipping (0: none)
+    recompute_all: bool = False  # every layer recomputes its forward during backward
+    recompute: tuple[int, ...] = ()  # or these layers
+    wire_dtype: str = ""  # "bf16" / "fp16": activations and gradients between stages
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -80,6 +107,32 @@ class JobConfig:
             raise InvalidRequest(
                 f"snapshot_every must be in [0, {MAX_SNAPSHOT_EVERY}] (got {self.snapshot_every})"
             )
+        # Stored jobs come back from JSON with lists: one form from here on.
+        object.__setattr__(self, "recompute", tuple(sorted(set(self.recompute))))
+        schedulers.check_name(self.scheduler)
+        if not 0 <= self.warmup_steps <= schedulers.MAX_WARMUP_STEPS:
+            raise InvalidRequest(
+                f"warmup_steps must be in [0, {schedulers.MAX_WARMUP_STEPS}] "
+                f"(got {self.warmup_steps})"
+            )
+        if not (self.max_grad_norm == 0.0 or 0.0 < self.max_grad_norm < float("inf")):
+            raise InvalidRequest(
+                f"max_grad_norm must be a finite number > 0, or 0 for none "
+                f"(got {self.max_grad_norm})"
+            )
+        if len(self.recompute) > MAX_RECOMPUTE or any(i < 0 for i in self.recompute):
+            raise InvalidRequest(
+                f"recompute must list at most {MAX_RECOMPUTE} layer indices >= 0 "
+                f"(got {list(self.recompute)[:10]})"
+            )
+        if self.wire_dtype and self.wire_dtype not in WIRE_DTYPES:
+            raise InvalidRequest(
+                f"unknown wire_dtype {self.wire_dtype!r} (choose from {list(WIRE_DTYPES)}, or none)"
+            )
+
+    def recomputes(self, layer: int) -> bool:
+        """Whether ``layer`` keeps only its input and recomputes its forward in backward."""
+        return self.recompute_all or layer in self.recompute
 
     def with_id(self) -> JobConfig:
         """A copy with a fresh job id (a new job re-initialises every layer)."""
@@ -100,6 +153,13 @@ class JobConfig:
             snapshot_every=self.snapshot_every,
             external_weights=self.external_weights,
             precision=self.precision,
+            scheduler=self.scheduler,
+            scheduler_kwargs_json=json.dumps(self.scheduler_kwargs, sort_keys=True),
+            warmup_steps=self.warmup_steps,
+            max_grad_norm=self.max_grad_norm,
+            recompute_all=self.recompute_all,
+            recompute=list(self.recompute),
+            wire_dtype=self.wire_dtype,
         )
 
     @classmethod
@@ -122,4 +182,11 @@ class JobConfig:
             snapshot_every=spec.snapshot_every,
             external_weights=spec.external_weights,
             precision=spec.precision or "fp32",
+            scheduler=spec.scheduler,
+            scheduler_kwargs=json_object(spec.scheduler_kwargs_json, "scheduler_kwargs"),
+            warmup_steps=spec.warmup_steps,
+            max_grad_norm=spec.max_grad_norm,
+            recompute_all=spec.recompute_all,
+            recompute=tuple(sorted(set(spec.recompute))),
+            wire_dtype=spec.wire_dtype,
         )

@@ -104,7 +104,7 @@ class LocalPipeline:
             init = initial.check(self._job, init_state)
             try:
                 for i in range(num_layers):
-                    self._slice.install(i, *self._slice.load_layer(i, init.layer_state(i)))
+                    self._slice.install(i, self._slice.load_layer(i, init.layer_state(i)))
             finally:
                 init.close()
         self.num_layers = num_layers

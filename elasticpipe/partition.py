@@ -43,6 +43,8 @@ class Placement:
     prev: str = ""
     next: str = ""
     chain: tuple[StageRef, ...] = ()
+    names: tuple[str, ...] = ()  # the chain's registered names (empty if not given)
+    ranges: tuple[tuple[int, int], ...] = ()  # the layers each stage of the chain owns
 
     @property
     def layers(self) -> range:
@@ -72,7 +74,16 @@ class Placement:
             layer_hi=self.hi,
             prev=stage_pb2.Peer(address=self.prev),
             next=stage_pb2.Peer(address=self.next),
-            chain=[stage_pb2.Peer(stage_id=s.stage_id, address=s.address) for s in self.chain],
+            chain=[
+                stage_pb2.Peer(
+                    stage_id=s.stage_id,
+                    address=s.address,
+                    name=self.names[i] if i < len(self.names) else "",
+                    layer_lo=self.ranges[i][0] if i < len(self.ranges) else 0,
+                    layer_hi=self.ranges[i][1] if i < len(self.ranges) else 0,
+                )
+                for i, s in enumerate(self.chain)
+            ],
         )
 
     @classmethod
@@ -101,6 +112,12 @@ class Placement:
             prev=a.prev.address,
             next=a.next.address,
             chain=chain,
+            names=tuple(p.name for p in a.chain) if any(p.name for p in a.chain) else (),
+            ranges=(
+                tuple((p.layer_lo, p.layer_hi) for p in a.chain)
+                if any(p.layer_hi for p in a.chain)
+                else ()
+            ),
         )
 
 
@@ -229,8 +246,9 @@ class Partition:
             raise InvalidRequest(f"layer {layer} is outside the model (0..{self.num_layers - 1})")
         return self.stages[bisect.bisect_right(self._starts, layer) - 1]
 
-    def assignment(self, stage_id: str) -> Placement:
-        """The placement of ``stage_id`` (an empty range if it is not in the chain)."""
+    def assignment(self, stage_id: str, names: Sequence[str] = ()) -> Placement:
+        """The placement of ``stage_id`` (an empty range if it is not in the chain);
+        ``names``: the chain's registered names, in chain order."""
         s = self.index_of(stage_id)
         if s is None:
             return Placement(epoch=self.epoch, index=0, num_stages=0, lo=0, hi=0)
@@ -243,6 +261,10 @@ class Partition:
             prev=self.stages[s - 1].address if s > 0 else "",
             next=self.stages[s + 1].address if s + 1 < self.num_stages else "",
             chain=self.stages,
+            names=tuple(names),
+            ranges=tuple(
+                (self.boundaries[i], self.boundaries[i + 1]) for i in range(self.num_stages)
+            ),
         )
 
     def moves_to(self, new: Partition) -> list[Move]:

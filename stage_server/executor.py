@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elasticpipe import structure
+from elasticpipe import structure, wire
 from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
@@ -45,6 +45,8 @@ class StepResult:
     forward_s: dict[int, float] = field(default_factory=dict)  # by micro-batch, loss included
     backward_s: dict[int, float] = field(default_factory=dict)
     op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, s), in order
+    grad_sq_norm: float = 0.0  # training with clipping: of the accumulated gradients
+    lr: float = 0.0  # training: the learning rate the commit applies
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
     stashes: dict[int, Stash] = {}
     loss_grads: dict[int, torch.Tensor] = {}
     losses: dict[int, float] = {}
+    wire_dtype = ctx.layers.job.wire_dtype
     started = time.perf_counter()
     tracer, now, epoch = ctx.tracer, ctx.tracer.now_ns, placement.epoch
 
@@ -107,6 +110,8 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
         if op.kind is OpKind.FORWARD:
             w0 = now()
             x = mailbox.take(run, Slot.INPUT, i, ctx.deadline)
+            if not first:
+                x = wire.decode_value(x, wire_dtype)
             target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
@@ -128,7 +133,14 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 result.outputs[i] = structure.to_device(structure.detached(y), torch.device("cpu"))
             elif not last:
                 ctx.links[placement.next].put(
-                    Outgoing("Forward", placement.epoch, run, ctx.step, i, structure.detached(y))
+                    Outgoing(
+                        "Forward",
+                        placement.epoch,
+                        run,
+                        ctx.step,
+                        i,
+                        wire.encode_value(structure.detached(y), wire_dtype),
+                    )
                 )
             if stash is not None:
                 stashes[i] = stash
@@ -137,7 +149,11 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
         else:
             w0 = now()
-            grad = loss_grads.pop(i) if last else mailbox.take(run, Slot.GRAD, i, ctx.deadline)
+            grad: Value
+            if last:
+                grad = loss_grads.pop(i)
+            else:
+                grad = wire.decode_value(mailbox.take(run, Slot.GRAD, i, ctx.deadline), wire_dtype)
             t0 = now()
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
@@ -152,7 +168,12 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             if not first and grad_in is not None:
                 ctx.links[placement.prev].put(
                     Outgoing(
-                        "Backward", placement.epoch, run, ctx.step, i, structure.detached(grad_in)
+                        "Backward",
+                        placement.epoch,
+                        run,
+                        ctx.step,
+                        i,
+                        wire.encode_value(structure.detached(grad_in), wire_dtype),
                     )
                 )
     for link in ctx.links.values():

@@ -10,14 +10,16 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from elasticpipe import models, precision, rng, structure
+from elasticpipe import clipping, models, precision, rng, schedulers, structure
+from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
 from elasticpipe.structure import Value
@@ -53,13 +55,34 @@ class LayerTiming:
 @dataclass
 class Stash:
     """What backward needs of one micro-batch: each layer's (detached inputs, outputs),
-    as flat lists of tensors (``elasticpipe.structure``)."""
+    as flat lists of tensors (``elasticpipe.structure``); the outputs are None for a layer
+    that recomputes its forward during backward (it keeps only its inputs)."""
 
-    pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
+    pairs: list[tuple[list[torch.Tensor], list[torch.Tensor] | None]] = field(default_factory=list)
+    seeds: dict[int, int] = field(default_factory=dict)  # recomputed layers' RNG seeds
+    # recomputed layers' input structures (None: a plain tensor), to rebuild the input
+    shapes: dict[int, structure.Structure | None] = field(default_factory=dict)
+
+    saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
 
     def nbytes(self) -> int:
-        """Bytes of the activations held (inputs and outputs of every layer)."""
-        return sum(t.numel() * t.element_size() for pair in self.pairs for ts in pair for t in ts)
+        """Bytes of activation memory held: every layer's inputs and outputs, and what the
+        autograd graph still keeps for backward (parameters excluded), each storage once."""
+        alive = [t for ref in self.saved if (t := ref()) is not None]
+        held = {}
+        for t in [*alive, *(t for pair in self.pairs for ts in pair if ts is not None for t in ts)]:
+            storage = t.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+        return sum(held.values())
+
+
+class Built(NamedTuple):
+    """One layer with its optimizer and learning-rate scheduler (None without parameters
+    or without a schedule)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: schedulers.Scheduler | None
 
 
 class Slowdown:
@@ -125,6 +148,7 @@ class LayerSlice:
         self.slowdown = slowdown
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.schedulers: dict[int, schedulers.Scheduler] = {}
         self.timings: dict[int, LayerTiming] = {}
         self.loss = loss_fn(job.loss, self.allow)
         self._lock = threading.Lock()
@@ -147,6 +171,9 @@ class LayerSlice:
         self.optimizers = {
             i: opt for i, layer in self.layers.items() if (opt := self._optimizer(layer))
         }
+        self.schedulers = {
+            i: sched for i, opt in self.optimizers.items() if (sched := self._scheduler(opt))
+        }
         self.timings = {i: LayerTiming() for i in self.layers}
 
     def _optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
@@ -155,6 +182,11 @@ class LayerSlice:
         if not params:
             return None
         return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs, self.allow)
+
+    def _scheduler(self, optimizer: torch.optim.Optimizer) -> schedulers.Scheduler | None:
+        """The optimizer's learning-rate scheduler; None without a schedule."""
+        job = self.job
+        return schedulers.build(job.scheduler, job.scheduler_kwargs, job.warmup_steps, optimizer)
 
     @property
     def indices(self) -> list[int]:
@@ -199,10 +231,24 @@ class LayerSlice:
         if not train:
             return self._infer(x, micro_batch, step), None
         stash = Stash()
-        with torch.enable_grad(), rng.forked(self.device) as seed_layer:
+        params = {
+            p.untyped_storage().data_ptr() for m in self.layers.values() for p in m.parameters()
+        }
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                stash.saved.append(weakref.ref(t))
+            return t
+
+        with (
+            torch.enable_grad(),
+            rng.forked(self.device) as seed_layer,
+            torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
+        ):
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 need = input_grad or n > 0
+                shape: structure.Structure | None = None
                 if isinstance(x, torch.Tensor):  # the common case, without a detour
                     if x.is_floating_point():
                         x = x.detach().requires_grad_(need)
@@ -213,11 +259,21 @@ class LayerSlice:
                         t.detach().requires_grad_(need) if t.is_floating_point() else t for t in xs
                     ]
                     x = structure.unflatten(xs, shape)
-                seed_layer(rng.forward_seed(self.job.seed, step, micro_batch, i))
-                y = self._run_layer(i, layer, x, micro_batch)
-                stash.pairs.append(
-                    (xs, [y] if isinstance(y, torch.Tensor) else structure.tensors(y))
-                )
+                seed = rng.forward_seed(self.job.seed, step, micro_batch, i)
+                seed_layer(seed)
+                if self.job.recomputes(i):
+                    # Keeps only the inputs and the layer's seed: backward runs the forward
+                    # again (the same function) under the same seed: dropout masks match.
+                    stash.seeds[i] = seed
+                    stash.shapes[i] = shape
+                    with torch.no_grad():
+                        y = self._run_layer(i, layer, x, micro_batch)
+                    stash.pairs.append((xs, None))
+                else:
+                    y = self._run_layer(i, layer, x, micro_batch)
+                    stash.pairs.append(
+                        (xs, [y] if isinstance(y, torch.Tensor) else structure.tensors(y))
+                    )
                 x = y
         self.slowdown.pay()
         return x, stash
@@ -236,20 +292,57 @@ class LayerSlice:
         return x
 
     def _run_layer(self, i: int, layer: nn.Module, x: Value, micro_batch: int) -> Value:
+        y, seconds = self._forward_layer(i, layer, x, micro_batch)
+        self.timings[i].observe(seconds, None, structure.nbytes(y))
+        return y
+
+    def _forward_layer(
+        self, i: int, layer: nn.Module, x: Value, micro_batch: int
+    ) -> tuple[Value, float]:
+        """The one place a layer's forward runs: the first time and when recomputed."""
         try:
             y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync)
         except ElasticPipeError:
             raise
         except Exception as exc:  # the user's code may raise anything: report it as theirs
             raise _user_error("forward", i, layer, x, micro_batch, exc) from exc
-        if isinstance(y, torch.Tensor):
-            out = y.numel() * y.element_size()
-        else:
+        if not isinstance(y, torch.Tensor):
             where = f"layer {i} ({type(layer).__name__}) returned"
-            parts, _ = structure.flatten(y, where, ModelError)
-            out = sum(t.numel() * t.element_size() for t in parts)
-        self.timings[i].observe(seconds, None, out)
-        return y  # type: ignore[no-any-return]
+            structure.flatten(y, where, ModelError)
+        return y, seconds
+
+    def _recompute(
+        self, i: int, xs: list[torch.Tensor], stash: Stash, micro_batch: int
+    ) -> tuple[list[torch.Tensor], float]:
+        """Runs layer ``i``'s forward on its stashed inputs again, with the graph.
+
+        It runs under the seed of the first forward (``elasticpipe.rng``), in a fork of the
+        generators, so dropout masks match and the stage's random stream is left as it was.
+        The forward runs on copies of the layer's buffers (batch-norm statistics): the
+        first forward already updated them once, as training without recomputation does.
+
+        Returns:
+            The layer's outputs as a flat list of tensors, and the seconds it took.
+        """
+        seed = stash.seeds.pop(i)
+        x = structure.unflatten(xs, stash.shapes.pop(i, None))
+        layer = self.layers[i]
+        owners = [
+            (module, name, buffer)
+            for module in layer.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        for module, name, buffer in owners:
+            module._buffers[name] = buffer.clone()
+        try:
+            with torch.enable_grad(), rng.forked(self.device) as seed_layer:
+                seed_layer(seed)
+                y, seconds = self._forward_layer(i, layer, x, micro_batch)
+        finally:
+            for module, name, buffer in owners:
+                module._buffers[name] = buffer
+        return ([y] if isinstance(y, torch.Tensor) else structure.tensors(y)), seconds
 
     def _call(self, layer: nn.Module, x: Value) -> Any:
         """One layer's forward, under the job's autocast (``precision.py``)."""
@@ -275,9 +368,12 @@ class LayerSlice:
             UserCodeError: a layer's backward raised.
         """
         grads = structure.tensors(grad) if grad is not None else None
-        for i, (xs, ys) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+        for i, (xs, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
             if grads is None:
                 break
+            ys, again = kept, 0.0
+            if ys is None:
+                ys, again = self._recompute(i, xs, stash, micro_batch)
             outs, gs, n = [], [], 0  # the floating outputs that need their gradient
             for y in ys:
                 if y.is_floating_point():
@@ -299,17 +395,42 @@ class LayerSlice:
                 except Exception as exc:  # the user's code may raise anything
                     g = structure.grads_value(gs)
                     raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
-                self.timings[i].observe(None, seconds, 0)
+                self.timings[i].observe(None, seconds + again, 0)
             grads = _input_grads(xs)
         stash.pairs.clear()
+        stash.seeds.clear()
+        stash.shapes.clear()
         self.slowdown.pay()
         return structure.grads_value(grads) if grads is not None else None
 
-    def step(self) -> None:
-        """Applies the accumulated gradients (one optimizer step) and clears them."""
-        for opt in self.optimizers.values():
-            opt.step()
+    def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
+        """Applies the accumulated gradients (one optimizer step) and clears them; then
+        the learning-rate schedulers step.
+
+        Args:
+            clip: scale the gradients first, or skip the optimizer step (a non-finite
+                global norm: the schedulers still step, see ``elasticpipe.clipping``).
+        """
+        for i, opt in self.optimizers.items():
+            if not clip.skip:
+                if clip.coef:
+                    _scale_grads(self.layers[i].parameters(), clip.coef)
+                opt.step()
             opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers.values():
+            sched.step()
+
+    def grad_sq_norm(self) -> float:
+        """Sum of the squared norms of every owned layer's accumulated gradients."""
+        return sum(_sq_norm(self.layers[i].parameters()) for i in self.optimizers)
+
+    def lr(self) -> float:
+        """The learning rate the next optimizer step applies (the first owned layer with
+        parameters; every layer's schedule is the same); 0 with no such layer."""
+        for i in self.indices:
+            if i in self.optimizers:
+                return schedulers.current_lr(self.optimizers[i])
+        return 0.0
 
     def zero_grad(self) -> None:
         """Discards accumulated gradients (an aborted step)."""
@@ -332,11 +453,11 @@ class LayerSlice:
         }
         if include_optimizer and index in self.optimizers:
             state["optimizer"] = _tensors_to_cpu(self.optimizers[index].state_dict())
+        if include_optimizer and index in self.schedulers:
+            state["scheduler"] = schedulers.dumps(self.schedulers[index])
         return state
 
-    def load_layer(
-        self, index: int, state: dict[str, Any]
-    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def load_layer(self, index: int, state: dict[str, Any]) -> Built:
         """Builds a layer from exported state without installing it (staged).
 
         Raises:
@@ -356,6 +477,9 @@ class LayerSlice:
         except (RuntimeError, KeyError, TypeError) as exc:
             raise InvalidRequest(f"state of layer {index} does not fit the model: {exc}") from exc
         optimizer = self._optimizer(layer)
+        # The scheduler is built before the states are loaded (building sets the lr of
+        # step 0); loading the optimizer's state then sets the lr it had, as in PyTorch.
+        scheduler = self._scheduler(optimizer) if optimizer is not None else None
         if optimizer is not None and "optimizer" in state:
             try:
                 optimizer.load_state_dict(state["optimizer"])
@@ -363,21 +487,30 @@ class LayerSlice:
                 raise InvalidRequest(
                     f"optimizer state of layer {index} is unusable: {exc}"
                 ) from exc
-        return layer, optimizer
+        if scheduler is not None and "optimizer" in state:
+            text = state.get("scheduler")
+            if not isinstance(text, str):
+                raise InvalidRequest(
+                    f"state of layer {index} carries no scheduler state, but the job "
+                    f"schedules its learning rate ({self.job.scheduler or 'warm-up'})"
+                )
+            schedulers.loads(scheduler, text, index)
+        return Built(layer, optimizer, scheduler)
 
-    def install(
-        self, index: int, layer: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> None:
+    def install(self, index: int, built: Built) -> None:
         """Takes ownership of a staged layer."""
-        self.layers[index] = layer
-        if optimizer is not None:
-            self.optimizers[index] = optimizer
+        self.layers[index] = built.module
+        if built.optimizer is not None:
+            self.optimizers[index] = built.optimizer
+        if built.scheduler is not None:
+            self.schedulers[index] = built.scheduler
         self.timings.setdefault(index, LayerTiming())
 
     def drop(self, index: int) -> None:
         """Frees a layer that now lives elsewhere."""
         self.layers.pop(index, None)
         self.optimizers.pop(index, None)
+        self.schedulers.pop(index, None)
         self.timings.pop(index, None)
 
 
@@ -392,6 +525,28 @@ def _input_grads(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
             g = x.grad
             grads.append(g if g is not None else torch.zeros_like(x))
     return grads
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _sq_norm(params: Iterable[torch.Tensor]) -> float:
+    """Sum of the squared 2-norms of the parameters' gradients (float64; inf or nan kept)."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
+    return total
+
+
+def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
+    """Multiplies the gradients by ``coef`` in place, as ``clip_grad_norm_`` does (it
+    multiplies by the clamped coefficient even when that is 1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        scale = torch.tensor(coef, dtype=torch.float32, device=grads[0].device)
+        torch._foreach_mul_(grads, scale)
 
 
 def _tensors_cloned(obj: Any) -> Any:

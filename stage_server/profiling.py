@@ -113,7 +113,10 @@ def profile_layers(
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 out, stash = probe.forward(x, train=True, input_grad=index > 0)
             assert stash is not None
-            held = [*saved, *(t for pair in stash.pairs for ts in pair for t in ts)]
+            held = [
+                *saved,
+                *(t for pair in stash.pairs for ts in pair if ts is not None for t in ts),
+            ]
             stash_bytes = tensor_bytes(t for t in held if _storage(t) not in own)
             saved.clear()
             outs = structure.tensors(out)

@@ -20,6 +20,11 @@ Step protocol (the consistent cut of invariant 3 is "every stage IDLE")::
   lost).
 * Clients are fenced by generation: a request of a generation below the fence is refused
   (``Fenced``), so a client whose lease ran out can never commit after its successor.
+  Only the coordinator moves the fence (``fence_clients``, with the holder's name): a run,
+  commit or abort of a generation past it is refused too (``NotReady``; the stage asks
+  the coordinator first, in case it missed the fence), so no caller can fence out the
+  client that holds the job. An abort closes runs at most ``ABORT_WINDOW`` past the newest
+  run the stage has seen of the current generation, never arbitrary future runs.
 * AWAITING_COMMIT holds a lease of ``commit_lease_s``. When it runs out the stage asks for
   the run to be resolved (``Do.RESOLVE_RUN``): the coordinator applies "committed anywhere,
   so commit everywhere; else abort" once the client holding the job can no longer decide.
@@ -37,7 +42,7 @@ only the coordinator's store knows whether the commit point passed. An epoch tha
 back (recovery from a snapshot, a checkpoint load) also sets the committed step.
 
 Snapshots: the committed state is snapshotted at step 0, at every multiple of
-``snapshot_every``, and wherever an epoch rolled back to (``Do.SNAPSHOT``).
+``snapshot_every``, and at the first step of every new epoch (``Do.SNAPSHOT``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from elasticpipe import bounds
+from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     Fenced,
     InvalidRequest,
@@ -56,6 +62,8 @@ from elasticpipe.errors import (
     StaleEpoch,
     StepAborted,
 )
+
+ABORT_WINDOW = 1024  # an abort may close runs this far past the newest run seen
 
 
 class Phase(Enum):
@@ -91,6 +99,7 @@ class Effect:
     step: int = 0
     epoch: int = 0
     everything: bool = False
+    clip: GradClip = NO_CLIP  # APPLY_STEP: what to do to the gradients first
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,7 @@ class Decision:
     run: int
     step: int
     commit: bool
+    clip: GradClip = NO_CLIP  # a commit's gradient clipping
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,8 @@ class RunState:
     fence: int
     frozen_for: int
     prepared: bool
+    committed_clip: GradClip = NO_CLIP  # what the commit of ``committed_run`` clipped
+    holder: str = ""
 
 
 class StepMachine:
@@ -152,6 +164,7 @@ class StepMachine:
         self.epoch = 0
         self.committed_step = 0
         self.committed_run = 0
+        self.committed_clip = NO_CLIP
         self.phase = Phase.IDLE
         self.active_run = 0
         self.active_step = 0
@@ -159,6 +172,7 @@ class StepMachine:
         self.active_train = False
         self.lease_until = math.inf
         self.fence = 0
+        self.holder = ""  # the certificate name of the fence's client (mutual TLS)
         self.closed_below = 0
         self.frozen: Frozen | None = None
 
@@ -171,11 +185,13 @@ class StepMachine:
             epoch=self.epoch,
             committed_step=self.committed_step,
             committed_run=self.committed_run,
+            committed_clip=self.committed_clip,
             active_run=self.active_run,
             active_step=self.active_step,
             fence=self.fence,
             frozen_for=self.frozen.epoch if self.frozen else 0,
             prepared=bool(self.frozen and self.frozen.prepared),
+            holder=self.holder,
         )
 
     def check_epoch(self, epoch: int) -> None:
@@ -220,6 +236,11 @@ class StepMachine:
             raise Fenced(
                 f"fenced: {what} of client generation {client} refused by stage {self.name}, "
                 f"which follows generation {self.fence} (another client took over the job)"
+            )
+        if client > self.fence:
+            raise NotReady(
+                f"{what} of client generation {client} refused by stage {self.name}: the "
+                f"coordinator granted the job to generation {self.fence}, not {client}"
             )
 
     # ---- job -----------------------------------------------------------------------
@@ -291,10 +312,9 @@ class StepMachine:
         effects: list[Effect] = []
         if prior is not None:
             if prior.commit:
-                effects += self._commit(prior.run, prior.step)
+                effects += self._commit(prior.run, prior.step, prior.clip)
             else:
                 effects += self._abort_awaiting()
-        self.fence = max(self.fence, client)
         self.phase, self.active_run, self.active_step = Phase.RUNNING, run, step
         self.active_client, self.active_train = client, train
         return effects
@@ -324,8 +344,10 @@ class StepMachine:
             return [Effect(Do.DISCARD_GRADS), Effect(Do.CLOSE_RUNS, run=run)]
         return [Effect(Do.CLOSE_RUNS, run=run)]
 
-    def commit(self, epoch: int, run: int, step: int, client: int) -> list[Effect]:
-        """Commits the awaiting run: one optimizer step.
+    def commit(
+        self, epoch: int, run: int, step: int, client: int, clip: GradClip = NO_CLIP
+    ) -> list[Effect]:
+        """Commits the awaiting run: one optimizer step (its gradients clipped by ``clip``).
 
         Raises:
             Fenced / StaleEpoch: see above.
@@ -345,13 +367,16 @@ class StepMachine:
             raise InvalidRequest(
                 f"commit of run {run} names step {step}, but the run is step {self.active_step}"
             )
-        return self._commit(run, step)
+        return self._commit(run, step, clip)
 
-    def _commit(self, run: int, step: int) -> list[Effect]:
+    def _commit(self, run: int, step: int, clip: GradClip) -> list[Effect]:
         self.phase, self.lease_until = Phase.IDLE, math.inf
-        self.committed_step, self.committed_run = step, run
+        self.committed_step, self.committed_run, self.committed_clip = step, run, clip
         self.closed_below = max(self.closed_below, run + 1)
-        effects = [Effect(Do.APPLY_STEP, run=run, step=step), Effect(Do.CLOSE_RUNS, run=run)]
+        effects = [
+            Effect(Do.APPLY_STEP, run=run, step=step, clip=clip),
+            Effect(Do.CLOSE_RUNS, run=run),
+        ]
         if self.snapshot_every and step % self.snapshot_every == 0:
             effects.append(Effect(Do.SNAPSHOT, step=step))
         return effects
@@ -364,9 +389,17 @@ class StepMachine:
 
         Raises:
             Fenced: an older client's abort.
+            NotReady: a generation past the fence.
+            InvalidRequest: a run more than ``ABORT_WINDOW`` past the newest run seen.
         """
         self._check_client(client, f"abort of run {run}")
         self.check_run(run, client, older=True)
+        newest = max(self.active_run, self.committed_run, self.fence << bounds.RUN_ID_BITS)
+        if run > newest + ABORT_WINDOW:
+            raise InvalidRequest(
+                f"abort of run {run} refused by stage {self.name}: at most {ABORT_WINDOW} "
+                f"past the newest run it has seen ({newest})"
+            )
         if self.committed_run == run and run:
             return []  # committed here: the decision was commit, an abort comes too late
         self.closed_below = max(self.closed_below, run + 1)
@@ -391,12 +424,14 @@ class StepMachine:
             return self._abort_awaiting()
         return []
 
-    def fence_clients(self, client: int) -> list[Effect]:
-        """Refuses every request of a client generation below ``client`` from now on.
+    def fence_clients(self, client: int, holder: str = "") -> list[Effect]:
+        """Refuses every request of a client generation other than ``client`` from now on
+        (the coordinator's grant; an older one is ignored), held by ``holder``.
 
         A run of an older client that is still computing can never commit: it is woken.
         """
-        self.fence = max(self.fence, client)
+        if client >= self.fence:
+            self.fence, self.holder = client, holder
         woken = self.active_run < self.closed_below  # already told to stop
         if self.phase is Phase.RUNNING and self.active_client < self.fence and not woken:
             self.closed_below = self.active_run + 1
@@ -545,12 +580,14 @@ class StepMachine:
             self.committed_run = 0
             effects.append(Effect(Do.RESET_RUNS))
         if frozen.rollback:
-            effects += [
+            effects.append(
                 Effect(
                     Do.PRUNE_SNAPSHOTS, step=frozen.committed_step, everything=frozen.new_history
-                ),
-                Effect(Do.SNAPSHOT, step=frozen.committed_step),
-            ]
+                )
+            )
+        # Every epoch starts with a snapshot of its first step, copied along the new chain: a
+        # stage that left took its copies of its predecessor's snapshots with it.
+        effects.append(Effect(Do.SNAPSHOT, step=frozen.committed_step))
         return effects
 
     def abort_epoch(self, epoch: int) -> list[Effect]:

@@ -11,6 +11,7 @@ from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotRead
 from elasticpipe.logs import get_logger
 from elasticpipe.metrics import MetricsEndpoint
 from elasticpipe.serving import RunningServer, split_address, start_server
+from elasticpipe.stage_server.callers import Grant
 from elasticpipe.stage_server.protocol import Do, Effect
 from elasticpipe.stage_server.service import (
     StageServicer,
@@ -27,6 +28,7 @@ REGISTER_TIMEOUT_S = 5.0
 BACKOFF_START_S = 0.2
 BACKOFF_MAX_S = 2.0  # a restarted coordinator is found again within ~3 s
 QUESTION_TIMEOUT_S = 60.0
+GRANT_TIMEOUT_S = 5.0  # asked on a request's path: short
 
 
 class StageServer:
@@ -71,6 +73,7 @@ class StageServer:
         servicer.stage.config = config
         self.stage = servicer.stage
         self.stage.asker = self._ask
+        servicer.gate.ask = self._ask_grant
         log.info(
             "stage_listening",
             name=config.name,
@@ -218,6 +221,19 @@ class StageServer:
         if reply.reregister:
             log.warning("stage_reregistering", stage_id=self.stage_id, dead=reply.dead)
             self.stage_id = ""
+
+    def _ask_grant(self) -> Grant:
+        """Asks the coordinator which client drives the job (a missed Fence)."""
+        with rpc.channel(self.coordinator, self._config.tls) as chan:
+            reply = rpc.call(
+                self.coordinator,
+                coordinator_pb2_grpc.CoordinatorServiceStub(chan).JobClient,
+                coordinator_pb2.JobClientRequest(stage_id=self.stage_id),
+                timeout=GRANT_TIMEOUT_S,
+                unavailable=CoordinatorUnavailable,
+            )
+        log.info("job_client_learned", client=reply.client, holder=reply.holder)
+        return Grant(reply.job_id, reply.client, reply.holder)
 
     def _ask(self, question: Effect) -> None:
         """Asks the coordinator what a lease that ran out left undecided, and applies it."""

@@ -8,9 +8,11 @@ from collections.abc import Iterator
 import grpc
 
 from elasticpipe import bounds, bundle, codec
+from elasticpipe.clipping import GradClip
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
+from elasticpipe.stage_server import callers
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.layers import LayerTiming
 from elasticpipe.stage_server.mailbox import Slot
@@ -42,6 +44,18 @@ def timings_to_proto(timings: dict[int, LayerTiming]) -> list[stage_pb2.LayerTim
     ]
 
 
+def _clip(msg: stage_pb2.GradClip) -> GradClip:
+    """A commit's clipping from the wire.
+
+    Raises:
+        InvalidRequest: a coefficient outside [0, 1].
+    """
+    try:
+        return GradClip.from_proto(msg)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
 def state_to_proto(state: RunState) -> stage_pb2.RunState:
     """The step/epoch protocol state in wire form."""
     return stage_pb2.RunState(
@@ -54,6 +68,7 @@ def state_to_proto(state: RunState) -> stage_pb2.RunState:
         fence=state.fence,
         frozen_for=state.frozen_for,
         prepared=state.prepared,
+        committed_clip=state.committed_clip.to_proto(),
     )
 
 
@@ -78,15 +93,18 @@ class StageServicer:
 
     def __init__(self, stage: Stage):
         self.stage = stage
+        self.gate = callers.ClientGate(stage)  # the client granted the job, nobody else
 
     def _admit(
         self, header: stage_pb2.DataHeader, nbytes: int | None = None
     ) -> tuple[bundle.Assembler, Admitted]:
-        """Checks the declared tensor(s) (unless ``nbytes`` says it was done), the epoch,
-        the run and the room left, and reserves the room, before anything is allocated."""
+        """Checks the declared tensor(s) (unless ``nbytes`` says it was done), the caller,
+        the epoch, the run and the room left, and reserves the room, before anything is
+        allocated."""
         limit = self.stage.config.max_tensor_bytes
         if nbytes is None:
             nbytes = bundle.declared_bytes(header, limit)
+        self.gate.check(f"data of run {header.run}")
         admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
         return bundle.assembler(header, limit), admitted
 
@@ -164,7 +182,8 @@ class StageServicer:
         remaining = ctx.time_remaining()
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
         bounds.count(req.previous, "previous", bounds.MAX_DECISIONS)
-        previous = [Decision(d.run, d.step, d.commit) for d in req.previous]
+        self.gate.check(f"RunStep of run {req.run}", req.client)
+        previous = [Decision(d.run, d.step, d.commit, _clip(d.clip)) for d in req.previous]
         result = self.stage.run_step(
             req.epoch,
             req.run,
@@ -186,11 +205,14 @@ class StageServicer:
             timings=timings_to_proto(self.stage.timings()),
             forward_s=[result.forward_s[i] for i in sorted(result.forward_s)],
             backward_s=[result.backward_s[i] for i in sorted(result.backward_s)],
+            grad_sq_norm=result.grad_sq_norm,
+            lr=result.lr,
         )
 
     def FetchOutput(
         self, req: stage_pb2.FetchOutputRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.DataChunk]:
+        self.gate.check(f"FetchOutput of run {req.run}")
         value = self.stage.fetch_output(req.run, req.micro_batch)
         head = stage_pb2.DataHeader(
             epoch=self.stage.epoch, run=req.run, micro_batch=req.micro_batch
@@ -203,18 +225,23 @@ class StageServicer:
     def CommitStep(
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
+        self.gate.check(f"CommitStep of run {req.run}", req.client, coordinator_may=True)
         with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
-            committed = self.stage.commit_step(req.epoch, req.run, req.step, req.client)
+            committed = self.stage.commit_step(
+                req.epoch, req.run, req.step, req.client, _clip(req.clip)
+            )
         return stage_pb2.CommitStepResponse(committed_step=committed)
 
     def AbortStep(
         self, req: stage_pb2.AbortStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.Ack:
+        self.gate.check(f"AbortStep of run {req.run}", req.client, coordinator_may=True)
         self.stage.abort_step(req.run, req.reason[:500] or "aborted by the client", req.client)
         return stage_pb2.Ack()
 
     def Fence(self, req: stage_pb2.FenceRequest, ctx: grpc.ServicerContext) -> stage_pb2.RunState:
-        return state_to_proto(self.stage.fence(req.client))
+        bounds.text(req.holder, "holder")
+        return state_to_proto(self.stage.fence(req.client, req.holder))
 
     # ---- control ---------------------------------------------------------------------
 
@@ -305,6 +332,7 @@ class StageServicer:
         self, req: stage_pb2.ExportLayersRequest, ctx: grpc.ServicerContext
     ) -> Iterator[stage_pb2.LayerChunk]:
         bounds.count(req.layers, "layers", bounds.MAX_LAYERS)
+        self.gate.check("ExportLayers")  # a client's export: the holder's state_dict only
         snapshot = (req.job_id, req.snapshot_step) if req.from_snapshot else None
         for layer, blob in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
@@ -314,12 +342,16 @@ class StageServicer:
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext
     ) -> stage_pb2.RestoreResponse:
+        self.gate.check("RestoreLayers")
         first = next(chunks, None)
         if first is None:
             raise InvalidRequest("empty restore stream")
         builder = self.stage.check_restore(first.epoch)  # before a single layer is read
         overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
-        pieces = itertools.chain([first.chunk], (message.chunk for message in chunks))
+        pieces = callers.first_pieces(
+            itertools.chain([first.chunk], (message.chunk for message in chunks)),
+            self.stage.check_restored_layer,  # ownership, before the layer is assembled
+        )
         layers = []
         for layer, blob in codec.layer_blobs(pieces, self.stage.config.max_layer_bytes):
             self.stage.stage_restored(first.epoch, layer, blob, builder, overrides)
@@ -333,7 +365,9 @@ class StageServicer:
         if first is None or not first.source:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         generation = self.stage.snapshots.generation
-        pieces = (message.chunk for message in chunks)
+        layers = self.stage.check_copy_source(first.job_id, first.source)  # before any layer
+        check = callers.in_source_range(layers, first.source)
+        pieces = callers.first_pieces((m.chunk for m in chunks), check)
         blobs = dict(codec.layer_blobs(pieces, self.stage.config.max_layer_bytes))
         self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         return stage_pb2.Ack()

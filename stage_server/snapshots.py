@@ -1,6 +1,6 @@
 """Snapshots of committed layer state in host memory: this stage's own, and its peer's copy.
 
-At step 0, every ``snapshot_every`` committed steps and after every rollback, a stage
+At step 0, every ``snapshot_every`` committed steps and at the first step of every epoch, a stage
 captures the full state of its layers (weights, optimizer state, buffers) at the step
 boundary -- a clone, so training goes on at once -- and a background thread packs it and
 pushes a copy to the next stage of the chain. A recovery restores lost layers from

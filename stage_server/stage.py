@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from elasticpipe import bounds, capacity, codec, models, rpc, structure
+from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -32,9 +34,10 @@ from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import forward_ops, stage_ops
 from elasticpipe.stage_server import transfers
+from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
-from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
+from elasticpipe.stage_server.layers import Built, LayerSlice, LayerTiming, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
 from elasticpipe.stage_server.profiling import profile_layers
@@ -60,7 +63,7 @@ SNAPSHOT_PUSH_TIMEOUT_S = 120.0
 ABORT_WAIT_S = 10.0
 EXTEND_MARGIN_S = 30.0
 
-Layers = dict[int, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
+Layers = dict[int, Built]
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class Stage:
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
                 try:
-                    self.slice.step()
+                    self.slice.step(e.clip)
                 except Exception as exc:
                     # Some layers may have stepped and others not: this stage's state is
                     # no longer any step's. It gives up its job; recovery rolls back.
@@ -387,6 +390,10 @@ class Stage:
                 self._apply(self.machine.fail_run(run))
                 raise
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
+            if train:
+                result.lr = self.slice.lr()
+                if self.job is not None and self.job.max_grad_norm:
+                    result.grad_sq_norm = self.slice.grad_sq_norm()
             if not train:
                 self._outputs = (run, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)
@@ -404,13 +411,15 @@ class Stage:
                 )
             return outputs[micro_batch]
 
-    def commit_step(self, epoch: int, run: int, step: int, client: int = 0) -> int:
-        """Applies the run's accumulated gradients: one optimizer step."""
+    def commit_step(
+        self, epoch: int, run: int, step: int, client: int = 0, clip: GradClip = NO_CLIP
+    ) -> int:
+        """Applies the run's accumulated gradients (clipped by ``clip``): one optimizer step."""
         if self.faults.drops_commit(run):
             raise StageUnavailable(f"commit of run {run} lost on the way (injected fault)")
         self.faults.point("commit")
         with self._cond:
-            self._apply(self.machine.commit(epoch, run, step, client))
+            self._apply(self.machine.commit(epoch, run, step, client, clip))
             return self.machine.committed_step
 
     def abort_step(self, run: int, reason: str, client: int = 0) -> None:
@@ -426,10 +435,11 @@ class Stage:
             )
         log.debug("run_aborted", run=run, reason=reason)
 
-    def fence(self, client: int) -> RunState:
-        """Refuses older clients from now on; says where the stage is."""
+    def fence(self, client: int, holder: str = "") -> RunState:
+        """Follows client generation ``client``, held by ``holder`` (the coordinator's
+        grant), and refuses older clients from now on; says where the stage is."""
         with self._cond:
-            self._apply(self.machine.fence_clients(client))
+            self._apply(self.machine.fence_clients(client, holder))
             return self.machine.state()
 
     # ---- epoch changes -----------------------------------------------------------------
@@ -577,9 +587,9 @@ class Stage:
         if staged.new_slice is not None:
             self.job, self.slice = staged.job, staged.new_slice
         assert self.slice is not None
-        for index, (layer, optimizer) in staged.layers.items():
+        for index, built in staged.layers.items():
             self.slice.drop(index)
-            self.slice.install(index, layer, optimizer)
+            self.slice.install(index, built)
         for index in [i for i in self.slice.layers if i not in staged.placement.layers]:
             self.slice.drop(index)
         self._set_placement(staged.placement)
@@ -624,7 +634,14 @@ class Stage:
             layers: which layers.
             include_optimizer: with optimizer state.
             snapshot: (job id, step) to export a snapshot held here instead.
+
+        Raises:
+            InvalidRequest: a layer asked for twice.
+            NotReady: a layer not owned (or not held), or the state moved on meanwhile.
         """
+        repeated = sorted(i for i, n in Counter(layers).items() if n > 1)
+        if repeated:
+            raise InvalidRequest(f"layers {repeated} asked for more than once")
         if snapshot is not None:
             job_id, step = snapshot
             for layer in layers:
@@ -647,8 +664,15 @@ class Stage:
                     f"stage {self.config.name} does not own layers {missing} "
                     f"(owns {self.slice.indices})"
                 )
-            states = [self.slice.export_layer(i, include_optimizer) for i in layers]
-        for i, state in zip(layers, states, strict=True):
+            at = (self.machine.epoch, self.machine.committed_step)
+        for i in layers:  # one layer in memory at a time, all of the same committed state
+            with self._cond:
+                if (self.machine.epoch, self.machine.committed_step) != at or self.slice is None:
+                    raise NotReady(
+                        f"stage {self.config.name} moved past epoch {at[0]}, step {at[1]} "
+                        "during the export: export again"
+                    )
+                state = self.slice.export_layer(i, include_optimizer)
             yield i, codec.pack_state(state)
 
     def check_restore(self, epoch: int) -> LayerSlice:
@@ -662,6 +686,19 @@ class Stage:
             if self.slice is None or self.job is None:
                 raise NotReady(f"stage {self.config.name} has no job assigned")
             return self._new_slice(self.job)
+
+    def check_restored_layer(self, index: int) -> None:
+        """Checks a checkpointed layer is this stage's, at its first chunk.
+
+        Raises:
+            NotReady: naming the layer and the layers owned.
+        """
+        with self._cond:
+            owned = self.placement.layers if self.placement is not None else range(0)
+        if index not in owned:
+            raise NotReady(
+                f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
+            )
 
     def stage_restored(
         self,
@@ -692,8 +729,8 @@ class Stage:
         if not isinstance(state, dict):
             raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
         built = builder.load_layer(index, state)
-        if overrides and built[1] is not None:
-            for group in built[1].param_groups:
+        if overrides and built.optimizer is not None:
+            for group in built.optimizer.param_groups:
                 unknown = sorted(set(overrides) - set(group))
                 if unknown:
                     raise InvalidRequest(
@@ -729,6 +766,14 @@ class Stage:
 
     def _push_copy(self, peer: str, capture: Capture, blobs: Sequence[tuple[int, bytes]]) -> None:
         transfers.push_snapshot(self._peers, peer, capture, blobs, SNAPSHOT_PUSH_TIMEOUT_S)
+
+    def check_copy_source(self, job_id: str, source: str) -> range:
+        """Checks, before any layer arrives, that a pushed copy is of this job and from a
+        stage of the chain (with TLS: the caller); returns the layers it may hold."""
+        with self._cond:
+            chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
+            check_copy(job_id, self.job.job_id if self.job else "", source, chain)
+            return check_source(source, self.placement)
 
     def keep_copy(
         self, job_id: str, step: int, source: str, blobs: dict[int, bytes], generation: int

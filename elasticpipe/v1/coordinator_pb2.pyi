@@ -539,6 +539,54 @@ class ResolveRunResponse(_message.Message):
 Global___ResolveRunResponse: _TypeAlias = ResolveRunResponse  # noqa: Y015
 
 @_typing.final
+class JobClientRequest(_message.Message):
+    """Which client generation drives the job, and who holds it (a stage that missed a Fence)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_ID_FIELD_NUMBER: _builtins.int
+    stage_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        stage_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stage_id", b"stage_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobClientRequest: _TypeAlias = JobClientRequest  # noqa: Y015
+
+@_typing.final
+class JobClientResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    client: _builtins.int
+    """the newest client generation granted (every stage follows it)"""
+    holder: _builtins.str
+    """its holder's certificate name with mutual TLS ("" if none)"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        client: _builtins.int = ...,
+        holder: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "holder", b"holder", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobClientResponse: _TypeAlias = JobClientResponse  # noqa: Y015
+
+@_typing.final
 class EpochOutcomeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -99,6 +99,11 @@ class CoordinatorServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
+        self.JobClient = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/JobClient',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.JobClientRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.JobClientResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/elasticpipe.v1.CoordinatorService/Status',
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
@@ -228,6 +233,12 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JobClient(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Admin.
         """
@@ -352,6 +363,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'JobClient': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobClient,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.JobClientRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.JobClientResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -750,6 +766,33 @@ class CoordinatorService:
             '/elasticpipe.v1.CoordinatorService/Leave',
             elasticpipe_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
             elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobClient(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/JobClient',
+            elasticpipe_dot_v1_dot_coordinator__pb2.JobClientRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.JobClientResponse.FromString,
             options,
             channel_credentials,
             insecure,

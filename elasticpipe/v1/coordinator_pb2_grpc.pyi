@@ -45,6 +45,7 @@ class CoordinatorServiceStub:
     """From stages."""
     EpochOutcome: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.EpochOutcomeRequest, _coordinator_pb2.EpochOutcomeResponse]
     Leave: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveRequest, _coordinator_pb2.RebalanceResponse]
+    JobClient: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JobClientRequest, _coordinator_pb2.JobClientResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]
     """Admin."""
     Plan: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRequest, _coordinator_pb2.PlanResponse]
@@ -75,6 +76,7 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """From stages."""
     EpochOutcome: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.EpochOutcomeRequest, _coordinator_pb2.EpochOutcomeResponse]  # type: ignore[assignment]
     Leave: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveRequest, _coordinator_pb2.RebalanceResponse]  # type: ignore[assignment]
+    JobClient: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JobClientRequest, _coordinator_pb2.JobClientResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]  # type: ignore[assignment]
     """Admin."""
     Plan: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRequest, _coordinator_pb2.PlanResponse]  # type: ignore[assignment]
@@ -180,6 +182,13 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.LeaveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RebalanceResponse, _abc.Awaitable[_coordinator_pb2.RebalanceResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def JobClient(
+        self,
+        request: _coordinator_pb2.JobClientRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.JobClientResponse, _abc.Awaitable[_coordinator_pb2.JobClientResponse]]: ...
 
     @_abc_1.abstractmethod
     def Status(

@@ -38,6 +38,13 @@ class JobSpec(_message.Message):
     SNAPSHOT_EVERY_FIELD_NUMBER: _builtins.int
     EXTERNAL_WEIGHTS_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
+    SCHEDULER_FIELD_NUMBER: _builtins.int
+    SCHEDULER_KWARGS_JSON_FIELD_NUMBER: _builtins.int
+    WARMUP_STEPS_FIELD_NUMBER: _builtins.int
+    MAX_GRAD_NORM_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_ALL_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_FIELD_NUMBER: _builtins.int
+    WIRE_DTYPE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     model: _builtins.str
     """built-in name ("mlp", "gpt", "cnn") or "package.module:function" """
@@ -62,12 +69,27 @@ class JobSpec(_message.Message):
     """The client streams the initial weights (init_state): layers need no reset_parameters()."""
     precision: _builtins.str
     """"fp32" (or empty), "bf16": autocast, float32 master weights"""
+    scheduler: _builtins.str
+    """torch.optim.lr_scheduler class ("": constant lr)"""
+    scheduler_kwargs_json: _builtins.str
+    warmup_steps: _builtins.int
+    """linear warm-up before the scheduler (0: none)"""
+    max_grad_norm: _builtins.float
+    """global-norm gradient clipping (0: none)"""
+    recompute_all: _builtins.bool
+    """recompute every layer's forward during backward"""
+    wire_dtype: _builtins.str
+    """"bf16" / "fp16": activations and gradients between stages"""
     @_builtins.property
     def sample_input(self) -> _tensor_pb2.Tensor:
         """one micro-batch of real inputs, for the profiling pass"""
 
     @_builtins.property
     def sample_parts(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]: ...
+    @_builtins.property
+    def recompute(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """or only these layers'"""
+
     def __init__(
         self,
         *,
@@ -86,10 +108,17 @@ class JobSpec(_message.Message):
         snapshot_every: _builtins.int = ...,
         external_weights: _builtins.bool = ...,
         precision: _builtins.str = ...,
+        scheduler: _builtins.str = ...,
+        scheduler_kwargs_json: _builtins.str = ...,
+        warmup_steps: _builtins.int = ...,
+        max_grad_norm: _builtins.float = ...,
+        recompute_all: _builtins.bool = ...,
+        recompute: _abc.Iterable[_builtins.int] | None = ...,
+        wire_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "job_id", b"job_id", "loss", b"loss", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "seed", b"seed", "snapshot_every", b"snapshot_every"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -293,24 +293,56 @@ class StepDecision(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    CLIP_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     step: _builtins.int
     commit: _builtins.bool
     """false: aborted"""
+    @_builtins.property
+    def clip(self) -> Global___GradClip:
+        """what the commit does to the gradients first"""
+
     def __init__(
         self,
         *,
         run: _builtins.int = ...,
         step: _builtins.int = ...,
         commit: _builtins.bool = ...,
+        clip: Global___GradClip | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "run", b"run", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip", "commit", b"commit", "run", b"run", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepDecision: _TypeAlias = StepDecision  # noqa: Y015
+
+@_typing.final
+class GradClip(_message.Message):
+    """Global-norm gradient clipping, decided by the client from every stage's squared norm."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COEF_FIELD_NUMBER: _builtins.int
+    SKIP_FIELD_NUMBER: _builtins.int
+    coef: _builtins.float
+    """multiply the accumulated gradients by this (0: not clipped)"""
+    skip: _builtins.bool
+    """the global norm was not finite: no optimizer step"""
+    def __init__(
+        self,
+        *,
+        coef: _builtins.float = ...,
+        skip: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coef", b"coef", "skip", b"skip"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GradClip: _TypeAlias = GradClip  # noqa: Y015
 
 @_typing.final
 class RunStepRequest(_message.Message):
@@ -419,6 +451,8 @@ class StepReport(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     FORWARD_S_FIELD_NUMBER: _builtins.int
     BACKWARD_S_FIELD_NUMBER: _builtins.int
+    GRAD_SQ_NORM_FIELD_NUMBER: _builtins.int
+    LR_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     peak_stashed: _builtins.int
     """most micro-batches whose activations were alive at once"""
@@ -426,6 +460,10 @@ class StepReport(_message.Message):
     compute_s: _builtins.float
     """time spent computing (slowdown included)"""
     wall_s: _builtins.float
+    grad_sq_norm: _builtins.float
+    """training with clipping: sum of squared gradient norms"""
+    lr: _builtins.float
+    """the learning rate this step applies (first layer's)"""
     @_builtins.property
     def losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """last stage only: scaled loss of each micro-batch"""
@@ -452,10 +490,12 @@ class StepReport(_message.Message):
         timings: _abc.Iterable[Global___LayerTiming] | None = ...,
         forward_s: _abc.Iterable[_builtins.float] | None = ...,
         backward_s: _abc.Iterable[_builtins.float] | None = ...,
+        grad_sq_norm: _builtins.float = ...,
+        lr: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "losses", b"losses", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "grad_sq_norm", b"grad_sq_norm", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -491,10 +531,13 @@ class CommitStepRequest(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     CLIENT_FIELD_NUMBER: _builtins.int
+    CLIP_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
     client: _builtins.int
+    @_builtins.property
+    def clip(self) -> Global___GradClip: ...
     def __init__(
         self,
         *,
@@ -502,10 +545,11 @@ class CommitStepRequest(_message.Message):
         run: _builtins.int = ...,
         step: _builtins.int = ...,
         client: _builtins.int = ...,
+        clip: Global___GradClip | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "run", b"run", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "clip", b"clip", "epoch", b"epoch", "run", b"run", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -562,15 +606,19 @@ class FenceRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLIENT_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
     client: _builtins.int
+    holder: _builtins.str
+    """with mutual TLS: the certificate name of the client holding"""
     def __init__(
         self,
         *,
         client: _builtins.int = ...,
+        holder: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "holder", b"holder"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -591,6 +639,7 @@ class RunState(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     FROZEN_FOR_FIELD_NUMBER: _builtins.int
     PREPARED_FIELD_NUMBER: _builtins.int
+    COMMITTED_CLIP_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
     """"idle", "running", "awaiting_commit" """
     epoch: _builtins.int
@@ -603,6 +652,10 @@ class RunState(_message.Message):
     frozen_for: _builtins.int
     """epoch of a change in progress (0: none)"""
     prepared: _builtins.bool
+    @_builtins.property
+    def committed_clip(self) -> Global___GradClip:
+        """the clipping ``committed_run`` applied"""
+
     def __init__(
         self,
         *,
@@ -615,10 +668,11 @@ class RunState(_message.Message):
         fence: _builtins.int = ...,
         frozen_for: _builtins.int = ...,
         prepared: _builtins.bool = ...,
+        committed_clip: Global___GradClip | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["committed_clip", b"committed_clip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_run", b"active_run", "active_step", b"active_step", "committed_run", b"committed_run", "committed_step", b"committed_step", "epoch", b"epoch", "fence", b"fence", "frozen_for", b"frozen_for", "phase", b"phase", "prepared", b"prepared"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_run", b"active_run", "active_step", b"active_step", "committed_clip", b"committed_clip", "committed_run", b"committed_run", "committed_step", b"committed_step", "epoch", b"epoch", "fence", b"fence", "frozen_for", b"frozen_for", "phase", b"phase", "prepared", b"prepared"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -632,17 +686,28 @@ class Peer(_message.Message):
 
     STAGE_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    LAYER_LO_FIELD_NUMBER: _builtins.int
+    LAYER_HI_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     address: _builtins.str
+    name: _builtins.str
+    """in Assignment.chain: the stage's registered name"""
+    layer_lo: _builtins.int
+    """in Assignment.chain: the layers it owns, [layer_lo, layer_hi)"""
+    layer_hi: _builtins.int
     def __init__(
         self,
         *,
         stage_id: _builtins.str = ...,
         address: _builtins.str = ...,
+        name: _builtins.str = ...,
+        layer_lo: _builtins.int = ...,
+        layer_hi: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "stage_id", b"stage_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "name", b"name", "stage_id", b"stage_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,6 +22,7 @@ from elasticpipe.client.pipeline import Pipeline, StepStats
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import (
     CoordinatorUnavailable,
+    ElasticPipeError,
     InvalidRequest,
     ModelError,
     PermissionDenied,
@@ -29,6 +30,7 @@ from elasticpipe.errors import (
     UserCodeError,
 )
 from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,7 +45,7 @@ def cluster() -> Iterator[LocalCluster]:
     """Three stages allowing the tests' factories; rebalancing only on request."""
     with LocalCluster(
         stages=3,
-        stage_args=["--allow-models", ALLOWED],
+        stage_args=["--allow-models", ALLOWED, "--enable-fault-injection"],
         coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"],
     ) as c:
         yield c
@@ -178,6 +180,41 @@ def test_too_few_stages_are_waited_for_then_named(cluster: LocalCluster) -> None
     assert "need 5 live stages, have 3" in message and "stages=3" in message
     for name in ("stage-0", "stage-1", "stage-2"):
         assert name in message
+    log = (cluster.log_dir / "coordinator.log").read_text()
+    assert "waiting for 2 more stages: 3 of 5 live" in log
+
+
+def test_too_few_layers_say_which_stages_would_do(cluster: LocalCluster) -> None:
+    """A model of 3 layers on 3+ stages asked for 4: refused, saying stages=3 would do."""
+    with (
+        Pipeline(
+            coordinator=cluster.coordinator,
+            model="mlp",
+            model_kwargs={"sizes": [8, 16, 4]},
+            stages=3,
+        ) as ok,
+    ):
+        assert ok.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,))) > 0
+    cluster.add_stage("extra")
+    try:
+        with (
+            Pipeline(
+                coordinator=cluster.coordinator,
+                model="mlp",
+                model_kwargs={"sizes": [8, 16, 4]},
+                stages=4,
+            ) as pipe,
+            pytest.raises(ElasticPipeError, match="too few layers") as info,
+        ):
+            pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+        assert "stages=3 or fewer" in str(info.value)
+        cluster.kill("extra")
+        cluster.add_stage("extra")  # the same name again: a new incarnation
+        log = (cluster.log_dir / "coordinator.log").read_text()
+        came_back = [line for line in log.splitlines() if "stage_came_back" in line]
+        assert came_back and "extra" in came_back[-1], came_back
+    finally:
+        cluster.kill("extra")
 
 
 def test_stages_that_import_different_factory_code_are_refused(tmp_path: Path) -> None:
@@ -409,6 +446,24 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
     dead stage."""
     with Pipeline(coordinator=cluster.coordinator, model="mlp", model_kwargs=MLP, stages=2) as pipe:
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+        status = cluster.status()
+        assert status.factory_file.endswith("models.py")
+        assert len(status.factory_sha256) == 64
+        shown = admin(cluster, "status")
+        assert status.factory_file in shown.stdout and status.factory_sha256[:12] in shown.stdout
+        # A move whose transfer fails its checksum: abandoned, and recorded as such.
+        lo, mid, hi = pipe.partition.boundaries
+        receiver = pipe.partition.addresses[0 if mid + 1 < hi else 1]
+        target = mid + 1 if mid + 1 < hi else mid - 1
+        with grpc.insecure_channel(receiver) as channel:
+            stage_pb2_grpc.StageServiceStub(channel).InjectFault(
+                stage_pb2.FaultRequest(fault=stage_pb2.CORRUPT_NEXT_IMPORT), timeout=10
+            )
+        failed = admin(cluster, "set-partition", f"{lo}:{target},{target}:{hi}")
+        assert failed.returncode != 0 and "CRC-32" in failed.stderr, failed.stderr
+        abandoned = cluster.status().history[-1]
+        assert abandoned.kind == "abandoned" and "move abandoned" in abandoned.reason
+        assert pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,))) > 0
         spare = next(s.name for s in cluster.status().stages if s.state == "spare")
         cluster.kill(spare)
         deadline = time.monotonic() + 30
@@ -433,6 +488,9 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
         every = json.loads(admin(cluster, "status", "--json", "--all").stdout)["history"]
         assert {r["job_id"] for r in mine} == {pipe.partition.job_id}
         assert len(every) > len(mine)
+        assert "abandoned" in [r["kind"] for r in mine]
+        numbers = sorted(r["epoch"] for r in every)
+        assert numbers == list(range(numbers[0], numbers[-1] + 1)), numbers  # no gap
     cluster.add_stage(spare)
 
 

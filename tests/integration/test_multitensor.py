@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import LocalPipeline, bundle, codec, models, rpc
+from elasticpipe import LocalPipeline, bundle, codec, models, rpc, structure, wire
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.server import CoordinatorServer
@@ -329,3 +329,62 @@ def test_malformed_multi_tensor_messages_get_precise_statuses(
         err = refused(big, b"")
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(1 << 20) in err.details()
         assert pipe.train_step(torch.randn(4, 12), torch.randint(0, 6, (4,))) > 0
+
+
+def _with_cuts(model: torch.nn.Sequential, boundaries: list[int]) -> torch.nn.Module:
+    """The local reference of a bf16 wire: each float32 tensor of the (hidden, mask) tuple
+    or dict rounded at each cut, forward and backward; integers and bools untouched."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return wire.cast(t, "bf16") if t.dtype == torch.float32 else t
+
+    class Cut(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return structure.apply(x, cast)
+
+    layers: list[torch.nn.Module] = []
+    for i, layer in enumerate(model):
+        if i in boundaries[1:-1]:
+            layers.append(Cut())
+        layers.append(layer)
+    return torch.nn.Sequential(*layers)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_bf16_wire_and_recompute_with_several_tensors_equal_the_local_cast(
+    cluster: LocalCluster, as_dict: bool
+) -> None:
+    """wire_dtype="bf16" with every layer recomputed: each floating tensor of a tuple or
+    dict is rounded at the cuts (the bool mask and the ids travel as they are), and the
+    weights equal a local model rounding at the same cuts."""
+    kwargs = {"as_dict": as_dict}
+    batches = _batches(3, as_dict=as_dict)
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model=MASKED,
+        model_kwargs=kwargs,
+        seed=2,
+        optimizer="sgd",
+        optimizer_kwargs=SGD,
+        micro_batches=3,
+        stages=3,
+        wire_dtype="bf16",
+        recompute=True,
+    ) as pipe:
+        pipe.train_step(*batches[0])
+        boundaries = list(pipe.partition.boundaries)
+        for x, y in batches[1:]:
+            pipe.train_step(x, y)
+        state = pipe.state_dict()
+    assert list(pipe.partition.boundaries) == boundaries and len(boundaries) == 4
+    reference = _with_cuts(models.build(MASKED, seed=2, allow=[ALLOWED], **kwargs), boundaries)
+    plain = models.build(MASKED, seed=2, allow=[ALLOWED], **kwargs)
+    for model in (reference, plain):
+        optimizer = torch.optim.SGD(model.parameters(), **SGD)
+        for x, y in batches:
+            reference_step(model, optimizer, "cross_entropy", x, y)
+    want = dict(zip(plain.state_dict(), reference.state_dict().values(), strict=True))
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, msg=key)
+    assert any(not torch.equal(want[k], v) for k, v in plain.state_dict().items())

@@ -330,6 +330,9 @@ def shell_commands(path: Path) -> list[ShellCommand]:
                 variables[assignment.group(1)] = value[0] if value else ""
                 continue
             words = shlex.split(shell_expand(command, variables), comments=True)
+            for operator in ("|", ">", ">>", "<", "&&", "||", ";"):  # the first command only
+                if operator in words:
+                    words = words[: words.index(operator)]
             if words:
                 where = f"{path.relative_to(REPO)}:{first + number}"
                 found.append(ShellCommand(where, words, dict(variables)))

@@ -113,3 +113,37 @@ def test_missing_model_on_the_wire_is_invalid() -> None:
     """A spec without a model is refused."""
     with pytest.raises(InvalidRequest, match="no model"):
         JobConfig.from_proto(job_pb2.JobSpec())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("scheduler", "LambdaLR", "unknown scheduler 'LambdaLR'"),
+        ("wire_dtype", "int8", "unknown wire_dtype 'int8'"),
+        ("max_grad_norm", float("nan"), "max_grad_norm"),
+        ("scheduler_kwargs_json", "[1]", "scheduler_kwargs must be a JSON object"),
+    ],
+)
+def test_a_job_spec_with_bad_trainer_options_is_refused(
+    field: str, value: object, message: str
+) -> None:
+    """What a stage receives is checked there too (a client may be anyone)."""
+    spec = JobConfig(model="mlp").to_proto()
+    setattr(spec, field, value)
+    with pytest.raises(InvalidRequest, match=message):
+        JobConfig.from_proto(spec)
+
+
+def test_trainer_options_round_trip_through_the_wire_form() -> None:
+    """Scheduler, warm-up, clipping, recompute and wire dtype survive to_proto/from_proto."""
+    job = JobConfig(
+        model="mlp",
+        scheduler="StepLR",
+        scheduler_kwargs={"step_size": 3},
+        warmup_steps=5,
+        max_grad_norm=1.5,
+        recompute=(4, 1),
+        wire_dtype="bf16",
+    )
+    again = JobConfig.from_proto(job.to_proto())
+    assert again == job and again.recompute == (1, 4) and again.recomputes(4)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elasticpipe.clipping import GradClip
 from elasticpipe.errors import (
     ElasticPipeError,
     Fenced,
@@ -16,7 +17,14 @@ from elasticpipe.errors import (
     StaleEpoch,
     StepAborted,
 )
-from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, StepMachine
+from elasticpipe.stage_server.protocol import (
+    ABORT_WINDOW,
+    Decision,
+    Do,
+    Effect,
+    Phase,
+    StepMachine,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,6 +39,7 @@ def R(n: int) -> int:
 def machine(snapshot_every: int = 0) -> StepMachine:
     m = StepMachine("s0", commit_lease_s=LEASE, ask_interval_s=2.0)
     m.assign(epoch=1, snapshot_every=snapshot_every)
+    m.fence_clients(1, "trainer")  # the coordinator granted the job to client generation 1
     return m
 
 
@@ -164,6 +173,20 @@ def test_the_next_run_carries_a_lost_commit() -> None:
     assert (m.committed_step, m.phase, m.active_run) == (1, Phase.RUNNING, R(6))
 
 
+def test_a_commit_and_a_carried_commit_apply_their_clip() -> None:
+    """The clipping decided for a run reaches the optimizer step however the commit
+    arrives, and the state says which clipping the committed run applied."""
+    clip = GradClip(coef=0.25)
+    m = machine()
+    awaiting(m)
+    (apply, _) = m.commit(1, R(5), 1, 1, clip)
+    assert (apply.do, apply.clip, m.state().committed_clip) == (Do.APPLY_STEP, clip, clip)
+    awaiting(m, run=R(6), step=2)
+    skip = GradClip(skip=True)
+    effects = m.begin_run(1, R(7), 3, 1, True, [Decision(R(6), 2, True, skip)])
+    assert effects[0].clip == skip and m.state().committed_clip == skip
+
+
 def test_the_next_run_carries_a_lost_abort() -> None:
     """A stage still awaiting an aborted run discards it when the retry says so (picking
     its run's decision among the several a client may carry)."""
@@ -209,11 +232,40 @@ def test_fencing_wakes_a_run_of_an_older_client() -> None:
     assert m.fence_clients(2) == []  # no longer the newest: nothing more
 
 
-def test_a_newer_client_raises_the_fence_by_running() -> None:
-    """A run of a newer generation fences the older ones."""
+def test_only_the_coordinators_fence_admits_a_newer_client() -> None:
+    """A run, commit or abort of a generation past the fence is refused and moves
+    nothing: only the coordinator's fence (with the holder) lets a newer client in."""
     m = machine()
+    awaiting(m, client=1)
+    for call in (
+        lambda: m.begin_run(1, (3 << 40) + 5, 0, 3, False, []),
+        lambda: m.commit(1, R(5), 1, 3),
+        lambda: m.abort(((3 + 17) << 40) - 1, 3),
+    ):
+        before = vars(m).copy()
+        with pytest.raises(NotReady, match="granted the job to generation 1, not 3"):
+            call()
+        assert vars(m) == before
+    m.abort(R(5), 1)
+    m.fence_clients(3, "other")
+    assert (m.fence, m.holder) == (3, "other")
+    m.fence_clients(2, "late")  # an older grant arriving late changes nothing
+    assert (m.fence, m.holder) == (3, "other")
     m.begin_run(1, (3 << 40) + 5, 0, 3, False, [])
-    assert m.fence == 3
+    assert m.phase is Phase.RUNNING
+
+
+def test_an_abort_closes_runs_only_near_the_newest_run_seen() -> None:
+    """An abort of the current generation may close runs a little ahead (a RunStep lost
+    on the way), never arbitrary future runs."""
+    m = machine()
+    awaiting(m, run=R(5))
+    far = R(5 + ABORT_WINDOW + 1)
+    with pytest.raises(InvalidRequest, match=f"at most {ABORT_WINDOW} past"):
+        m.abort(far, 1)
+    assert m.closed_below == 0 and m.phase is Phase.AWAITING_COMMIT
+    assert kinds(m.abort(R(5 + ABORT_WINDOW), 1)) == [Do.CLOSE_RUNS]
+    assert m.closed_below == R(5 + ABORT_WINDOW) + 1
 
 
 # ---- leases -------------------------------------------------------------------------
@@ -273,7 +325,7 @@ def test_an_epoch_change_freezes_prepares_and_commits() -> None:
     m = machine()
     assert m.freeze(2, 60.0, now=0.0) == []
     m.prepared(2, 0, now=0.0, lease_s=60.0)
-    assert kinds(m.commit_epoch(2)) == [Do.INSTALL_STAGED]
+    assert m.commit_epoch(2) == [Effect(Do.INSTALL_STAGED, epoch=2), Effect(Do.SNAPSHOT, step=0)]
     assert (m.epoch, m.frozen) == (2, None)
     assert m.commit_epoch(2) == []  # a retried CommitEpoch
 
@@ -454,7 +506,7 @@ def test_run_ids_belong_to_their_client_and_stay_near_the_fence() -> None:
         m.begin_run(1, (2 << 40) + 5, 1, 1, True, [])
     with pytest.raises(InvalidRequest, match="not the caller's 1"):
         m.abort(2**64 - 1, 1)
-    m.check_run((16 << 40) + 3)  # a newer client's data may arrive first
+    m.check_run(((m.fence + 16) << 40) + 3)  # a newer client's data may arrive first
     with pytest.raises(InvalidRequest, match="more than 16 past"):
-        m.check_run((17 << 40) + 3)
+        m.check_run(((m.fence + 17) << 40) + 3)
     assert m.closed_below == 0

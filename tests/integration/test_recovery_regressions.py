@@ -1,0 +1,255 @@
+"""Regressions of failures that used to end a job, with real processes and real SIGKILLs.
+
+Each case is one a reviewer reproduced: a script killed in the middle of a checkpoint
+load, a graceful leave followed by a crash, a crash right after a resume, a chain with no
+spare left, and a migration's sender killed. Each trains the failure-free scenario and
+requires its losses and final weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.v1 import coordinator_pb2, stage_pb2
+from tests.integration.scenario import (
+    FAST,
+    REFERENCE,
+    Trainer,
+    admin,
+    arm,
+    check,
+    history,
+    pipeline,
+)
+from tests.integration.test_recovery import SCRIPT
+
+ROOT = str(Path(__file__).resolve().parents[2])
+STAGE_ARGS = ["--enable-fault-injection", "--commit-lease", "5"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Three chain stages and a spare that accept injected faults."""
+    with LocalCluster(stages=4, stage_args=STAGE_ARGS, coordinator_args=FAST) as c:
+        yield c
+
+
+def _revive(cluster: LocalCluster, *names: str) -> None:
+    for name in names:
+        cluster.add_stage(name, STAGE_ARGS)
+
+
+def _run_script(script: str, log: Path, env: dict[str, str], until: str) -> None:
+    """Runs a training script until ``until`` appears in its output, then SIGKILLs it."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while until not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _resume_and_check(cluster: LocalCluster, kill_first: bool = False) -> list[str]:
+    """Resumes the job, optionally SIGKILLs its second chain stage at once, trains to the
+    end and checks the failure-free results; returns the stages killed."""
+    killed = []
+    with pipeline(cluster, resume=True) as pipe:
+        done = pipe.step
+        if kill_first:
+            killed.append(cluster.name_of(pipe.partition.addresses[1]))
+            cluster.kill(killed[0])
+        trainer = Trainer(pipe).start()
+        state = trainer.finish()
+    losses = dict(trainer.losses)
+    losses.update({s: REFERENCE[0][s - 1] for s in range(1, done + 1)})
+    check(losses, state)
+    return killed
+
+
+LOAD_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from tests.integration.scenario import batch, pipeline
+from elasticpipe.v1 import coordinator_pb2
+class C: coordinator = {address!r}
+pipe = pipeline(C)
+for step in range(1, 5):
+    pipe.train_step(*batch(step))
+part = pipe.partition
+pipe._coordinator_call(
+    "BeginRestore",
+    coordinator_pb2.RestoreBeginRequest(job_id=part.job_id, client=pipe._client),
+    timeout=30,
+)
+print("load_begun", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_script_killed_mid_load_blocks_neither_recovery_nor_its_resume(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The script SIGKILLed after BeginRestore (every stage frozen for the load), then a
+    chain stage SIGKILLed: once the script's lease runs out the load is abandoned and
+    recovered from (not after the 10-minute load lease); the resumed script trains on
+    exactly."""
+    script = LOAD_SCRIPT.format(root=ROOT, address=cluster.coordinator)
+    _run_script(script, tmp_path / "script.log", dict(os.environ), "load_begun")
+    victim = cluster.name_of(
+        next(s.address for s in cluster.status().stages if s.state == "chain" and s.layer_lo > 0)
+    )
+    cluster.kill(victim)
+    deadline = time.monotonic() + 30  # lease 3 s, dead-after 2 s
+    while not any(r.kind == "recovery" for r in history(cluster)):
+        assert time.monotonic() < deadline, [(r.kind, r.reason) for r in history(cluster)]
+        time.sleep(0.2)
+    kinds = [(r.kind, r.reason) for r in history(cluster)]
+    assert kinds[1][0] == "abandoned" and "went silent" in kinds[1][1], kinds
+    assert kinds[2][0] == "recovery", kinds
+    _resume_and_check(cluster)
+    _revive(cluster, victim)
+
+
+@pytest.mark.timeout(150)
+def test_a_resumed_script_survives_a_crash_before_the_next_snapshot(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The script SIGKILLed after step 4 (the last snapshot is step 3), resumed, and a
+    chain stage SIGKILLed before any step: the rollback goes to the attach point (the
+    resumed client never had step 4's mini-batch), and the results stay exact."""
+    script = SCRIPT.format(root=ROOT, address=cluster.coordinator)
+    env = {**os.environ, "ELASTICPIPE_TEST_PAUSE": "after_commit:4"}
+    _run_script(script, tmp_path / "script.log", env, "paused_at")
+    killed = _resume_and_check(cluster, kill_first=True)
+    records = history(cluster)
+    attach = next(r for r in records if r.kind == "attach")
+    assert "step 4" in attach.reason
+    recovery = next(r for r in records if r.kind == "recovery")
+    assert killed[0] in recovery.reason and recovery.restored_step == 4
+    _revive(cluster, *killed)
+
+
+@pytest.mark.timeout(180)
+def test_a_graceful_leave_then_a_crash_loses_nothing(cluster: LocalCluster) -> None:
+    """SIGTERM on a chain stage (it held the only copy of its predecessor's snapshot),
+    then its predecessor SIGKILLed before the next snapshot: the leave's move snapshotted
+    the cut and copied it before the stage exited, so the crash recovers exactly."""
+    with pipeline(cluster) as pipe:
+        names: list[str] = []
+
+        def before(step: int) -> None:
+            if step != 5:  # the last snapshot is step 3
+                return
+            chain = [cluster.name_of(a) for a in pipe.partition.addresses]
+            names.extend(chain[:2])
+            assert cluster.terminate(chain[1], timeout=60) == 0  # after its layers moved
+            cluster.kill(chain[0])
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        records = history(cluster)
+        leave = next(i for i, r in enumerate(records) if "leaving" in r.reason)
+        assert records[leave].kind == "move"
+        recovery = records[-1]
+        assert recovery.kind == "recovery" and names[0] in recovery.reason
+        assert recovery.restored_step == 4  # the leave's cut, not step 3
+    _revive(cluster, *names)
+
+
+@pytest.mark.timeout(150)
+def test_with_no_spare_left_the_chain_shrinks_and_stays_exact(cluster: LocalCluster) -> None:
+    """Every live stage in the chain (no spare), one SIGKILLed mid-run: the job goes on
+    over the survivors, re-partitioned, with exact results."""
+    with pipeline(cluster, stages=4) as pipe:
+        victim: list[str] = []
+
+        def before(step: int) -> None:
+            if step == 5:
+                victim.append(cluster.name_of(pipe.partition.addresses[2]))
+                cluster.kill(victim[0])
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        assert pipe.partition.num_stages == 3
+        recovery = history(cluster)[-1]
+        assert recovery.kind == "recovery" and "shrank to 3 stages" in recovery.reason
+        assert victim[0] not in recovery.stages
+    _revive(cluster, *victim)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("point", ["prepare", "epoch_commit"])
+def test_a_migration_sender_killed_mid_move_loses_nothing(
+    cluster: LocalCluster, point: str
+) -> None:
+    """The stage *giving* layers away SIGKILLed while it prepares (before the commit
+    point) or while it installs the new epoch (after it): the move is abandoned or
+    finished, the sender is recovered from snapshots, and the results stay exact."""
+    with pipeline(cluster) as pipe:
+        victim: list[str] = []
+
+        def before(step: int) -> None:
+            if step != 5:
+                return
+            part = pipe.partition
+            target = list(part.boundaries)
+            if target[3] - target[2] > 1:
+                target[2] += 1  # the middle stage takes a layer from the last
+                sender = part.addresses[2]
+            else:
+                target[1] -= 1  # ... or from the first
+                sender = part.addresses[0]
+            victim.append(cluster.name_of(sender))
+            arm(sender, stage_pb2.PAUSE_AT, point)
+            request = coordinator_pb2.SetPartitionRequest(boundaries=target)
+
+            def move() -> None:
+                with contextlib.suppress(grpc.RpcError):  # abandoned, for "prepare"
+                    admin(cluster).SetPartition(request, timeout=120)
+
+            threading.Thread(target=move, daemon=True).start()
+            cluster.wait_for_log(victim[0], "paused_at", timeout=60)
+            cluster.kill(victim[0])
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        records = history(cluster)
+        assert records[-1].kind == "recovery" and victim[0] in records[-1].reason
+        if point == "prepare":
+            assert any(r.kind == "abandoned" for r in records)
+    _revive(cluster, *victim)
+
+
+@pytest.mark.timeout(90)
+def test_the_auto_rebalance_switch_survives_a_coordinator_restart(tmp_path: Path) -> None:
+    """`admin auto off`, then the coordinator restarted with --auto-rebalance: the stored
+    switch wins, and the coordinator logs that it overrode the flag."""
+    state = str(tmp_path / "state.db")
+    with LocalCluster(
+        stages=1, coordinator_args=["--state", state, "--heartbeat-interval", "0.2"]
+    ) as c:
+        assert c.status().auto_rebalance
+        admin(c).SetAutoRebalance(coordinator_pb2.AutoRebalanceRequest(enabled=False), timeout=10)
+        c.kill("coordinator")
+        c.restart_coordinator(["--auto-rebalance", "--heartbeat-interval", "0.2"])
+        assert not c.status().auto_rebalance
+        c.wait_for_log("coordinator", "auto_rebalance_from_state", timeout=10)

@@ -1,0 +1,51 @@
+"""LayersLost names every host the layers were lost with, former copy holders included."""
+
+from __future__ import annotations
+
+from elasticpipe.coordinator.recovery import Recovery
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.store import Store
+from elasticpipe.job import JobConfig
+from elasticpipe.partition import Partition, StageRef
+from elasticpipe.v1 import stage_pb2
+
+
+def _holding(step: int, layers: list[int], replica: bool) -> stage_pb2.SnapshotHolding:
+    return stage_pb2.SnapshotHolding(job_id="j1", step=step, layers=layers, replica=replica)
+
+
+def test_layers_lost_names_the_dead_owner_and_a_former_holder_of_the_copy() -> None:
+    """Chain a (layers 0-1), b (2-3); c, which left the chain, held the only copy of a's
+    snapshot and is gone too. a dies: layers 0 and 1 have no live copy, and the error
+    names a (the owner) and c (the copy's holder), not b."""
+    cluster = Cluster(Store(":memory:"), dead_after_s=60.0)
+    members = cluster.members
+    ids = {}
+    # Unreachable addresses: the live-holdings probe fails at once and falls back to
+    # the heartbeats' reports.
+    for name, port in (("a", 1), ("b", 2), ("c", 3)):
+        ids[name], _ = members.register(name, f"127.0.0.1:{port}", "cpu")
+    held = {
+        "a": [_holding(3, [0, 1], False)],
+        "b": [_holding(3, [2, 3], False)],
+        "c": [_holding(3, [0, 1], True)],
+    }
+    for name, snapshots in held.items():
+        members.heartbeat(ids[name], 1, {}, 3, 1.0, None, snapshots)
+    members.declare_dead(ids["c"], "left and exited")
+    members.declare_dead(ids["a"], "killed")
+    cluster.job = JobConfig(model="mlp", job_id="j1", snapshot_every=3)
+    cluster.num_layers = 4
+    cluster.partition = Partition(
+        epoch=1,
+        job_id="j1",
+        boundaries=(0, 2, 4),
+        stages=(StageRef(ids["a"], "127.0.0.1:1"), StageRef(ids["b"], "127.0.0.1:2")),
+    )
+    dead = [m for m in members.members() if m.row.stage_id == ids["a"]]
+    try:
+        assert Recovery(cluster).recover(dead) is None
+    finally:
+        cluster.pool.close()
+    assert "layers [0, 1] have no live copy" in cluster.failure
+    assert "['a', 'c']" in cluster.failure, cluster.failure
