@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import codec, rpc
+from elasticpipe import bundle, codec, rpc
 from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
@@ -30,6 +30,7 @@ from elasticpipe.errors import (
 )
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
+from elasticpipe.structure import Value
 from elasticpipe.transport import Outgoing, send
 from elasticpipe.v1 import stage_pb2
 
@@ -57,7 +58,7 @@ def run(
     partition: Partition,
     run_id: int,
     step: int,
-    inputs: Sequence[torch.Tensor],
+    inputs: Sequence[Value],
     targets: Sequence[torch.Tensor] | None,
     scales: Sequence[float],
     schedule: str,
@@ -204,13 +205,14 @@ def commit(
 
 def fetch_output(
     clients: StageClients, address: str, run_id: int, micro_batch: int, timeout: float
-) -> torch.Tensor:
-    """Downloads one inference output from the last stage."""
+) -> Value:
+    """Downloads one inference output (a tensor, or a tuple or dict of them) from the last
+    stage."""
     request = stage_pb2.FetchOutputRequest(run=run_id, micro_batch=micro_batch)
     try:
         stream = iter(clients.stub(address).FetchOutput(request, timeout=timeout))
         header = next(stream).header
-        assembler = codec.TensorAssembler(header.meta)
+        assembler = bundle.assembler(header, codec.DEFAULT_MAX_TENSOR_BYTES)
         for chunk in stream:
             assembler.add(chunk.data)
     except grpc.RpcError as exc:

@@ -43,7 +43,18 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import clipping, codec, efficiency, layerwire, models, rpc, schedulers, weights
+from elasticpipe import (
+    bundle,
+    clipping,
+    codec,
+    efficiency,
+    layerwire,
+    models,
+    rpc,
+    schedulers,
+    structure,
+    weights,
+)
 from elasticpipe.client import checkpoints, driver, initial
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -66,7 +77,7 @@ from elasticpipe.job import JobConfig, recompute_fields
 from elasticpipe.layerwire import PackedLayer
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
-from elasticpipe.schedule import split_sizes
+from elasticpipe.structure import Value, split_batch
 from elasticpipe.tls import TLS
 from elasticpipe.training import check_optimizer
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
@@ -142,7 +153,7 @@ class StepStats:
 
 @dataclass
 class _Batch:
-    xs: list[torch.Tensor]
+    xs: list[Value]
     ys: list[torch.Tensor]
     scales: list[float]
 
@@ -391,14 +402,14 @@ class Pipeline:
 
     # ---- job, lease and partition --------------------------------------------------------
 
-    def _ensure_job(self, sample: torch.Tensor | None) -> Partition:
+    def _ensure_job(self, sample: Value | None) -> Partition:
         if self._partition is not None:
             if self._init is not None:  # its streaming failed: no step before it is in
                 self._apply_init()
             return self._partition
         spec = self._job.to_proto()
         if sample is not None:
-            spec.sample_input.CopyFrom(codec.to_proto(sample))
+            bundle.set_sample(spec, sample)
         request = coordinator_pb2.SetupJobRequest(
             job=spec,
             num_stages=self._num_stages,
@@ -479,7 +490,7 @@ class Pipeline:
         self._init = None
         init.close()
 
-    def _profile(self, sample: torch.Tensor) -> None:
+    def _profile(self, sample: Value) -> None:
         """Sends the first micro-batch for profiling if the job was set up without one
         (``load`` or ``state_dict`` before the first step): the partition then follows the
         measured costs and speeds."""
@@ -487,13 +498,9 @@ class Pipeline:
             return
         partition = self._partition
         assert partition is not None
-        reply = self._coordinator_call(
-            "ProfileJob",
-            coordinator_pb2.ProfileJobRequest(
-                job_id=partition.job_id, client=self._client, sample_input=codec.to_proto(sample)
-            ),
-            timeout=self._setup_timeout + 120.0,
-        )
+        request = coordinator_pb2.ProfileJobRequest(job_id=partition.job_id, client=self._client)
+        bundle.set_sample(request, sample)
+        reply = self._coordinator_call("ProfileJob", request, timeout=self._setup_timeout + 120.0)
         self._profiled = True
         self._adopt(Partition.from_proto(reply))
 
@@ -585,22 +592,9 @@ class Pipeline:
     # ---- training ----------------------------------------------------------------------
 
     def _split(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-            raise InvalidRequest("inputs must be a tensor with a batch dimension")
-        sizes = split_sizes(inputs.shape[0], self._job.micro_batches)
-        xs = list(torch.split(inputs.detach().cpu(), sizes))
-        ys: list[torch.Tensor] = []
-        if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.shape[:1] != inputs.shape[:1]:
-                raise InvalidRequest(
-                    f"targets must have the batch size of the inputs ({inputs.shape[0]}), got "
-                    f"{list(getattr(targets, 'shape', []))}"
-                )
-            ys = list(torch.split(targets.detach().cpu(), sizes))
-        scales = [n / inputs.shape[0] for n in sizes]
-        return xs, ys, scales
+        self, inputs: Value, targets: torch.Tensor | None
+    ) -> tuple[list[Value], list[torch.Tensor], list[float]]:
+        return split_batch(inputs, targets, self._job.micro_batches, torch.device("cpu"))
 
     def _run(
         self, step: int, batch: _Batch, train: bool
@@ -766,8 +760,11 @@ class Pipeline:
                 self._last_reports = reports
         return loss, attempts, replayed
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: Value, targets: torch.Tensor) -> float:
         """One synchronous training step on a mini-batch.
+
+        ``inputs`` is a tensor, or a tuple or flat dict of tensors (what the first layer
+        takes; every tensor is split along its first, batch, dimension).
 
         Splits the batch into micro-batches, runs forward and backward through every stage
         (the loss is computed on the last stage), then commits the optimizer step on every
@@ -824,9 +821,10 @@ class Pipeline:
         )
         return loss
 
-    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+    def predict(self, inputs: Value) -> Value:
         """The model's output on ``inputs``: forward only, in eval mode (dropout off,
-        batch-norm statistics used and left unchanged); changes nothing."""
+        batch-norm statistics used and left unchanged); changes nothing. A last layer that
+        returns a tuple or dict gives a tuple or dict."""
         xs, _, scales = self._split(inputs, None)
         batch = _Batch(xs, [], scales)
         self._ensure_job(xs[0])
@@ -836,7 +834,7 @@ class Pipeline:
             self._catch_up(self._done, None)  # after a rollback, replay first
             try:
                 _, partition, run_id, _ = self._run(self._step, batch, train=False)
-                return torch.cat(
+                return structure.cat(
                     [
                         driver.fetch_output(
                             self._clients, partition.addresses[-1], run_id, i, self._step_timeout

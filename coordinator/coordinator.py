@@ -13,8 +13,6 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
-
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.estimates import Timing
 from elasticpipe.coordinator.jobs import Jobs
@@ -26,6 +24,7 @@ from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
 from elasticpipe.errors import InvalidRequest, NotReady
 from elasticpipe.logs import get_logger
+from elasticpipe.structure import Value
 from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2
 
@@ -178,7 +177,7 @@ class Coordinator:
                     raise
                 time.sleep(0.5)
 
-    def profile_job(self, job_id: str, client: int, sample: torch.Tensor) -> None:
+    def profile_job(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample, then moves to the partition the
         profile calls for."""
         self.jobs.profile_later(job_id, client, sample)

@@ -18,9 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import torch
-
-from elasticpipe import bounds, codec
+from elasticpipe import bounds, bundle
 from elasticpipe.coordinator import copies, epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
@@ -42,6 +40,7 @@ from elasticpipe.errors import (
 from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
+from elasticpipe.structure import Value
 from elasticpipe.v1 import job_pb2, stage_pb2
 
 log = get_logger(__name__)
@@ -213,7 +212,7 @@ class Jobs:
     def setup(
         self,
         job: JobConfig,
-        sample: torch.Tensor | None,
+        sample: Value | None,
         num_stages: int,
         wait_s: float,
         resume: bool,
@@ -342,7 +341,7 @@ class Jobs:
     def _start(
         self,
         job: JobConfig,
-        sample: torch.Tensor | None,
+        sample: Value | None,
         num_stages: int,
         wait_s: float,
         lease_s: float,
@@ -360,7 +359,7 @@ class Jobs:
     def _assign(
         self,
         job: JobConfig,
-        sample: torch.Tensor | None,
+        sample: Value | None,
         chosen: list[Member],
         lease_s: float,
         holder: str,
@@ -491,9 +490,9 @@ class Jobs:
             )
         return replies[0]  # type: ignore[no-any-return]
 
-    def _profile(self, job: JobConfig, sample: torch.Tensor, chosen: list[Member]) -> Profile:
+    def _profile(self, job: JobConfig, sample: Value, chosen: list[Member]) -> Profile:
         spec = job.to_proto()
-        spec.sample_input.CopyFrom(codec.to_proto(sample))
+        bundle.set_sample(spec, sample)
         profiles: dict[str, list[Timing]] = {}
         needs: dict[str, list[tuple[int, int]]] = {}
         # One stage at a time: stages sharing a host would otherwise slow each other down.
@@ -520,7 +519,7 @@ class Jobs:
         ``epochs.wait_for_copies``)."""
         return epochs.wait_for_copies(self.c, partition, job, step)
 
-    def profile_later(self, job_id: str, client: int, sample: torch.Tensor) -> None:
+    def profile_later(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first).
 
         Raises:

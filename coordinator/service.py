@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import authz, bounds, codec
+from elasticpipe import authz, bounds, bundle
 from elasticpipe.admission import Limits
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.claims import Claims
@@ -164,9 +164,7 @@ class CoordinatorServicer:
     ) -> coordinator_pb2.SetupJobResponse:
         job = JobConfig.from_proto(req.job)
         bounds.number(req.num_stages, "num_stages", 0, bounds.MAX_STAGES)
-        sample = (
-            codec.from_proto(req.job.sample_input) if req.job.HasField("sample_input") else None
-        )
+        sample = bundle.get_sample(req.job)
         wait_s = _within_deadline(_bounded(req.wait_s, "wait_s"), ctx)
         with self._long_poll("SetupJob"):  # it may wait for stages to register
             attached = self.c.jobs.setup(
@@ -193,7 +191,10 @@ class CoordinatorServicer:
         self, req: coordinator_pb2.ProfileJobRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.Partition:
         bounds.client(req.client)
-        self.c.profile_job(req.job_id, req.client, codec.from_proto(req.sample_input))
+        sample = bundle.get_sample(req)
+        if sample is None:
+            raise InvalidRequest("ProfileJob needs sample_input (one micro-batch of inputs)")
+        self.c.profile_job(req.job_id, req.client, sample)
         return partition_to_proto(self.c.cluster.partition)
 
     def RenewLease(

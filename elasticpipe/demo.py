@@ -19,7 +19,7 @@ from typing import TextIO
 
 import torch
 
-from elasticpipe import rpc
+from elasticpipe import rpc, structure
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.data import CharCorpus, sample_text
 from elasticpipe.demo_timeline import Event, Sample, Timeline
@@ -291,7 +291,7 @@ def run_demo(
                 elapsed = time.perf_counter() - started
                 print(f"trained {steps} steps in {elapsed:.1f}s", file=out)
                 text = sample_text(
-                    pipe.predict,
+                    lambda x: structure.single(pipe.predict(x), "the model returned"),
                     corpus,
                     prompt="def ",
                     length=sample_chars,

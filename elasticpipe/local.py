@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from elasticpipe import clipping, models, schedulers
+from elasticpipe import clipping, models, schedulers, structure
 from elasticpipe.client import initial
 from elasticpipe.client.pipeline import StepStats
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, recompute_fields
-from elasticpipe.schedule import split_sizes
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.structure import Value, split_batch
 from elasticpipe.training import check_job, scaled_loss
 
 
@@ -151,25 +151,13 @@ class LocalPipeline:
     # ---- training ----------------------------------------------------------------------
 
     def _split(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-            raise InvalidRequest("inputs must be a tensor with a batch dimension")
-        sizes = split_sizes(inputs.shape[0], self._job.micro_batches)
-        device = self._slice.device
-        xs = list(torch.split(inputs.detach().to(device), sizes))
-        ys: list[torch.Tensor] = []
-        if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.shape[:1] != inputs.shape[:1]:
-                raise InvalidRequest(
-                    f"targets must have the batch size of the inputs ({inputs.shape[0]}), got "
-                    f"{list(getattr(targets, 'shape', []))}"
-                )
-            ys = list(torch.split(targets.detach().to(device), sizes))
-        return xs, ys, [n / inputs.shape[0] for n in sizes]
+        self, inputs: Value, targets: torch.Tensor | None
+    ) -> tuple[list[Value], list[torch.Tensor], list[float]]:
+        return split_batch(inputs, targets, self._job.micro_batches, self._slice.device)
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One training step on a mini-batch, as ``Pipeline.train_step``.
+    def train_step(self, inputs: Value, targets: torch.Tensor) -> float:
+        """One training step on a mini-batch, as ``Pipeline.train_step`` (``inputs`` a
+        tensor, or a tuple or flat dict of tensors).
 
         Returns:
             The mini-batch's mean loss.
@@ -188,8 +176,14 @@ class LocalPipeline:
                     x, train=True, input_grad=False, micro_batch=i, step=step
                 )
                 assert stash is not None
+                last = f"layer {self.num_layers - 1} returned"
                 grad, loss = scaled_loss(
-                    self._job.loss, layers.loss, out, y, scale, f"on micro-batch {i}"
+                    self._job.loss,
+                    layers.loss,
+                    structure.single(out, last),
+                    y,
+                    scale,
+                    f"on micro-batch {i}",
                 )
                 losses.append(loss)
                 layers.backward(stash, grad, micro_batch=i)
@@ -212,14 +206,18 @@ class LocalPipeline:
         )
         return total
 
-    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's output on ``inputs``: forward only, in eval mode; changes nothing."""
+    def predict(self, inputs: Value) -> Value:
+        """The model's output on ``inputs``: forward only, in eval mode; changes nothing
+        (a tuple or dict when the last layer returns one)."""
         xs, _, _ = self._split(inputs, None)
+        cpu = torch.device("cpu")
         outs = [
-            self._slice.forward(x, train=False, micro_batch=i, step=self._step)[0]
+            structure.to_device(
+                self._slice.forward(x, train=False, micro_batch=i, step=self._step)[0], cpu
+            )
             for i, x in enumerate(xs)
         ]
-        return torch.cat([o.detach().cpu() for o in outs])
+        return structure.cat(outs)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights and buffers, keyed like the local ``nn.Sequential``

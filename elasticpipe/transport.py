@@ -1,4 +1,5 @@
-"""Sending one tensor to a stage: the header-then-chunks stream of Forward/Backward/Targets."""
+"""Sending one tensor (or a tuple or flat dict of tensors, ``elasticpipe.bundle``) to a
+stage: the header-then-chunks stream of Forward/Backward/Targets."""
 
 from __future__ import annotations
 
@@ -7,25 +8,27 @@ from dataclasses import dataclass
 
 import torch
 
-from elasticpipe import codec, rpc
+from elasticpipe import bundle, codec, rpc
+from elasticpipe.structure import Value
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One tensor to send to a peer."""
+    """One tensor (or tuple or flat dict of tensors) to send to a peer."""
 
     method: str  # "Forward", "Backward" or "Targets"
     epoch: int
     run: int
     step: int
     micro_batch: int
-    tensor: torch.Tensor
+    tensor: Value
     loss_scale: float = 0.0
 
 
-def header(msg: Outgoing, meta: tensor_pb2.TensorMeta) -> stage_pb2.DataHeader:
-    """The header every data message of ``msg`` starts with."""
+def header(msg: Outgoing, meta: tensor_pb2.TensorMeta | None) -> stage_pb2.DataHeader:
+    """The header every data message of ``msg`` starts with (no ``meta``: declare
+    ``msg.tensor`` with ``bundle.describe``)."""
     return stage_pb2.DataHeader(
         epoch=msg.epoch,
         run=msg.run,
@@ -40,6 +43,13 @@ def data_stream(
     msg: Outgoing, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
 ) -> Iterator[stage_pb2.DataChunk]:
     """The header-then-chunks stream for one tensor."""
+    if not isinstance(msg.tensor, torch.Tensor):
+        head = header(msg, None)
+        bundle.describe(head, msg.tensor)
+        yield stage_pb2.DataChunk(header=head)
+        for piece in bundle.chunks(msg.tensor, chunk_bytes):
+            yield stage_pb2.DataChunk(data=piece)
+        return
     meta, chunks = codec.tensor_chunks(msg.tensor, chunk_bytes)
     yield stage_pb2.DataChunk(header=header(msg, meta))
     for chunk in chunks:
@@ -61,6 +71,16 @@ def send(
     A tensor of at most one chunk goes in a single unary ``Deliver`` call; a larger one is
     streamed in chunks (grpcio runs a thread per client stream, a unary call needs none).
     """
+    if not isinstance(msg.tensor, torch.Tensor):
+        head = header(msg, None)
+        if bundle.describe(head, msg.tensor) <= chunk_bytes:
+            request = stage_pb2.DataMessage(
+                slot=_SLOTS[msg.method], header=head, data=bundle.data(msg.tensor)
+            )
+            rpc.call(address, stub.Deliver, request, timeout=timeout)
+            return
+        rpc.call(address, getattr(stub, msg.method), data_stream(msg, chunk_bytes), timeout=timeout)
+        return
     meta = codec.tensor_meta(msg.tensor)
     if meta.nbytes <= chunk_bytes:
         request = stage_pb2.DataMessage(

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from elasticpipe import structure
+from elasticpipe.structure import Value
+
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -35,6 +38,21 @@ def decode(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:
     if wire_dtype and tensor.dtype == DTYPES[wire_dtype]:
         return tensor.to(torch.float32)
     return tensor
+
+
+def encode_value(value: Value, wire_dtype: str) -> Value:
+    """``encode`` on each tensor of a tensor, tuple or flat dict (``elasticpipe.structure``):
+    every float32 tensor is cast, integer and bool tensors (ids, masks) travel unchanged."""
+    if not wire_dtype:
+        return value
+    return structure.apply(value, lambda t: encode(t, wire_dtype))
+
+
+def decode_value(value: Value, wire_dtype: str) -> Value:
+    """``decode`` on each tensor of a received tensor, tuple or flat dict."""
+    if not wire_dtype:
+        return value
+    return structure.apply(value, lambda t: decode(t, wire_dtype))
 
 
 class _Cast(torch.autograd.Function):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elasticpipe import wire
+from elasticpipe import structure, wire
 from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
@@ -24,6 +24,7 @@ from elasticpipe.stage_server.layers import LayerSlice, Stash
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
+from elasticpipe.structure import Value
 from elasticpipe.training import scaled_loss
 from elasticpipe.transport import Outgoing
 
@@ -36,7 +37,7 @@ class StepResult:
 
     run: int
     losses: list[float] = field(default_factory=list)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # inference, last stage
+    outputs: dict[int, Value] = field(default_factory=dict)  # inference, last stage
     peak_stashed: int = 0
     peak_stashed_bytes: int = 0
     compute_s: float = 0.0
@@ -65,14 +66,15 @@ class RunContext:
 
 
 def _loss(
-    ctx: RunContext, y: torch.Tensor, micro_batch: int, target: torch.Tensor, scale: float
+    ctx: RunContext, y: Value, micro_batch: int, target: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, float]:
     """The scaled loss of one micro-batch and the gradient of the slice's output."""
     layers = ctx.layers
+    last = f"layer {layers.indices[-1]} returned" if layers.indices else "the model returned"
     return scaled_loss(
         layers.job.loss,
         layers.loss,
-        y,
+        structure.single(y, last),
         target.to(ctx.device),
         scale,
         f"on micro-batch {micro_batch}",
@@ -109,12 +111,16 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             w0 = now()
             x = mailbox.take(run, Slot.INPUT, i, ctx.deadline)
             if not first:
-                x = wire.decode(x, wire_dtype)
+                x = wire.decode_value(x, wire_dtype)
             target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
             y, stash = ctx.layers.forward(
-                x.to(ctx.device), ctx.train, input_grad=not first, micro_batch=i, step=ctx.step
+                structure.to_device(x, ctx.device),
+                ctx.train,
+                input_grad=not first,
+                micro_batch=i,
+                step=ctx.step,
             )
             result.compute_s += (now() - t0) / 1e9
             if target is not None:
@@ -124,7 +130,7 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             result.forward_s[i] = (t1 - t0) / 1e9
             result.op_seconds.append(("forward", result.forward_s[i]))
             if last and not ctx.train:
-                result.outputs[i] = y.detach().cpu()
+                result.outputs[i] = structure.to_device(structure.detached(y), torch.device("cpu"))
             elif not last:
                 ctx.links[placement.next].put(
                     Outgoing(
@@ -133,7 +139,7 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                         run,
                         ctx.step,
                         i,
-                        wire.encode(y.detach(), wire_dtype),
+                        wire.encode_value(structure.detached(y), wire_dtype),
                     )
                 )
             if stash is not None:
@@ -143,14 +149,17 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
         else:
             w0 = now()
+            grad: Value
             if last:
                 grad = loss_grads.pop(i)
             else:
-                grad = wire.decode(mailbox.take(run, Slot.GRAD, i, ctx.deadline), wire_dtype)
+                grad = wire.decode_value(mailbox.take(run, Slot.GRAD, i, ctx.deadline), wire_dtype)
             t0 = now()
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
-            grad_in = ctx.layers.backward(stashes.pop(i), grad.to(ctx.device), micro_batch=i)
+            grad_in = ctx.layers.backward(
+                stashes.pop(i), structure.to_device(grad, ctx.device), micro_batch=i
+            )
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
             span(SpanKind.BACKWARD, i, t0, t1)
@@ -164,7 +173,7 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                         run,
                         ctx.step,
                         i,
-                        wire.encode(grad_in.detach(), wire_dtype),
+                        wire.encode_value(structure.detached(grad_in), wire_dtype),
                     )
                 )
     for link in ctx.links.values():

@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from elasticpipe import clipping, models, precision, rng, schedulers
+from elasticpipe import clipping, models, precision, rng, schedulers, structure
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
+from elasticpipe.structure import Value
 from elasticpipe.training import loss_fn, make_optimizer
 
 EWMA_ALPHA = 0.3
@@ -53,20 +54,23 @@ class LayerTiming:
 
 @dataclass
 class Stash:
-    """What backward needs of one micro-batch: each layer's (detached input, output);
-    the output is None for a layer that recomputes its forward during backward."""
+    """What backward needs of one micro-batch: each layer's (detached inputs, outputs),
+    as flat lists of tensors (``elasticpipe.structure``); the outputs are None for a layer
+    that recomputes its forward during backward (it keeps only its inputs)."""
 
-    pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    pairs: list[tuple[list[torch.Tensor], list[torch.Tensor] | None]] = field(default_factory=list)
     seeds: dict[int, int] = field(default_factory=dict)  # recomputed layers' RNG seeds
+    # recomputed layers' input structures (None: a plain tensor), to rebuild the input
+    shapes: dict[int, structure.Structure | None] = field(default_factory=dict)
 
     saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
 
     def nbytes(self) -> int:
-        """Bytes of activation memory held: every layer's input and output, and what the
+        """Bytes of activation memory held: every layer's inputs and outputs, and what the
         autograd graph still keeps for backward (parameters excluded), each storage once."""
         alive = [t for ref in self.saved if (t := ref()) is not None]
         held = {}
-        for t in [*alive, *(t for pair in self.pairs for t in pair if t is not None)]:
+        for t in [*alive, *(t for pair in self.pairs for ts in pair if ts is not None for t in ts)]:
             storage = t.untyped_storage()
             held[storage.data_ptr()] = storage.nbytes()
         return sum(held.values())
@@ -122,14 +126,13 @@ class Slowdown:
 
 
 def _user_error(
-    what: str, index: int, layer: nn.Module, x: torch.Tensor, micro_batch: int, exc: Exception
+    what: str, index: int, layer: nn.Module, x: Value, micro_batch: int, exc: Exception
 ) -> UserCodeError:
     """The user's layer raised: say which layer, on which micro-batch and input."""
     where = f" on micro-batch {micro_batch}" if micro_batch >= 0 else ""
     return UserCodeError(
-        f"{what} of layer {index} ({type(layer).__name__}) failed{where} with input of shape "
-        f"{list(x.shape)} and dtype {str(x.dtype).removeprefix('torch.')}: "
-        f"{type(exc).__name__}: {exc}"
+        f"{what} of layer {index} ({type(layer).__name__}) failed{where} with input of "
+        f"{structure.describe(x)}: {type(exc).__name__}: {exc}"
     )
 
 
@@ -198,12 +201,12 @@ class LayerSlice:
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: Value,
         train: bool,
         input_grad: bool = True,
         micro_batch: int = -1,
         step: int = 0,
-    ) -> tuple[torch.Tensor, Stash | None]:
+    ) -> tuple[Value, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
 
         Inference (``train`` False) runs the layers in eval mode under
@@ -211,17 +214,19 @@ class LayerSlice:
         off and batch-norm statistics are used, not updated.
 
         Args:
-            x: the slice's input.
+            x: the slice's input: a tensor, or a tuple or flat dict of tensors.
             train: keep the graph for backward.
-            input_grad: whether backward must produce the gradient of ``x`` (not on the
-                first stage, whose input is data: computing it would waste a matmul).
+            input_grad: whether backward must produce the gradients of ``x``'s floating
+                tensors (not on the first stage, whose input is data: computing them would
+                waste a matmul).
             micro_batch: the micro-batch's index in its mini-batch (named in errors).
             step: the logical step (``elasticpipe.rng``: with ``micro_batch`` and the
                 layer's index it seeds the layer's random draws).
 
         Raises:
             UserCodeError: a layer raised on the input it was given.
-            ModelError: a layer returned something other than a tensor.
+            ModelError: a layer returned something other than a tensor, a tuple of tensors
+                or a flat dict of tensors.
         """
         if not train:
             return self._infer(x, micro_batch, step), None
@@ -242,25 +247,38 @@ class LayerSlice:
         ):
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
-                if x.is_floating_point():
-                    x = x.detach().requires_grad_(input_grad or n > 0)
+                need = input_grad or n > 0
+                shape: structure.Structure | None = None
+                if isinstance(x, torch.Tensor):  # the common case, without a detour
+                    if x.is_floating_point():
+                        x = x.detach().requires_grad_(need)
+                    xs = [x]
+                else:
+                    xs, shape = structure.flatten(x, f"the input of layer {i} is")
+                    xs = [
+                        t.detach().requires_grad_(need) if t.is_floating_point() else t for t in xs
+                    ]
+                    x = structure.unflatten(xs, shape)
                 seed = rng.forward_seed(self.job.seed, step, micro_batch, i)
                 seed_layer(seed)
                 if self.job.recomputes(i):
-                    # Keeps only the input and the layer's seed: backward runs the forward
+                    # Keeps only the inputs and the layer's seed: backward runs the forward
                     # again (the same function) under the same seed: dropout masks match.
                     stash.seeds[i] = seed
+                    stash.shapes[i] = shape
                     with torch.no_grad():
                         y = self._run_layer(i, layer, x, micro_batch)
-                    stash.pairs.append((x, None))
+                    stash.pairs.append((xs, None))
                 else:
                     y = self._run_layer(i, layer, x, micro_batch)
-                    stash.pairs.append((x, y))
+                    stash.pairs.append(
+                        (xs, [y] if isinstance(y, torch.Tensor) else structure.tensors(y))
+                    )
                 x = y
         self.slowdown.pay()
         return x, stash
 
-    def _infer(self, x: torch.Tensor, micro_batch: int, step: int) -> torch.Tensor:
+    def _infer(self, x: Value, micro_batch: int, step: int) -> Value:
         with torch.inference_mode(), rng.forked(self.device) as seed_layer:
             for i in self.indices:
                 layer = self.layers[i]
@@ -273,16 +291,14 @@ class LayerSlice:
         self.slowdown.pay()
         return x
 
-    def _run_layer(
-        self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
-    ) -> torch.Tensor:
+    def _run_layer(self, i: int, layer: nn.Module, x: Value, micro_batch: int) -> Value:
         y, seconds = self._forward_layer(i, layer, x, micro_batch)
-        self.timings[i].observe(seconds, None, y.numel() * y.element_size())
+        self.timings[i].observe(seconds, None, structure.nbytes(y))
         return y
 
     def _forward_layer(
-        self, i: int, layer: nn.Module, x: torch.Tensor, micro_batch: int
-    ) -> tuple[torch.Tensor, float]:
+        self, i: int, layer: nn.Module, x: Value, micro_batch: int
+    ) -> tuple[Value, float]:
         """The one place a layer's forward runs: the first time and when recomputed."""
         try:
             y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync)
@@ -291,19 +307,25 @@ class LayerSlice:
         except Exception as exc:  # the user's code may raise anything: report it as theirs
             raise _user_error("forward", i, layer, x, micro_batch, exc) from exc
         if not isinstance(y, torch.Tensor):
-            raise ModelError(f"layer {i} returned {type(y).__name__}, not a tensor")
+            where = f"layer {i} ({type(layer).__name__}) returned"
+            structure.flatten(y, where, ModelError)
         return y, seconds
 
     def _recompute(
-        self, i: int, x: torch.Tensor, seed: int, micro_batch: int
-    ) -> tuple[torch.Tensor, float]:
-        """Runs layer ``i``'s forward on its stashed input again, with the graph.
+        self, i: int, xs: list[torch.Tensor], stash: Stash, micro_batch: int
+    ) -> tuple[list[torch.Tensor], float]:
+        """Runs layer ``i``'s forward on its stashed inputs again, with the graph.
 
         It runs under the seed of the first forward (``elasticpipe.rng``), in a fork of the
         generators, so dropout masks match and the stage's random stream is left as it was.
         The forward runs on copies of the layer's buffers (batch-norm statistics): the
         first forward already updated them once, as training without recomputation does.
+
+        Returns:
+            The layer's outputs as a flat list of tensors, and the seconds it took.
         """
+        seed = stash.seeds.pop(i)
+        x = structure.unflatten(xs, stash.shapes.pop(i, None))
         layer = self.layers[i]
         owners = [
             (module, name, buffer)
@@ -320,45 +342,66 @@ class LayerSlice:
         finally:
             for module, name, buffer in owners:
                 module._buffers[name] = buffer
-        return y, seconds
+        return ([y] if isinstance(y, torch.Tensor) else structure.tensors(y)), seconds
 
-    def _call(self, layer: nn.Module, x: torch.Tensor) -> Any:
+    def _call(self, layer: nn.Module, x: Value) -> Any:
         """One layer's forward, under the job's autocast (``precision.py``)."""
         with precision.autocast(self.device, self.job.precision):
             return layer(x)
 
-    def backward(
-        self, stash: Stash, grad: torch.Tensor | None, micro_batch: int = -1
-    ) -> torch.Tensor | None:
+    def backward(self, stash: Stash, grad: Value | None, micro_batch: int = -1) -> Value | None:
         """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
 
+        ``grad`` holds one tensor per floating tensor of the slice's output, in order (a
+        plain tensor when there is one, else a tuple; ``elasticpipe.structure``); integer
+        and bool tensors (masks, ids) get none. A floating output that does not require
+        grad (no path from the parameters) just drops its gradient.
+
         Returns:
-            The gradient of the slice's input, or None where the input needs none.
+            The gradients of the slice's input's floating tensors in the same form (a
+            floating input the layers do not use gets zeros), or None where the input
+            needs none (the first stage).
 
         Raises:
+            InvalidRequest: ``grad`` holds another number of tensors than the output has
+                floating tensors.
             UserCodeError: a layer's backward raised.
         """
-        for i, (x, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
-            y, again = kept, 0.0
-            if y is None and grad is not None:
-                y, again = self._recompute(i, x, stash.seeds.pop(i), micro_batch)
-            if y is None or not y.requires_grad or grad is None:
-                grad = None
-                continue
-            g = grad
-            try:
-                _, seconds = self.slowdown.timed(
-                    lambda: torch.autograd.backward(y, g),  # noqa: B023
-                    self._sync,
+        grads = structure.tensors(grad) if grad is not None else None
+        for i, (xs, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+            if grads is None:
+                break
+            ys, again = kept, 0.0
+            if ys is None:
+                ys, again = self._recompute(i, xs, stash, micro_batch)
+            outs, gs, n = [], [], 0  # the floating outputs that need their gradient
+            for y in ys:
+                if y.is_floating_point():
+                    if n < len(grads) and y.requires_grad:
+                        outs.append(y)
+                        gs.append(grads[n])
+                    n += 1
+            if n != len(grads):
+                raise InvalidRequest(
+                    f"layer {i} returned {n} floating tensors but {len(grads)} gradients came "
+                    f"back for them (micro-batch {micro_batch})"
                 )
-            except Exception as exc:  # the user's code may raise anything
-                raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
-            self.timings[i].observe(None, seconds + again, 0)
-            grad = x.grad if x.requires_grad else None
+            if outs:
+                try:
+                    _, seconds = self.slowdown.timed(
+                        lambda: torch.autograd.backward(outs, gs),  # noqa: B023
+                        self._sync,
+                    )
+                except Exception as exc:  # the user's code may raise anything
+                    g = structure.grads_value(gs)
+                    raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
+                self.timings[i].observe(None, seconds + again, 0)
+            grads = _input_grads(xs)
         stash.pairs.clear()
         stash.seeds.clear()
+        stash.shapes.clear()
         self.slowdown.pay()
-        return grad
+        return structure.grads_value(grads) if grads is not None else None
 
     def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
         """Applies the accumulated gradients (one optimizer step) and clears them; then
@@ -485,6 +528,19 @@ class LayerSlice:
         self.optimizers.pop(index, None)
         self.schedulers.pop(index, None)
         self.timings.pop(index, None)
+
+
+def _input_grads(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The gradients of a layer's floating inputs (zeros for one it did not use), or None
+    where they need none (the first stage's data)."""
+    grads = []
+    for x in xs:
+        if x.is_floating_point():
+            if not x.requires_grad:
+                return None
+            g = x.grad
+            grads.append(g if g is not None else torch.zeros_like(x))
+    return grads
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
-from elasticpipe import rpc
+from elasticpipe import rpc, structure
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
@@ -72,7 +72,7 @@ class Link:
             try:
                 send(self._stub, self.address, msg, self._timeout)
                 if self._on_sent is not None:
-                    self._on_sent(self.address, msg.tensor.numel() * msg.tensor.element_size())
+                    self._on_sent(self.address, structure.nbytes(msg.tensor))
                 if self._tracer is not None:
                     self._tracer.record(
                         Span(

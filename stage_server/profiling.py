@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticpipe import models
+from elasticpipe import models, structure
 from elasticpipe.job import JobConfig
 from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
+from elasticpipe.structure import Value
 
 __all__ = ["profile_layers", "tensor_bytes"]
 
@@ -66,7 +67,7 @@ def _state_bytes(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> i
 
 def profile_layers(
     job: JobConfig,
-    sample: torch.Tensor,
+    sample: Value,
     device: torch.device,
     slowdown: Slowdown,
     allow: tuple[str, ...],
@@ -89,7 +90,7 @@ def profile_layers(
         UserCodeError / ModelError / PermissionDenied: as building or running the layers.
     """
     skeleton = models.build_skeleton(job.model, job.model_kwargs, allow)
-    x = sample.to(device)
+    x = structure.to_device(sample, device)
     saved: list[torch.Tensor] = []
 
     def keep(t: torch.Tensor) -> torch.Tensor:
@@ -112,10 +113,15 @@ def profile_layers(
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 out, stash = probe.forward(x, train=True, input_grad=index > 0)
             assert stash is not None
-            held = [*saved, *(t for pair in stash.pairs for t in pair if t is not None)]
+            held = [
+                *saved,
+                *(t for pair in stash.pairs for ts in pair if ts is not None for t in ts),
+            ]
             stash_bytes = tensor_bytes(t for t in held if _storage(t) not in own)
             saved.clear()
-            probe.backward(stash, torch.ones_like(out) if out.requires_grad else None)
+            outs = structure.tensors(out)
+            ones = [torch.ones_like(outs[p]) for p in structure.floating(outs)]
+            probe.backward(stash, structure.grads_value(ones))
             runs.append(probe.timings[index])
         measured = runs[1:]
         for optimizer in probe.optimizers.values():
@@ -130,7 +136,7 @@ def profile_layers(
                 state_bytes=_state_bytes(probe.layers[index], probe.optimizers.get(index)),
             )
         )
-        x = out.detach()
+        x = structure.detached(out)
         del probe, out  # only one layer is ever resident
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import bounds, codec, layerwire
+from elasticpipe import bounds, bundle, layerwire
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
@@ -95,15 +95,18 @@ class StageServicer:
         self.stage = stage
         self.gate = callers.ClientGate(stage)  # the client granted the job, nobody else
 
-    def _admit(self, header: stage_pb2.DataHeader) -> tuple[codec.TensorAssembler, Admitted]:
-        """Checks the declared tensor, the epoch, the run and the room left, and reserves
-        the room, before anything is allocated for it."""
-        codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
+    def _admit(
+        self, header: stage_pb2.DataHeader, nbytes: int | None = None
+    ) -> tuple[bundle.Assembler, Admitted]:
+        """Checks the declared tensor(s) (unless ``nbytes`` says it was done), the caller,
+        the epoch, the run and the room left, and reserves the room, before anything is
+        allocated."""
+        limit = self.stage.config.max_tensor_bytes
+        if nbytes is None:
+            nbytes = bundle.declared_bytes(header, limit)
         self.gate.check(f"data of run {header.run}")
-        admitted = self.stage.admit(
-            header.epoch, header.run, header.micro_batch, header.meta.nbytes
-        )
-        return codec.TensorAssembler(header.meta, self.stage.config.max_tensor_bytes), admitted
+        admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
+        return bundle.assembler(header, limit), admitted
 
     def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
         first = next(chunks, None)
@@ -149,13 +152,12 @@ class StageServicer:
         if slot is None:
             raise InvalidRequest(f"unknown slot {msg.slot} (expected INPUT, GRAD or TARGET)")
         header = msg.header
-        if len(msg.data) != header.meta.nbytes:
-            codec.check_meta(header.meta, self.stage.config.max_tensor_bytes)
+        declared = bundle.declared_bytes(header, self.stage.config.max_tensor_bytes)
+        if len(msg.data) != declared:
             raise InvalidRequest(
-                f"received {len(msg.data)} bytes for a tensor declared as "
-                f"{header.meta.nbytes} bytes"
+                f"received {len(msg.data)} bytes for a tensor declared as {declared} bytes"
             )
-        assembler, admitted = self._admit(header)
+        assembler, admitted = self._admit(header, declared)
         try:
             assembler.add(msg.data)
             tensor = assembler.finish()
@@ -212,14 +214,13 @@ class StageServicer:
     ) -> Iterator[stage_pb2.DataChunk]:
         self.gate.check(f"FetchOutput of run {req.run}")
         bounds.integer(req.micro_batch, "micro_batch", 0, bounds.MAX_MICRO_BATCHES - 1)
-        tensor = self.stage.fetch_output(req.run, req.micro_batch)
-        meta, chunks = codec.tensor_chunks(tensor)
-        yield stage_pb2.DataChunk(
-            header=stage_pb2.DataHeader(
-                epoch=self.stage.epoch, run=req.run, micro_batch=req.micro_batch, meta=meta
-            )
+        value = self.stage.fetch_output(req.run, req.micro_batch)
+        head = stage_pb2.DataHeader(
+            epoch=self.stage.epoch, run=req.run, micro_batch=req.micro_batch
         )
-        for chunk in chunks:
+        bundle.describe(head, value)
+        yield stage_pb2.DataChunk(header=head)
+        for chunk in bundle.chunks(value):
             yield stage_pb2.DataChunk(data=chunk)
 
     def CommitStep(
@@ -265,9 +266,9 @@ class StageServicer:
         if not 0 < req.repeats <= 100:  # before the job and its sample are decoded
             raise InvalidRequest(f"repeats must be in [1, 100] (got {req.repeats})")
         job = JobConfig.from_proto(req.job)
-        if not req.job.HasField("sample_input"):
+        sample = bundle.get_sample(req.job, self.stage.config.max_tensor_bytes)
+        if sample is None:
             raise InvalidRequest("Profile needs job.sample_input (one micro-batch of inputs)")
-        sample = codec.from_proto(req.job.sample_input, self.stage.config.max_tensor_bytes)
         timings = self.stage.profile(job, sample, req.repeats)
         return stage_pb2.ProfileResponse(timings=timings_to_proto(dict(enumerate(timings))))
 

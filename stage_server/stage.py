@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, capacity, codec, layerwire, models, rpc
+from elasticpipe import bounds, capacity, codec, layerwire, models, rpc, structure
 from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
@@ -52,6 +52,7 @@ from elasticpipe.stage_server.snapshots import (
     check_layers,
 )
 from elasticpipe.stage_server.tracing import Tracer
+from elasticpipe.structure import Value
 from elasticpipe.tls import TLS
 from elasticpipe.training import check_job
 from elasticpipe.v1 import stage_pb2
@@ -144,7 +145,7 @@ class Stage:
         self._mailbox = Mailbox(config.mailbox_bytes)
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
-        self._outputs: tuple[int, dict[int, torch.Tensor]] = (0, {})
+        self._outputs: tuple[int, dict[int, Value]] = (0, {})
         self._staged: _Staged | None = None
         self._restoring: tuple[int, Layers] | None = None  # (epoch, layers) of a load
         self._questions: list[Effect] = []
@@ -260,7 +261,7 @@ class Stage:
     def _new_slice(self, job: JobConfig) -> LayerSlice:
         return LayerSlice(job, self.device, self.slowdown, self.config.allow_models)
 
-    def profile(self, job: JobConfig, sample: torch.Tensor, repeats: int) -> list[LayerTiming]:
+    def profile(self, job: JobConfig, sample: Value, repeats: int) -> list[LayerTiming]:
         """Times forward and backward of every layer of the whole model on this device, one
         layer resident at a time (``profiling.profile_layers``), with its memory needs."""
         return profile_layers(
@@ -318,7 +319,7 @@ class Stage:
         slot: Slot,
         run: int,
         micro_batch: int,
-        tensor: torch.Tensor,
+        tensor: Value,
         loss_scale: float = 0.0,
     ) -> None:
         """Accepts an activation, gradient or target for a run (maybe before its RunStep)
@@ -329,8 +330,10 @@ class Stage:
                     f"targets of micro-batch {micro_batch} need a loss_scale in (0, 1] "
                     f"(got {loss_scale})"
                 )
+            if slot is Slot.TARGET and not isinstance(tensor, torch.Tensor):
+                raise InvalidRequest(f"targets of micro-batch {micro_batch} must be one tensor")
             value = (tensor, loss_scale) if slot is Slot.TARGET else tensor
-            nbytes = tensor.numel() * tensor.element_size()
+            nbytes = structure.nbytes(tensor)
             admitted.mailbox.put(run, slot, micro_batch, value, nbytes, admitted.reservation)
             placement = self.placement
             peers = {Slot.INPUT: placement.prev, Slot.GRAD: placement.next} if placement else {}
@@ -400,7 +403,7 @@ class Stage:
         self.faults.point("awaiting_commit")
         return result
 
-    def fetch_output(self, run: int, micro_batch: int) -> torch.Tensor:
+    def fetch_output(self, run: int, micro_batch: int) -> Value:
         """An inference output kept by the last stage."""
         with self._cond:
             kept_run, outputs = self._outputs

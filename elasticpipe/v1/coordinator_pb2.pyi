@@ -353,22 +353,30 @@ class ProfileJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     CLIENT_FIELD_NUMBER: _builtins.int
     SAMPLE_INPUT_FIELD_NUMBER: _builtins.int
+    SAMPLE_STRUCTURE_FIELD_NUMBER: _builtins.int
+    SAMPLE_PARTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     client: _builtins.int
+    sample_structure: _builtins.str
+    """Inputs of several tensors instead (see JobSpec): their structure, then each tensor."""
     @_builtins.property
     def sample_input(self) -> _tensor_pb2.Tensor:
         """one micro-batch of real inputs"""
 
+    @_builtins.property
+    def sample_parts(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]: ...
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         client: _builtins.int = ...,
         sample_input: _tensor_pb2.Tensor | None = ...,
+        sample_structure: _builtins.str = ...,
+        sample_parts: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job_id", b"job_id", "sample_input", b"sample_input"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job_id", b"job_id", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -33,6 +33,8 @@ class JobSpec(_message.Message):
     MICRO_BATCHES_FIELD_NUMBER: _builtins.int
     SCHEDULE_FIELD_NUMBER: _builtins.int
     SAMPLE_INPUT_FIELD_NUMBER: _builtins.int
+    SAMPLE_STRUCTURE_FIELD_NUMBER: _builtins.int
+    SAMPLE_PARTS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_EVERY_FIELD_NUMBER: _builtins.int
     EXTERNAL_WEIGHTS_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
@@ -57,6 +59,10 @@ class JobSpec(_message.Message):
     micro_batches: _builtins.int
     schedule: _builtins.str
     """"gpipe", "1f1b" """
+    sample_structure: _builtins.str
+    """A first layer taking several tensors: the sample's structure (JSON, as
+    DataHeader.structure) and each of its tensors, instead of sample_input.
+    """
     snapshot_every: _builtins.int
     """committed steps between snapshots (0: none)"""
     external_weights: _builtins.bool
@@ -79,6 +85,8 @@ class JobSpec(_message.Message):
         """one micro-batch of real inputs, for the profiling pass"""
 
     @_builtins.property
+    def sample_parts(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]: ...
+    @_builtins.property
     def recompute(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """or only these layers'"""
 
@@ -95,6 +103,8 @@ class JobSpec(_message.Message):
         micro_batches: _builtins.int = ...,
         schedule: _builtins.str = ...,
         sample_input: _tensor_pb2.Tensor | None = ...,
+        sample_structure: _builtins.str = ...,
+        sample_parts: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
         snapshot_every: _builtins.int = ...,
         external_weights: _builtins.bool = ...,
         precision: _builtins.str = ...,
@@ -108,7 +118,7 @@ class JobSpec(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -173,6 +173,8 @@ class DataHeader(_message.Message):
     MICRO_BATCH_FIELD_NUMBER: _builtins.int
     META_FIELD_NUMBER: _builtins.int
     LOSS_SCALE_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    STRUCTURE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """partition epoch the sender computed in"""
     run: _builtins.int
@@ -182,8 +184,16 @@ class DataHeader(_message.Message):
     micro_batch: _builtins.int
     loss_scale: _builtins.float
     """Targets only: this micro-batch's share of the mini-batch"""
+    structure: _builtins.str
     @_builtins.property
     def meta(self) -> _tensor_pb2.TensorMeta: ...
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorMeta]:
+        """Several tensors (a layer's tuple or flat dict): ``structure`` is their descriptor
+        (JSON, elasticpipe/structure.py), ``parts`` declares each tensor, and their bytes
+        follow one after another. Both empty for one tensor, which ``meta`` declares.
+        """
+
     def __init__(
         self,
         *,
@@ -193,10 +203,12 @@ class DataHeader(_message.Message):
         micro_batch: _builtins.int = ...,
         meta: _tensor_pb2.TensorMeta | None = ...,
         loss_scale: _builtins.float = ...,
+        parts: _abc.Iterable[_tensor_pb2.TensorMeta] | None = ...,
+        structure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "loss_scale", b"loss_scale", "meta", b"meta", "micro_batch", b"micro_batch", "run", b"run", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "loss_scale", b"loss_scale", "meta", b"meta", "micro_batch", b"micro_batch", "parts", b"parts", "run", b"run", "step", b"step", "structure", b"structure"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -64,3 +64,50 @@ def test_a_moved_layer_carries_its_scheduler() -> None:
     built.scheduler.step()
     assert built.optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
     assert built.scheduler.last_epoch == 4
+
+
+MASKED = "tests.integration.custom_models:masked"  # layers pass (hidden, mask) or a dict
+
+
+def _train_masked(as_dict: bool, **options: object) -> tuple[dict[str, torch.Tensor], int]:
+    job = JobConfig(
+        model=MASKED,
+        model_kwargs={"as_dict": as_dict, "clamp": not as_dict},
+        optimizer="sgd",
+        optimizer_kwargs={"lr": 0.1},
+        **options,  # type: ignore[arg-type]
+    )
+    layers = LayerSlice(job, torch.device("cpu"), Slowdown(), ALLOW)
+    # [clamp (integers only, tuples only),] embedding, 2 x (attention, MLP), head
+    layers.build(0, 6 if as_dict else 7)
+    torch.manual_seed(7)
+    peak = 0
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 13, (4, 5), generator=g)
+        mask = torch.rand(4, 5, generator=g) > 0.3
+        x = {"ids": ids, "mask": mask} if as_dict else (ids, mask)
+        y, stash = layers.forward(x, train=True, micro_batch=0)  # type: ignore[arg-type]
+        assert stash is not None and isinstance(y, torch.Tensor)
+        peak = max(peak, stash.nbytes())
+        layers.backward(stash, torch.ones_like(y))
+        layers.step()
+    state = {f"{i}.{k}": v for i, m in layers.layers.items() for k, v in m.state_dict().items()}
+    return state, peak
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("as_dict", [False, True])
+@pytest.mark.parametrize("options", [{"recompute_all": True}, {"recompute": (0, 2, 3)}])
+def test_recompute_of_layers_passing_several_tensors_is_exact(
+    as_dict: bool, options: dict[str, object]
+) -> None:
+    """Layers taking and returning (hidden, mask) tuples or dicts, an integers-only one
+    among them: recomputing keeps only each layer's inputs, and the weights come out
+    bit-identical with fewer bytes stashed."""
+    plain, plain_peak = _train_masked(as_dict)
+    again, peak = _train_masked(as_dict, **options)
+    assert plain.keys() == again.keys()
+    for key, value in plain.items():
+        assert torch.equal(again[key], value), key
+    assert peak < plain_peak

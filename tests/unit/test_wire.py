@@ -29,3 +29,21 @@ def test_cast_rounds_forward_and_backward() -> None:
     assert y.item() == 1.0
     y.backward(torch.tensor([1.0 + 2**-12]))
     assert x.grad is not None and x.grad.item() == 1.0
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_each_floating_tensor_of_a_tuple_or_dict_is_cast_integers_untouched(as_dict: bool) -> None:
+    """A layer's several outputs: every float32 tensor travels in bf16, ids and masks as
+    they are, and decoding gives float32 back in the same structure."""
+    hidden, ids, mask = torch.randn(2, 3), torch.arange(6).view(2, 3), torch.ones(2, 3).bool()
+    value = {"hidden": hidden, "ids": ids, "mask": mask} if as_dict else (hidden, ids, mask)
+    sent = wire.encode_value(value, "bf16")
+    parts = list(sent.values()) if isinstance(sent, dict) else list(sent)
+    assert isinstance(sent, dict) == as_dict
+    assert [t.dtype for t in parts] == [torch.bfloat16, torch.int64, torch.bool]
+    assert parts[1] is ids and parts[2] is mask
+    back = wire.decode_value(sent, "bf16")
+    got = list(back.values()) if isinstance(back, dict) else list(back)
+    assert torch.equal(got[0], hidden.bfloat16().float()) and got[1] is ids and got[2] is mask
+    assert wire.encode_value(value, "") is value
