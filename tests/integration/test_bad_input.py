@@ -9,7 +9,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elasticpipe import codec
+from elasticpipe import bounds, codec
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import PermissionDenied, UserCodeError
@@ -131,14 +131,15 @@ def test_request_of_another_epoch_is_failed_precondition(
     err = _status(_forward, _stub(server), header, b"\0" * 4)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"stale epoch {epoch + 7}" in err.details() and f"at epoch {epoch}" in err.details()
+    client = _stub(server).GetStats(stage_pb2.StatsRequest(), timeout=5).state.fence
     run = stage_pb2.RunStepRequest(
         epoch=epoch - 1,
-        run=5,
+        run=(client << bounds.RUN_ID_BITS) + 5,
         step=2,
         micro_batches=1,
         schedule=stage_pb2.GPIPE,
         mode=stage_pb2.TRAIN,
-        client=1 << 40,  # not fenced: the epoch is what is wrong
+        client=client,  # the job's own client: the epoch is what is wrong
         timeout_s=5,
     )
     err = _status(_stub(server).RunStep, run)
