@@ -178,6 +178,7 @@ class Jobs:
                     lease.expires = time.monotonic() + lease.lease_s
                     if efficiency[0]:
                         self.efficiency = efficiency
+                        self.c.metrics.efficiency_reported(*efficiency)
         return held, self.safe_step()
 
     def safe_step(self) -> int:

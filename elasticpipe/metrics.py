@@ -320,8 +320,14 @@ class CoordinatorMetrics:
         self._read = read
         self._lock = threading.Lock()
         self._predicted: float | None = None  # the policy's latest, at live speeds
+        self._efficiency: tuple[int, float] | None = None  # (step, figure) the client reported
         self._progress: deque[tuple[float, int]] = deque(maxlen=MEASURED_STEPS_WINDOW)
         r.register(_ViewCollector(self._families))
+
+    def efficiency_reported(self, step: int, figure: float) -> None:
+        """The client's pipeline efficiency of ``step`` (sent with its lease renewal)."""
+        with self._lock:
+            self._efficiency = (step, figure)
 
     def interceptor(self) -> RpcErrorCounter:
         """The server interceptor counting the coordinator's failed calls."""
@@ -388,6 +394,19 @@ class CoordinatorMetrics:
             "elasticpipe_coordinator_measured_step_seconds",
             "Seconds per committed step, from the steps stages report in heartbeats",
             self.measured_step_s(),
+        )
+        with self._lock:
+            efficiency = self._efficiency
+        yield from _gauge(
+            "elasticpipe_coordinator_pipeline_efficiency_ratio",
+            "The last reported step's ideal time (critical path of its measured ops, free "
+            "communication) over its measured time",
+            efficiency[1] if efficiency else None,
+        )
+        yield from _gauge(
+            "elasticpipe_coordinator_pipeline_efficiency_step",
+            "The step the pipeline efficiency figure is of",
+            float(efficiency[0]) if efficiency else None,
         )
 
 

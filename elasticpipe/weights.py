@@ -202,12 +202,26 @@ class Plan:
     expected: dict[str, Expected]
 
     def layer_state(self, layer: int) -> dict[str, torch.Tensor]:
-        """One layer's weights and buffers, keyed like its own ``state_dict()``."""
-        return {
-            e.name: self.source.get(self.keys[key])
-            for key, e in self.expected.items()
-            if e.layer == layer
-        }
+        """One layer's weights and buffers, keyed like its own ``state_dict()``; floating
+        tensors of another precision (a bfloat16 checkpoint) are cast to the model's.
+
+        Raises:
+            InvalidRequest: a non-floating tensor of another dtype.
+        """
+        state = {}
+        for key, e in self.expected.items():
+            if e.layer != layer:
+                continue
+            tensor = self.source.get(self.keys[key])
+            if tensor.dtype != e.dtype:
+                if not (tensor.is_floating_point() and e.dtype.is_floating_point):
+                    raise InvalidRequest(
+                        f"init_state {self.keys[key]!r} is {tensor.dtype}, the model's {key!r} "
+                        f"{e.dtype}"
+                    )
+                tensor = tensor.to(e.dtype)
+            state[e.name] = tensor
+        return state
 
 
 def plan(

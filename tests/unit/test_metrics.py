@@ -55,6 +55,7 @@ def _coordinator() -> CoordinatorMetrics:
     metrics = CoordinatorMetrics(lambda: view)
     metrics.heard(1, now=10.0)
     metrics.heard(3, now=11.0)
+    metrics.efficiency_reported(3, 0.74)
     return metrics
 
 

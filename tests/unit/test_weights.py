@@ -80,3 +80,16 @@ def test_renamed_keys_are_used_only_when_the_models_own_keys_are_absent() -> Non
         InvalidRequest, match=r"'net.0.weight' has shape \[3, 3\], the model's '0.weight' \[8, 4\]"
     ):
         weights.plan(weights.TensorSource(mapping=foreign), expected, rename)
+
+
+def test_a_bfloat16_checkpoint_is_widened_to_the_models_float32(tmp_path: Path) -> None:
+    """Most published checkpoints are bfloat16: each tensor arrives as the model's dtype
+    (what the stage's strict per-tensor check then accepts), rounded as bfloat16 is."""
+    state = {k: v.to(torch.bfloat16) for k, v in _state().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    expected, _ = weights.expected_state("mlp", MLP)
+    source = weights.open_source(str(tmp_path / "model.safetensors"))
+    p = weights.plan(source, expected, weights.no_rename)
+    layer = p.layer_state(0)
+    assert layer["weight"].dtype == torch.float32
+    assert torch.equal(layer["weight"], state["0.weight"].float())
