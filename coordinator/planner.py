@@ -383,8 +383,11 @@ class _Instance:
     prefix_list: list[float]  # the same, for scalar binary searches
     speeds: _Floats  # S
     link: _Floats | None  # (S, L + 1): time of link s when cut at position b (last row 0)
-    lo_mem: _Ints  # (S, L + 1): smallest start a such that [a, b) fits stage s's memory
-    hi_mem: _Ints  # (S, L + 1): largest end b such that [a, b) fits stage s's memory
+    # One row per distinct memory cap (a single row without caps), so that reordering the
+    # stages costs O(S) rather than copying O(S * L) tables:
+    lo_mem: _Ints  # (K, L + 1): smallest start a such that [a, b) fits row k's memory
+    hi_mem: _Ints  # (K, L + 1): largest end b such that [a, b) fits row k's memory
+    mem_row: _Ints  # (S,): the row of lo_mem / hi_mem that stage s uses
     capped: bool  # whether memory caps were given
 
     def permuted(self, order: Sequence[int]) -> _Instance:
@@ -395,10 +398,19 @@ class _Instance:
             self.prefix_list,
             self.speeds[idx],
             self.link,
-            self.lo_mem[idx],
-            self.hi_mem[idx],
+            self.lo_mem,
+            self.hi_mem,
+            self.mem_row[idx],
             self.capped,
         )
+
+    def lo(self, s: int, end: int) -> int:
+        """The smallest start of a slice ending at ``end`` that fits stage ``s``'s memory."""
+        return int(self.lo_mem[self.mem_row[s], end])
+
+    def hi(self, s: int, start: int) -> int:
+        """The largest end of a slice starting at ``start`` that fits stage ``s``'s memory."""
+        return int(self.hi_mem[self.mem_row[s], start])
 
 
 def _instance(
@@ -439,8 +451,9 @@ def _instance(
 
     memory = None
     caps = np.full(n_stages, np.inf)
-    lo_mem: _Ints = np.zeros((n_stages, n_layers + 1), dtype=np.int64)
-    hi_mem: _Ints = np.full((n_stages, n_layers + 1), n_layers, dtype=np.int64)
+    lo_mem: _Ints = np.zeros((1, n_layers + 1), dtype=np.int64)
+    hi_mem: _Ints = np.full((1, n_layers + 1), n_layers, dtype=np.int64)
+    mem_row: _Ints = np.zeros(n_stages, dtype=np.int64)
     if (layer_memory is None) != (stage_memory is None):
         given = "layer_memory" if stage_memory is None else "stage_memory"
         raise PlanError(f"layer_memory and stage_memory go together (got {given} only)")
@@ -452,13 +465,19 @@ def _instance(
             "stage_memory", stage_memory, n_stages, per="stage", positive=False, finite=False
         )
         mem_prefix = np.concatenate(([0.0], np.cumsum(memory)))
-        for s in range(n_stages):
+        distinct, rows = np.unique(caps, return_inverse=True)
+        mem_row = rows.astype(np.int64).reshape(n_stages)
+        lo_mem = np.zeros((distinct.size, n_layers + 1), dtype=np.int64)
+        hi_mem = np.zeros((distinct.size, n_layers + 1), dtype=np.int64)
+        for k, cap in enumerate(distinct.tolist()):
             # [a, b) fits iff mem_prefix[b] - cap <= mem_prefix[a]: one comparison, used both ways.
-            floor = mem_prefix - caps[s]
-            lo_mem[s] = np.searchsorted(mem_prefix, floor, side="left")
-            hi_mem[s] = np.searchsorted(floor, mem_prefix, side="right") - 1
+            floor = mem_prefix - cap
+            lo_mem[k] = np.searchsorted(mem_prefix, floor, side="left")
+            hi_mem[k] = np.searchsorted(floor, mem_prefix, side="right") - 1
 
-    inst = _Instance(prefix, prefix.tolist(), speeds, link, lo_mem, hi_mem, memory is not None)
+    inst = _Instance(
+        prefix, prefix.tolist(), speeds, link, lo_mem, hi_mem, mem_row, memory is not None
+    )
     inputs = _Inputs(
         costs.tolist(),
         speeds.tolist(),
@@ -555,13 +574,13 @@ def _bounds(inst: _Instance, limit: float) -> tuple[list[float], list[int], list
     for s, budget in enumerate(budgets):
         end = min(_last_end(prefix, start, budget), n_layers - (n_stages - 1 - s))
         if inst.capped:
-            end = min(end, int(inst.hi_mem[s, start]))
+            end = min(end, inst.hi(s, start))
         fwd.append(end)
         start = end
     back = [n_layers] * n_stages
     for s in range(n_stages - 1, 0, -1):
         end = back[s]
-        back[s - 1] = max(_first_start(prefix, end, budgets[s]), int(inst.lo_mem[s, end]), s)
+        back[s - 1] = max(_first_start(prefix, end, budgets[s]), inst.lo(s, end), s)
     return budgets, fwd, back
 
 
@@ -576,9 +595,7 @@ def _greedy(
     budgets, fwd, back = bounds
     n_stages = len(budgets)
     # The backward chain also needs stage 0 to hold [0, back[0]), which it did not check.
-    back_ok = (
-        _first_start(inst.prefix_list, back[0], budgets[0]) == 0 and inst.lo_mem[0, back[0]] == 0
-    )
+    back_ok = _first_start(inst.prefix_list, back[0], budgets[0]) == 0 and inst.lo(0, back[0]) == 0
     for chain, ok in (((0, *fwd), True), ((0, *back), back_ok)):
         if not ok or chain[-1] != inst.prefix.size - 1:
             continue
@@ -618,7 +635,7 @@ def _probe(
     starts = np.asarray(first, dtype=np.int64)
     ends = np.arange(size) + np.repeat(starts - flat_at[:-1], width)
     lo_time = np.searchsorted(inst.prefix, inst.prefix[ends] - np.asarray(budgets)[stage])
-    lo = np.maximum(lo_time, inst.lo_mem[stage, ends]) if inst.capped else lo_time
+    lo = np.maximum(lo_time, inst.lo_mem[inst.mem_row[stage], ends]) if inst.capped else lo_time
     # Index ranges into the previous stage's band (stage -1 reached only position 0).
     prev_first = np.repeat(np.concatenate(([0], starts[:-1])), width)
     prev_width = np.repeat(np.concatenate(([1], width[:-1])), width)
@@ -659,14 +676,14 @@ def _next_change(inst: _Instance, probe: _Probe) -> float:
         end = probe.fwd[s]
         room = n_layers - (n_stages - 1 - s)
         if inst.capped:
-            room = min(room, int(inst.hi_mem[s, start]))
+            room = min(room, inst.hi(s, start))
         if end < room:
             best = min(best, (prefix[end + 1] - prefix[start]) / speeds[s])
         start = end
     for s in range(n_stages - 1, 0, -1):  # a backward bound falls when its stage starts earlier
         end = probe.back[s]
         by_time = _first_start(prefix, end, probe.budgets[s])
-        if by_time > max(int(inst.lo_mem[s, end]), s):
+        if by_time > max(inst.lo(s, end), s):
             best = min(best, (prefix[end] - prefix[by_time - 1]) / speeds[s])
 
     # Within the bands: for each end, the latest reached start before lo_time gives the cheapest
@@ -690,7 +707,7 @@ def _next_change(inst: _Instance, probe: _Probe) -> float:
     grows = (below >= 0) & (pick >= prev_flat)
     start_at = positions[np.where(grows, pick, 0)]
     if inst.capped:
-        grows &= start_at >= inst.lo_mem[stage, ends]
+        grows &= start_at >= inst.lo_mem[inst.mem_row[stage], ends]
     if grows.any():
         cost = (inst.prefix[ends[grows]] - inst.prefix[start_at[grows]]) / inst.speeds[stage[grows]]
         best = min(best, float(cost.min()))
@@ -787,7 +804,7 @@ def _solve(inst: _Instance, current: tuple[int, ...] | None) -> tuple[int, ...] 
 
 def _fits(inst: _Instance, bounds: tuple[int, ...]) -> bool:
     """Whether every stage's slice of ``bounds`` fits its memory."""
-    return all(inst.lo_mem[s, bounds[s + 1]] <= bounds[s] for s in range(len(bounds) - 1))
+    return all(inst.lo(s, bounds[s + 1]) <= bounds[s] for s in range(len(bounds) - 1))
 
 
 def _feasible(inst: _Instance, limit: float) -> bool:
@@ -951,7 +968,7 @@ def _memory_message(inst: _Instance, inputs: _Inputs) -> str:
     prev = positions == 0
     for s in range(n_stages):
         counts = np.concatenate(([0], np.cumsum(prev)))
-        reach = counts[positions] > counts[inst.lo_mem[s]]
+        reach = counts[positions] > counts[inst.lo_mem[inst.mem_row[s]]]
         reach &= (positions > s) & (positions <= n_layers - (n_stages - 1 - s))
         if s == n_stages - 1 and not reach[n_layers]:
             start = int(np.flatnonzero(prev).max())
