@@ -34,6 +34,8 @@ _IMPROVE = 1e-9
 _EXACT_HOSTS = 7
 # The local search of order_hosts tries at most this many swaps (each costs one probe).
 _MAX_SWAPS = 1000
+# Aimed at the bottleneck, order_hosts tries each hot position with this many other hosts.
+_RELIEVE_TRIES = 64
 # Bisection steps before giving up on closing the last gap (each halves it at least).
 _MAX_PROBES = 200
 _SCHEDULES = ("gpipe", "1f1b")
@@ -231,7 +233,12 @@ def order_hosts(
     differs. Up to 7 hosts every distinct order is tried (hosts of equal speed and memory are
     interchangeable, so duplicates are skipped); beyond that a local search starts from the
     best of a few sensible orders (as given, fastest first, slowest first, fastest at both
-    ends) and swaps pairs of hosts while that helps, for at most 1000 swap probes.
+    ends). While a pass over every pair of hosts fits in 1000 swap probes (up to 45 hosts)
+    it swaps pairs while that helps; then it swaps the hosts that set the bottleneck (the
+    slowest stage and its neighbours, or the two beside the slowest link) with the 64
+    fastest other hosts, again after each improvement. It stops after 1000 probes in all,
+    or when no order can do better (balance by speed, the costliest layer on the fastest
+    host), so its cost is a bounded number of probes of O(S log L) each, at any length.
 
     Args:
         layer_costs: as in :func:`plan`.
@@ -287,22 +294,63 @@ def order_hosts(
     else:
         for seed in _seed_orders(inst.speeds):
             consider(seed)
+        floor = _order_free_bound(inst)
         swaps = 0
-        improved = True
-        while improved and best is not None and swaps < _MAX_SWAPS:
-            improved = False
-            for i, j in itertools.combinations(range(n_hosts), 2):
-                base = best[1]
-                if kinds[base[i]] == kinds[base[j]]:
-                    continue
-                if swaps >= _MAX_SWAPS:
-                    break
-                swaps += 1
-                trial = list(base)
-                trial[i], trial[j] = trial[j], trial[i]
-                before = best[0]
-                consider(trial)
-                improved = improved or best[0] < before
+
+        def done() -> bool:
+            return best is None or swaps >= _MAX_SWAPS or best[0] <= floor * (1 + _GAP)
+
+        def sweep() -> None:
+            """Swaps every pair of hosts in turn, keeping what helps, while a pass helps."""
+            nonlocal swaps
+            improved = True
+            while improved and not done():
+                improved = False
+                for i, j in itertools.combinations(range(n_hosts), 2):
+                    assert best is not None
+                    base = best[1]
+                    if kinds[base[i]] == kinds[base[j]]:
+                        continue
+                    if done():
+                        break
+                    swaps += 1
+                    trial = list(base)
+                    trial[i], trial[j] = trial[j], trial[i]
+                    before = best[0]
+                    consider(trial)
+                    improved = improved or best[0] < before
+
+        def relieve() -> None:
+            """Swaps the hosts that set the bottleneck with every other host, again after
+            each improvement."""
+            nonlocal swaps
+            improved = True
+            while improved and not done():
+                assert best is not None
+                improved = False
+                value, base, bounds = best
+                hot = _hot_positions(inst.permuted(base), bounds)
+                # The fastest hosts first: they relieve a hot position most.
+                others = sorted(
+                    (j for j in range(n_hosts) if j not in hot),
+                    key=lambda j: (-kinds[base[j]][0], -kinds[base[j]][1], j),
+                )
+                for i in hot:
+                    for j in others[:_RELIEVE_TRIES]:
+                        if kinds[base[i]] == kinds[base[j]] or improved or done():
+                            continue
+                        swaps += 1
+                        trial = list(base)
+                        trial[i], trial[j] = trial[j], trial[i]
+                        consider(trial)
+                        improved = best[0] < value
+
+        # Every pair first when a whole pass fits the budget (short chains), then the swaps
+        # aimed at the bottleneck, then pairs with what is left of the budget. The budget
+        # bounds the probes whatever the chain's length: a constant number of O(S) probes.
+        if n_hosts * (n_hosts - 1) // 2 <= _MAX_SWAPS:
+            sweep()
+        relieve()
     if best is None:
         raise PlanError(
             "no chain order of the hosts fits the memory caps; in the given order: "
@@ -896,6 +944,30 @@ def _make_plan(inputs: _Inputs, bounds: tuple[int, ...]) -> Plan:
             inputs.act[bounds[s + 1] - 1] / inputs.bandwidths[s] for s in range(n_stages - 1)
         )
     return Plan(bounds, stage_times, link_times, max(stage_times + link_times))
+
+
+def _order_free_bound(inst: _Instance) -> float:
+    """A bottleneck no chain order beats: balance by speed, and the costliest layer on the
+    fastest host."""
+    costs = np.diff(inst.prefix)
+    return max(
+        float(inst.prefix[-1]) / float(inst.speeds.sum()),
+        float(costs.max()) / float(inst.speeds.max()),
+    )
+
+
+def _hot_positions(inst: _Instance, bounds: tuple[int, ...]) -> list[int]:
+    """The chain positions whose hosts set the bottleneck of ``bounds``: the slowest stage,
+    or the two stages beside the slowest link."""
+    b = np.asarray(bounds)
+    times = (inst.prefix[b[1:]] - inst.prefix[b[:-1]]) / inst.speeds
+    slowest = int(np.argmax(times))
+    if inst.link is not None and b.size > 2:
+        links = inst.link[np.arange(b.size - 2), b[1:-1]]
+        cut = int(np.argmax(links))
+        if links[cut] > times[slowest]:
+            return [cut, cut + 1]
+    return [p for p in (slowest, slowest - 1, slowest + 1) if 0 <= p < times.size]
 
 
 def _seed_orders(speeds: _Floats) -> list[list[int]]:

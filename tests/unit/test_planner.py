@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elasticpipe.coordinator import planner
 from elasticpipe.coordinator.planner import (
     Plan,
     PlanError,
@@ -442,3 +443,31 @@ def test_spare_positions_are_the_ends_and_beside_the_busiest_stages() -> None:
     times[100], times[7], times[200] = 5.0, 4.0, 3.0
     assert spare_positions(times) == [0, 7, 8, 100, 101, 200, 201, 256]
     assert len(spare_positions([float(i % 7) for i in range(1000)])) <= 8
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n_hosts", [64, 256])
+def test_order_hosts_long_chain_moves_fast_hosts_to_heavy_ends(
+    n_hosts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a long chain the search aims at the bottleneck: two fast hosts in the middle of
+    the given order move to the heavy ends, within a bounded number of reorderings."""
+    costs = [8.0] + [1.0] * (2 * n_hosts - 2) + [8.0]
+    speeds = [1.0] * n_hosts
+    speeds[n_hosts // 3] = speeds[2 * n_hosts // 3] = 4.0
+    reorders = 0
+    permuted = planner._Instance.permuted
+
+    def counted(self: planner._Instance, order: Sequence[int]) -> planner._Instance:
+        nonlocal reorders
+        reorders += 1
+        return permuted(self, order)
+
+    monkeypatch.setattr(planner._Instance, "permuted", counted)
+    order, result = order_hosts(costs, speeds)
+    assert sorted(order) == list(range(n_hosts))
+    assert {order[0], order[-1]} == {n_hosts // 3, 2 * n_hosts // 3}
+    # Each end takes its heavy layer and one more (9 / 4); the slow hosts take 2 each.
+    assert result.bottleneck == pytest.approx(2.25)
+    assert plan(costs, speeds).bottleneck == pytest.approx(8.0)
+    assert reorders <= 2 * planner._MAX_SWAPS
