@@ -125,6 +125,7 @@ KEEP_SNAPSHOTS = 2
 REGISTER_TIMEOUT_S = 5.0
 BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
 SUPERLINEAR = 1.3  # growth exponent above which a figure is flagged
+FAKES_PER_PROCESS = 64
 
 
 def model_kwargs(stages: int) -> dict[str, Any]:
@@ -142,10 +143,19 @@ def stage_speed(index: int) -> float:
     return 0.7 + 0.6 * ((index * 37) % 101) / 100
 
 
-@functools.cache
+_DESCRIBING = threading.Lock()
+
+
 def describe(model: str, kwargs_json: str) -> tuple[int, tuple[int, ...], str, str]:
     """The real model description (``models.describe``/``factory_source``), once per
-    process: S real stages would each compute it on their own host, in parallel."""
+    process: S real stages would each compute it on their own host, in parallel. The
+    lock keeps S concurrent Describe calls from all computing it at once on one GIL."""
+    with _DESCRIBING:
+        return _describe(model, kwargs_json)
+
+
+@functools.cache
+def _describe(model: str, kwargs_json: str) -> tuple[int, tuple[int, ...], str, str]:
     num_layers, sizes = models.describe(model, json.loads(kwargs_json))
     path, digest = models.factory_source(model)
     return num_layers, tuple(sizes), path, digest
@@ -808,14 +818,15 @@ class FakeStage:
         raise InvalidRequest("fault injection is off on fake stages")
 
 
-def fakes_main(conn: Connection, coordinator: str, count: int) -> None:
-    """The fake stages' process: serves ``count`` fakes; answers the bench's commands."""
+def fakes_main(conn: Connection, coordinator: str, first: int, end: int, chain: int) -> None:
+    """A fake stages' process: serves fakes ``first`` to ``end - 1`` of a job of ``chain``
+    stages; answers the bench's commands."""
     torch.set_num_threads(1)
-    describe("mlp", json.dumps(model_kwargs(count), sort_keys=True))  # as JobConfig sends it
+    describe("mlp", json.dumps(model_kwargs(chain), sort_keys=True))  # as JobConfig sends it
     counters = Counters()
     stop = threading.Event()
     threading.Thread(target=counters.watch, args=(stop,), name="watch", daemon=True).start()
-    fakes = [FakeStage(f"fake-{i:03d}", i, coordinator, counters) for i in range(count)]
+    fakes = [FakeStage(f"fake-{i:03d}", i, coordinator, counters) for i in range(first, end)]
     started = time.perf_counter()
     for fake in fakes:
         fake.serve()
@@ -856,6 +867,79 @@ def process_threads(pid: int) -> int:
         if line.startswith("Threads:"):
             return int(line.split()[1])
     return 0
+
+
+class Fakes:
+    """The fake stages, in processes of at most ``per_process`` fakes each: one process
+    serving hundreds of gRPC servers on one GIL would measure its own thread convoys (a
+    real stage serves on its own host). Commands go to every process; answers are merged."""
+
+    def __init__(self, coordinator: str, count: int, chain: int, per_process: int):
+        ctx = mp.get_context("spawn")
+        self.groups: list[tuple[Connection, Any]] = []
+        for first in range(0, count, per_process):
+            conn, child = ctx.Pipe()
+            end = min(count, first + per_process)
+            proc = ctx.Process(
+                target=fakes_main, args=(child, coordinator, first, end, chain), daemon=True
+            )
+            proc.start()
+            self.groups.append((conn, proc))
+
+    @property
+    def processes(self) -> int:
+        return len(self.groups)
+
+    def cpu_s(self) -> float:
+        """CPU seconds of every fakes' process so far."""
+        return sum(process_cpu_s(proc.pid) for _, proc in self.groups)
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        """Every process's next answer, merged."""
+        return merge_answers([receive(conn, proc, timeout) for conn, proc in self.groups])
+
+    def ask(self, command: str, timeout: float) -> dict[str, Any]:
+        for conn, _ in self.groups:
+            conn.send(command)
+        return self.receive(timeout)
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for _, proc in self.groups)
+
+    def stop(self) -> None:
+        for conn, proc in self.groups:
+            if proc.is_alive():
+                try:
+                    conn.send("stop")
+                    receive(conn, proc, 60)
+                except (RuntimeError, TimeoutError, EOFError, OSError):
+                    proc.kill()
+            proc.join(timeout=10)
+
+
+def merge_answers(answers: Sequence[Any]) -> dict[str, Any]:
+    """The processes' answers as one: counts and lists added, flags and-ed, the rest the
+    largest (gaps, lags, wall times)."""
+    out: dict[str, Any] = {}
+    for answer in answers:
+        if not isinstance(answer, dict):
+            continue
+        for key, value in answer.items():
+            if key not in out:
+                out[key] = list(value) if isinstance(value, list) else value
+                if isinstance(value, dict):
+                    out[key] = Counter(value)
+            elif isinstance(value, bool):
+                out[key] = out[key] and value
+            elif isinstance(value, list):
+                out[key] += value
+            elif isinstance(value, dict):
+                out[key].update(value)
+            elif key in ("heartbeats", "reregistered", "dead"):
+                out[key] += value
+            else:
+                out[key] = max(out[key], value)
+    return {k: dict(v) if isinstance(v, Counter) else v for k, v in out.items()}
 
 
 def receive(conn: Connection, proc: Any, timeout: float) -> Any:
@@ -1020,22 +1104,15 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
         time.sleep(args.idle)
         out["idle_cpu_frac"] = (process_cpu_s(cpid) - c0) / (time.perf_counter() - t0)
 
-        ctx = mp.get_context("spawn")
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=fakes_main, args=(child, cluster.coordinator, stages + 1), daemon=True
-        )
-        proc.start()
-        assert proc.pid is not None
-        fpid = proc.pid
+        fakes = Fakes(cluster.coordinator, stages + 1, stages, args.fakes_per_process)
+        out["fake_processes"] = fakes.processes
         probe = Probe(cluster.coordinator)
         pipe: Pipeline | None = None
 
         seen: dict[str, Any] = {"calls": Counter(), "max_lag": 0.0}  # since the last phase
 
         def counters() -> dict[str, Any]:
-            conn.send("counters")
-            taken: dict[str, Any] = receive(conn, proc, 60)
+            taken = fakes.ask("counters", 60)
             seen["calls"].update(taken["calls"])
             seen["max_lag"] = max(seen["max_lag"], taken["max_lag"])
             return taken
@@ -1046,7 +1123,7 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
             return out
 
         try:
-            out["serve_s"] = receive(conn, proc, 300)["serve_s"]
+            out["serve_s"] = fakes.receive(300)["serve_s"]
             print(
                 f"  {stages} + 1 spare fake stage servers up in {out['serve_s']:.1f}s "
                 f"(cluster start to here {time.perf_counter() - started:.1f}s)",
@@ -1056,8 +1133,7 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
 
             with phase("registration"):
                 c0 = process_cpu_s(cpid)
-                conn.send("register")
-                reg = receive(conn, proc, 300)
+                reg = fakes.ask("register", 300)
                 if not reg["ok"]:
                     raise RuntimeError(f"not every fake registered within 120 s: {reg['errors']}")
                 out["register_s"] = reg["wall_s"]
@@ -1075,9 +1151,9 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
             with phase("heartbeats"):
                 time.sleep(2 * hb)
                 before = counters()
-                c0, f0, t0 = process_cpu_s(cpid), process_cpu_s(fpid), time.perf_counter()
+                c0, f0, t0 = process_cpu_s(cpid), fakes.cpu_s(), time.perf_counter()
                 time.sleep(args.window)
-                c1, f1, t1 = process_cpu_s(cpid), process_cpu_s(fpid), time.perf_counter()
+                c1, f1, t1 = process_cpu_s(cpid), fakes.cpu_s(), time.perf_counter()
                 after = counters()
                 beats = after["heartbeats"] - before["heartbeats"]
                 out["heartbeats_per_s"] = beats / (t1 - t0)
@@ -1145,12 +1221,12 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
             with phase("steps"):
                 pipe.train_step(*batches[1])  # warm-up
                 step_s = []
-                cpu0 = (time.process_time(), process_cpu_s(fpid), process_cpu_s(cpid))
+                cpu0 = (time.process_time(), fakes.cpu_s(), process_cpu_s(cpid))
                 for k in range(args.steps):
                     t0 = time.perf_counter()
                     pipe.train_step(*batches[k % len(batches)])
                     step_s.append(time.perf_counter() - t0)
-                cpu1 = (time.process_time(), process_cpu_s(fpid), process_cpu_s(cpid))
+                cpu1 = (time.process_time(), fakes.cpu_s(), process_cpu_s(cpid))
                 out["step_s"] = statistics.median(step_s)
                 out["step_min_s"] = min(step_s)
                 out["client_cpu_ms"], out["fakes_cpu_ms"], out["coordinator_cpu_ms"] = (
@@ -1236,18 +1312,22 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
                 with contextlib.suppress(ElasticPipeError):
                     pipe.close()
             probe.close()
-            if proc.is_alive():
-                conn.send("stop")
-                try:
-                    receive(conn, proc, 60)
-                except (RuntimeError, TimeoutError, EOFError):
-                    proc.kill()
-            proc.join(timeout=10)
+            fakes.stop()
             admin.close()
             out["coordinator_log"] = dict(
                 coordinator_log_events(cluster.log_dir / "coordinator.log")
             )
     out["total_s"] = time.perf_counter() - started
+
+
+def growth(results: Sequence[dict[str, Any]], key: str) -> float | None:
+    """The figure's growth from the smallest to the largest chain that measured it, divided
+    by the growth of the chain: 1.0 is linear, 4.0 quadratic over a 4x range, 0.25 flat."""
+    points = [(r["stages"], r[key]) for r in results if r.get(key) and r[key] > 0]
+    if len(points) < 2 or points[0][0] == points[-1][0]:
+        return None
+    (s0, v0), (s1, v1) = points[0], points[-1]
+    return (v1 / v0) / (s1 / s0)
 
 
 def exponent(results: Sequence[dict[str, Any]], key: str) -> float | None:
@@ -1292,7 +1372,12 @@ def report(results: list[dict[str, Any]]) -> None:
     ok = [r for r in results if r.get("ran_step")]
     sizes = [r["stages"] for r in ok]
     print()
-    print(f"{'':40}" + "".join(f"{s:>10}" for s in sizes) + f"{'k':>7}  growth")
+    print(
+        f"{'':40}"
+        + "".join(f"{s:>10}" for s in sizes)
+        + f"{'growth/S':>9}{'k':>7}  verdict (growth/S: the figure's ratio largest/smallest"
+        " over the chain's; 1.0 linear)"
+    )
     for key, label, scale, unit, expected in FIGURES:
         cells = "".join(
             f"{scale * r[key]:>10.3g}" if r.get(key) is not None else f"{'-':>10}" for r in ok
@@ -1307,7 +1392,9 @@ def report(results: list[dict[str, Any]]) -> None:
             else:
                 verdict = "ok"
         ktext = f"{k:>7.2f}" if k is not None else f"{'':>7}"
-        print(f"{label + ' (' + unit + ')':<40}{cells}{ktext}  {verdict}")
+        g = growth(ok, key)
+        gtext = f"{g:>9.2f}" if g is not None else f"{'':>9}"
+        print(f"{label + ' (' + unit + ')':<40}{cells}{gtext}{ktext}  {verdict}")
     print()
     print("per stage (figure / S), for the figures that should grow linearly:")
     print(f"{'':40}" + "".join(f"{s:>10}" for s in sizes))
@@ -1323,7 +1410,17 @@ def report(results: list[dict[str, Any]]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--stages", default=",".join(map(str, STAGE_COUNTS)), help="chain sizes, comma-separated"
+        "--sizes",
+        "--stages",
+        dest="sizes",
+        default=",".join(map(str, STAGE_COUNTS)),
+        help="chain sizes, comma-separated",
+    )
+    parser.add_argument(
+        "--fakes-per-process",
+        type=int,
+        default=FAKES_PER_PROCESS,
+        help="fake stages per process (one GIL each)",
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per size")
     parser.add_argument("--window", type=float, default=5.0, help="seconds of heartbeats timed")
@@ -1335,10 +1432,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="16 and 64 stages, short windows")
     args = parser.parse_args()
     if args.quick:
-        args.stages, args.steps, args.window, args.idle = "16,64", 3, 3.0, 1.0
-    sizes = sorted(int(s) for s in args.stages.split(","))
-    if any(s < 2 for s in sizes) or args.steps < 1:
-        parser.error("every chain size must be >= 2 and --steps >= 1")
+        args.sizes, args.steps, args.window, args.idle = "16,64", 3, 3.0, 1.0
+    try:
+        sizes = sorted(int(s) for s in args.sizes.split(","))
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers (got {args.sizes!r})")
+    if any(s < 2 for s in sizes) or args.steps < 1 or args.fakes_per_process < 1:
+        parser.error("every chain size must be >= 2, --steps and --fakes-per-process >= 1")
 
     bench_started = time.perf_counter()
     load_before = os.getloadavg()
@@ -1395,6 +1495,9 @@ def main() -> int:
         "migration_s": round(largest["migration_s"], 3) if largest else None,
         "step_fanout_s": round(largest["step_s"], 4) if largest else None,
         "exponents": {k: round(e, 3) for k, *_ in FIGURES if (e := exponent(ok, k)) is not None},
+        "growth_per_stage": {
+            k: round(g, 3) for k, *_ in FIGURES if (g := growth(ok, k)) is not None
+        },
         "sizes": [
             {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items() if k in keep}
             for r in results

@@ -22,6 +22,7 @@ from elasticpipe import bounds, bundle
 from elasticpipe.coordinator import copies, epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
+from elasticpipe.coordinator.laps import Laps
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planner import PlanError, order_hosts, predict_step_time
 from elasticpipe.coordinator.state import Cluster
@@ -365,11 +366,14 @@ class Jobs:
         lease_s: float,
         holder: str,
     ) -> Attached:
+        laps = Laps()
         with self.c.move_lock:
             self._check_free(self.c.job)  # again: another client may have come meanwhile
             epochs.check_no_change_in_progress(self.c)
             spec = job.to_proto()
+            laps.lap("lock")
             described = self._describe(spec, chosen)
+            laps.lap("describe")
             num_layers, param_bytes = described.num_layers, list(described.param_bytes)
             if num_layers < len(chosen):
                 raise PlanError(
@@ -377,6 +381,7 @@ class Jobs:
                     f"{len(chosen)}): pass stages={num_layers} or fewer"
                 )
             profile = self._profile(job, sample, chosen) if sample is not None else None
+            laps.lap("profile")
             costs = profile.costs if profile else estimates.fallback_costs(param_bytes)
             speeds = [profile.speeds[m.row.stage_id] if profile else 1.0 for m in chosen]
             self.c.profile = profile
@@ -389,6 +394,7 @@ class Jobs:
                 raise PlanError(
                     f"{exc}; {memory.offers([m.row.name for m in chosen], mem)}"
                 ) from exc
+            laps.lap("order_hosts")
             ordered = [chosen[i] for i in order]
             epoch = self.c.store.reserve_epoch()
             partition = Partition(
@@ -449,10 +455,13 @@ class Jobs:
             for member in chosen:
                 member.timings, member.speed = {}, None
             self.c.last_move = time.monotonic()
+            laps.lap("assign")
             self.wait_for_copies(partition, job, 0)
+            laps.lap("copies")
             client = self.c.store.next_client()
             self.settle(partition, client, holder)  # the stages follow the new client only
             self._grant(job.job_id, lease_s, holder, client)
+            laps.lap("settle")
         log.info(
             "job_started",
             job=job.job_id,
@@ -462,6 +471,7 @@ class Jobs:
             stages=[m.row.name for m in ordered],
             epoch=epoch,
             client=holder,
+            phases_s=laps.seconds,
         )
         return Attached(partition, num_layers, client, 0, False, 0, profile is not None)
 
@@ -477,6 +487,7 @@ class Jobs:
             [(m.row.address, stage_pb2.DescribeRequest(job=spec)) for m in chosen],
             "Describe",
             STAGE_CALL_TIMEOUT_S,
+            retry_unreachable=True,  # the first contact: hundreds of connections open at once
         )
         versions = {(r.factory_file, r.factory_sha256, r.num_layers) for r in replies}
         if len(versions) > 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -41,6 +42,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_CONCURRENT_STREAMS = 256
 # Status messages travel in HTTP/2 trailers: keep them well under the metadata limit.
 MAX_STATUS_MESSAGE = 2000
+# StagePool.all(retry_unreachable=True) waits this long before calling the unreachable again.
+RETRY_UNREACHABLE_S = 0.5
 ERROR_DOMAIN = "elasticpipe"
 
 T = TypeVar("T")
@@ -132,10 +135,26 @@ class StagePool:
         return out
 
     def all(
-        self, address_requests: Sequence[tuple[str, Any]], method: str, timeout: float
+        self,
+        address_requests: Sequence[tuple[str, Any]],
+        method: str,
+        timeout: float,
+        retry_unreachable: bool = False,
     ) -> list[Any]:
-        """Like ``each``, but raises the first failure (after every call ended)."""
+        """Like ``each``, but raises the first failure (after every call ended).
+
+        Args:
+            retry_unreachable: call once more, after a short pause, the stages that could
+                not be reached (for idempotent calls: opening hundreds of connections at
+                once can time a few out on a loaded host).
+        """
         results = self.each(address_requests, method, timeout)
+        missed = [i for i, r in enumerate(results) if isinstance(r, self._unavailable)]
+        if retry_unreachable and missed:
+            time.sleep(RETRY_UNREACHABLE_S)
+            again = self.each([address_requests[i] for i in missed], method, timeout)
+            for i, result in zip(missed, again, strict=True):
+                results[i] = result
         for result in results:
             if isinstance(result, errors.ElasticPipeError):
                 raise result
