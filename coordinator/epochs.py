@@ -140,27 +140,34 @@ def prepare(
     rollback = change.rollback_step is not None
     requests = []
     names = cluster.names(change.new.stage_ids)  # a copy's source is checked by name
+    # Everything per stage looked up in maps built once: linear in the chain's length.
+    wire = change.new.assignments(names)
+    outside = change.new.assignment("", names).to_proto()  # an empty range
+    stage_at: dict[str, str] = {}
+    for ref in change.new.stages:
+        stage_at.setdefault(ref.address, ref.stage_id)
+    owners = {s.stage_id: s.address for s in change.old.stages}
+    arriving: dict[str, list[stage_pb2.LayerSource]] = {}
+    for m in moved:
+        arriving.setdefault(m.target, []).append(
+            stage_pb2.LayerSource(layer=m.layer, address=owners[m.source])
+        )
     for address in change.involved:
-        stage_id = next((s.stage_id for s in change.new.stages if s.address == address), "")
-        placement = change.new.assignment(stage_id, names)
+        stage_id = stage_at.get(address, "")
+        assignment = wire.get(stage_id, outside)
         if rollback:
             incoming = [
                 stage_pb2.LayerSource(layer=layer, address=change.holders.get(layer, ""))
-                for layer in placement.layers
+                for layer in range(assignment.layer_lo, assignment.layer_hi)
             ]
         else:
-            owners = {s.stage_id: s.address for s in change.old.stages}
-            incoming = [
-                stage_pb2.LayerSource(layer=m.layer, address=owners[m.source])
-                for m in moved
-                if m.target == stage_id
-            ]
+            incoming = arriving.get(stage_id, [])
         requests.append(
             (
                 address,
                 stage_pb2.PrepareEpochRequest(
                     epoch=change.new.epoch,
-                    assignment=placement.to_proto(),
+                    assignment=assignment,
                     incoming=incoming,
                     timeout_s=TRANSFER_TIMEOUT_S,
                     job=spec,

@@ -405,13 +405,9 @@ class Jobs:
                 predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
             ).validate(num_layers)
             names = self.c.names(partition.stage_ids)  # a copy's source is checked by name
+            wire = partition.assignments(names)
             assign = [
-                (
-                    ref.address,
-                    stage_pb2.AssignRequest(
-                        job=spec, assignment=partition.assignment(ref.stage_id, names).to_proto()
-                    ),
-                )
+                (ref.address, stage_pb2.AssignRequest(job=spec, assignment=wire[ref.stage_id]))
                 for ref in partition.stages
             ]
             try:

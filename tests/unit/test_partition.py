@@ -116,3 +116,17 @@ def test_moves_are_exactly_the_layers_whose_owner_changes(
         assert owners[move.layer] == move.source
         owners[move.layer] = move.target
     assert owners == {i: new.owner_of(i).stage_id for i in range(new.num_layers)}
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 5])
+def test_assignments_equal_each_stages_own_assignment(n_stages: int) -> None:
+    """The chain built once and copied gives every stage exactly its own wire form."""
+    stages = tuple(StageRef(f"id{i}", f"10.0.0.{i}:5000") for i in range(n_stages))
+    boundaries = tuple(range(0, 3 * n_stages + 1, 3))
+    p = Partition(epoch=7, job_id="j", boundaries=boundaries, stages=stages)
+    names = [f"s{i}" for i in range(n_stages)]
+    wire = p.assignments(names)
+    assert list(wire) == [s.stage_id for s in stages]
+    for ref in stages:
+        assert wire[ref.stage_id] == p.assignment(ref.stage_id, names).to_proto()
+        assert Placement.from_proto(wire[ref.stage_id]) == p.assignment(ref.stage_id, names)
