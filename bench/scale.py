@@ -108,6 +108,7 @@ from elasticpipe.errors import (
     InvalidRequest,
     NotReady,
     Rebalancing,
+    StageUnavailable,
     StaleEpoch,
     StepAborted,
 )
@@ -429,12 +430,19 @@ class FakeStage:
                 for chunk in layerwire.messages(layer, BLOB):
                     yield stage_pb2.SnapshotChunk(chunk=chunk)
 
-        for attempt in range(40):  # the peer may not have its job yet (as transfers.push)
+        unreachable = 0
+        for attempt in range(transfers.PUSH_RETRIES):  # as transfers.push_snapshot
             try:
                 rpc.call(peer, self.pool.stub(peer).PushSnapshot, messages(), timeout=60.0)
                 return
-            except NotReady:
-                time.sleep(min(0.02 * (attempt + 1), 0.5))
+            except (NotReady, StageUnavailable) as exc:  # no job yet, or not reached
+                unreachable += isinstance(exc, StageUnavailable)
+                if unreachable > transfers.UNREACHABLE_RETRIES:
+                    with self.counters.lock:
+                        self.counters.errors["push: StageUnavailable"] += 1
+                    return
+                pause = transfers.UNREACHABLE_PAUSE_S if unreachable else 0.02 * (attempt + 1)
+                time.sleep(min(pause, 0.5))
             except ElasticPipeError as exc:
                 with self.counters.lock:
                     self.counters.errors[f"push: {type(exc).__name__}"] += 1

@@ -274,7 +274,7 @@ class Partition:
         if not self.stages:
             return {}
         template = self.assignment(self.stages[0].stage_id, names).to_proto()
-        out = {}
+        out: dict[str, stage_pb2.Assignment] = {}
         for s, ref in enumerate(self.stages):
             wire = stage_pb2.Assignment()
             wire.CopyFrom(template)

@@ -15,13 +15,15 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from elasticpipe import layerwire, rpc
-from elasticpipe.errors import NotReady, TransferError
+from elasticpipe.errors import NotReady, StageUnavailable, TransferError
 from elasticpipe.layerwire import Destination, PackedLayer, Received
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.snapshots import Capture
 from elasticpipe.v1 import stage_pb2
 
 PUSH_RETRIES = 40
+UNREACHABLE_RETRIES = 2  # of those, at most this many after the peer could not be reached,
+UNREACHABLE_PAUSE_S = 0.3  # each after this pause (longer than a channel's reconnect backoff)
 
 
 def pull_layer(
@@ -104,14 +106,22 @@ def push_snapshot(
                 yield stage_pb2.SnapshotChunk(chunk=chunk)
 
     deadline = time.monotonic() + timeout
+    unreachable = 0
     for attempt in itertools.count():
         try:
             rpc.call(address, pool.stub(address).PushSnapshot, messages(), timeout=timeout)
             return
-        except NotReady:
+        except (NotReady, StageUnavailable) as exc:
             # The peer may not have taken the job (or the chain) yet: at a job's start every
-            # stage is assigned at once, and step 0's copy can arrive first.
-            delay = min(0.02 * (attempt + 1), 0.5)
-            if time.monotonic() + delay > deadline or attempt >= PUSH_RETRIES:
+            # stage is assigned at once, and step 0's copy can arrive first. Or it could not
+            # be reached: at a long chain's start every stage connects to its peer at once,
+            # and a connection can time out on a loaded host (a few tries: it may be dead).
+            unreachable += isinstance(exc, StageUnavailable)
+            delay = UNREACHABLE_PAUSE_S if unreachable else min(0.02 * (attempt + 1), 0.5)
+            if (
+                time.monotonic() + delay > deadline
+                or attempt >= PUSH_RETRIES
+                or unreachable > UNREACHABLE_RETRIES
+            ):
                 raise
             time.sleep(delay)

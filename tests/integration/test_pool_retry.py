@@ -1,24 +1,38 @@
-"""StagePool.all(retry_unreachable=True): a stage that cannot be reached at the first call
-(a connection refused or timed out while hundreds open at once) is called once more."""
+"""Peers not reached at the first try (a connection refused, or timed out while hundreds
+open at once): StagePool.all(retry_unreachable=True) calls them once more, and a snapshot
+copy's push tries a few times, then gives up on a peer that stays unreachable."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from elasticpipe import rpc, serving
 from elasticpipe.errors import StageUnavailable
+from elasticpipe.stage_server import transfers
+from elasticpipe.stage_server.snapshots import Capture
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 
 class Stats(stage_pb2_grpc.StageServiceServicer):
     """A StageService that answers GetStats (the rest: UNIMPLEMENTED)."""
 
+    def __init__(self) -> None:
+        self.pushed: list[str] = []
+
     def GetStats(self, request: stage_pb2.StatsRequest, context: Any) -> stage_pb2.StageStats:
         return stage_pb2.StageStats()
+
+    def PushSnapshot(
+        self, chunks: Iterator[stage_pb2.SnapshotChunk], context: Any
+    ) -> stage_pb2.Ack:
+        self.pushed.extend(c.source for c in chunks if c.source)
+        return stage_pb2.Ack()
 
 
 def free_port() -> int:
@@ -27,13 +41,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_later(port: int, delay: float) -> tuple[threading.Thread, list[serving.RunningServer]]:
+def serve_later(
+    port: int, delay: float, servicer: Stats | None = None
+) -> tuple[threading.Thread, list[serving.RunningServer]]:
     started: list[serving.RunningServer] = []
 
     def run() -> None:
         threading.Event().wait(delay)
         descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
-        started.append(serving.start_server(f"127.0.0.1:{port}", [(descriptor, Stats())]))
+        started.append(
+            serving.start_server(f"127.0.0.1:{port}", [(descriptor, servicer or Stats())])
+        )
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -59,3 +77,36 @@ def test_a_stage_up_before_the_retry_is_reached(retry: bool) -> None:
         pool.close()
         for server in started:
             server.stop(grace=0.1)
+
+
+def push(pool: rpc.StagePool, port: int) -> None:
+    capture = Capture(job_id="j", step=0, source="me", states={}, peer="", generation=0)
+    transfers.push_snapshot(pool, f"127.0.0.1:{port}", capture, [], 10.0, 1 << 20)
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_copy_reaches_a_peer_up_after_the_first_try() -> None:
+    port = free_port()
+    servicer = Stats()
+    thread, started = serve_later(port, 0.03, servicer)  # within the retries' pauses
+    pool = rpc.StagePool()
+    try:
+        push(pool, port)
+        assert servicer.pushed == ["me"]
+    finally:
+        thread.join()
+        pool.close()
+        for server in started:
+            server.stop(grace=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_copy_gives_up_on_an_unreachable_peer_after_a_few_tries() -> None:
+    pool = rpc.StagePool()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StageUnavailable):
+            push(pool, free_port())
+        assert time.monotonic() - started < 5.0  # not PUSH_RETRIES pauses of up to 0.5 s
+    finally:
+        pool.close()
