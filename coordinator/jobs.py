@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from elasticpipe import bounds, bundle
-from elasticpipe.coordinator import copies, epochs, estimates, memory
+from elasticpipe.coordinator import concurrency, copies, epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.laps import Laps
@@ -47,6 +47,9 @@ from elasticpipe.v1 import job_pb2, stage_pb2
 log = get_logger(__name__)
 
 PROFILE_REPEATS = 5
+# Stages sharing a host are profiled one at a time (they would slow each other down);
+# this many hosts at once.
+PROFILE_HOSTS_AT_ONCE = 16
 STAGE_CALL_TIMEOUT_S = 120.0
 SETTLE_WAIT_S = 10.0
 RESTORE_LEASE_S = 600.0
@@ -503,14 +506,13 @@ class Jobs:
         bundle.set_sample(spec, sample)
         profiles: dict[str, list[Timing]] = {}
         needs: dict[str, list[tuple[int, int]]] = {}
-        # One stage at a time: stages sharing a host would otherwise slow each other down.
-        for member in chosen:
-            reply = self.c.pool.call(
-                member.row.address,
-                "Profile",
-                stage_pb2.ProfileRequest(job=spec, repeats=PROFILE_REPEATS),
-                STAGE_CALL_TIMEOUT_S,
-            )
+        request = stage_pb2.ProfileRequest(job=spec, repeats=PROFILE_REPEATS)
+        replies = concurrency.by_host(
+            [m.row.address for m in chosen],
+            lambda address: self.c.pool.call(address, "Profile", request, STAGE_CALL_TIMEOUT_S),
+            PROFILE_HOSTS_AT_ONCE,
+        )
+        for member, reply in zip(chosen, replies, strict=True):
             profiles[member.row.stage_id] = [
                 (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in reply.timings
             ]
