@@ -139,6 +139,13 @@ def layer_cost(layer: int) -> float:
     return 1e-3 * (1.0 + (layer % 5) / 4)
 
 
+def loopback_host(index: int) -> str:
+    """Fake ``index``'s own host: a loopback address of its own (127.0.0.2, ...), as each
+    real stage has its host (the coordinator profiles hosts at once, a host's stages in
+    turn)."""
+    return f"127.0.{index // 250 % 256}.{index % 250 + 2}"
+
+
 def stage_speed(index: int) -> float:
     """A fake's speed: distinct per stage, between 0.7 and 1.3."""
     return 0.7 + 0.6 * ((index * 37) % 101) / 100
@@ -235,6 +242,7 @@ class FakeStage:
 
     def __init__(self, name: str, index: int, coordinator: str, counters: Counters):
         self.name = name
+        self.host = loopback_host(index)
         self.speed = stage_speed(index)
         self.coordinator = coordinator
         self.counters = counters
@@ -265,7 +273,7 @@ class FakeStage:
 
     def serve(self) -> str:
         self._server = serving.start_server(
-            "127.0.0.1:0",
+            f"{self.host}:0",
             [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], Counted(self))],
         )
         return self._server.address
