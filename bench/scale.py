@@ -5,8 +5,11 @@ Each chain size runs on a fresh cluster of three processes:
 * **the coordinator** -- the real one (``elasticpipe coordinator``, started by
   ``LocalCluster`` with no stage; ``--state :memory: --no-auto-rebalance``, heartbeat
   interval ``--heartbeat-interval``, default 1 s, the product's default);
-* **the fake stages** -- one child process holding S fake stages. Each is a real gRPC
-  server (``serving.start_server``, like a stage server's) whose servicer implements
+* **the fake stages** -- child processes of at most ``--fakes-per-process`` (64) fake
+  stages each (one process of hundreds of gRPC servers on one GIL measured its own thread
+  convoys). Each fake is a real gRPC server (``serving.start_server``, like a stage
+  server's) on a loopback address of its own (127.0.0.2, 127.0.0.3, ...: its own host, as
+  a real stage's; the coordinator profiles hosts at once), whose servicer implements
   every method of ``StageService`` with no compute, and a membership thread that
   registers and heartbeats exactly like ``stage_server/server.py`` (``Register``, then a
   ``HeartbeatRequest`` with epoch, per-layer timings, committed step, run state and
@@ -45,8 +48,9 @@ Measured per chain size S:
   once), and the coordinator's ``Plan`` RPC (``plan_view``: the planner plus its bookkeeping,
   median of 3).
 * **job setup**: the first ``train_step`` (SetupJob: Describe on every stage, Profile on
-  each in turn, ``order_hosts``, Assign everywhere, waiting for step 0's snapshot copies;
-  then the first step).
+  up to 16 hosts at once, ``order_hosts``, Assign everywhere, waiting for step 0's
+  snapshot copies; then the first step). The coordinator logs each phase's seconds
+  (``job_started ... phases_s``; ``--log-dir`` keeps its log).
 * **step fan-out**: ``--steps`` timed ``train_step`` calls after a warm-up step (inputs to
   the first stage, targets to the last, RunStep on every stage, CommitStep on every
   stage), with this process's CPU per step and the fakes' and coordinator's.
@@ -56,20 +60,25 @@ Measured per chain size S:
   coordinator records; then the client's first step after it (a StaleEpoch, a partition
   refresh and a retry).
 
-The last table divides each figure by S and fits the exponent k of figure ~ S^k between
-the smallest and the largest chain: k near 1 is linear, k > ~1.3 is flagged as growing
-worse than linearly. Dead declarations, re-registrations and failed heartbeats are counted
-and the coordinator's log is searched for warnings.
+The table gives, per figure, its growth from the smallest to the largest chain divided by
+the chain's growth (``growth/S``: 1.0 is linear, 0.25 flat over 64 to 256, 4.0 quadratic)
+and the exponent k of figure ~ S^k: k > 1.3 is flagged as growing worse than linearly
+(and k > 0.3 for figures that should stay flat); the last table divides each figure by S.
+Dead declarations, re-registrations and failed heartbeats are counted and the
+coordinator's log is searched for warnings.
 
-On this 2-core machine the three processes share both cores with each other (and with
-other work): the fakes' process serves S gRPC servers and S membership threads on one
-GIL, so wall times include its queueing; the CPU columns separate who spent what. A real
+On this 2-core machine the processes share both cores with each other (and with other
+work): the fakes' processes serve S gRPC servers and S membership threads, so wall times
+include their queueing; the CPU columns separate who spent what. A real
 stage serves its RPCs on its own host. The printed load averages say how busy the machine
 was.
 
-Run: ``python bench/scale.py [--stages 64,128,256] [--steps N] [--window S]
-[--heartbeat-interval S] [--dead-after S] [--snapshot-every K] [--quick]``
-(default: about 2-3 minutes; ``--quick``: 16 and 64 stages, shorter windows).
+Run: ``python bench/scale.py [--sizes 64,128,256] [--steps N] [--window S]
+[--heartbeat-interval S] [--dead-after S] [--snapshot-every K] [--fakes-per-process N]
+[--quick]`` (default: about 1.5-2 minutes; ``--quick``: 16 and 64 stages, shorter
+windows). The last line is JSON: ``max_stages`` (the longest chain that ran a step),
+``plan_ms``, ``migration_s`` and ``step_fanout_s`` at that length, ``exponents`` and
+``growth_per_stage`` per figure, and every size's figures.
 """
 
 from __future__ import annotations
