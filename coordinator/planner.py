@@ -236,9 +236,10 @@ def order_hosts(
     ends). While a pass over every pair of hosts fits in 1000 swap probes (up to 45 hosts)
     it swaps pairs while that helps; then it swaps the hosts that set the bottleneck (the
     slowest stage and its neighbours, or the two beside the slowest link) with the 64
-    fastest other hosts, again after each improvement. It stops after 1000 probes in all,
-    or when no order can do better (balance by speed, the costliest layer on the fastest
-    host), so its cost is a bounded number of probes of O(S log L) each, at any length.
+    fastest other hosts, again after each improvement; then it goes on swapping pairs with
+    what is left. It stops after 1000 probes in all, or when no order can do better
+    (balance by speed, the costliest layer on the fastest host), so its cost is a bounded
+    number of probes of O(S log L) each, at any length.
 
     Args:
         layer_costs: as in :func:`plan`.
@@ -351,6 +352,7 @@ def order_hosts(
         if n_hosts * (n_hosts - 1) // 2 <= _MAX_SWAPS:
             sweep()
         relieve()
+        sweep()
     if best is None:
         raise PlanError(
             "no chain order of the hosts fits the memory caps; in the given order: "
