@@ -296,7 +296,7 @@ def order_hosts(
         for seed in _seed_orders(inst.speeds):
             consider(seed)
         floor = _order_free_bound(inst)
-        swaps = 0
+        swaps = 0 if len(set(kinds)) > 1 else _MAX_SWAPS  # all hosts alike: nothing to swap
 
         def done() -> bool:
             return best is None or swaps >= _MAX_SWAPS or best[0] <= floor * (1 + _GAP)
