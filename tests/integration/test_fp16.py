@@ -1,0 +1,146 @@
+"""precision="fp16" through real stage processes equals plain PyTorch autocast + GradScaler
+on the whole model: same skipped steps, same loss scale at every step, close losses and
+weights, across live migrations, lost commits and a checkpoint round trip."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elasticpipe import rpc
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from tests.fp16_reference import Fp16Reference
+
+from .scenario import arm
+
+KWARGS = {"sizes": [12, 24, 24, 24, 6]}  # 7 layers
+ADAM = {"lr": 2e-2}
+# 2**40 overflows float16 gradients: the first steps are skipped while the scale backs off
+# by 2**-8; then it grows x16 every 3 clean steps, until it overflows again (step 7).
+SCALER = {
+    "init_scale": 2.0**40,
+    "backoff_factor": 2.0**-8,
+    "growth_factor": 16.0,
+    "growth_interval": 3,
+}
+# The stages run the same ops in the same order as the whole model (measured: every loss
+# bit-identical); the tolerance only admits a last-bit float32 difference from another
+# reduction order (a stage runs one CPU thread, this process several). The reported norm
+# sums in float64, clip_grad_norm_ in float32 (measured ~3e-8 relative). Scales and
+# skips are compared exactly.
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Three stages that accept injected faults; layers move only when told."""
+    with LocalCluster(
+        stages=3,
+        stage_args=["--enable-fault-injection"],
+        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+    ) as c:
+        yield c
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(10, 12, generator=g) * 3, torch.randint(0, 6, (10,), generator=g)
+
+
+def _set_partition(cluster: LocalCluster, boundaries: list[int]) -> None:
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(cluster.coordinator))
+    stub.SetPartition(coordinator_pb2.SetPartitionRequest(boundaries=boundaries), timeout=120)
+
+
+def _pipeline(cluster: LocalCluster, **kwargs: Any) -> Pipeline:
+    options: dict[str, Any] = {
+        "model": "mlp",
+        "model_kwargs": KWARGS,
+        "seed": 4,
+        "optimizer": "adam",
+        "optimizer_kwargs": ADAM,
+        "micro_batches": 3,
+        "stages": 3,
+        "snapshot_every": 2,
+        "precision": "fp16",
+        "grad_scaler_kwargs": SCALER,
+    }
+    options.update(kwargs)
+    return Pipeline(coordinator=cluster.coordinator, **options)
+
+
+def _skipped(pipe: Pipeline) -> bool:
+    norm = pipe.last_step.grad_norm
+    assert norm is not None, "fp16 always reports the global norm"
+    return not math.isfinite(norm)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_fp16_equals_grad_scaler_across_migrations(
+    cluster: LocalCluster, max_norm: float | None
+) -> None:
+    """Every step: the same scale as GradScaler on every stage, the same skip, the loss
+    close; two live migrations move layers (and their copies of the scale) mid-training;
+    a lost commit of a skipped step still backs the scale off on its stage. With
+    ``max_grad_norm`` the reported norm is clip_grad_norm_'s of the unscaled gradients."""
+    reference = Fp16Reference("mlp", KWARGS, 4, ADAM, 3, SCALER, max_norm)
+    skipped, scales = [], []
+    with _pipeline(cluster, max_grad_norm=max_norm or 0.0) as pipe:
+        for step in range(1, 12):
+            if step in (1, 4):  # a skipped step's commit, then a clean one's, lost
+                arm(pipe.partition.addresses[1], stage_pb2.DROP_NEXT_COMMIT)
+            x, y = _batch(step)
+            got = pipe.train_step(x, y)
+            want, scale, skip, norm = reference.step(x, y)
+            assert got == pytest.approx(want, rel=RTOL), f"loss of step {step}"
+            assert pipe.last_step.loss_scale == scale, f"scale of step {step}"
+            assert [r.loss_scale for r in pipe.last_step.reports] == [scale] * 3, step
+            assert _skipped(pipe) == skip, f"skip of step {step}"
+            if norm is not None and not skip:
+                assert pipe.last_step.grad_norm == pytest.approx(norm, rel=RTOL), step
+            skipped.append(skip)
+            scales.append(scale)
+            if step == 2:
+                _set_partition(cluster, [0, 1, 3, 7])
+            if step == 5:
+                _set_partition(cluster, [0, 3, 5, 7])
+        assert list(pipe.partition.boundaries) == [0, 3, 5, 7]  # the layers did move
+        state = pipe.state_dict()
+    assert skipped[:3] == [True] * 3 and any(skipped[3:]) and not all(skipped[3:])
+    assert any(b > a for a, b in itertools.pairwise(scales)), "it must grow too"
+    for key, value in reference.model.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=key)  # float32 tolerance
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_restores_the_scale(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Saved mid-way through a growth interval, loaded later: the steps after it use the
+    scales (and skip the steps) they did the first time; the manifest holds the scale."""
+    with _pipeline(cluster) as pipe:
+        for step in range(1, 6):
+            pipe.train_step(*_batch(step))
+        pipe.save(tmp_path / "ckpt")
+        first = []
+        for step in range(6, 10):
+            loss = pipe.train_step(*_batch(step))
+            first.append((loss, pipe.last_step.loss_scale, _skipped(pipe)))
+        pipe.load(tmp_path / "ckpt")
+        again = []
+        for step in range(6, 10):
+            loss = pipe.train_step(*_batch(step))
+            again.append((loss, pipe.last_step.loss_scale, _skipped(pipe)))
+    assert again == first
+    assert len({scale for _, scale, _ in first}) > 1  # it did change after the save
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert set(manifest["loss_scales"]) == {str(i) for i in range(7)}
+    assert manifest["loss_scales"]["0"] == {"scale": 65536.0, "growth_tracker": 2}
