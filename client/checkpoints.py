@@ -163,6 +163,11 @@ class Reader:
         self._scalars: dict[str, Any] = optimizer["scalars"]
         self._schedulers: dict[str, Any] = manifest.get("schedulers") or {}
         self._loss_scales: dict[str, Any] = manifest.get("loss_scales") or {}
+        if len({json.dumps(v, sort_keys=True) for v in self._loss_scales.values()}) > 1:
+            raise InvalidRequest(
+                f"{directory}: the layers' loss scales differ ({self._loss_scales}); every "
+                "layer of an fp16 job holds the same one"
+            )
         self.weights = TensorSource(files=[directory / n for n in manifest["weights"]])
         self.optimizer = TensorSource(files=[directory / n for n in optimizer["shards"]])
 

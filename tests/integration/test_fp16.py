@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from elasticpipe import rpc
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
+from elasticpipe.errors import InvalidRequest
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from tests.fp16_reference import Fp16Reference
 
@@ -139,8 +141,89 @@ def test_a_checkpoint_restores_the_scale(cluster: LocalCluster, tmp_path: Path) 
         for step in range(6, 10):
             loss = pipe.train_step(*_batch(step))
             again.append((loss, pipe.last_step.loss_scale, _skipped(pipe)))
+        # A manifest whose layers disagree on the scale is refused, naming it; nothing lost.
+        shutil.copytree(tmp_path / "ckpt", tmp_path / "bad")
+        manifest = json.loads((tmp_path / "bad" / "manifest.json").read_text())
+        manifest["loss_scales"]["3"]["scale"] = 8.0
+        (tmp_path / "bad" / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(InvalidRequest, match="loss scales differ"):
+            pipe.load(tmp_path / "bad")
+        assert pipe.step == 9
+        pipe.train_step(*_batch(10))
     assert again == first
     assert len({scale for _, scale, _ in first}) > 1  # it did change after the save
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     assert set(manifest["loss_scales"]) == {str(i) for i in range(7)}
     assert manifest["loss_scales"]["0"] == {"scale": 65536.0, "growth_tracker": 2}
+
+
+@pytest.mark.timeout(180)
+def test_a_resumed_client_finds_the_scale(cluster: LocalCluster) -> None:
+    """The scale lives on the stages, not in the client: a new client that resumes the job
+    in the middle of a growth interval goes on with GradScaler's scales and skips."""
+    reference = Fp16Reference("mlp", KWARGS, 4, ADAM, 3, SCALER)
+    with _pipeline(cluster) as pipe:
+        for step in range(1, 6):
+            pipe.train_step(*_batch(step))
+            reference.step(*_batch(step))
+    with _pipeline(cluster, resume=True) as pipe:
+        assert pipe.step == 5
+        for step in range(6, 10):
+            got = pipe.train_step(*_batch(step))
+            want, scale, skip, _ = reference.step(*_batch(step))
+            assert got == pytest.approx(want, rel=RTOL), f"loss of step {step}"
+            assert (pipe.last_step.loss_scale, _skipped(pipe)) == (scale, skip), step
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"grad_scaler_kwargs": {"growth_intervl": 3}}, "unknown grad_scaler_kwargs key"),
+        ({"grad_scaler_kwargs": {"backoff_factor": 0.0}}, r"\['backoff_factor'\]"),
+        ({"grad_scaler_kwargs": {"init_scale": 8.0}, "precision": "bf16"}, "need precision"),
+        ({"grad_scaler_kwargs": "2**16"}, "must be a dict"),
+    ],
+)
+def test_bad_grad_scaler_kwargs_are_refused_before_anything_starts(
+    options: dict[str, Any], message: str
+) -> None:
+    """Each bad value is an InvalidRequest naming it, raised by the constructor."""
+    with pytest.raises(InvalidRequest, match=message):
+        Pipeline(coordinator="127.0.0.1:1", model="mlp", **{"precision": "fp16", **options})
+
+
+@pytest.mark.timeout(180)
+def test_a_recovery_rolls_the_scale_back_and_replays_it(cluster: LocalCluster) -> None:
+    """The middle stage dies inside its commit of the step that overflows after growing:
+    the chain rolls back to the last snapshot (scale included), the client replays, and
+    every step still skips and scales as GradScaler does (this test kills a stage: it
+    runs last and revives it)."""
+    import threading
+
+    reference = Fp16Reference("mlp", KWARGS, 4, ADAM, 3, SCALER)
+    victim, recovered = "", 0
+    with _pipeline(cluster) as pipe:
+        for step in range(1, 10):
+            if step == 7:
+                address = pipe.partition.addresses[1]
+                victim = cluster.name_of(address)
+                arm(address, stage_pb2.PAUSE_AT, "commit")
+
+                def kill(name: str = victim) -> None:
+                    cluster.wait_for_log(name, "paused_at", timeout=60)
+                    cluster.kill(name)
+
+                threading.Thread(target=kill, daemon=True).start()
+            x, y = _batch(step)
+            got = pipe.train_step(x, y)
+            want, scale, skip, _ = reference.step(x, y)
+            assert got == pytest.approx(want, rel=RTOL), f"loss of step {step}"
+            assert pipe.last_step.loss_scale == scale, f"scale of step {step}"
+            assert _skipped(pipe) == skip, f"skip of step {step}"
+            recovered += pipe.last_step.attempts > 1 or pipe.last_step.replayed > 0
+        assert recovered, "a recovery must have replayed the step"
+        state = pipe.state_dict()
+    for key, value in reference.model.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=key)
+    cluster.add_stage(victim, ["--enable-fault-injection"])
