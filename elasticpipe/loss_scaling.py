@@ -21,6 +21,13 @@ what GradScaler calls), on float32 scalars as GradScaler keeps them.
 
 A float16 gradient cannot hold more than 65504: with a scale too large for the model the
 first steps overflow and are skipped while the scale backs off, as with GradScaler.
+
+The overflow check is the global norm of the unscaled gradients (it rides on the clipping
+protocol): it is not finite exactly when some gradient is inf or nan, as GradScaler's check
+(float64 squares of float32 values cannot overflow). One corner differs: with a scale
+below 1, unscaling multiplies by more than 1 and may turn a huge finite float32 gradient
+into inf; GradScaler checks before multiplying and steps with the inf, here the step is
+skipped.
 """
 
 from __future__ import annotations

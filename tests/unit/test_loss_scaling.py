@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from elasticpipe import clipping
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig
 from elasticpipe.local import LocalPipeline
@@ -153,3 +154,13 @@ def test_a_moved_layer_carries_its_scale_and_a_bad_one_is_refused() -> None:
         state["loss_scale"] = bad
         with pytest.raises(InvalidRequest, match="loss scale state of layer 0 is unusable"):
             _slice().load_layer(0, state)
+
+
+def test_without_clipping_the_decision_only_skips() -> None:
+    """max_norm None (fp16 without max_grad_norm): the norm, no coefficient (the gradients
+    stay untouched), and a skip when any stage's norm is not finite."""
+    assert clipping.decide([9.0, 16.0], None) == (5.0, clipping.NO_CLIP)
+    norm, clip = clipping.decide([9.0, math.inf], None)
+    assert norm == math.inf and clip.skip
+    norm, clip = clipping.decide([math.nan, 1.0], None)
+    assert math.isnan(norm) and clip.skip
