@@ -193,6 +193,38 @@ def test_bad_grad_scaler_kwargs_are_refused_before_anything_starts(
         Pipeline(coordinator="127.0.0.1:1", model="mlp", **{"precision": "fp16", **options})
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("precision", "kwargs_json", "named"),
+    [
+        ("fp16", '{"growth_factor": 0.5}', "growth_factor"),
+        ("fp16", '{"init_scale": "big"}', "init_scale"),
+        ("fp16", "[1, 2]", "grad_scaler_kwargs must be a JSON object"),
+        ("bf16", '{"init_scale": 8}', "need precision='fp16'"),
+    ],
+)
+def test_a_stage_refuses_bad_grad_scaler_kwargs_on_the_wire(
+    cluster: LocalCluster, precision: str, kwargs_json: str, named: str
+) -> None:
+    """A job description whose GradScaler arguments no client would send gets
+    INVALID_ARGUMENT naming the value, and the stage keeps serving."""
+    import grpc
+
+    from elasticpipe.job import JobConfig
+    from elasticpipe.v1 import stage_pb2_grpc
+
+    address = cluster.status().stages[0].address
+    stub = stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(address))
+    spec = JobConfig(model="mlp", model_kwargs=KWARGS).to_proto()
+    spec.precision = precision
+    spec.grad_scaler_kwargs_json = kwargs_json
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Describe(stage_pb2.DescribeRequest(job=spec), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in (refused.value.details() or "")
+    assert stub.GetStats(stage_pb2.StatsRequest(), timeout=10).name
+
+
 @pytest.mark.timeout(180)
 def test_a_recovery_rolls_the_scale_back_and_replays_it(cluster: LocalCluster) -> None:
     """The middle stage dies inside its commit of the step that overflows after growing:
