@@ -125,6 +125,31 @@ def test_fp16_equals_grad_scaler_across_migrations(
 
 
 @pytest.mark.timeout(180)
+def test_fp16_gpt_on_two_stages_equals_grad_scaler(cluster: LocalCluster) -> None:
+    """A small GPT (embeddings, layer norms, attention under float16 autocast) on 2 stages
+    with GPipe: the same skips and scales as GradScaler, losses equal, weights within
+    float32 tolerance (the embedding's gradient may add in another order)."""
+    gpt = {"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8}
+    reference = Fp16Reference("gpt", gpt, 4, ADAM, 3, SCALER)
+    g = torch.Generator().manual_seed(3)
+    skipped = []
+    with _pipeline(cluster, model="gpt", model_kwargs=gpt, stages=2, schedule="gpipe") as pipe:
+        for step in range(1, 10):
+            x = torch.randint(0, 17, (7, 8), generator=g)
+            y = torch.roll(x, -1, dims=1)
+            got = pipe.train_step(x, y)
+            want, scale, skip, _ = reference.step(x, y)
+            assert got == pytest.approx(want, rel=RTOL), f"loss of step {step}"
+            assert (pipe.last_step.loss_scale, _skipped(pipe)) == (scale, skip), step
+            skipped.append(skip)
+        assert len(pipe.partition.addresses) == 2
+        state = pipe.state_dict()
+    assert any(skipped) and not all(skipped)
+    for key, value in reference.model.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=key)
+
+
+@pytest.mark.timeout(180)
 def test_a_checkpoint_restores_the_scale(cluster: LocalCluster, tmp_path: Path) -> None:
     """Saved mid-way through a growth interval, loaded later: the steps after it use the
     scales (and skip the steps) they did the first time; the manifest holds the scale."""
