@@ -8,8 +8,10 @@
    GPipe keeps all 8 in flight, 1F1B at most 4.
 3. The planner with equal speeds, then with stage 0 capped at 60% of what it held: the
    partition moves layers off it, and the predicted bottleneck grows (the cost of the cap).
-4. Step time of ``LocalPipeline`` fp32 against bf16 on this CPU (one thread, CPU time, so
-   that other load on a shared host does not count), alternating, medians.
+4. Step time of ``LocalPipeline`` fp32 against bf16 and fp16 (autocast plus dynamic loss
+   scaling: the loss multiplied, the gradients unscaled, their norm checked) on this CPU
+   (one thread, CPU time, so that other load on a shared host does not count), alternating,
+   medians.
 
 Usage: ``python bench/memory_plan.py [--steps N]``. The last line is JSON.
 """
@@ -55,7 +57,7 @@ def _profile(precision: str) -> Profile:
 def _step_times(steps: int) -> dict[str, float]:
     pipes = {
         p: LocalPipeline("gpt", MODEL, optimizer_kwargs=ADAM, micro_batches=4, precision=p)
-        for p in ("fp32", "bf16")
+        for p in ("fp32", "bf16", "fp16")
     }
     g = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {p: [] for p in pipes}
@@ -117,9 +119,11 @@ def main() -> None:
 
     times = _step_times(args.steps)
     ratio = times["bf16"] / times["fp32"]
+    ratio16 = times["fp16"] / times["fp32"]
     print(
         f"step CPU time (1 thread, 4 micro-batches): fp32 {times['fp32'] * 1e3:.1f} ms, "
-        f"bf16 {times['bf16'] * 1e3:.1f} ms ({ratio:.2f}x)"
+        f"bf16 {times['bf16'] * 1e3:.1f} ms ({ratio:.2f}x), "
+        f"fp16 {times['fp16'] * 1e3:.1f} ms ({ratio16:.2f}x)"
     )
     result["step_s"] = {k: round(v, 5) for k, v in times.items()}
     print(json.dumps(result))

@@ -4,7 +4,8 @@
 
     ckpt/
       manifest.json                 format, step, job, optimizer layout, RNG protocol,
-                                    each layer's LR scheduler state (JSON)
+                                    each layer's LR scheduler state (JSON), and
+                                    with fp16 each layer's loss scale
       weights-00000.safetensors     layer 0's state_dict, keys "0.weight", "0.bias"
       optimizer-00000.safetensors   its optimizer's tensors, keys "0.weight.exp_avg", ...
       weights-00001.safetensors     ...
@@ -81,6 +82,7 @@ class Writer:
         self._groups: dict[str, Any] = {}
         self._scalars: dict[str, Any] = {}
         self._schedulers: dict[str, Any] = {}
+        self._loss_scales: dict[str, Any] = {}
 
     def add(self, state: Mapping[str, Any]) -> None:
         """Writes one exported layer state (``{"index", "model", "optimizer"?}``)."""
@@ -90,6 +92,8 @@ class Writer:
         self._weights.append(weights_name(layer))
         if isinstance(state.get("scheduler"), str):  # its LR scheduler's state, JSON text
             self._schedulers[str(layer)] = json.loads(state["scheduler"])
+        if isinstance(state.get("loss_scale"), dict):  # fp16: {"scale", "growth_tracker"}
+            self._loss_scales[str(layer)] = dict(state["loss_scale"])
         optimizer = state.get("optimizer")
         if optimizer is None:
             return
@@ -124,6 +128,7 @@ class Writer:
                 "scalars": self._scalars,
             },
             "schedulers": self._schedulers,  # by layer: each scheduler's state_dict()
+            "loss_scales": self._loss_scales,  # by layer (fp16): GradScaler's scale, tracker
         }
         (self._tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if self._target.exists():
@@ -157,6 +162,12 @@ class Reader:
         self._groups: dict[str, Any] = optimizer["param_groups"]
         self._scalars: dict[str, Any] = optimizer["scalars"]
         self._schedulers: dict[str, Any] = manifest.get("schedulers") or {}
+        self._loss_scales: dict[str, Any] = manifest.get("loss_scales") or {}
+        if len({json.dumps(v, sort_keys=True) for v in self._loss_scales.values()}) > 1:
+            raise InvalidRequest(
+                f"{directory}: the layers' loss scales differ ({self._loss_scales}); every "
+                "layer of an fp16 job holds the same one"
+            )
         self.weights = TensorSource(files=[directory / n for n in manifest["weights"]])
         self.optimizer = TensorSource(files=[directory / n for n in optimizer["shards"]])
 
@@ -171,6 +182,8 @@ class Reader:
             names: its trainable parameters in optimizer order.
         """
         state: dict[str, Any] = {"index": layer, "model": dict(model)}
+        if str(layer) in self._loss_scales:  # checked by the stage that loads it
+            state["loss_scale"] = self._loss_scales[str(layer)]
         groups = self._groups.get(str(layer))
         if groups is None:
             return state

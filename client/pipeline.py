@@ -49,6 +49,7 @@ from elasticpipe import (
     codec,
     efficiency,
     layerwire,
+    loss_scaling,
     models,
     rpc,
     schedulers,
@@ -118,8 +119,11 @@ class StepStats:
         seconds: wall time of ``train_step`` (replays and retries included).
         attempts: runs it took (more than 1 after a rebalance or a failure).
         replayed: earlier steps replayed first, after a recovery.
-        grad_norm: the global gradient norm before clipping (``max_grad_norm`` only;
-            else None); a non-finite one skipped the optimizer step.
+        grad_norm: the global gradient norm before clipping (``max_grad_norm`` or
+            ``precision="fp16"``, of the unscaled gradients; else None); a non-finite one
+            skipped the optimizer step.
+        loss_scale: ``precision="fp16"``: the loss scale the step's backward used (the
+            next step's is backed off if this one was skipped, or grown); else None.
         stages: per stage, in chain order.
         ideal_s: the step's critical path with free communication: the schedule's ops,
             each taking the time it was measured to take (``elasticpipe.efficiency``).
@@ -134,6 +138,7 @@ class StepStats:
     attempts: int = 0
     replayed: int = 0
     grad_norm: float | None = None
+    loss_scale: float | None = None
     stages: tuple[StageStep, ...] = ()
     ideal_s: float = 0.0
     efficiency: float = 0.0
@@ -209,6 +214,7 @@ class Pipeline:
         tls: TLS | None = None,
         init_state: Any = None,
         precision: str = "fp32",
+        grad_scaler_kwargs: dict[str, Any] | None = None,
         scheduler: str = "",
         scheduler_kwargs: dict[str, Any] | None = None,
         warmup_steps: int = 0,
@@ -254,7 +260,11 @@ class Pipeline:
                 receives only its layers. Layers then need no ``reset_parameters()``.
             precision: "fp32", or "bf16": every layer's forward under ``torch.autocast``
                 (bfloat16) on its stage's device, float32 master weights, optimizer state
-                and loss (see docs/training.md).
+                and loss (see docs/training.md); or "fp16": the same with float16, plus
+                dynamic loss scaling with ``torch.amp.GradScaler``'s semantics (an inf/nan
+                gradient on any stage skips the step everywhere; the scale lives in the job).
+            grad_scaler_kwargs: "fp16" only: GradScaler's ``init_scale`` (2**16),
+                ``growth_factor`` (2.0), ``backoff_factor`` (0.5), ``growth_interval`` (2000).
             scheduler: a class of ``torch.optim.lr_scheduler`` ("CosineAnnealingLR", ...;
                 "" keeps the learning rate constant), stepped once per optimizer step;
                 ``scheduler_kwargs`` its JSON-able arguments (``SequentialLR`` and
@@ -284,6 +294,7 @@ class Pipeline:
             snapshot_every=snapshot_every,
             external_weights=init_state is not None,
             precision=precision,
+            grad_scaler_kwargs=loss_scaling.as_kwargs(grad_scaler_kwargs),
             scheduler=scheduler,
             scheduler_kwargs=dict(scheduler_kwargs or {}),
             warmup_steps=warmup_steps,
@@ -663,7 +674,13 @@ class Pipeline:
         self._test_pause("before_commit", step)
         norm, clip = self._clip(reports)
         if clip.skip:
-            log.warning("step_skipped", step=step, grad_norm=norm, why="non-finite gradient norm")
+            log.warning(
+                "step_skipped",
+                step=step,
+                grad_norm=norm,
+                why="non-finite gradient norm",
+                loss_scale=loss_scaling.reported(reports),
+            )
         self._decided(run_id, step, commit=True, clip=clip)
         try:
             driver.commit(self._clients, partition, run_id, step, self._client, clip)
@@ -681,9 +698,10 @@ class Pipeline:
 
     def _clip(self, reports: list[stage_pb2.StepReport]) -> tuple[float | None, clipping.GradClip]:
         """The global gradient norm of a run and the clipping its commit applies."""
-        if not self._job.max_grad_norm:
+        if not self._job.reports_grad_norm:
             return None, clipping.NO_CLIP
-        return clipping.decide([r.grad_sq_norm for r in reports], self._job.max_grad_norm)
+        sq_norms = [r.grad_sq_norm for r in reports]
+        return clipping.decide(sq_norms, self._job.max_grad_norm or None)
 
     def _test_pause(self, point: str, step: int) -> None:
         if os.environ.get(ENV_TEST_PAUSE) == f"{point}:{step}":
@@ -804,6 +822,7 @@ class Pipeline:
             attempts=attempts,
             replayed=replayed,
             grad_norm=self._clip(reports)[0],
+            loss_scale=loss_scaling.reported(reports),
             stages=tuple(
                 StageStep(
                     address=address,

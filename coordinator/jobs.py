@@ -68,6 +68,7 @@ RESUME_FIELDS = (
     "schedule",
     "snapshot_every",
     "precision",
+    "grad_scaler_kwargs",
     "scheduler",
     "scheduler_kwargs",
     "warmup_steps",

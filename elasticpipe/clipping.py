@@ -14,6 +14,10 @@ gradient anywhere) skips the optimizer step on every stage: the gradients are dr
 the step still counts (``pipe.step`` advances, the scheduler steps), the weights and the
 optimizer state stay as they were.
 
+``precision="fp16"`` always decides (with or without ``max_grad_norm``): its stages report
+the norms of their unscaled gradients, and an inf or nan one is an overflow that skips the
+step everywhere (``elasticpipe.loss_scaling``).
+
 Pure (no torch): the stage's ``LayerSlice.step`` applies the decision to its tensors.
 """
 
@@ -59,12 +63,13 @@ class GradClip:
 NO_CLIP = GradClip()
 
 
-def decide(sq_norms: Sequence[float], max_norm: float) -> tuple[float, GradClip]:
+def decide(sq_norms: Sequence[float], max_norm: float | None) -> tuple[float, GradClip]:
     """The global norm and the clipping every stage applies.
 
     Args:
         sq_norms: each stage's sum of squared gradient norms.
-        max_norm: the largest norm allowed (> 0).
+        max_norm: the largest norm allowed (> 0); None: no clipping, only the skip on a
+            non-finite norm (fp16 loss scaling, see ``elasticpipe.loss_scaling``).
 
     Returns:
         (norm, clip): ``clip.skip`` when the norm is not finite.
@@ -74,4 +79,6 @@ def decide(sq_norms: Sequence[float], max_norm: float) -> tuple[float, GradClip]
         norm = math.nan
     if not math.isfinite(norm):
         return norm, GradClip(skip=True)
+    if max_norm is None:
+        return norm, NO_CLIP
     return norm, GradClip(coef=min(1.0, max_norm / (norm + EPS)))

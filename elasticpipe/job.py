@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from elasticpipe import schedulers
+from elasticpipe import loss_scaling, schedulers
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.schedule import SCHEDULES
 from elasticpipe.training import check_loss_name, check_optimizer_name
@@ -16,7 +16,7 @@ from elasticpipe.v1 import job_pb2
 MAX_KWARGS_JSON = 1 << 20
 MAX_SNAPSHOT_EVERY = 1_000_000
 MAX_MICRO_BATCHES = 4096
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 MAX_RECOMPUTE = 100_000
 WIRE_DTYPES = ("bf16", "fp16")
 
@@ -74,7 +74,8 @@ class JobConfig:
     job_id: str = ""
     snapshot_every: int = 0
     external_weights: bool = False  # initial weights come from the client (init_state)
-    precision: str = "fp32"  # "bf16": layer forwards under autocast (see precision.py)
+    precision: str = "fp32"  # "bf16"/"fp16": layer forwards under autocast (see precision.py)
+    grad_scaler_kwargs: dict[str, Any] = field(default_factory=dict)  # fp16: loss_scaling.py
     scheduler: str = ""  # a torch.optim.lr_scheduler class ("": constant learning rate)
     scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0
@@ -101,6 +102,12 @@ class JobConfig:
             raise InvalidRequest(
                 f"unknown precision {self.precision!r} (choose from {list(PRECISIONS)})"
             )
+        if self.grad_scaler_kwargs and self.precision != "fp16":
+            raise InvalidRequest(
+                f"grad_scaler_kwargs {self.grad_scaler_kwargs} need precision='fp16' "
+                f"(got precision={self.precision!r})"
+            )
+        loss_scaling.check_kwargs(self.grad_scaler_kwargs)
         if self.seed < 0:
             raise InvalidRequest(f"seed must be >= 0 (got {self.seed})")
         if not 0 <= self.snapshot_every <= MAX_SNAPSHOT_EVERY:
@@ -130,6 +137,17 @@ class JobConfig:
                 f"unknown wire_dtype {self.wire_dtype!r} (choose from {list(WIRE_DTYPES)}, or none)"
             )
 
+    @property
+    def scaler(self) -> dict[str, float | int]:
+        """GradScaler's arguments with its defaults filled in (``precision="fp16"``)."""
+        return loss_scaling.check_kwargs(self.grad_scaler_kwargs)
+
+    @property
+    def reports_grad_norm(self) -> bool:
+        """Whether stages report their gradients' squared norms for the commit's decision:
+        clipping, or fp16 (an inf/nan gradient skips the step everywhere)."""
+        return bool(self.max_grad_norm) or self.precision == "fp16"
+
     def recomputes(self, layer: int) -> bool:
         """Whether ``layer`` keeps only its input and recomputes its forward in backward."""
         return self.recompute_all or layer in self.recompute
@@ -153,6 +171,7 @@ class JobConfig:
             snapshot_every=self.snapshot_every,
             external_weights=self.external_weights,
             precision=self.precision,
+            grad_scaler_kwargs_json=json.dumps(self.grad_scaler_kwargs, sort_keys=True),
             scheduler=self.scheduler,
             scheduler_kwargs_json=json.dumps(self.scheduler_kwargs, sort_keys=True),
             warmup_steps=self.warmup_steps,
@@ -182,6 +201,7 @@ class JobConfig:
             snapshot_every=spec.snapshot_every,
             external_weights=spec.external_weights,
             precision=spec.precision or "fp32",
+            grad_scaler_kwargs=json_object(spec.grad_scaler_kwargs_json, "grad_scaler_kwargs"),
             scheduler=spec.scheduler,
             scheduler_kwargs=json_object(spec.scheduler_kwargs_json, "scheduler_kwargs"),
             warmup_steps=spec.warmup_steps,

@@ -31,14 +31,17 @@ from typing import Any
 
 import torch
 
-from elasticpipe import clipping, models, schedulers, structure
+from elasticpipe import clipping, loss_scaling, models, schedulers, structure
 from elasticpipe.client import initial
 from elasticpipe.client.pipeline import StepStats
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, recompute_fields
+from elasticpipe.logs import get_logger
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.structure import Value, split_batch
 from elasticpipe.training import check_job, scaled_loss
+
+log = get_logger(__name__)
 
 
 class LocalPipeline:
@@ -58,6 +61,7 @@ class LocalPipeline:
         allow: Sequence[str] = (),
         init_state: Any = None,
         precision: str = "fp32",
+        grad_scaler_kwargs: dict[str, Any] | None = None,
         scheduler: str = "",
         scheduler_kwargs: dict[str, Any] | None = None,
         warmup_steps: int = 0,
@@ -76,7 +80,8 @@ class LocalPipeline:
             allow: module prefixes allowed for ``"package.module:name"`` factories,
                 losses and optimizers (what ``--allow-models`` is to a stage).
             init_state: initial weights, as for ``Pipeline`` (checked the same way).
-            precision: as for ``Pipeline`` ("fp32" or "bf16").
+            precision, grad_scaler_kwargs: as for ``Pipeline`` ("fp32", "bf16" or "fp16",
+                with fp16's dynamic loss scaling).
             scheduler, scheduler_kwargs, warmup_steps, max_grad_norm, recompute: as for
                 ``Pipeline``. (``wire_dtype`` has no counterpart: one process has no cuts
                 between stages to round at.)
@@ -101,6 +106,7 @@ class LocalPipeline:
             schedule=schedule,
             external_weights=init_state is not None,
             precision=precision,
+            grad_scaler_kwargs=loss_scaling.as_kwargs(grad_scaler_kwargs),
             scheduler=scheduler,
             scheduler_kwargs=dict(scheduler_kwargs or {}),
             warmup_steps=warmup_steps,
@@ -170,6 +176,7 @@ class LocalPipeline:
         step = self._step + 1
         layers = self._slice
         losses: list[float] = []
+        loss_scale = layers.loss_scale()
         try:
             for i, (x, y, scale) in enumerate(zip(xs, ys, scales, strict=True)):
                 out, stash = layers.forward(
@@ -184,6 +191,7 @@ class LocalPipeline:
                     y,
                     scale,
                     f"on micro-batch {i}",
+                    loss_scale,
                 )
                 losses.append(loss)
                 layers.backward(stash, grad, micro_batch=i)
@@ -192,8 +200,17 @@ class LocalPipeline:
             raise
         norm: float | None = None
         clip = clipping.NO_CLIP
-        if self._job.max_grad_norm:  # one stage's share is the whole model's here
-            norm, clip = clipping.decide([layers.grad_sq_norm()], self._job.max_grad_norm)
+        sq_norm = layers.finish_backward()  # fp16: unscales the gradients first
+        if sq_norm is not None:  # one stage's share is the whole model's here
+            norm, clip = clipping.decide([sq_norm], self._job.max_grad_norm or None)
+        if clip.skip:
+            log.warning(
+                "step_skipped",
+                step=step,
+                grad_norm=norm,
+                why="non-finite gradient norm",
+                loss_scale=loss_scale if layers.scales else None,
+            )
         layers.step(clip)
         self._step = step
         total = float(sum(losses))
@@ -203,6 +220,7 @@ class LocalPipeline:
             seconds=time.perf_counter() - started,
             attempts=1,
             grad_norm=norm,
+            loss_scale=loss_scale if layers.scales else None,
         )
         return total
 

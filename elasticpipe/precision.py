@@ -8,6 +8,9 @@ steps the float32 master weights. The loss is computed in float32 from the last 
 output (``training.scaled_loss``). Activations between layers, and on the wire between
 stages, are whatever the layer returns: bfloat16 for autocast's low-precision ops.
 
+``precision="fp16"`` is the same with ``torch.float16``, plus dynamic loss scaling (float16
+overflows past 65504 and underflows early): ``elasticpipe.loss_scaling``.
+
 Because autocast decides per op, running the layers one by one with their inputs detached
 (as a stage does) computes the same thing as running the whole model under one autocast.
 """
@@ -21,12 +24,15 @@ import torch
 
 __all__ = ["autocast"]
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @contextlib.contextmanager
 def autocast(device: torch.device, precision: str) -> Iterator[None]:
-    """The context a layer's forward runs in: autocast for ``"bf16"``, nothing for fp32."""
-    if precision == "bf16":
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+    """The context a layer's forward runs in: autocast for ``"bf16"`` and ``"fp16"``,
+    nothing for fp32."""
+    if precision in DTYPES:
+        with torch.autocast(device.type, dtype=DTYPES[precision]):
             yield
     else:
         yield

@@ -120,11 +120,21 @@ def loss_fn(name: str, allow: Sequence[str] = ()) -> LossFn:
 
 
 def scaled_loss(
-    name: str, fn: LossFn, output: torch.Tensor, target: torch.Tensor, scale: float, where: str
+    name: str,
+    fn: LossFn,
+    output: torch.Tensor,
+    target: torch.Tensor,
+    scale: float,
+    where: str,
+    loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
     """One micro-batch's loss times ``scale`` (its share of the mini-batch), backpropagated
     to a detached copy of ``output`` (in float32 when ``output`` is bfloat16 or float16, as
     autocast computes losses; the gradient comes back in ``output``'s dtype).
+
+    Args:
+        loss_scale: fp16's dynamic loss scale: backward starts from the loss times it (as
+            ``GradScaler.scale(loss).backward()``); the loss returned is not multiplied.
 
     Returns:
         The gradient of ``output`` and the scaled loss.
@@ -142,7 +152,7 @@ def scaled_loss(
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TypeError(f"the loss returned {shape}, not a scalar tensor")
         loss = loss.reshape(()) * scale
-        torch.autograd.backward(loss)
+        torch.autograd.backward(loss * loss_scale if loss_scale != 1.0 else loss)
     except ElasticPipeError:
         raise
     except Exception as exc:  # the user's targets (or loss) may fail in any way

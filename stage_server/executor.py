@@ -45,7 +45,8 @@ class StepResult:
     forward_s: dict[int, float] = field(default_factory=dict)  # by micro-batch, loss included
     backward_s: dict[int, float] = field(default_factory=dict)
     op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, s), in order
-    grad_sq_norm: float = 0.0  # training with clipping: of the accumulated gradients
+    grad_sq_norm: float = 0.0  # clipping or fp16: of the accumulated (unscaled) gradients
+    loss_scale: float = 0.0  # fp16: the loss scale of the run
     lr: float = 0.0  # training: the learning rate the commit applies
 
 
@@ -78,6 +79,7 @@ def _loss(
         target.to(ctx.device),
         scale,
         f"on micro-batch {micro_batch}",
+        layers.loss_scale(),
     )
 
 

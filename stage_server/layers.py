@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from elasticpipe import clipping, models, precision, rng, schedulers, structure
+from elasticpipe import clipping, loss_scaling, models, precision, rng, schedulers, structure
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
@@ -78,11 +78,12 @@ class Stash:
 
 class Built(NamedTuple):
     """One layer with its optimizer and learning-rate scheduler (None without parameters
-    or without a schedule)."""
+    or without a schedule), and its copy of the job's loss scale (fp16 only)."""
 
     module: nn.Module
     optimizer: torch.optim.Optimizer | None
     scheduler: schedulers.Scheduler | None
+    loss_scale: loss_scaling.LossScale | None = None
 
 
 class Slowdown:
@@ -149,6 +150,8 @@ class LayerSlice:
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.schedulers: dict[int, schedulers.Scheduler] = {}
+        # fp16: every layer's copy of the job's loss scale (all equal; loss_scaling.py)
+        self.scales: dict[int, loss_scaling.LossScale] = {}
         self.timings: dict[int, LayerTiming] = {}
         self.loss = loss_fn(job.loss, self.allow)
         self._lock = threading.Lock()
@@ -175,6 +178,13 @@ class LayerSlice:
             i: sched for i, opt in self.optimizers.items() if (sched := self._scheduler(opt))
         }
         self.timings = {i: LayerTiming() for i in self.layers}
+        self.scales = {i: s for i in self.layers if (s := self._initial_scale()) is not None}
+
+    def _initial_scale(self) -> loss_scaling.LossScale | None:
+        """A new layer's loss scale: ``init_scale`` with fp16, else none."""
+        if self.job.precision != "fp16":
+            return None
+        return loss_scaling.LossScale.initial(self.job.scaler)
 
     def _optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
         """The layer's own optimizer; None for a layer without parameters (an activation)."""
@@ -405,11 +415,12 @@ class LayerSlice:
 
     def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
         """Applies the accumulated gradients (one optimizer step) and clears them; then
-        the learning-rate schedulers step.
+        the learning-rate schedulers step, and with fp16 the loss scale updates.
 
         Args:
             clip: scale the gradients first, or skip the optimizer step (a non-finite
-                global norm: the schedulers still step, see ``elasticpipe.clipping``).
+                global norm: the schedulers still step, see ``elasticpipe.clipping``; the
+                loss scale backs off).
         """
         for i, opt in self.optimizers.items():
             if not clip.skip:
@@ -419,6 +430,33 @@ class LayerSlice:
             opt.zero_grad(set_to_none=True)
         for sched in self.schedulers.values():
             sched.step()
+        if self.scales:
+            kwargs = self.job.scaler
+            for scale in self.scales.values():
+                scale.update(clip.skip, kwargs)
+
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward: the layers' loss scale with
+        fp16 (the same on every layer), else 1."""
+        if not self.scales:
+            return 1.0
+        return self.scales[min(self.scales)].scale
+
+    def finish_backward(self) -> float | None:
+        """After a run's last backward: unscales the accumulated gradients (fp16, as
+        ``GradScaler.unscale_``) and returns their squared norm when the commit's decision
+        needs it (``JobConfig.reports_grad_norm``), else None."""
+        if self.scales:
+            loss_scaling.unscale_(
+                [
+                    p.grad
+                    for i in self.optimizers
+                    for p in self.layers[i].parameters()
+                    if p.grad is not None
+                ],
+                self.loss_scale(),
+            )
+        return self.grad_sq_norm() if self.job.reports_grad_norm else None
 
     def grad_sq_norm(self) -> float:
         """Sum of the squared norms of every owned layer's accumulated gradients."""
@@ -455,6 +493,8 @@ class LayerSlice:
             state["optimizer"] = _tensors_to_cpu(self.optimizers[index].state_dict())
         if include_optimizer and index in self.schedulers:
             state["scheduler"] = schedulers.dumps(self.schedulers[index])
+        if include_optimizer and index in self.scales:
+            state["loss_scale"] = self.scales[index].to_state()
         return state
 
     def new_layer(self, index: int) -> nn.Module:
@@ -511,7 +551,11 @@ class LayerSlice:
                     f"schedules its learning rate ({self.job.scheduler or 'warm-up'})"
                 )
             schedulers.loads(scheduler, text, index)
-        return Built(layer, optimizer, scheduler)
+        # fp16: the exported scale; weights alone (init_state) start from init_scale.
+        scale = self._initial_scale()
+        if scale is not None and "loss_scale" in state:
+            scale = loss_scaling.LossScale.from_state(state["loss_scale"], index)
+        return Built(layer, optimizer, scheduler, scale)
 
     def install(self, index: int, built: Built) -> None:
         """Takes ownership of a staged layer."""
@@ -520,6 +564,8 @@ class LayerSlice:
             self.optimizers[index] = built.optimizer
         if built.scheduler is not None:
             self.schedulers[index] = built.scheduler
+        if built.loss_scale is not None:
+            self.scales[index] = built.loss_scale
         self.timings.setdefault(index, LayerTiming())
 
     def drop(self, index: int) -> None:
@@ -527,6 +573,7 @@ class LayerSlice:
         self.layers.pop(index, None)
         self.optimizers.pop(index, None)
         self.schedulers.pop(index, None)
+        self.scales.pop(index, None)
         self.timings.pop(index, None)
 
 

@@ -207,6 +207,7 @@ class StageServicer:
             backward_s=[result.backward_s[i] for i in sorted(result.backward_s)],
             grad_sq_norm=result.grad_sq_norm,
             lr=result.lr,
+            loss_scale=result.loss_scale,
         )
 
     def FetchOutput(

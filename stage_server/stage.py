@@ -395,8 +395,10 @@ class Stage:
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
             if train:
                 result.lr = self.slice.lr()
-                if self.job is not None and self.job.max_grad_norm:
-                    result.grad_sq_norm = self.slice.grad_sq_norm()
+                if (sq_norm := self.slice.finish_backward()) is not None:
+                    result.grad_sq_norm = sq_norm  # of the unscaled gradients (fp16)
+                if self.slice.scales:
+                    result.loss_scale = self.slice.loss_scale()
             if not train:
                 self._outputs = (run, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)

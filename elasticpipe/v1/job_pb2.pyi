@@ -38,6 +38,7 @@ class JobSpec(_message.Message):
     SNAPSHOT_EVERY_FIELD_NUMBER: _builtins.int
     EXTERNAL_WEIGHTS_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
+    GRAD_SCALER_KWARGS_JSON_FIELD_NUMBER: _builtins.int
     SCHEDULER_FIELD_NUMBER: _builtins.int
     SCHEDULER_KWARGS_JSON_FIELD_NUMBER: _builtins.int
     WARMUP_STEPS_FIELD_NUMBER: _builtins.int
@@ -68,7 +69,11 @@ class JobSpec(_message.Message):
     external_weights: _builtins.bool
     """The client streams the initial weights (init_state): layers need no reset_parameters()."""
     precision: _builtins.str
-    """"fp32" (or empty), "bf16": autocast, float32 master weights"""
+    """"fp32" (or empty), "bf16", "fp16": autocast, float32 master weights"""
+    grad_scaler_kwargs_json: _builtins.str
+    """precision "fp16" only: GradScaler's arguments (init_scale, growth_factor, backoff_factor,
+    growth_interval), a JSON object ("": GradScaler's defaults)
+    """
     scheduler: _builtins.str
     """torch.optim.lr_scheduler class ("": constant lr)"""
     scheduler_kwargs_json: _builtins.str
@@ -108,6 +113,7 @@ class JobSpec(_message.Message):
         snapshot_every: _builtins.int = ...,
         external_weights: _builtins.bool = ...,
         precision: _builtins.str = ...,
+        grad_scaler_kwargs_json: _builtins.str = ...,
         scheduler: _builtins.str = ...,
         scheduler_kwargs_json: _builtins.str = ...,
         warmup_steps: _builtins.int = ...,
@@ -118,7 +124,7 @@ class JobSpec(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "grad_scaler_kwargs_json", b"grad_scaler_kwargs_json", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

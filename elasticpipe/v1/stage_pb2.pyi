@@ -453,6 +453,7 @@ class StepReport(_message.Message):
     BACKWARD_S_FIELD_NUMBER: _builtins.int
     GRAD_SQ_NORM_FIELD_NUMBER: _builtins.int
     LR_FIELD_NUMBER: _builtins.int
+    LOSS_SCALE_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     peak_stashed: _builtins.int
     """most micro-batches whose activations were alive at once"""
@@ -461,9 +462,11 @@ class StepReport(_message.Message):
     """time spent computing (slowdown included)"""
     wall_s: _builtins.float
     grad_sq_norm: _builtins.float
-    """training with clipping: sum of squared gradient norms"""
+    """clipping or fp16: sum of squared (unscaled) gradient norms"""
     lr: _builtins.float
     """the learning rate this step applies (first layer's)"""
+    loss_scale: _builtins.float
+    """precision "fp16": the loss scale of this run (else 0)"""
     @_builtins.property
     def losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """last stage only: scaled loss of each micro-batch"""
@@ -492,10 +495,11 @@ class StepReport(_message.Message):
         backward_s: _abc.Iterable[_builtins.float] | None = ...,
         grad_sq_norm: _builtins.float = ...,
         lr: _builtins.float = ...,
+        loss_scale: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "grad_sq_norm", b"grad_sq_norm", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "grad_sq_norm", b"grad_sq_norm", "loss_scale", b"loss_scale", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
