@@ -52,8 +52,8 @@ def test_to_device_is_right_without_a_sync_and_reuses_pinned_buffers() -> None:
     """Many host->device copies of one shape back to back: each arrives intact (a pinned
     buffer is never overwritten before its copy finished), on the device, and the pool
     reuses buffers once their copies completed."""
-    path = for_device(CUDA)
-    assert isinstance(path, CudaPath)
+    assert isinstance(for_device(CUDA), CudaPath)
+    path = CudaPath(CUDA)
     sources = [torch.full(BIG, float(k)) for k in range(8)]
     outs = [path.to_device(s) for s in sources]
     for k, out in enumerate(outs):
@@ -83,7 +83,7 @@ def test_send_waits_for_compute_and_survives_the_source_being_freed() -> None:
     """An output still being computed is copied only once done (``wait_stream``), reaches
     the sink only once copied, and its memory is not reused while the copy runs
     (``record_stream``) even though the caller drops it at once."""
-    path = for_device(CUDA)
+    path = CudaPath(CUDA)
     sink = Sink()
     expected = []
     for k in range(4):
