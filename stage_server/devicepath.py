@@ -360,17 +360,27 @@ class Lap:
 
 
 class EventClock:
-    """Brackets GPU work with CUDA events (``enable_timing``) on the current stream."""
+    """Brackets GPU work with CUDA events (``enable_timing``) on ``device``'s current
+    stream (not the current device's: a stage on ``cuda:1`` may run with device 0 current).
 
-    def __init__(self, make_event: Callable[[], Any] | None = None):
+    Args:
+        device: the stage's device; None: the current device (and any stand-in events).
+        make_event: makes one event (tests pass a stand-in).
+    """
+
+    def __init__(
+        self, device: torch.device | None = None, make_event: Callable[[], Any] | None = None
+    ):
+        self.device = device
         self._make = make_event or _timing_event
 
     def time(self, fn: Callable[[], Any], factor: float) -> tuple[Any, Lap]:
         """Runs ``fn``; returns its result and the (not yet completed) lap around it."""
+        stream = torch.cuda.current_stream(self.device) if self.device is not None else None
         start, end = self._make(), self._make()
-        start.record()
+        start.record(stream)
         result = fn()
-        end.record()
+        end.record(stream)
         return result, Lap([(start, end)], factor)
 
 
@@ -381,7 +391,7 @@ def _timing_event() -> Any:
 def event_clock(timer: str, device: torch.device) -> EventClock | None:
     """CUDA-event timing for the ``auto`` timer on a CUDA device; None elsewhere (``wall``
     keeps host clocks around a synchronize, ``cpu`` the thread's CPU time, as before)."""
-    return EventClock() if timer == "auto" and device.type == "cuda" else None
+    return EventClock(device) if timer == "auto" and device.type == "cuda" else None
 
 
 # ---- reductions and memory ----------------------------------------------------------------

@@ -592,7 +592,8 @@ def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
     multiplies by the clamped coefficient even when that is 1)."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        scale = torch.tensor(coef, dtype=torch.float32, device=grads[0].device)
+        # a fill, not a host-to-device copy: no synchronisation on a GPU
+        scale = torch.full((), coef, dtype=torch.float32, device=grads[0].device)
         torch._foreach_mul_(grads, scale)
 
 

@@ -125,12 +125,12 @@ def test_event_timing_matches_synchronized_host_timing() -> None:
     _busy(x)
     torch.cuda.synchronize()
     host = time.perf_counter() - start
-    _, lap = EventClock().time(lambda: _busy(x), factor=1.0)
+    _, lap = EventClock(CUDA).time(lambda: _busy(x), factor=1.0)
     assert isinstance(lap, Lap)
     assert host / 2 < lap.seconds() < host * 2, (host, lap.seconds())
 
     job = JobConfig(model="mlp", model_kwargs={"sizes": [256, 512, 512, 8]}, optimizer="sgd")
-    layers = LayerSlice(job, CUDA, Slowdown(events=EventClock()))
+    layers = LayerSlice(job, CUDA, Slowdown(events=EventClock(CUDA)))
     layers.build(0, 5)
     real = torch.cuda.synchronize
 

@@ -49,7 +49,8 @@ class FakeEvent:
     def __init__(self) -> None:
         self.at = math.nan
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
+        assert stream is None  # no device given: the current stream
         self.at = time.perf_counter()
 
     def synchronize(self) -> None:
@@ -117,7 +118,8 @@ def test_a_cpu_device_gets_the_plain_path_and_host_clocks() -> None:
     assert event_clock("auto", CPU) is None
     assert event_clock("cpu", CPU) is None
     cuda = torch.device("cuda", 0)  # naming a device needs no GPU
-    assert isinstance(event_clock("auto", cuda), EventClock)
+    clock = event_clock("auto", cuda)
+    assert isinstance(clock, EventClock) and clock.device == cuda
     assert event_clock("wall", cuda) is None
     assert event_clock("cpu", cuda) is None
     with pytest.raises(ValueError, match="needs a CUDA device, not cpu"):
@@ -168,7 +170,7 @@ def test_a_cpu_stage_keeps_host_timing_and_the_plain_path() -> None:
 def test_laps_add_and_scale_by_the_slowdown() -> None:
     """A lap's seconds are the events' elapsed time times the factor it was recorded with;
     recompute and backward laps add; 0.0 adds as nothing."""
-    clock = EventClock(FakeEvent)
+    clock = EventClock(make_event=FakeEvent)
     _, lap = clock.time(lambda: time.sleep(0.01), factor=2.0)
     _, more = clock.time(lambda: time.sleep(0.01), factor=2.0)
     assert 0.02 <= lap.seconds() < 0.2
@@ -191,7 +193,7 @@ def test_event_timings_are_deferred_until_settled(recompute: bool) -> None:
     job = JobConfig(
         model=NORMED, optimizer="sgd", optimizer_kwargs={"lr": 0.1}, recompute_all=recompute
     )
-    layers = LayerSlice(job, CPU, Slowdown(events=EventClock(FakeEvent)), ALLOW)
+    layers = LayerSlice(job, CPU, Slowdown(events=EventClock(make_event=FakeEvent)), ALLOW)
     layers.build(0, 5)
     y, stash = layers.forward(torch.randn(4, 8), train=True, micro_batch=0)
     assert stash is not None
@@ -211,7 +213,7 @@ def test_event_timings_are_deferred_until_settled(recompute: bool) -> None:
 @pytest.mark.timeout(30)
 def test_a_slowed_event_clock_pays_what_it_owes() -> None:
     """Factor 3 with events: the op sleeps about twice its measured time, and reports 3x."""
-    slow = Slowdown(3.0, events=EventClock(FakeEvent))
+    slow = Slowdown(3.0, events=EventClock(make_event=FakeEvent))
     _, lap = slow.timed(lambda: time.sleep(0.02), lambda: None)
     assert isinstance(lap, Lap)
     start = time.perf_counter()
