@@ -57,6 +57,7 @@ __all__ = [
     "Lap",
     "PinnedPool",
     "PlainPath",
+    "Sink",
     "event_clock",
     "for_device",
     "losses_to_floats",
@@ -198,7 +199,9 @@ class CudaPath:
         self.pool = pool or PinnedPool(_pinned)
         self.copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch stub
         self._in_use: list[tuple[torch.Tensor, Ready]] = []  # this run's D2H buffers
-        self._queue: queue.Queue[tuple[torch.cuda.Event, Sink, Any] | None] = queue.Queue()
+        # (copy done, where to, message): None as the sink for a copy nothing is sent of
+        self._queue: queue.Queue[tuple[torch.cuda.Event, Sink | None, Any] | None]
+        self._queue = queue.Queue()
         self._pending = 0
         self._error: BaseException | None = None
         self._idle = threading.Condition()
@@ -259,7 +262,7 @@ class CudaPath:
         out, done = self._stage_out(value, pooled=False)
         with self._idle:
             self._pending += 1
-        self._queue.put((done, _NoSink(), None))
+        self._queue.put((done, None, None))
         return out
 
     def send(self, sink: Sink, value: Value, make: Callable[[Value], Any]) -> None:
@@ -275,7 +278,7 @@ class CudaPath:
             done, sink, msg = item
             try:
                 done.synchronize()
-                if msg is not None:
+                if sink is not None:
                     sink.put(msg)
             except BaseException as exc:  # a CUDA error: the run fails at ``drain``
                 with self._idle:
@@ -311,11 +314,6 @@ class CudaPath:
     def abandon(self) -> None:
         """A failed run: a link may still read its buffers, so none is reused."""
         self._in_use.clear()
-
-
-class _NoSink:
-    def put(self, msg: Any) -> None:
-        raise AssertionError("nothing is sent for a host copy")
 
 
 def for_device(device: torch.device) -> DevicePath:
