@@ -23,6 +23,8 @@ Ends with one JSON line (``transparent``, ``max_abs_diff``, ``overhead_ratio_1st
 Without CUDA it prints why and exits 2 (its JSON line says ``"cuda": false``).
 
 Run: ``python bench/gpu.py [--quick]`` (or ``make gpu-check``, which runs the cuda tests first).
+``--dry-run-cpu`` runs the same code on CPU stages with a small model (no pinned baseline):
+it checks the script itself on a machine without a GPU; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -54,14 +56,19 @@ MODEL_KWARGS: dict[str, Any] = {"sizes": [WIDTH] * 5}  # 4 Linear(2048, 2048), R
 BATCH = 1024
 RTOL, ATOL = 1e-4, 1e-5
 COORDINATOR_ARGS = ["--state", ":memory:", "--no-auto-rebalance"]
-STAGE_ARGS = ["--device", "cuda"]
+DEVICE = "cuda"  # "cpu" with --dry-run-cpu
+STAGE_ARGS = ["--device", DEVICE]
 HOP_BYTES = {"4mib": 4 << 20, "32mib": 32 << 20}
 
 
 def data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The mini-batches every way trains on (on the CPU: the client sends them)."""
     g = torch.Generator().manual_seed(1234)
-    return [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))] * n
+    distinct = [
+        (torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
+        for _ in range(4)
+    ]
+    return [distinct[k % len(distinct)] for k in range(n)]
 
 
 def pipeline(cluster: LocalCluster, stages: int, **kw: Any) -> Pipeline:
@@ -86,17 +93,17 @@ def plain(
 ) -> tuple[list[float], list[float], torch.nn.Module]:
     """Plain PyTorch on the GPU: (step seconds, losses, model); inputs start on the host
     as the pipeline's do, and each step ends with a synchronize (its loss is read)."""
-    model = build("mlp", seed=SEED, **MODEL_KWARGS).cuda()
+    model = build("mlp", seed=SEED, **MODEL_KWARGS).to(DEVICE)
     opt = make_optimizer(OPTIMIZER, model.parameters(), OPTIMIZER_KWARGS)
     fn = loss_fn(LOSS)
     times, losses = [], []
     for host_x, host_y in batches:
         start = time.perf_counter()
-        x, y = host_x.cuda(), host_y.cuda()
+        x, y = host_x.to(DEVICE), host_y.to(DEVICE)
         if micro:
             opt.zero_grad(set_to_none=True)
             sizes = split_sizes(BATCH, MICRO_BATCHES)
-            total = torch.zeros((), device="cuda")
+            total = torch.zeros((), device=DEVICE)
             for xs, ys in zip(torch.split(x, sizes), torch.split(y, sizes), strict=True):
                 loss = fn(model(xs), ys) * (xs.shape[0] / BATCH)
                 loss.backward()
@@ -159,7 +166,9 @@ def hop(cluster: LocalCluster, repeats: int) -> dict[str, float]:
 
 def pcie_round_trip(size: int, repeats: int) -> float:
     """GB/s of a pinned device -> host -> device round trip of ``size`` bytes, as a hop's
-    two copies (the floor of any host-staged path)."""
+    two copies (the floor of any host-staged path); NaN in a CPU dry run."""
+    if DEVICE == "cpu":
+        return float("nan")
     dev = torch.empty(size, dtype=torch.uint8, device="cuda")
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     runs = []
@@ -177,8 +186,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed training steps per way")
     parser.add_argument("--quick", action="store_true", help="10 steps, 5 repeats")
+    parser.add_argument(
+        "--dry-run-cpu", action="store_true", help="check the script on CPU stages (no figures)"
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.dry_run_cpu:
+        global DEVICE, WIDTH, BATCH, MODEL_KWARGS, HOP_BYTES  # noqa: PLW0603  # a dry run shrinks the setup
+        DEVICE, WIDTH, BATCH = "cpu", 64, 32
+        MODEL_KWARGS = {"sizes": [WIDTH] * 5}
+        HOP_BYTES = {"4mib": 64 << 10, "32mib": 256 << 10}  # the names stay, the sizes shrink
+        STAGE_ARGS[:] = ["--device", "cpu"]
+    elif not torch.cuda.is_available():
         why = (
             f"no CUDA device: torch {torch.__version__} (built for CUDA "
             f"{torch.version.cuda or 'none: a CPU build'}) sees none"
@@ -189,13 +207,14 @@ def main() -> int:
     steps, warmup = (10, 3) if args.quick else (args.steps, 5)
     repeats = 5 if args.quick else 15
     torch.backends.cuda.matmul.allow_tf32 = False  # the stages' default
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     print(
-        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"device: {name}, torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}; model mlp {MODEL_KWARGS['sizes']}, batch {BATCH}, "
         f"{MICRO_BATCHES} micro-batches, {steps} timed steps after {warmup}"
     )
     batches = data(warmup + steps)
-    figures: dict[str, Any] = {"cuda": True, "device": torch.cuda.get_device_name()}
+    figures: dict[str, Any] = {"cuda": DEVICE == "cuda", "device": name}
 
     a1, a1_losses, ref = plain(batches, micro=False)
     a4, _, _ = plain(batches, micro=True)
