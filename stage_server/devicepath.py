@@ -57,6 +57,7 @@ __all__ = [
     "Lap",
     "PinnedPool",
     "PlainPath",
+    "Sender",
     "Sink",
     "event_clock",
     "for_device",
@@ -199,14 +200,7 @@ class CudaPath:
         self.pool = pool or PinnedPool(_pinned)
         self.copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch stub
         self._in_use: list[tuple[torch.Tensor, Ready]] = []  # this run's D2H buffers
-        # (copy done, where to, message): None as the sink for a copy nothing is sent of
-        self._queue: queue.Queue[tuple[torch.cuda.Event, Sink | None, Any] | None]
-        self._queue = queue.Queue()
-        self._pending = 0
-        self._error: BaseException | None = None
-        self._idle = threading.Condition()
-        self._thread = threading.Thread(target=self._release, name="d2h-sender", daemon=True)
-        self._thread.start()
+        self.sender = Sender(str(device))
 
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -260,50 +254,19 @@ class CudaPath:
     def to_host(self, value: Value) -> Value:
         """``value`` in pinned host memory; it may still be arriving until ``drain``."""
         out, done = self._stage_out(value, pooled=False)
-        with self._idle:
-            self._pending += 1
-        self._queue.put((done, None, None))
+        self.sender.submit(done, None, None)  # ``drain`` waits for it
         return out
 
     def send(self, sink: Sink, value: Value, make: Callable[[Value], Any]) -> None:
         """Copies ``value`` to the host on the copy stream; ``make(host)`` goes to ``sink``
         once the copy completed, without blocking the caller."""
         out, done = self._stage_out(value, pooled=True)
-        with self._idle:
-            self._pending += 1
-        self._queue.put((done, sink, make(out)))
-
-    def _release(self) -> None:
-        while (item := self._queue.get()) is not None:
-            done, sink, msg = item
-            try:
-                done.synchronize()
-                if sink is not None:
-                    sink.put(msg)
-            except BaseException as exc:  # a CUDA error: the run fails at ``drain``
-                with self._idle:
-                    self._error = exc
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+        self.sender.submit(done, sink, make(out))
 
     def drain(self, deadline: float) -> None:
-        """Waits until every copy of this run completed and its message went to its link.
-
-        Raises:
-            DeadlineExceeded: copies still pending at ``deadline``.
-            StageUnavailable: a copy failed (a CUDA error).
-        """
-        with self._idle:
-            ok = self._idle.wait_for(
-                lambda: self._pending == 0, max(0.0, deadline - time.monotonic())
-            )
-            error, self._error = self._error, None
-        if error is not None:
-            raise StageUnavailable(f"a device-to-host copy on {self.device} failed: {error!r}")
-        if not ok:
-            raise DeadlineExceeded(f"device-to-host copies on {self.device} pending at deadline")
+        """Waits until every copy of this run completed and its message went to its link
+        (``Sender.drain``)."""
+        self.sender.drain(deadline)
 
     def finish(self) -> None:
         """The run's sends have left (links flushed): their buffers go back to the pool."""
@@ -314,6 +277,76 @@ class CudaPath:
     def abandon(self) -> None:
         """A failed run: a link may still read its buffers, so none is reused."""
         self._in_use.clear()
+
+
+class Waitable(Protocol):
+    """A copy's completion: a ``torch.cuda.Event`` (or a test's stand-in)."""
+
+    def synchronize(self) -> None: ...
+
+
+class Sender:
+    """Hands messages to their sinks in submission order, each once its copy completed,
+    from its own thread (so the compute thread never waits for a copy).
+
+    Args:
+        where: named in errors (the device).
+    """
+
+    def __init__(self, where: str):
+        self.where = where
+        self._queue: queue.Queue[tuple[Waitable, Sink | None, Any] | None] = queue.Queue()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="d2h-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, done: Waitable, sink: Sink | None, msg: Any) -> None:
+        """Puts ``msg`` on ``sink`` once ``done`` completed (None: only waits for it)."""
+        with self._idle:
+            self._pending += 1
+        self._queue.put((done, sink, msg))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            done, sink, msg = item
+            try:
+                done.synchronize()
+                if sink is not None:
+                    sink.put(msg)
+            except BaseException as exc:  # a CUDA error: kept, raised by ``drain``
+                with self._idle:
+                    self._error = self._error or exc
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def drain(self, deadline: float) -> None:
+        """Waits until everything submitted was handed on.
+
+        Raises:
+            DeadlineExceeded: copies still pending at ``deadline`` (``time.monotonic()``).
+            StageUnavailable: a copy failed (a CUDA error), named.
+        """
+        with self._idle:
+            ok = self._idle.wait_for(
+                lambda: self._pending == 0, max(0.0, deadline - time.monotonic())
+            )
+            error, self._error = self._error, None
+        if error is not None:
+            raise StageUnavailable(f"a device-to-host copy on {self.where} failed: {error!r}")
+        if not ok:
+            raise DeadlineExceeded(
+                f"{self._pending} device-to-host copies on {self.where} still pending at the "
+                "deadline"
+            )
+
+    def close(self) -> None:
+        """Stops the thread once what was submitted is handed on."""
+        self._queue.put(None)
+        self._thread.join(timeout=5)
 
 
 def for_device(device: torch.device) -> DevicePath:

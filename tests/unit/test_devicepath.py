@@ -5,12 +5,14 @@ CUDA-event timing folded into a slice's timings (with stand-in events)."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
 
+from elasticpipe.errors import DeadlineExceeded, StageUnavailable
 from elasticpipe.job import JobConfig
 from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.stage_server import devicepath
@@ -19,6 +21,7 @@ from elasticpipe.stage_server.devicepath import (
     Lap,
     PinnedPool,
     PlainPath,
+    Sender,
     event_clock,
     for_device,
     losses_to_floats,
@@ -267,3 +270,70 @@ def test_device_memory_is_exported_for_cuda_stages_only() -> None:
     assert b"elasticpipe_stage_device_peak_bytes 20.0" in cuda
     cpu = generate_latest(StageMetrics(lambda: StageView(**base)).registry)
     assert b"device_allocated_bytes" not in cpu
+
+
+class Gate:
+    """A copy that completes when the test says so (``synchronize`` blocks until then)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.opened = threading.Event()
+        self.fail = fail
+
+    def synchronize(self) -> None:
+        self.opened.wait(10)
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.got: list[object] = []
+
+    def put(self, msg: object) -> None:
+        self.got.append(msg)
+
+
+@pytest.mark.timeout(20)
+def test_the_sender_hands_on_in_order_and_only_after_each_copy() -> None:
+    """Nothing reaches the sink before its copy completed, and messages keep their order
+    even when a later copy completes first."""
+    sender, sink = Sender("cuda:0"), Collect()
+    first, second = Gate(), Gate()
+    sender.submit(first, sink, "m0")
+    sender.submit(second, sink, "m1")
+    second.opened.set()
+    time.sleep(0.05)
+    assert sink.got == []  # m0's copy is still running: m1 waits behind it
+    first.opened.set()
+    sender.drain(time.monotonic() + 5)
+    assert sink.got == ["m0", "m1"]
+    only_wait = Gate()
+    only_wait.opened.set()
+    sender.submit(only_wait, None, None)  # a host copy with nothing to send
+    sender.drain(time.monotonic() + 5)
+    sender.close()
+
+
+@pytest.mark.timeout(20)
+def test_the_sender_drain_names_a_deadline_and_a_failed_copy() -> None:
+    """A copy still running at the deadline and a failing copy are errors that say so;
+    after the failure is reported the sender goes on."""
+    sender, sink = Sender("cuda:1"), Collect()
+    slow = Gate()
+    sender.submit(slow, sink, "late")
+    with pytest.raises(DeadlineExceeded, match="1 device-to-host copies on cuda:1 still pending"):
+        sender.drain(time.monotonic() + 0.05)
+    slow.opened.set()
+    sender.drain(time.monotonic() + 5)
+    broken = Gate(fail=True)
+    broken.opened.set()
+    sender.submit(broken, sink, "lost")
+    with pytest.raises(StageUnavailable, match=r"copy on cuda:1 failed: .*illegal memory access"):
+        sender.drain(time.monotonic() + 5)
+    assert sink.got == ["late"]
+    fine = Gate()
+    fine.opened.set()
+    sender.submit(fine, sink, "next")
+    sender.drain(time.monotonic() + 5)
+    assert sink.got == ["late", "next"]
+    sender.close()
