@@ -213,14 +213,18 @@ class CudaPath:
     def _upload(self, t: torch.Tensor, compute: torch.cuda.Stream) -> torch.Tensor:
         if t.device.type != "cpu":
             return t.to(self.device)
-        staging = self.pool.acquire(t.shape, t.dtype)
-        staging.copy_(t)
+        # Already pinned (decoded into pinned memory): copied from where it is; torch's
+        # caching host allocator keeps its block until the copy completed.
+        staging = t if t.is_pinned() else self.pool.acquire(t.shape, t.dtype)
+        if staging is not t:
+            staging.copy_(t)
         with torch.cuda.stream(self.copy_stream):
             out = staging.to(self.device, non_blocking=True)
             done = self.copy_stream.record_event()
         compute.wait_event(done)  # no kernel of the compute stream reads ``out`` earlier
         out.record_stream(compute)  # allocated on the copy stream, used on compute
-        self.pool.release(staging, done)  # reused only once the copy completed
+        if staging is not t:
+            self.pool.release(staging, done)  # reused only once the copy completed
         return out
 
     def _download(self, t: torch.Tensor, pooled: bool) -> tuple[torch.Tensor, bool]:

@@ -67,6 +67,19 @@ def test_to_device_is_right_without_a_sync_and_reuses_pinned_buffers() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_pinned_input_is_copied_from_where_it_is() -> None:
+    """A tensor already in pinned memory takes no staging buffer and arrives intact, even
+    when the caller drops it at once."""
+    path = CudaPath(CUDA)
+    source = torch.full(BIG, 3.0).pin_memory()
+    out = path.to_device(source)
+    del source
+    torch.empty(BIG).pin_memory().fill_(float("nan"))  # would land on the freed block
+    assert path.pool.allocated == 0
+    assert isinstance(out, torch.Tensor) and bool((out == 3.0).all())
+
+
+@pytest.mark.timeout(60)
 def test_mixed_values_keep_their_dtypes_and_structure() -> None:
     """A dict with a float and an int64 tensor comes back the same on the device."""
     path = for_device(CUDA)
