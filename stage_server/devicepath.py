@@ -21,9 +21,11 @@ on a dedicated copy stream, so that copies overlap the compute stream's work:
   compute thread never blocks on a copy and the link never reads a buffer before its bytes
   arrived. The buffers of a run go back to the pool only after ``finish`` (every link has
   flushed: the bytes have left); a failed run drops them.
-* layer timing (``EventClock``): a layer's compute is bracketed by two CUDA events
-  (``enable_timing``) instead of host clocks around ``torch.cuda.synchronize``; the
-  elapsed times are read later, in one wait per step (``LayerSlice.settle_timings``).
+* layer timing (``devicetime.EventClock``): a layer's compute is bracketed by two CUDA
+  events instead of host clocks around ``torch.cuda.synchronize``, read once per step.
+* reductions read back once: the losses of a step and the gradients' squared norm are
+  summed on the device and read with one synchronisation (``losses_to_floats``,
+  ``sq_norm``).
 
 Worked example, stage 1 of 3 on a GPU, one micro-batch: the mailbox holds a CPU tensor x;
 ``to_device`` copies it into pinned buffer B (host), enqueues B -> x' on the copy stream,
@@ -53,13 +55,10 @@ from elasticpipe.structure import Value
 __all__ = [
     "CudaPath",
     "DevicePath",
-    "EventClock",
-    "Lap",
     "PinnedPool",
     "PlainPath",
     "Sender",
     "Sink",
-    "event_clock",
     "for_device",
     "losses_to_floats",
     "memory_stats",
@@ -358,75 +357,6 @@ def for_device(device: torch.device) -> DevicePath:
     if device.type == "cuda":
         return CudaPath(device)
     return PlainPath(device)
-
-
-# ---- layer timing -------------------------------------------------------------------------
-
-
-@dataclass
-class Lap:
-    """GPU time between pairs of CUDA events, read once they completed; times ``factor``
-    (the stage's emulated slowdown, fixed when recorded)."""
-
-    pairs: list[tuple[Any, Any]]
-    factor: float = 1.0
-
-    def raw(self) -> float:
-        """Seconds of device time, waiting for the last event if needed."""
-        if self.pairs:
-            self.pairs[-1][1].synchronize()
-        ms: float = sum(start.elapsed_time(end) for start, end in self.pairs)
-        return ms / 1000.0
-
-    def seconds(self) -> float:
-        """The emulated seconds: ``factor`` times the device time."""
-        return self.factor * self.raw()
-
-    def __add__(self, other: Lap | float) -> Lap:
-        if isinstance(other, Lap):
-            if other.factor != self.factor:
-                raise ValueError("laps of different slowdown factors")
-            return Lap([*self.pairs, *other.pairs], self.factor)
-        if other == 0.0:
-            return self
-        raise TypeError("a Lap adds to another Lap or 0.0")
-
-    __radd__ = __add__
-
-
-class EventClock:
-    """Brackets GPU work with CUDA events (``enable_timing``) on ``device``'s current
-    stream (not the current device's: a stage on ``cuda:1`` may run with device 0 current).
-
-    Args:
-        device: the stage's device; None: the current device (and any stand-in events).
-        make_event: makes one event (tests pass a stand-in).
-    """
-
-    def __init__(
-        self, device: torch.device | None = None, make_event: Callable[[], Any] | None = None
-    ):
-        self.device = device
-        self._make = make_event or _timing_event
-
-    def time(self, fn: Callable[[], Any], factor: float) -> tuple[Any, Lap]:
-        """Runs ``fn``; returns its result and the (not yet completed) lap around it."""
-        stream = torch.cuda.current_stream(self.device) if self.device is not None else None
-        start, end = self._make(), self._make()
-        start.record(stream)
-        result = fn()
-        end.record(stream)
-        return result, Lap([(start, end)], factor)
-
-
-def _timing_event() -> Any:
-    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch stub
-
-
-def event_clock(timer: str, device: torch.device) -> EventClock | None:
-    """CUDA-event timing for the ``auto`` timer on a CUDA device; None elsewhere (``wall``
-    keeps host clocks around a synchronize, ``cpu`` the thread's CPU time, as before)."""
-    return EventClock(device) if timer == "auto" and device.type == "cuda" else None
 
 
 # ---- reductions and memory ----------------------------------------------------------------

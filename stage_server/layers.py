@@ -23,7 +23,7 @@ from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
 from elasticpipe.stage_server import devicepath
-from elasticpipe.stage_server.devicepath import EventClock, Lap
+from elasticpipe.stage_server.devicetime import EventClock, Lap
 from elasticpipe.structure import Value
 from elasticpipe.training import loss_fn, make_optimizer
 

@@ -34,7 +34,7 @@ from elasticpipe.logs import get_logger
 from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import forward_ops, stage_ops
-from elasticpipe.stage_server import devicepath, transfers
+from elasticpipe.stage_server import devicepath, devicetime, transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
@@ -128,7 +128,7 @@ class Stage:
     def __init__(self, config: StageConfig):
         self.config = config
         self.device = torch.device(config.device)
-        events = devicepath.event_clock(config.timer, self.device)  # CUDA: event timing
+        events = devicetime.event_clock(config.timer, self.device)  # CUDA: event timing
         self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device), events)
         self.path = devicepath.for_device(self.device)  # pinned copies on a stream (CUDA)
         self.memory_bytes = capacity.detect(self.device, config.memory_bytes)

@@ -11,13 +11,12 @@ import torch
 from elasticpipe.job import JobConfig
 from elasticpipe.stage_server.devicepath import (
     CudaPath,
-    EventClock,
-    Lap,
     for_device,
     losses_to_floats,
     memory_stats,
     sq_norm,
 )
+from elasticpipe.stage_server.devicetime import EventClock, Lap
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 
 pytestmark = [

@@ -17,17 +17,15 @@ from elasticpipe.job import JobConfig
 from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.stage_server import devicepath
 from elasticpipe.stage_server.devicepath import (
-    EventClock,
-    Lap,
     PinnedPool,
     PlainPath,
     Sender,
-    event_clock,
     for_device,
     losses_to_floats,
     memory_stats,
     sq_norm,
 )
+from elasticpipe.stage_server.devicetime import EventClock, Lap, event_clock
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.stage_server.stage import Stage, StageConfig
 
