@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -31,5 +31,9 @@ bench: setup
 	$(PY) bench/planner.py
 	$(PY) bench/straggler.py
 
+# On a CUDA machine: the cuda tests and bench/gpu.py, in under 10 minutes (docs/gpu.md).
+gpu-check:
+	bash bench/gpu_check.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-gpu .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "wall"],
         default="auto",
         help="how layer compute is timed: thread CPU time (auto on CPU: stages "
-        "sharing a host do not see each other's load) or wall time (auto on CUDA)",
+        "sharing a host do not see each other's load), CUDA events read once a step (auto on "
+        "CUDA), or wall time around a synchronize (wall)",
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
     st.add_argument(

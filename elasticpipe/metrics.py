@@ -145,6 +145,7 @@ class StageView:
     stashed_micro_batches: int
     slowdown: float
     layer_seconds: dict[tuple[int, str], float] = field(default_factory=dict)  # (layer, dir)
+    device_memory: tuple[int, int] | None = None  # CUDA: (allocated, peak allocated) bytes
 
 
 # ---- stage ----------------------------------------------------------------------------
@@ -251,6 +252,18 @@ class StageMetrics:
         yield GaugeMetricFamily(
             "elasticpipe_stage_slowdown", "Emulated slowdown factor (1: none)", value=v.slowdown
         )
+        if v.device_memory is not None:  # a CUDA stage: its caching allocator's figures
+            yield GaugeMetricFamily(
+                "elasticpipe_stage_device_allocated_bytes",
+                "Bytes of device memory held by tensors (torch.cuda.memory_allocated)",
+                value=v.device_memory[0],
+            )
+            yield GaugeMetricFamily(
+                "elasticpipe_stage_device_peak_bytes",
+                "Peak bytes of device memory held by tensors since the stage started "
+                "(torch.cuda.max_memory_allocated)",
+                value=v.device_memory[1],
+            )
         layers = GaugeMetricFamily(
             "elasticpipe_stage_layer_seconds",
             "Smoothed time of one micro-batch through one layer (direction: forward or "

@@ -128,6 +128,14 @@ def scaled_loss(
     where: str,
     loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
+    """``scaled_loss_tensor`` with the loss read as a float (a synchronisation on a GPU)."""
+    grad, loss = scaled_loss_tensor(name, fn, output, target, scale, where)
+    return grad, float(loss)
+
+
+def scaled_loss_tensor(
+    name: str, fn: LossFn, output: torch.Tensor, target: torch.Tensor, scale: float, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's loss times ``scale`` (its share of the mini-batch), backpropagated
     to a detached copy of ``output`` (in float32 when ``output`` is bfloat16 or float16, as
     autocast computes losses; the gradient comes back in ``output``'s dtype).
@@ -137,7 +145,8 @@ def scaled_loss(
             ``GradScaler.scale(loss).backward()``); the loss returned is not multiplied.
 
     Returns:
-        The gradient of ``output`` and the scaled loss.
+        The gradient of ``output`` and the scaled loss (a detached scalar tensor on
+        ``output``'s device: reading it is left to the caller, once a step).
 
     Raises:
         UserCodeError: the loss raised or returned something other than a scalar tensor.
@@ -163,7 +172,7 @@ def scaled_loss(
         ) from exc
     if out.grad is None:
         raise UserCodeError(f"loss {name!r} does not depend on the model's output ({where})")
-    return out.grad.to(output.dtype), float(loss.detach())
+    return out.grad.to(output.dtype), loss.detach()
 
 
 # ---- optimizers -------------------------------------------------------------------------

@@ -11,7 +11,7 @@ step protocol: the caller owns the run's state.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,12 +20,13 @@ from elasticpipe import structure, wire
 from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import Op, OpKind
+from elasticpipe.stage_server.devicepath import DevicePath, PlainPath, losses_to_floats
 from elasticpipe.stage_server.layers import LayerSlice, Stash
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
 from elasticpipe.structure import Value
-from elasticpipe.training import scaled_loss
+from elasticpipe.training import scaled_loss_tensor
 from elasticpipe.transport import Outgoing
 
 FLUSH_SLICE_S = 0.1
@@ -64,23 +65,31 @@ class RunContext:
     train: bool
     deadline: float  # time.monotonic() value
     tracer: Tracer = field(default_factory=Tracer)
+    path: DevicePath | None = None  # host <-> device copies; None: ``PlainPath``
 
 
 def _loss(
     ctx: RunContext, y: Value, micro_batch: int, target: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, float]:
-    """The scaled loss of one micro-batch and the gradient of the slice's output."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scaled loss of one micro-batch (a tensor: read once a step) and the gradient of
+    the slice's output."""
     layers = ctx.layers
     last = f"layer {layers.indices[-1]} returned" if layers.indices else "the model returned"
-    return scaled_loss(
+    return scaled_loss_tensor(
         layers.job.loss,
         layers.loss,
         structure.single(y, last),
-        target.to(ctx.device),
+        target,
         scale,
         f"on micro-batch {micro_batch}",
         layers.loss_scale(),
     )
+
+
+def _message(method: str, ctx: RunContext, micro_batch: int) -> Callable[[Value], Outgoing]:
+    """Wraps a sent value (on the host, once its copy completed) as the link's message."""
+    epoch = ctx.placement.epoch
+    return lambda value: Outgoing(method, epoch, ctx.run, ctx.step, micro_batch, value)
 
 
 def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
@@ -90,14 +99,35 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
         ElasticPipeError: the run failed (a peer's failure recorded in the mailbox, a
             deadline, the user's code); the caller discards the run.
     """
+    result = StepResult(run=ctx.run)
+    losses: dict[int, torch.Tensor] = {}
+    started = time.perf_counter()
+    path = ctx.path or PlainPath(ctx.device)
+    try:
+        _run_ops(ops, ctx, path, result, losses)
+    except BaseException:
+        path.abandon()  # a link may still read the run's buffers: none is reused
+        raise
+    path.finish()
+    ctx.layers.settle_timings()  # the run's CUDA-event timings: one wait
+    result.losses = losses_to_floats([losses[i] for i in sorted(losses)])
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _run_ops(
+    ops: Sequence[Op],
+    ctx: RunContext,
+    path: DevicePath,
+    result: StepResult,
+    losses: dict[int, torch.Tensor],
+) -> None:
+    """The ops of ``execute`` (``losses`` by micro-batch, read once at the end)."""
     placement, mailbox, run = ctx.placement, ctx.mailbox, ctx.run
     first, last = placement.index == 0, placement.index == placement.num_stages - 1
-    result = StepResult(run=run)
     stashes: dict[int, Stash] = {}
     loss_grads: dict[int, torch.Tensor] = {}
-    losses: dict[int, float] = {}
     wire_dtype = ctx.layers.job.wire_dtype
-    started = time.perf_counter()
     tracer, now, epoch = ctx.tracer, ctx.tracer.now_ns, placement.epoch
 
     def span(kind: SpanKind, i: int, start: int, end: int) -> None:
@@ -111,14 +141,14 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             raise failure
         if op.kind is OpKind.FORWARD:
             w0 = now()
-            x = mailbox.take(run, Slot.INPUT, i, ctx.deadline)
+            x = path.to_device(mailbox.take(run, Slot.INPUT, i, ctx.deadline))
             if not first:
-                x = wire.decode_value(x, wire_dtype)
+                x = wire.decode_value(x, wire_dtype)  # on the device: half the bytes copied
             target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
             y, stash = ctx.layers.forward(
-                structure.to_device(x, ctx.device),
+                x,
                 ctx.train,
                 input_grad=not first,
                 micro_batch=i,
@@ -126,23 +156,20 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             )
             result.compute_s += (now() - t0) / 1e9
             if target is not None:
-                loss_grads[i], losses[i] = _loss(ctx, y, i, target[0], target[1])
+                target_on = path.to_device(target[0])
+                assert isinstance(target_on, torch.Tensor)
+                loss_grads[i], losses[i] = _loss(ctx, y, i, target_on, target[1])
             t1 = now()
             span(SpanKind.FORWARD, i, t0, t1)
             result.forward_s[i] = (t1 - t0) / 1e9
             result.op_seconds.append(("forward", result.forward_s[i]))
             if last and not ctx.train:
-                result.outputs[i] = structure.to_device(structure.detached(y), torch.device("cpu"))
+                result.outputs[i] = path.to_host(structure.detached(y))
             elif not last:
-                ctx.links[placement.next].put(
-                    Outgoing(
-                        "Forward",
-                        placement.epoch,
-                        run,
-                        ctx.step,
-                        i,
-                        wire.encode_value(structure.detached(y), wire_dtype),
-                    )
+                path.send(
+                    ctx.links[placement.next],
+                    wire.encode_value(structure.detached(y), wire_dtype),
+                    _message("Forward", ctx, i),
                 )
             if stash is not None:
                 stashes[i] = stash
@@ -155,29 +182,24 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             if last:
                 grad = loss_grads.pop(i)
             else:
-                grad = wire.decode_value(mailbox.take(run, Slot.GRAD, i, ctx.deadline), wire_dtype)
+                taken = path.to_device(mailbox.take(run, Slot.GRAD, i, ctx.deadline))
+                grad = wire.decode_value(taken, wire_dtype)
             t0 = now()
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
-            grad_in = ctx.layers.backward(
-                stashes.pop(i), structure.to_device(grad, ctx.device), micro_batch=i
-            )
+            grad_in = ctx.layers.backward(stashes.pop(i), grad, micro_batch=i)
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
             span(SpanKind.BACKWARD, i, t0, t1)
             result.backward_s[i] = (t1 - t0) / 1e9
             result.op_seconds.append(("backward", result.backward_s[i]))
             if not first and grad_in is not None:
-                ctx.links[placement.prev].put(
-                    Outgoing(
-                        "Backward",
-                        placement.epoch,
-                        run,
-                        ctx.step,
-                        i,
-                        wire.encode_value(structure.detached(grad_in), wire_dtype),
-                    )
+                path.send(
+                    ctx.links[placement.prev],
+                    wire.encode_value(structure.detached(grad_in), wire_dtype),
+                    _message("Backward", ctx, i),
                 )
+    path.drain(ctx.deadline)  # every device->host copy done and handed to its link
     for link in ctx.links.values():
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)
         # or a peer's failure ends the wait at once.
@@ -190,6 +212,3 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
                 )
     if (failure := mailbox.failure(run)) is not None:
         raise failure
-    result.losses = [losses[i] for i in sorted(losses)]
-    result.wall_s = time.perf_counter() - started
-    return result

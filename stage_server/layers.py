@@ -22,6 +22,8 @@ from elasticpipe import clipping, loss_scaling, models, precision, rng, schedule
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
+from elasticpipe.stage_server import devicepath
+from elasticpipe.stage_server.devicetime import EventClock, Lap
 from elasticpipe.structure import Value
 from elasticpipe.training import loss_fn, make_optimizer
 
@@ -95,13 +97,21 @@ class Slowdown:
     on a shared CPU host that made an emulated 2x straggler measure 2.5-3x. ``t`` comes from
     ``clock``: on CPU stages the thread's CPU time, so that stages sharing one host (tests,
     benchmarks, the demo) do not take each other's load for their own slowness; on CUDA,
-    wall time after a synchronize.
+    with ``events``, the time between two CUDA events around the layer, read later (a
+    ``Lap``: no synchronize per layer), else wall time after a synchronize.
     """
 
-    def __init__(self, factor: float = 1.0, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        factor: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+        events: EventClock | None = None,
+    ):
         self.set(factor)
         self.clock = clock
+        self.events = events
         self._owed = 0.0
+        self._laps: list[Lap] = []  # events' laps of a slowed-down op, paid in ``pay``
 
     def set(self, factor: float) -> None:
         """Changes the factor (>= 1) while the stage runs."""
@@ -109,8 +119,14 @@ class Slowdown:
             raise InvalidRequest(f"slowdown factor must be a finite number >= 1 (got {factor})")
         self.factor = float(factor)
 
-    def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, float]:
-        """Runs ``fn`` and returns (result, emulated seconds); the extra time is owed."""
+    def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, float | Lap]:
+        """Runs ``fn`` and returns (result, emulated seconds); the extra time is owed.
+        With CUDA events the seconds are a ``Lap``, read once its events completed."""
+        if self.events is not None:
+            result, lap = self.events.time(fn, self.factor)
+            if lap.factor > 1.0:
+                self._laps.append(lap)
+            return result, lap
         start = self.clock()
         result = fn()
         sync()
@@ -122,6 +138,8 @@ class Slowdown:
     def pay(self) -> None:
         """Waits for what the op's layers owe."""
         owed, self._owed = self._owed, 0.0
+        laps, self._laps = self._laps, []
+        owed += sum((lap.factor - 1.0) * lap.raw() for lap in laps)  # waits: slowed only
         if owed > 0:
             time.sleep(owed)
 
@@ -155,6 +173,8 @@ class LayerSlice:
         self.timings: dict[int, LayerTiming] = {}
         self.loss = loss_fn(job.loss, self.allow)
         self._lock = threading.Lock()
+        # CUDA-event measurements not read yet: (layer, forward, backward, output bytes)
+        self._deferred: list[tuple[int, Lap | None, Lap | None, int]] = []
 
     # ---- building ---------------------------------------------------------------------
 
@@ -303,12 +323,26 @@ class LayerSlice:
 
     def _run_layer(self, i: int, layer: nn.Module, x: Value, micro_batch: int) -> Value:
         y, seconds = self._forward_layer(i, layer, x, micro_batch)
-        self.timings[i].observe(seconds, None, structure.nbytes(y))
+        self._observe(i, seconds, None, structure.nbytes(y))
         return y
+
+    def _observe(self, i: int, fwd: float | Lap | None, bwd: float | Lap | None, out: int) -> None:
+        if isinstance(fwd, Lap) or isinstance(bwd, Lap):
+            self._deferred.append((i, fwd, bwd, out))  # type: ignore[arg-type]  # both Laps
+        else:
+            self.timings[i].observe(fwd, bwd, out)
+
+    def settle_timings(self) -> None:
+        """Folds in the CUDA-event measurements taken so far (one wait for the device)."""
+        deferred, self._deferred = self._deferred, []
+        for i, fwd, bwd, out in deferred:
+            if i in self.timings:
+                f = fwd.seconds() if fwd is not None else None
+                self.timings[i].observe(f, bwd.seconds() if bwd is not None else None, out)
 
     def _forward_layer(
         self, i: int, layer: nn.Module, x: Value, micro_batch: int
-    ) -> tuple[Value, float]:
+    ) -> tuple[Value, float | Lap]:
         """The one place a layer's forward runs: the first time and when recomputed."""
         try:
             y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync)
@@ -323,7 +357,7 @@ class LayerSlice:
 
     def _recompute(
         self, i: int, xs: list[torch.Tensor], stash: Stash, micro_batch: int
-    ) -> tuple[list[torch.Tensor], float]:
+    ) -> tuple[list[torch.Tensor], float | Lap]:
         """Runs layer ``i``'s forward on its stashed inputs again, with the graph.
 
         It runs under the seed of the first forward (``elasticpipe.rng``), in a fork of the
@@ -381,6 +415,7 @@ class LayerSlice:
         for i, (xs, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
             if grads is None:
                 break
+            again: float | Lap
             ys, again = kept, 0.0
             if ys is None:
                 ys, again = self._recompute(i, xs, stash, micro_batch)
@@ -405,7 +440,7 @@ class LayerSlice:
                 except Exception as exc:  # the user's code may raise anything
                     g = structure.grads_value(gs)
                     raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
-                self.timings[i].observe(None, seconds + again, 0)
+                self._observe(i, None, seconds + again, 0)
             grads = _input_grads(xs)
         stash.pairs.clear()
         stash.seeds.clear()
@@ -460,7 +495,12 @@ class LayerSlice:
 
     def grad_sq_norm(self) -> float:
         """Sum of the squared norms of every owned layer's accumulated gradients."""
-        return sum(_sq_norm(self.layers[i].parameters()) for i in self.optimizers)
+        return devicepath.sq_norm(
+            [
+                [p.grad for p in self.layers[i].parameters() if p.grad is not None]
+                for i in self.optimizers
+            ]
+        )
 
     def lr(self) -> float:
         """The learning rate the next optimizer step applies (the first owned layer with
@@ -594,21 +634,13 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _sq_norm(params: Iterable[torch.Tensor]) -> float:
-    """Sum of the squared 2-norms of the parameters' gradients (float64; inf or nan kept)."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
-    return total
-
-
 def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
     """Multiplies the gradients by ``coef`` in place, as ``clip_grad_norm_`` does (it
     multiplies by the clamped coefficient even when that is 1)."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        scale = torch.tensor(coef, dtype=torch.float32, device=grads[0].device)
+        # a fill, not a host-to-device copy: no synchronisation on a GPU
+        scale = torch.full((), coef, dtype=torch.float32, device=grads[0].device)
         torch._foreach_mul_(grads, scale)
 
 

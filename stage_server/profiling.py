@@ -122,6 +122,7 @@ def profile_layers(
             outs = structure.tensors(out)
             ones = [torch.ones_like(outs[p]) for p in structure.floating(outs)]
             probe.backward(stash, structure.grads_value(ones))
+            probe.settle_timings()  # CUDA events: read now (off the hot path)
             runs.append(probe.timings[index])
         measured = runs[1:]
         for optimizer in probe.optimizers.values():

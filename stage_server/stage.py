@@ -34,7 +34,7 @@ from elasticpipe.logs import get_logger
 from elasticpipe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.schedule import forward_ops, stage_ops
-from elasticpipe.stage_server import transfers
+from elasticpipe.stage_server import devicepath, devicetime, transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
@@ -128,7 +128,9 @@ class Stage:
     def __init__(self, config: StageConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device))
+        events = devicetime.event_clock(config.timer, self.device)  # CUDA: event timing
+        self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device), events)
+        self.path = devicepath.for_device(self.device)  # pinned copies on a stream (CUDA)
         self.memory_bytes = capacity.detect(self.device, config.memory_bytes)
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
@@ -370,6 +372,7 @@ class Stage:
                 train=train,
                 deadline=time.monotonic() + timeout,
                 tracer=self.tracer,
+                path=self.path,
             )
         self.faults.point("run_started")
         placement = ctx.placement
@@ -843,6 +846,7 @@ class Stage:
             stashed_bytes=self.last_peak[1],
             stashed_micro_batches=self.last_peak[0],
             slowdown=self.slowdown.factor,
+            device_memory=devicepath.memory_stats(self.device),
             layer_seconds={
                 (i, d): getattr(t, f"{d}_s")
                 for i, t in timings.items()

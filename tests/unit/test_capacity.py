@@ -56,6 +56,7 @@ def test_detect_prefers_the_operators_memory_on_cpu() -> None:
     assert measured == pytest.approx(expected, rel=0.2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_detect_on_cuda_leaves_headroom_and_honours_memory() -> None:
     """On CUDA: free memory less 10% of the device; --memory caps it."""

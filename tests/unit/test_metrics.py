@@ -44,6 +44,7 @@ def _stage() -> StageMetrics:
         stashed_micro_batches=2,
         slowdown=1.0,
         layer_seconds={(2, "forward"): 0.01, (2, "backward"): 0.02},
+        device_memory=(1 << 20, 2 << 20),  # a CUDA stage: its device gauges too
     )
     return StageMetrics(lambda: view)
 

@@ -1,0 +1,91 @@
+"""Layer timing on a GPU with CUDA events, read once per step instead of once per layer.
+
+A layer's compute is bracketed by two events (``enable_timing``) recorded on the stage
+device's current stream; nothing waits for them when they are recorded. The elapsed time
+is read later (``Lap.seconds``), when ``LayerSlice.settle_timings`` folds a step's
+measurements in: one wait for the device per step, instead of a ``torch.cuda.synchronize``
+around every layer, which would stall the host until the GPU drained its queue and so
+remove any overlap between the host's launches and the device's work.
+
+Worked example: layer 3's forward on micro-batch 0 records S3 and T3 around its kernels,
+layer 4's S4 and T4; the host goes on to launch the next op at once. At the end of the
+step ``settle_timings`` waits for T4 (the last event) and reads ``S3.elapsed_time(T3)``
+and ``S4.elapsed_time(T4)`` (milliseconds) as the layers' seconds, times the emulated
+slowdown factor that was in force when they were recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["EventClock", "Lap", "event_clock"]
+
+
+@dataclass
+class Lap:
+    """GPU time between pairs of CUDA events, read once they completed; times ``factor``
+    (the stage's emulated slowdown, fixed when recorded)."""
+
+    pairs: list[tuple[Any, Any]]
+    factor: float = 1.0
+
+    def raw(self) -> float:
+        """Seconds of device time, waiting for the last event if needed."""
+        if self.pairs:
+            self.pairs[-1][1].synchronize()
+        ms: float = sum(start.elapsed_time(end) for start, end in self.pairs)
+        return ms / 1000.0
+
+    def seconds(self) -> float:
+        """The emulated seconds: ``factor`` times the device time."""
+        return self.factor * self.raw()
+
+    def __add__(self, other: Lap | float) -> Lap:
+        if isinstance(other, Lap):
+            if other.factor != self.factor:
+                raise ValueError("laps of different slowdown factors")
+            return Lap([*self.pairs, *other.pairs], self.factor)
+        if other == 0.0:
+            return self
+        raise TypeError("a Lap adds to another Lap or 0.0")
+
+    __radd__ = __add__
+
+
+class EventClock:
+    """Brackets GPU work with CUDA events (``enable_timing``) on ``device``'s current
+    stream (not the current device's: a stage on ``cuda:1`` may run with device 0 current).
+
+    Args:
+        device: the stage's device; None: the current device (and any stand-in events).
+        make_event: makes one event (tests pass a stand-in).
+    """
+
+    def __init__(
+        self, device: torch.device | None = None, make_event: Callable[[], Any] | None = None
+    ):
+        self.device = device
+        self._make = make_event or _timing_event
+
+    def time(self, fn: Callable[[], Any], factor: float) -> tuple[Any, Lap]:
+        """Runs ``fn``; returns its result and the (not yet completed) lap around it."""
+        stream = torch.cuda.current_stream(self.device) if self.device is not None else None
+        start, end = self._make(), self._make()
+        start.record(stream)
+        result = fn()
+        end.record(stream)
+        return result, Lap([(start, end)], factor)
+
+
+def _timing_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch stub
+
+
+def event_clock(timer: str, device: torch.device) -> EventClock | None:
+    """CUDA-event timing for the ``auto`` timer on a CUDA device; None elsewhere (``wall``
+    keeps host clocks around a synchronize, ``cpu`` the thread's CPU time, as before)."""
+    return EventClock(device) if timer == "auto" and device.type == "cuda" else None
