@@ -26,6 +26,7 @@ log = get_logger(__name__)
 ENV = "ELASTICPIPE_MALLOC_TUNE"
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: 2 GiB of freed heap kept at most
 
 
@@ -41,6 +42,13 @@ def keep_freed_memory() -> bool:
         mallopt = None
     if mallopt is None:  # not glibc: its allocator decides
         return False
-    done = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    done = all(
+        mallopt(option, value)
+        for option, value in (
+            (M_MMAP_MAX, 0),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_ARENA_MAX, 1),  # one heap: the memory kept is the process's peak, not one per thread
+        )
+    )
     log.debug("malloc_tuned", keep_freed_bytes=TRIM_THRESHOLD, ok=done)
     return done
