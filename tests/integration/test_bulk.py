@@ -31,10 +31,11 @@ BIG = 2 << 20  # bytes: over one chunk, so it goes over the bulk channel
 
 
 def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
-    """Two stage processes whose activations and gradients (1.3 MB per micro-batch) all
-    travel over the bulk channel: losses and weights equal plain PyTorch's, and the
-    stages' metrics count every one of those bytes as received in bulk."""
-    kwargs = {"sizes": [32, 640, 640, 8]}
+    """Two stage processes whose inputs, activations and gradients (1.3 MB per
+    micro-batch) all travel over the bulk channel: losses and weights equal plain
+    PyTorch's, and the stages' metrics count every one of those bytes as received in bulk
+    (stage 0: the client's inputs and stage 1's gradients; stage 1: the activations)."""
+    kwargs = {"sizes": [640, 640, 640, 8]}
     rows, micro_batches, steps = 1024, 2, 3
     reference = models_build(kwargs)
     opt = make_optimizer("sgd", reference.parameters(), {"lr": 0.05})
@@ -50,7 +51,8 @@ def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
             micro_batches=micro_batches,
         ) as pipe:
             for _ in range(steps):
-                x, y = torch.randn(rows, 32, generator=g), torch.randint(0, 8, (rows,), generator=g)
+                x = torch.randn(rows, 640, generator=g)
+                y = torch.randint(0, 8, (rows,), generator=g)
                 got = pipe.train_step(x, y)
                 want = reference_step(reference, opt, "cross_entropy", x, y)
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
@@ -58,10 +60,10 @@ def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
             addresses = list(pipe.partition.addresses)
         per_message = rows // micro_batches * 640 * 4
         assert per_message > bulk.MIN_BULK_BYTES
-        for address in addresses:  # activations into stage 1, gradients into stage 0
+        for address, messages in zip(addresses, (2, 1), strict=True):
             samples = scrape(c.metrics_url(c.name_of(address)))
             got_bulk = value(samples, "elasticpipe_stage_bulk_received_bytes_total")
-            assert got_bulk == steps * micro_batches * per_message, address
+            assert got_bulk == messages * steps * micro_batches * per_message, address
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor)
 
