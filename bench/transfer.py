@@ -78,6 +78,7 @@ this machine, 10-15 s of it starting processes; ``--quick``: 3 repeats of 8 MiB,
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -296,18 +297,26 @@ class Carrier:
         """Stops what the path started."""
 
 
-class DataPath(Carrier):
-    """``transport.send`` into a real stage server process holding a job."""
+RUN_IDS = itertools.count(1)
 
-    def __init__(self) -> None:
-        super().__init__("data path")
-        self.cluster = LocalCluster(
+
+class DataPath(Carrier):
+    """A ``Link``'s ``transport.Sender`` into a real stage server process holding a job:
+    with the bulk channel (the data path), or over gRPC alone (``--no-bulk``'s path)."""
+
+    def __init__(self, use_bulk: bool = True, cluster: LocalCluster | None = None) -> None:
+        super().__init__("data path" if use_bulk else "gRPC path")
+        self.owns_cluster = cluster is None
+        self.cluster = cluster or LocalCluster(
             stages=1, coordinator_args=["--state", ":memory:", "--no-auto-rebalance"]
-        ).start()
+        )
+        if self.owns_cluster:
+            self.cluster.start()
         self.address = self.cluster.stage_addresses[0]
         self.receiver_pid = self.cluster.procs["stage-0"].pid
         self.channel = rpc.channel(self.address)  # as a Link opens it
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+        self.sender = transport.Sender(self.stub, self.address, use_bulk=use_bulk)
         placement = Placement(epoch=EPOCH, index=1, num_stages=2, lo=1, hi=2)
         reply = rpc.call(
             self.address,
@@ -321,11 +330,9 @@ class DataPath(Carrier):
         self.verified: list[int] = []
 
     def send_batch(self, batch: Batch, payload: torch.Tensor) -> None:
-        self.run_id += 1
+        self.run_id = next(RUN_IDS)  # one stage, two paths: run ids never repeat
         for i in range(batch.count):
-            transport.send(
-                self.stub,
-                self.address,
+            self.sender.send(
                 transport.Outgoing("Forward", EPOCH, self.run_id, 0, i, payload),
                 SEND_TIMEOUT_S,
             )
@@ -360,8 +367,10 @@ class DataPath(Carrier):
             self.verified.append(batch.size)
 
     def close(self) -> None:
+        self.sender.close()
         self.channel.close()
-        self.cluster.close()
+        if self.owns_cluster:
+            self.cluster.close()
 
 
 class BareGrpcPath(Carrier):
@@ -558,6 +567,7 @@ def main() -> int:
     paths: list[Carrier] = []
     try:
         paths.append(DataPath())
+        paths.append(DataPath(use_bulk=False, cluster=paths[0].cluster))
         paths.append(BareGrpcPath())
         paths.append(GlooPath(schedule))
         paths.append(TcpPath(schedule))
@@ -570,10 +580,11 @@ def main() -> int:
     finally:
         for path in reversed(paths):
             path.close()
-    data, bare, gloo, tcp = paths
-    assert isinstance(data, DataPath)
+    data, grpc_path, bare, gloo, tcp = paths
+    assert isinstance(data, DataPath) and isinstance(grpc_path, DataPath)
     expected = sum(b.size * b.count for b in schedule)
-    assert data.accepted_bytes == expected and data.verified == sizes
+    for p in (data, grpc_path):
+        assert p.accepted_bytes == expected and p.verified == sizes
     load_after = os.getloadavg()
 
     print()
@@ -593,6 +604,7 @@ def main() -> int:
             "gloo_ratio": data.median_gbps(s) / gloo.median_gbps(s),
             "tcp_ratio": data.median_gbps(s) / tcp.median_gbps(s),
             "bare_grpc_ratio": data.median_gbps(s) / bare.median_gbps(s),
+            "grpc_path_gloo_ratio": grpc_path.median_gbps(s) / gloo.median_gbps(s),
         }
         count = max(1, math.ceil(args.min_bytes / s))
         print(
@@ -603,6 +615,7 @@ def main() -> int:
             {
                 "bytes": s,
                 "data_path_gbps": round(data.median_gbps(s), 4),
+                "grpc_path_gbps": round(grpc_path.median_gbps(s), 4),
                 "bare_grpc_gbps": round(bare.median_gbps(s), 4),
                 "gloo_gbps": round(gloo.median_gbps(s), 4),
                 "tcp_gbps": round(tcp.median_gbps(s), 4),
@@ -642,10 +655,10 @@ def main() -> int:
 
     print()
     print(
-        "data path, one message: measured; the sender's serialization and the receiver's "
-        "parsing + assembly (the same code timed in this process, median of 5); page faults "
-        "of both processes during the timed repeats at the cost above; the same bytes over "
-        "bare gRPC and TCP"
+        "gRPC path (no bulk channel), one message: measured; the sender's serialization and "
+        "the receiver's parsing + assembly (the same code timed in this process, median of "
+        "5); page faults of both processes during the timed repeats at the cost above; the "
+        "same bytes over bare gRPC and TCP"
     )
     print(
         f"{'size':>8} {'measured':>9} {'serialize':>15} {'parse+assemble':>15}"
@@ -654,8 +667,8 @@ def main() -> int:
     shares = []
     for s in sizes:
         ser, deser = breakdown(s)
-        total = statistics.median(data.per_message_s[s])
-        faults = (data.usage[s][2] + data.usage[s][3]) / data.timed_messages[s]
+        total = statistics.median(grpc_path.per_message_s[s])
+        faults = (grpc_path.usage[s][2] + grpc_path.usage[s][3]) / grpc_path.timed_messages[s]
         fault_s = faults * fault_us / 1e6
         grpc_only = statistics.median(bare.per_message_s[s])
         floor = statistics.median(tcp.per_message_s[s])

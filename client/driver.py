@@ -31,7 +31,8 @@ from elasticpipe.errors import (
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.structure import Value
-from elasticpipe.transport import Outgoing, send
+from elasticpipe.tls import TLS
+from elasticpipe.transport import Outgoing, Sender
 from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
@@ -42,7 +43,35 @@ COMMIT_TIMEOUT_S = 30.0
 
 
 class StageClients(rpc.StagePool):
-    """The client's channels to the stages."""
+    """The client's channels to the stages, and a sender per stage for inputs and targets
+    (large ones over the bulk channel, ``elasticpipe.bulk``), used by one send at a time."""
+
+    def __init__(self, tls: TLS | None = None):
+        super().__init__(tls=tls)
+        self._senders: dict[str, tuple[threading.Lock, Sender]] = {}
+
+    def send(self, address: str, msg: Outgoing, timeout: float) -> None:
+        """Sends one message to ``address`` (``transport.Sender.send``)."""
+        stub = self.stub(address)
+        with self._lock:
+            entry = self._senders.get(address)
+            if entry is None:
+                entry = self._senders[address] = (
+                    threading.Lock(),
+                    Sender(stub, address, self.tls),
+                )
+        lock, sender = entry
+        with lock:
+            sender.send(msg, timeout)
+
+    def close(self) -> None:
+        """Closes every bulk connection and channel."""
+        with self._lock:
+            senders, self._senders = list(self._senders.values()), {}
+        for lock, sender in senders:
+            with lock:
+                sender.close()
+        super().close()
 
 
 class CommitIncomplete(StepAborted):
@@ -96,15 +125,11 @@ def run(
     def feed() -> None:
         try:
             for i, x in enumerate(inputs):
-                send(
-                    clients.stub(first),
-                    first,
-                    Outgoing("Forward", partition.epoch, run_id, step, i, x),
-                    timeout,
+                clients.send(
+                    first, Outgoing("Forward", partition.epoch, run_id, step, i, x), timeout
                 )
                 if targets is not None:
-                    send(
-                        clients.stub(last),
+                    clients.send(
                         last,
                         Outgoing(
                             "Targets", partition.epoch, run_id, step, i, targets[i], scales[i]

@@ -9,7 +9,8 @@ reach the port may call anything.
 =====================================  =================================================
 RPC                                    roles
 =====================================  =================================================
-StageService data path                 client, stage  (Forward, Backward, Targets, Deliver)
+StageService data path                 client, stage  (Forward, Backward, Targets, Deliver,
+                                         OpenBulk)
 StageService RunStep, FetchOutput      client
 StageService CommitStep, AbortStep     client, coordinator (settling a run)
 StageService Fence                     coordinator
@@ -58,7 +59,9 @@ def _rows(service: str, methods: Iterable[str], *roles: str) -> dict[str, frozen
 
 
 ALLOWED: dict[str, frozenset[str]] = {
-    **_rows("StageService", ("Forward", "Backward", "Targets", "Deliver"), CLIENT, STAGE),
+    **_rows(
+        "StageService", ("Forward", "Backward", "Targets", "Deliver", "OpenBulk"), CLIENT, STAGE
+    ),
     **_rows("StageService", ("RunStep", "FetchOutput"), CLIENT),
     **_rows("StageService", ("CommitStep", "AbortStep"), CLIENT, COORDINATOR),
     **_rows(
@@ -126,6 +129,12 @@ _CALLER: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar
 def caller() -> tuple[str, str] | None:
     """(name, role) of the current call's peer certificate; None without TLS."""
     return _CALLER.get()
+
+
+def act_as(identity: tuple[str, str] | None) -> None:
+    """Makes ``identity`` the current caller: a bulk connection's thread, which serves the
+    caller its one-time token was issued to (``elasticpipe.bulk``)."""
+    _CALLER.set(identity)
 
 
 def _peer_identity(context: grpc.ServicerContext) -> tuple[str, str] | None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 # the operator asks for more. Set before gRPC is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from elasticpipe import memtune
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import LEVELS, configure_logging, get_logger
 from elasticpipe.tls import TLS
@@ -158,7 +159,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         memory_bytes=args.memory,
         metrics_listen=args.metrics_listen,
+        bulk_port=None if args.no_bulk else args.bulk_port,
     )
+    memtune.keep_freed_memory()  # received tensors reuse freed pages (memtune.py)
     server = StageServer(config, args.coordinator, args.listen).start()
     return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
 
@@ -421,6 +424,19 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA), or wall time around a synchronize (wall)",
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
+    st.add_argument(
+        "--bulk-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of the bulk channel, a raw (TLS) socket beside gRPC for tensors over 1 MiB, "
+        "on the --listen host (default 0: any free port, announced over gRPC)",
+    )
+    st.add_argument(
+        "--no-bulk",
+        action="store_true",
+        help="no bulk channel: every tensor travels over gRPC",
+    )
     st.add_argument(
         "--transfer-chunk-bytes",
         type=int,

@@ -185,6 +185,12 @@ class StageMetrics:
             ["peer"],
             registry=r,
         )
+        self.bulk_received_bytes = Counter(
+            "elasticpipe_stage_bulk_received_bytes",
+            "Of the tensor bytes received, those that came over the bulk channel "
+            "(elasticpipe/bulk.py: tensors over 1 MiB)",
+            registry=r,
+        )
         self.rpc_errors = _rpc_errors("stage", r)
         self._read = read
         r.register(_ViewCollector(self._families))

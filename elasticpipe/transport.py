@@ -1,5 +1,7 @@
 """Sending one tensor (or a tuple or flat dict of tensors, ``elasticpipe.bundle``) to a
-stage: the header-then-chunks stream of Forward/Backward/Targets."""
+stage: a unary ``Deliver`` for a small one, the bulk channel (``elasticpipe.bulk``) for a
+large one, or the header-then-chunks stream of Forward/Backward/Targets where the peer has
+no bulk channel."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from elasticpipe import bundle, codec, rpc
+from elasticpipe import bulk, bundle, codec, rpc, structure
 from elasticpipe.structure import Value
+from elasticpipe.tls import TLS
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 
@@ -90,3 +93,33 @@ def send(
         return
     method = getattr(stub, msg.method)
     rpc.call(address, method, data_stream(msg, chunk_bytes), timeout=timeout)
+
+
+class Sender:
+    """Sends to one stage, one message at a time: a value larger than one chunk over the
+    bulk channel (when the stage has one and ``use_bulk``), anything else over gRPC."""
+
+    def __init__(
+        self,
+        stub: stage_pb2_grpc.StageServiceStub,
+        address: str,
+        tls: TLS | None = None,
+        use_bulk: bool = True,
+    ):
+        self.stub = stub
+        self.address = address
+        self._bulk = bulk.BulkSender(stub, address, tls) if use_bulk else None
+
+    def send(self, msg: Outgoing, timeout: float) -> None:
+        """Sends one message synchronously (see ``send``; the same errors)."""
+        if self._bulk is not None and structure.nbytes(msg.tensor) > bulk.MIN_BULK_BYTES:
+            head = header(msg, None)
+            bundle.describe(head, msg.tensor)
+            if self._bulk.send(_SLOTS[msg.method], head, msg.tensor, timeout):
+                return
+        send(self.stub, self.address, msg, timeout)
+
+    def close(self) -> None:
+        """Closes the bulk connection, if any (the gRPC channel is the caller's)."""
+        if self._bulk is not None:
+            self._bulk.close()

@@ -18,7 +18,7 @@ from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
 from elasticpipe.tls import TLS
-from elasticpipe.transport import Outgoing, send
+from elasticpipe.transport import Outgoing, Sender
 from elasticpipe.v1 import stage_pb2_grpc
 
 log = get_logger(__name__)
@@ -35,11 +35,14 @@ class Link:
         tls: TLS | None = None,
         on_sent: Callable[[str, int], None] | None = None,
         tracer: Tracer | None = None,
+        use_bulk: bool = True,
     ):
         self.address = address
         self._on_sent = on_sent  # (peer, tensor bytes) of each delivered send: metrics
         self._channel = rpc.channel(address, tls)
-        self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
+        self._sender = Sender(
+            stage_pb2_grpc.StageServiceStub(self._channel), address, tls, use_bulk
+        )
         self._on_failure = on_failure
         self._timeout = timeout
         self._tracer = tracer
@@ -64,13 +67,14 @@ class Link:
         """Stops the sender thread and closes the channel."""
         self._queue.put(None)
         self._thread.join(timeout=5)
+        self._sender.close()
         self._channel.close()
 
     def _drain(self) -> None:
         while (msg := self._queue.get()) is not None:
             start = self._tracer.now_ns() if self._tracer is not None else 0
             try:
-                send(self._stub, self.address, msg, self._timeout)
+                self._sender.send(msg, self._timeout)
                 if self._on_sent is not None:
                     self._on_sent(self.address, structure.nbytes(msg.tensor))
                 if self._tracer is not None:

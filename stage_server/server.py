@@ -11,6 +11,7 @@ from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotRead
 from elasticpipe.logs import get_logger
 from elasticpipe.metrics import MetricsEndpoint
 from elasticpipe.serving import RunningServer, metrics_host, start_server
+from elasticpipe.stage_server.bulk import BulkListener, listen_host
 from elasticpipe.stage_server.callers import Grant
 from elasticpipe.stage_server.protocol import Do, Effect
 from elasticpipe.stage_server.service import (
@@ -39,6 +40,7 @@ class StageServer:
         self._listen = listen
         self._config = config
         self.stage: Stage | None = None
+        self._servicer: StageServicer | None = None
         self._server: RunningServer | None = None
         self.metrics: MetricsEndpoint | None = None
         self._stop = threading.Event()
@@ -61,6 +63,7 @@ class StageServer:
             else ""
         )
         servicer = StageServicer(Stage(self._config))
+        self._servicer = servicer
         self._server = start_server(
             self._listen,
             [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], servicer)],
@@ -73,6 +76,10 @@ class StageServer:
             self.metrics = MetricsEndpoint(
                 servicer.stage.metrics.registry, metrics_on, config.metrics_port
             )
+        if config.bulk_port is not None:
+            servicer.bulk = BulkListener(
+                servicer, listen_host(self._listen), config.bulk_port, config.tls
+            )
         config = StageConfig(**{**vars(self._config), "address": self._server.address})
         servicer.stage.config = config
         self.stage = servicer.stage
@@ -82,6 +89,7 @@ class StageServer:
             "stage_listening",
             name=config.name,
             address=self.address,
+            bulk_port=servicer.bulk.port if servicer.bulk is not None else None,
             device=config.device,
             memory_bytes=servicer.stage.memory_bytes,
             coordinator=self.coordinator,
@@ -126,6 +134,8 @@ class StageServer:
             self._thread.join(timeout=5)
         if self._server is not None:
             self._server.stop()
+        if self._servicer is not None and self._servicer.bulk is not None:
+            self._servicer.bulk.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.stage is not None:

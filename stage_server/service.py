@@ -14,6 +14,7 @@ from elasticpipe.errors import InvalidRequest
 from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server import callers
+from elasticpipe.stage_server.bulk import BulkListener
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.layers import LayerTiming
 from elasticpipe.stage_server.mailbox import Slot
@@ -94,6 +95,7 @@ class StageServicer:
     def __init__(self, stage: Stage):
         self.stage = stage
         self.gate = callers.ClientGate(stage)  # the client granted the job, nobody else
+        self.bulk: BulkListener | None = None  # the bulk channel's listener, if any
 
     def _admit(
         self, header: stage_pb2.DataHeader, nbytes: int | None = None
@@ -107,6 +109,16 @@ class StageServicer:
         self.gate.check(f"data of run {header.run}")
         admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
         return bundle.assembler(header, limit), admitted
+
+    def admit_data(self, slot: int, header: stage_pb2.DataHeader) -> tuple[Slot, Admitted]:
+        """``_admit`` for a bulk message: checks its slot and header and reserves its room."""
+        kind = _SLOTS.get(slot)  # type: ignore[call-overload]
+        if kind is None:
+            raise InvalidRequest(f"unknown slot {slot} (expected INPUT, GRAD or TARGET)")
+        limit = self.stage.config.max_tensor_bytes
+        nbytes = bundle.declared_bytes(header, limit)
+        self.gate.check(f"data of run {header.run}")
+        return kind, self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
 
     def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
         first = next(chunks, None)
@@ -168,6 +180,13 @@ class StageServicer:
             admitted, slot, header.run, header.micro_batch, tensor, header.loss_scale
         )
         return stage_pb2.Ack()
+
+    def OpenBulk(
+        self, req: stage_pb2.OpenBulkRequest, ctx: grpc.ServicerContext
+    ) -> stage_pb2.OpenBulkReply:
+        if self.bulk is None:
+            return stage_pb2.OpenBulkReply()  # port 0: send over gRPC
+        return stage_pb2.OpenBulkReply(port=self.bulk.port, token=self.bulk.grant())
 
     def RunStep(
         self, req: stage_pb2.RunStepRequest, ctx: grpc.ServicerContext

@@ -90,6 +90,7 @@ class StageConfig:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
     memory_bytes: int = 0  # what this stage offers its job (0: measure, see capacity.detect)
     metrics_listen: str = ""  # the metrics' host (default: the listen host, loopback only)
+    bulk_port: int | None = 0  # the bulk channel's port (0: any free one; None: no channel)
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,47 @@ class Ack(_message.Message):
 Global___Ack: _TypeAlias = Ack  # noqa: Y015
 
 @_typing.final
+class OpenBulkRequest(_message.Message):
+    """The bulk channel (elasticpipe/bulk.py): where to connect, and the one-time token that
+    binds the connection to this call's caller. port 0: the stage has no bulk channel.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBulkRequest: _TypeAlias = OpenBulkRequest  # noqa: Y015
+
+@_typing.final
+class OpenBulkReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    token: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        token: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["port", b"port", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBulkReply: _TypeAlias = OpenBulkReply  # noqa: Y015
+
+@_typing.final
 class StepDecision(_message.Message):
     """A client's decision on a run whose ops completed on every stage."""
 

@@ -54,6 +54,11 @@ class StageServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.DataMessage.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/elasticpipe.v1.StageService/OpenBulk',
+                request_serializer=elasticpipe_dot_v1_dot_stage__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.OpenBulkReply.FromString,
+                _registered_method=True)
         self.RunStep = channel.unary_unary(
                 '/elasticpipe.v1.StageService/RunStep',
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.RunStepRequest.SerializeToString,
@@ -175,6 +180,13 @@ class StageServiceServicer:
 
     def Deliver(self, request, context):
         """any of the three, for tensors of one chunk
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenBulk(self, request, context):
+        """a raw socket for large ones
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -322,6 +334,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Deliver,
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.DataMessage.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.OpenBulkRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_stage__pb2.OpenBulkReply.SerializeToString,
             ),
             'RunStep': grpc.unary_unary_rpc_method_handler(
                     servicer.RunStep,
@@ -527,6 +544,33 @@ class StageService:
             '/elasticpipe.v1.StageService/Deliver',
             elasticpipe_dot_v1_dot_stage__pb2.DataMessage.SerializeToString,
             elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.StageService/OpenBulk',
+            elasticpipe_dot_v1_dot_stage__pb2.OpenBulkRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_stage__pb2.OpenBulkReply.FromString,
             options,
             channel_credentials,
             insecure,

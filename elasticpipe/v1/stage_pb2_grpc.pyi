@@ -37,6 +37,8 @@ class StageServiceStub:
     Targets: _grpc.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]
     Deliver: _grpc.UnaryUnaryMultiCallable[_stage_pb2.DataMessage, _stage_pb2.Ack]
     """any of the three, for tensors of one chunk"""
+    OpenBulk: _grpc.UnaryUnaryMultiCallable[_stage_pb2.OpenBulkRequest, _stage_pb2.OpenBulkReply]
+    """a raw socket for large ones"""
     RunStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.RunStepRequest, _stage_pb2.StepReport]
     FetchOutput: _grpc.UnaryStreamMultiCallable[_stage_pb2.FetchOutputRequest, _stage_pb2.DataChunk]
     CommitStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.CommitStepRequest, _stage_pb2.CommitStepResponse]
@@ -72,6 +74,8 @@ class StageServiceAsyncStub(StageServiceStub):
     Targets: _aio.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]  # type: ignore[assignment]
     Deliver: _aio.UnaryUnaryMultiCallable[_stage_pb2.DataMessage, _stage_pb2.Ack]  # type: ignore[assignment]
     """any of the three, for tensors of one chunk"""
+    OpenBulk: _aio.UnaryUnaryMultiCallable[_stage_pb2.OpenBulkRequest, _stage_pb2.OpenBulkReply]  # type: ignore[assignment]
+    """a raw socket for large ones"""
     RunStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.RunStepRequest, _stage_pb2.StepReport]  # type: ignore[assignment]
     FetchOutput: _aio.UnaryStreamMultiCallable[_stage_pb2.FetchOutputRequest, _stage_pb2.DataChunk]  # type: ignore[assignment]
     CommitStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.CommitStepRequest, _stage_pb2.CommitStepResponse]  # type: ignore[assignment]
@@ -128,6 +132,14 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]:
         """any of the three, for tensors of one chunk"""
+
+    @_abc_1.abstractmethod
+    def OpenBulk(
+        self,
+        request: _stage_pb2.OpenBulkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.OpenBulkReply, _abc.Awaitable[_stage_pb2.OpenBulkReply]]:
+        """a raw socket for large ones"""
 
     @_abc_1.abstractmethod
     def RunStep(

@@ -1,0 +1,208 @@
+"""The bulk channel (``elasticpipe.bulk``): tensors over 1 MiB on a raw socket beside gRPC,
+behind the same checks -- training over it is exact, refusals are gRPC's, and no sequence
+of bytes a peer can send takes a stage down."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from elasticpipe import bulk, codec, models, rpc, transport
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+from elasticpipe.errors import StaleEpoch, TooLarge
+from elasticpipe.job import JobConfig
+from elasticpipe.partition import Placement
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
+from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from tests.integration.test_metrics import scrape, value
+
+pytestmark = pytest.mark.timeout(120)
+
+EPOCH = 3
+BIG = 2 << 20  # bytes: over one chunk, so it goes over the bulk channel
+
+
+def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
+    """Two stage processes whose inputs, activations and gradients (1.3 MB per
+    micro-batch) all travel over the bulk channel: losses and weights equal plain
+    PyTorch's, and the stages' metrics count every one of those bytes as received in bulk
+    (stage 0: the client's inputs and stage 1's gradients; stage 1: the activations)."""
+    kwargs = {"sizes": [640, 640, 640, 8]}
+    rows, micro_batches, steps = 1024, 2, 3
+    reference = models_build(kwargs)
+    opt = make_optimizer("sgd", reference.parameters(), {"lr": 0.05})
+    g = torch.Generator().manual_seed(0)
+    with LocalCluster(stages=2, metrics=True, coordinator_args=["--no-auto-rebalance"]) as c:
+        with Pipeline(
+            coordinator=c.coordinator,
+            model="mlp",
+            model_kwargs=kwargs,
+            optimizer="sgd",
+            optimizer_kwargs={"lr": 0.05},
+            stages=2,
+            micro_batches=micro_batches,
+        ) as pipe:
+            for _ in range(steps):
+                x = torch.randn(rows, 640, generator=g)
+                y = torch.randint(0, 8, (rows,), generator=g)
+                got = pipe.train_step(x, y)
+                want = reference_step(reference, opt, "cross_entropy", x, y)
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+            state = pipe.state_dict()
+            addresses = list(pipe.partition.addresses)
+        per_message = rows // micro_batches * 640 * 4
+        assert per_message > bulk.MIN_BULK_BYTES
+        for address, messages in zip(addresses, (2, 1), strict=True):
+            samples = scrape(c.metrics_url(c.name_of(address)))
+            got_bulk = value(samples, "elasticpipe_stage_bulk_received_bytes_total")
+            assert got_bulk == messages * steps * micro_batches * per_message, address
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor)
+
+
+def models_build(kwargs: dict[str, list[int]]) -> torch.nn.Module:
+    return models.build("mlp", seed=0, **kwargs)
+
+
+# ---- one in-process stage holding a job, spoken to directly ------------------------------
+
+
+@pytest.fixture
+def stage() -> Iterator[StageServer]:
+    """A stage server that owns layer 1 (a ReLU) of a 2-stage job at ``EPOCH`` (nobody
+    registers it: no coordinator is needed to take data)."""
+    config = StageConfig(name="bulk-test", max_tensor_bytes=64 << 20, mailbox_bytes=32 << 20)
+    with StageServer(config, "127.0.0.1:1") as server:
+        job = JobConfig(
+            model="mlp", model_kwargs={"sizes": [4, 4, 4]}, optimizer="sgd", optimizer_kwargs={}
+        )
+        placement = Placement(epoch=EPOCH, index=1, num_stages=2, lo=1, hi=2)
+        with rpc.channel(server.address) as chan:
+            reply = stage_pb2_grpc.StageServiceStub(chan).Assign(
+                stage_pb2.AssignRequest(job=job.to_proto(), assignment=placement.to_proto()),
+                timeout=30,
+            )
+        assert reply.num_layers == 1
+        yield server
+
+
+def _sender(server: StageServer) -> tuple[transport.Sender, stage_pb2_grpc.StageServiceStub]:
+    stub = stage_pb2_grpc.StageServiceStub(rpc.channel(server.address))
+    return transport.Sender(stub, server.address), stub
+
+
+def _consume(stub: stage_pb2_grpc.StageServiceStub, run: int, sent: torch.Tensor) -> None:
+    """Runs the ReLU on micro-batch 0 of ``run`` and checks it came back bitwise as sent."""
+    report = stub.RunStep(
+        stage_pb2.RunStepRequest(
+            epoch=EPOCH, run=run, step=0, micro_batches=1, mode=stage_pb2.INFER, timeout_s=10
+        ),
+        timeout=20,
+    )
+    assert report.run == run
+    stream = stub.FetchOutput(stage_pb2.FetchOutputRequest(run=run, micro_batch=0), timeout=20)
+    assembler = codec.TensorAssembler(next(stream).header.meta)
+    for chunk in stream:
+        assembler.add(chunk.data)
+    assert torch.equal(assembler.finish(), sent)
+
+
+def _forward(run: int, tensor: torch.Tensor, epoch: int = EPOCH) -> transport.Outgoing:
+    return transport.Outgoing("Forward", epoch, run, 0, 0, tensor)
+
+
+def test_a_refusal_is_grpcs_error_and_the_connection_goes_on(stage: StageServer) -> None:
+    sender, stub = _sender(stage)
+    payload = torch.rand(BIG // 4)
+    with pytest.raises(StaleEpoch):  # as over gRPC
+        sender.send(_forward(1, payload, epoch=EPOCH - 1), timeout=10)
+    with pytest.raises(StaleEpoch):
+        transport.send(stub, stage.address, _forward(1, payload, epoch=EPOCH - 1), timeout=10)
+    connection = sender._bulk._sock if sender._bulk is not None else None
+    assert connection is not None
+    sender.send(_forward(1, payload), timeout=10)
+    assert sender._bulk is not None and sender._bulk._sock is connection  # not reopened
+    _consume(stub, 1, payload)
+    sender.close()
+
+
+def _open(stub: stage_pb2_grpc.StageServiceStub) -> tuple[int, bytes]:
+    reply = stub.OpenBulk(stage_pb2.OpenBulkRequest(), timeout=10)
+    assert reply.port
+    return reply.port, reply.token
+
+
+def _connect(port: int, token: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(bulk.MAGIC + token)
+    return sock
+
+
+def test_garbage_and_stolen_tokens_never_take_the_stage_down(stage: StageServer) -> None:
+    """No token, a replayed token, an oversized header frame, a declared tensor over the
+    limit, and a peer that vanishes after GO: each is refused or dropped, nothing leaks
+    from the mailbox, and the next honest message arrives intact."""
+    sender, stub = _sender(stage)
+    port, token = _open(stub)
+
+    sock = _connect(port, b"\0" * bulk.TOKEN_BYTES)  # a token never issued
+    assert sock.recv(1) == b""  # closed without OK
+    sock.close()
+
+    sock = _connect(port, token)
+    assert sock.recv(1) == bulk.OK
+    again = _connect(port, token)  # the same token twice
+    assert again.recv(1) == b""
+    again.close()
+
+    too_big = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[1 << 26], nbytes=1 << 28)
+    head = stage_pb2.DataHeader(epoch=EPOCH, run=2, step=0, micro_batch=0, meta=too_big)
+    sock.sendall(bulk.header_frame(stage_pb2.INPUT, head))
+    assert sock.recv(1) == bulk.ERR
+    assert isinstance(bulk.read_error(sock, "stage"), TooLarge)
+
+    ok_meta = codec.tensor_meta(torch.rand(BIG // 4))
+    head = stage_pb2.DataHeader(epoch=EPOCH, run=2, step=0, micro_batch=0, meta=ok_meta)
+    sock.sendall(bulk.header_frame(stage_pb2.INPUT, head))
+    assert sock.recv(1) == bulk.GO
+    sock.sendall(b"\1" * 1000)  # then vanish mid-tensor
+    sock.close()
+
+    port, token = _open(stub)
+    sock = _connect(port, token)
+    assert sock.recv(1) == bulk.OK
+    sock.sendall(struct.pack("<I", bulk.MAX_HEADER_BYTES + 1))
+    assert sock.recv(1) == b""  # dropped
+    sock.close()
+
+    held = stage.stage
+    assert held is not None
+    deadline = time.monotonic() + 10
+    while held._mailbox.usage() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the vanished peer's reservation is given back
+    assert held._mailbox.usage() == (0, 0)
+
+    payload = torch.rand(BIG // 4)
+    sender.send(_forward(3, payload), timeout=10)
+    _consume(stub, 3, payload)
+    sender.close()
+
+
+def test_a_stage_without_a_bulk_channel_gets_everything_over_grpc() -> None:
+    config = StageConfig(name="no-bulk", bulk_port=None)
+    with StageServer(config, "127.0.0.1:1") as server:
+        stub = stage_pb2_grpc.StageServiceStub(rpc.channel(server.address))
+        assert stub.OpenBulk(stage_pb2.OpenBulkRequest(), timeout=10).port == 0
+        sender = transport.Sender(stub, server.address)
+        with pytest.raises(Exception) as info:  # no job: refused over gRPC, not bulk
+            sender.send(_forward(1, torch.rand(BIG // 4)), timeout=10)
+        assert sender._bulk is not None and sender._bulk.unsupported
+        assert "epoch" in str(info.value) or "job" in str(info.value)
