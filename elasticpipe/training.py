@@ -129,12 +129,18 @@ def scaled_loss(
     loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
     """``scaled_loss_tensor`` with the loss read as a float (a synchronisation on a GPU)."""
-    grad, loss = scaled_loss_tensor(name, fn, output, target, scale, where)
+    grad, loss = scaled_loss_tensor(name, fn, output, target, scale, where, loss_scale)
     return grad, float(loss)
 
 
 def scaled_loss_tensor(
-    name: str, fn: LossFn, output: torch.Tensor, target: torch.Tensor, scale: float, where: str
+    name: str,
+    fn: LossFn,
+    output: torch.Tensor,
+    target: torch.Tensor,
+    scale: float,
+    where: str,
+    loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's loss times ``scale`` (its share of the mini-batch), backpropagated
     to a detached copy of ``output`` (in float32 when ``output`` is bfloat16 or float16, as
