@@ -52,7 +52,6 @@ from elasticpipe import (
     loss_scaling,
     models,
     rpc,
-    schedulers,
     structure,
     weights,
 )
@@ -74,7 +73,7 @@ from elasticpipe.errors import (
     StepAborted,
     TransferError,
 )
-from elasticpipe.job import JobConfig, recompute_fields
+from elasticpipe.job import JobConfig
 from elasticpipe.layerwire import PackedLayer
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
@@ -282,34 +281,28 @@ class Pipeline:
         Raises:
             InvalidRequest: an argument that no stage would accept (checked here).
         """
-        self._job = JobConfig(
+        self._job = JobConfig.from_arguments(
             model=model,
-            model_kwargs=dict(model_kwargs or {}),
+            model_kwargs=model_kwargs,
             seed=seed,
             optimizer=optimizer,
-            optimizer_kwargs=dict(optimizer_kwargs or {}),
+            optimizer_kwargs=optimizer_kwargs,
             loss=loss,
             micro_batches=micro_batches,
             schedule=schedule,
             snapshot_every=snapshot_every,
             external_weights=init_state is not None,
             precision=precision,
-            grad_scaler_kwargs=loss_scaling.as_kwargs(grad_scaler_kwargs),
+            grad_scaler_kwargs=grad_scaler_kwargs,
             scheduler=scheduler,
-            scheduler_kwargs=dict(scheduler_kwargs or {}),
+            scheduler_kwargs=scheduler_kwargs,
             warmup_steps=warmup_steps,
             max_grad_norm=max_grad_norm,
             wire_dtype=wire_dtype,
-            **recompute_fields(recompute),
+            recompute=recompute,
         )
         models.check_name(model)
-        schedulers.check(scheduler, self._job.scheduler_kwargs, warmup_steps)
         check_optimizer(optimizer, self._job.optimizer_kwargs)
-        for what, value in (("model_kwargs", model_kwargs), ("optimizer_kwargs", optimizer_kwargs)):
-            try:
-                json.dumps(value or {})
-            except TypeError as exc:
-                raise InvalidRequest(f"{what} must be JSON-able: {exc}") from exc
         if stages is not None and stages < 1:
             raise InvalidRequest(f"stages must be >= 1 (got {stages})")
         for what, seconds in (

@@ -84,6 +84,39 @@ class JobConfig:
     recompute: tuple[int, ...] = ()  # or these layers
     wire_dtype: str = ""  # "bf16" / "fp16": activations and gradients between stages
 
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        model_kwargs: dict[str, Any] | None,
+        optimizer_kwargs: dict[str, Any] | None,
+        scheduler_kwargs: dict[str, Any] | None,
+        grad_scaler_kwargs: dict[str, Any] | None,
+        recompute: bool | list[int] | tuple[int, ...],
+        **fields: Any,
+    ) -> JobConfig:
+        """The job a ``Pipeline`` or ``LocalPipeline`` is asked for, from their arguments
+        as given (``None`` for no keyword arguments), checked as every stage checks it.
+
+        Raises:
+            InvalidRequest: naming the argument no stage would accept.
+        """
+        for what, value in (("model_kwargs", model_kwargs), ("optimizer_kwargs", optimizer_kwargs)):
+            try:
+                json.dumps(value or {})
+            except TypeError as exc:
+                raise InvalidRequest(f"{what} must be JSON-able: {exc}") from exc
+        job = cls(
+            model_kwargs=dict(model_kwargs or {}),
+            optimizer_kwargs=dict(optimizer_kwargs or {}),
+            scheduler_kwargs=dict(scheduler_kwargs or {}),
+            grad_scaler_kwargs=loss_scaling.as_kwargs(grad_scaler_kwargs),
+            **recompute_fields(recompute),
+            **fields,
+        )
+        schedulers.check(job.scheduler, job.scheduler_kwargs, job.warmup_steps)
+        return job
+
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidRequest("job has no model")

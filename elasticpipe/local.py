@@ -23,7 +23,6 @@ Model factories, losses and optimizers given as ``"package.module:name"`` must b
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -31,11 +30,10 @@ from typing import Any
 
 import torch
 
-from elasticpipe import clipping, loss_scaling, models, schedulers, structure
+from elasticpipe import clipping, models, structure
 from elasticpipe.client import initial
 from elasticpipe.client.pipeline import StepStats
-from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig, recompute_fields
+from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.structure import Value, split_batch
@@ -90,30 +88,24 @@ class LocalPipeline:
             InvalidRequest: an argument that ``Pipeline``'s stages would refuse.
             PermissionDenied: a path outside ``allow``.
         """
-        for what, value in (("model_kwargs", model_kwargs), ("optimizer_kwargs", optimizer_kwargs)):
-            try:
-                json.dumps(value or {})
-            except TypeError as exc:
-                raise InvalidRequest(f"{what} must be JSON-able: {exc}") from exc
-        self._job = JobConfig(
+        self._job = JobConfig.from_arguments(
             model=model,
-            model_kwargs=dict(model_kwargs or {}),
+            model_kwargs=model_kwargs,
             seed=seed,
             optimizer=optimizer,
-            optimizer_kwargs=dict(optimizer_kwargs or {}),
+            optimizer_kwargs=optimizer_kwargs,
             loss=loss,
             micro_batches=micro_batches,
             schedule=schedule,
             external_weights=init_state is not None,
             precision=precision,
-            grad_scaler_kwargs=loss_scaling.as_kwargs(grad_scaler_kwargs),
+            grad_scaler_kwargs=grad_scaler_kwargs,
             scheduler=scheduler,
-            scheduler_kwargs=dict(scheduler_kwargs or {}),
+            scheduler_kwargs=scheduler_kwargs,
             warmup_steps=warmup_steps,
             max_grad_norm=max_grad_norm,
-            **recompute_fields(recompute),
+            recompute=recompute,
         )
-        schedulers.check(scheduler, self._job.scheduler_kwargs, warmup_steps)
         self.allow = tuple(allow)
         check_job(loss, optimizer, self._job.optimizer_kwargs, self.allow)
         num_layers, _ = models.describe(model, self._job.model_kwargs, self.allow)
