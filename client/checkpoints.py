@@ -182,6 +182,12 @@ class Reader:
             names: its trainable parameters in optimizer order.
         """
         state: dict[str, Any] = {"index": layer, "model": dict(model)}
+        if self._loss_scales and str(layer) not in self._loss_scales:
+            raise InvalidRequest(
+                f"{self.directory}: no loss scale for layer {layer} (the checkpoint has "
+                f"them for layers {sorted(self._loss_scales, key=int)[:10]}); an fp16 "
+                "checkpoint holds one for every layer"
+            )
         if str(layer) in self._loss_scales:  # checked by the stage that loads it
             state["loss_scale"] = self._loss_scales[str(layer)]
         groups = self._groups.get(str(layer))

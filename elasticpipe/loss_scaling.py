@@ -55,7 +55,12 @@ MAX_GROWTH_INTERVAL = 1 << 30  # the tracker is an int32
 def _number(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequest(f"grad_scaler_kwargs[{key!r}] must be a number (got {value!r})")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any float
+        raise InvalidRequest(
+            f"grad_scaler_kwargs[{key!r}] is too large (got an integer of {len(str(value))} digits)"
+        ) from None
 
 
 def check_kwargs(kwargs: Mapping[str, Any]) -> dict[str, float | int]:
@@ -85,7 +90,7 @@ def check_kwargs(kwargs: Mapping[str, Any]) -> dict[str, float | int]:
             out[key] = value
             continue
         number = _number(key, value)
-        if key == "init_scale" and not 0.0 < number <= FLOAT32_MAX:
+        if key == "init_scale" and not 0.0 < _float32(number) <= FLOAT32_MAX:
             raise InvalidRequest(
                 f"grad_scaler_kwargs['init_scale'] must be > 0 and a finite float32 (got {value!r})"
             )
@@ -162,24 +167,26 @@ class LossScale:
 
     @classmethod
     def from_state(cls, state: Any, layer: int) -> LossScale:
-        """Parses an exported form, checked.
+        """Parses an exported form, checked. A scale of 0 is accepted: backing off often
+        enough underflows float32 (GradScaler's scale does too), and a job must always be
+        able to load its own state.
 
         Raises:
-            InvalidRequest: not a finite positive scale and a tracker >= 0.
+            InvalidRequest: not a finite scale >= 0 and a tracker >= 0.
         """
         scale = state.get("scale") if isinstance(state, dict) else None
         tracker = state.get("growth_tracker") if isinstance(state, dict) else None
         if (
             isinstance(scale, bool)
             or not isinstance(scale, (int, float))
-            or not 0.0 < scale <= FLOAT32_MAX
+            or not 0.0 <= scale <= FLOAT32_MAX
             or isinstance(tracker, bool)
             or not isinstance(tracker, int)
             or not 0 <= tracker <= MAX_GROWTH_INTERVAL
         ):
             raise InvalidRequest(
                 f"loss scale state of layer {layer} is unusable ({str(state)[:120]}): "
-                "expected {'scale': a finite number > 0, 'growth_tracker': an integer >= 0}"
+                "expected {'scale': a finite number >= 0, 'growth_tracker': an integer >= 0}"
             )
         return cls(_float32(float(scale)), tracker)
 

@@ -160,6 +160,8 @@ class DevicePath(Protocol):
 
     def abandon(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class PlainPath:
     """The path of a CPU stage (and the fallback anywhere): ``Tensor.to``, sends at once."""
@@ -187,6 +189,9 @@ class PlainPath:
 
     def abandon(self) -> None:
         """Nothing to drop."""
+
+    def close(self) -> None:
+        """Nothing runs."""
 
 
 class CudaPath:
@@ -278,8 +283,14 @@ class CudaPath:
         self._in_use.clear()
 
     def abandon(self) -> None:
-        """A failed run: a link may still read its buffers, so none is reused."""
+        """A failed run: a link may still read its buffers, so none is reused; a copy error
+        of that run does not fail the next one."""
         self._in_use.clear()
+        self.sender.forget_error()
+
+    def close(self) -> None:
+        """Stops the sender thread (the stage is closing)."""
+        self.sender.close()
 
 
 class Waitable(Protocol):
@@ -345,6 +356,11 @@ class Sender:
                 f"{self._pending} device-to-host copies on {self.where} still pending at the "
                 "deadline"
             )
+
+    def forget_error(self) -> None:
+        """Drops a failed copy's error (its run was abandoned)."""
+        with self._idle:
+            self._error = None
 
     def close(self) -> None:
         """Stops the thread once what was submitted is handed on."""

@@ -885,3 +885,4 @@ class Stage:
                 link.close()
             self._links.clear()
         self._peers.close()
+        self.path.close()

@@ -108,6 +108,8 @@ def test_the_scale_updates_as_grad_scaler_does() -> None:
         ({"grad_scaler_kwargs": {"init_scale": "big"}}, r"\['init_scale'\] must be a number"),
         ({"grad_scaler_kwargs": {"init_scale": math.inf}}, r"\['init_scale'\] must be > 0"),
         ({"grad_scaler_kwargs": {"init_scale": 1e39}}, "finite float32"),
+        ({"grad_scaler_kwargs": {"init_scale": 1e-50}}, "finite float32"),  # rounds to 0
+        ({"grad_scaler_kwargs": {"init_scale": 10**400}}, r"\['init_scale'\] is too large"),
         ({"grad_scaler_kwargs": [2.0]}, "must be a dict"),
         ({"grad_scaler_kwargs": {"init_scale": 8.0}, "precision": "bf16"}, "need precision='fp16'"),
         ({"grad_scaler_kwargs": {"growth_interval": 3}, "precision": "fp32"}, "need precision"),
@@ -144,6 +146,9 @@ def test_a_moved_layer_carries_its_scale_and_a_bad_one_is_refused() -> None:
         assert built.loss_scale == LossScale(64.0, 2)
         weights_only = source.export_layer(index, include_optimizer=False)
         assert _slice().load_layer(index, weights_only).loss_scale == LossScale(1024.0, 0)
+    underflowed = source.export_layer(0, include_optimizer=True)
+    underflowed["loss_scale"] = {"scale": 0.0, "growth_tracker": 0}  # backed off to 0
+    assert _slice().load_layer(0, underflowed).loss_scale == LossScale(0.0, 0)
     for bad in (
         {"scale": -1.0, "growth_tracker": 0},
         {"scale": 2.0},
