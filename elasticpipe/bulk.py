@@ -30,8 +30,11 @@ The channel is negotiated over gRPC and keeps gRPC's checks:
 
 An error frame is ``ERR``, a u32 length and JSON ``{"reason", "details"}``: the sender
 raises the same ``ElasticPipeError`` a gRPC call would have. Anything malformed closes the
-connection; a sender whose connection breaks before GO reconnects once, since nothing was
-delivered (after GO the message's run fails, as a broken gRPC stream fails it).
+connection. Before GO nothing was delivered, so a sender that cannot open the channel (an
+older stage without ``OpenBulk``, a firewalled port, a full listener) or finds it broken
+sends that message over gRPC instead, and keeps to gRPC for that stage for
+``FALLBACK_S``; after GO a broken connection fails the message's run, as a broken gRPC
+stream does. One deadline covers the whole message on both ends.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ import json
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Iterator
 
+import grpc
 import torch
 
 from elasticpipe import bundle, codec, rpc, serving, structure
@@ -59,7 +64,8 @@ TOKEN_TTL_S = 30.0
 MAX_HEADER_BYTES = 1 << 20  # a DataHeader of a bundle of many tensors stays far below
 GO, OK, ERR = b"G", b"K", b"E"
 MAX_ERROR_BYTES = 1 << 16
-_U32 = struct.Struct("<I")
+U32 = struct.Struct("<I")
+FALLBACK_S = 60.0  # after the channel could not be opened: gRPC only, this long
 
 # A tensor above this goes on the bulk channel (one gRPC chunk: below it a unary Deliver
 # is a single round trip already).
@@ -69,39 +75,56 @@ MIN_BULK_BYTES = codec.DEFAULT_CHUNK_BYTES
 # ---- framing, shared by both ends -------------------------------------------------------
 
 
-def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fills ``view`` from the socket.
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """Sets the socket's timeout to what is left until ``deadline`` (None: as it is)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        sock.settimeout(left)
+
+
+def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fills ``view`` from the socket, by ``deadline`` (``time.monotonic()``) if given.
 
     Raises:
         ConnectionError: the peer closed the connection first.
+        TimeoutError: the deadline passed.
     """
     while view.nbytes:
+        _until(sock, deadline)
         n = sock.recv_into(view)
         if n == 0:
             raise ConnectionError("the peer closed the bulk connection")
         view = view[n:]
 
 
-def recv_bytes(sock: socket.socket, n: int) -> bytes:
+def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """Exactly ``n`` bytes from the socket."""
     buf = bytearray(n)
-    recv_exactly(sock, memoryview(buf))
+    recv_exactly(sock, memoryview(buf), deadline)
     return bytes(buf)
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview, deadline: float | None) -> None:
+    """``sendall`` by ``deadline``."""
+    _until(sock, deadline)
+    sock.sendall(data)
 
 
 def send_error(sock: socket.socket, exc: ElasticPipeError) -> None:
     """The error frame for ``exc``."""
     body = json.dumps({"reason": exc.reason(), "details": str(exc)}).encode()[:MAX_ERROR_BYTES]
-    sock.sendall(ERR + _U32.pack(len(body)) + body)
+    sock.sendall(ERR + U32.pack(len(body)) + body)
 
 
-def read_error(sock: socket.socket, peer: str) -> ElasticPipeError:
+def read_error(sock: socket.socket, peer: str, deadline: float | None = None) -> ElasticPipeError:
     """Reads the rest of an error frame (after ``ERR``) into the error it names."""
-    (n,) = _U32.unpack(recv_bytes(sock, _U32.size))
+    (n,) = U32.unpack(recv_bytes(sock, U32.size, deadline))
     if n > MAX_ERROR_BYTES:
         raise ConnectionError(f"bulk error frame of {n} bytes from {peer}")
     try:
-        frame = json.loads(recv_bytes(sock, n))
+        frame = json.loads(recv_bytes(sock, n, deadline))
         kind = BY_REASON.get(str(frame["reason"]), ElasticPipeError)
         return kind(f"{frame['details']} (from {peer})")
     except (ValueError, KeyError, TypeError) as exc:
@@ -119,12 +142,23 @@ def raw_views(value: Value) -> Iterator[memoryview]:
 def header_frame(slot: int, head: stage_pb2.DataHeader) -> bytes:
     """The length-prefixed header of one message."""
     body = stage_pb2.DataMessage(slot=slot, header=head).SerializeToString()  # type: ignore[arg-type]
-    return _U32.pack(len(body)) + body
+    return U32.pack(len(body)) + body
+
+
+def keepalive(sock: socket.socket) -> None:
+    """TCP_NODELAY, and TCP keepalives so that a vanished peer is noticed in ~30 s."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def client_context(tls: TLS) -> ssl.SSLContext:
-    """Checks the receiver against the cluster's CA and its name; presents our certificate."""
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca)
+    """Checks the receiver against the cluster's CA and its name, as gRPC does (no
+    stricter X.509 profile than gRPC's); presents our certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
+    ctx.load_verify_locations(tls.ca)
     ctx.load_cert_chain(tls.cert, tls.key)
     return ctx
 
@@ -141,33 +175,57 @@ def server_context(tls: TLS) -> ssl.SSLContext:
 # ---- the sending end --------------------------------------------------------------------
 
 
+_NO_CHANNEL_CODES = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+
+
+class _NoChannel(Exception):
+    """The channel could not be used for this message (nothing was delivered)."""
+
+
 class BulkSender:
-    """One sender's bulk connection to one stage, opened on first use (not thread-safe: a
-    ``Link`` sends one message at a time)."""
+    """One sender's bulk connection to one stage, opened on first use (one send at a time:
+    a ``Link``'s thread, or ``StageClients`` under its lock)."""
 
     def __init__(self, stub: stage_pb2_grpc.StageServiceStub, address: str, tls: TLS | None):
         self._stub = stub
         self.address = address
         self._tls = tls
         self._sock: socket.socket | None = None
-        self.unsupported = False  # the peer has no bulk listener: use gRPC
+        self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
 
-    def _connect(self, timeout: float) -> socket.socket:
-        reply = rpc.call(
-            self.address, self._stub.OpenBulk, stage_pb2.OpenBulkRequest(), timeout=timeout
-        )
-        if not reply.port:
-            self.unsupported = True
-            raise _Unsupported()
-        host, _ = serving.split_address(self.address)
-        sock = socket.create_connection((host, reply.port), timeout=timeout)
+    def _connect(self, deadline: float) -> socket.socket:
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reply = self._stub.OpenBulk(
+                stage_pb2.OpenBulkRequest(), timeout=max(0.001, deadline - time.monotonic())
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in _NO_CHANNEL_CODES:  # an older, busy or unreachable stage
+                raise _NoChannel(f"OpenBulk: {exc.code().name}") from exc
+            raise rpc.translate(exc, self.address) from exc
+        if not reply.port:
+            raise _NoChannel("the stage offers no bulk channel")
+        host, _ = serving.split_address(self.address)
+        try:
+            sock = socket.create_connection(
+                (host, reply.port), timeout=max(0.001, deadline - time.monotonic())
+            )
+        except OSError as exc:
+            raise _NoChannel(f"cannot reach its bulk port {reply.port}: {exc}") from exc
+        try:
+            keepalive(sock)
             if self._tls is not None:
                 sock = client_context(self._tls).wrap_socket(sock, server_hostname=host)
-            sock.sendall(MAGIC + reply.token)
-            if recv_bytes(sock, 1) != OK:
-                raise ConnectionError(f"{self.address} refused the bulk connection")
+            send_all(sock, MAGIC + reply.token, deadline)
+            if recv_bytes(sock, 1, deadline) != OK:
+                raise _NoChannel("the stage refused the bulk connection")
+        except (OSError, ConnectionError) as exc:
+            sock.close()
+            raise _NoChannel(f"bulk handshake failed: {exc}") from exc
         except BaseException:
             sock.close()
             raise
@@ -180,41 +238,41 @@ class BulkSender:
             self._sock = None
 
     def send(self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float) -> bool:
-        """Sends one declared value; False when the peer has no bulk channel (send it over
-        gRPC instead).
+        """Sends one declared value within ``timeout``; False when it must go over gRPC
+        instead (nothing was delivered: no channel now, or it broke before GO).
 
         Raises:
             ElasticPipeError: the receiver refused it (as gRPC would have), or the
                 connection broke after the receiver accepted the header
                 (``StageUnavailable``).
         """
-        if self.unsupported:
+        if time.monotonic() < self._grpc_until:
             return False
+        deadline = time.monotonic() + timeout
         frame = header_frame(slot, head)
-        for attempt in (0, 1):  # a connection found broken before GO: nothing was delivered
-            try:
-                sock = self._sock if self._sock is not None else self._connect(timeout)
-                self._sock = sock
-                sock.settimeout(timeout)
-                sock.sendall(frame)
-                answer = recv_bytes(sock, 1)
-                break
-            except _Unsupported:
-                return False
-            except ElasticPipeError:  # OpenBulk refused (some are OSErrors too)
-                self.close()
-                raise
-            except (OSError, ConnectionError) as exc:
-                self.close()
-                if attempt:
-                    raise StageUnavailable(f"bulk channel to {self.address}: {exc}") from exc
+        try:
+            fresh = self._sock is None
+            sock = self._sock = self._sock or self._connect(deadline)
+            send_all(sock, frame, deadline)
+            answer = recv_bytes(sock, 1, deadline)
+        except _NoChannel as exc:
+            self._fall_back(str(exc))
+            return False
+        except ElasticPipeError:
+            self.close()
+            raise
+        except (OSError, ConnectionError) as exc:  # nothing delivered: gRPC takes it
+            self.close()
+            if fresh:
+                self._fall_back(f"bulk connection broke before GO: {exc}")
+            return False  # an idle connection the stage closed: reopened next time
         try:
             if answer == GO:
                 for view in raw_views(value):
-                    sock.sendall(view)
-                answer = recv_bytes(sock, 1)
+                    send_all(sock, view, deadline)
+                answer = recv_bytes(sock, 1, deadline)
             if answer == ERR:
-                raise read_error(sock, self.address)
+                raise read_error(sock, self.address, deadline)
         except ElasticPipeError:
             raise  # the receiver's refusal (some are OSErrors too): the connection is fine
         except (OSError, ConnectionError) as exc:
@@ -225,30 +283,28 @@ class BulkSender:
             raise StageUnavailable(f"unexpected bulk answer {answer!r} from {self.address}")
         return True
 
+    def _fall_back(self, why: str) -> None:
+        self.close()
+        self._grpc_until = time.monotonic() + FALLBACK_S
+        log.info("bulk_channel_unused", peer=self.address, reason=why, retry_s=FALLBACK_S)
 
-class _Unsupported(Exception):
-    """The peer answered OpenBulk without a port."""
 
-
-# ---- the receiving end: buffers ------------------------------------------------------
+# ---- the receiving end ------------------------------------------------------------------
 
 
 def receive_value(
-    sock: socket.socket, head: stage_pb2.DataHeader, limit: int
-) -> tuple[bundle.Assembler | None, Value]:
-    """Reads a checked header's bytes into the value they make: a single tensor straight
-    into its own memory, a bundle through its assembler."""
-    if head.HasField("meta"):
-        dtype = codec.check_meta(head.meta, limit)
-        tensor = torch.empty(tuple(head.meta.shape), dtype=dtype)
+    sock: socket.socket, head: stage_pb2.DataHeader, limit: int, deadline: float
+) -> Value:
+    """Reads a checked header's bytes straight into the tensors they make, in declaration
+    order (exactly what ``bundle.declared_bytes`` counted and the mailbox reserved)."""
+    shape, metas = bundle.declared(head, limit)
+    tensors = []
+    for meta in metas:
+        tensor = torch.empty(tuple(meta.shape), dtype=codec.check_meta(meta, limit))
         if tensor.numel():
-            recv_exactly(sock, tensor.reshape(-1).view(torch.uint8).numpy().data)
-        return None, tensor
-    assembler = bundle.assembler(head, limit)
-    buf = bytearray(bundle.declared_bytes(head, limit))
-    recv_exactly(sock, memoryview(buf))
-    assembler.add(bytes(buf))
-    return assembler, assembler.finish()
+            recv_exactly(sock, tensor.reshape(-1).view(torch.uint8).numpy().data, deadline)
+        tensors.append(tensor)
+    return tensors[0] if shape is None else structure.unflatten(tensors, shape)
 
 
 def parse_header(body: bytes) -> stage_pb2.DataMessage:

@@ -21,7 +21,7 @@ import torch
 from elasticpipe import codec, structure
 from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.structure import Structure, Value
-from elasticpipe.v1 import stage_pb2
+from elasticpipe.v1 import stage_pb2, tensor_pb2
 
 
 class Assembler(Protocol):
@@ -56,16 +56,29 @@ def chunks(value: Value, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterat
         yield from codec.tensor_chunks(t, chunk_bytes)[1]
 
 
-def declared_bytes(head: stage_pb2.DataHeader, max_bytes: int) -> int:
-    """The byte count ``head`` declares, after checking every declared tensor.
+def declared(
+    head: stage_pb2.DataHeader, max_bytes: int
+) -> tuple[Structure | None, list[tensor_pb2.TensorMeta]]:
+    """The tensors ``head`` declares, checked, and their structure (None: one tensor in
+    ``meta``; with a ``structure``, ``meta`` is ignored everywhere).
 
     Raises:
         InvalidRequest / TooLarge: as ``assembler``.
     """
     if not head.structure:
         codec.check_meta(head.meta, max_bytes)
-        return int(head.meta.nbytes)
-    return _check_parts(head, max_bytes)[1]
+        return None, [head.meta]
+    shape, _ = _check_parts(head, max_bytes)
+    return shape, list(head.parts)
+
+
+def declared_bytes(head: stage_pb2.DataHeader, max_bytes: int) -> int:
+    """The byte count ``head`` declares, after checking every declared tensor.
+
+    Raises:
+        InvalidRequest / TooLarge: as ``assembler``.
+    """
+    return sum(int(m.nbytes) for m in declared(head, max_bytes)[1])
 
 
 def _check_parts(head: stage_pb2.DataHeader, max_bytes: int) -> tuple[Structure, int]:

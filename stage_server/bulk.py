@@ -4,9 +4,11 @@ One thread accepts connections on the bulk port; each connection gets its own th
 which checks the one-time token (and, with TLS, that the certificate names the caller the
 token was issued to), then takes one message at a time exactly as a gRPC data message is
 taken: ``StageServicer.admit_data`` checks and reserves before ``GO``, the bytes are read
-straight into the tensor, ``Stage.deliver`` puts it into the mailbox, and ``OK`` tells the
-sender. Bounded like the gRPC side: at most ``MAX_CONNECTIONS`` connections, at most
-``MAX_PER_CALLER`` per caller, a deadline on every read but the wait for the next message.
+straight into the tensors, ``Stage.deliver`` puts them into the mailbox, and ``OK`` tells
+the sender. Bounded like the gRPC side: at most ``MAX_CONNECTIONS`` connections counted from
+accept, ``MAX_HANDSHAKES`` of them unauthenticated (each with a deadline), at most
+``MAX_PER_CALLER`` per caller and ``MAX_TOKENS_PER_CALLER`` tokens per caller, one deadline
+per message (only the wait for the next message is long), and ``close`` ends them all.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 64  # open at once, authenticated or not
+MAX_HANDSHAKES = 16  # of those, not yet authenticated
 MAX_PER_CALLER = 8
-HANDSHAKE_TIMEOUT_S = 10.0
-READ_TIMEOUT_S = 30.0  # within one message, as a gRPC stream is cut after 30 s of silence
+MAX_TOKENS_PER_CALLER = 8
+HANDSHAKE_TIMEOUT_S = 10.0  # the whole handshake
+READ_TIMEOUT_S = 30.0  # one whole message, as a gRPC stream is cut after 30 s of silence
 IDLE_TIMEOUT_S = 3600.0  # between messages: a link idles between steps
 MAX_TOKENS = 1024
 
@@ -59,7 +63,9 @@ class BulkListener:
         self.port: int = self._sock.getsockname()[1]
         self._lock = threading.Lock()
         self._grants: dict[bytes, _Grant] = {}
-        self._open: Counter[object] = Counter()
+        self._open: set[socket.socket] = set()  # every accepted connection, until closed
+        self._handshaking = 0
+        self._callers: Counter[object] = Counter()  # authenticated connections per caller
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
         self._thread.start()
@@ -68,36 +74,51 @@ class BulkListener:
         """A one-time token for the current gRPC caller (``OpenBulk``).
 
         Raises:
-            TooLarge: too many tokens outstanding.
+            TooLarge: too many tokens outstanding, for this caller or in all.
         """
         now = time.monotonic()
+        identity = authz.caller()
         with self._lock:
             self._grants = {t: g for t, g in self._grants.items() if g.expires > now}
-            if len(self._grants) >= MAX_TOKENS:
+            mine = sum(1 for g in self._grants.values() if g.identity == identity)
+            if mine >= MAX_TOKENS_PER_CALLER or len(self._grants) >= MAX_TOKENS:
                 raise TooLarge(
-                    f"{len(self._grants)} bulk tokens outstanding (at most {MAX_TOKENS})"
+                    f"{mine} bulk tokens outstanding for this caller, {len(self._grants)} in "
+                    f"all (at most {MAX_TOKENS_PER_CALLER} and {MAX_TOKENS}): send over gRPC"
                 )
             token = secrets.token_bytes(bulk.TOKEN_BYTES)
-            self._grants[token] = _Grant(authz.caller(), now + bulk.TOKEN_TTL_S)
+            self._grants[token] = _Grant(identity, now + bulk.TOKEN_TTL_S)
         return token
 
     def close(self) -> None:
-        """Stops accepting (open connections end with their peers)."""
-        self._closed = True
+        """Stops accepting and ends every open connection."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._open)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
             with self._lock:
-                full = sum(self._open.values()) >= MAX_CONNECTIONS
-            if full:
-                log.warning("bulk_connection_refused", peer=peer[0], reason="too many")
+                refused = (
+                    self._closed
+                    or len(self._open) >= MAX_CONNECTIONS
+                    or self._handshaking >= MAX_HANDSHAKES
+                )
+                if not refused:
+                    self._open.add(conn)
+                    self._handshaking += 1
+            if refused:
+                log.debug("bulk_connection_refused", peer=peer[0], reason="too many")
                 conn.close()
                 continue
             threading.Thread(
@@ -105,10 +126,11 @@ class BulkListener:
             ).start()
 
     def _handshake(self, conn: socket.socket) -> tuple[socket.socket, _Grant]:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         if self._tls is not None:
             conn = self._tls.wrap_socket(conn, server_side=True)
-        hello = bulk.recv_bytes(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES)
+        hello = bulk.recv_bytes(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES, deadline)
         if not hello.startswith(bulk.MAGIC):
             raise InvalidRequest("not a bulk connection")
         with self._lock:
@@ -124,32 +146,35 @@ class BulkListener:
                 )
         return conn, grant
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        key: object = peer
-        counted = False
+    def _serve(self, raw: socket.socket, peer: str) -> None:
+        conn, key, handshaking = raw, None, True
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn, grant = self._handshake(conn)
-            key = grant.identity or peer
+            bulk.keepalive(raw)
+            conn, grant = self._handshake(raw)
             with self._lock:
-                if self._open[key] >= MAX_PER_CALLER:
+                self._handshaking -= 1
+                handshaking = False
+                key = grant.identity or peer
+                if self._callers[key] >= MAX_PER_CALLER:
                     raise TooLarge(f"{MAX_PER_CALLER} bulk connections open from {key}")
-                self._open[key] += 1
-                counted = True
+                self._callers[key] += 1
             authz.act_as(grant.identity)  # this thread serves this caller only
             conn.sendall(bulk.OK)
-            while self._take(conn):
+            while not self._closed and self._take(conn):
                 pass
         except ElasticPipeError as exc:
-            log.info("bulk_connection_refused", peer=peer, error=str(exc))
+            log.debug("bulk_connection_refused", peer=peer, error=str(exc))
         except (OSError, ConnectionError, ssl.SSLError) as exc:
             log.debug("bulk_connection_closed", peer=peer, error=str(exc))
         finally:
-            if counted:
-                with self._lock:
-                    self._open[key] -= 1
-                    if not self._open[key]:
-                        del self._open[key]
+            with self._lock:
+                self._open.discard(raw)
+                if handshaking:
+                    self._handshaking -= 1
+                if key is not None:
+                    self._callers[key] -= 1
+                    if not self._callers[key]:
+                        del self._callers[key]
             conn.close()
 
     def _take(self, conn: socket.socket) -> bool:
@@ -158,13 +183,13 @@ class BulkListener:
         first = conn.recv(1)
         if not first:
             return False
-        conn.settimeout(READ_TIMEOUT_S)
-        (n,) = bulk._U32.unpack(first + bulk.recv_bytes(conn, bulk._U32.size - 1))
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        (n,) = bulk.U32.unpack(first + bulk.recv_bytes(conn, bulk.U32.size - 1, deadline))
         if n > bulk.MAX_HEADER_BYTES:
             raise InvalidRequest(f"bulk header of {n} bytes (at most {bulk.MAX_HEADER_BYTES})")
         servicer = self._servicer
         try:
-            msg = bulk.parse_header(bulk.recv_bytes(conn, n))
+            msg = bulk.parse_header(bulk.recv_bytes(conn, n, deadline))
             slot, admitted = servicer.admit_data(msg.slot, msg.header)
         except ElasticPipeError as exc:
             bulk.send_error(conn, exc)  # nothing reserved, nothing more to read
@@ -172,7 +197,8 @@ class BulkListener:
         head = msg.header
         try:
             conn.sendall(bulk.GO)
-            _, value = bulk.receive_value(conn, head, servicer.stage.config.max_tensor_bytes)
+            limit = servicer.stage.config.max_tensor_bytes
+            value = bulk.receive_value(conn, head, limit, deadline)
         except BaseException:
             admitted.mailbox.release(admitted.reservation)
             raise

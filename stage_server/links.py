@@ -66,11 +66,16 @@ class Link:
     def close(self) -> None:
         """Stops the sender thread and closes the channel."""
         self._queue.put(None)
-        self._thread.join(timeout=5)
-        self._sender.close()
+        self._thread.join(timeout=5)  # the thread closes its sender as it ends
         self._channel.close()
 
     def _drain(self) -> None:
+        try:
+            self._send_all()
+        finally:
+            self._sender.close()
+
+    def _send_all(self) -> None:
         while (msg := self._queue.get()) is not None:
             start = self._tracer.now_ns() if self._tracer is not None else 0
             try:

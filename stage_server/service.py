@@ -111,14 +111,11 @@ class StageServicer:
         return bundle.assembler(header, limit), admitted
 
     def admit_data(self, slot: int, header: stage_pb2.DataHeader) -> tuple[Slot, Admitted]:
-        """``_admit`` for a bulk message: checks its slot and header and reserves its room."""
+        """``_admit`` for a bulk message: its slot checked too; the room reserved."""
         kind = _SLOTS.get(slot)  # type: ignore[call-overload]
         if kind is None:
             raise InvalidRequest(f"unknown slot {slot} (expected INPUT, GRAD or TARGET)")
-        limit = self.stage.config.max_tensor_bytes
-        nbytes = bundle.declared_bytes(header, limit)
-        self.gate.check(f"data of run {header.run}")
-        return kind, self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
+        return kind, self._admit(header)[1]
 
     def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
         first = next(chunks, None)
@@ -186,6 +183,7 @@ class StageServicer:
     ) -> stage_pb2.OpenBulkReply:
         if self.bulk is None:
             return stage_pb2.OpenBulkReply()  # port 0: send over gRPC
+        self.gate.check("a bulk channel")  # a client other than the job's holder: refused
         return stage_pb2.OpenBulkReply(port=self.bulk.port, token=self.bulk.grant())
 
     def RunStep(

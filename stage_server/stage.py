@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, capacity, codec, layerwire, models, rpc, structure
+from elasticpipe import bounds, capacity, codec, layerwire, memtune, models, rpc, structure
 from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
@@ -289,6 +289,7 @@ class Stage:
                     self.config.tls,
                     self.metrics.sent,
                     self.tracer,
+                    use_bulk=self.config.bulk_port is not None,
                 )
 
     def _fail_run(self, run: int, error: ElasticPipeError) -> None:
@@ -406,6 +407,7 @@ class Stage:
             if not train:
                 self._outputs = (run, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)
+        memtune.bound()  # freed activations kept for reuse, up to a bound
         self.faults.point("awaiting_commit")
         return result
 

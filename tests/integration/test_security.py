@@ -3,6 +3,8 @@ only, stage names bound to certificates, and plaintext refused beyond loopback."
 
 from __future__ import annotations
 
+import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -255,3 +257,40 @@ def test_reflection_lists_the_services_to_any_cluster_member(cluster: LocalClust
     with pytest.raises(grpc.RpcError) as refused:
         ProtoReflectionDescriptorDatabase(rpc.channel(cluster.coordinator, None)).get_services()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def test_the_bulk_channel_is_mutual_tls_bound_to_the_token_holder(cluster: LocalCluster) -> None:
+    """A stage's bulk channel speaks mutual TLS: a stage-role sender's large message goes
+    over it and is refused exactly as gRPC refuses it (a stale epoch: the handshake, the
+    token and the checks all ran); a token presented under another certificate, or a
+    connection without one, is dropped before anything is admitted."""
+    from elasticpipe import bulk, transport
+    from elasticpipe.errors import NotReady
+
+    address = cluster.stage_addresses[0]
+    peer = cluster.tls_of("bulk-peer", "stage")
+    assert peer is not None
+    stub = _stage(address, peer)
+    sender = transport.Sender(stub, address, peer)
+    payload = torch.rand((2 << 20) // 4)
+    with pytest.raises(NotReady):  # a stale epoch, or no job yet
+        sender.send(transport.Outgoing("Forward", 0, 1, 0, 0, payload), timeout=20)
+    assert sender._bulk is not None and sender._bulk._sock is not None  # over the channel
+    sender.close()
+
+    reply = stub.OpenBulk(stage_pb2.OpenBulkRequest(), timeout=10)
+    host = "127.0.0.1"
+    mallory = cluster.tls_of("mallory-bulk", "stage")
+    assert mallory is not None
+    raw = socket.create_connection((host, reply.port), timeout=10)
+    stolen = bulk.client_context(mallory).wrap_socket(raw, server_hostname=host)
+    stolen.sendall(bulk.MAGIC + reply.token)  # the token was issued to bulk-peer
+    assert stolen.recv(1) == b""
+    stolen.close()
+    raw = socket.create_connection((host, reply.port), timeout=10)
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        plain = raw  # no certificate at all: the TLS listener ends the connection
+        plain.sendall(bulk.MAGIC + reply.token)
+        assert plain.recv(1) == b""
+        raise ConnectionError("closed")
+    raw.close()
