@@ -89,7 +89,11 @@ def test_every_admin_command_prints_json_that_matches_its_schema(
         stages=3,
     ) as pipe:
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+        deadline = time.monotonic() + 15
         status = check("status")
+        while status["committed_step"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the step reaches the status with the stages' next heartbeats
+            status = check("status")
         assert status["committed_step"] == 1 and len(status["stages"]) == 4
         assert {s["state"] for s in status["stages"]} == {"chain", "spare"}
         assert check("plan")["current"]["boundaries"][-1] == status["num_layers"]
