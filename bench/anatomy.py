@@ -221,6 +221,10 @@ def main() -> int:
         for start, end, index, kind, mb in sorted(events):
             at, to = (start - c0) / 1e6, (end - c0) / 1e6
             print(f"  stage {index} {kind:<9} mb {mb:>2} {at:8.2f} {to:8.2f}")
+    print(
+        "client step ms by step: "
+        + ", ".join(f"{step}: {(c1 - c0) / 1e6:.0f}" for step, c0, c1 in steps)
+    )
     width = max(map(len, rows))
     print(
         f"{cluster_kwargs['stages']} stages, {args.schedule}, medians over {len(steps)} steps (ms):"
