@@ -1,0 +1,141 @@
+"""A/B of two 2-stage pipeline configurations, alternated round by round in one run.
+
+Both clusters are up at once; each round times ``--per-round`` steps on one, then on the
+other (the order alternating), so that the machine's load drifts into both alike, as
+``bench/overhead.py``'s TLS pair does. Prints per-round ms/step of both and the median of
+the per-round ratios B/A. A side is ``key=value,...``: ``schedule``, ``snapshot_every``,
+``micro_batches`` go to ``Pipeline``; an upper-case key is an environment variable of that
+side's processes (the stages, set when they start; the client, set around its rounds).
+
+    python bench/ab.py --a schedule=1f1b --b schedule=gpipe --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.cluster import LocalCluster
+
+SIZES = [1024] * 5
+BATCH = 256
+
+
+def parse(side: str) -> tuple[dict[str, Any], dict[str, str]]:
+    kwargs: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    for item in filter(None, side.split(",")):
+        key, _, value = item.partition("=")
+        if key.isupper():
+            env[key] = value
+        else:
+            kwargs[key] = value if key == "schedule" else int(value)
+    return kwargs, env
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]):  # type: ignore[no-untyped-def]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", default="")
+    parser.add_argument("--b", default="")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--per-round", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1234)
+    data = [
+        (torch.randn(BATCH, SIZES[0], generator=gen), torch.randn(BATCH, SIZES[-1], generator=gen))
+        for _ in range(8)
+    ]
+    sides = [parse(args.a), parse(args.b)]
+    load = os.getloadavg()[0]
+    times: list[list[float]] = [[], []]
+    losses: list[list[float]] = [[], []]
+    with contextlib.ExitStack() as stack:
+        pipes = []
+        for kwargs, env in sides:
+            with environ(env):
+                cluster = stack.enter_context(
+                    LocalCluster(
+                        stages=args.stages,
+                        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+                    )
+                )
+            options: dict[str, Any] = {"micro_batches": 4, **kwargs}
+            pipes.append(
+                stack.enter_context(
+                    Pipeline(
+                        coordinator=cluster.coordinator,
+                        model="mlp",
+                        model_kwargs={"sizes": SIZES},
+                        seed=0,
+                        optimizer="sgd",
+                        optimizer_kwargs={"lr": 0.05},
+                        loss="mse",
+                        stages=args.stages,
+                        **options,
+                    )
+                )
+            )
+        for k in range(args.warmup):
+            for which in (0, 1):
+                with environ(sides[which][1]):
+                    losses[which].append(pipes[which].train_step(*data[k % len(data)]))
+        k = args.warmup
+        for r in range(args.rounds):
+            for which in (0, 1) if r % 2 == 0 else (1, 0):
+                with environ(sides[which][1]):
+                    started = time.perf_counter()
+                    for j in range(args.per_round):
+                        losses[which].append(pipes[which].train_step(*data[(k + j) % len(data)]))
+                    times[which].append(1e3 * (time.perf_counter() - started) / args.per_round)
+            k += args.per_round
+    ratios = [b / a for a, b in zip(*times, strict=True)]
+    print(f"A: {args.a or '(default)'}   B: {args.b or '(default)'}")
+    print(
+        "ms/step per round A/B: "
+        + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(*times, strict=True))
+    )
+    print(
+        f"median A {statistics.median(times[0]):.1f} ms, B {statistics.median(times[1]):.1f} ms; "
+        f"median ratio B/A {statistics.median(ratios):.3f}; "
+        f"load {load:.2f} before, {os.getloadavg()[0]:.2f} after; "
+        f"final losses {losses[0][-1]:.8f} / {losses[1][-1]:.8f}"
+    )
+    print(
+        json.dumps(
+            {"a": args.a, "b": args.b, "ratio_b_over_a": round(statistics.median(ratios), 4)}
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
