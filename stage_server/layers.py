@@ -89,15 +89,9 @@ class Built(NamedTuple):
 
 
 class Slowdown:
-    """Emulates a device ``factor`` times slower: a compute of t seconds takes factor * t.
+    """Emulates a device ``factor`` times slower: each compute of t seconds owes (factor - 1) * t.
 
     The time reported for a layer is ``factor * t``, what the emulated device would take.
-    What the layer owes is that time less the wall time the host already spent on it: when
-    other processes held the core, the compute took longer than ``t`` on the wall, and
-    sleeping a full (factor - 1) * t on top counted that contention ``factor`` times over
-    (4 emulated 4x devices on a loaded 2-core host measured 0.72-0.78 of the planner's
-    prediction this way, 0.82-0.89 charging only the device's time; ``bench/anatomy.py
-    --workload straggler``). Likewise a wait that wakes up late shortens the next one.
     The waits a layer owes are paid together at the end of the op (one micro-batch through
     the slice): sleeping between layers would also evict the caches of the next layer, and
     on a shared CPU host that made an emulated 2x straggler measure 2.5-3x. ``t`` comes from
@@ -117,7 +111,6 @@ class Slowdown:
         self.clock = clock
         self.events = events
         self._owed = 0.0
-        self._overslept = 0.0  # a wait's wake-up past its time: the next wait is shorter
         self._laps: list[Lap] = []  # events' laps of a slowed-down op, paid in ``pay``
 
     def set(self, factor: float) -> None:
@@ -134,28 +127,21 @@ class Slowdown:
             if lap.factor > 1.0:
                 self._laps.append(lap)
             return result, lap
-        wall_start = time.perf_counter()
         start = self.clock()
         result = fn()
         sync()
         compute = self.clock() - start
-        wall = time.perf_counter() - wall_start
         factor = self.factor
-        # The device takes factor * compute; the host spent ``wall`` of it already (more
-        # than ``compute`` when other processes had the core: not the device's time).
-        self._owed += factor * compute - max(wall, compute)
+        self._owed += (factor - 1.0) * compute
         return result, factor * compute
 
     def pay(self) -> None:
-        """Waits for what the op's layers owe, less what the last wait overslept."""
+        """Waits for what the op's layers owe."""
         owed, self._owed = self._owed, 0.0
         laps, self._laps = self._laps, []
         owed += sum((lap.factor - 1.0) * lap.raw() for lap in laps)  # waits: slowed only
-        owed, self._overslept = owed - self._overslept, 0.0
         if owed > 0:
-            start = time.perf_counter()
             time.sleep(owed)
-            self._overslept = min(time.perf_counter() - start - owed, owed)
 
 
 def _user_error(

@@ -3,8 +3,6 @@ layer's scheduler travels with it."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -113,42 +111,3 @@ def test_recompute_of_layers_passing_several_tensors_is_exact(
     for key, value in plain.items():
         assert torch.equal(again[key], value), key
     assert peak < plain_peak
-
-
-class _FakeCpu:
-    """A CPU clock that advances only when ``spend`` is called."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def spend(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def _paid(slow: Slowdown, cpu: _FakeCpu, compute: float, wall: float) -> float:
-    """Wall seconds ``pay`` waits after a layer that used ``compute`` CPU seconds and took
-    ``wall`` seconds on the wall."""
-
-    def layer() -> None:
-        time.sleep(wall)
-        cpu.spend(compute)
-
-    assert slow.timed(layer, lambda: None)[1] == pytest.approx(slow.factor * compute)
-    start = time.perf_counter()
-    slow.pay()
-    return time.perf_counter() - start
-
-
-@pytest.mark.timeout(10)
-def test_slowdown_waits_for_the_device_time_the_host_did_not_spend() -> None:
-    cpu = _FakeCpu()
-    slow = Slowdown(3.0, clock=cpu)
-    # 20 ms of compute on a device 3x slower is 60 ms, of which the host spent the 20 ms.
-    assert _paid(slow, cpu, compute=0.02, wall=0.0) >= 0.039
-    # The same compute, but the host took 70 ms of wall for it (other processes had the
-    # core): more than the device's 60 ms already, so nothing is owed (it used to sleep
-    # another 40 ms, charging the host's contention three times over).
-    assert _paid(slow, cpu, compute=0.02, wall=0.07) < 0.02
