@@ -45,3 +45,17 @@ def stage_servers(coordinator_server: CoordinatorServer) -> Iterator[list[StageS
     yield servers
     for server in servers:
         server.stop()
+
+
+def as_at_a_terminal(command: list[str]) -> list[str]:
+    """``python -m MODULE ARGS`` that a test will stop with Ctrl-C (SIGINT), run with SIGINT
+    handled as at a terminal: a suite started in the background of a non-interactive shell
+    runs with SIGINT ignored, children inherit that, and Python then installs no handler."""
+    python, flag, module, *args = command
+    assert flag == "-m", command
+    code = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv[0] = {module!r}; runpy.run_module({module!r}, run_name='__main__', "
+        "alter_sys=True)"
+    )
+    return [python, "-c", code, *args]

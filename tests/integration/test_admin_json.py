@@ -19,6 +19,7 @@ import torch
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.schemas import COMMANDS, command_schema
+from tests.integration.conftest import as_at_a_terminal
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,19 +130,21 @@ def test_every_admin_command_prints_json_that_matches_its_schema(
 
 def _watch(cluster: LocalCluster, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "elasticpipe",
-            "admin",
-            "--coordinator",
-            cluster.coordinator,
-            "status",
-            "--watch",
-            "--interval",
-            "0.2",
-            *args,
-        ],
+        as_at_a_terminal(
+            [
+                sys.executable,
+                "-m",
+                "elasticpipe",
+                "admin",
+                "--coordinator",
+                cluster.coordinator,
+                "status",
+                "--watch",
+                "--interval",
+                "0.2",
+                *args,
+            ]
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import as_at_a_terminal
+
 DEMO = [
     sys.executable,
     "-m",
@@ -68,7 +70,10 @@ def test_ctrl_c_stops_the_demo_and_every_process_it_started() -> None:
     """SIGINT during training ends the demo with code 130 and leaves no server running."""
     before = set(_children_alive(os.getpid()))
     proc = subprocess.Popen(
-        [*DEMO, "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        as_at_a_terminal([*DEMO, "--steps", "100000"]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 150
