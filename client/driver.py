@@ -37,7 +37,7 @@ from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
 
-_SCHEDULE = {"gpipe": stage_pb2.GPIPE, "1f1b": stage_pb2.ONE_F_ONE_B}
+_SCHEDULE = {"gpipe": stage_pb2.GPIPE, "1f1b": stage_pb2.ONE_F_ONE_B, "zb-h1": stage_pb2.ZB_H1}
 ABORT_TIMEOUT_S = 15.0
 COMMIT_TIMEOUT_S = 30.0
 

@@ -17,7 +17,9 @@ A layer ``l`` on a stage needs::
   ``min(m, S - s)``, which depends on the stage's position while the planner's model is one
   additive need per layer; the need is therefore taken at its largest, ``min(m, S)`` (the
   first stage's), for every stage. That over-reserves activations on later stages, never
-  under-reserves, and keeps the planner exact for what it is given.
+  under-reserves, and keeps the planner exact for what it is given. ZB-H1 keeps a
+  micro-batch alive on stage ``s`` until its weight gradients, ``s`` backwards after its
+  input gradients: ``min(m, S)`` on every stage, the same need.
 
 A stage offers what it reports (``capacity.detect``: ``--memory``, free CUDA memory less a
 headroom, or the host's available memory); 0 means unknown, and such a stage has no cap, nor

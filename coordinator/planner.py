@@ -38,7 +38,7 @@ _MAX_SWAPS = 1000
 _RELIEVE_TRIES = 64
 # Bisection steps before giving up on closing the last gap (each halves it at least).
 _MAX_PROBES = 200
-_SCHEDULES = ("gpipe", "1f1b")
+_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
 class PlanError(InvalidRequest):
@@ -179,10 +179,21 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
     1F1B saves activation memory (at most ``S - s`` micro-batches live on stage ``s`` instead
     of ``micro_batches``), not time.
 
+    ZB-H1 (``elasticpipe.schedule``) leaves each weight gradient for later, so of every
+    stage but the bottleneck only the forward and the input gradient lie on the fill and
+    drain path, the weight gradients filling its gaps. Taking forward, input gradient and
+    weight gradient as a third of a stage's time each (one matmul each for a linear layer)::
+
+        step = micro_batches * bottleneck + (sum(stage_times) - max(stage_times)) / 3
+               + sum(link_times)
+
+    which the critical path of the schedule's own ops matches (``elasticpipe.efficiency``;
+    tests/unit/test_planner.py compares the two).
+
     Args:
         plan: the partition and its per-stage and per-link times.
         micro_batches: micro-batches per mini-batch, >= 1.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"``.
 
     Returns:
         Predicted seconds per step.
@@ -194,7 +205,11 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
         raise PlanError(f"unknown schedule {schedule!r} (expected one of {list(_SCHEDULES)})")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise PlanError(f"micro_batches must be an int >= 1 (got {micro_batches!r})")
-    fill_drain = math.fsum(plan.stage_times) + math.fsum(plan.link_times)
+    links = math.fsum(plan.link_times)
+    if schedule == "zb-h1":
+        others = math.fsum(plan.stage_times) - max(plan.stage_times, default=0.0)
+        return micro_batches * plan.bottleneck + others / 3 + links
+    fill_drain = math.fsum(plan.stage_times) + links
     return fill_drain + (micro_batches - 1) * plan.bottleneck
 
 

@@ -27,20 +27,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.schedule import Op, OpKind, stage_ops
+from elasticpipe.schedule import SPLIT_BACKWARD, Op, OpKind, stage_ops
 from elasticpipe.v1 import stage_pb2
 
 
 def ideal_step_time(
-    schedule: str, forward_s: Sequence[Sequence[float]], backward_s: Sequence[Sequence[float]]
+    schedule: str,
+    forward_s: Sequence[Sequence[float]],
+    backward_s: Sequence[Sequence[float]],
+    weight_s: Sequence[Sequence[float]] | None = None,
 ) -> float:
     """The critical path of one training step with free communication.
 
     Args:
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", "1f1b" or "zb-h1".
         forward_s: ``forward_s[s][m]``: seconds the forward of micro-batch m took on
             stage s (the last stage's including the loss).
-        backward_s: the same for the backwards.
+        backward_s: the same for the backwards (with "zb-h1": the input gradients, B).
+        weight_s: with "zb-h1", the same for the weight gradients (W); else None.
 
     Returns:
         Seconds from the first op's start to the last op's end.
@@ -66,17 +70,27 @@ def ideal_step_time(
             raise InvalidRequest(f"stage {s} reports a negative op duration")
     if m == 0:
         raise InvalidRequest("no micro-batch durations reported")
+    if (schedule in SPLIT_BACKWARD) != (weight_s is not None) or (
+        weight_s is not None
+        and (len(weight_s) != stages or any(len(w) != m or min(w) < 0 for w in weight_s))
+    ):
+        raise InvalidRequest(
+            f"schedule {schedule!r} needs weight-gradient durations exactly when it splits "
+            "the backward, one per micro-batch and stage"
+        )
     ops = [stage_ops(schedule, stages, s, m) for s in range(stages)]
-    return critical_path(ops, forward_s, backward_s)
+    return critical_path(ops, forward_s, backward_s, weight_s)
 
 
 def critical_path(
     ops: Sequence[Sequence[Op]],
     forward_s: Sequence[Sequence[float]],
     backward_s: Sequence[Sequence[float]],
+    weight_s: Sequence[Sequence[float]] | None = None,
 ) -> float:
     """The makespan of running ``ops[s]`` in order on each stage s, every op as soon as
-    its stage is free and its input exists, taking ``forward_s[s][m]`` (``backward_s``).
+    its stage is free and its input exists, taking ``forward_s[s][m]`` (``backward_s``,
+    ``weight_s``: a W op needs nothing from another stage).
 
     Raises:
         InvalidRequest: op lists that deadlock (an op waits for one that never runs).
@@ -96,6 +110,9 @@ def critical_path(
                 if op.kind is OpKind.FORWARD:
                     dep = (OpKind.FORWARD, s - 1, i) if s > 0 else None
                     took = forward_s[s][i]
+                elif op.kind is OpKind.WEIGHT:
+                    dep = None
+                    took = weight_s[s][i] if weight_s is not None else 0.0
                 else:
                     dep = (OpKind.BACKWARD, s + 1, i) if s < stages - 1 else None
                     took = backward_s[s][i]
@@ -135,7 +152,10 @@ def step_efficiency(schedule: str, reports: Sequence[stage_pb2.StepReport]) -> t
     """
     try:
         ideal = ideal_step_time(
-            schedule, [list(r.forward_s) for r in reports], [list(r.backward_s) for r in reports]
+            schedule,
+            [list(r.forward_s) for r in reports],
+            [list(r.backward_s) for r in reports],
+            [list(r.weight_s) for r in reports] if schedule in SPLIT_BACKWARD else None,
         )
     except InvalidRequest:
         return 0.0, 0.0

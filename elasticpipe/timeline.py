@@ -18,6 +18,12 @@ from elasticpipe.v1 import stage_pb2
 
 FORWARD_COLOUR = "#4c72b0"
 BACKWARD_COLOUR = "#dd8452"
+WEIGHT_COLOUR = "#55a868"
+_COLOURS = {
+    stage_pb2.SPAN_FORWARD: FORWARD_COLOUR,
+    stage_pb2.SPAN_BACKWARD: BACKWARD_COLOUR,
+    stage_pb2.SPAN_WEIGHT: WEIGHT_COLOUR,
+}
 
 
 def _pyplot() -> Any:
@@ -56,12 +62,11 @@ def draw(
     for t, s in boxes:
         start, end = t.local(s)
         x, w = (start - origin) / 1e6, (end - start) / 1e6
-        forward = s.kind == stage_pb2.SPAN_FORWARD
         y = t.index
         ax.broken_barh(
             [(x, w)],
             (y - 0.4, 0.8),
-            facecolors=FORWARD_COLOUR if forward else BACKWARD_COLOUR,
+            facecolors=_COLOURS[s.kind],
             edgecolors="black",
             linewidth=0.5,
         )
@@ -83,16 +88,18 @@ def draw(
     ax.grid(axis="x", linestyle=":", alpha=0.5)
     from matplotlib.patches import Patch
 
+    split = any(s.kind == stage_pb2.SPAN_WEIGHT for _, s in boxes)
     ax.legend(
         handles=[
             Patch(facecolor=FORWARD_COLOUR, label="forward (micro-batch id)"),
-            Patch(facecolor=BACKWARD_COLOUR, label="backward"),
+            Patch(facecolor=BACKWARD_COLOUR, label="backward (input)" if split else "backward"),
+            *([Patch(facecolor=WEIGHT_COLOUR, label="backward (weights)")] if split else []),
             Patch(facecolor="white", edgecolor="grey", label="bubble"),
         ],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.16),
         fontsize=8,
-        ncol=3,
+        ncol=4 if split else 3,
         frameon=False,
     )
     heading = title

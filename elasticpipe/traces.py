@@ -33,10 +33,17 @@ from elasticpipe.v1 import coordinator_pb2, stage_pb2, stage_pb2_grpc
 CLOCK_SAMPLES = 5
 MAX_STEPS = 16  # what a stage keeps (stage_server.tracing.DEFAULT_STEPS_KEPT)
 COMPUTE, WAITS, CONTROL, FIRST_SEND = 0, 1, 2, 3  # thread ids of a stage's tracks
+OP_SPANS = (stage_pb2.SPAN_FORWARD, stage_pb2.SPAN_BACKWARD, stage_pb2.SPAN_WEIGHT)
+_KINDS = {
+    stage_pb2.SPAN_FORWARD: OpKind.FORWARD,
+    stage_pb2.SPAN_BACKWARD: OpKind.BACKWARD,
+    stage_pb2.SPAN_WEIGHT: OpKind.WEIGHT,
+}
 
 _NAMES = {
     stage_pb2.SPAN_FORWARD: "F",
     stage_pb2.SPAN_BACKWARD: "B",
+    stage_pb2.SPAN_WEIGHT: "W",
     stage_pb2.SPAN_SEND: "send",
     stage_pb2.SPAN_RECV_WAIT: "wait",
     stage_pb2.SPAN_COMMIT: "commit",
@@ -128,17 +135,15 @@ def collect(
 
 
 def latest_ops(trace: StageTrace) -> dict[int, list[stage_pb2.Span]]:
-    """Per step, the stage's F and B spans of the newest run of that step (a retried step
-    keeps only its last attempt), in the order they ran."""
+    """Per step, the stage's F, B (and W) spans of the newest run of that step (a retried
+    step keeps only its last attempt), in the order they ran."""
     runs: dict[int, int] = {}
     for span in trace.spans:
-        if span.kind in (stage_pb2.SPAN_FORWARD, stage_pb2.SPAN_BACKWARD):
+        if span.kind in OP_SPANS:
             runs[span.step] = max(runs.get(span.step, 0), span.run)
     ops: dict[int, list[stage_pb2.Span]] = defaultdict(list)
     for span in trace.spans:
-        if span.kind in (stage_pb2.SPAN_FORWARD, stage_pb2.SPAN_BACKWARD) and (
-            span.run == runs[span.step]
-        ):
+        if span.kind in OP_SPANS and span.run == runs[span.step]:
             ops[span.step].append(span)
     for spans in ops.values():
         spans.sort(key=lambda s: s.start_ns)
@@ -153,31 +158,36 @@ def step_figures(traces: Sequence[StageTrace]) -> list[StepFigure]:
     figures = []
     for step in sorted(steps):
         ops: list[list[Op]] = []
-        fwd: list[list[float]] = []
-        bwd: list[list[float]] = []
+        durations: list[dict[OpKind, list[float]]] = []
         first, last = None, None
         for trace, spans_of in zip(traces, per_stage, strict=True):
             spans = spans_of[step]
             m = 1 + max(s.micro_batch for s in spans)
-            f, b = [-1.0] * m, [-1.0] * m
+            took = {kind: [-1.0] * m for kind in OpKind}
             order = []
             for s in spans:
-                kind = OpKind.FORWARD if s.kind == stage_pb2.SPAN_FORWARD else OpKind.BACKWARD
-                (f if kind is OpKind.FORWARD else b)[s.micro_batch] = s.duration_ns / 1e9
+                kind = _KINDS[s.kind]
+                took[kind][s.micro_batch] = s.duration_ns / 1e9
                 order.append(Op(kind, s.micro_batch))
                 start, end = trace.local(s)
                 first = start if first is None else min(first, start)
                 last = end if last is None else max(last, end)
-            if min(f + b) < 0:
+            split = any(op.kind is OpKind.WEIGHT for op in order)
+            needed = [OpKind.FORWARD, OpKind.BACKWARD] + ([OpKind.WEIGHT] if split else [])
+            if min(t for kind in needed for t in took[kind]) < 0:
                 break  # a micro-batch's span is missing (the step was cut): no figure
             ops.append(order)
-            fwd.append(f)
-            bwd.append(b)
+            durations.append(took)
         else:
-            if len({len(f) for f in fwd}) != 1 or first is None or last is None:
+            if len({len(d[OpKind.FORWARD]) for d in durations}) != 1 or first is None:
                 continue
+            assert last is not None
+            fwd = [d[OpKind.FORWARD] for d in durations]
+            bwd = [d[OpKind.BACKWARD] for d in durations]
+            split = any(op.kind is OpKind.WEIGHT for order in ops for op in order)
+            weights = [d[OpKind.WEIGHT] for d in durations] if split else None
             try:
-                ideal = critical_path(ops, fwd, bwd)
+                ideal = critical_path(ops, fwd, bwd, weights)
             except InvalidRequest:
                 continue
             measured = (last - first) / 1e9
@@ -187,7 +197,7 @@ def step_figures(traces: Sequence[StageTrace]) -> list[StepFigure]:
 
 def _label(span: stage_pb2.Span) -> str:
     name = _NAMES.get(span.kind, "span")
-    if span.kind in (stage_pb2.SPAN_FORWARD, stage_pb2.SPAN_BACKWARD):
+    if span.kind in OP_SPANS:
         return f"{name}{span.micro_batch}"
     if span.kind == stage_pb2.SPAN_SEND:
         return f"send {span.micro_batch}"
@@ -211,7 +221,7 @@ def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
         threads = {COMPUTE: "compute", WAITS: "waiting for inputs", CONTROL: "commit, epochs"}
         peers: dict[str, int] = {}
         for span in t.spans:
-            if span.kind in (stage_pb2.SPAN_FORWARD, stage_pb2.SPAN_BACKWARD):
+            if span.kind in OP_SPANS:
                 tid = COMPUTE
             elif span.kind == stage_pb2.SPAN_RECV_WAIT:
                 tid = WAITS

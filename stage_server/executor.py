@@ -1,11 +1,11 @@
 """Running one stage's ops of a step: take inputs, compute, send on, keep the loss.
 
-The op list comes from ``elasticpipe.schedule`` (GPipe or 1F1B); each op waits in the
-mailbox for what it needs (an activation from the previous stage, a gradient from the
-next, a target on the last), computes, and queues its output on the link to the next or
-previous stage without waiting for the network. The last stage turns its output and the
-micro-batch's target into the scaled loss and its gradient. Nothing here touches the
-step protocol: the caller owns the run's state.
+The op list comes from ``elasticpipe.schedule`` (GPipe, 1F1B or ZB-H1); each op waits in
+the mailbox for what it needs (an activation from the previous stage, a gradient from the
+next, a target on the last; a W op nothing), computes, and queues its output on the link
+to the next or previous stage without waiting for the network. The last stage turns its
+output and the micro-batch's target into the scaled loss and its gradient. Nothing here
+touches the step protocol: the caller owns the run's state.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class StepResult:
     compute_s: float = 0.0
     wall_s: float = 0.0
     forward_s: dict[int, float] = field(default_factory=dict)  # by micro-batch, loss included
-    backward_s: dict[int, float] = field(default_factory=dict)
+    backward_s: dict[int, float] = field(default_factory=dict)  # ZB-H1: the B op's
+    weight_s: dict[int, float] = field(default_factory=dict)  # ZB-H1: the W op's
     op_seconds: list[tuple[str, float]] = field(default_factory=list)  # (kind, s), in order
     grad_sq_norm: float = 0.0  # clipping or fp16: of the accumulated (unscaled) gradients
     loss_scale: float = 0.0  # fp16: the loss scale of the run
@@ -127,6 +128,7 @@ def _run_ops(
     first, last = placement.index == 0, placement.index == placement.num_stages - 1
     stashes: dict[int, Stash] = {}
     loss_grads: dict[int, torch.Tensor] = {}
+    split = any(op.kind is OpKind.WEIGHT for op in ops)  # ZB-H1: B, then W
     wire_dtype = ctx.layers.job.wire_dtype
     tracer, now, epoch = ctx.tracer, ctx.tracer.now_ns, placement.epoch
 
@@ -176,6 +178,14 @@ def _run_ops(
                 result.peak_stashed = max(result.peak_stashed, len(stashes))
                 held = sum(s.nbytes() for s in stashes.values())
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
+        elif op.kind is OpKind.WEIGHT:
+            t0 = now()
+            ctx.layers.backward_weights(stashes.pop(i), micro_batch=i)
+            t1 = now()
+            result.compute_s += (t1 - t0) / 1e9
+            span(SpanKind.WEIGHT, i, t0, t1)
+            result.weight_s[i] = (t1 - t0) / 1e9
+            result.op_seconds.append(("weight", result.weight_s[i]))
         else:
             w0 = now()
             grad: Value
@@ -187,7 +197,8 @@ def _run_ops(
             t0 = now()
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
-            grad_in = ctx.layers.backward(stashes.pop(i), grad, micro_batch=i)
+            stash = stashes[i] if split else stashes.pop(i)
+            grad_in = ctx.layers.backward(stash, grad, micro_batch=i, split=split)
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
             span(SpanKind.BACKWARD, i, t0, t1)

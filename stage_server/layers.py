@@ -11,8 +11,9 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -66,6 +67,8 @@ class Stash:
     shapes: dict[int, structure.Structure | None] = field(default_factory=dict)
 
     saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
+    # ZB-H1: the weight gradients B left for W, in the order B met the layers
+    weights: list[_WeightWork] = field(default_factory=list)
 
     def nbytes(self) -> int:
         """Bytes of activation memory held: every layer's inputs and outputs, and what the
@@ -76,6 +79,19 @@ class Stash:
             storage = t.untyped_storage()
             held[storage.data_ptr()] = storage.nbytes()
         return sum(held.values())
+
+
+class _WeightWork(NamedTuple):
+    """One layer's weight gradients, left by B for W: the backward from ``outs`` with
+    ``grads`` through the layer's retained graph, into ``params`` (or into everything the
+    graph reaches where ``params`` is None: a layer whose input needs no gradient, so B
+    had nothing to compute). ``b_seconds`` is what B already spent on the layer."""
+
+    layer: int
+    outs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    params: Sequence[torch.Tensor] | None
+    b_seconds: float | Lap
 
 
 class Built(NamedTuple):
@@ -393,13 +409,21 @@ class LayerSlice:
         with precision.autocast(self.device, self.job.precision):
             return layer(x)
 
-    def backward(self, stash: Stash, grad: Value | None, micro_batch: int = -1) -> Value | None:
+    def backward(
+        self, stash: Stash, grad: Value | None, micro_batch: int = -1, split: bool = False
+    ) -> Value | None:
         """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
 
         ``grad`` holds one tensor per floating tensor of the slice's output, in order (a
         plain tensor when there is one, else a tuple; ``elasticpipe.structure``); integer
         and bool tensors (masks, ids) get none. A floating output that does not require
         grad (no path from the parameters) just drops its gradient.
+
+        With ``split`` (ZB-H1's B) only the input gradients are computed, layer by layer
+        with the graph kept; each layer's weight gradients are left in ``stash`` for
+        :meth:`backward_weights` (W). A layer whose input needs no gradient (the first
+        stage's first layer) leaves its whole backward to W; one without trainable
+        parameters runs whole here.
 
         Returns:
             The gradients of the slice's input's floating tensors in the same form (a
@@ -431,22 +455,58 @@ class LayerSlice:
                     f"layer {i} returned {n} floating tensors but {len(grads)} gradients came "
                     f"back for them (micro-batch {micro_batch})"
                 )
-            if outs:
-                try:
-                    _, seconds = self.slowdown.timed(
-                        lambda: torch.autograd.backward(outs, gs),  # noqa: B023
-                        self._sync,
-                    )
-                except Exception as exc:  # the user's code may raise anything
-                    g = structure.grads_value(gs)
-                    raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
+            params = [p for p in self.layers[i].parameters() if p.requires_grad] if split else []
+            if not outs:
+                grads = _input_grads(xs)
+                continue
+            if not params:  # the whole backward, now
+                _, seconds = self._autograd(i, micro_batch, gs, partial(_backward, outs, gs))
                 self._observe(i, None, seconds + again, 0)
-            grads = _input_grads(xs)
+                grads = _input_grads(xs)
+                continue
+            need = [x for x in xs if x.is_floating_point() and x.requires_grad]
+            if not need:  # nothing for B: W runs the whole backward
+                stash.weights.append(_WeightWork(i, outs, gs, None, again))
+                grads = _input_grads(xs)
+                continue
+            got, seconds = self._autograd(i, micro_batch, gs, partial(_input_only, outs, need, gs))
+            stash.weights.append(_WeightWork(i, outs, gs, params, seconds + again))
+            by_id = {id(x): g for x, g in zip(need, got, strict=True)}
+            grads = [
+                g if (g := by_id.get(id(x))) is not None else torch.zeros_like(x)
+                for x in xs
+                if x.is_floating_point()
+            ]
         stash.pairs.clear()
         stash.seeds.clear()
         stash.shapes.clear()
         self.slowdown.pay()
         return structure.grads_value(grads) if grads is not None else None
+
+    def backward_weights(self, stash: Stash, micro_batch: int = -1) -> None:
+        """ZB-H1's W: accumulates the weight gradients ``backward(split=True)`` left in
+        ``stash``, in the order B met the layers (the order a whole backward accumulates
+        them in), and frees the graphs.
+
+        Raises:
+            UserCodeError: a layer's backward raised.
+        """
+        work, stash.weights = stash.weights, []
+        for w in work:
+            backward = partial(_backward, w.outs, w.grads, w.params)
+            _, seconds = self._autograd(w.layer, micro_batch, w.grads, backward)
+            self._observe(w.layer, None, w.b_seconds + seconds, 0)
+        self.slowdown.pay()
+
+    def _autograd(
+        self, i: int, micro_batch: int, gs: list[torch.Tensor], fn: Callable[[], Any]
+    ) -> tuple[Any, float | Lap]:
+        """Runs one layer's backward ``fn``, timed; the user's errors named."""
+        try:
+            return self.slowdown.timed(fn, self._sync)
+        except Exception as exc:  # the user's code may raise anything
+            g = structure.grads_value(gs)
+            raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
 
     def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
         """Applies the accumulated gradients (one optimizer step) and clears them; then
@@ -615,6 +675,21 @@ class LayerSlice:
         self.schedulers.pop(index, None)
         self.scales.pop(index, None)
         self.timings.pop(index, None)
+
+
+def _backward(
+    outs: list[torch.Tensor], gs: list[torch.Tensor], params: Sequence[torch.Tensor] | None = None
+) -> None:
+    """Accumulates the gradients of ``outs`` (given ``gs``) into the graph's leaves: all of
+    them, or just ``params`` (the graph is freed either way)."""
+    torch.autograd.backward(outs, gs, inputs=params)
+
+
+def _input_only(
+    outs: list[torch.Tensor], xs: list[torch.Tensor], gs: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``xs`` alone (None: unused), keeping the graph for the weights'."""
+    return torch.autograd.grad(outs, xs, gs, retain_graph=True, allow_unused=True)
 
 
 def _input_grads(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:

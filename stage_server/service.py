@@ -24,7 +24,11 @@ from elasticpipe.stage_server.stage import Admitted, Stage
 from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind
 from elasticpipe.v1 import stage_pb2
 
-_SCHEDULES = {stage_pb2.GPIPE: "gpipe", stage_pb2.ONE_F_ONE_B: "1f1b"}
+_SCHEDULES = {
+    stage_pb2.GPIPE: "gpipe",
+    stage_pb2.ONE_F_ONE_B: "1f1b",
+    stage_pb2.ZB_H1: "zb-h1",
+}
 _SLOTS = {stage_pb2.INPUT: Slot.INPUT, stage_pb2.GRAD: Slot.GRAD, stage_pb2.TARGET: Slot.TARGET}
 MAX_STEP_TIMEOUT_S = bounds.MAX_TIMEOUT_S
 
@@ -222,6 +226,7 @@ class StageServicer:
             timings=timings_to_proto(self.stage.timings()),
             forward_s=[result.forward_s[i] for i in sorted(result.forward_s)],
             backward_s=[result.backward_s[i] for i in sorted(result.backward_s)],
+            weight_s=[result.weight_s[i] for i in sorted(result.weight_s)],
             grad_sq_norm=result.grad_sq_norm,
             lr=result.lr,
             loss_scale=result.loss_scale,

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from elasticpipe.v1 import stage_pb2
 
 DEFAULT_STEPS_KEPT = 16
-MAX_SPANS_PER_STEP = 4 * 4096 + 64  # F, B, a receive wait and a send per micro-batch
+MAX_SPANS_PER_STEP = 5 * 4096 + 64  # F, B, W, a receive wait and a send per micro-batch
 MAX_TRACE_SPANS = 20_000  # per response: about 1 MB on the wire
 
 
@@ -31,7 +31,8 @@ class SpanKind(Enum):
     """What a span measured (the wire's ``SpanKind``)."""
 
     FORWARD = stage_pb2.SPAN_FORWARD
-    BACKWARD = stage_pb2.SPAN_BACKWARD
+    BACKWARD = stage_pb2.SPAN_BACKWARD  # ZB-H1: the input gradients (B)
+    WEIGHT = stage_pb2.SPAN_WEIGHT  # ZB-H1: the weight gradients (W)
     SEND = stage_pb2.SPAN_SEND
     RECV_WAIT = stage_pb2.SPAN_RECV_WAIT
     COMMIT = stage_pb2.SPAN_COMMIT

@@ -59,7 +59,7 @@ class JobSpec(_message.Message):
     """"cross_entropy", "mse" """
     micro_batches: _builtins.int
     schedule: _builtins.str
-    """"gpipe", "1f1b" """
+    """"gpipe", "1f1b", "zb-h1" """
     sample_structure: _builtins.str
     """A first layer taking several tensors: the sample's structure (JSON, as
     DataHeader.structure) and each of its tensors, instead of sample_input.

@@ -56,12 +56,16 @@ class _ScheduleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Schedule.Val
     SCHEDULE_UNSPECIFIED: _Schedule.ValueType  # 0
     GPIPE: _Schedule.ValueType  # 1
     ONE_F_ONE_B: _Schedule.ValueType  # 2
+    ZB_H1: _Schedule.ValueType  # 3
+    """zero bubble: backward split into input (B) and weight (W) gradients"""
 
 class Schedule(_Schedule, metaclass=_ScheduleEnumTypeWrapper): ...
 
 SCHEDULE_UNSPECIFIED: Schedule.ValueType  # 0
 GPIPE: Schedule.ValueType  # 1
 ONE_F_ONE_B: Schedule.ValueType  # 2
+ZB_H1: Schedule.ValueType  # 3
+"""zero bubble: backward split into input (B) and weight (W) gradients"""
 Global___Schedule: _TypeAlias = Schedule  # noqa: Y015
 
 class _RunMode:
@@ -136,6 +140,8 @@ class _SpanKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpanKind.Val
     """gathering the layers of the new epoch"""
     SPAN_EPOCH_COMMIT: _SpanKind.ValueType  # 8
     """installing them"""
+    SPAN_WEIGHT: _SpanKind.ValueType  # 9
+    """ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
 
 class SpanKind(_SpanKind, metaclass=_SpanKindEnumTypeWrapper):
     """---- traces -----------------------------------------------------------------"""
@@ -156,6 +162,8 @@ SPAN_PREPARE: SpanKind.ValueType  # 7
 """gathering the layers of the new epoch"""
 SPAN_EPOCH_COMMIT: SpanKind.ValueType  # 8
 """installing them"""
+SPAN_WEIGHT: SpanKind.ValueType  # 9
+"""ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
 Global___SpanKind: _TypeAlias = SpanKind  # noqa: Y015
 
 @_typing.final
@@ -495,6 +503,7 @@ class StepReport(_message.Message):
     GRAD_SQ_NORM_FIELD_NUMBER: _builtins.int
     LR_FIELD_NUMBER: _builtins.int
     LOSS_SCALE_FIELD_NUMBER: _builtins.int
+    WEIGHT_S_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     peak_stashed: _builtins.int
     """most micro-batches whose activations were alive at once"""
@@ -517,11 +526,16 @@ class StepReport(_message.Message):
     @_builtins.property
     def forward_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Train runs: seconds each micro-batch's forward (loss included on the last stage) and
-        backward took here, by micro-batch id (for the pipeline-efficiency figure).
+        backward took here, by micro-batch id (for the pipeline-efficiency figure); with ZB_H1
+        backward_s is the input gradients' op (B) and weight_s the weight gradients' (W).
         """
 
     @_builtins.property
     def backward_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def weight_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """ZB_H1 only (see forward_s)"""
+
     def __init__(
         self,
         *,
@@ -537,10 +551,11 @@ class StepReport(_message.Message):
         grad_sq_norm: _builtins.float = ...,
         lr: _builtins.float = ...,
         loss_scale: _builtins.float = ...,
+        weight_s: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "grad_sq_norm", b"grad_sq_norm", "loss_scale", b"loss_scale", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "compute_s", b"compute_s", "forward_s", b"forward_s", "grad_sq_norm", b"grad_sq_norm", "loss_scale", b"loss_scale", "losses", b"losses", "lr", b"lr", "peak_stashed", b"peak_stashed", "peak_stashed_bytes", b"peak_stashed_bytes", "run", b"run", "timings", b"timings", "wall_s", b"wall_s", "weight_s", b"weight_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

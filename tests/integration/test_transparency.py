@@ -31,7 +31,7 @@ def _batch(model: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_pipeline_matches_single_process(
     cluster4: LocalCluster, model: str, optimizer: str, schedule: str
 ) -> None:
