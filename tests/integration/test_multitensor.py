@@ -124,7 +124,7 @@ def _train_with_a_migration(pipe: Pipeline, cluster: LocalCluster, as_dict: bool
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_hidden_and_mask_train_through_3_stages_like_pytorch_across_a_migration(
     cluster: LocalCluster, schedule: str
 ) -> None:

@@ -74,7 +74,18 @@ def test_a_stage_killed_at_any_step_point_costs_time_not_results(
     its commit, or while copying a snapshot: the spare (or the survivors) take over from
     the last snapshot, the client replays, and training ends with the failure-free run's
     losses and weights, without an exception."""
-    with pipeline(cluster) as pipe:
+    _kill_a_stage_at(cluster, point)
+
+
+@pytest.mark.timeout(180)
+def test_zero_bubble_training_survives_a_stage_killed_mid_step(cluster: LocalCluster) -> None:
+    """ZB-H1 (weight gradients left for later in the run): a stage SIGKILLed while running
+    a step costs time, not results."""
+    _kill_a_stage_at(cluster, "run_started", schedule="zb-h1")
+
+
+def _kill_a_stage_at(cluster: LocalCluster, point: str, **options: object) -> None:
+    with pipeline(cluster, **options) as pipe:
         kill_at = 5
         victim: list[str] = []
 

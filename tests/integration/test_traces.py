@@ -19,6 +19,7 @@ import torch
 
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
+from elasticpipe.schedule import stage_ops as schedule_ops
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 STAGES, MICRO_BATCHES = 4, 4
@@ -176,6 +177,45 @@ def test_trace_of_a_1f1b_step_has_every_op_in_dependency_order(
     assert [s["index"] for s in doc["stages"]] == list(range(STAGES))
     assert [f["step"] for f in doc["steps"]] == [2]
     assert 0 < doc["steps"][0]["efficiency"] <= 1
+
+
+@pytest.mark.timeout(180)
+def test_a_zero_bubble_step_traces_b_and_w_in_the_schedule_order(
+    cluster4: LocalCluster, tmp_path: Path
+) -> None:
+    """ZB-H1 on 3 stages: every stage traces F, B and W of every micro-batch in exactly its
+    schedule's order, each W after its B; the reports carry W durations and the efficiency
+    walks the split schedule; the timeline draws."""
+    stages = 3
+    with Pipeline(
+        coordinator=cluster4.coordinator,
+        model="mlp",
+        model_kwargs={"sizes": [32, 128, 128, 128, 128, 10]},
+        micro_batches=MICRO_BATCHES,
+        schedule="zb-h1",
+        stages=stages,
+    ) as pipe:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            pipe.train_step(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,)))
+        stats = pipe.last_step
+        assert 0 < stats.efficiency <= 1 and stats.ideal_s > 0
+        for report in stats.reports:
+            assert len(report.weight_s) == len(report.backward_s) == MICRO_BATCHES
+            assert min(report.weight_s) > 0
+        assert [r.peak_stashed for r in stats.reports] == [stages] * stages
+        out, png = tmp_path / "zb.json", tmp_path / "zb.png"
+        traced = _admin(cluster4, "trace", "--steps", "1", "--out", str(out), "--png", str(png))
+        assert traced.returncode == 0, traced.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    ops = [e for e in events if e.get("ph") == "X" and e["cat"] in ("F", "B", "W")]
+    by_stage: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in sorted(ops, key=lambda e: e["ts"]):
+        by_stage[e["pid"]].append(e)
+    for s in range(stages):
+        want = [str(op) for op in schedule_ops("zb-h1", stages, s, MICRO_BATCHES)]
+        assert [e["name"] for e in by_stage[s]] == want
+    assert _png_size(png)[0] == 1200
 
 
 @pytest.mark.timeout(60)

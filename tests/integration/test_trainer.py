@@ -229,7 +229,7 @@ def test_a_checkpoint_resumes_the_schedule(cluster: LocalCluster, tmp_path: Path
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_recompute_is_exact_and_stashes_less(
     cluster: LocalCluster, model: str, schedule: str

@@ -23,6 +23,27 @@ def test_equal_op_times_give_m_plus_s_minus_one_slots(schedule: str, stages: int
     assert ideal_step_time(schedule, forward, backward) == pytest.approx((m + stages - 1) * 3.0)
 
 
+@pytest.mark.parametrize(("stages", "m"), [(1, 4), (2, 4), (3, 4), (4, 8), (8, 16)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(stages: int, m: int) -> None:
+    """F = B = W = 1: ZB-H1 ends after 3m + (S - 1) units, 1F1B (B = 2) after 3m + 3(S - 1)."""
+    ones = [[1.0] * m for _ in range(stages)]
+    zb = ideal_step_time("zb-h1", ones, ones, ones)
+    one_f_one_b = ideal_step_time("1f1b", *_equal(stages, m, 1.0, 2.0))
+    assert zb == pytest.approx(3 * m + (stages - 1))
+    assert one_f_one_b - 3 * m == pytest.approx(3 * (zb - 3 * m))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "weights"), [("zb-h1", None), ("1f1b", [[1.0], [1.0]]), ("zb-h1", [[1.0]])]
+)
+def test_weight_durations_go_with_split_schedules_only(
+    schedule: str, weights: list[list[float]] | None
+) -> None:
+    """ZB-H1 needs one W duration per micro-batch and stage; the others take none."""
+    with pytest.raises(InvalidRequest, match="weight-gradient durations"):
+        ideal_step_time(schedule, [[1.0], [1.0]], [[1.0], [1.0]], weights)
+
+
 def test_the_worked_example_of_the_module() -> None:
     """1F1B, 2 stages, 2 micro-batches, F 1 s, B 2 s: B(0,1) ends at 9 s."""
     assert ideal_step_time("1f1b", [[1, 1], [1, 1]], [[2, 2], [2, 2]]) == pytest.approx(9.0)

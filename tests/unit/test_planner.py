@@ -22,6 +22,7 @@ from elasticpipe.coordinator.planner import (
     plan,
     predict_step_time,
 )
+from elasticpipe.efficiency import ideal_step_time
 from elasticpipe.errors import InvalidRequest
 
 TOL = 1e-9
@@ -337,6 +338,26 @@ def test_step_time_is_fill_and_drain_plus_one_bottleneck_per_extra_micro_batch()
     assert predict_step_time(result, 1) == 6.75
     assert predict_step_time(result, 8) == 6.75 + 7 * 3.0
     assert predict_step_time(result, 8, "gpipe") == predict_step_time(result, 8, "1f1b")
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    times=st.lists(st.floats(0.5, 4.0), min_size=1, max_size=7),
+    m=st.integers(1, 16),
+)
+def test_zb_h1_prediction_follows_the_schedule_critical_path(times: list[float], m: int) -> None:
+    """With F, B and W a third of each stage's time, the ZB-H1 prediction is within 14%
+    of the critical path of the schedule's own ops, and never above 1F1B's prediction
+    (whose own formula is within 26% of its critical path: asserted beside it)."""
+    stages = len(times)
+    result = Plan(tuple(range(stages + 1)), tuple(times), (0.0,) * (stages - 1), max(times))
+    thirds = [[t / 3] * m for t in times]
+    walked = ideal_step_time("zb-h1", thirds, thirds, thirds)
+    predicted = predict_step_time(result, m, "zb-h1")
+    assert predicted == pytest.approx(walked, rel=0.14)
+    assert predicted <= predict_step_time(result, m, "1f1b") + 1e-9
+    one_f_one_b = ideal_step_time("1f1b", thirds, [[2 * t / 3] * m for t in times])
+    assert predict_step_time(result, m, "1f1b") == pytest.approx(one_f_one_b, rel=0.27)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.schedule import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     Op,
     OpKind,
     forward_ops,
@@ -33,17 +34,25 @@ def _names(ops: list[Op]) -> str:
     return " ".join(str(op) for op in ops)
 
 
+def _kinds(schedule: str) -> list[OpKind]:
+    if schedule in SPLIT_BACKWARD:
+        return [OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT]
+    return [OpKind.FORWARD, OpKind.BACKWARD]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_micro_batch_forwarded_then_backwarded_once(schedule: str) -> None:
-    """Each stage forwards and backwards every micro-batch exactly once, F before B."""
+    """Each stage forwards and backwards every micro-batch exactly once, F before B (before
+    W where the schedule splits the backward)."""
+    kinds = _kinds(schedule)
     for _, stages, stage, m in (s for s in SHAPES if s[0] == schedule):
         ops = stage_ops(schedule, stages, stage, m)
-        assert len(ops) == 2 * m
-        forwards = [op.micro_batch for op in ops if op.kind is OpKind.FORWARD]
-        backwards = [op.micro_batch for op in ops if op.kind is OpKind.BACKWARD]
-        assert sorted(forwards) == sorted(backwards) == list(range(m))
+        assert len(ops) == len(kinds) * m
+        for kind in kinds:
+            assert sorted(op.micro_batch for op in ops if op.kind is kind) == list(range(m))
         for i in range(m):
-            assert ops.index(Op(OpKind.FORWARD, i)) < ops.index(Op(OpKind.BACKWARD, i))
+            at = [ops.index(Op(kind, i)) for kind in kinds]
+            assert at == sorted(at), (stages, stage, m, _names(ops))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -51,7 +60,7 @@ def test_ops_run_in_micro_batch_order(schedule: str) -> None:
     """Forwards and backwards each run in ascending micro-batch order on every stage."""
     for _, stages, stage, m in (s for s in SHAPES if s[0] == schedule):
         ops = stage_ops(schedule, stages, stage, m)
-        for kind in OpKind:
+        for kind in _kinds(schedule):
             order = [op.micro_batch for op in ops if op.kind is kind]
             assert order == list(range(m)), (stages, stage, m, _names(ops))
 
@@ -61,6 +70,28 @@ def test_1f1b_peak_in_flight_is_bounded_by_distance_to_the_end() -> None:
     for _, stages, stage, m in (s for s in SHAPES if s[0] == "1f1b"):
         ops = stage_ops("1f1b", stages, stage, m)
         assert peak_in_flight(ops) == min(stages - stage, m), (stages, stage, m)
+
+
+def test_zb_h1_peak_in_flight_is_1f1b_peak_on_every_stage() -> None:
+    """ZB-H1 keeps a micro-batch until its W: at most min(S, m) alive, on every stage."""
+    for _, stages, stage, m in (s for s in SHAPES if s[0] == "zb-h1"):
+        ops = stage_ops("zb-h1", stages, stage, m)
+        assert peak_in_flight(ops) == min(stages, m), (stages, stage, m)
+
+
+def test_zb_h1_defers_each_weight_gradient_by_the_stage_index() -> None:
+    """Stage s runs W(i) right after the (i + s)-th B, or at the end."""
+    for _, stages, stage, m in (s for s in SHAPES if s[0] == "zb-h1"):
+        ops = stage_ops("zb-h1", stages, stage, m)
+        backs = [n for n, op in enumerate(ops) if op.kind is OpKind.BACKWARD]
+        for i in range(m):
+            w = ops.index(Op(OpKind.WEIGHT, i))
+            if i + stage < m:
+                assert w == backs[i + stage] + 1, (stages, stage, m, _names(ops))
+            else:
+                assert all(op.kind is OpKind.WEIGHT for op in ops[w:]), _names(ops)
+        without = [op for op in ops if op.kind is not OpKind.WEIGHT]
+        assert without == stage_ops("1f1b", stages, stage, m)  # 1F1B's order of F and B
 
 
 def test_gpipe_peak_in_flight_is_every_micro_batch() -> None:
@@ -77,6 +108,9 @@ def test_gpipe_peak_in_flight_is_every_micro_batch() -> None:
         ("1f1b", 0, "F0 F1 F2 B0 F3 B1 B2 B3"),
         ("1f1b", 1, "F0 F1 B0 F2 B1 F3 B2 B3"),
         ("1f1b", 2, "F0 B0 F1 B1 F2 B2 F3 B3"),
+        ("zb-h1", 0, "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3"),
+        ("zb-h1", 1, "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3"),
+        ("zb-h1", 2, "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"),
     ],
 )
 def test_docstring_tables(schedule: str, stage: int, expected: str) -> None:
@@ -86,7 +120,14 @@ def test_docstring_tables(schedule: str, stage: int, expected: str) -> None:
 
 @pytest.mark.parametrize(
     ("ops", "peak"),
-    [("", 0), ("F0 B0 F1 B1", 1), ("F0 F1 B0 F2 B1 B2", 2), ("F0 F1 F2 B0 B1 B2", 3)],
+    [
+        ("", 0),
+        ("F0 B0 F1 B1", 1),
+        ("F0 F1 B0 F2 B1 B2", 2),
+        ("F0 F1 F2 B0 B1 B2", 3),
+        ("F0 B0 F1 B1 W0 W1", 2),  # split: alive until W
+        ("F0 B0 W0 F1 B1 W1", 1),
+    ],
 )
 def test_peak_in_flight_counts_alive_forwards(ops: str, peak: int) -> None:
     """peak_in_flight is the largest number of forwarded, not yet backwarded micro-batches."""
@@ -106,6 +147,8 @@ def _ready(op: Op, stage: int, stages: int, done: list[set[Op]]) -> bool:
     """Whether a stage may run ``op`` now: its input arrived (sends never block)."""
     if op.kind is OpKind.FORWARD:
         return stage == 0 or op in done[stage - 1]
+    if op.kind is OpKind.WEIGHT:
+        return Op(OpKind.BACKWARD, op.micro_batch) in done[stage]
     return stage == stages - 1 or op in done[stage + 1]
 
 
@@ -124,7 +167,7 @@ def _run(lists: list[list[Op]], pick: random.Random | None) -> list[str]:
         assert runnable, f"deadlock at {cursor} after {trace}"
         s = runnable[0] if pick is None else pick.choice(runnable)
         op = lists[s][cursor[s]]
-        if op.kind is OpKind.BACKWARD:
+        if op.kind is not OpKind.FORWARD:
             assert Op(OpKind.FORWARD, op.micro_batch) in done[s]
         done[s].add(op)
         cursor[s] += 1
@@ -146,13 +189,13 @@ def _simulate(schedule: str, stages: int, m: int, pick: random.Random | None) ->
 def test_all_stages_together_never_deadlock(schedule: str, stages: int, m: int, seed: int) -> None:
     """Stages running their lists in any interleaving always finish every op."""
     trace = _simulate(schedule, stages, m, random.Random(seed))
-    assert len(trace) == 2 * m * stages
+    assert len(trace) == len(_kinds(schedule)) * m * stages
 
 
 def test_every_shape_completes_in_order_of_readiness() -> None:
     """Every schedule, S in 1..6 and m in 1..10 completes under a fixed interleaving."""
     for schedule, stages, m in itertools.product(SCHEDULES, range(1, 7), range(1, 11)):
-        assert len(_simulate(schedule, stages, m, None)) == 2 * m * stages
+        assert len(_simulate(schedule, stages, m, None)) == len(_kinds(schedule)) * m * stages
 
 
 def test_simulation_detects_a_deadlock() -> None:
