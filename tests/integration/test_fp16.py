@@ -125,15 +125,17 @@ def test_fp16_equals_grad_scaler_across_migrations(
 
 
 @pytest.mark.timeout(180)
-def test_fp16_gpt_on_two_stages_equals_grad_scaler(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_fp16_gpt_on_two_stages_equals_grad_scaler(cluster: LocalCluster, schedule: str) -> None:
     """A small GPT (embeddings, layer norms, attention under float16 autocast) on 2 stages
-    with GPipe: the same skips and scales as GradScaler, losses equal, weights within
-    float32 tolerance (the embedding's gradient may add in another order)."""
+    with GPipe and ZB-H1 (weight gradients after the input's): the same skips and scales as
+    GradScaler, losses equal, weights within float32 tolerance (the embedding's gradient may
+    add in another order)."""
     gpt = {"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8}
     reference = Fp16Reference("gpt", gpt, 4, ADAM, 3, SCALER)
     g = torch.Generator().manual_seed(3)
     skipped = []
-    with _pipeline(cluster, model="gpt", model_kwargs=gpt, stages=2, schedule="gpipe") as pipe:
+    with _pipeline(cluster, model="gpt", model_kwargs=gpt, stages=2, schedule=schedule) as pipe:
         for step in range(1, 10):
             x = torch.randint(0, 17, (7, 8), generator=g)
             y = torch.roll(x, -1, dims=1)
