@@ -10,7 +10,9 @@ What is measured (all in one run, same model, seed, data and number of steps):
   of smaller matrix products;
 * (b)  ``Pipeline`` over 1 stage server (a coordinator and a stage as separate processes on
   loopback): what the client/server machinery costs when nothing is parallel;
-* (c)  ``Pipeline`` over 2 stage servers with the 1F1B schedule.
+* (c)  ``Pipeline`` over 2 stage servers with the 1F1B schedule;
+* (e)  the same with the ZB-H1 schedule (backward split into input and weight gradients,
+  the weight gradients filling the drain's bubble: ``elasticpipe.schedule``).
 
 Each is warmed up, then ``--steps`` steps are timed with ``time.perf_counter`` around the
 whole ``train_step`` (split, RPCs, compute, commit). The table gives steps/s, ms/step (mean
@@ -179,7 +181,7 @@ def run_plain(
     return result
 
 
-def make_pipeline(cluster: LocalCluster, stages: int) -> Pipeline:
+def make_pipeline(cluster: LocalCluster, stages: int, schedule: str = "1f1b") -> Pipeline:
     return Pipeline(
         tls=cluster.client_tls,
         coordinator=cluster.coordinator,
@@ -191,6 +193,7 @@ def make_pipeline(cluster: LocalCluster, stages: int) -> Pipeline:
         loss=LOSS,
         micro_batches=MICRO_BATCHES,
         stages=stages,
+        schedule=schedule,
     )
 
 
@@ -202,6 +205,7 @@ def run_pipeline(
     warmup: int,
     steps: int,
     profile_steps: int = 0,
+    schedule: str = "1f1b",
 ) -> tuple[Result, str]:
     """Training through ``stages`` stage servers; returns the result and a profile report."""
     torch.set_num_threads(1)
@@ -212,7 +216,7 @@ def run_pipeline(
     with LocalCluster(stages=stages, coordinator_args=COORDINATOR_ARGS) as cluster:
         result.start_s = time.perf_counter() - started
         procs = [cluster.procs[f"stage-{s}"].pid for s in range(stages)]
-        with make_pipeline(cluster, stages) as pipe:
+        with make_pipeline(cluster, stages, schedule) as pipe:
             for k in range(warmup + steps):
                 x, y = data[k % len(data)]
                 if k == warmup:
@@ -398,6 +402,11 @@ def cut_bytes(boundaries: tuple[int, ...]) -> int:
     return total
 
 
+def outside_ms(r: Result) -> float:
+    """Mean ms of a client step beyond the busiest stage's mean compute."""
+    return r.mean_ms - max(mean_per_step(r.compute_s))
+
+
 def mean_per_step(per_stage: list[list[float]]) -> list[float]:
     return [1000.0 * sum(v) / len(v) for v in per_stage]
 
@@ -466,12 +475,15 @@ def main() -> int:
     two, profile = run_pipeline(
         "(c)", "Pipeline, 2 stage servers (1F1B)", 2, data, warmup, steps, args.profile
     )
+    zb, _ = run_pipeline(
+        "(e)", "Pipeline, 2 stage servers (ZB-H1)", 2, data, warmup, steps, schedule="zb-h1"
+    )
     tls_pair = run_tls_pair(data, warmup, steps, args.tls_rounds) if args.tls_rounds else None
     load_after = os.getloadavg()
 
-    print_table([plain, plain2, plain_mb, one, two], [plain, plain2, plain_mb])
+    print_table([plain, plain2, plain_mb, one, two, zb], [plain, plain2, plain_mb])
     print()
-    for r in (one, two):
+    for r in (one, two, zb):
         compute = mean_per_step(r.compute_s)
         wall = mean_per_step(r.stage_wall_s)
         stages = ", ".join(
@@ -514,7 +526,7 @@ def main() -> int:
 
     last = torch.tensor(plain.losses[-1])
     agree = True
-    for r in (plain2, plain_mb, one, two):
+    for r in (plain2, plain_mb, one, two, zb):
         try:
             torch.testing.assert_close(torch.tensor(r.losses[-1]), last)
         except AssertionError:
@@ -523,7 +535,9 @@ def main() -> int:
                 f"final losses differ: {r.name} {r.losses[-1]:.8f} vs (a) {plain.losses[-1]:.8f} "
                 f"(difference {r.losses[-1] - plain.losses[-1]:+.3e})"
             )
-    finals = ", ".join(f"{r.name} {r.losses[-1]:.8f}" for r in (plain, plain2, plain_mb, one, two))
+    finals = ", ".join(
+        f"{r.name} {r.losses[-1]:.8f}" for r in (plain, plain2, plain_mb, one, two, zb)
+    )
     if agree:
         print(f"losses agree (assert_close): final loss after {warmup + steps} steps {finals}")
     print(
@@ -554,6 +568,10 @@ def main() -> int:
         "two_stage_ratio": round(two.steps_per_s / plain.steps_per_s, 3),
         "one_stage_ratio_vs_2_threads": round(one.steps_per_s / plain2.steps_per_s, 3),
         "two_stage_ratio_vs_2_threads": round(two.steps_per_s / plain2.steps_per_s, 3),
+        "two_stage_outside_compute_ms": round(outside_ms(two), 2),
+        "zb_two_stage_steps_per_s": round(zb.steps_per_s, 3),
+        "zb_two_stage_outside_compute_ms": round(outside_ms(zb), 2),
+        "zb_vs_1f1b": round(zb.steps_per_s / two.steps_per_s, 3),
         "inter_stage_bytes_per_step": between,
         "losses_agree": agree,
         "steps": steps,
