@@ -23,7 +23,9 @@ from typing import NamedTuple
 from elasticpipe.v1 import stage_pb2
 
 DEFAULT_STEPS_KEPT = 16
-MAX_SPANS_PER_STEP = 5 * 4096 + 64  # F, B, W, a receive wait and a send per micro-batch
+# F, B, a receive wait and a send per micro-batch (ZB-H1's W: 5 each, up to 3276 of them);
+# at most one response's worth (MAX_TRACE_SPANS), so one step always fits an answer
+MAX_SPANS_PER_STEP = 4 * 4096 + 64
 MAX_TRACE_SPANS = 20_000  # per response: about 1 MB on the wire
 
 
