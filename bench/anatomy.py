@@ -15,7 +15,7 @@ traced steps, in ms from the step's start on the client:
 * the time from the last stage's last backward to ``driver.run`` returning (reports back),
   and the commit's round trip.
 
-Run: ``python bench/anatomy.py [--steps N] [--stages S] [--schedule 1f1b|gpipe]``.
+Run: ``python bench/anatomy.py [--steps N] [--stages S] [--schedule 1f1b|gpipe|zb-h1]``.
 """
 
 from __future__ import annotations
@@ -51,13 +51,18 @@ STRAGGLER_MODEL = {
 }
 SIZES = [1024] * 5
 BATCH, MICRO_BATCHES = 256, 4
+KINDS = {
+    stage_pb2.SPAN_FORWARD: OpKind.FORWARD,
+    stage_pb2.SPAN_BACKWARD: OpKind.BACKWARD,
+    stage_pb2.SPAN_WEIGHT: OpKind.WEIGHT,
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="traced steps (at most 16)")
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"])
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--show", action="store_true", help="print the last step's spans")
     parser.add_argument(
@@ -156,16 +161,13 @@ def main() -> int:
         rows["client: run returns"].append(ms(marks["run1"][n]))
         rows["client: commit starts"].append(ms(marks["commit0"][n]))
         rows["client: commit returns"].append(ms(marks["commit1"][n]))
-        ops_all, fwd_all, bwd_all = [], [], []
+        ops_all, fwd_all, bwd_all, w_all = [], [], [], []
         last_b_end = 0.0
         for t in collected:
             spans = [s for s in t.spans if s.step == step]
             run = max((s.run for s in spans if s.kind == stage_pb2.SPAN_FORWARD), default=0)
             spans = [s for s in spans if s.run == run]
-            ops = sorted(
-                (s for s in spans if s.kind in (stage_pb2.SPAN_FORWARD, stage_pb2.SPAN_BACKWARD)),
-                key=lambda s: s.start_ns,
-            )
+            ops = sorted((s for s in spans if s.kind in traces.OP_SPANS), key=lambda s: s.start_ns)
             if not ops:
                 continue
             first = ms(t.local(ops[0])[0])
@@ -176,7 +178,7 @@ def main() -> int:
             p = f"stage {t.index}"
             rows[f"{p}: first F starts"].append(first)
             rows[f"{p}: last B ends"].append(last)
-            rows[f"{p}: F+B busy"].append(busy)
+            rows[f"{p}: F+B(+W) busy"].append(busy)
             rows[f"{p}: recv waits (in window)"].append(waits)
             rows[f"{p}: window - busy - waits"].append(last - first - busy - waits)
             rows[f"{p}: send spans (link thread)"].append(sends)
@@ -193,19 +195,20 @@ def main() -> int:
             gaps = [(b.start_ns - a.start_ns - a.duration_ns) / 1e6 for a, b in pairwise(ops)]
             rows[f"{p}: gaps between ops (sum)"].append(sum(gaps))
             m = 1 + max(s.micro_batch for s in ops)
-            f, b = [0.0] * m, [0.0] * m
+            took = {kind: [0.0] * m for kind in OpKind}
             order = []
             for s in ops:
-                fw = s.kind == stage_pb2.SPAN_FORWARD
-                (f if fw else b)[s.micro_batch] = s.duration_ns / 1e9
-                order.append(Op(OpKind.FORWARD if fw else OpKind.BACKWARD, s.micro_batch))
+                kind = KINDS[s.kind]
+                took[kind][s.micro_batch] = s.duration_ns / 1e9
+                order.append(Op(kind, s.micro_batch))
             ops_all.append(order)
-            fwd_all.append(f)
-            bwd_all.append(b)
+            fwd_all.append(took[OpKind.FORWARD])
+            bwd_all.append(took[OpKind.BACKWARD])
+            w_all.append(took[OpKind.WEIGHT])
             last_b_end = max(last_b_end, last)
         if len(ops_all) == len(collected):
             rows["critical path of the ops (no overhead)"].append(
-                1e3 * critical_path(ops_all, fwd_all, bwd_all)
+                1e3 * critical_path(ops_all, fwd_all, bwd_all, w_all)
             )
             rows["last B end -> run returns"].append(ms(marks["run1"][n]) - last_b_end)
     if args.show:
@@ -233,7 +236,7 @@ def main() -> int:
         print(f"  {name:<{width}} {statistics.median(values):8.2f}")
     med = {name: statistics.median(values) for name, values in rows.items()}
     step_ms, cp = med["client step"], med["critical path of the ops (no overhead)"]
-    busiest = max(v for k, v in med.items() if k.endswith("F+B busy"))
+    busiest = max(v for k, v in med.items() if k.endswith("F+B(+W) busy"))
     start = med["stage 0: first F starts"]
     commit = med["client: commit returns"] - med["client: run returns"]
     back = med["last B end -> run returns"]
