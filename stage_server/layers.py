@@ -11,7 +11,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -23,7 +23,7 @@ from elasticpipe import clipping, loss_scaling, models, precision, rng, schedule
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
-from elasticpipe.stage_server import devicepath
+from elasticpipe.stage_server import devicepath, weightgrad
 from elasticpipe.stage_server.devicetime import EventClock, Lap
 from elasticpipe.structure import Value
 from elasticpipe.training import loss_fn, make_optimizer
@@ -82,15 +82,12 @@ class Stash:
 
 
 class _WeightWork(NamedTuple):
-    """One layer's weight gradients, left by B for W: the backward from ``outs`` with
-    ``grads`` through the layer's retained graph, into ``params`` (or into everything the
-    graph reaches where ``params`` is None: a layer whose input needs no gradient, so B
-    had nothing to compute). ``b_seconds`` is what B already spent on the layer."""
+    """One layer's weight gradients, left by B for W (``weightgrad``); ``grads`` are the
+    gradients of its outputs (named in errors), ``b_seconds`` what B spent on it."""
 
     layer: int
-    outs: list[torch.Tensor]
+    split: weightgrad.Split
     grads: list[torch.Tensor]
-    params: Sequence[torch.Tensor] | None
     b_seconds: float | Lap
 
 
@@ -466,11 +463,14 @@ class LayerSlice:
                 continue
             need = [x for x in xs if x.is_floating_point() and x.requires_grad]
             if not need:  # nothing for B: W runs the whole backward
-                stash.weights.append(_WeightWork(i, outs, gs, None, again))
+                whole = weightgrad.Split(fallback=(outs, gs, params))
+                stash.weights.append(_WeightWork(i, whole, gs, again))
                 grads = _input_grads(xs)
                 continue
-            got, seconds = self._autograd(i, micro_batch, gs, partial(_input_only, outs, need, gs))
-            stash.weights.append(_WeightWork(i, outs, gs, params, seconds + again))
+            (got, halves), seconds = self._autograd(
+                i, micro_batch, gs, partial(weightgrad.split_backward, outs, gs, need, params)
+            )
+            stash.weights.append(_WeightWork(i, halves, gs, seconds + again))
             by_id = {id(x): g for x, g in zip(need, got, strict=True)}
             grads = [
                 g if (g := by_id.get(id(x))) is not None else torch.zeros_like(x)
@@ -493,8 +493,7 @@ class LayerSlice:
         """
         work, stash.weights = stash.weights, []
         for w in work:
-            backward = partial(_backward, w.outs, w.grads, w.params)
-            _, seconds = self._autograd(w.layer, micro_batch, w.grads, backward)
+            _, seconds = self._autograd(w.layer, micro_batch, w.grads, w.split.weights)
             self._observe(w.layer, None, w.b_seconds + seconds, 0)
         self.slowdown.pay()
 
@@ -677,19 +676,9 @@ class LayerSlice:
         self.timings.pop(index, None)
 
 
-def _backward(
-    outs: list[torch.Tensor], gs: list[torch.Tensor], params: Sequence[torch.Tensor] | None = None
-) -> None:
-    """Accumulates the gradients of ``outs`` (given ``gs``) into the graph's leaves: all of
-    them, or just ``params`` (the graph is freed either way)."""
-    torch.autograd.backward(outs, gs, inputs=params)
-
-
-def _input_only(
-    outs: list[torch.Tensor], xs: list[torch.Tensor], gs: list[torch.Tensor]
-) -> tuple[torch.Tensor | None, ...]:
-    """The gradients of ``xs`` alone (None: unused), keeping the graph for the weights'."""
-    return torch.autograd.grad(outs, xs, gs, retain_graph=True, allow_unused=True)
+def _backward(outs: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
+    """Accumulates the gradients of ``outs`` (given ``gs``) into the graph's leaves."""
+    torch.autograd.backward(outs, gs)
 
 
 def _input_grads(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
