@@ -234,7 +234,8 @@ class Pipeline:
             loss: "cross_entropy", "mse" or "package.module:function" allowed by the stages
                 (mean over the mini-batch).
             micro_batches: micro-batches per mini-batch (fewer if the batch is smaller).
-            schedule: "1f1b" (bounded activation memory) or "gpipe".
+            schedule: "1f1b" (bounded activation memory), "gpipe", or "zb-h1" (zero bubble:
+                1F1B's order with each backward split into input and weight gradients).
             stages: how many stages to use (default: every live stage); more live stages
                 are spares, which replace a stage that dies.
             snapshot_every: committed steps between snapshots of every layer (kept in host

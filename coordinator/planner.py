@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.schedule import SCHEDULES
 
 __all__ = ["Plan", "PlanError", "moved_layers", "order_hosts", "plan", "predict_step_time"]
 
@@ -38,7 +39,6 @@ _MAX_SWAPS = 1000
 _RELIEVE_TRIES = 64
 # Bisection steps before giving up on closing the last gap (each halves it at least).
 _MAX_PROBES = 200
-_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
 class PlanError(InvalidRequest):
@@ -207,8 +207,8 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
     Raises:
         PlanError: ``micro_batches`` < 1 or ``schedule`` unknown.
     """
-    if schedule not in _SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r} (expected one of {list(_SCHEDULES)})")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r} (expected one of {list(SCHEDULES)})")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise PlanError(f"micro_batches must be an int >= 1 (got {micro_batches!r})")
     links = math.fsum(plan.link_times)

@@ -73,7 +73,7 @@ class LocalPipeline:
                 as for ``Pipeline``.
             schedule: accepted for symmetry with ``Pipeline``; one process runs each
                 micro-batch's forward then backward, which accumulates gradients in the
-                same order as either schedule.
+                same order as every schedule.
             device: where the layers live.
             allow: module prefixes allowed for ``"package.module:name"`` factories,
                 losses and optimizers (what ``--allow-models`` is to a stage).
