@@ -167,8 +167,8 @@ class StageMetrics:
         )
         self.op_seconds = Histogram(
             "elasticpipe_stage_op_seconds",
-            "Compute time of one op: a micro-batch through this stage's layers (kind: forward "
-            "or backward)",
+            "Compute time of one op: a micro-batch through this stage's layers (kind: forward, "
+            "backward, or with ZB-H1 weight: the weights' gradients, backward the input's)",
             ["kind"],
             buckets=OP_BUCKETS,
             registry=r,

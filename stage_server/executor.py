@@ -210,6 +210,9 @@ def _run_ops(
                     wire.encode_value(structure.detached(grad_in), wire_dtype),
                     _message("Backward", ctx, i),
                 )
+            if split:  # what W needs is held on: the gradients kept for it
+                held = sum(s.nbytes() for s in stashes.values())
+                result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
     path.drain(ctx.deadline)  # every device->host copy done and handed to its link
     for link in ctx.links.values():
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)

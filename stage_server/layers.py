@@ -71,11 +71,14 @@ class Stash:
     weights: list[_WeightWork] = field(default_factory=list)
 
     def nbytes(self) -> int:
-        """Bytes of activation memory held: every layer's inputs and outputs, and what the
-        autograd graph still keeps for backward (parameters excluded), each storage once."""
+        """Bytes of activation memory held: every layer's inputs and outputs, what the
+        autograd graph still keeps for backward (parameters excluded), and after a ZB-H1 B
+        the gradients kept for W, each storage once."""
         alive = [t for ref in self.saved if (t := ref()) is not None]
+        alive += [t for pair in self.pairs for ts in pair if ts is not None for t in ts]
+        alive += [t for w in self.weights for t in (*w.grads, *w.split.tensors())]
         held = {}
-        for t in [*alive, *(t for pair in self.pairs for ts in pair if ts is not None for t in ts)]:
+        for t in alive:
             storage = t.untyped_storage()
             held[storage.data_ptr()] = storage.nbytes()
         return sum(held.values())
@@ -274,20 +277,7 @@ class LayerSlice:
         if not train:
             return self._infer(x, micro_batch, step), None
         stash = Stash()
-        params = {
-            p.untyped_storage().data_ptr() for m in self.layers.values() for p in m.parameters()
-        }
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in params:
-                stash.saved.append(weakref.ref(t))
-            return t
-
-        with (
-            torch.enable_grad(),
-            rng.forked(self.device) as seed_layer,
-            torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
-        ):
+        with torch.enable_grad(), rng.forked(self.device) as seed_layer, self._saving(stash):
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 need = input_grad or n > 0
@@ -320,6 +310,19 @@ class LayerSlice:
                 x = y
         self.slowdown.pay()
         return x, stash
+
+    def _saving(self, stash: Stash) -> torch.autograd.graph.saved_tensors_hooks:
+        """Counts what autograd saves for backward (parameters excluded) in ``stash``."""
+        params = {
+            p.untyped_storage().data_ptr() for m in self.layers.values() for p in m.parameters()
+        }
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                stash.saved.append(weakref.ref(t))
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def _infer(self, x: Value, micro_batch: int, step: int) -> Value:
         with torch.inference_mode(), rng.forked(self.device) as seed_layer:
@@ -439,7 +442,8 @@ class LayerSlice:
             again: float | Lap
             ys, again = kept, 0.0
             if ys is None:
-                ys, again = self._recompute(i, xs, stash, micro_batch)
+                with self._saving(stash):  # the rebuilt graph lives until W with ZB-H1
+                    ys, again = self._recompute(i, xs, stash, micro_batch)
             outs, gs, n = [], [], 0  # the floating outputs that need their gradient
             for y in ys:
                 if y.is_floating_point():

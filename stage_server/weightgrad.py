@@ -42,6 +42,13 @@ class Split:
     # (outputs, their gradients, the weights)
     fallback: tuple[list[torch.Tensor], list[torch.Tensor], Sequence[torch.Tensor]] | None = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for W (beyond the graph's own saved tensors)."""
+        held = [g for _, grads, _ in self.exits for g in grads]
+        if self.fallback is not None:
+            held += [*self.fallback[0], *self.fallback[1]]
+        return held
+
     def weights(self) -> None:
         """W: accumulates the weight gradients into ``.grad`` and frees the graph."""
         if self.fallback is not None:

@@ -229,6 +229,33 @@ def test_a_checkpoint_resumes_the_schedule(cluster: LocalCluster, tmp_path: Path
 
 
 @pytest.mark.timeout(240)
+def test_zb_h1_clipping_equals_pytorch_across_migrations(cluster: LocalCluster) -> None:
+    """ZB-H1 (the norm reported after every W) with a warm-up + cosine schedule and
+    clipping across two live migrations: losses, norms and weights equal PyTorch's (by a
+    second reader)."""
+    options, make = SCHEDULES["warmup+cosine"]
+    reference = Reference(make)
+    clipped = 0
+    with _pipeline(cluster, max_grad_norm=MAX_NORM, schedule="zb-h1", **options) as pipe:
+        for step in range(1, 9):
+            x, y = _batch(step)
+            got = pipe.train_step(x, y)
+            want, norm, _ = reference.step(x, y)
+            assert got == pytest.approx(want, rel=1e-5), f"loss of step {step}"
+            assert pipe.last_step.grad_norm == pytest.approx(norm, rel=1e-5), f"step {step}"
+            clipped += norm > MAX_NORM
+            if step == 2:
+                _set_partition(cluster, [0, 1, 3, 7])
+            if step == 5:
+                _set_partition(cluster, [0, 3, 5, 7])
+        assert list(pipe.partition.boundaries) == [0, 3, 5, 7]
+        state = pipe.state_dict()
+    assert clipped >= 4
+    for key, value in reference.model.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=f"parameter {key}")
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_recompute_is_exact_and_stashes_less(
@@ -252,7 +279,8 @@ def test_recompute_is_exact_and_stashes_less(
         for name, value in plain.items():
             assert torch.equal(state[name], value), f"{name} with recompute={key}"
         assert stashed < plain_bytes, f"recompute={key}: {stashed} >= {plain_bytes}"
-    assert results["True"][1] <= results["[1, 2]"][1]
+    if schedule != "zb-h1":  # there B rebuilds every recomputed graph, which W then needs
+        assert results["True"][1] <= results["[1, 2]"][1]
 
 
 def _with_cuts(model: nn.Sequential, boundaries: list[int], wire_dtype: str) -> nn.Module:

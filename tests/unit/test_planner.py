@@ -344,8 +344,11 @@ def test_step_time_is_fill_and_drain_plus_one_bottleneck_per_extra_micro_batch()
 @given(
     times=st.lists(st.floats(0.5, 4.0), min_size=1, max_size=7),
     m=st.integers(1, 16),
+    link=st.floats(0.0, 8.0),
 )
-def test_zb_h1_prediction_follows_the_schedule_critical_path(times: list[float], m: int) -> None:
+def test_zb_h1_prediction_follows_the_schedule_critical_path(
+    times: list[float], m: int, link: float
+) -> None:
     """With F, B and W a third of each stage's time, the ZB-H1 prediction is within 14%
     of the critical path of the schedule's own ops, and never above 1F1B's prediction
     (whose own formula is within 26% of its critical path: asserted beside it)."""
@@ -356,8 +359,19 @@ def test_zb_h1_prediction_follows_the_schedule_critical_path(times: list[float],
     predicted = predict_step_time(result, m, "zb-h1")
     assert predicted == pytest.approx(walked, rel=0.14)
     assert predicted <= predict_step_time(result, m, "1f1b") + 1e-9
+    links = (link,) * (stages - 1)
+    linked = Plan(result.boundaries, result.stage_times, links, max([*times, *links]))
+    assert predict_step_time(linked, m, "zb-h1") <= predict_step_time(linked, m, "1f1b") + 1e-9
     one_f_one_b = ideal_step_time("1f1b", thirds, [[2 * t / 3] * m for t in times])
     assert predict_step_time(result, m, "1f1b") == pytest.approx(one_f_one_b, rel=0.27)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_zb_h1_prediction_with_a_link_as_bottleneck_is_not_above_1f1b(m: int) -> None:
+    """A 10 s link between two 1 s stages: ZB-H1 predicts no more than 1F1B (found by a
+    second reader: the link was counted m + 1 times)."""
+    result = Plan((0, 1, 2), (1.0, 1.0), (10.0,), 10.0)
+    assert predict_step_time(result, m, "zb-h1") <= predict_step_time(result, m, "1f1b")
 
 
 @pytest.mark.parametrize(

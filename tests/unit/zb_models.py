@@ -1,0 +1,122 @@
+"""Odd layers for the ZB-H1 review: frozen, reused, unused and independent parameters,
+tuples with int tensors, batch norm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Frozen(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+        self.lin.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Twice(nn.Module):
+    """One Linear used twice, with a nonlinearity between (W must walk back through it)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class Unused(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+        self.spare = nn.Parameter(torch.ones(w))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.spare.fill_(1.0)
+        self.lin.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class WithIds(nn.Module):
+    """Returns (hidden, int ids)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = (x.detach().abs().sum(-1) * 10).long() % 5
+        return self.lin(x), ids
+
+
+class UseIds(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, w)
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, ids = x
+        return self.lin(h) * self.emb(ids)
+
+
+class Independent(nn.Module):
+    """Output: a parameter-only tensor beside the input passed through a Linear."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.linspace(-1, 1, w))
+        self.lin = nn.Linear(w, w)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.p.copy_(torch.linspace(-1, 1, self.p.numel()))
+        self.lin.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.lin(x)), self.p.expand(x.shape[0], -1) * 2
+
+
+class Join(nn.Module):
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x[0] + x[1]
+
+
+def odd(width: int = 8, classes: int = 3) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(width, width),
+        Frozen(width),
+        Twice(width),
+        Unused(width),
+        WithIds(width),
+        UseIds(width),
+        nn.BatchNorm1d(width),
+        Independent(width),
+        Join(),
+        nn.ReLU(),
+        nn.Linear(width, classes),
+    )
+
+
+def independent_only(width: int = 8) -> nn.Sequential:
+    """A layer whose only output does not depend on its input, then a Linear."""
+    return nn.Sequential(nn.Linear(width, width), Bias(width), nn.Linear(width, width))
+
+
+class Bias(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.linspace(-1, 1, w))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.p.copy_(torch.linspace(-1, 1, self.p.numel()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.p.expand(x.shape[0], -1) * 3
