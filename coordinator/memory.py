@@ -19,7 +19,9 @@ A layer ``l`` on a stage needs::
   first stage's), for every stage. That over-reserves activations on later stages, never
   under-reserves, and keeps the planner exact for what it is given. ZB-H1 keeps a
   micro-batch alive on stage ``s`` until its weight gradients, ``s`` backwards after its
-  input gradients: ``min(m, S)`` on every stage, the same need.
+  input gradients: ``min(m, S)`` on every stage, of which up to ``min(m, s)`` also hold the
+  gradients B kept for W (at most about one stash more each: a gradient per tensor the
+  weights' nodes produced); taken at its largest, ``min(m, S) + min(m, S - 1)``.
 
 A stage offers what it reports (``capacity.detect``: ``--memory``, free CUDA memory less a
 headroom, or the host's available memory); 0 means unknown, and such a stage has no cap, nor
@@ -60,7 +62,10 @@ def in_flight(micro_batches: int, schedule: str, num_stages: int) -> int:
     """Micro-batches whose activations the busiest stage holds at once (see module doc)."""
     if schedule == "gpipe":
         return micro_batches
-    return min(micro_batches, max(num_stages, 1))
+    alive = min(micro_batches, max(num_stages, 1))
+    if schedule == "zb-h1":
+        return alive + min(micro_batches, max(num_stages - 1, 0))
+    return alive
 
 
 def optimizer_factor(optimizer: str, kwargs: dict[str, object]) -> float:

@@ -18,12 +18,21 @@ def _job(**kw: object) -> JobConfig:
 
 @pytest.mark.parametrize(
     ("schedule", "micro_batches", "stages", "expected"),
-    [("gpipe", 8, 4, 8), ("1f1b", 8, 4, 4), ("1f1b", 2, 4, 2), ("1f1b", 1, 1, 1)],
+    [
+        ("gpipe", 8, 4, 8),
+        ("1f1b", 8, 4, 4),
+        ("1f1b", 2, 4, 2),
+        ("1f1b", 1, 1, 1),
+        ("zb-h1", 8, 4, 7),  # 4 alive, 3 of them also holding what B kept for W
+        ("zb-h1", 2, 4, 4),
+        ("zb-h1", 1, 1, 1),
+    ],
 )
 def test_in_flight_counts_the_busiest_stage(
     schedule: str, micro_batches: int, stages: int, expected: int
 ) -> None:
-    """GPipe holds every micro-batch; 1F1B's first stage holds min(m, S)."""
+    """GPipe holds every micro-batch; 1F1B's first stage holds min(m, S); ZB-H1 counts the
+    gradients kept for W on top, as up to min(m, S - 1) more stashes."""
     assert memory.in_flight(micro_batches, schedule, stages) == expected
 
 
