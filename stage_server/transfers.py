@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -18,7 +19,7 @@ from elasticpipe import layerwire, rpc
 from elasticpipe.errors import NotReady, StageUnavailable, TransferError
 from elasticpipe.layerwire import Destination, PackedLayer, Received
 from elasticpipe.stage_server.faults import Fault
-from elasticpipe.stage_server.snapshots import Capture
+from elasticpipe.stage_server.snapshots import Capture, lower_priority_here
 from elasticpipe.v1 import stage_pb2
 
 PUSH_RETRIES = 40
@@ -83,6 +84,19 @@ def pull_layer(
     raise TransferError(f"{what}: stream ended before the final checksum")
 
 
+def snapshot_chunk(fields: dict[str, Any]) -> stage_pb2.SnapshotChunk:
+    """A ``SnapshotChunk`` holding the ``LayerChunk`` of ``fields``, built in place (a
+    ``LayerChunk`` built first would be copied into it, data and all)."""
+    message = stage_pb2.SnapshotChunk()
+    chunk = message.chunk
+    for name, value in fields.items():
+        if name == "header":
+            chunk.header.CopyFrom(value)
+        else:
+            setattr(chunk, name, value)
+    return message
+
+
 def push_snapshot(
     pool: rpc.StagePool,
     address: str,
@@ -98,12 +112,14 @@ def push_snapshot(
     """
 
     def messages() -> Iterator[stage_pb2.SnapshotChunk]:
+        # gRPC reads a call's request stream on a thread of its own, which ends with it.
+        lower_priority_here()
         yield stage_pb2.SnapshotChunk(
             job_id=capture.job_id, step=capture.step, source=capture.source
         )
         for layer, packed in blobs:
-            for chunk in layerwire.messages(layer, packed, chunk_bytes):
-                yield stage_pb2.SnapshotChunk(chunk=chunk)
+            for fields in layerwire.chunk_fields(layer, packed, chunk_bytes, False):
+                yield snapshot_chunk(fields)
 
     deadline = time.monotonic() + timeout
     unreachable = 0
