@@ -8,7 +8,8 @@ Two ways alternate round by round in one run, on the same clones:
   is sent, each ``LayerChunk`` built then copied into its ``SnapshotChunk``; the peer checks
   both;
 * ``sha-once`` (now): the SHA-256 taken once when packing (kept with the snapshot), chunks
-  built in place without CRC-32; the peer checks the SHA-256 alone.
+  without CRC-32 copied once, from the clone straight into their wire form; the peer
+  checks the SHA-256 alone.
 
 Prints the best-of-rounds thread CPU of each piece (ms) and one JSON line.
 
@@ -71,15 +72,15 @@ def timed(f: Callable[[], Any]) -> tuple[Any, float]:
     return out, (time.thread_time() - start) * 1e3
 
 
-def stream(way: str, blobs: dict[int, PackedLayer]) -> Iterator[stage_pb2.SnapshotChunk]:
-    yield stage_pb2.SnapshotChunk(job_id="j", step=10, source="s")
+def stream(way: str, blobs: dict[int, PackedLayer]) -> Iterator[bytes]:
+    """The push's requests in wire form (as gRPC sends them)."""
+    yield stage_pb2.SnapshotChunk(job_id="j", step=10, source="s").SerializeToString()
     for layer, packed in blobs.items():
         if way == "crc+sha":
             for chunk in layerwire.messages(layer, packed, CHUNK):
-                yield stage_pb2.SnapshotChunk(chunk=chunk)
+                yield stage_pb2.SnapshotChunk(chunk=chunk).SerializeToString()
         else:
-            for fields in layerwire.chunk_fields(layer, packed, CHUNK, False):
-                yield transfers.snapshot_chunk(fields)
+            yield from layerwire.encoded_chunks(layer, packed, CHUNK, transfers._CHUNK_FIELD)
 
 
 def one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
@@ -90,7 +91,7 @@ def one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
         blobs, pack_ms = timed(
             lambda: {i: layerwire.seal(layerwire.pack(s)) for i, s in clones.items()}
         )
-    wire, send_ms = timed(lambda: [m.SerializeToString() for m in stream(way, blobs)])
+    wire, send_ms = timed(lambda: list(stream(way, blobs)))
 
     def receive() -> dict[int, PackedLayer]:
         pieces = (stage_pb2.SnapshotChunk.FromString(b).chunk for b in wire[1:])

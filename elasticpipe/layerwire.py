@@ -205,10 +205,11 @@ def messages(
 
 
 def chunk_fields(
-    layer: int, packed: PackedLayer, chunk_bytes: int, checked_chunks: bool
+    layer: int, packed: PackedLayer, chunk_bytes: int, checked_chunks: bool, copy: bool = True
 ) -> Iterator[dict[str, Any]]:
     """The fields of ``messages``' messages, to build them inside another message without
-    a copy of the submessage."""
+    a copy of the submessage; with ``copy`` False, a chunk's data is a view of its
+    tensor's memory."""
     if chunk_bytes < 1:
         raise InvalidRequest(f"chunk size must be positive (got {chunk_bytes})")
     digest = None if packed.sha256 else hashlib.sha256(packed.state)
@@ -221,7 +222,8 @@ def chunk_fields(
     for index, tensor in enumerate(packed.tensors):
         raw = _bytes_of(tensor)
         for start in range(0, len(raw), chunk_bytes):
-            data = bytes(raw[start : start + chunk_bytes])  # the one copy the message needs
+            view = raw[start : start + chunk_bytes]
+            data = bytes(view) if copy else view  # the one copy a message needs
             if digest is not None:
                 digest.update(data)
             fields: dict[str, Any] = {
@@ -234,6 +236,42 @@ def chunk_fields(
                 fields["crc32"] = codec.crc32(data)
             yield fields
     yield {"layer": layer, "sha256": packed.sha256 if digest is None else digest.digest()}
+
+
+def encoded_chunks(
+    layer: int, packed: PackedLayer, chunk_bytes: int, within: int
+) -> Iterator[bytes]:
+    """``messages(layer, packed, chunk_bytes, checked_chunks=False)``, each already
+    serialized as field number ``within`` of an enclosing message (a ``SnapshotChunk``):
+    a chunk's bytes are copied once, from its tensor's memory straight into the message's
+    wire form, where building the message and serializing it would copy them twice more.
+    """
+    for fields in chunk_fields(layer, packed, chunk_bytes, False, copy=False):
+        data = fields.pop("data", None)
+        inner = stage_pb2.LayerChunk(**fields).SerializeToString()
+        if data is None:  # the header or the trailer
+            yield _field(within, len(inner)) + inner
+            continue
+        data_head = _field(_DATA_FIELD, len(data))
+        head = _field(within, len(inner) + len(data_head) + len(data)) + inner + data_head
+        yield b"".join((head, data))
+
+
+_DATA_FIELD = stage_pb2.LayerChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _field(number: int, length: int) -> bytes:
+    """A length-delimited field's tag and length, in protobuf's wire format."""
+    return _varint((number << 3) | 2) + _varint(length)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 # ---- receiving ------------------------------------------------------------------------

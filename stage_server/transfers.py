@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import grpc
 
@@ -25,6 +24,7 @@ from elasticpipe.v1 import stage_pb2
 PUSH_RETRIES = 40
 UNREACHABLE_RETRIES = 2  # of those, at most this many after the peer could not be reached,
 UNREACHABLE_PAUSE_S = 0.3  # each after this pause (longer than a channel's reconnect backoff)
+_CHUNK_FIELD = stage_pb2.SnapshotChunk.DESCRIPTOR.fields_by_name["chunk"].number
 
 
 def pull_layer(
@@ -84,19 +84,6 @@ def pull_layer(
     raise TransferError(f"{what}: stream ended before the final checksum")
 
 
-def snapshot_chunk(fields: dict[str, Any]) -> stage_pb2.SnapshotChunk:
-    """A ``SnapshotChunk`` holding the ``LayerChunk`` of ``fields``, built in place (a
-    ``LayerChunk`` built first would be copied into it, data and all)."""
-    message = stage_pb2.SnapshotChunk()
-    chunk = message.chunk
-    for name, value in fields.items():
-        if name == "header":
-            chunk.header.CopyFrom(value)
-        else:
-            setattr(chunk, name, value)
-    return message
-
-
 def push_snapshot(
     pool: rpc.StagePool,
     address: str,
@@ -111,21 +98,20 @@ def push_snapshot(
         ElasticPipeError: the peer refused or could not be reached.
     """
 
-    def messages() -> Iterator[stage_pb2.SnapshotChunk]:
+    def messages() -> Iterator[bytes]:
         # gRPC reads a call's request stream on a thread of its own, which ends with it.
         lower_priority_here()
         yield stage_pb2.SnapshotChunk(
             job_id=capture.job_id, step=capture.step, source=capture.source
-        )
+        ).SerializeToString()
         for layer, packed in blobs:
-            for fields in layerwire.chunk_fields(layer, packed, chunk_bytes, False):
-                yield snapshot_chunk(fields)
+            yield from layerwire.encoded_chunks(layer, packed, chunk_bytes, _CHUNK_FIELD)
 
     deadline = time.monotonic() + timeout
     unreachable = 0
     for attempt in itertools.count():
         try:
-            rpc.call(address, pool.stub(address).PushSnapshot, messages(), timeout=timeout)
+            rpc.call(address, pool.encoded(address, "PushSnapshot"), messages(), timeout=timeout)
             return
         except (NotReady, StageUnavailable) as exc:
             # The peer may not have taken the job (or the chain) yet: at a job's start every

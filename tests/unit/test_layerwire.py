@@ -131,6 +131,20 @@ def test_a_sealed_layer_is_sent_with_its_kept_digest_and_no_chunk_crcs() -> None
     assert into.packed.sha256 == b""
 
 
+@pytest.mark.parametrize("chunk", [1, 100, 20000, 1 << 20])
+def test_pre_encoded_chunks_are_the_messages_in_wire_form(chunk: int) -> None:
+    """A push's pre-serialized ``SnapshotChunk``s parse to exactly the messages that
+    ``messages`` builds (multi-byte lengths, a large layer index, an empty tensor)."""
+    state = {"w": torch.randn(3000), "e": torch.zeros(0), "s": torch.tensor(2.0)}
+    sealed = layerwire.seal(pack(state))
+    field = stage_pb2.SnapshotChunk.DESCRIPTOR.fields_by_name["chunk"].number
+    encoded = list(layerwire.encoded_chunks(300, sealed, chunk, field))
+    expected = list(layerwire.messages(300, sealed, chunk, checked_chunks=False))
+    assert [stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded] == expected
+    (got,) = _receive([stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded])
+    assert _same(got.packed.unpack(), state) and got.packed.sha256 == sealed.sha256
+
+
 def test_a_corrupted_chunk_without_crc_fails_the_layers_sha256() -> None:
     """With no CRC-32 per chunk, one flipped bit anywhere still refuses the layer."""
     sealed = layerwire.seal(pack({"w": torch.arange(64.0), "v": torch.ones(3)}))
