@@ -7,6 +7,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +75,17 @@ def test_a_tls_cluster_trains_and_moves_layers_exactly(cluster: LocalCluster) ->
                 )
                 assert reply.changed
         state = pipe.state_dict()
+        # Snapshot copies travel between stages over mutual TLS too (pre-serialized).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = [
+                _stage(a, cluster.admin_tls).GetStats(stage_pb2.StatsRequest(), timeout=10)
+                for a in cluster.stage_addresses
+            ]
+            if any(h.replica for s in stats for h in s.snapshots):
+                break
+            time.sleep(0.2)
+        assert any(h.replica for s in stats for h in s.snapshots), stats
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value)
 
