@@ -391,7 +391,7 @@ class StageServicer:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         generation = self.stage.snapshots.generation
         layers = self.stage.check_copy_source(first.job_id, first.source)  # before any layer
-        check = callers.in_source_range(layers, first.source)
+        check = callers.in_source_range(layers, first.source, self.stage.frozen)
         pieces = callers.first_pieces((m.chunk for m in chunks), check)
         limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
         blobs = receive_copy(pieces, limits)
