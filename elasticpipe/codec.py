@@ -246,6 +246,6 @@ def unpack_state(
 # ---- checksums -------------------------------------------------------------------------
 
 
-def crc32(data: bytes) -> int:
+def crc32(data: bytes | memoryview) -> int:
     """CRC-32 of one chunk."""
     return zlib.crc32(data) & 0xFFFFFFFF

@@ -12,6 +12,11 @@ as one stream of ``LayerChunk`` messages::
     chunk    layer=3  tensor=1 offset=0       ...
     trailer  layer=3  sha256=<of the state bytes and every tensor's bytes, in order>
 
+A snapshot copy (``checked_chunks=False``) sends its chunks without CRC-32s and says so in
+its header: the trailer's SHA-256 is then the one checksum, computed once when the
+snapshot is packed (``seal``), kept with it, and reused for every copy sent of it; the
+receiver computes it once as the bytes arrive and keeps the verified digest with its copy.
+
 A receiver checks the header whole -- every declared dtype and shape against the tensor
 limit, their sum against the layer limit, and each against what the destination expects
 (a layer's own parameters, say) -- before it allocates anything. Each chunk is then
@@ -49,6 +54,23 @@ class PackedLayer:
 
     state: bytes  # msgpack, each tensor replaced by a reference to its index
     tensors: tuple[torch.Tensor, ...]  # CPU, contiguous
+    sha256: bytes = b""  # of the state and every tensor's bytes, in order ("" if not known)
+
+    def digest(self) -> bytes:
+        """The SHA-256 of the state and every tensor's bytes, in order (computed now)."""
+        digest = hashlib.sha256(self.state)
+        for tensor in self.tensors:
+            digest.update(_bytes_of(tensor))
+        return digest.digest()
+
+    def verify(self, what: str) -> None:
+        """Checks the bytes against the SHA-256 kept with them (none kept: nothing to check).
+
+        Raises:
+            TransferError: the bytes changed since the digest was taken.
+        """
+        if self.sha256 and self.digest() != self.sha256:
+            raise TransferError(f"{what}: SHA-256 mismatch (the held bytes changed)")
 
     @property
     def nbytes(self) -> int:
@@ -61,11 +83,14 @@ class PackedLayer:
 
     def copy_into(self, destination: Destination) -> Any:
         """The state with copies of these tensors, in ``destination``'s memory, checked
-        against it as a received layer's are (a rollback from a snapshot held here).
+        against it as a received layer's are (a rollback from a snapshot held here), and
+        against the SHA-256 kept with them.
 
         Raises:
             InvalidRequest: a tensor does not fit the destination.
+            TransferError: the held bytes no longer match their SHA-256.
         """
+        self.verify("held layer state")
         state, paths = _decode(self.state, len(self.tensors))
         for path, tensor in zip(paths, self.tensors, strict=True):
             destination.check(path, tensor.dtype, tuple(tensor.shape))
@@ -97,6 +122,18 @@ def pack(state: Any) -> PackedLayer:
 
     data = bytes(msgpack.packb(state, default=default, strict_types=False))
     return PackedLayer(data, tuple(tensors))
+
+
+def seal(packed: PackedLayer) -> PackedLayer:
+    """The same layer with its SHA-256 taken (once: every copy sent of it reuses it)."""
+    if packed.sha256:
+        return packed
+    return PackedLayer(packed.state, packed.tensors, packed.digest())
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A CPU contiguous tensor's bytes, without a copy."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _decode(data: bytes, count: int) -> tuple[Any, list[Path]]:
@@ -154,26 +191,87 @@ def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def messages(
-    layer: int, packed: PackedLayer, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
+    layer: int,
+    packed: PackedLayer,
+    chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+    checked_chunks: bool = True,
 ) -> Iterator[stage_pb2.LayerChunk]:
-    """One layer as its header, its tensors' checksummed chunks and a trailer; a chunk
-    is copied out of its tensor only when it is sent."""
+    """One layer as its header, its tensors' chunks and a trailer; a chunk is copied out
+    of its tensor only when it is sent. Each chunk carries its CRC-32 unless
+    ``checked_chunks`` is False; the trailer's SHA-256 is the one kept with ``packed``
+    where it has one (not computed again)."""
+    for fields in chunk_fields(layer, packed, chunk_bytes, checked_chunks):
+        yield stage_pb2.LayerChunk(**fields)
+
+
+def chunk_fields(
+    layer: int, packed: PackedLayer, chunk_bytes: int, checked_chunks: bool, copy: bool = True
+) -> Iterator[dict[str, Any]]:
+    """The fields of ``messages``' messages, to build them inside another message without
+    a copy of the submessage; with ``copy`` False, a chunk's data is a view of its
+    tensor's memory."""
     if chunk_bytes < 1:
         raise InvalidRequest(f"chunk size must be positive (got {chunk_bytes})")
-    digest = hashlib.sha256(packed.state)
+    digest = None if packed.sha256 else hashlib.sha256(packed.state)
     header = stage_pb2.LayerHeader(
-        state=packed.state, tensors=[codec.tensor_meta(t) for t in packed.tensors]
+        state=packed.state,
+        tensors=[codec.tensor_meta(t) for t in packed.tensors],
+        unchecked_chunks=not checked_chunks,
     )
-    yield stage_pb2.LayerChunk(layer=layer, header=header)
+    yield {"layer": layer, "header": header}
     for index, tensor in enumerate(packed.tensors):
-        raw = tensor.reshape(-1).view(torch.uint8)
-        for start in range(0, raw.numel(), chunk_bytes):
-            data = raw[start : start + chunk_bytes].numpy().tobytes()
-            digest.update(data)
-            yield stage_pb2.LayerChunk(
-                layer=layer, tensor=index, offset=start, data=data, crc32=codec.crc32(data)
-            )
-    yield stage_pb2.LayerChunk(layer=layer, sha256=digest.digest())
+        raw = _bytes_of(tensor)
+        for start in range(0, len(raw), chunk_bytes):
+            view = raw[start : start + chunk_bytes]
+            data = bytes(view) if copy else view  # the one copy a message needs
+            if digest is not None:
+                digest.update(data)
+            fields: dict[str, Any] = {
+                "layer": layer,
+                "tensor": index,
+                "offset": start,
+                "data": data,
+            }
+            if checked_chunks:
+                fields["crc32"] = codec.crc32(data)
+            yield fields
+    yield {"layer": layer, "sha256": packed.sha256 if digest is None else digest.digest()}
+
+
+def encoded_chunks(
+    layer: int, packed: PackedLayer, chunk_bytes: int, within: int
+) -> Iterator[bytes]:
+    """``messages(layer, packed, chunk_bytes, checked_chunks=False)``, each already
+    serialized as field number ``within`` of an enclosing message (a ``SnapshotChunk``):
+    a chunk's bytes are copied once, from its tensor's memory straight into the message's
+    wire form, where building the message and serializing it would copy them twice more.
+    """
+    for fields in chunk_fields(layer, packed, chunk_bytes, False, copy=False):
+        data = fields.pop("data", None)
+        inner = stage_pb2.LayerChunk(**fields).SerializeToString()
+        if data is None:  # the header or the trailer
+            yield _field(within, len(inner)) + inner
+            continue
+        data_head = _field(_DATA_FIELD, len(data))
+        head = _field(within, len(inner) + len(data_head) + len(data)) + inner + data_head
+        yield b"".join((head, data))
+
+
+_DATA_FIELD = stage_pb2.LayerChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _field(number: int, length: int) -> bytes:
+    """A length-delimited field's tag and length, in protobuf's wire format."""
+    return _varint((number << 3) | 2) + _varint(length)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 # ---- receiving ------------------------------------------------------------------------
@@ -181,6 +279,8 @@ def messages(
 
 class Destination:
     """Where a layer's tensors go: fresh CPU memory, unless a subclass knows better."""
+
+    fresh = True  # the tensors are the received layer's alone (none is in use elsewhere)
 
     def check(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         """Checks one declared tensor (already within the limits) against what this
@@ -199,6 +299,8 @@ class IntoModule(Destination):
     """Receives a layer's weights straight into a module's own parameters and buffers
     (on the CPU), so that loading them copies nothing; other tensors get fresh memory.
     A weight the module lacks, or of another dtype or shape, is refused."""
+
+    fresh = False  # the module trains on: its weights soon differ from the received bytes
 
     def __init__(self, module: nn.Module, what: str):
         self.module = module
@@ -264,6 +366,7 @@ class _Open:
         self.layer = layer
         self.what = what
         self.state = header.state
+        self.checked_chunks = not header.unchecked_chunks
         self.sizes = [meta.nbytes for meta in header.tensors]
         declared = list(zip(paths, dtypes, [tuple(m.shape) for m in header.tensors], strict=True))
         for path, dtype, shape in declared:
@@ -298,7 +401,7 @@ class _Open:
                 f"{self.what}: chunk of tensor {chunk.tensor} at offset {chunk.offset} "
                 f"(+{len(data)} bytes) out of place: expected {expected}"
             )
-        if codec.crc32(data) != chunk.crc32:
+        if self.checked_chunks and codec.crc32(data) != chunk.crc32:
             raise TransferError(
                 f"{self.what}: chunk of tensor {chunk.tensor} at offset {chunk.offset} "
                 "failed its CRC-32"
@@ -318,7 +421,9 @@ class _Open:
             )
         if self.digest.digest() != sha256:
             raise TransferError(f"{self.what}: SHA-256 mismatch")
-        return Received(self.layer, PackedLayer(self.state, tuple(self.tensors)), self.destination)
+        kept = sha256 if self.destination.fresh else b""  # what the bytes stay equal to
+        packed = PackedLayer(self.state, tuple(self.tensors), kept)
+        return Received(self.layer, packed, self.destination)
 
 
 def receive(

@@ -32,7 +32,7 @@ from grpc_status import rpc_status
 from elasticpipe import admission, authz, errors
 from elasticpipe.logs import get_logger
 from elasticpipe.tls import TLS
-from elasticpipe.v1 import stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -117,6 +117,19 @@ class StagePool:
                     self._channels[address]
                 )
             return cached
+
+    def encoded(self, address: str, method: str) -> grpc.StreamUnaryMultiCallable[bytes, Any]:
+        """A client-streaming StageService ``method`` to ``address`` whose requests are
+        sent as given: each already in its wire form (bytes), so not copied once more."""
+        described = stage_pb2.DESCRIPTOR.services_by_name["StageService"].methods_by_name[method]
+        self.stub(address)  # opens the cached channel
+        with self._lock:
+            cached = self._channels[address]
+        return cached.stream_unary(
+            f"/{described.containing_service.full_name}/{method}",
+            request_serializer=None,
+            response_deserializer=GetMessageClass(described.output_type).FromString,
+        )
 
     def call(self, address: str, method: str, request: Any, timeout: float) -> Any:
         """One unary call with a deadline; errors translated."""

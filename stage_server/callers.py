@@ -167,14 +167,20 @@ def first_pieces(pieces: Iterable[P], check: Callable[[int], None]) -> Iterator[
         yield piece
 
 
-def in_source_range(layers: range, source: str) -> Callable[[int], None]:
-    """A ``first_pieces`` check: a copy from ``source`` holds only the layers it owns."""
+def in_source_range(layers: range, source: str, changing: bool = False) -> Callable[[int], None]:
+    """A ``first_pieces`` check: a copy from ``source`` holds only the layers it owns.
+    While an epoch change is in progress here (``changing``), the source may already own
+    its new layers, which this stage learns when it commits: such a copy is refused as
+    not ready (its sender tries again), not as invalid."""
 
     def check(layer: int) -> None:
         if layer not in layers:
-            raise InvalidRequest(
+            outside = (
                 f"snapshot copy from {source!r} holds layer {layer}, outside the layers it "
                 f"owns [{layers.start}, {layers.stop})"
             )
+            if changing:
+                raise NotReady(f"{outside} before this stage's epoch change commits")
+            raise InvalidRequest(outside)
 
     return check

@@ -19,7 +19,7 @@ from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.layers import LayerTiming
 from elasticpipe.stage_server.mailbox import Slot
 from elasticpipe.stage_server.protocol import Decision, RunState
-from elasticpipe.stage_server.snapshots import Holding
+from elasticpipe.stage_server.snapshots import Holding, receive_copy
 from elasticpipe.stage_server.stage import Admitted, Stage
 from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind
 from elasticpipe.v1 import stage_pb2
@@ -396,10 +396,10 @@ class StageServicer:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         generation = self.stage.snapshots.generation
         layers = self.stage.check_copy_source(first.job_id, first.source)  # before any layer
-        check = callers.in_source_range(layers, first.source)
+        check = callers.in_source_range(layers, first.source, self.stage.frozen)
         pieces = callers.first_pieces((m.chunk for m in chunks), check)
         limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
-        blobs = {got.layer: got.packed for got in layerwire.receive(pieces, *limits)}
+        blobs = receive_copy(pieces, limits)
         self.stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         return stage_pb2.Ack()
 

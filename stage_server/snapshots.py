@@ -2,11 +2,18 @@
 
 At step 0, every ``snapshot_every`` committed steps and at the first step of every epoch, a stage
 captures the full state of its layers (weights, optimizer state, buffers) at the step
-boundary -- a clone, so training goes on at once -- and a background thread packs it
-(splits it for the wire, copying nothing) and pushes a copy to the next stage of the
-chain. A recovery restores lost layers from whichever live host holds them. Each store
-keeps the last ``keep`` complete steps of its own snapshots and of each peer's copy, so
-while a new one is being written the last complete one always exists (double buffering)::
+boundary -- a clone, the only copy made on the training thread, so training goes on at
+once -- and a background thread packs it (splits it for the wire, copying nothing), takes
+each layer's SHA-256 once (kept with the snapshot, and reused by every copy sent of it),
+and pushes a copy to the next stage of the chain. The push sends each chunk straight from
+the clone's memory, with no per-chunk CRC-32 (the SHA-256 is the one checksum); the next
+stage verifies it as the bytes arrive and keeps the verified digest with its copy; a
+restore from a held snapshot checks its bytes against it again. Everything after the
+clone runs at the lowest CPU priority, on both sides (the packing thread, gRPC's thread
+that sends the copy, the thread that receives it). A recovery restores lost layers from
+whichever live host holds them. Each store keeps the last ``keep`` complete steps of its
+own snapshots and of each peer's copy, so while a new one is being written the last
+complete one always exists (double buffering)::
 
     step 20 committed -> capture (clones)          own: {10, 20*}  peer copy: {10}
     packed            -> own complete               own: {10, 20}
@@ -25,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +40,7 @@ from elasticpipe import layerwire
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady
 from elasticpipe.layerwire import PackedLayer
 from elasticpipe.logs import get_logger
+from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
 
@@ -214,7 +222,9 @@ class Snapshotter:
         _lower_priority()
         while (capture := self._next()) is not None:
             try:
-                blobs = {i: layerwire.pack(state) for i, state in capture.states.items()}
+                blobs = {
+                    i: layerwire.seal(layerwire.pack(state)) for i, state in capture.states.items()
+                }
                 kept = self._store.add_own(capture.job_id, capture.step, blobs, capture.generation)
                 self._before_push()
                 if kept and capture.peer:
@@ -228,6 +238,40 @@ class Snapshotter:
                 )
             except Exception as exc:  # the thread must outlive any one failure
                 log.error("snapshot_failed", step=capture.step, error=repr(exc), exc_info=exc)
+
+
+def receive_copy(
+    pieces: Iterable[stage_pb2.LayerChunk], limits: tuple[int, int]
+) -> dict[int, PackedLayer]:
+    """Receives a pushed copy's layers (verified, see ``layerwire.receive``) on a thread of
+    its own at the lowest CPU priority: the bytes are parsed, checked and copied there
+    (gRPC deserializes a request where its iterator is read), off the step's compute.
+
+    Raises:
+        whatever ``layerwire.receive`` raises, or reading ``pieces`` raises.
+    """
+    result: dict[int, PackedLayer] = {}
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        _lower_priority()
+        try:
+            result.update((got.layer, got.packed) for got in layerwire.receive(pieces, *limits))
+        except BaseException as exc:  # handed to the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="snapshot-copy-in", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result
+
+
+def lower_priority_here() -> None:
+    """Lowers the calling thread's CPU priority for good: only for a thread that ends with
+    the work it does (gRPC's thread that sends one call's request stream)."""
+    _lower_priority()
 
 
 def _lower_priority() -> None:

@@ -18,12 +18,13 @@ from elasticpipe import layerwire, rpc
 from elasticpipe.errors import NotReady, StageUnavailable, TransferError
 from elasticpipe.layerwire import Destination, PackedLayer, Received
 from elasticpipe.stage_server.faults import Fault
-from elasticpipe.stage_server.snapshots import Capture
+from elasticpipe.stage_server.snapshots import Capture, lower_priority_here
 from elasticpipe.v1 import stage_pb2
 
 PUSH_RETRIES = 40
 UNREACHABLE_RETRIES = 2  # of those, at most this many after the peer could not be reached,
 UNREACHABLE_PAUSE_S = 0.3  # each after this pause (longer than a channel's reconnect backoff)
+_CHUNK_FIELD = stage_pb2.SnapshotChunk.DESCRIPTOR.fields_by_name["chunk"].number
 
 
 def pull_layer(
@@ -97,19 +98,20 @@ def push_snapshot(
         ElasticPipeError: the peer refused or could not be reached.
     """
 
-    def messages() -> Iterator[stage_pb2.SnapshotChunk]:
+    def messages() -> Iterator[bytes]:
+        # gRPC reads a call's request stream on a thread of its own, which ends with it.
+        lower_priority_here()
         yield stage_pb2.SnapshotChunk(
             job_id=capture.job_id, step=capture.step, source=capture.source
-        )
+        ).SerializeToString()
         for layer, packed in blobs:
-            for chunk in layerwire.messages(layer, packed, chunk_bytes):
-                yield stage_pb2.SnapshotChunk(chunk=chunk)
+            yield from layerwire.encoded_chunks(layer, packed, chunk_bytes, _CHUNK_FIELD)
 
     deadline = time.monotonic() + timeout
     unreachable = 0
     for attempt in itertools.count():
         try:
-            rpc.call(address, pool.stub(address).PushSnapshot, messages(), timeout=timeout)
+            rpc.call(address, pool.encoded(address, "PushSnapshot"), messages(), timeout=timeout)
             return
         except (NotReady, StageUnavailable) as exc:
             # The peer may not have taken the job (or the chain) yet: at a job's start every

@@ -1243,8 +1243,11 @@ class LayerHeader(_message.Message):
 
     STATE_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    UNCHECKED_CHUNKS_FIELD_NUMBER: _builtins.int
     state: _builtins.bytes
     """msgpack: the state, tensors as references"""
+    unchecked_chunks: _builtins.bool
+    """chunks carry no CRC-32: the trailer's SHA-256 is the"""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorMeta]:
         """dtype, shape and size of each tensor, in order"""
@@ -1254,10 +1257,11 @@ class LayerHeader(_message.Message):
         *,
         state: _builtins.bytes = ...,
         tensors: _abc.Iterable[_tensor_pb2.TensorMeta] | None = ...,
+        unchecked_chunks: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "tensors", b"tensors", "unchecked_chunks", b"unchecked_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

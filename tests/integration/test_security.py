@@ -7,6 +7,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +75,19 @@ def test_a_tls_cluster_trains_and_moves_layers_exactly(cluster: LocalCluster) ->
                 )
                 assert reply.changed
         state = pipe.state_dict()
+        # The new epoch's first snapshot reaches every next stage, over mutual TLS: a copy
+        # arriving before its receiver commits the epoch is sent again, not lost.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = [
+                _stage(a, cluster.admin_tls).GetStats(stage_pb2.StatsRequest(), timeout=10)
+                for a in cluster.stage_addresses
+            ]
+            if all(any(h.replica and h.step == 2 for h in s.snapshots) for s in stats):
+                break
+            time.sleep(0.2)
+        held = {s.name: [(h.step, list(h.layers), h.replica) for h in s.snapshots] for s in stats}
+        assert all(any(h.replica and h.step == 2 for h in s.snapshots) for s in stats), held
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value)
 

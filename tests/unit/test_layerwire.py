@@ -111,6 +111,61 @@ def test_a_held_snapshot_is_copied_into_a_new_layer_and_stays_intact() -> None:
         held.copy_into(IntoModule(nn.Linear(6, 5), "layer 3"))
 
 
+def test_a_sealed_layer_is_sent_with_its_kept_digest_and_no_chunk_crcs() -> None:
+    """A snapshot copy: the SHA-256 taken once at sealing is the trailer's (not computed
+    again), the chunks carry no CRC-32, and the receiver verifies the SHA-256 and keeps it
+    with its copy."""
+    sealed = layerwire.seal(pack(_adam_state(nn.Linear(6, 4))))
+    assert sealed.sha256 == sealed.digest() and layerwire.seal(sealed) is sealed
+    msgs = list(layerwire.messages(3, sealed, 16, checked_chunks=False))
+    assert msgs[0].header.unchecked_chunks
+    assert all(m.crc32 == 0 for m in msgs if m.data) and msgs[-1].sha256 == sealed.sha256
+    (got,) = _receive(msgs)
+    assert _same(got.packed.unpack(), sealed.unpack()) and got.packed.sha256 == sealed.sha256
+    # The kept digest is what is sent: a wrong one is caught by the receiver.
+    wrong = layerwire.PackedLayer(sealed.state, sealed.tensors, b"\0" * 32)
+    with pytest.raises(TransferError, match="SHA-256 mismatch"):
+        _receive(list(layerwire.messages(3, wrong, 16, checked_chunks=False)))
+    # Into a module's own memory (which trains on), the digest is not kept.
+    (into,) = _receive(list(layerwire.messages(3, sealed, 16)), IntoModule(nn.Linear(6, 4), "l"))
+    assert into.packed.sha256 == b""
+
+
+@pytest.mark.parametrize("chunk", [1, 100, 20000, 1 << 20])
+def test_pre_encoded_chunks_are_the_messages_in_wire_form(chunk: int) -> None:
+    """A push's pre-serialized ``SnapshotChunk``s parse to exactly the messages that
+    ``messages`` builds (multi-byte lengths, a large layer index, an empty tensor)."""
+    state = {"w": torch.randn(3000), "e": torch.zeros(0), "s": torch.tensor(2.0)}
+    sealed = layerwire.seal(pack(state))
+    field = stage_pb2.SnapshotChunk.DESCRIPTOR.fields_by_name["chunk"].number
+    encoded = list(layerwire.encoded_chunks(300, sealed, chunk, field))
+    expected = list(layerwire.messages(300, sealed, chunk, checked_chunks=False))
+    assert [stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded] == expected
+    (got,) = _receive([stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded])
+    assert _same(got.packed.unpack(), state) and got.packed.sha256 == sealed.sha256
+
+
+def test_a_corrupted_chunk_without_crc_fails_the_layers_sha256() -> None:
+    """With no CRC-32 per chunk, one flipped bit anywhere still refuses the layer."""
+    sealed = layerwire.seal(pack({"w": torch.arange(64.0), "v": torch.ones(3)}))
+    msgs = list(layerwire.messages(0, sealed, 32, checked_chunks=False))
+    for n in [i for i, m in enumerate(msgs) if m.data]:
+        corrupt = stage_pb2.LayerChunk()
+        corrupt.CopyFrom(msgs[n])
+        corrupt.data = corrupt.data[:-1] + bytes([corrupt.data[-1] ^ 0x10])
+        with pytest.raises(TransferError, match="SHA-256 mismatch"):
+            _receive([*msgs[:n], corrupt, *msgs[n + 1 :]])
+
+
+def test_a_held_snapshot_whose_bytes_changed_is_not_restored() -> None:
+    """A restore from a held snapshot checks its bytes against the digest kept with it."""
+    held = layerwire.seal(pack(_adam_state(nn.Linear(6, 4))))
+    held.copy_into(Destination())  # intact: restored
+    held.tensors[1].view(torch.uint8)[0] ^= 1
+    with pytest.raises(TransferError, match="held bytes changed"):
+        held.copy_into(IntoModule(nn.Linear(6, 4), "layer 3"))
+
+
 def _header(*metas: tuple[int, list[int], int]) -> stage_pb2.LayerChunk:
     state = pack({"model": {f"t{i}": torch.zeros(1) for i in range(len(metas))}}).state
     return stage_pb2.LayerChunk(

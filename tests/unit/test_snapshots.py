@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from elasticpipe.errors import NotReady, StageUnavailable
+from elasticpipe.errors import InvalidRequest, NotReady, StageUnavailable
 from elasticpipe.layerwire import PackedLayer
+from elasticpipe.stage_server.callers import in_source_range
 from elasticpipe.stage_server.snapshots import (
     Capture,
     Holding,
@@ -99,3 +100,14 @@ def test_copies_are_kept_only_for_this_job_and_chain() -> None:
         check_copy("x", "j", "a", ("a", "b"))
     with pytest.raises(NotReady, match="not in the chain"):
         check_copy("j", "j", "z", ("a", "b"))
+
+
+def test_a_copy_outside_the_sources_layers_is_not_ready_during_an_epoch_change() -> None:
+    """A copy of layers the source does not own here is invalid; while this stage's epoch
+    change is in progress (the source may own them in the new epoch), it is not ready, so
+    its sender tries again once this stage has committed."""
+    in_source_range(range(3, 5), "a")(4)
+    with pytest.raises(InvalidRequest, match=r"holds layer 1, outside the layers it owns \[3, 5\)"):
+        in_source_range(range(3, 5), "a")(1)
+    with pytest.raises(NotReady, match=r"holds layer 1, .* before this stage's epoch change"):
+        in_source_range(range(3, 5), "a", changing=True)(1)
