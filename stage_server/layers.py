@@ -467,7 +467,7 @@ class LayerSlice:
                 continue
             need = [x for x in xs if x.is_floating_point() and x.requires_grad]
             if not need:  # nothing for B: W runs the whole backward
-                whole = weightgrad.Split(fallback=(outs, gs, params))
+                whole = weightgrad.Split(fallback=(outs, gs, None))  # as a whole backward
                 stash.weights.append(_WeightWork(i, whole, gs, again))
                 grads = _input_grads(xs)
                 continue

@@ -17,7 +17,13 @@ Where that is not exact -- a weight reached from two exits (used twice in the la
 an output that does not depend on the input but on weights -- W is instead the whole
 backward from the layer's outputs into its weights (the part of the input closure
 between the outputs and the weights then runs a second time; the gradients are still
-the same). ``Split.fallback`` says which was taken.
+the same). ``Split.fallback`` says which was taken. A layer that checkpoints reentrantly
+(``torch.utils.checkpoint(use_reentrant=True)``, which refuses ``autograd.grad``) runs its
+whole backward in B and leaves W nothing.
+
+The gradients kept for W may share memory with the gradients B returns and with the
+outputs' gradients it was given: neither may change in place before W. A tensor that
+``retain_grad``s inside the layer at an exit's output gets its gradient written twice.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 Node = Any  # torch.autograd.graph.Node: the C++ nodes have no common Python base to name
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"  # torch.utils.checkpoint, use_reentrant
 
 
 @dataclass
@@ -39,8 +46,10 @@ class Split:
     exits: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=list
     )  # (edges into the exit, the gradients B left there, the weights it reaches)
-    # (outputs, their gradients, the weights)
-    fallback: tuple[list[torch.Tensor], list[torch.Tensor], Sequence[torch.Tensor]] | None = None
+    # (outputs, their gradients, the weights; None: every leaf, a layer whose input needs none)
+    fallback: (
+        tuple[list[torch.Tensor], list[torch.Tensor], Sequence[torch.Tensor] | None] | None
+    ) = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors held for W (beyond the graph's own saved tensors)."""
@@ -50,14 +59,25 @@ class Split:
         return held
 
     def weights(self) -> None:
-        """W: accumulates the weight gradients into ``.grad`` and frees the graph."""
-        if self.fallback is not None:
-            outs, grads, params = self.fallback
+        """W: accumulates the weight gradients into ``.grad`` and frees the graph (once:
+        what ran is forgotten first, so nothing is ever added twice)."""
+        exits, self.exits = self.exits, []
+        fallback, self.fallback = self.fallback, None
+        if fallback is not None:
+            outs, grads, params = fallback
             torch.autograd.backward(outs, grads, inputs=params)
-        for edges, grads, params in self.exits:
-            torch.autograd.backward(edges, grads, inputs=params)
-        self.exits.clear()
-        self.fallback = None
+        for edges, grads, params in exits:
+            # The kept gradient already went through the tensor hooks on the exit's outputs
+            # (``register_hook``): the engine would run them again on it, so the exit is
+            # handed exactly the kept gradient, whatever those hooks make of it.
+            node, kept = edges[0].node, {e.output_nr: g for e, g in zip(edges, grads, strict=True)}
+            pin = node.register_prehook(
+                lambda gs, kept=kept: tuple(kept.get(i) for i in range(len(gs)))
+            )
+            try:
+                torch.autograd.backward(edges, grads, inputs=params)
+            finally:
+                pin.remove()
 
 
 def split_backward(
@@ -77,6 +97,11 @@ def split_backward(
     inputs = {_leaf_node(x) for x in xs}
     weights = {_leaf_node(p): p for p in params}
     to_input, to_weights, order = _reach(roots, inputs, weights)
+    if any(type(node).__name__ == REENTRANT_CHECKPOINT for node in order):
+        # Reentrant checkpointing refuses autograd.grad and ``inputs=``: the whole
+        # backward now, nothing left for W.
+        torch.autograd.backward(outs, grads)
+        return tuple(x.grad for x in xs), Split()
     exits: dict[Node, frozenset[Node]] = {}
     for node in order:
         if not to_input[node] or node in inputs:

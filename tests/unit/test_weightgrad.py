@@ -155,6 +155,53 @@ def test_under_autocast_the_split_is_exact() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+class _Hooked(nn.Module):
+    """A tensor hook (not idempotent) on a linear layer's output: an exit's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h.register_hook(lambda g: g * 2)
+        return torch.relu(h)
+
+
+class _Reentrant(nn.Module):
+    """Reentrant checkpointing inside the layer (refuses autograd.grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("make", [_Hooked, _Reentrant], ids=["tensor hook", "reentrant"])
+def test_hooks_and_reentrant_checkpoints_keep_the_split_exact(
+    make: Callable[[], nn.Module],
+) -> None:
+    """A hook on an exit's output runs once, as in a whole backward; a reentrantly
+    checkpointed layer backpropagates whole in B (found by a second reader: the hook ran
+    twice, the checkpoint raised)."""
+    torch.manual_seed(2)
+    layer = make()
+    x = torch.randn(5, 6)
+    want_dx, want = _grads(layer, x, 0, _whole)
+    want = [g.clone() for g in want if g is not None]
+    got_dx, got = _grads(layer, x, 0, _split_any)
+    assert torch.equal(got_dx, want_dx)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _split_any(outs, gs, xx, params) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    (dx,), halves = split_backward(outs, gs, [xx], params)
+    halves.weights()
+    return dx
+
+
 def test_an_empty_split_does_nothing() -> None:
     """A Split with nothing left (W already ran) is a no-op."""
     Split().weights()
