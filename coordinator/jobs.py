@@ -118,6 +118,9 @@ class Jobs:
         self._restoring: tuple[Change, float, int] | None = None  # change, deadline, client
         self._safe_cache: tuple[float, int] | None = None
         self._settled: dict[int, str] = {}  # run -> decision, of runs settled here
+        # The newest client generation this coordinator issued and to whom ("": nobody),
+        # from before its lease exists: what ``grant`` tells a stage that asks meanwhile.
+        self._issued: tuple[int, str] = (0, "")
         self.efficiency: tuple[int, float] = (0, 0.0)  # (step, pipeline efficiency) reported
         raw = cluster.store.get("lease")
         self._lease = (
@@ -152,8 +155,15 @@ class Jobs:
                 f"({lease.lease_s:.0f}s after it stopped renewing it)"
             )
 
+    def _issue(self, holder: str) -> int:
+        """A fresh client generation (fencing every earlier client), issued to ``holder``."""
+        with self._lock:
+            client = self.c.store.next_client()
+            self._issued = (client, holder)
+        return client
+
     def _grant(self, job_id: str, lease_s: float, holder: str, client: int = 0) -> int:
-        client = client or self.c.store.next_client()
+        client = client or self._issue(holder)
         with self._lock:
             self._lease = Lease(job_id, client, holder, lease_s, time.monotonic() + lease_s)
             self.efficiency = (0, 0.0)  # the new holder reports its own
@@ -260,7 +270,7 @@ class Jobs:
             self._check_free(job)
             self.abandon_stale_load()  # a load its dead client began: abort it first
             partition = self.c.require_job()[1]
-            client = self.c.store.next_client()
+            client = self._issue(holder)
             step = self.settle(partition, client, holder)  # fences every older client
             partition, safe = self._snapshot_at(job, partition, step, holder)
             self._grant(job.job_id, lease_s, holder, client)
@@ -458,7 +468,7 @@ class Jobs:
             laps.lap("assign")
             self.wait_for_copies(partition, job, 0)
             laps.lap("copies")
-            client = self.c.store.next_client()
+            client = self._issue(holder)
             self.settle(partition, client, holder)  # the stages follow the new client only
             self._grant(job.job_id, lease_s, holder, client)
             laps.lap("settle")
@@ -634,7 +644,7 @@ class Jobs:
                 # run, a generation never issued): nothing to settle, the stage drops it.
                 log.info("run_resolved", stage=self.c.name(stage_id), run=run, decision="abort")
                 return "abort"
-            client = self.c.store.next_client()  # fences whichever client ran it
+            client = self._issue("")  # fences whichever client ran it
             committed = self.settle(partition, client)
             with self._lock:  # the fenced client's lease is over
                 self._lease = None
@@ -673,12 +683,16 @@ class Jobs:
         follow) and its holder ("" when no client holds the job)."""
         job = self.c.job
         with self._lock:
-            lease = self._lease
+            lease, (issued_to_gen, issued_to) = self._lease, self._issued
+            issued = int(self.c.store.get("client_generation") or 0)
         if job is None:
             return "", 0, ""
-        if lease is not None and lease.job_id == job.job_id:
+        if lease is not None and lease.job_id == job.job_id and lease.client == issued:
             return job.job_id, lease.client, lease.holder
-        return job.job_id, int(self.c.store.get("client_generation") or 0), ""
+        # A generation issued but not yet leased (a client being attached or started: the
+        # stages are being fenced to it) names its holder, so a stage that asks in between
+        # does not lock that client out.
+        return job.job_id, issued, issued_to if issued_to_gen == issued else ""
 
     # ---- checkpoint loads ------------------------------------------------------------
 

@@ -3,6 +3,8 @@ once, and a fenced commit reaches the client as ``Fenced`` (real in-process serv
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 import torch
@@ -72,3 +74,33 @@ def test_a_commit_refused_as_fenced_raises_fenced(
         run = (pipe._client << bounds.RUN_ID_BITS) + 999
         with pytest.raises(Fenced, match="fenced"):
             driver.commit(pipe._clients, partition, run, 2, pipe._client)
+
+
+def test_a_stage_asking_while_a_client_attaches_learns_that_client(
+    coordinator_server: CoordinatorServer,
+    stage_servers: list[StageServer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage that asks for the job's grant after a client's new generation was issued but
+    before its lease exists (a data call from the client arriving early) is told that
+    generation's holder, not "nobody": told "nobody", the stage refused the new client's
+    data until it asked again (seen once in the fuzz test under TLS)."""
+    coordinator = coordinator_server.coordinator
+    assert coordinator is not None
+    jobs = coordinator.jobs
+    pipe = _pipeline(coordinator_server)
+    pipe.train_step(torch.randn(4, 12), torch.randint(0, 6, (4,)))
+    pipe.close()
+    asked: list[tuple[str, int, str]] = []
+    settle = jobs.settle
+
+    def asking_settle(partition: Any, client: int, holder: str = "") -> int:
+        asked.append(jobs.grant())  # between the generation and its lease
+        return settle(partition, client, holder)
+
+    monkeypatch.setattr(jobs, "settle", asking_settle)
+    job = coordinator.cluster.job
+    assert job is not None
+    attached = jobs._attach(job, 30.0, "alice")
+    assert asked == [(job.job_id, attached.client, "alice")]
+    assert jobs.grant() == (job.job_id, attached.client, "alice")
