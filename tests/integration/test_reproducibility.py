@@ -93,6 +93,7 @@ def test_dropout_trains_the_same_on_2_stages_on_3_with_a_migration_and_locally(
     reference = _local()
     other_seed = _local(seed=6)
     assert other_seed[0][0] != reference[0][0]
+    target: list[int] = []
     for stages in (2, 3):
         with Pipeline(
             coordinator=cluster.coordinator,
@@ -108,11 +109,12 @@ def test_dropout_trains_the_same_on_2_stages_on_3_with_a_migration_and_locally(
                 losses.append(pipe.train_step(x, y))
                 if stages == 3 and step == 3:  # the first try ran on the old epoch
                     assert pipe.last_step.attempts > 1, pipe.last_step
-                if stages == 3 and step == 2:
-                    assert list(pipe.partition.boundaries) != [0, 1, 5, 7]
-                    _set_partition(cluster, [0, 1, 5, 7])
+                if stages == 3 and step == 2:  # a partition other than the planner's
+                    before = list(pipe.partition.boundaries)
+                    target = [0, 1, 5, 7] if before != [0, 1, 5, 7] else [0, 2, 4, 7]
+                    _set_partition(cluster, target)
             if stages == 3:
-                assert list(pipe.partition.boundaries) == [0, 1, 5, 7]
+                assert list(pipe.partition.boundaries) == target
             _assert_same((losses, pipe.state_dict()), reference, f"{stages} stages")
 
 
