@@ -51,11 +51,6 @@ STRAGGLER_MODEL = {
 }
 SIZES = [1024] * 5
 BATCH, MICRO_BATCHES = 256, 4
-KINDS = {
-    stage_pb2.SPAN_FORWARD: OpKind.FORWARD,
-    stage_pb2.SPAN_BACKWARD: OpKind.BACKWARD,
-    stage_pb2.SPAN_WEIGHT: OpKind.WEIGHT,
-}
 
 
 def main() -> int:
@@ -198,7 +193,7 @@ def main() -> int:
             took = {kind: [0.0] * m for kind in OpKind}
             order = []
             for s in ops:
-                kind = KINDS[s.kind]
+                kind = traces.OP_KINDS[s.kind]
                 took[kind][s.micro_batch] = s.duration_ns / 1e9
                 order.append(Op(kind, s.micro_batch))
             ops_all.append(order)

@@ -33,12 +33,12 @@ from elasticpipe.v1 import coordinator_pb2, stage_pb2, stage_pb2_grpc
 CLOCK_SAMPLES = 5
 MAX_STEPS = 16  # what a stage keeps (stage_server.tracing.DEFAULT_STEPS_KEPT)
 COMPUTE, WAITS, CONTROL, FIRST_SEND = 0, 1, 2, 3  # thread ids of a stage's tracks
-OP_SPANS = (stage_pb2.SPAN_FORWARD, stage_pb2.SPAN_BACKWARD, stage_pb2.SPAN_WEIGHT)
-_KINDS = {
+OP_KINDS = {  # the op each op span times
     stage_pb2.SPAN_FORWARD: OpKind.FORWARD,
     stage_pb2.SPAN_BACKWARD: OpKind.BACKWARD,
     stage_pb2.SPAN_WEIGHT: OpKind.WEIGHT,
 }
+OP_SPANS = tuple(OP_KINDS)
 
 _NAMES = {
     stage_pb2.SPAN_FORWARD: "F",
@@ -166,7 +166,7 @@ def step_figures(traces: Sequence[StageTrace]) -> list[StepFigure]:
             took = {kind: [-1.0] * m for kind in OpKind}
             order = []
             for s in spans:
-                kind = _KINDS[s.kind]
+                kind = OP_KINDS[s.kind]
                 took[kind][s.micro_batch] = s.duration_ns / 1e9
                 order.append(Op(kind, s.micro_batch))
                 start, end = trace.local(s)

@@ -4,9 +4,8 @@ on a low-priority thread, kept exact; a copy whose bytes changed on the way is r
 from __future__ import annotations
 
 import os
-import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -44,12 +43,23 @@ class Keeper(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.Ack()
 
 
-def _serve(keeper: Keeper) -> tuple[serving.RunningServer, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+@pytest.fixture
+def pushing() -> Iterator[tuple[Keeper, Callable[[list[tuple[int, PackedLayer]]], None]]]:
+    """A keeping server on a free loopback port, and a push of layers to it."""
+    keeper = Keeper()
     descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
-    return serving.start_server(f"127.0.0.1:{port}", [(descriptor, keeper)]), f"127.0.0.1:{port}"
+    server = serving.start_server("127.0.0.1:0", [(descriptor, keeper)])
+    pool = rpc.StagePool()
+    capture = Capture(job_id="j", step=10, source="me", states={}, peer="", generation=0)
+
+    def push(layers: list[tuple[int, PackedLayer]]) -> None:
+        transfers.push_snapshot(pool, server.address, capture, layers, 10.0, 4096)
+
+    try:
+        yield keeper, push
+    finally:
+        pool.close()
+        server.stop(grace=0.1)
 
 
 def _layers() -> list[tuple[int, PackedLayer]]:
@@ -59,40 +69,30 @@ def _layers() -> list[tuple[int, PackedLayer]]:
     return [(i, layerwire.seal(layerwire.pack(state()))) for i in (4, 5)]
 
 
-def test_a_pushed_copy_arrives_exact_with_its_digest_at_low_priority() -> None:
-    keeper = Keeper()
-    server, address = _serve(keeper)
-    pool = rpc.StagePool()
-    try:
-        capture = Capture(job_id="j", step=10, source="me", states={}, peer="", generation=0)
-        layers = _layers()
-        transfers.push_snapshot(pool, address, capture, layers, 10.0, 4096)
-        assert sorted(keeper.kept) == [4, 5]
-        for layer, packed in layers:
-            got = keeper.kept[layer]
-            assert got.sha256 == packed.sha256 == got.digest()
-            assert all(torch.equal(a, b) for a, b in zip(got.tensors, packed.tensors, strict=True))
-        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        assert mine == os.getpriority(os.PRIO_PROCESS, 0)  # the caller's is left as it was
-        assert keeper.priorities and min(keeper.priorities) > mine  # received at low priority
-    finally:
-        pool.close()
-        server.stop(grace=0.1)
+def test_a_pushed_copy_arrives_exact_with_its_digest_at_low_priority(
+    pushing: tuple[Keeper, Callable[[list[tuple[int, PackedLayer]]], None]],
+) -> None:
+    keeper, push = pushing
+    layers = _layers()
+    push(layers)
+    assert sorted(keeper.kept) == [4, 5]
+    for layer, packed in layers:
+        got = keeper.kept[layer]
+        assert got.sha256 == packed.sha256 == got.digest()
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors, packed.tensors, strict=True))
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert mine == os.getpriority(os.PRIO_PROCESS, 0)  # the caller's is left as it was
+    assert keeper.priorities and min(keeper.priorities) > mine  # received at low priority
 
 
-def test_a_copy_whose_bytes_changed_after_sealing_is_refused() -> None:
+def test_a_copy_whose_bytes_changed_after_sealing_is_refused(
+    pushing: tuple[Keeper, Callable[[list[tuple[int, PackedLayer]]], None]],
+) -> None:
     """The held clone changed after its digest was taken (or on the way): the receiver's
     SHA-256 check fails the push, and nothing is kept."""
-    keeper = Keeper()
-    server, address = _serve(keeper)
-    pool = rpc.StagePool()
-    try:
-        capture = Capture(job_id="j", step=10, source="me", states={}, peer="", generation=0)
-        layers = _layers()
-        layers[1][1].tensors[1][7] += 1.0
-        with pytest.raises(TransferError, match="layer 5: SHA-256 mismatch"):
-            transfers.push_snapshot(pool, address, capture, layers, 10.0, 4096)
-        assert keeper.kept == {}
-    finally:
-        pool.close()
-        server.stop(grace=0.1)
+    keeper, push = pushing
+    layers = _layers()
+    layers[1][1].tensors[1][7] += 1.0
+    with pytest.raises(TransferError, match="layer 5: SHA-256 mismatch"):
+        push(layers)
+    assert keeper.kept == {}
