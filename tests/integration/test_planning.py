@@ -19,13 +19,18 @@ SIZES = [512] * 9  # 8 equal Linear layers, 7 ReLUs: 15 layers
 
 @pytest.mark.timeout(300)
 def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> None:
-    """With --slowdown 1, 1, 2 the job starts on the planner's partition for the profiled
-    speeds, the live speeds the stages report are within 25% of 1:1:0.5, and the planner
-    run on those live reports keeps (or ties with) the partition in force."""
+    """With --slowdown 2, 1 the job starts on the planner's partition for the profiled
+    speeds, the live speeds the stages report are within 25% of 0.5:1, and the planner run
+    on those live reports keeps (or ties with) the partition in force.
+
+    Two stages, not three, and micro-batches of 128 rows: two cores run three stage
+    processes unevenly (two of them share a core for a whole run), and a tiny layer's CPU
+    time is mostly reloading caches another process evicted; either made a stage measure
+    its co-tenant instead of its own slowdown (fast stages 40% apart, once in ten runs)."""
     with (
         LocalCluster(
-            stages=3,
-            slowdowns=[1.0, 1.0, 2.0],
+            stages=2,
+            slowdowns=[2.0, 1.0],
             coordinator_args=[
                 "--state",
                 ":memory:",
@@ -49,15 +54,16 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
         def train(steps: int) -> None:
             for _ in range(steps):
                 pipe.train_step(
-                    torch.randn(128, 512, generator=g), torch.randn(128, 512, generator=g)
+                    torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
                 )
 
         train(4)
         speeds: dict[str, list[float]] = {}
         with rpc.channel(cluster.coordinator) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            # The measured speed of a stage: its reports averaged over several heartbeats.
-            for _ in range(6):
+            # The measured speed of a stage: the median of its reports over several heartbeats
+            # (one preempted step skews a mean).
+            for _ in range(8):
                 train(2)
                 time.sleep(0.4)  # at least one heartbeat with the latest timings
                 status = stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
@@ -65,19 +71,13 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
                     speeds.setdefault(stage.name, []).append(stage.speed)
             view = stub.Plan(coordinator_pb2.PlanRequest(), timeout=10)
         boundaries = pipe.partition.boundaries
-    by_name = {s.name: s for s in status.stages}
-    mean = {name: statistics.fmean(values) for name, values in speeds.items()}
-    fast = [mean["stage-0"], mean["stage-1"]]
-    slow = mean["stage-2"]
-    ratio = slow / (sum(fast) / 2)
-    assert 0.375 <= ratio <= 0.625, f"slow/fast speed {ratio:.3f} (speeds {fast}, {slow})"
-    assert abs(fast[0] / fast[1] - 1.0) <= 0.25, f"fast stages differ: {fast}"
-    # The slow host holds about half the work of a fast one.
-    slow_stage = by_name["stage-2"]
+    median = {name: statistics.median(values) for name, values in speeds.items()}
+    ratio = median["stage-0"] / median["stage-1"]
+    assert 0.375 <= ratio <= 0.625, f"slow/fast speed {ratio:.3f} (reports {speeds})"
+    # The slow host holds about half the work of the fast one.
     costs = list(view.layer_costs)
     work = {s.name: sum(costs[s.layer_lo : s.layer_hi]) for s in status.stages}
-    assert work["stage-2"] < 0.75 * min(work["stage-0"], work["stage-1"]), work
-    assert slow_stage.index >= 0
+    assert work["stage-0"] < 0.75 * work["stage-1"], work
     # The planner, fed the live reports, agrees with the partition in force.
     best = plan(costs, list(view.stage_speeds))
     assert tuple(view.optimal_boundaries) == best.boundaries or (
