@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elasticpipe import layerwire
 from elasticpipe.layerwire import PackedLayer
 from elasticpipe.stage_server import transfers
+from elasticpipe.stage_server.layers import tensors_cloned
 from elasticpipe.v1 import stage_pb2
 
 CHUNK = 1 << 20
@@ -56,16 +57,6 @@ def layer_set(mib: int) -> dict[int, dict[str, Any]]:
     }
 
 
-def clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone(v) for v in obj]
-    return obj
-
-
 def timed(f: Callable[[], Any]) -> tuple[Any, float]:
     start = time.thread_time()
     out = f()
@@ -84,7 +75,7 @@ def stream(way: str, blobs: dict[int, PackedLayer]) -> Iterator[bytes]:
 
 
 def one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
-    clones, clone_ms = timed(lambda: {i: clone(s) for i, s in states.items()})
+    clones, clone_ms = timed(lambda: {i: tensors_cloned(s) for i, s in states.items()})
     if way == "crc+sha":
         blobs, pack_ms = timed(lambda: {i: layerwire.pack(s) for i, s in clones.items()})
     else:

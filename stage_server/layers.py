@@ -582,7 +582,7 @@ class LayerSlice:
 
     def snapshot_layer(self, index: int) -> dict[str, Any]:
         """One layer's full state, cloned: training may go on while it is packed."""
-        state: dict[str, Any] = _tensors_cloned(self.export_layer(index, include_optimizer=True))
+        state: dict[str, Any] = tensors_cloned(self.export_layer(index, include_optimizer=True))
         return state
 
     def export_layer(self, index: int, include_optimizer: bool) -> dict[str, Any]:
@@ -712,13 +712,15 @@ def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
         torch._foreach_mul_(grads, scale)
 
 
-def _tensors_cloned(obj: Any) -> Any:
+def tensors_cloned(obj: Any) -> Any:
+    """``obj`` (nested dicts and lists) with every tensor cloned: a snapshot's private copy
+    of a layer's exported state."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, dict):
-        return {k: _tensors_cloned(v) for k, v in obj.items()}
+        return {k: tensors_cloned(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_tensors_cloned(v) for v in obj]
+        return [tensors_cloned(v) for v in obj]
     return obj
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import struct
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import jsonschema
 import pytest
 import torch
 
-from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.client.pipeline import Pipeline, StepStats
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.schedule import stage_ops as schedule_ops
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
@@ -77,6 +79,32 @@ def _admin(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str
     )
 
 
+@contextlib.contextmanager
+def _trained_and_traced(
+    cluster: LocalCluster, stem: Path, sizes: list[int], **pipeline_kwargs: Any
+) -> Iterator[tuple[StepStats, subprocess.CompletedProcess[str], Path, Path]]:
+    """Two training steps of an MLP of ``sizes`` on ``cluster``, then ``admin trace`` of the
+    last one into ``stem``.json and ``stem``.png; yields (the step's stats, the trace
+    command, its JSON, its PNG) with the pipeline still open. The step's efficiency is
+    checked to be in (0, 1] and the command to have succeeded."""
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model="mlp",
+        model_kwargs={"sizes": sizes},
+        micro_batches=MICRO_BATCHES,
+        **pipeline_kwargs,
+    ) as pipe:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            pipe.train_step(torch.randn(64, sizes[0], generator=g), torch.randint(0, 10, (64,)))
+        stats = pipe.last_step
+        assert 0 < stats.efficiency <= 1 and stats.ideal_s > 0
+        out, png = stem.with_suffix(".json"), stem.with_suffix(".png")
+        traced = _admin(cluster, "trace", "--steps", "1", "--out", str(out), "--png", str(png))
+        assert traced.returncode == 0, traced.stderr
+        yield stats, traced, out, png
+
+
 def _png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
@@ -102,26 +130,15 @@ def test_trace_of_a_1f1b_step_has_every_op_in_dependency_order(
     """Every (stage, micro-batch) has an F and a B event, a stage's ops never overlap,
     F(s, m) starts after F(s-1, m) ends and B(s, m) after B(s+1, m) once the clocks are
     corrected; the PNG is a real picture; efficiency is in (0, 1] everywhere it shows."""
-    sizes = [32, 128, 128, 128, 128, 128, 128, 128, 10]
-    with Pipeline(
-        coordinator=cluster4.coordinator,
-        model="mlp",
-        model_kwargs={"sizes": sizes},
-        micro_batches=MICRO_BATCHES,
+    with _trained_and_traced(
+        cluster4,
+        tmp_path / "t",
+        sizes=[32, 128, 128, 128, 128, 128, 128, 128, 10],
         schedule="1f1b",
         stages=STAGES,
         lease_s=1.5,  # renews (and reports the efficiency) every 0.5 s
-    ) as pipe:
-        g = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            pipe.train_step(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,)))
-        stats = pipe.last_step
-        assert 0 < stats.efficiency <= 1 and stats.ideal_s > 0
+    ) as (stats, traced, out, png):
         assert "pipeline efficiency" in str(stats)
-
-        out, png = tmp_path / "t.json", tmp_path / "t.png"
-        traced = _admin(cluster4, "trace", "--steps", "1", "--out", str(out), "--png", str(png))
-        assert traced.returncode == 0, traced.stderr
         assert "pipeline efficiency" in traced.stdout
 
         deadline = time.monotonic() + 10
@@ -187,26 +204,17 @@ def test_a_zero_bubble_step_traces_b_and_w_in_the_schedule_order(
     schedule's order, each W after its B; the reports carry W durations and the efficiency
     walks the split schedule; the timeline draws."""
     stages = 3
-    with Pipeline(
-        coordinator=cluster4.coordinator,
-        model="mlp",
-        model_kwargs={"sizes": [32, 128, 128, 128, 128, 10]},
-        micro_batches=MICRO_BATCHES,
+    with _trained_and_traced(
+        cluster4,
+        tmp_path / "zb",
+        sizes=[32, 128, 128, 128, 128, 10],
         schedule="zb-h1",
         stages=stages,
-    ) as pipe:
-        g = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            pipe.train_step(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,)))
-        stats = pipe.last_step
-        assert 0 < stats.efficiency <= 1 and stats.ideal_s > 0
+    ) as (stats, _, out, png):
         for report in stats.reports:
             assert len(report.weight_s) == len(report.backward_s) == MICRO_BATCHES
             assert min(report.weight_s) > 0
         assert [r.peak_stashed for r in stats.reports] == [stages] * stages
-        out, png = tmp_path / "zb.json", tmp_path / "zb.png"
-        traced = _admin(cluster4, "trace", "--steps", "1", "--out", str(out), "--png", str(png))
-        assert traced.returncode == 0, traced.stderr
     events = json.loads(out.read_text())["traceEvents"]
     ops = [e for e in events if e.get("ph") == "X" and e["cat"] in ("F", "B", "W")]
     by_stage: dict[int, list[dict[str, Any]]] = defaultdict(list)
