@@ -34,12 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elasticpipe import rpc, traces
 from elasticpipe.client import driver
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.efficiency import critical_path
-from elasticpipe.schedule import Op, OpKind
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.observe import traces
+from elasticpipe.observe.efficiency import critical_path
+from elasticpipe.training.schedule import Op, OpKind
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 STRAGGLER_MODEL = {

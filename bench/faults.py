@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
 
 MODEL = {"vocab_size": 96, "d_model": 96, "n_heads": 4, "n_layers": 8, "max_seq_len": 32}
 BATCH, SEQ = 16, 32

@@ -42,10 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/gpu.py`
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.models import build
-from elasticpipe.schedule import split_sizes
-from elasticpipe.training import loss_fn, make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.models.contract import build
+from elasticpipe.training.objectives import loss_fn, make_optimizer, reference_step
+from elasticpipe.training.schedule import split_sizes
 
 SEED = 0
 LOSS = "mse"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
 
 MODEL = {"vocab_size": 64, "d_model": 64, "n_heads": 4, "n_layers": 4, "max_seq_len": 32}
 BATCH, SEQ, MICRO = 16, 32, 4

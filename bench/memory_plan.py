@@ -28,10 +28,10 @@ import torch
 from elasticpipe.coordinator import memory
 from elasticpipe.coordinator.estimates import Profile
 from elasticpipe.coordinator.planner import plan
-from elasticpipe.job import JobConfig
-from elasticpipe.local import LocalPipeline
+from elasticpipe.local.reference import LocalPipeline
 from elasticpipe.stage_server.layers import Slowdown
 from elasticpipe.stage_server.profiling import profile_layers
+from elasticpipe.training.job import JobConfig
 
 MODEL = {"vocab_size": 96, "d_model": 96, "n_heads": 4, "n_layers": 4, "max_seq_len": 32}
 MICRO, SEQ, STAGES, MICRO_BATCHES = 8, 32, 4, 8

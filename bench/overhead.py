@@ -12,7 +12,7 @@ What is measured (all in one run, same model, seed, data and number of steps):
   loopback): what the client/server machinery costs when nothing is parallel;
 * (c)  ``Pipeline`` over 2 stage servers with the 1F1B schedule;
 * (e)  the same with the ZB-H1 schedule (backward split into input and weight gradients,
-  the weight gradients filling the drain's bubble: ``elasticpipe.schedule``).
+  the weight gradients filling the drain's bubble: ``elasticpipe.training.schedule``).
 
 Each is warmed up, then ``--steps`` steps are timed with ``time.perf_counter`` around the
 whole ``train_step`` (split, RPCs, compute, commit). The table gives steps/s, ms/step (mean
@@ -68,10 +68,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/overhead.py`
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.models import build
-from elasticpipe.schedule import split_sizes
-from elasticpipe.training import loss_fn, make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.models.contract import build
+from elasticpipe.training.objectives import loss_fn, make_optimizer, reference_step
+from elasticpipe.training.schedule import split_sizes
 
 # file names of the client-side modules, for the profile's "inclusive" list
 OURS = {

@@ -27,11 +27,11 @@ CNN_BATCH = 32
 
 
 def load_build() -> Callable[..., nn.Sequential]:
-    """Imports elasticpipe.models.build, waiting for it if it is still being written."""
+    """Imports elasticpipe.models.contract.build, waiting for it if it is still being written."""
     deadline = time.monotonic() + 120.0
     while True:
         try:
-            from elasticpipe.models import build
+            from elasticpipe.models.contract import build
         except ImportError:
             if time.monotonic() > deadline:
                 raise

@@ -1,4 +1,4 @@
-"""Benchmark of the per-layer RNG seeding (``elasticpipe.rng``): what it adds to a step.
+"""Benchmark of the per-layer RNG seeding (``elasticpipe.training.rng``): what it adds to a step.
 
 What is measured, in one process with one intra-op thread (a stage's budget):
 
@@ -27,7 +27,8 @@ from unittest import mock
 
 import torch
 
-from elasticpipe import LocalPipeline, rng
+from elasticpipe import LocalPipeline
+from elasticpipe.training import rng
 
 SIZES = [64, 128, 128, 128, 128, 128, 128, 128, 10]  # 8 Linear + 7 ReLU = 15 layers
 MICRO_BATCHES = 4

@@ -107,9 +107,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/scale.py`
 
-from elasticpipe import codec, layerwire, models, rpc, serving
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.planner import order_hosts, plan, spare_positions
 from elasticpipe.errors import (
     ElasticPipeError,
@@ -121,10 +120,13 @@ from elasticpipe.errors import (
     StaleEpoch,
     StepAborted,
 )
-from elasticpipe.job import JobConfig
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server import transfers
+from elasticpipe.training.job import JobConfig
+from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.wire import codec, layer_state
 
 STAGE_COUNTS = (64, 128, 256)
 MICRO_BATCHES = 4
@@ -178,7 +180,7 @@ def _describe(model: str, kwargs_json: str) -> tuple[int, tuple[int, ...], str, 
     return num_layers, tuple(sizes), path, digest
 
 
-BLOB = layerwire.pack({"model": {"weight": torch.zeros(PARAM_FLOATS)}, "optimizer": None})
+BLOB = layer_state.pack({"model": {"weight": torch.zeros(PARAM_FLOATS)}, "optimizer": None})
 
 
 # ---- the fake stage ------------------------------------------------------------------
@@ -444,7 +446,7 @@ class FakeStage:
         def messages() -> Iterator[stage_pb2.SnapshotChunk]:
             yield stage_pb2.SnapshotChunk(job_id=job_id, step=step, source=me)
             for layer in layers:
-                for chunk in layerwire.messages(layer, BLOB):
+                for chunk in layer_state.messages(layer, BLOB):
                     yield stage_pb2.SnapshotChunk(chunk=chunk)
 
         unreachable = 0
@@ -726,7 +728,7 @@ class FakeStage:
                 raise NotReady(f"layer {layer}: no source and no snapshot on {self.name}")
             limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
             got = transfers.pull_layer(
-                self.pool, sources[layer], request, deadline, limits, layerwire.Destination()
+                self.pool, sources[layer], request, deadline, limits, layer_state.Destination()
             )
             received += got.packed.nbytes
         with self.cond:
@@ -789,14 +791,14 @@ class FakeStage:
         if missing:
             raise NotReady(f"stage {self.name} does not hold layers {missing}")
         for layer in req.layers:
-            yield from layerwire.messages(layer, BLOB)
+            yield from layer_state.messages(layer, BLOB)
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: Any
     ) -> stage_pb2.RestoreResponse:
         pieces = (message.chunk for message in chunks)
         limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
-        layers = [got.layer for got in layerwire.receive(pieces, *limits)]
+        layers = [got.layer for got in layer_state.receive(pieces, *limits)]
         return stage_pb2.RestoreResponse(layers=layers)
 
     def PushSnapshot(self, chunks: Iterator[stage_pb2.SnapshotChunk], ctx: Any) -> stage_pb2.Ack:
@@ -805,7 +807,7 @@ class FakeStage:
             raise InvalidRequest("a snapshot stream must start with its job, step and source")
         pieces = (message.chunk for message in chunks)
         limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
-        blobs = {got.layer: got.packed for got in layerwire.receive(pieces, *limits)}
+        blobs = {got.layer: got.packed for got in layer_state.receive(pieces, *limits)}
         with self.cond:
             if self.job is None or self.job.job_id != first.job_id:
                 raise NotReady(f"stage {self.name} does not run job {first.job_id!r} (yet)")

@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elasticpipe import layerwire
-from elasticpipe.layerwire import PackedLayer
 from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.layers import tensors_cloned
 from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import layer_state
+from elasticpipe.wire.layer_state import PackedLayer
 
 CHUNK = 1 << 20
 LAYERS = 4
@@ -68,25 +68,25 @@ def stream(way: str, blobs: dict[int, PackedLayer]) -> Iterator[bytes]:
     yield stage_pb2.SnapshotChunk(job_id="j", step=10, source="s").SerializeToString()
     for layer, packed in blobs.items():
         if way == "crc+sha":
-            for chunk in layerwire.messages(layer, packed, CHUNK):
+            for chunk in layer_state.messages(layer, packed, CHUNK):
                 yield stage_pb2.SnapshotChunk(chunk=chunk).SerializeToString()
         else:
-            yield from layerwire.encoded_chunks(layer, packed, CHUNK, transfers._CHUNK_FIELD)
+            yield from layer_state.encoded_chunks(layer, packed, CHUNK, transfers._CHUNK_FIELD)
 
 
 def one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
     clones, clone_ms = timed(lambda: {i: tensors_cloned(s) for i, s in states.items()})
     if way == "crc+sha":
-        blobs, pack_ms = timed(lambda: {i: layerwire.pack(s) for i, s in clones.items()})
+        blobs, pack_ms = timed(lambda: {i: layer_state.pack(s) for i, s in clones.items()})
     else:
         blobs, pack_ms = timed(
-            lambda: {i: layerwire.seal(layerwire.pack(s)) for i, s in clones.items()}
+            lambda: {i: layer_state.seal(layer_state.pack(s)) for i, s in clones.items()}
         )
     wire, send_ms = timed(lambda: list(stream(way, blobs)))
 
     def receive() -> dict[int, PackedLayer]:
         pieces = (stage_pb2.SnapshotChunk.FromString(b).chunk for b in wire[1:])
-        return {g.layer: g.packed for g in layerwire.receive(pieces, 1 << 40, 1 << 40)}
+        return {g.layer: g.packed for g in layer_state.receive(pieces, 1 << 40, 1 << 40)}
 
     got, receive_ms = timed(receive)
     for i, packed in blobs.items():  # exact, or the figures mean nothing

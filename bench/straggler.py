@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from elasticpipe import rpc
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MODEL = {"vocab_size": 96, "d_model": 128, "n_heads": 4, "n_layers": 16, "max_seq_len": 64}

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 What is measured, all in one run, per tensor size (64 KiB to 64 MiB) and per path:
 
-* **data path** -- ``elasticpipe.transport.send``, the very call a stage's ``Link`` makes to
+* **data path** -- ``elasticpipe.transport.sending.send``, the very call a stage's ``Link`` makes to
   pass its output on: one unary ``Deliver`` for a tensor of at most one chunk (1 MiB), a
   client-streaming ``Forward`` (header, then 1 MiB chunks) above that. The sender is this
   process; the receiver is a real stage server process (``elasticpipe stage``, started by
@@ -24,7 +24,7 @@ What is measured, all in one run, per tensor size (64 KiB to 64 MiB) and per pat
   preallocated buffer (``TCP_NODELAY``): the floor any path over loopback pays.
 
 The same semantics for all: a message counts once the *sender knows the receiver holds
-it*. ``transport.send`` returns when the stage's ``Ack`` arrives, which the stage sends
+it*. ``sending.send`` returns when the stage's ``Ack`` arrives, which the stage sends
 only after the tensor is assembled and in its mailbox (a refused message raises and ends
 the bench); the bare gRPC sink answers once it has drained the request; gloo and TCP
 receivers answer every message with a 1-byte ack (a 1-element gloo send / one byte on the
@@ -97,11 +97,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/transfer.py`
 
-from elasticpipe import codec, rpc, transport
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.job import JobConfig
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.partition import Placement
+from elasticpipe.training.job import JobConfig
+from elasticpipe.transport import rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.wire import codec
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 32 * MIB, 64 * MIB]
@@ -301,7 +302,7 @@ RUN_IDS = itertools.count(1)
 
 
 class DataPath(Carrier):
-    """A ``Link``'s ``transport.Sender`` into a real stage server process holding a job:
+    """A ``Link``'s ``sending.Sender`` into a real stage server process holding a job:
     with the bulk channel (the data path), or over gRPC alone (``--no-bulk``'s path)."""
 
     def __init__(self, use_bulk: bool = True, cluster: LocalCluster | None = None) -> None:
@@ -316,7 +317,7 @@ class DataPath(Carrier):
         self.receiver_pid = self.cluster.procs["stage-0"].pid
         self.channel = rpc.channel(self.address)  # as a Link opens it
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
-        self.sender = transport.Sender(self.stub, self.address, use_bulk=use_bulk)
+        self.sender = sending.Sender(self.stub, self.address, use_bulk=use_bulk)
         placement = Placement(epoch=EPOCH, index=1, num_stages=2, lo=1, hi=2)
         reply = rpc.call(
             self.address,
@@ -333,7 +334,7 @@ class DataPath(Carrier):
         self.run_id = next(RUN_IDS)  # one stage, two paths: run ids never repeat
         for i in range(batch.count):
             self.sender.send(
-                transport.Outgoing("Forward", EPOCH, self.run_id, 0, i, payload),
+                sending.Outgoing("Forward", EPOCH, self.run_id, 0, i, payload),
                 SEND_TIMEOUT_S,
             )
 
@@ -488,7 +489,7 @@ def breakdown(size: int, repeats: int = 5) -> tuple[float, float]:
          receiver: protobuf parsing of every message + assembly into the tensor's buffer)
     """
     payload = torch.rand(size // 4)
-    msg = transport.Outgoing("Forward", EPOCH, 1, 0, 0, payload)
+    msg = sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload)
     meta = codec.tensor_meta(payload)
     unary = meta.nbytes <= codec.DEFAULT_CHUNK_BYTES
 
@@ -496,11 +497,11 @@ def breakdown(size: int, repeats: int = 5) -> tuple[float, float]:
         if unary:
             request = stage_pb2.DataMessage(
                 slot=stage_pb2.INPUT,
-                header=transport.header(msg, meta),
+                header=sending.header(msg, meta),
                 data=codec.tensor_bytes(payload),
             )
             return [request.SerializeToString()]
-        return [m.SerializeToString() for m in transport.data_stream(msg)]
+        return [m.SerializeToString() for m in sending.data_stream(msg)]
 
     wire = serialize()
 

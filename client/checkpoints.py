@@ -32,9 +32,9 @@ import torch
 from safetensors.torch import save_file
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig
-from elasticpipe.rng import RNG_PROTOCOL
-from elasticpipe.weights import MANIFEST, TensorSource, read_json
+from elasticpipe.models.weights import MANIFEST, TensorSource, read_json
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.rng import RNG_PROTOCOL
 
 FORMAT = "elasticpipe-checkpoint-v2"
 

@@ -18,8 +18,6 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import bundle, codec, rpc
-from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -30,10 +28,13 @@ from elasticpipe.errors import (
 )
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
-from elasticpipe.structure import Value
-from elasticpipe.tls import TLS
-from elasticpipe.transport import Outgoing, Sender
+from elasticpipe.security.tls import TLS
+from elasticpipe.training.clipping import NO_CLIP, GradClip
+from elasticpipe.transport import rpc
+from elasticpipe.transport.sending import Outgoing, Sender
 from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import bundle, codec
+from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
 
@@ -44,7 +45,8 @@ COMMIT_TIMEOUT_S = 30.0
 
 class StageClients(rpc.StagePool):
     """The client's channels to the stages, and a sender per stage for inputs and targets
-    (large ones over the bulk channel, ``elasticpipe.bulk``), used by one send at a time."""
+    (large ones over the bulk channel, ``elasticpipe.transport.bulk``), used by one send at a
+    time."""
 
     def __init__(self, tls: TLS | None = None):
         super().__init__(tls=tls)

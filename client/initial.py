@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from elasticpipe import weights
-from elasticpipe.job import JobConfig
+from elasticpipe.models import weights
+from elasticpipe.training.job import JobConfig
 
 
 class InitialWeights:

@@ -43,18 +43,7 @@ from typing import Any
 import grpc
 import torch
 
-from elasticpipe import (
-    bundle,
-    clipping,
-    codec,
-    efficiency,
-    layerwire,
-    loss_scaling,
-    models,
-    rpc,
-    structure,
-    weights,
-)
+from elasticpipe import models
 from elasticpipe.client import checkpoints, driver, initial
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
@@ -73,14 +62,19 @@ from elasticpipe.errors import (
     StepAborted,
     TransferError,
 )
-from elasticpipe.job import JobConfig
-from elasticpipe.layerwire import PackedLayer
 from elasticpipe.logs import get_logger
+from elasticpipe.models import weights
+from elasticpipe.observe import efficiency
 from elasticpipe.partition import Partition
-from elasticpipe.structure import Value, split_batch
-from elasticpipe.tls import TLS
-from elasticpipe.training import check_optimizer
+from elasticpipe.security.tls import TLS
+from elasticpipe.training import clipping, loss_scaling
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.objectives import check_optimizer
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.wire import bundle, codec, layer_state, structure
+from elasticpipe.wire.layer_state import PackedLayer
+from elasticpipe.wire.structure import Value, split_batch
 
 log = get_logger(__name__)
 
@@ -125,7 +119,7 @@ class StepStats:
             next step's is backed off if this one was skipped, or grown); else None.
         stages: per stage, in chain order.
         ideal_s: the step's critical path with free communication: the schedule's ops,
-            each taking the time it was measured to take (``elasticpipe.efficiency``).
+            each taking the time it was measured to take (``elasticpipe.observe.efficiency``).
         efficiency: ``ideal_s`` over the measured step time (the longest stage's run), in
             (0, 1]; what is missing to 1 is bubbles and overheads the op times do not force.
         reports: the raw reports (protobufs), for tools.
@@ -898,7 +892,7 @@ class Pipeline:
         try:
             stream = self._clients.stub(address).ExportLayers(request, timeout=self._step_timeout)
             limits = (codec.DEFAULT_MAX_LAYER_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
-            for got in layerwire.receive(stream, *limits):
+            for got in layer_state.receive(stream, *limits):
                 yield got.layer, got.packed
         except grpc.RpcError as exc:
             raise rpc.translate(exc, address) from exc
@@ -1036,7 +1030,7 @@ class Pipeline:
                 ) -> Iterator[stage_pb2.RestoreChunk]:
                     first = True
                     for layer in owned:
-                        for chunk in layerwire.messages(layer, layerwire.pack(state_of(layer))):
+                        for chunk in layer_state.messages(layer, layer_state.pack(state_of(layer))):
                             yield stage_pb2.RestoreChunk(
                                 epoch=begun.epoch if first else 0,
                                 committed_step=step if first else 0,

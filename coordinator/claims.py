@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import threading
 
-from elasticpipe import authz
 from elasticpipe.coordinator.membership import Membership
 from elasticpipe.errors import PermissionDenied
+from elasticpipe.security import authz
 
 
 class Claims:

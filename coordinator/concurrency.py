@@ -7,7 +7,7 @@ from concurrent import futures
 from typing import TypeVar
 
 from elasticpipe.errors import ElasticPipeError
-from elasticpipe.serving import split_address
+from elasticpipe.transport.serving import split_address
 
 T = TypeVar("T")
 

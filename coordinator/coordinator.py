@@ -24,9 +24,9 @@ from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
 from elasticpipe.errors import InvalidRequest, NotReady
 from elasticpipe.logs import get_logger
-from elasticpipe.structure import Value
-from elasticpipe.tls import TLS
+from elasticpipe.security.tls import TLS
 from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
 

@@ -29,9 +29,9 @@ from elasticpipe.coordinator import copies
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import ElasticPipeError, NotReady, TransferError
-from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
+from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from elasticpipe import bounds, bundle
 from elasticpipe.coordinator import concurrency, copies, epochs, estimates, memory
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.estimates import Profile, Timing
@@ -38,11 +37,13 @@ from elasticpipe.errors import (
     NotReady,
     StagesMissing,
 )
-from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
-from elasticpipe.structure import Value
+from elasticpipe.security import bounds
+from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import job_pb2, stage_pb2
+from elasticpipe.wire import bundle
+from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
 

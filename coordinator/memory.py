@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from elasticpipe.coordinator.estimates import Profile
 from elasticpipe.coordinator.planner import PlanError
-from elasticpipe.job import JobConfig
+from elasticpipe.training.job import JobConfig
 
 __all__ = [
     "MemoryTerms",

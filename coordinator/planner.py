@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.schedule import SCHEDULES
+from elasticpipe.training.schedule import SCHEDULES
 
 __all__ = ["Plan", "PlanError", "moved_layers", "order_hosts", "plan", "predict_step_time"]
 
@@ -179,7 +179,7 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
     1F1B saves activation memory (at most ``S - s`` micro-batches live on stage ``s`` instead
     of ``micro_batches``), not time.
 
-    ZB-H1 (``elasticpipe.schedule``) leaves each weight gradient for later, so of every
+    ZB-H1 (``elasticpipe.training.schedule``) leaves each weight gradient for later, so of every
     stage but the bottleneck only the forward and the input gradient lie on the fill and
     drain path, the weight gradients filling its gaps. Taking forward, input gradient and
     weight gradient as a third of a stage's time each (one matmul each for a linear layer),
@@ -194,7 +194,7 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
 
     capped at 1F1B's prediction (a link as the bottleneck gains nothing from the split).
 
-    Against the critical path of the schedule's own ops (``elasticpipe.efficiency``) it is
+    Against the critical path of the schedule's own ops (``elasticpipe.observe.efficiency``) it is
     within 14% for 1-7 stages of unequal speed and 1-16 micro-batches, as 1F1B's formula is
     within 26% of its own (tests/unit/test_planner.py); never above 1F1B's prediction.
 

@@ -9,9 +9,9 @@ from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.service import CoordinatorServicer
 from elasticpipe.coordinator.store import Store
 from elasticpipe.logs import get_logger
-from elasticpipe.metrics import MetricsEndpoint
-from elasticpipe.serving import RunningServer, metrics_host, start_server
-from elasticpipe.tls import TLS
+from elasticpipe.observe.metrics import MetricsEndpoint
+from elasticpipe.security.tls import TLS
+from elasticpipe.transport.serving import RunningServer, metrics_host, start_server
 from elasticpipe.v1 import coordinator_pb2
 
 log = get_logger(__name__)

@@ -9,8 +9,6 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import authz, bounds, bundle
-from elasticpipe.admission import Limits
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.claims import Claims
 from elasticpipe.coordinator.coordinator import Coordinator
@@ -18,9 +16,12 @@ from elasticpipe.coordinator.jobs import DEFAULT_LEASE_S
 from elasticpipe.coordinator.membership import Heard, Member
 from elasticpipe.coordinator.rebalancing import MoveOutcome
 from elasticpipe.errors import InvalidRequest, TooLarge
-from elasticpipe.job import JobConfig
 from elasticpipe.partition import Partition
+from elasticpipe.security import authz, bounds
+from elasticpipe.security.admission import Limits
+from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import coordinator_pb2
+from elasticpipe.wire import bundle
 
 MAX_WAIT_S = bounds.MAX_WAIT_S
 MAX_LONG_POLLS = 8  # of the server's 32 workers

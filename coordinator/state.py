@@ -12,18 +12,18 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from elasticpipe import rpc
 from elasticpipe.coordinator import estimates, memory
 from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import Member, Membership
 from elasticpipe.coordinator.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
 from elasticpipe.errors import LayersLost, NotReady
-from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
-from elasticpipe.metrics import CoordinatorMetrics, CoordinatorView
+from elasticpipe.observe.metrics import CoordinatorMetrics, CoordinatorView
 from elasticpipe.partition import Partition
-from elasticpipe.tls import TLS
+from elasticpipe.security.tls import TLS
+from elasticpipe.training.job import JobConfig
+from elasticpipe.transport import rpc
 
 log = get_logger(__name__)
 

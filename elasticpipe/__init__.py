@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elasticpipe.client.pipeline import Pipeline, StepStats
-    from elasticpipe.cluster import LocalCluster
-    from elasticpipe.local import LocalPipeline
+    from elasticpipe.local.cluster import LocalCluster
+    from elasticpipe.local.reference import LocalPipeline
     from elasticpipe.partition import Partition
-    from elasticpipe.tls import TLS
+    from elasticpipe.security.tls import TLS
 
 __all__ = ["TLS", "LocalCluster", "LocalPipeline", "Partition", "Pipeline", "StepStats"]
 __version__ = "0.1.0"
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(pipeline, name)
     if name == "TLS":
-        from elasticpipe.tls import TLS
+        from elasticpipe.security.tls import TLS
 
         return TLS
     if name == "Partition":
@@ -33,11 +33,11 @@ def __getattr__(name: str) -> Any:
 
         return Partition
     if name == "LocalPipeline":
-        from elasticpipe.local import LocalPipeline
+        from elasticpipe.local.reference import LocalPipeline
 
         return LocalPipeline
     if name == "LocalCluster":
-        from elasticpipe.cluster import LocalCluster
+        from elasticpipe.local.cluster import LocalCluster
 
         return LocalCluster
     raise AttributeError(f"module 'elasticpipe' has no attribute {name!r}")

@@ -2,6 +2,6 @@
 
 import sys
 
-from elasticpipe.cli import main
+from elasticpipe.cli.entry import main
 
 sys.exit(main())

@@ -25,7 +25,7 @@
 The error's kind travels in the gRPC status details (a ``google.rpc.ErrorInfo`` whose
 ``reason`` names the class), so a receiver rebuilds the precise class without reading the
 message. Remote errors are translated into this tree in exactly one place,
-``elasticpipe.rpc``; a servicer raises these and the adapter turns them into a status,
+``elasticpipe.transport.rpc``; a servicer raises these and the adapter turns them into a status,
 never a traceback.
 """
 

@@ -1,4 +1,4 @@
-"""The stage's bulk listener: the receiving end of ``elasticpipe.bulk``.
+"""The stage's bulk listener: the receiving end of ``elasticpipe.transport.bulk``.
 
 One thread accepts connections on the bulk port; each connection gets its own thread,
 which checks the one-time token (and, with TLS, that the certificate names the caller the
@@ -23,10 +23,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from elasticpipe import authz, bulk, serving, structure
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, PermissionDenied, TooLarge
 from elasticpipe.logs import get_logger
-from elasticpipe.tls import TLS, identity_of
+from elasticpipe.security import authz
+from elasticpipe.security.tls import TLS, identity_of
+from elasticpipe.transport import bulk, serving
+from elasticpipe.wire import structure
 
 if TYPE_CHECKING:
     from elasticpipe.stage_server.service import StageServicer

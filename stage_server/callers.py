@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from elasticpipe import authz
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady, PermissionDenied
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Placement
-from elasticpipe.tls import name_matches
+from elasticpipe.security import authz
+from elasticpipe.security.tls import name_matches
 
 if TYPE_CHECKING:
     from elasticpipe.stage_server.stage import Stage

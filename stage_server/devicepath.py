@@ -48,9 +48,9 @@ from typing import Any, Protocol
 
 import torch
 
-from elasticpipe import structure
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable
-from elasticpipe.structure import Value
+from elasticpipe.wire import structure
+from elasticpipe.wire.structure import Value
 
 __all__ = [
     "CudaPath",

@@ -1,6 +1,6 @@
 """Running one stage's ops of a step: take inputs, compute, send on, keep the loss.
 
-The op list comes from ``elasticpipe.schedule`` (GPipe, 1F1B or ZB-H1); each op waits in
+The op list comes from ``elasticpipe.training.schedule`` (GPipe, 1F1B or ZB-H1); each op waits in
 the mailbox for what it needs (an activation from the previous stage, a gradient from the
 next, a target on the last; a W op nothing), computes, and queues its output on the link
 to the next or previous stage without waiting for the network. The last stage turns its
@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elasticpipe import structure, wire
 from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
-from elasticpipe.schedule import Op, OpKind
 from elasticpipe.stage_server.devicepath import DevicePath, PlainPath, losses_to_floats
 from elasticpipe.stage_server.layers import LayerSlice, Stash
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
-from elasticpipe.structure import Value
-from elasticpipe.training import scaled_loss_tensor
-from elasticpipe.transport import Outgoing
+from elasticpipe.training.objectives import scaled_loss_tensor
+from elasticpipe.training.schedule import Op, OpKind
+from elasticpipe.transport.sending import Outgoing
+from elasticpipe.wire import compress, structure
+from elasticpipe.wire.structure import Value
 
 FLUSH_SLICE_S = 0.1
 
@@ -145,7 +145,7 @@ def _run_ops(
             w0 = now()
             x = path.to_device(mailbox.take(run, Slot.INPUT, i, ctx.deadline))
             if not first:
-                x = wire.decode_value(x, wire_dtype)  # on the device: half the bytes copied
+                x = compress.decode_value(x, wire_dtype)  # on the device: half the bytes copied
             target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
@@ -170,7 +170,7 @@ def _run_ops(
             elif not last:
                 path.send(
                     ctx.links[placement.next],
-                    wire.encode_value(structure.detached(y), wire_dtype),
+                    compress.encode_value(structure.detached(y), wire_dtype),
                     _message("Forward", ctx, i),
                 )
             if stash is not None:
@@ -193,7 +193,7 @@ def _run_ops(
                 grad = loss_grads.pop(i)
             else:
                 taken = path.to_device(mailbox.take(run, Slot.GRAD, i, ctx.deadline))
-                grad = wire.decode_value(taken, wire_dtype)
+                grad = compress.decode_value(taken, wire_dtype)
             t0 = now()
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
@@ -207,7 +207,7 @@ def _run_ops(
             if not first and grad_in is not None:
                 path.send(
                     ctx.links[placement.prev],
-                    wire.encode_value(structure.detached(grad_in), wire_dtype),
+                    compress.encode_value(structure.detached(grad_in), wire_dtype),
                     _message("Backward", ctx, i),
                 )
             if split:  # what W needs is held on: the gradients kept for it

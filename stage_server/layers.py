@@ -19,14 +19,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from elasticpipe import clipping, loss_scaling, models, precision, rng, schedulers, structure
-from elasticpipe.clipping import GradClip
+from elasticpipe import models
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
-from elasticpipe.job import JobConfig
 from elasticpipe.stage_server import devicepath, weightgrad
 from elasticpipe.stage_server.devicetime import EventClock, Lap
-from elasticpipe.structure import Value
-from elasticpipe.training import loss_fn, make_optimizer
+from elasticpipe.training import clipping, loss_scaling, lr, precision, rng
+from elasticpipe.training.clipping import GradClip
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.objectives import loss_fn, make_optimizer
+from elasticpipe.wire import structure
+from elasticpipe.wire.structure import Value
 
 EWMA_ALPHA = 0.3
 
@@ -58,7 +60,7 @@ class LayerTiming:
 @dataclass
 class Stash:
     """What backward needs of one micro-batch: each layer's (detached inputs, outputs),
-    as flat lists of tensors (``elasticpipe.structure``); the outputs are None for a layer
+    as flat lists of tensors (``elasticpipe.wire.structure``); the outputs are None for a layer
     that recomputes its forward during backward (it keeps only its inputs)."""
 
     pairs: list[tuple[list[torch.Tensor], list[torch.Tensor] | None]] = field(default_factory=list)
@@ -100,7 +102,7 @@ class Built(NamedTuple):
 
     module: nn.Module
     optimizer: torch.optim.Optimizer | None
-    scheduler: schedulers.Scheduler | None
+    scheduler: lr.Scheduler | None
     loss_scale: loss_scaling.LossScale | None = None
 
 
@@ -183,7 +185,7 @@ class LayerSlice:
         self.slowdown = slowdown
         self.layers: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.schedulers: dict[int, schedulers.Scheduler] = {}
+        self.schedulers: dict[int, lr.Scheduler] = {}
         # fp16: every layer's copy of the job's loss scale (all equal; loss_scaling.py)
         self.scales: dict[int, loss_scaling.LossScale] = {}
         self.timings: dict[int, LayerTiming] = {}
@@ -229,10 +231,10 @@ class LayerSlice:
             return None
         return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs, self.allow)
 
-    def _scheduler(self, optimizer: torch.optim.Optimizer) -> schedulers.Scheduler | None:
+    def _scheduler(self, optimizer: torch.optim.Optimizer) -> lr.Scheduler | None:
         """The optimizer's learning-rate scheduler; None without a schedule."""
         job = self.job
-        return schedulers.build(job.scheduler, job.scheduler_kwargs, job.warmup_steps, optimizer)
+        return lr.build(job.scheduler, job.scheduler_kwargs, job.warmup_steps, optimizer)
 
     @property
     def indices(self) -> list[int]:
@@ -266,7 +268,7 @@ class LayerSlice:
                 tensors (not on the first stage, whose input is data: computing them would
                 waste a matmul).
             micro_batch: the micro-batch's index in its mini-batch (named in errors).
-            step: the logical step (``elasticpipe.rng``: with ``micro_batch`` and the
+            step: the logical step (``elasticpipe.training.rng``: with ``micro_batch`` and the
                 layer's index it seeds the layer's random draws).
 
         Raises:
@@ -376,7 +378,7 @@ class LayerSlice:
     ) -> tuple[list[torch.Tensor], float | Lap]:
         """Runs layer ``i``'s forward on its stashed inputs again, with the graph.
 
-        It runs under the seed of the first forward (``elasticpipe.rng``), in a fork of the
+        It runs under the seed of the first forward (``elasticpipe.training.rng``), in a fork of the
         generators, so dropout masks match and the stage's random stream is left as it was.
         The forward runs on copies of the layer's buffers (batch-norm statistics): the
         first forward already updated them once, as training without recomputation does.
@@ -415,7 +417,7 @@ class LayerSlice:
         """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
 
         ``grad`` holds one tensor per floating tensor of the slice's output, in order (a
-        plain tensor when there is one, else a tuple; ``elasticpipe.structure``); integer
+        plain tensor when there is one, else a tuple; ``elasticpipe.wire.structure``); integer
         and bool tensors (masks, ids) get none. A floating output that does not require
         grad (no path from the parameters) just drops its gradient.
 
@@ -517,7 +519,7 @@ class LayerSlice:
 
         Args:
             clip: scale the gradients first, or skip the optimizer step (a non-finite
-                global norm: the schedulers still step, see ``elasticpipe.clipping``; the
+                global norm: the schedulers still step, see ``elasticpipe.training.clipping``; the
                 loss scale backs off).
         """
         for i, opt in self.optimizers.items():
@@ -570,7 +572,7 @@ class LayerSlice:
         parameters; every layer's schedule is the same); 0 with no such layer."""
         for i in self.indices:
             if i in self.optimizers:
-                return schedulers.current_lr(self.optimizers[i])
+                return lr.current_lr(self.optimizers[i])
         return 0.0
 
     def zero_grad(self) -> None:
@@ -595,7 +597,7 @@ class LayerSlice:
         if include_optimizer and index in self.optimizers:
             state["optimizer"] = _tensors_to_cpu(self.optimizers[index].state_dict())
         if include_optimizer and index in self.schedulers:
-            state["scheduler"] = schedulers.dumps(self.schedulers[index])
+            state["scheduler"] = lr.dumps(self.schedulers[index])
         if include_optimizer and index in self.scales:
             state["loss_scale"] = self.scales[index].to_state()
         return state
@@ -653,7 +655,7 @@ class LayerSlice:
                     f"state of layer {index} carries no scheduler state, but the job "
                     f"schedules its learning rate ({self.job.scheduler or 'warm-up'})"
                 )
-            schedulers.loads(scheduler, text, index)
+            lr.loads(scheduler, text, index)
         # fp16: the exported scale; weights alone (init_state) start from init_scale.
         scale = self._initial_scale()
         if scale is not None and "loss_scale" in state:

@@ -13,13 +13,14 @@ from collections.abc import Callable
 
 import grpc
 
-from elasticpipe import rpc, structure
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
+from elasticpipe.security.tls import TLS
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
-from elasticpipe.tls import TLS
-from elasticpipe.transport import Outgoing, Sender
+from elasticpipe.transport import rpc
+from elasticpipe.transport.sending import Outgoing, Sender
 from elasticpipe.v1 import stage_pb2_grpc
+from elasticpipe.wire import structure
 
 log = get_logger(__name__)
 

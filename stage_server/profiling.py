@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticpipe import models, structure
-from elasticpipe.job import JobConfig
+from elasticpipe import models
 from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
-from elasticpipe.structure import Value
+from elasticpipe.training.job import JobConfig
+from elasticpipe.wire import structure
+from elasticpipe.wire.structure import Value
 
 __all__ = ["profile_layers", "tensor_bytes"]
 

@@ -52,8 +52,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from elasticpipe import bounds
-from elasticpipe.clipping import NO_CLIP, GradClip
 from elasticpipe.errors import (
     Fenced,
     InvalidRequest,
@@ -62,6 +60,8 @@ from elasticpipe.errors import (
     StaleEpoch,
     StepAborted,
 )
+from elasticpipe.security import bounds
+from elasticpipe.training.clipping import NO_CLIP, GradClip
 
 ABORT_WINDOW = 1024  # an abort may close runs this far past the newest run seen
 

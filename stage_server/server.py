@@ -6,11 +6,9 @@ import random
 import threading
 from types import TracebackType
 
-from elasticpipe import rpc
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotReady
 from elasticpipe.logs import get_logger
-from elasticpipe.metrics import MetricsEndpoint
-from elasticpipe.serving import RunningServer, metrics_host, start_server
+from elasticpipe.observe.metrics import MetricsEndpoint
 from elasticpipe.stage_server.bulk import BulkListener, listen_host
 from elasticpipe.stage_server.callers import Grant
 from elasticpipe.stage_server.protocol import Do, Effect
@@ -21,6 +19,8 @@ from elasticpipe.stage_server.service import (
     timings_to_proto,
 )
 from elasticpipe.stage_server.stage import Stage, StageConfig
+from elasticpipe.transport import rpc
+from elasticpipe.transport.serving import RunningServer, metrics_host, start_server
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = get_logger(__name__)

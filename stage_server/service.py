@@ -8,11 +8,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe import bounds, bundle, layerwire
-from elasticpipe.clipping import GradClip
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig, json_object
 from elasticpipe.partition import Placement
+from elasticpipe.security import bounds
 from elasticpipe.stage_server import callers
 from elasticpipe.stage_server.bulk import BulkListener
 from elasticpipe.stage_server.faults import Fault
@@ -22,7 +20,10 @@ from elasticpipe.stage_server.protocol import Decision, RunState
 from elasticpipe.stage_server.snapshots import Holding, receive_copy
 from elasticpipe.stage_server.stage import Admitted, Stage
 from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind
+from elasticpipe.training.clipping import GradClip
+from elasticpipe.training.job import JobConfig, json_object
 from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import bundle, layer_state
 
 _SCHEDULES = {
     stage_pb2.GPIPE: "gpipe",
@@ -365,7 +366,7 @@ class StageServicer:
         for layer, packed in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
         ):
-            yield from layerwire.messages(layer, packed, self.stage.config.transfer_chunk_bytes)
+            yield from layer_state.messages(layer, packed, self.stage.config.transfer_chunk_bytes)
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext
@@ -383,7 +384,7 @@ class StageServicer:
         layers = []
         limits = (self.stage.config.max_tensor_bytes, self.stage.config.max_layer_bytes)
         into = functools.partial(self.stage.restore_into, builder=builder)  # on each header
-        for got in layerwire.receive(pieces, *limits, into):
+        for got in layer_state.receive(pieces, *limits, into):
             self.stage.stage_restored(first.epoch, got, builder, overrides)
             layers.append(got.layer)
         return stage_pb2.RestoreResponse(layers=layers)

@@ -36,11 +36,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elasticpipe import layerwire
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady
-from elasticpipe.layerwire import PackedLayer
 from elasticpipe.logs import get_logger
 from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import layer_state
+from elasticpipe.wire.layer_state import PackedLayer
 
 log = get_logger(__name__)
 
@@ -223,7 +223,8 @@ class Snapshotter:
         while (capture := self._next()) is not None:
             try:
                 blobs = {
-                    i: layerwire.seal(layerwire.pack(state)) for i, state in capture.states.items()
+                    i: layer_state.seal(layer_state.pack(state))
+                    for i, state in capture.states.items()
                 }
                 kept = self._store.add_own(capture.job_id, capture.step, blobs, capture.generation)
                 self._before_push()
@@ -243,12 +244,12 @@ class Snapshotter:
 def receive_copy(
     pieces: Iterable[stage_pb2.LayerChunk], limits: tuple[int, int]
 ) -> dict[int, PackedLayer]:
-    """Receives a pushed copy's layers (verified, see ``layerwire.receive``) on a thread of
+    """Receives a pushed copy's layers (verified, see ``layer_state.receive``) on a thread of
     its own at the lowest CPU priority: the bytes are parsed, checked and copied there
     (gRPC deserializes a request where its iterator is read), off the step's compute.
 
     Raises:
-        whatever ``layerwire.receive`` raises, or reading ``pieces`` raises.
+        whatever ``layer_state.receive`` raises, or reading ``pieces`` raises.
     """
     result: dict[int, PackedLayer] = {}
     failure: list[BaseException] = []
@@ -256,7 +257,7 @@ def receive_copy(
     def run() -> None:
         _lower_priority()
         try:
-            result.update((got.layer, got.packed) for got in layerwire.receive(pieces, *limits))
+            result.update((got.layer, got.packed) for got in layer_state.receive(pieces, *limits))
         except BaseException as exc:  # handed to the caller
             failure.append(exc)
 

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from elasticpipe import bounds, capacity, codec, layerwire, memtune, models, rpc, structure
-from elasticpipe.clipping import NO_CLIP, GradClip
+from elasticpipe import models
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -28,13 +27,12 @@ from elasticpipe.errors import (
     StageUnavailable,
     TransferError,
 )
-from elasticpipe.job import JobConfig
-from elasticpipe.layerwire import IntoModule, PackedLayer, Received
 from elasticpipe.logs import get_logger
-from elasticpipe.metrics import StageMetrics, StageView
+from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
-from elasticpipe.schedule import forward_ops, stage_ops
-from elasticpipe.stage_server import devicepath, devicetime, transfers
+from elasticpipe.security import bounds
+from elasticpipe.security.tls import TLS
+from elasticpipe.stage_server import capacity, devicepath, devicetime, memtune, transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
@@ -52,10 +50,15 @@ from elasticpipe.stage_server.snapshots import (
     check_layers,
 )
 from elasticpipe.stage_server.tracing import Tracer
-from elasticpipe.structure import Value
-from elasticpipe.tls import TLS
-from elasticpipe.training import check_job
+from elasticpipe.training.clipping import NO_CLIP, GradClip
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.objectives import check_job
+from elasticpipe.training.schedule import forward_ops, stage_ops
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import codec, layer_state, structure
+from elasticpipe.wire.layer_state import IntoModule, PackedLayer, Received
+from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
 
@@ -687,7 +690,7 @@ class Stage:
                         "during the export: export again"
                     )
                 state = self.slice.export_layer(i, include_optimizer)
-            yield i, layerwire.pack(state)
+            yield i, layer_state.pack(state)
 
     def check_restore(self, epoch: int) -> LayerSlice:
         """Checks, before any layer arrives, that a load's epoch change holds this stage.

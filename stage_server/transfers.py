@@ -1,6 +1,6 @@
 """Layer state between stages: pulling a layer (migration, recovery), pushing a snapshot copy.
 
-Both travel as ``LayerChunk`` streams, tensor by tensor (see ``elasticpipe.layerwire``:
+Both travel as ``LayerChunk`` streams, tensor by tensor (see ``elasticpipe.wire.layer_state``:
 CRC-32 per chunk, SHA-256 per layer): a puller accepts a layer only whole and intact, so
 a transfer cut short or corrupted fails the epoch change that asked for it, which then
 leaves the old epoch in force.
@@ -14,12 +14,13 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from elasticpipe import layerwire, rpc
 from elasticpipe.errors import NotReady, StageUnavailable, TransferError
-from elasticpipe.layerwire import Destination, PackedLayer, Received
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.snapshots import Capture, lower_priority_here
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import layer_state
+from elasticpipe.wire.layer_state import Destination, PackedLayer, Received
 
 PUSH_RETRIES = 40
 UNREACHABLE_RETRIES = 2  # of those, at most this many after the peer could not be reached,
@@ -75,7 +76,7 @@ def pull_layer(
                 yield chunk
 
     try:
-        for got in layerwire.receive(received(), *limits, lambda _: destination):
+        for got in layer_state.receive(received(), *limits, lambda _: destination):
             if got.layer != layer:
                 raise TransferError(f"{what}: received layer {got.layer} instead")
             return got
@@ -105,7 +106,7 @@ def push_snapshot(
             job_id=capture.job_id, step=capture.step, source=capture.source
         ).SerializeToString()
         for layer, packed in blobs:
-            yield from layerwire.encoded_chunks(layer, packed, chunk_bytes, _CHUNK_FIELD)
+            yield from layer_state.encoded_chunks(layer, packed, chunk_bytes, _CHUNK_FIELD)
 
     deadline = time.monotonic() + timeout
     unreachable = 0

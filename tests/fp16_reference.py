@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from elasticpipe import models
-from elasticpipe.structure import split_batch
-from elasticpipe.training import loss_fn, make_optimizer
+from elasticpipe.training.objectives import loss_fn, make_optimizer
+from elasticpipe.wire.structure import split_batch
 
 
 class Fp16Reference:

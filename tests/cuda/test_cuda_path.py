@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from elasticpipe.job import JobConfig
 from elasticpipe.stage_server.devicepath import (
     CudaPath,
     for_device,
@@ -18,6 +17,7 @@ from elasticpipe.stage_server.devicepath import (
 )
 from elasticpipe.stage_server.devicetime import EventClock, Lap
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.training.job import JobConfig
 
 pytestmark = [
     pytest.mark.cuda,

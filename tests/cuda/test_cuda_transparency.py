@@ -10,8 +10,8 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import make_optimizer, reference_step
 
 pytestmark = [
     pytest.mark.cuda,

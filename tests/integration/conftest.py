@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.server import CoordinatorServer
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 

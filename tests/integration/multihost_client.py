@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.tls import TLS
+from elasticpipe.security.tls import TLS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scenario import ADAM, KWARGS, REFERENCE, STEPS, batch

@@ -9,10 +9,11 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from elasticpipe import models, rpc
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 KWARGS = {"sizes": [12, 24, 24, 24, 24, 6]}  # 9 layers

@@ -16,9 +16,9 @@ import jsonschema
 import pytest
 import torch
 
+from elasticpipe.cli.schemas import COMMANDS, command_schema
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.schemas import COMMANDS, command_schema
+from elasticpipe.local.cluster import LocalCluster
 from tests.integration.conftest import as_at_a_terminal
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,9 +12,10 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import admission, rpc
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.security import admission
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,

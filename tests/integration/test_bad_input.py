@@ -9,12 +9,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elasticpipe import bounds, codec
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import PermissionDenied, UserCodeError
+from elasticpipe.security import bounds
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from elasticpipe.wire import codec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import bounds
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
+from elasticpipe.security import bounds
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import (
     coordinator_pb2,

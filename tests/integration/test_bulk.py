@@ -1,5 +1,5 @@
-"""The bulk channel (``elasticpipe.bulk``): tensors over 1 MiB on a raw socket beside gRPC,
-behind the same checks -- training over it is exact, refusals are gRPC's, and no sequence
+"""The bulk channel (``elasticpipe.transport.bulk``): tensors over 1 MiB on a raw socket beside
+gRPC, behind the same checks -- training over it is exact, refusals are gRPC's, and no sequence
 of bytes a peer can send takes a stage down."""
 
 from __future__ import annotations
@@ -12,16 +12,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from elasticpipe import bulk, codec, models, rpc, transport
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import StaleEpoch, TooLarge
-from elasticpipe.job import JobConfig
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from elasticpipe.wire import codec
 from tests.integration.test_metrics import scrape, value
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,9 +96,9 @@ def stage() -> Iterator[StageServer]:
         yield server
 
 
-def _sender(server: StageServer) -> tuple[transport.Sender, stage_pb2_grpc.StageServiceStub]:
+def _sender(server: StageServer) -> tuple[sending.Sender, stage_pb2_grpc.StageServiceStub]:
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(server.address))
-    return transport.Sender(stub, server.address), stub
+    return sending.Sender(stub, server.address), stub
 
 
 def _consume(stub: stage_pb2_grpc.StageServiceStub, run: int, sent: torch.Tensor) -> None:
@@ -115,8 +117,8 @@ def _consume(stub: stage_pb2_grpc.StageServiceStub, run: int, sent: torch.Tensor
     assert torch.equal(assembler.finish(), sent)
 
 
-def _forward(run: int, tensor: torch.Tensor, epoch: int = EPOCH) -> transport.Outgoing:
-    return transport.Outgoing("Forward", epoch, run, 0, 0, tensor)
+def _forward(run: int, tensor: torch.Tensor, epoch: int = EPOCH) -> sending.Outgoing:
+    return sending.Outgoing("Forward", epoch, run, 0, 0, tensor)
 
 
 def test_a_refusal_is_grpcs_error_and_the_connection_goes_on(stage: StageServer) -> None:
@@ -125,7 +127,7 @@ def test_a_refusal_is_grpcs_error_and_the_connection_goes_on(stage: StageServer)
     with pytest.raises(StaleEpoch):  # as over gRPC
         sender.send(_forward(1, payload, epoch=EPOCH - 1), timeout=10)
     with pytest.raises(StaleEpoch):
-        transport.send(stub, stage.address, _forward(1, payload, epoch=EPOCH - 1), timeout=10)
+        sending.send(stub, stage.address, _forward(1, payload, epoch=EPOCH - 1), timeout=10)
     connection = sender._bulk._sock if sender._bulk is not None else None
     assert connection is not None
     sender.send(_forward(1, payload), timeout=10)
@@ -201,7 +203,7 @@ def test_a_stage_without_a_bulk_channel_gets_everything_over_grpc() -> None:
     with StageServer(config, "127.0.0.1:1") as server:
         stub = stage_pb2_grpc.StageServiceStub(rpc.channel(server.address))
         assert stub.OpenBulk(stage_pb2.OpenBulkRequest(), timeout=10).port == 0
-        sender = transport.Sender(stub, server.address)
+        sender = sending.Sender(stub, server.address)
         with pytest.raises(Exception) as info:  # no job: refused over gRPC, not bulk
             sender.send(_forward(1, torch.rand(BIG // 4)), timeout=10)
         assert sender._bulk is not None and sender._bulk._grpc_until > time.monotonic()

@@ -12,10 +12,11 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import bulk, bundle, codec, rpc, transport
 from elasticpipe.errors import TooLarge
 from elasticpipe.stage_server.server import StageServer
+from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from elasticpipe.wire import bundle, codec
 from tests.integration.test_bulk import EPOCH, _connect, _open, stage  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,10 +75,10 @@ def test_a_foreign_caller_cannot_starve_the_token_table(stage: StageServer) -> N
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             refused += 1
     assert refused == 1024 - 8  # tokens per caller
-    sender = transport.Sender(stub, stage.address)
+    sender = sending.Sender(stub, stage.address)
     payload = torch.rand((2 << 20) // 4)
     try:
-        sender.send(transport.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=10)
+        sender.send(sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=10)
     except TooLarge as exc:
         pytest.fail(f"honest send refused after a token burst: {exc}")
     finally:
@@ -131,9 +132,9 @@ def test_a_peer_without_open_bulk_gets_large_tensors_over_grpc() -> None:
     try:
         address = f"127.0.0.1:{port}"
         stub = stage_pb2_grpc.StageServiceStub(rpc.channel(address))
-        sender = transport.Sender(stub, address)
+        sender = sending.Sender(stub, address)
         payload = torch.rand((2 << 20) // 4)
-        sender.send(transport.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=10)
+        sender.send(sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=10)
         assert old.received == payload.numel() * 4
     finally:
         server.stop(0)
@@ -171,9 +172,9 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc(stage: StageServer) -> None
     assert stage._servicer is not None and stage._servicer.bulk is not None
     stage._servicer.bulk.close()
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
-    sender = transport.Sender(stub, stage.address)
+    sender = sending.Sender(stub, stage.address)
     payload = torch.rand((2 << 20) // 4)
-    sender.send(transport.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=5)
+    sender.send(sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=5)
 
 
 def test_a_message_must_arrive_within_the_read_timeout(

@@ -15,9 +15,10 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import codec, layerwire, rpc, tls
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.security import tls
 from elasticpipe.stage_server.protocol import ABORT_WINDOW
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -25,6 +26,7 @@ from elasticpipe.v1 import (
     stage_pb2_grpc,
     tensor_pb2,
 )
+from elasticpipe.wire import codec, layer_state
 from tests.integration.scenario import FAST, STEPS, Trainer, batch, check, history, pipeline
 
 pytestmark = pytest.mark.timeout(180)
@@ -67,7 +69,7 @@ def _pieces(
     layer: int, data: bytes, total: int = 0, last: bool = True
 ) -> list[stage_pb2.LayerChunk]:
     """A layer of one uint8 tensor declared as ``total`` bytes, of which ``data`` is sent."""
-    state = layerwire.pack({"t": torch.zeros(0, dtype=torch.uint8)}).state
+    state = layer_state.pack({"t": torch.zeros(0, dtype=torch.uint8)}).state
     meta = tensor_pb2.TensorMeta(dtype=tensor_pb2.UINT8, shape=[total or len(data)])
     meta.nbytes = total or len(data)
     pieces = [

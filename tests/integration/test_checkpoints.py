@@ -14,13 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest, ModelError
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MLP = {"sizes": [6, 12, 12, 3]}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,7 +17,7 @@ from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)

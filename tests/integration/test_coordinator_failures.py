@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import coordinator_pb2
 from tests.integration.scenario import (
     FAST,

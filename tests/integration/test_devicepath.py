@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe import models, structure
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.stage_server.devicepath import PlainPath, Sink
 from elasticpipe.stage_server.server import StageServer
-from elasticpipe.structure import Value
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.wire import structure
+from elasticpipe.wire.structure import Value
 
 KWARGS = {"sizes": [12, 16, 16, 6]}
 DELAY_S = 0.005  # each send waits this long on the sender thread: a copy in flight

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import LayersLost
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 
@@ -103,7 +103,7 @@ def test_a_job_without_snapshots_fails_clearly_when_a_stage_dies_mid_step() -> N
             lost = list(pipe.partition.layers_of(1))
             name = f"stage-{cluster.stage_addresses.index(victim)}"
             errors: list[BaseException] = []
-            from elasticpipe import rpc
+            from elasticpipe.transport import rpc
             from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
             with rpc.channel(cluster.coordinator) as channel:  # long steps: the kill lands in one

@@ -19,7 +19,6 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline, StepStats
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import (
     CoordinatorUnavailable,
     ElasticPipeError,
@@ -29,7 +28,8 @@ from elasticpipe.errors import (
     StagesMissing,
     UserCodeError,
 )
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 pytestmark = pytest.mark.timeout(240)
@@ -497,7 +497,7 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
 
 def test_help_explains_every_option_and_the_log_level_is_checked() -> None:
     """Every subcommand and option has help text; defaults show; a bad log level exits 2."""
-    from elasticpipe.cli import build_parser
+    from elasticpipe.cli.entry import build_parser
 
     parser = build_parser()
 

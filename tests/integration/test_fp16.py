@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe import rpc
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from tests.fp16_reference import Fp16Reference
 
@@ -237,7 +237,7 @@ def test_a_stage_refuses_bad_grad_scaler_kwargs_on_the_wire(
     INVALID_ARGUMENT naming the value, and the stage keeps serving."""
     import grpc
 
-    from elasticpipe.job import JobConfig
+    from elasticpipe.training.job import JobConfig
     from elasticpipe.v1 import stage_pb2_grpc
 
     address = cluster.status().stages[0].address

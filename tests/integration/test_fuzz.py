@@ -37,9 +37,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticpipe import authz, rpc, tls
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.security import authz, tls
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs (``elasticpipe.hf:causal_lm``) trained through three real stages
+"""Hugging Face causal LMs (``elasticpipe.models.hf:causal_lm``) trained through three real stages
 equal the Hugging Face model's own forward, loss, backward and optimizer step, and
 ``LocalPipeline``."""
 
@@ -11,15 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe import hf, models
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import ModelError
-from elasticpipe.local import LocalPipeline
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.local.reference import LocalPipeline
+from elasticpipe.models import hf
 
 transformers = pytest.importorskip("transformers")
 
-MODEL = "elasticpipe.hf:causal_lm"
+MODEL = "elasticpipe.models.hf:causal_lm"
 VOCAB = 37
 # Tiny configs, dropout off; untied heads so that both sides train the same parameters.
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -9,14 +9,15 @@ import socket
 import pytest
 import torch
 
-from elasticpipe import models, serving
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.transport import serving
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 WIDE = {"sizes": [6, 96, 64, 3]}  # layer 2: a 24 KiB weight, 72 KiB with its Adam moments

@@ -11,10 +11,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from elasticpipe import rpc
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 STAGES = 3

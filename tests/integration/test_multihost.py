@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe import tls
+from elasticpipe.security import tls
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,14 +13,16 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import LocalPipeline, bundle, codec, models, rpc, structure, wire
+from elasticpipe import LocalPipeline, models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
-from elasticpipe.training import reference_step
+from elasticpipe.training.objectives import reference_step
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from elasticpipe.wire import bundle, codec, compress, structure
 from tests.integration.scenario import FAST
 
 ALLOWED = "tests.integration.custom_models"
@@ -336,7 +338,7 @@ def _with_cuts(model: torch.nn.Sequential, boundaries: list[int]) -> torch.nn.Mo
     or dict rounded at each cut, forward and backward; integers and bools untouched."""
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return wire.cast(t, "bf16") if t.dtype == torch.float32 else t
+        return compress.cast(t, "bf16") if t.dtype == torch.float32 else t
 
     class Cut(torch.nn.Module):
         def forward(self, x: Any) -> Any:

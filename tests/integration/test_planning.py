@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from elasticpipe import rpc
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.coordinator.planner import plan
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SIZES = [512] * 9  # 8 equal Linear layers, 7 ReLUs: 15 layers

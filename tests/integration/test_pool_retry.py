@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from elasticpipe import rpc, serving
 from elasticpipe.errors import StageUnavailable
 from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.snapshots import Capture
+from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.local import LocalPipeline
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.local.reference import LocalPipeline
 
 GPT = {"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8}
 ADAM = {"lr": 1e-2}

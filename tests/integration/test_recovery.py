@@ -24,12 +24,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elasticpipe import codec, weights
 from elasticpipe.client import checkpoints
 from elasticpipe.client.pipeline import CHECKPOINT_FORMAT
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import InvalidRequest, JobInUse
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.models import weights
 from elasticpipe.v1 import coordinator_pb2, stage_pb2
+from elasticpipe.wire import codec
 from tests.integration.scenario import (
     FAST,
     REFERENCE,

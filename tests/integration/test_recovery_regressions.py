@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from elasticpipe.cluster import LocalCluster
+from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import coordinator_pb2, stage_pb2
 from tests.integration.scenario import (
     FAST,

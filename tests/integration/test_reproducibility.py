@@ -10,11 +10,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from elasticpipe import LocalPipeline, models, rpc
+from elasticpipe import LocalPipeline, models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import InvalidRequest, PermissionDenied
-from elasticpipe.training import reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import reference_step
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from tests.integration.scenario import FAST, arm
 

@@ -11,7 +11,7 @@ from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer, reference_step
 
 STAGES = 64
 KWARGS = {"sizes": [4] * 34}  # 33 Linear + 32 ReLU = 65 layers

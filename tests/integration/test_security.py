@@ -15,11 +15,13 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import models, rpc, tls
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import PermissionDenied, StageUnavailable
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.security import tls
+from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -278,17 +280,17 @@ def test_the_bulk_channel_is_mutual_tls_bound_to_the_token_holder(cluster: Local
     over it and is refused exactly as gRPC refuses it (a stale epoch: the handshake, the
     token and the checks all ran); a token presented under another certificate, or a
     connection without one, is dropped before anything is admitted."""
-    from elasticpipe import bulk, transport
     from elasticpipe.errors import NotReady
+    from elasticpipe.transport import bulk, sending
 
     address = cluster.stage_addresses[0]
     peer = cluster.tls_of("bulk-peer", "stage")
     assert peer is not None
     stub = _stage(address, peer)
-    sender = transport.Sender(stub, address, peer)
+    sender = sending.Sender(stub, address, peer)
     payload = torch.rand((2 << 20) // 4)
     with pytest.raises(NotReady):  # a stale epoch, or no job yet
-        sender.send(transport.Outgoing("Forward", 0, 1, 0, 0, payload), timeout=20)
+        sender.send(sending.Outgoing("Forward", 0, 1, 0, 0, payload), timeout=20)
     assert sender._bulk is not None and sender._bulk._sock is not None  # over the channel
     sender.close()
 

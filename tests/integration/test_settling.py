@@ -9,11 +9,11 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import bounds
 from elasticpipe.client import driver
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import Fenced
+from elasticpipe.security import bounds
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 

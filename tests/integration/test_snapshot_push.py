@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe import layerwire, rpc, serving
 from elasticpipe.errors import TransferError
-from elasticpipe.layerwire import PackedLayer
 from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.snapshots import Capture, receive_copy
+from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.wire import layer_state
+from elasticpipe.wire.layer_state import PackedLayer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -66,7 +67,7 @@ def _layers() -> list[tuple[int, PackedLayer]]:
     def state() -> dict[str, Any]:
         return {"model": {"w": torch.randn(300, 70)}, "optimizer": {"m": torch.randn(21000)}}
 
-    return [(i, layerwire.seal(layerwire.pack(state()))) for i in (4, 5)]
+    return [(i, layer_state.seal(layer_state.pack(state()))) for i in (4, 5)]
 
 
 def test_a_pushed_copy_arrives_exact_with_its_digest_at_low_priority(

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from elasticpipe.client.pipeline import Pipeline, StepStats
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.schedule import stage_ops as schedule_ops
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.schedule import stage_ops as schedule_ops
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 STAGES, MICRO_BATCHES = 4, 4

@@ -13,12 +13,14 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
-from elasticpipe import models, rpc, wire
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.training import loss_fn, make_optimizer
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import loss_fn, make_optimizer
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.wire import compress
 
 from .scenario import arm
 
@@ -265,7 +267,7 @@ def _with_cuts(model: nn.Sequential, boundaries: list[int], wire_dtype: str) -> 
 
     class Cut(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return wire.cast(x, wire_dtype)
+            return compress.cast(x, wire_dtype)
 
     layers: list[nn.Module] = []
     for i, layer in enumerate(model):

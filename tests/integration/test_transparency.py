@@ -7,8 +7,8 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.cluster import LocalCluster
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import make_optimizer, reference_step
 
 STEPS = 5
 MODELS = {

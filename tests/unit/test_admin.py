@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpipe.admin import parse_ranges
+from elasticpipe.cli.admin import parse_ranges
 from elasticpipe.errors import InvalidRequest
 
 
@@ -70,7 +70,7 @@ def test_parse_ranges_rejects_negative_layers() -> None:
 
 def test_status_columns_widen_for_long_names_and_addresses() -> None:
     """A StatefulSet's pod names and DNS addresses stay in their columns."""
-    from elasticpipe.admin import format_status
+    from elasticpipe.cli.admin import format_status
     from elasticpipe.v1 import coordinator_pb2
 
     long_name = "elasticpipe-stage-0spare"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpipe import allowlist
 from elasticpipe.errors import InvalidRequest, PermissionDenied
+from elasticpipe.security import allowlist
 
 MODELS = "tests.integration.custom_models"
 

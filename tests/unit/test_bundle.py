@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticpipe import bundle, codec
 from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.v1 import stage_pb2, tensor_pb2
+from elasticpipe.wire import bundle, codec
 
 
 def _head(value: object) -> stage_pb2.DataHeader:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticpipe import capacity
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.stage_server import capacity
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe import models, weights
+from elasticpipe import models
 from elasticpipe.client import checkpoints
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig
-from elasticpipe.training import make_optimizer
+from elasticpipe.models import weights
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.objectives import make_optimizer
 
 MLP = {"sizes": [4, 8, 2]}
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from elasticpipe.clipping import GradClip, decide
+from elasticpipe.training.clipping import GradClip, decide
 from elasticpipe.v1 import stage_pb2
 
 

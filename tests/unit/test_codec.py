@@ -12,7 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticpipe.codec import (
+from elasticpipe.errors import InvalidRequest, TooLarge
+from elasticpipe.v1 import tensor_pb2
+from elasticpipe.wire.codec import (
     TensorAssembler,
     check_meta,
     from_proto,
@@ -22,8 +24,6 @@ from elasticpipe.codec import (
     to_proto,
     unpack_state,
 )
-from elasticpipe.errors import InvalidRequest, TooLarge
-from elasticpipe.v1 import tensor_pb2
 
 DTYPES = [
     torch.float32,

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticpipe.data import CharCorpus, _python_sources, sample_text
+from elasticpipe.demo.corpus import CharCorpus, _python_sources, sample_text
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.models import build
+from elasticpipe.models.contract import build
 
 PRINTABLE = "".join(chr(code) for code in range(32, 127)) + "\n"
 TEXT = "def f(x):\n    return x + 1\n" * 20

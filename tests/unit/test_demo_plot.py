@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe.demo_plot import DPI, HEIGHT_IN, WIDTH_IN, plot
-from elasticpipe.demo_timeline import Event, Sample, Timeline
+from elasticpipe.demo.plot import DPI, HEIGHT_IN, WIDTH_IN, plot
+from elasticpipe.demo.record import Event, Sample, Timeline
 
 pytestmark = pytest.mark.timeout(30)
 

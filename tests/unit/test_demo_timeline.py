@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpipe.demo import Events
-from elasticpipe.demo_timeline import Event, Sample, Timeline
+from elasticpipe.demo.record import Event, Sample, Timeline
+from elasticpipe.demo.run import Events
 from elasticpipe.errors import InvalidRequest
 
 pytestmark = pytest.mark.timeout(10)

@@ -9,7 +9,7 @@
 * The Dockerfile with ``dockerfile-parse``: its base image follows the BASE build argument,
   it runs as a non-root user and its entrypoint is ``elasticpipe``.
 * Every ``elasticpipe`` command line in the manifests, the compose file and docs/deploy.md
-  (``certs`` included) parses with the real parser (``elasticpipe.cli.build_parser``),
+  (``certs`` included) parses with the real parser (``elasticpipe.cli.entry.build_parser``),
   under the environment its container gets (ELASTICPIPE_COORDINATOR, downward-API variables
   expanded as the kubelet does), plus the flags of PENDING_FLAGS.
 * Mutual TLS on Kubernetes: the ``elasticpipe certs`` and ``kubectl create secret`` commands
@@ -54,9 +54,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from dockerfile_parse import DockerfileParser
 
-from elasticpipe.cli import build_parser
-from elasticpipe.serving import metrics_host
-from elasticpipe.tls import (
+from elasticpipe.cli.entry import build_parser
+from elasticpipe.security.tls import (
     DEFAULT_HOSTS,
     ENV_CA,
     ENV_CERT,
@@ -66,6 +65,7 @@ from elasticpipe.tls import (
     identity_of,
     name_matches,
 )
+from elasticpipe.transport.serving import metrics_host
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -112,7 +112,7 @@ _SERVERS = ("coordinator", "stage")
 # The commands whose lines in docs/deploy.md are checked against the real parser.
 _DOC_COMMANDS = (*_TAKE_ALL, "certs")
 
-# Flags used by the deployment files that elasticpipe/cli.py does not have yet: they are
+# Flags used by the deployment files that elasticpipe/cli/entry.py does not have yet: they are
 # being added in parallel (issue 11). Each is added here to the real parser, for the
 # commands named, so the command lines can be checked now. Once cli.py has a flag,
 # test_pending_flags_are_still_pending fails: delete its line, and the real one is checked.
@@ -1073,7 +1073,7 @@ def test_pending_flags_are_still_pending() -> None:
         for target, _ in _pending_targets(parser, command)[:1]
         if flag in target._option_string_actions
     )
-    assert not arrived, f"now in elasticpipe/cli.py, remove from PENDING_FLAGS: {arrived}"
+    assert not arrived, f"now in elasticpipe/cli/entry.py, remove from PENDING_FLAGS: {arrived}"
 
 
 def test_pending_flags_are_used() -> None:

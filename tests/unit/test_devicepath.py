@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable
-from elasticpipe.job import JobConfig
-from elasticpipe.metrics import StageMetrics, StageView
+from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.stage_server import devicepath
 from elasticpipe.stage_server.devicepath import (
     PinnedPool,
@@ -28,6 +27,7 @@ from elasticpipe.stage_server.devicepath import (
 from elasticpipe.stage_server.devicetime import EventClock, Lap, event_clock
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.stage_server.stage import Stage, StageConfig
+from elasticpipe.training.job import JobConfig
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from elasticpipe import authz, tls
+from elasticpipe.security import authz, tls
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -67,7 +67,7 @@ def test_the_sdk_reference_covers_every_argument_member_and_field() -> None:
 
 
 def _table_rows(lines: list[str]) -> set[tuple[str, str]]:
-    """The (field, bound) rows of the fixed-width table in ``elasticpipe.bounds``."""
+    """The (field, bound) rows of the fixed-width table in ``elasticpipe.security.bounds``."""
     rules = [i for i, line in enumerate(lines) if line.startswith("====")]
     rows: list[list[str]] = []
     for line in lines[rules[1] + 1 : rules[2]]:
@@ -81,8 +81,8 @@ def _table_rows(lines: list[str]) -> set[tuple[str, str]]:
 
 
 def test_the_documented_bounds_are_the_codes() -> None:
-    """docs/security.md's bounds table is the one in elasticpipe/bounds.py, row for row."""
-    from elasticpipe import bounds
+    """docs/security.md's bounds table is the one in elasticpipe/security/bounds.py, row for row."""
+    from elasticpipe.security import bounds
 
     text = (DOCS / "security.md").read_text()
     section = text.split("## Bounds", 1)[1].split("\n## ", 1)[0]

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticpipe.efficiency import critical_path, efficiency, ideal_step_time
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.schedule import Op, OpKind
+from elasticpipe.observe.efficiency import critical_path, efficiency, ideal_step_time
+from elasticpipe.training.schedule import Op, OpKind
 
 
 def _equal(stages: int, m: int, f: float, b: float) -> tuple[list[list[float]], list[list[float]]]:

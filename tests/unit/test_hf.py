@@ -1,4 +1,4 @@
-"""``elasticpipe.hf``: every supported family's layers compute what the Hugging Face model
+"""``elasticpipe.models.hf``: every supported family's layers compute what the Hugging Face model
 computes, from its own save_pretrained directory, forward and backward."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe import hf, models, weights
+from elasticpipe import models
+from elasticpipe.errors import ModelError
+from elasticpipe.models import hf, weights
 
 transformers = pytest.importorskip("transformers")
 
-MODEL = "elasticpipe.hf:causal_lm"
+MODEL = "elasticpipe.models.hf:causal_lm"
 LLAMA_LIKE = {
     "num_hidden_layers": 2,
     "hidden_size": 16,
@@ -99,7 +101,7 @@ def test_keys_map_to_hugging_face_names_and_a_tied_head_reads_the_embedding() ->
 @pytest.mark.timeout(30)
 def test_bad_arguments_are_model_errors() -> None:
     """Both or neither of config/path, or an unsupported family, say what is wrong."""
-    with pytest.raises(models.ModelError, match="exactly one"):
+    with pytest.raises(ModelError, match="exactly one"):
         models.build_skeleton(MODEL, {})
-    with pytest.raises(models.ModelError, match="model_type"):
+    with pytest.raises(ModelError, match="model_type"):
         models.build_skeleton(MODEL, {"config": {"model_type": "t5"}})

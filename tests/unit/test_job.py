@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig
+from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import job_pb2
 
 JOB = JobConfig(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticpipe.job import JobConfig
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.training.job import JobConfig
 
 NORMED = "tests.integration.custom_models:normed"  # Linear, BatchNorm1d, ReLU, Dropout, Linear
 ALLOW = ("tests.integration.custom_models",)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
-from elasticpipe.job import JobConfig
 from elasticpipe.partition import Partition, StageRef
+from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import stage_pb2
 
 

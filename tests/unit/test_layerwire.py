@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from elasticpipe import layerwire
 from elasticpipe.errors import InvalidRequest, TooLarge, TransferError
-from elasticpipe.layerwire import Destination, IntoModule, pack
 from elasticpipe.v1 import stage_pb2, tensor_pb2
+from elasticpipe.wire import layer_state
+from elasticpipe.wire.layer_state import Destination, IntoModule, pack
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ class Counting(Destination):
 def _receive(msgs: list[stage_pb2.LayerChunk], dest: Destination | None = None, **kw: int) -> Any:
     limits = (kw.get("max_tensor", 1 << 30), kw.get("max_layer", 1 << 30))
     start = (lambda _: dest) if dest is not None else None
-    return list(layerwire.receive(msgs, *limits, start))
+    return list(layer_state.receive(msgs, *limits, start))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
@@ -68,7 +68,7 @@ def test_a_layer_round_trips_exactly_in_any_chunk_size(chunk: int) -> None:
     state["model"]["extra"] = torch.tensor([True, False])
     state["model"]["half"] = torch.randn(3, dtype=torch.bfloat16)
     state["model"]["empty"] = torch.zeros(0, 4)
-    msgs = list(layerwire.messages(3, pack(state), chunk))
+    msgs = list(layer_state.messages(3, pack(state), chunk))
     assert all(len(m.data) <= chunk for m in msgs)
     (got,) = _receive(msgs)
     assert got.layer == 3
@@ -78,10 +78,10 @@ def test_a_layer_round_trips_exactly_in_any_chunk_size(chunk: int) -> None:
 def test_a_layer_larger_than_the_tensor_limit_arrives_when_each_tensor_fits() -> None:
     """The limit is per tensor: a layer of three 4 KiB tensors passes a 4 KiB limit."""
     state = {"a": torch.ones(1024), "b": torch.zeros(1024), "c": torch.full((1024,), 2.0)}
-    (got,) = _receive(list(layerwire.messages(0, pack(state), 100)), max_tensor=4096)
+    (got,) = _receive(list(layer_state.messages(0, pack(state), 100)), max_tensor=4096)
     assert _same(got.packed.unpack(), state)
     with pytest.raises(TooLarge, match="12288 bytes of tensors"):
-        _receive(list(layerwire.messages(0, pack(state), 100)), max_layer=8192)
+        _receive(list(layer_state.messages(0, pack(state), 100)), max_layer=8192)
 
 
 def test_weights_land_in_the_modules_own_memory() -> None:
@@ -90,7 +90,7 @@ def test_weights_land_in_the_modules_own_memory() -> None:
     state = _adam_state(source)
     target = nn.Linear(6, 4)
     pointers = {k: v.data_ptr() for k, v in target.state_dict().items()}
-    (got,) = _receive(list(layerwire.messages(3, pack(state), 16)), IntoModule(target, "layer 3"))
+    (got,) = _receive(list(layer_state.messages(3, pack(state), 16)), IntoModule(target, "layer 3"))
     out = got.packed.unpack()
     assert {k: v.data_ptr() for k, v in out["model"].items()} == pointers
     torch.testing.assert_close(target.weight.detach(), source.weight.detach())
@@ -115,19 +115,19 @@ def test_a_sealed_layer_is_sent_with_its_kept_digest_and_no_chunk_crcs() -> None
     """A snapshot copy: the SHA-256 taken once at sealing is the trailer's (not computed
     again), the chunks carry no CRC-32, and the receiver verifies the SHA-256 and keeps it
     with its copy."""
-    sealed = layerwire.seal(pack(_adam_state(nn.Linear(6, 4))))
-    assert sealed.sha256 == sealed.digest() and layerwire.seal(sealed) is sealed
-    msgs = list(layerwire.messages(3, sealed, 16, checked_chunks=False))
+    sealed = layer_state.seal(pack(_adam_state(nn.Linear(6, 4))))
+    assert sealed.sha256 == sealed.digest() and layer_state.seal(sealed) is sealed
+    msgs = list(layer_state.messages(3, sealed, 16, checked_chunks=False))
     assert msgs[0].header.unchecked_chunks
     assert all(m.crc32 == 0 for m in msgs if m.data) and msgs[-1].sha256 == sealed.sha256
     (got,) = _receive(msgs)
     assert _same(got.packed.unpack(), sealed.unpack()) and got.packed.sha256 == sealed.sha256
     # The kept digest is what is sent: a wrong one is caught by the receiver.
-    wrong = layerwire.PackedLayer(sealed.state, sealed.tensors, b"\0" * 32)
+    wrong = layer_state.PackedLayer(sealed.state, sealed.tensors, b"\0" * 32)
     with pytest.raises(TransferError, match="SHA-256 mismatch"):
-        _receive(list(layerwire.messages(3, wrong, 16, checked_chunks=False)))
+        _receive(list(layer_state.messages(3, wrong, 16, checked_chunks=False)))
     # Into a module's own memory (which trains on), the digest is not kept.
-    (into,) = _receive(list(layerwire.messages(3, sealed, 16)), IntoModule(nn.Linear(6, 4), "l"))
+    (into,) = _receive(list(layer_state.messages(3, sealed, 16)), IntoModule(nn.Linear(6, 4), "l"))
     assert into.packed.sha256 == b""
 
 
@@ -136,10 +136,10 @@ def test_pre_encoded_chunks_are_the_messages_in_wire_form(chunk: int) -> None:
     """A push's pre-serialized ``SnapshotChunk``s parse to exactly the messages that
     ``messages`` builds (multi-byte lengths, a large layer index, an empty tensor)."""
     state = {"w": torch.randn(3000), "e": torch.zeros(0), "s": torch.tensor(2.0)}
-    sealed = layerwire.seal(pack(state))
+    sealed = layer_state.seal(pack(state))
     field = stage_pb2.SnapshotChunk.DESCRIPTOR.fields_by_name["chunk"].number
-    encoded = list(layerwire.encoded_chunks(300, sealed, chunk, field))
-    expected = list(layerwire.messages(300, sealed, chunk, checked_chunks=False))
+    encoded = list(layer_state.encoded_chunks(300, sealed, chunk, field))
+    expected = list(layer_state.messages(300, sealed, chunk, checked_chunks=False))
     assert [stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded] == expected
     (got,) = _receive([stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded])
     assert _same(got.packed.unpack(), state) and got.packed.sha256 == sealed.sha256
@@ -147,8 +147,8 @@ def test_pre_encoded_chunks_are_the_messages_in_wire_form(chunk: int) -> None:
 
 def test_a_corrupted_chunk_without_crc_fails_the_layers_sha256() -> None:
     """With no CRC-32 per chunk, one flipped bit anywhere still refuses the layer."""
-    sealed = layerwire.seal(pack({"w": torch.arange(64.0), "v": torch.ones(3)}))
-    msgs = list(layerwire.messages(0, sealed, 32, checked_chunks=False))
+    sealed = layer_state.seal(pack({"w": torch.arange(64.0), "v": torch.ones(3)}))
+    msgs = list(layer_state.messages(0, sealed, 32, checked_chunks=False))
     for n in [i for i, m in enumerate(msgs) if m.data]:
         corrupt = stage_pb2.LayerChunk()
         corrupt.CopyFrom(msgs[n])
@@ -159,7 +159,7 @@ def test_a_corrupted_chunk_without_crc_fails_the_layers_sha256() -> None:
 
 def test_a_held_snapshot_whose_bytes_changed_is_not_restored() -> None:
     """A restore from a held snapshot checks its bytes against the digest kept with it."""
-    held = layerwire.seal(pack(_adam_state(nn.Linear(6, 4))))
+    held = layer_state.seal(pack(_adam_state(nn.Linear(6, 4))))
     held.copy_into(Destination())  # intact: restored
     held.tensors[1].view(torch.uint8)[0] ^= 1
     with pytest.raises(TransferError, match="held bytes changed"):
@@ -211,7 +211,7 @@ def test_a_wrong_declared_shape_for_the_layer_is_refused_before_allocation() -> 
     ]:
         target = nn.Linear(6, 4)
         before = target.weight.detach().clone()
-        msgs = list(layerwire.messages(0, pack(state)))
+        msgs = list(layer_state.messages(0, pack(state)))
         with pytest.raises(InvalidRequest, match=match):
             _receive(msgs[:1], IntoModule(target, "layer 0"))
         assert torch.equal(target.weight.detach(), before)
@@ -220,7 +220,7 @@ def test_a_wrong_declared_shape_for_the_layer_is_refused_before_allocation() -> 
 def test_corrupt_reordered_or_truncated_streams_are_transfer_errors() -> None:
     """A chunk failing its CRC, out of order, a bad SHA-256, a truncated stream, a chunk
     before its header, and a layer sent twice are all refused."""
-    msgs = list(layerwire.messages(0, pack({"w": torch.arange(64.0)}), 32))
+    msgs = list(layer_state.messages(0, pack({"w": torch.arange(64.0)}), 32))
     corrupt = stage_pb2.LayerChunk()
     corrupt.CopyFrom(msgs[2])
     corrupt.data = bytes([corrupt.data[0] ^ 1]) + corrupt.data[1:]
@@ -242,13 +242,14 @@ def test_corrupt_reordered_or_truncated_streams_are_transfer_errors() -> None:
 _MEASURE = """
 import json, sys, torch
 from torch import nn
-from elasticpipe import codec, layerwire
+from elasticpipe.wire import codec
+from elasticpipe.wire import layer_state
 torch.manual_seed(0)
 mib = 1 << 20
 mode = sys.argv[1]
 sender = nn.Linear(4096, 4096, bias=False)  # 64 MiB of weights
 state = {"index": 0, "model": {"weight": sender.weight.detach()}}
-packed = layerwire.pack(state)
+packed = layer_state.pack(state)
 if mode == "blob":  # the earlier format: one msgpack blob per layer, reassembled whole
     blob = codec.pack_state(state)
     pieces = [blob[i : i + mib] for i in range(0, len(blob), mib)]
@@ -257,15 +258,15 @@ def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
 # The receiver's peak above this point: the sender's copy and everything else is before.
-messages = layerwire.messages(0, packed)
+messages = layer_state.messages(0, packed)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the current resident size
 base = status("VmRSS")
 peak = lambda: status("VmHWM")
 if mode == "tensor":
     target = nn.Linear(4096, 4096, bias=False)  # the receiving stage's new layer
-    into = layerwire.IntoModule(target, "layer 0")
-    (got,) = layerwire.receive(messages, 1 << 40, 1 << 40, lambda _: into)
+    into = layer_state.IntoModule(target, "layer 0")
+    (got,) = layer_state.receive(messages, 1 << 40, 1 << 40, lambda _: into)
     target.load_state_dict(got.packed.unpack()["model"])
     ok = torch.equal(target.weight, sender.weight)
 else:

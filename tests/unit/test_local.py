@@ -8,7 +8,7 @@ import torch
 
 from elasticpipe import LocalPipeline, models
 from elasticpipe.errors import InvalidRequest, PermissionDenied
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer, reference_step
 
 STEPS = 4
 DROPOUT = "tests.integration.custom_models:dropout"

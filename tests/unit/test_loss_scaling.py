@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe import clipping
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.job import JobConfig
-from elasticpipe.local import LocalPipeline
-from elasticpipe.loss_scaling import LossScale, check_kwargs
+from elasticpipe.local.reference import LocalPipeline
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.training import clipping
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.loss_scaling import LossScale, check_kwargs
 from tests.fp16_reference import Fp16Reference
 
 KWARGS = {"sizes": [12, 24, 24, 24, 6]}

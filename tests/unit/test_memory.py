@@ -9,7 +9,7 @@ import pytest
 from elasticpipe.coordinator import memory
 from elasticpipe.coordinator.estimates import Profile
 from elasticpipe.coordinator.planner import PlanError, plan
-from elasticpipe.job import JobConfig
+from elasticpipe.training.job import JobConfig
 
 
 def _job(**kw: object) -> JobConfig:

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = """
 import json, resource, torch
-from elasticpipe import memtune
+from elasticpipe.stage_server import memtune
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

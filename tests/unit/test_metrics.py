@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.metrics import (
+from elasticpipe.observe.metrics import (
     CoordinatorMetrics,
     CoordinatorView,
     MetricsEndpoint,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from elasticpipe.errors import InvalidRequest, ModelError, PermissionDenied
-from elasticpipe.models import (
+from elasticpipe.models.contract import (
     BUILTIN_MODELS,
     build,
     build_layers,

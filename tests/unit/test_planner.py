@@ -22,8 +22,8 @@ from elasticpipe.coordinator.planner import (
     plan,
     predict_step_time,
 )
-from elasticpipe.efficiency import ideal_step_time
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.observe.efficiency import ideal_step_time
 
 TOL = 1e-9
 

@@ -7,8 +7,8 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.local import LocalPipeline
-from elasticpipe.training import loss_fn, make_optimizer
+from elasticpipe.local.reference import LocalPipeline
+from elasticpipe.training.objectives import loss_fn, make_optimizer
 
 GPT = {"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 2, "max_seq_len": 8}
 ADAM = {"lr": 1e-2}

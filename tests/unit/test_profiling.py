@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe.job import JobConfig
 from elasticpipe.stage_server import profiling
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.training.job import JobConfig
 
 SIZES = [8, 16, 4]  # Linear(8, 16), ReLU, Linear(16, 4)
 LINEAR0 = (8 * 16 + 16) * 4  # bytes of layer 0's weight and bias

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticpipe.clipping import GradClip
 from elasticpipe.errors import (
     ElasticPipeError,
     Fenced,
@@ -25,6 +24,7 @@ from elasticpipe.stage_server.protocol import (
     Phase,
     StepMachine,
 )
+from elasticpipe.training.clipping import GradClip
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from elasticpipe import rng
-from elasticpipe.job import JobConfig
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.training import rng
+from elasticpipe.training.job import JobConfig
 
 DROPOUT = "tests.integration.custom_models:dropout"
 ALLOW = ("tests.integration",)

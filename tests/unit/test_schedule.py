@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.schedule import (
+from elasticpipe.training.schedule import (
     SCHEDULES,
     SPLIT_BACKWARD,
     Op,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.optim import lr_scheduler
 
-from elasticpipe import schedulers
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.training import lr
 
 
 def _lrs(scheduler: lr_scheduler.LRScheduler, opt: torch.optim.Optimizer, n: int) -> list[float]:
@@ -30,7 +30,7 @@ def _opt() -> torch.optim.Optimizer:
 def test_warmup_then_the_scheduler() -> None:
     """warmup_steps=4: lr * k / 4 for steps 1-4, then the scheduler from its own start."""
     opt = _opt()
-    got = _lrs(schedulers.build("StepLR", {"step_size": 1, "gamma": 0.5}, 4, opt), opt, 6)
+    got = _lrs(lr.build("StepLR", {"step_size": 1, "gamma": 0.5}, 4, opt), opt, 6)
     assert got == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.05])
 
 
@@ -46,16 +46,16 @@ def test_warmup_then_the_scheduler() -> None:
 def test_the_state_round_trips_as_json(name: str, kwargs: dict[str, object]) -> None:
     """A scheduler loaded from its JSON state goes on exactly as the original."""
     opt = _opt()
-    first = schedulers.build(name, kwargs, 0, opt)
+    first = lr.build(name, kwargs, 0, opt)
     assert first is not None
     _lrs(first, opt, 3)
-    text = schedulers.dumps(first)
+    text = lr.dumps(first)
     json.loads(text)
     opt2 = _opt()
-    second = schedulers.build(name, kwargs, 0, opt2)
+    second = lr.build(name, kwargs, 0, opt2)
     assert second is not None
     opt2.load_state_dict(opt.state_dict())
-    schedulers.loads(second, text, 0)
+    lr.loads(second, text, 0)
     assert _lrs(second, opt2, 4) == _lrs(first, opt, 4)
 
 
@@ -63,10 +63,10 @@ def test_the_state_round_trips_as_json(name: str, kwargs: dict[str, object]) -> 
 def test_a_state_of_another_scheduler_is_refused() -> None:
     """Keys that do not fit the job's scheduler: InvalidRequest, nothing loaded."""
     opt = _opt()
-    step = schedulers.build("StepLR", {"step_size": 2}, 0, opt)
-    cosine = schedulers.build("CosineAnnealingLR", {"T_max": 2}, 0, opt)
+    step = lr.build("StepLR", {"step_size": 2}, 0, opt)
+    cosine = lr.build("CosineAnnealingLR", {"T_max": 2}, 0, opt)
     assert step is not None and cosine is not None
     with pytest.raises(InvalidRequest, match="has keys"):
-        schedulers.loads(step, schedulers.dumps(cosine), 3)
+        lr.loads(step, lr.dumps(cosine), 3)
     with pytest.raises(InvalidRequest, match="not JSON"):
-        schedulers.loads(step, "{", 3)
+        lr.loads(step, "{", 3)

@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 from google.protobuf import message_factory
 
-from elasticpipe.admin import COMMANDS, to_json
-from elasticpipe.schemas import COMMAND_MESSAGES, command_schema, write
-from elasticpipe.schemas import COMMANDS as SCHEMA_COMMANDS
+from elasticpipe.cli.admin import COMMANDS, to_json
+from elasticpipe.cli.schemas import COMMAND_MESSAGES, command_schema, write
+from elasticpipe.cli.schemas import COMMANDS as SCHEMA_COMMANDS
 from elasticpipe.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(20)
@@ -24,7 +24,9 @@ def test_every_admin_command_has_a_schema() -> None:
 
 
 def test_the_schemas_in_docs_are_current(tmp_path: Path) -> None:
-    """docs/schemas equals what the module derives (python -m elasticpipe.schemas docs/schemas)."""
+    """docs/schemas equals what the module derives.
+
+    (Regenerate: python -m elasticpipe.cli.schemas docs/schemas.)"""
     for path in write(tmp_path):
         assert (DOCS / path.name).read_text() == path.read_text(), f"regenerate {path.name}"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe import serving
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.transport import serving
 
 ROUTE = (
     "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from elasticpipe.errors import InvalidRequest, NotReady, StageUnavailable
-from elasticpipe.layerwire import PackedLayer
 from elasticpipe.stage_server.callers import in_source_range
 from elasticpipe.stage_server.snapshots import (
     Capture,
@@ -18,6 +17,7 @@ from elasticpipe.stage_server.snapshots import (
     Snapshotter,
     check_copy,
 )
+from elasticpipe.wire.layer_state import PackedLayer
 
 pytestmark = pytest.mark.timeout(20)
 

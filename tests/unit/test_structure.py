@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticpipe import structure
 from elasticpipe.errors import InvalidRequest, ModelError
-from elasticpipe.structure import MAX_PARTS, Structure
+from elasticpipe.wire import structure
+from elasticpipe.wire.structure import MAX_PARTS, Structure
 
 
 @settings(max_examples=50, deadline=None)

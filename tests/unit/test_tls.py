@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from elasticpipe import tls
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.security import tls
 
 
 def test_issued_certificates_carry_name_role_and_hosts(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe import timeline, traces
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.schedule import OpKind, stage_ops
+from elasticpipe.observe import timeline, traces
+from elasticpipe.training.schedule import OpKind, stage_ops
 from elasticpipe.v1 import stage_pb2
 
 S = 1_000_000_000  # ns per second
@@ -24,7 +24,7 @@ EXAMPLE = {
 def _worked_example(
     offsets: list[int], times: dict[int, list[tuple[str, int, int, int]]] = EXAMPLE
 ) -> list[traces.StageTrace]:
-    """The 1F1B example of elasticpipe.efficiency (2 stages, 2 micro-batches, F 1 s, B 2 s)
+    """The 1F1B example of elasticpipe.observe.efficiency (2 stages, 2 micro-batches, F 1 s, B 2 s)
     run as ``times`` says (default: no bubble beyond the schedule's), each stage's clock
     ``offsets[s]`` ahead."""
     out = []

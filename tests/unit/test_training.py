@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from elasticpipe.errors import InvalidRequest, PermissionDenied, UserCodeError
-from elasticpipe.job import JobConfig
-from elasticpipe.schedule import split_sizes
-from elasticpipe.training import (
+from elasticpipe.training.job import JobConfig
+from elasticpipe.training.objectives import (
     LOSSES,
     OPTIMIZERS,
     check_optimizer,
@@ -23,6 +22,7 @@ from elasticpipe.training import (
     scaled_loss,
     torch_optimizers,
 )
+from elasticpipe.training.schedule import split_sizes
 
 
 def test_cross_entropy_on_sequences_equals_flattened() -> None:

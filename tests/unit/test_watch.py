@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from rich.console import Console
 
+from elasticpipe.cli.watch import efficiency, render, step_rate, watch
 from elasticpipe.errors import CoordinatorUnavailable
 from elasticpipe.v1 import coordinator_pb2 as pb
-from elasticpipe.watch import efficiency, render, step_rate, watch
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -1,4 +1,4 @@
-"""``elasticpipe.weights``: sources of initial weights, read lazily and checked by key and
+"""``elasticpipe.models.weights``: sources of initial weights, read lazily and checked by key and
 shape against the model."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from elasticpipe import models, weights
+from elasticpipe import models
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.models import weights
 
 MLP = {"sizes": [4, 8, 2]}
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticpipe.job import JobConfig
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.training.job import JobConfig
 
 ALLOW = ("tests.unit.zb_models",)
 

@@ -1,0 +1,385 @@
+"""``elasticpipe admin``: the operator's view of a running cluster, and its levers.
+
+Every command prints a table for people, or with ``--json`` one JSON object for scripts:
+every field present (zeros too), 64-bit integers as numbers, enums by name. An error is
+``{"error": {"code": ..., "message": ...}}`` with ``--json``, a line on stderr without;
+either way the exit code is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
+from elasticpipe.security.tls import TLS
+from elasticpipe.transport import rpc
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+ADMIN_TIMEOUT_S = 300.0
+
+STATUS_HELP = """\
+columns of the stage table:
+  state   chain (holds layers), spare (live, outside the chain: replaces a stage that
+          dies, or joins when the planner predicts a gain), drained (kept out by an
+          operator), dead (declared dead: missed heartbeats or unreachable)
+  inc     incarnation: how many times a stage of this name registered
+  speed   measured speed relative to the job's profile: 1.0 is the slowest profiled
+          stage; 2.0 runs the same layers in half the time (0: not measured yet)
+  slow    emulated slowdown factor (admin slowdown; 1 = none)
+  memory  bytes the stage offers its job (--memory, or measured at start; -: unknown)
+  layers  the layer range owned, LO:HI (HI excluded)
+  step    the last optimizer step the stage committed
+the epoch history lists every partition change of the job: its kind (start, move,
+scale-out, recovery, restore, or an attempt abandoned before its commit point), the
+layers and bytes moved, how long training paused, and why.
+"""
+
+
+def parse_ranges(text: str) -> list[int]:
+    """Turns "0:6,6:12,12:18" into boundaries [0, 6, 12, 18].
+
+    Raises:
+        InvalidRequest: ranges that are malformed or not contiguous.
+    """
+    bounds: list[int] = []
+    for part in text.split(","):
+        lo_s, _, hi_s = part.partition(":")
+        if not (lo_s.strip().isdecimal() and hi_s.strip().isdecimal()):
+            raise InvalidRequest(
+                f"bad range {part!r} in {text!r} (expected LO:HI, two non-negative layer numbers)"
+            )
+        lo, hi = int(lo_s), int(hi_s)
+        if bounds and lo != bounds[-1]:
+            raise InvalidRequest(
+                f"range {part!r} does not start where the previous ended ({bounds[-1]})"
+            )
+        if hi <= lo:
+            raise InvalidRequest(f"range {part!r} is empty")
+        bounds = [*bounds, hi] if bounds else [lo, hi]
+    return bounds
+
+
+def _ranges(boundaries: list[int]) -> str:
+    return ",".join(f"{a}:{b}" for a, b in itertools.pairwise(boundaries))
+
+
+def _width(cells: Iterable[str], minimum: int) -> int:
+    """A column's width: the longest cell plus a two-space gutter, at least ``minimum``."""
+    return max([minimum, *(len(c) + 2 for c in cells)])
+
+
+def _ago(unix: float) -> str:
+    return "never" if unix <= 0 else f"{time.time() - unix:.1f}s ago"
+
+
+# ---- JSON --------------------------------------------------------------------------------
+
+
+def _value(field: Any, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return to_json(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return field.enum_type.values_by_number[value].name
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return value.hex()
+    return value
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    """Every field of a message, zeros included; integers stay numbers."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.is_repeated:
+            out[field.name] = [_value(field, v) for v in value]
+        else:
+            out[field.name] = _value(field, value)
+    return out
+
+
+# ---- tables ------------------------------------------------------------------------------
+
+
+def format_status(s: coordinator_pb2.StatusResponse) -> str:
+    """The status as tables (stages, then the epoch history)."""
+    job = s.job_id or "-"
+    lines = [
+        f"job: {job}   model: {s.job_model or '-'}   layers: {s.num_layers}   "
+        f"epoch: {s.partition.epoch}   step: {s.committed_step}   "
+        f"partition: {_ranges(list(s.partition.boundaries)) or '-'}   "
+        f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}   "
+        f"efficiency: "
+        + (f"{s.efficiency:.0%} (step {s.efficiency_step})" if s.efficiency_step else "-"),
+        f"client: {s.client or 'none (the job is free)'}"
+        + (
+            f"   factory: {s.factory_file} sha256 {s.factory_sha256[:12]}" if s.factory_file else ""
+        ),
+    ]
+    if s.job_failure:
+        lines.append(f"JOB FAILED: {s.job_failure}")
+    nw = _width((st.name for st in s.stages), 14)  # long names and addresses widen
+    aw = _width((st.address for st in s.stages), 22)  # their columns, never overrun them
+    lines += [
+        "",
+        f"{'name':<{nw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}{'speed':>7}"
+        f"{'slow':>6}{'memory':>8}{'layers':>9}{'step':>7}  heartbeat",
+    ]
+    for st in s.stages:
+        layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
+        lines.append(
+            f"{st.name:<{nw}}{st.state:<9}{st.incarnation:>4}  {st.address:<{aw}}{st.device:<8}"
+            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{_mem(st.memory_bytes):>8}{layers:>9}"
+            f"{st.committed_step:>7}  "
+            f"{_ago(st.last_heartbeat_unix)}"
+        )
+    if s.history:
+        lines += [
+            "",
+            "epoch history:",
+            f"{'epoch':>6}  {'when':<20}{'kind':<11}{'partition':<24}{'moved':>6}{'bytes':>12}"
+            f"{'pause':>8}  reason",
+        ]
+        for r in s.history:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at_unix))
+            lines.append(
+                f"{r.epoch:>6}  {when:<20}{r.kind:<11}{_ranges(list(r.boundaries)):<24}"
+                f"{r.layers_moved:>6}{r.bytes_moved:>12}{r.pause_s:>7.2f}s  {r.reason}"
+            )
+    return "\n".join(lines)
+
+
+def format_plan(p: coordinator_pb2.PlanResponse) -> str:
+    """Current and optimal partitions side by side."""
+    current = list(p.current.boundaries)
+    optimal = list(p.optimal_boundaries)
+    names = list(p.stage_names) or [str(s) for s in range(len(p.stage_speeds))]
+    nw = _width(names, 14)
+    lines = [f"{'stage':<{nw}}{'speed':>8}{'current':>12}{'optimal':>12}"]
+    for s, (name, speed) in enumerate(zip(names, p.stage_speeds, strict=False)):
+        lines.append(
+            f"{name:<{nw}}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
+            f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
+        )
+    gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
+    lines += [
+        f"predicted step: current {p.current_step_s * 1e3:.1f} ms, optimal "
+        f"{p.optimal_step_s * 1e3:.1f} ms (gain {gain:.1%}); "
+        f"{p.bytes_to_move} bytes to move",
+    ]
+    return "\n".join(lines)
+
+
+def format_move(r: coordinator_pb2.RebalanceResponse, dry_run: bool = False) -> str:
+    """The outcome of rebalance / set-partition / drain (or what a dry run would do)."""
+    target = _ranges(list(r.target.boundaries)) if r.target.boundaries else "-"
+    if dry_run:
+        return (
+            f"dry run: would move to {target} (gain {r.predicted_gain:.1%}, "
+            f"{r.bytes_moved} bytes to move); {r.decision}"
+        )
+    what = "moved" if r.changed else "unchanged"
+    return (
+        f"{what}: epoch {r.partition.epoch}, partition "
+        f"{_ranges(list(r.partition.boundaries))}; {r.decision}"
+        + (f"; {r.bytes_moved} bytes in {r.pause_s:.2f}s" if r.changed else "")
+    )
+
+
+# ---- commands ----------------------------------------------------------------------------
+
+
+def _status(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Status(coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout)
+    return reply, format_status(reply)
+
+
+def _plan(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Plan(coordinator_pb2.PlanRequest(), timeout=args.timeout)
+    return reply, format_plan(reply)
+
+
+def _rebalance(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.RebalanceRequest(dry_run=args.dry_run, reason="admin rebalance")
+    reply = stub.Rebalance(request, timeout=args.timeout)
+    return reply, format_move(reply, dry_run=args.dry_run)
+
+
+def _set_partition(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.SetPartitionRequest(
+        boundaries=parse_ranges(args.ranges), stage_ids=args.stages
+    )
+    reply = stub.SetPartition(request, timeout=args.timeout)
+    return reply, format_move(reply)
+
+
+def _drain(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Drain(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+    return reply, format_move(reply)
+
+
+def _undrain(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Undrain(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+    return reply, format_move(reply)
+
+
+def _forget(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    reply = stub.Forget(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+    return reply, reply.message
+
+
+def _mem(value: int) -> str:
+    """A byte count in a status column, binary units: ``400K``, ``2.0G``; ``-`` if unknown."""
+    if not value:
+        return "-"
+    size = float(value)
+    for unit in ("B", "K", "M", "G"):
+        if size < 1024:
+            return f"{size:.0f}{unit}" if unit in ("B", "K") else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}T"
+
+
+def _slowdown(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.AdminSlowdownRequest(stage=args.stage, factor=args.factor)
+    reply = stub.Slowdown(request, timeout=args.timeout)
+    return reply, reply.message
+
+
+def _auto(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
+    request = coordinator_pb2.AutoRebalanceRequest(enabled=args.state == "on")
+    reply = stub.SetAutoRebalance(request, timeout=args.timeout)
+    return reply, reply.message
+
+
+def _trace(stub: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from elasticpipe.observe import traces
+
+    if not 1 <= args.steps <= traces.MAX_STEPS:
+        raise InvalidRequest(f"--steps must be in [1, {traces.MAX_STEPS}] (got {args.steps})")
+    status = stub.Status(coordinator_pb2.StatusRequest(), timeout=args.timeout)
+    tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    collected = traces.collect(status, args.steps, tls, args.timeout)
+    figures = traces.step_figures(collected)
+    with open(args.out, "w") as f:
+        json.dump(traces.chrome_trace(collected), f)
+    if args.png:
+        from elasticpipe.observe import timeline
+
+        timeline.draw(collected, figures, args.png, title=f"job {status.job_id}")
+    summary = traces.summary(collected, figures)
+    summary.update(out=args.out, png=args.png or "")
+    lines = [
+        f"{t['name']:<14} layers {t['layers'][0]}:{t['layers'][1]:<5} {t['spans']:>6} spans"
+        f"   clock offset {t['clock_offset_ms']:+.3f} ms (rtt {t['clock_rtt_ms']:.3f} ms)"
+        + ("   (oldest left out)" if t["truncated"] else "")
+        for t in summary["stages"]
+    ]
+    lines += [
+        f"step {f.step}: ideal {f.ideal_s * 1e3:.1f} ms, measured {f.measured_s * 1e3:.1f} ms, "
+        f"pipeline efficiency {f.efficiency:.0%}"
+        for f in figures
+    ]
+    lines.append(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
+    return summary, "\n".join(lines)
+
+
+Command = Callable[[Any, argparse.Namespace], tuple[Message | dict[str, Any], str]]
+COMMANDS: dict[str, Command] = {
+    "status": _status,
+    "plan": _plan,
+    "rebalance": _rebalance,
+    "set-partition": _set_partition,
+    "drain": _drain,
+    "undrain": _undrain,
+    "forget": _forget,
+    "slowdown": _slowdown,
+    "auto": _auto,
+    "trace": _trace,
+}
+
+
+def _watch(stub: Any, args: argparse.Namespace) -> int:
+    """``status --watch``: the live view (or JSON lines) until Ctrl-C or ``--count`` polls."""
+    from rich.console import Console
+
+    from elasticpipe.cli.watch import watch
+
+    def fetch() -> coordinator_pb2.StatusResponse:
+        try:
+            reply: coordinator_pb2.StatusResponse = stub.Status(
+                coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            raise rpc.translate(exc, args.coordinator, CoordinatorUnavailable) from exc
+        return reply
+
+    if args.interval <= 0:
+        raise InvalidRequest(f"--interval must be positive, got {args.interval}")
+    if args.count < 0:
+        raise InvalidRequest(f"--count must be 0 (no limit) or positive, got {args.count}")
+    as_json = to_json if args.json else None
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide lines rather than folded cells
+        console = Console(width=max(console.width, 160))
+    return watch(fetch, console, args.interval, args.count, as_json)
+
+
+class AdminParser(argparse.ArgumentParser):
+    """The parser of an admin subcommand: with ``--json`` on the command line, a usage error
+    (a missing or malformed argument) is the JSON error object too, exit code 2, so that a
+    script reads every failure the same way."""
+
+    def error(self, message: str) -> NoReturn:
+        if "--json" in sys.argv[1:]:
+            error = {"code": "INVALID_ARGUMENT", "message": f"{self.prog}: {message}"}
+            _print(json.dumps({"error": error}))
+            raise SystemExit(2)
+        super().error(message)
+
+
+def _print(text: str) -> None:
+    """Prints for a reader that may go away (``| head``): a closed pipe ends quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        sys.stdout = None  # no flush at exit either
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
+    address = args.coordinator
+    try:
+        tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+        with rpc.channel(address, tls) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            if args.admin_command == "status" and getattr(args, "watch", False):
+                return _watch(stub, args)
+            try:
+                reply, text = COMMANDS[args.admin_command](stub, args)
+            except grpc.RpcError as exc:
+                raise rpc.translate(exc, address, CoordinatorUnavailable) from exc
+    except ElasticPipeError as exc:
+        message = str(exc)
+        if isinstance(exc, CoordinatorUnavailable):
+            message = (
+                f"cannot reach the coordinator at {address}: is it running, and is that its "
+                f"address (--coordinator)? ({exc})"
+            )
+        if args.json:
+            _print(json.dumps({"error": {"code": exc.code.name, "message": message}}))
+        else:
+            print(f"error: {message}", file=sys.stderr)
+        return 2
+    document = reply if isinstance(reply, dict) else to_json(reply)
+    _print(json.dumps(document, indent=2) if args.json else text)
+    return 0

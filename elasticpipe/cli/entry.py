@@ -1,0 +1,650 @@
+"""The ``elasticpipe`` command: coordinator, stage, admin and demo.
+
+Logging is configured here, once, for whichever command runs (console or JSON lines on
+stderr). ``--log-format`` and ``--log-level`` go before the command; the admin options
+(``--coordinator``, ``--json``, ``--timeout``) go before or after the admin subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Protocol
+
+# gRPC's core logs every failed TLS handshake at INFO on stderr: one line per port scan or
+# misconfigured client, which would let anyone flood a server's log. Errors only, unless
+# the operator asks for more. Set before gRPC is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from elasticpipe.errors import ElasticPipeError
+from elasticpipe.logs import LEVELS, configure_logging, get_logger
+from elasticpipe.security.tls import TLS
+from elasticpipe.stage_server import memtune
+
+if TYPE_CHECKING:
+    from elasticpipe.cli.admin import AdminParser
+
+ENV_LOG_FORMAT = "ELASTICPIPE_LOG_FORMAT"
+ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
+ENV_COORDINATOR = "ELASTICPIPE_COORDINATOR"
+
+log = get_logger(__name__)
+
+
+def _write_ready(path: str | None, address: str, metrics_port: int | None = None) -> None:
+    if path:
+        tmp = Path(path + ".tmp")
+        ready = {"address": address, "pid": os.getpid(), "metrics_port": metrics_port}
+        tmp.write_text(json.dumps(ready))
+        tmp.replace(path)
+
+
+class _Endpoint(Protocol):
+    @property
+    def port(self) -> int: ...
+
+
+class _Server(Protocol):
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def metrics(self) -> _Endpoint | None: ...
+
+    def stop(self) -> None: ...
+
+
+def _serve_until_signalled(
+    server: _Server, ready_file: str | None, before_stop: Callable[[], None] | None = None
+) -> int:
+    """Announces the server's address, serves until SIGTERM/SIGINT, then stops it (after
+    ``before_stop``, such as moving a stage's layers off)."""
+    stop = threading.Event()
+    received: list[str] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    _write_ready(ready_file, server.address, server.metrics.port if server.metrics else None)
+    try:
+        stop.wait()
+        if before_stop is not None:
+            before_stop()
+    finally:
+        server.stop()
+        log.info("server_stopped", signal=received[0] if received else None)
+    return 0
+
+
+# ---- commands --------------------------------------------------------------------------
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    """Runs the coordinator until SIGTERM/SIGINT."""
+    from elasticpipe.coordinator.policy import PolicyConfig
+    from elasticpipe.coordinator.server import CoordinatorServer
+
+    policy = PolicyConfig(
+        enabled=args.auto_rebalance,
+        threshold=args.rebalance_threshold,
+        horizon_steps=args.rebalance_horizon,
+        cooldown_s=args.rebalance_cooldown,
+        interval_s=args.policy_interval,
+        reserve_spares=args.reserve_spares,
+    )
+    server = CoordinatorServer(
+        args.listen,
+        args.state,
+        policy,
+        args.dead_after,
+        args.heartbeat_interval,
+        args.link_bandwidth,
+        args.pause_at,
+        args.freeze_lease,
+        TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+        args.insecure,
+        args.advertise,
+        args.metrics_port,
+        args.metrics_listen,
+    ).start()
+    return _serve_until_signalled(server, args.ready_file)
+
+
+def _memory_size(text: str) -> int:
+    """``--memory``'s type: a byte count with an optional unit (argparse reports the error)."""
+    from elasticpipe.errors import InvalidRequest
+    from elasticpipe.stage_server.capacity import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    """Runs a stage server until SIGTERM/SIGINT."""
+    import torch
+
+    from elasticpipe.stage_server.server import StageServer
+    from elasticpipe.stage_server.stage import StageConfig
+
+    threads = os.environ.get(ENV_TORCH_THREADS)
+    if threads:
+        torch.set_num_threads(int(threads))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this host")
+    config = StageConfig(
+        name=args.name or f"stage-{os.getpid()}",
+        device=args.device,
+        allow_models=tuple(args.allow_models),
+        slowdown=args.slowdown,
+        timer=args.timer,
+        max_tensor_bytes=args.max_tensor_bytes,
+        transfer_chunk_bytes=args.transfer_chunk_bytes,
+        commit_lease_s=args.commit_lease,
+        enable_fault_injection=args.enable_fault_injection,
+        tls=TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+        insecure=args.insecure,
+        advertise=args.advertise,
+        metrics_port=args.metrics_port,
+        memory_bytes=args.memory,
+        metrics_listen=args.metrics_listen,
+        bulk_port=None if args.no_bulk else args.bulk_port,
+    )
+    memtune.keep_freed_memory()  # received tensors reuse freed pages (memtune.py)
+    server = StageServer(config, args.coordinator, args.listen).start()
+    return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Trains the small GPT on the standard library's source on a local cluster."""
+    from elasticpipe.demo.run import Events, run_demo
+
+    events = None
+    if args.events:
+        events = Events.spread_over(
+            args.steps,
+            slow_at=args.slow_at,
+            recover_at=args.recover_at,
+            kill_at=args.kill_at,
+            slow_stage=args.slow_stage,
+            kill_stage=args.kill_stage,
+            factor=args.slow_factor,
+        )
+    return run_demo(
+        events=events,
+        png=args.png,
+        sample_chars=args.sample_chars,
+        stages=args.stages,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        micro_batches=args.micro_batches,
+        n_layers=args.layers,
+        d_model=args.d_model,
+        log_dir=args.log_dir,
+    )
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """Creates a cluster CA, or issues a certificate with a name and a role."""
+    from elasticpipe.security import tls
+
+    if args.certs_command == "init":
+        print(f"created {tls.init_ca(args.dir)} and its key (keep ca.key secret)")
+    else:
+        cert, key = tls.issue(args.dir, args.name, args.role, tuple(args.host), args.out)
+        print(f"issued {cert} and {key} for {args.name!r} (role {args.role})")
+    return 0
+
+
+def _network_options(parser: argparse.ArgumentParser, port: int) -> None:
+    """--advertise, --insecure, --metrics-port and the TLS flags of a server."""
+    parser.add_argument(
+        "--advertise",
+        default="",
+        metavar="HOST:PORT",
+        help="the address peers use to reach this server (default: the listen address; for "
+        f"0.0.0.0 or [::], this host's primary address), e.g. 10.0.0.5:{port}",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext when listening beyond loopback (a trusted, private network)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics over plain HTTP, without authentication, at "
+        "PORT/metrics on the --listen host (0: any free port, logged; default: no metrics "
+        "endpoint); beyond loopback only with --metrics-listen or --insecure",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        default="",
+        metavar="HOST",
+        help="the host the metrics endpoint listens on (default: the --listen host), e.g. "
+        "127.0.0.1 for a scraper on this host",
+    )
+    _tls_options(parser)
+
+
+def _tls_options(parser: argparse.ArgumentParser) -> None:
+    for flag, what, env in (
+        ("--tls-cert", "this party's certificate (PEM)", "ELASTICPIPE_TLS_CERT"),
+        ("--tls-key", "its private key (PEM)", "ELASTICPIPE_TLS_KEY"),
+        ("--tls-ca", "the cluster CA's certificate (PEM)", "ELASTICPIPE_TLS_CA"),
+    ):
+        parser.add_argument(flag, default=None, metavar="FILE", help=f"{what}; or ${env}")
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    """Runs one admin command against the coordinator and prints the result."""
+    from elasticpipe.cli.admin import run_admin
+
+    return run_admin(args)
+
+
+# ---- parser ----------------------------------------------------------------------------
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Help that keeps the epilog's layout and shows every default worth showing (not
+    for required options, flags, empty values, or help that already names its default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            action.required
+            or action.default in (None, "", [], False, argparse.SUPPRESS)
+            or "default" in text
+        ):
+            return text
+        return super()._get_help_string(action)
+
+
+def _admin_options(defaults: bool) -> AdminParser:
+    """The admin options, accepted before and after the subcommand (only the given ones
+    override: the defaults are set once, on the ``admin`` parser)."""
+    from elasticpipe.cli.admin import AdminParser
+
+    common = AdminParser(add_help=False)
+    kw = (lambda d: {"default": d}) if defaults else (lambda d: {"default": argparse.SUPPRESS})
+    common.add_argument(
+        "--coordinator",
+        help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",
+        **kw(os.environ.get(ENV_COORDINATOR, "127.0.0.1:7100")),
+    )
+    common.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (errors too) instead of tables",
+        **kw(False),
+    )
+    common.add_argument(
+        "--timeout", type=float, help="seconds to wait for the coordinator's answer", **kw(300.0)
+    )
+    for flag, what, env in (
+        ("--tls-cert", "an admin certificate (PEM)", "ELASTICPIPE_TLS_CERT"),
+        ("--tls-key", "its private key (PEM)", "ELASTICPIPE_TLS_KEY"),
+        ("--tls-ca", "the cluster CA's certificate (PEM)", "ELASTICPIPE_TLS_CA"),
+    ):
+        common.add_argument(flag, metavar="FILE", help=f"{what}; or ${env}", **kw(None))
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line."""
+    parser = argparse.ArgumentParser(
+        prog="elasticpipe", description=__doc__.split("\n\n")[0], formatter_class=Formatter
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["console", "json"],
+        default=os.environ.get(ENV_LOG_FORMAT, "console"),
+        help=f"how log lines look on stderr (or ${ENV_LOG_FORMAT})",
+    )
+    parser.add_argument(
+        "--log-level", choices=LEVELS, default="info", help="the least severe lines shown"
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to run (COMMAND --help: more)"
+    )
+
+    co = sub.add_parser(
+        "coordinator", help="run the coordinator (control plane)", formatter_class=Formatter
+    )
+    co.add_argument("--listen", default="127.0.0.1:7100", help="HOST:PORT (port 0: any)")
+    co.add_argument(
+        "--state",
+        default="elasticpipe-coordinator.sqlite",
+        help="SQLite file holding stages, job, partition and history (':memory:' for none)",
+    )
+    co.add_argument(
+        "--auto-rebalance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="move layers automatically when the planner predicts a gain",
+    )
+    co.add_argument(
+        "--rebalance-threshold",
+        type=float,
+        default=0.10,
+        help="minimum predicted step-time gain (fraction) to move layers",
+    )
+    co.add_argument(
+        "--rebalance-horizon",
+        type=int,
+        default=50,
+        help="steps over which a move must pay back its pause",
+    )
+    co.add_argument(
+        "--rebalance-cooldown", type=float, default=5.0, help="seconds between two automatic moves"
+    )
+    co.add_argument(
+        "--policy-interval", type=float, default=1.0, help="seconds between two re-plans"
+    )
+    co.add_argument(
+        "--reserve-spares",
+        type=int,
+        default=0,
+        help="spares the policy keeps out of the chain, ready to replace a stage that dies "
+        "(the others join the chain when the planner predicts a gain)",
+    )
+    co.add_argument(
+        "--dead-after",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat before a stage is declared dead (a client's "
+        "failure report and a probe declare it at once)",
+    )
+    co.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats"
+    )
+    co.add_argument(
+        "--link-bandwidth",
+        type=float,
+        default=0.0,
+        metavar="BYTES_PER_S",
+        help="bandwidth between neighbouring hosts; when given, the planner counts the "
+        "activations and gradients crossing each cut (0: links are free)",
+    )
+    co.add_argument(
+        "--freeze-lease",
+        type=float,
+        default=60.0,
+        help="seconds a stage frozen for an epoch change waits for news from the coordinator "
+        "before it abandons the change (or, prepared, asks for its outcome)",
+    )
+    _network_options(co, 7100)
+    co.add_argument("--ready-file", help=argparse.SUPPRESS)
+    co.add_argument("--pause-at", default="", help=argparse.SUPPRESS)  # tests: block there
+    co.set_defaults(func=cmd_coordinator)
+
+    st = sub.add_parser(
+        "stage", help="run a stage server (one per device)", formatter_class=Formatter
+    )
+    st.add_argument(
+        "--coordinator",
+        default=os.environ.get(ENV_COORDINATOR),
+        required=ENV_COORDINATOR not in os.environ,
+        help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",
+    )
+    st.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
+    st.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    st.add_argument("--name", default=None, help="stable name of this host (default: stage-PID)")
+    st.add_argument(
+        "--allow-models",
+        nargs="*",
+        default=[],
+        metavar="PREFIX",
+        help="module prefixes whose model factories may be built here (the built-ins always)",
+    )
+    st.add_argument(
+        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+    )
+    st.add_argument(
+        "--timer",
+        choices=["auto", "cpu", "wall"],
+        default="auto",
+        help="how layer compute is timed: thread CPU time (auto on CPU: stages "
+        "sharing a host do not see each other's load), CUDA events read once a step (auto on "
+        "CUDA), or wall time around a synchronize (wall)",
+    )
+    st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
+    st.add_argument(
+        "--bulk-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of the bulk channel, a raw (TLS) socket beside gRPC for tensors over 1 MiB, "
+        "on the --listen host (default 0: any free port, announced over gRPC)",
+    )
+    st.add_argument(
+        "--no-bulk",
+        action="store_true",
+        help="no bulk channel: every tensor travels over gRPC",
+    )
+    st.add_argument(
+        "--transfer-chunk-bytes",
+        type=int,
+        default=1 << 20,
+        help="chunk size of layer state sent to peers (migration, snapshots, exports)",
+    )
+    st.add_argument(
+        "--memory",
+        type=_memory_size,
+        default=0,
+        metavar="BYTES",
+        help="memory this stage offers its job, e.g. 512M, 2G (default: CPU MemAvailable "
+        "less 10%%; CUDA free memory less 10%% of the device); the coordinator never "
+        "places more layers here than fit",
+    )
+    st.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, how long to wait for the coordinator to move this stage's layers "
+        "off before exiting (0: exit at once; recovery then replaces the stage)",
+    )
+    st.add_argument(
+        "--commit-lease",
+        type=float,
+        default=30.0,
+        help="seconds a finished step waits for its client's commit before the stage asks "
+        "the coordinator to settle it",
+    )
+    _network_options(st, 7200)
+    st.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    st.add_argument("--ready-file", help=argparse.SUPPRESS)
+    st.set_defaults(func=cmd_stage)
+
+    de = sub.add_parser(
+        "demo", help="train a small GPT on a local cluster", formatter_class=Formatter
+    )
+    de.add_argument("--stages", type=int, default=4, help="stage processes")
+    de.add_argument("--steps", type=int, default=160, help="optimizer steps")
+    de.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    de.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    de.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    de.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="transformer blocks (8 over 4 stages: 2 each, so that moving layers off a slow "
+        "stage overloads another, and moving them back pays when it recovers)",
+    )
+    de.add_argument("--d-model", type=int, default=128, help="width of the model")
+    de.add_argument(
+        "--sample-chars", type=int, default=200, help="characters of text generated at the end"
+    )
+    de.add_argument(
+        "--log-dir", default=None, help="keep the processes' logs here (default: under runs/)"
+    )
+    de.add_argument(
+        "--events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="slow a stage down, let it recover, kill one, and plot it (--no-events: a plain run)",
+    )
+    for flag, what, fraction in (
+        ("--slow-at", "slow --slow-stage down", "1/6"),
+        ("--recover-at", "bring it back to full speed", "9/20"),
+        ("--kill-at", "kill --kill-stage (SIGKILL)", "3/4"),
+    ):
+        de.add_argument(
+            flag,
+            type=int,
+            default=None,
+            metavar="STEP",
+            help=f"after this step, {what} (default: after {fraction} of the steps; 0: never)",
+        )
+    de.add_argument(
+        "--slow-stage", default="", help="the stage slowed down (default: the chain's second)"
+    )
+    de.add_argument("--slow-factor", type=float, default=3.0, help="how many times slower")
+    de.add_argument(
+        "--kill-stage", default="", help="the stage killed (default: the chain's third)"
+    )
+    de.add_argument(
+        "--png",
+        default=None,
+        help="where to draw steps/s and the partition over time (default: LOG_DIR/demo.png)",
+    )
+    de.set_defaults(func=cmd_demo)
+
+    ce = sub.add_parser(
+        "certs", help="a cluster CA and certificates for mutual TLS", formatter_class=Formatter
+    )
+    cesub = ce.add_subparsers(
+        dest="certs_command", required=True, metavar="CERTS_COMMAND", help="init or issue"
+    )
+    ci = cesub.add_parser(
+        "init", help="create DIR/ca.pem and DIR/ca.key", formatter_class=Formatter
+    )
+    ci.add_argument("dir", help="folder for the CA")
+    cs = cesub.add_parser(
+        "issue",
+        help="issue DIR/NAME.pem and DIR/NAME.key signed by DIR's CA",
+        formatter_class=Formatter,
+    )
+    cs.add_argument("dir", help="folder holding ca.pem and ca.key")
+    cs.add_argument(
+        "--name",
+        required=True,
+        help="the party's name (a stage: its --name); 'prefix*' makes one certificate for "
+        "every stage whose name starts with prefix (a StatefulSet's pods)",
+    )
+    cs.add_argument(
+        "--role",
+        required=True,
+        choices=["coordinator", "stage", "client", "admin"],
+        help="what the party may call (see the role table in docs/security.md)",
+    )
+    cs.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a DNS name or IP address the party serves at (repeatable; loopback is always "
+        "in; '*.svc.example' covers every name one level below)",
+    )
+    cs.add_argument(
+        "--out",
+        default="",
+        metavar="FILE_NAME",
+        help="base name of the files written (default: the --name); needed for a family",
+    )
+    ce.set_defaults(func=cmd_certs)
+
+    ad = sub.add_parser(
+        "admin",
+        help="inspect and rebalance a running cluster",
+        parents=[_admin_options(defaults=True)],
+        formatter_class=Formatter,
+    )
+    from elasticpipe.cli.admin import AdminParser
+
+    adsub = ad.add_subparsers(
+        dest="admin_command",
+        parser_class=AdminParser,  # usage errors as JSON with --json
+        required=True,
+        metavar="ADMIN_COMMAND",
+        help="what to look at or change (ADMIN_COMMAND --help: more)",
+    )
+    options = [_admin_options(defaults=False)]
+
+    def admin(name: str, help_text: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        return adsub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=epilog,
+            parents=options,
+            formatter_class=argparse.RawDescriptionHelpFormatter if epilog else Formatter,
+        )
+
+    from elasticpipe.cli.admin import STATUS_HELP
+
+    status = admin(
+        "status", "stages, their state and speed, the partition and its history", STATUS_HELP
+    )
+    status.add_argument("--all", action="store_true", help="the history of every job")
+    status.add_argument(
+        "--watch", action="store_true", help="a live view, redrawn every --interval (Ctrl-C ends)"
+    )
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between two polls")
+    status.add_argument("--count", type=int, default=0, help="stop after N polls (0: never)")
+    admin("plan", "the current partition next to the optimal one (changes nothing)")
+    rb = admin("rebalance", "move to the optimal partition now")
+    rb.add_argument(
+        "--dry-run", action="store_true", help="show the target, gain and bytes; move nothing"
+    )
+    sp = admin("set-partition", "move to your own partition, e.g. 0:6,6:12,12:18")
+    sp.add_argument("ranges", help="LO:HI layer ranges in chain order, comma-separated")
+    sp.add_argument("--stages", nargs="*", default=[], help="new chain order (names or ids)")
+    dr = admin("drain", "move every layer off a stage and keep it out")
+    dr.add_argument("stage", help="name or id")
+    ud = admin("undrain", "let a drained stage back into the chain")
+    ud.add_argument("stage", help="name or id")
+    fo = admin("forget", "remove a dead stage from membership")
+    fo.add_argument("stage", help="name or id")
+    sl = admin("slowdown", "emulate a slower device on a stage (tests, demos)")
+    sl.add_argument("stage", help="name or id")
+    sl.add_argument("factor", type=float, help="how many times slower (1: normal)")
+    tr = admin(
+        "trace",
+        "every stage's timeline of the last steps as Chrome/Perfetto JSON (and a PNG)",
+        "open the JSON in https://ui.perfetto.dev or chrome://tracing; docs/tracing.md",
+    )
+    tr.add_argument("--steps", type=int, default=1, help="how many of the last steps")
+    tr.add_argument("--out", required=True, metavar="FILE", help="the trace JSON to write")
+    tr.add_argument("--png", metavar="FILE", help="also draw the pipeline timeline here")
+    au = admin("auto", "turn automatic rebalancing on or off (remembered across restarts)")
+    au.add_argument("state", choices=["on", "off"], help="on or off")
+    ad.set_defaults(func=cmd_admin)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``elasticpipe`` command."""
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    try:
+        return int(args.func(args))
+    except ElasticPipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

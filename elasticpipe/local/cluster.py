@@ -1,0 +1,377 @@
+"""``LocalCluster``: a coordinator and N stage servers as separate processes on loopback.
+
+::
+
+    with LocalCluster(stages=4) as cluster:
+        with Pipeline(coordinator=cluster.coordinator, model="gpt") as pipe:
+            ...
+
+Each process is a real ``elasticpipe`` command (the same an operator runs on each host);
+they bind port 0 and report the address they got through a ready file (and, with
+``metrics=True``, the port of their Prometheus endpoint: ``metrics_url``). Leaving the block
+(or Ctrl-C) stops every process: SIGTERM first, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from elasticpipe.errors import DeadlineExceeded, StageUnavailable
+from elasticpipe.security.tls import TLS, init_ca, issue
+from elasticpipe.transport import rpc
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+START_TIMEOUT_S = 60.0
+
+
+def _wait_ready(
+    path: Path, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float
+) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise StageUnavailable(f"{what} exited with code {proc.returncode}:\n{tail}")
+        if path.exists() and path.stat().st_size > 0:
+            return str(json.loads(path.read_text())["address"])
+        time.sleep(0.05)
+    raise DeadlineExceeded(f"{what} did not start within {timeout:.0f}s (log: {log})")
+
+
+class LocalCluster:
+    """A coordinator plus ``stages`` stage servers, each its own process."""
+
+    def __init__(
+        self,
+        stages: int = 2,
+        slowdowns: Sequence[float] | None = None,
+        coordinator_args: Sequence[str] = (),
+        stage_args: Sequence[str] = (),
+        log_dir: str | os.PathLike[str] | None = None,
+        threads_per_stage: int = 1,
+        tls: bool = False,
+        metrics: bool = False,
+        per_stage_args: Sequence[Sequence[str]] | None = None,
+    ):
+        """Describes the cluster; ``start`` (or ``with``) launches it.
+
+        Args:
+            stages: number of stage servers.
+            slowdowns: per-stage emulated slowdown factors (default all 1).
+            coordinator_args: extra flags for ``elasticpipe coordinator``.
+            stage_args: extra flags for every ``elasticpipe stage``.
+            log_dir: where each process writes its log (default: a temporary folder).
+            threads_per_stage: torch intra-op threads of each stage (they share the host).
+            tls: mutual TLS everywhere: a throw-away CA issues a certificate to the
+                coordinator, each stage, a client and an admin (``client_tls``,
+                ``admin_tls``).
+            metrics: every process serves Prometheus metrics on a free port
+                (``metrics_ports``, ``metrics_url``).
+            per_stage_args: extra flags of each stage in turn, after ``stage_args``
+                (e.g. ``[["--memory", "2M"], []]``).
+        """
+        self.num_stages = stages
+        self.slowdowns = list(slowdowns or [1.0] * stages)
+        if len(self.slowdowns) != stages:
+            raise ValueError(f"{len(self.slowdowns)} slowdowns given for {stages} stages")
+        self._coordinator_args = list(coordinator_args)
+        self._stage_args = list(stage_args)
+        self._per_stage_args = [list(a) for a in per_stage_args or [[]] * stages]
+        if len(self._per_stage_args) != stages:
+            raise ValueError(f"{len(self._per_stage_args)} per_stage_args for {stages} stages")
+        self._tmp = tempfile.TemporaryDirectory(prefix="elasticpipe-")
+        if "--state" not in self._coordinator_args:  # a restarted coordinator finds its state
+            self._coordinator_args += ["--state", str(Path(self._tmp.name) / "coordinator.sqlite")]
+        self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._threads = threads_per_stage
+        self.coordinator = ""
+        self.stage_addresses: list[str] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.certs: Path | None = None
+        self._metrics = metrics
+        self.metrics_ports: dict[str, int] = {}  # process name -> its metrics port
+        if tls:
+            self.certs = Path(self._tmp.name) / "certs"
+            init_ca(self.certs)
+            for name, role in (
+                ("coordinator", "coordinator"),
+                ("client", "client"),
+                ("admin", "admin"),
+            ):
+                issue(self.certs, name, role)
+
+    def tls_of(self, name: str, role: str = "stage") -> TLS | None:
+        """The TLS material of ``name`` (issued on first use); None without TLS."""
+        if self.certs is None:
+            return None
+        if not (self.certs / f"{name}.pem").exists():
+            issue(self.certs, name, role)
+        return TLS(
+            str(self.certs / f"{name}.pem"),
+            str(self.certs / f"{name}.key"),
+            str(self.certs / "ca.pem"),
+        )
+
+    @property
+    def client_tls(self) -> TLS | None:
+        """What a ``Pipeline`` of this cluster passes as ``tls`` (None without TLS)."""
+        return self.tls_of("client", "client")
+
+    @property
+    def admin_tls(self) -> TLS | None:
+        """An admin's TLS material (None without TLS)."""
+        return self.tls_of("admin", "admin")
+
+    def _tls_flags(self, name: str, role: str) -> list[str]:
+        tls = self.tls_of(name, role)
+        if tls is None:
+            return []
+        return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
+
+    def metrics_url(self, name: str) -> str:
+        """Where process ``name`` ("coordinator", "stage-0", ...) serves its metrics."""
+        if name not in self.metrics_ports:
+            raise KeyError(f"{name!r} serves no metrics (LocalCluster(metrics=True) starts them)")
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+
+    def _ready(self, name: str, spawned: tuple[subprocess.Popen[bytes], Path, Path]) -> str:
+        """Waits for a process's ready file; returns its address (and notes its metrics port)."""
+        proc, ready, log = spawned
+        address = _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
+        port = json.loads(ready.read_text()).get("metrics_port")
+        if port is not None:
+            self.metrics_ports[name] = int(port)
+        return address
+
+    def _spawn(
+        self, name: str, args: list[str], env: Mapping[str, str] | None = None
+    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        ready = Path(self._tmp.name) / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        log = self.log_dir / f"{name}.log"
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self._threads),
+            "ELASTICPIPE_TORCH_THREADS": str(self._threads),
+            **(env or {}),
+        }
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "elasticpipe",
+                    *args,
+                    *(["--metrics-port", "0"] if self._metrics else []),
+                    "--ready-file",
+                    str(ready),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.procs[name] = proc
+        return proc, ready, log
+
+    def start(self) -> LocalCluster:
+        """Starts every process and waits until all stages have registered."""
+        try:
+            self._start_coordinator("127.0.0.1:0")
+            pending = [
+                (f"stage-{i}", self._spawn_stage(f"stage-{i}", i)) for i in range(self.num_stages)
+            ]
+            self.stage_addresses = [self._ready(name, spawned) for name, spawned in pending]
+            self.wait_for_stages(self.num_stages, START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_coordinator(self, listen: str) -> None:
+        spawned = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--listen",
+                listen,
+                *self._tls_flags("coordinator", "coordinator"),
+                *self._coordinator_args,
+            ],
+        )
+        self.coordinator = self._ready("coordinator", spawned)
+
+    def _spawn_stage(
+        self,
+        name: str,
+        index: int | None = None,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        slowdown = self.slowdowns[index] if index is not None else 1.0
+        own = self._per_stage_args[index] if index is not None else []
+        return self._spawn(
+            name,
+            [
+                "stage",
+                "--coordinator",
+                self.coordinator,
+                "--listen",
+                "127.0.0.1:0",
+                "--name",
+                name,
+                "--slowdown",
+                str(slowdown),
+                *self._tls_flags(name, "stage"),
+                *self._stage_args,
+                *own,
+                *extra,
+            ],
+            env,
+        )
+
+    def add_stage(
+        self, name: str, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> str:
+        """Starts one more stage process (a spare, or a restarted stage under its old
+        name: a new incarnation) with ``extra`` flags and ``env`` variables; returns its
+        address once it has registered."""
+        spawned = self._spawn_stage(name, extra=extra, env=env)
+        address, log = self._ready(name, spawned), spawned[2]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any(s.address == address and s.alive for s in self.status().stages):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{name} did not register (log: {log})")
+            time.sleep(0.05)
+        if (
+            name.startswith("stage-")
+            and name[6:].isdecimal()
+            and int(name[6:]) < len(self.stage_addresses)
+        ):
+            self.stage_addresses[int(name[6:])] = address
+        return address
+
+    def restart_coordinator(self, args: Sequence[str] | None = None) -> None:
+        """Starts the coordinator again on its old address, from its state file (with
+        ``args`` instead of the original flags, if given)."""
+        if args is not None:
+            state = self._coordinator_args[self._coordinator_args.index("--state") + 1]
+            self._coordinator_args = [*args, "--state", state]
+        self._start_coordinator(self.coordinator)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # answering (channels to the old one may still be backing off)
+            try:
+                self.status(timeout=2.0)
+                return
+            except (StageUnavailable, DeadlineExceeded):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def wait_for_log(self, name: str, text: str, timeout: float = 60.0) -> None:
+        """Waits until ``text`` appears in a process's log (a pause point reached, say)."""
+        log = self.log_dir / f"{name}.log"
+        deadline = time.monotonic() + timeout
+        while not (log.exists() and text in log.read_text(errors="replace")):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{text!r} did not appear in {log} within {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def name_of(self, address: str) -> str:
+        """The process name of a stage address."""
+        return f"stage-{self.stage_addresses.index(address)}"
+
+    def status(self, timeout: float = 10.0) -> coordinator_pb2.StatusResponse:
+        """The coordinator's status (waiting up to ``timeout`` for it to be reachable: a
+        restarted coordinator's channel may still be backing off)."""
+        with rpc.channel(self.coordinator, self.admin_tls) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            return rpc.call(
+                self.coordinator,
+                stub.Status,
+                coordinator_pb2.StatusRequest(),
+                timeout=timeout,
+                wait_for_ready=True,
+            )
+
+    def wait_for_stages(self, count: int, timeout: float) -> None:
+        """Waits until ``count`` stages are registered and alive."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                alive = sum(s.alive for s in self.status(timeout=2.0).stages)
+            except (StageUnavailable, DeadlineExceeded):
+                alive = 0
+            if alive >= count:
+                return
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"{alive} of {count} stages registered after "
+                    f"{timeout:.0f}s (logs in {self.log_dir})"
+                )
+            time.sleep(0.1)
+
+    def kill(self, name: str) -> None:
+        """Kills one process at once (SIGKILL), as a crash would."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def terminate(self, name: str, timeout: float = 60.0) -> int:
+        """Sends SIGTERM to one process and waits for it to exit; returns its exit code."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout=timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stops every process: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+        The coordinator goes first, so that stages shutting down do not wait for their
+        layers to be moved off (the whole cluster is going away).
+        """
+        ordered = sorted(self.procs.items(), key=lambda item: item[0] != "coordinator")
+        for name, proc in ordered:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            if name == "coordinator":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=grace)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+    def logs(self) -> str:
+        """Every process's log, for a failing test's report."""
+        return "\n".join(
+            f"==> {p.name} <==\n{p.read_text(errors='replace')[-4000:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
+
+    def close(self) -> None:
+        """Stops the processes and removes the temporary folder."""
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

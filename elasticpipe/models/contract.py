@@ -1,0 +1,861 @@
+"""The model contract: resolve an allowed factory, and build or seed any layer of it alone."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import hashlib
+import importlib
+import inspect
+import itertools
+import math
+import reprlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.functional import embedding, scaled_dot_product_attention
+
+from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, PermissionDenied
+from elasticpipe.security import allowlist
+from elasticpipe.training import rng
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "PACKAGED_FACTORIES",
+    "CausalSelfAttention",
+    "LMHead",
+    "TokenEmbedding",
+    "TransformerBlock",
+    "build",
+    "build_layers",
+    "build_skeleton",
+    "check_name",
+    "cnn",
+    "describe",
+    "factory_source",
+    "gpt",
+    "init_layer",
+    "layer_seed",
+    "materialize_layer",
+    "mlp",
+    "prepare_layer",
+    "resolve_factory",
+]
+
+_SEED_MULTIPLIER = 1_000_003
+_SEED_MODULUS = 2**63
+_INIT_STD = 0.02
+
+# reset_parameters() draws from the global CPU generator; two threads seeding and drawing
+# from it at once would interleave and break "layer i depends only on (seed, i)". The same
+# lock guards the seeded forwards of elasticpipe.training.rng.
+_INIT_LOCK = rng.LOCK
+
+# Factory arguments may come from the wire: keep their echo in error messages short.
+_ARG_REPR = reprlib.Repr()
+_ARG_REPR.maxstring = 80
+_ARG_REPR.maxother = 80
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """Derives the RNG seed of one layer from the model seed and the layer's index.
+
+    Args:
+        seed: The model seed.
+        index: The layer's index in the model.
+
+    Returns:
+        A seed in ``[0, 2**63)`` that depends only on ``(seed, index)``.
+    """
+    return (seed * _SEED_MULTIPLIER + index) % _SEED_MODULUS
+
+
+# --------------------------------------------------------------------------- factories
+
+
+def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..., Any]:
+    """Finds a model factory by built-in name or by ``"package.module:function"`` path.
+
+    The module is imported only after the path passed the allow-list, and the callable
+    found must itself be defined under an allowed prefix (so an allowed module cannot
+    hand out, say, ``os.system`` that it happens to import).
+
+    Args:
+        name_or_path: A key of ``BUILTIN_MODELS``, or ``"package.module:function"``.
+        allow: Module prefixes the operator allowed; ``"myorg"`` allows ``"myorg"`` and
+            ``"myorg.<anything>"`` but not ``"myorgevil"``.
+
+    Returns:
+        The factory callable.
+
+    Raises:
+        PermissionDenied: The path is under none of the allowed prefixes.
+        ModelError: The path is malformed, cannot be imported, or names no callable.
+    """
+    builtin = BUILTIN_MODELS.get(name_or_path)
+    if builtin is not None:
+        return builtin
+    name_or_path = allowlist.current_path(name_or_path)
+    prefixes = (allow,) if isinstance(allow, str) else tuple(allow)
+    if name_or_path in PACKAGED_FACTORIES:
+        # Shipped with ElasticPipe (optional dependencies): allowed like the built-ins.
+        prefixes = (*prefixes, name_or_path.partition(":")[0])
+    module_path, attr = _parse_path(name_or_path)
+    if not _is_allowed(module_path, prefixes):
+        raise PermissionDenied(
+            f"model factory {name_or_path!r} is not allowed: module {module_path!r} is under "
+            f"none of the allowed prefixes {list(prefixes)!r}; to allow it, start every stage "
+            f"with --allow-models {module_path.split('.')[0]} (built-ins: "
+            f"{sorted(BUILTIN_MODELS)})"
+        )
+    try:
+        module = importlib.import_module(module_path)
+    except Exception as exc:  # an allowed module's import may fail in any way
+        raise ModelError(
+            f"cannot import module {module_path!r} of model factory {name_or_path!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ModelError(f"module {module_path!r} has no attribute {attr!r} ({name_or_path!r})")
+    if not callable(factory):
+        raise ModelError(
+            f"model factory {name_or_path!r} is a {type(factory).__name__}, not a callable"
+        )
+    defined_in = _defining_module(factory)
+    if defined_in is not None and not _is_allowed(defined_in, prefixes):
+        raise PermissionDenied(
+            f"model factory {name_or_path!r} is defined in module {defined_in!r}, which is "
+            f"under none of the allowed prefixes {list(prefixes)!r}"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def check_name(name_or_path: str) -> None:
+    """Fails early (on the client) for a model that is neither a built-in nor a path.
+
+    Raises:
+        ModelError: naming the closest built-in when the name looks like a typo.
+    """
+    if name_or_path in BUILTIN_MODELS:
+        return
+    _parse_path(name_or_path)
+
+
+def _parse_path(path: str) -> tuple[str, str]:
+    if ":" not in path:
+        close = difflib.get_close_matches(path, BUILTIN_MODELS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelError(
+            f"unknown model {path!r}: {hint}choose a built-in {sorted(BUILTIN_MODELS)} or "
+            "give a factory as 'package.module:function'"
+        )
+    module_path, sep, attr = path.partition(":")
+    parts = module_path.split(".")
+    if (
+        not sep
+        or not all(part.isidentifier() for part in parts)
+        or not attr.isidentifier()
+        or attr.startswith("__")
+    ):
+        raise ModelError(
+            f"malformed model {path!r}: expected a built-in name {sorted(BUILTIN_MODELS)} "
+            "or 'package.module:function'"
+        )
+    return module_path, attr
+
+
+def _is_allowed(module_path: str, prefixes: Sequence[str]) -> bool:
+    return any(module_path == p or module_path.startswith(p + ".") for p in prefixes if p)
+
+
+def _defining_module(obj: object) -> str | None:
+    """Names the module that defined a callable; None for the built-in factories."""
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    if any(obj is factory for factory in BUILTIN_MODELS.values()):
+        return None
+    module = getattr(obj, "__module__", None)
+    return module if isinstance(module, str) else "<unknown>"
+
+
+def _call_factory(
+    name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]
+) -> list[nn.Module]:
+    """Calls a factory on the meta device and checks that it returned usable layers."""
+    args = dict(kwargs)
+    try:
+        signature: inspect.Signature | None = inspect.signature(factory)
+    except (TypeError, ValueError):  # some C callables have no signature
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**args)
+        except TypeError as exc:
+            raise _rejected(name, args, exc) from exc
+    try:
+        with torch.device("meta"):
+            produced = factory(**args)
+    except ElasticPipeError:
+        raise
+    except TypeError as exc:
+        if signature is None:
+            raise _rejected(name, args, exc) from exc
+        raise _failed(name, args, exc) from exc
+    except Exception as exc:  # a user factory may fail in any way; report it as data
+        raise _failed(name, args, exc) from exc
+    return _as_layers(name, produced)
+
+
+def _rejected(name: str, args: dict[str, Any], exc: Exception) -> ModelError:
+    return ModelError(f"model {name!r} rejected its arguments {_ARG_REPR.repr(args)}: {exc}")
+
+
+def _failed(name: str, args: dict[str, Any], exc: Exception) -> ModelError:
+    return ModelError(
+        f"model {name!r} failed with arguments {_ARG_REPR.repr(args)}: {type(exc).__name__}: {exc}"
+    )
+
+
+def _as_layers(name: str, produced: object) -> list[nn.Module]:
+    if isinstance(produced, nn.Sequential):
+        layers = list(produced)
+    elif isinstance(produced, list):
+        layers = produced
+    else:
+        raise ModelError(
+            f"model {name!r} returned a {type(produced).__name__}; "
+            "expected an nn.Sequential or a list of nn.Module"
+        )
+    if not layers:
+        raise ModelError(f"model {name!r} returned no layers")
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ModelError(
+                f"model {name!r}: layer {index} is a {type(layer).__name__}, not an nn.Module"
+            )
+    _check_layers_disjoint(name, layers)
+    return layers
+
+
+def _check_layers_disjoint(name: str, layers: list[nn.Module]) -> None:
+    """Rejects tensors shared by two layers (they could not live on two stages)."""
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for _, tensor_name, tensor in _named_tensors(layer):
+            first = owner.setdefault(id(tensor), index)
+            if first != index:
+                raise ModelError(
+                    f"model {name!r}: layers {first} and {index} share tensor {tensor_name!r}; "
+                    "every layer must own its tensors (no weight tying across layers)"
+                )
+        for tensor_name, param in layer.named_parameters():
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                raise ModelError(
+                    f"model {name!r}: layer {index} ({type(layer).__name__}) has lazy parameter "
+                    f"{tensor_name!r}; lazy modules are not supported"
+                )
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_skeleton(
+    name_or_path: str, kwargs: Mapping[str, Any], allow: Sequence[str] = ()
+) -> list[nn.Module]:
+    """Builds every layer of a model on the meta device, allocating no memory.
+
+    Args:
+        name_or_path: A built-in name or an allowed ``"package.module:function"``.
+        kwargs: The factory's keyword arguments.
+        allow: Allowed module prefixes (see ``resolve_factory``).
+
+    Returns:
+        The layers, in order, with meta tensors.
+
+    Raises:
+        PermissionDenied: The factory is not allowed.
+        ModelError: The factory cannot be resolved, rejects ``kwargs``, fails, or returns
+            something other than a non-empty sequence of disjoint modules.
+    """
+    factory = resolve_factory(name_or_path, allow)
+    return _call_factory(name_or_path, factory, kwargs)
+
+
+def materialize_layer(skeleton_layer: nn.Module, device: str | torch.device) -> nn.Module:
+    """Allocates a copy of a skeleton layer on a device, leaving its values uninitialised.
+
+    The caller either loads a state dict into the result or calls ``init_layer`` on it.
+    Non-persistent buffers are not part of a state dict: only ``init_layer`` sets them.
+
+    Args:
+        skeleton_layer: A layer from ``build_skeleton``; it is left unchanged.
+        device: Where to allocate the parameters and buffers.
+
+    Returns:
+        A new module with uninitialised tensors on ``device``.
+
+    Raises:
+        InvalidRequest: ``device`` is not a valid device.
+    """
+    return copy.deepcopy(skeleton_layer).to_empty(device=_as_device(device))
+
+
+def init_layer(layer: nn.Module, seed: int, index: int) -> None:
+    """(Re)initialises every parameter and buffer of one layer from ``layer_seed(seed, index)``.
+
+    The layer's own ``reset_parameters()`` is called if it has one; otherwise that of each
+    outermost submodule that has one (torch's private ``_reset_parameters``, as in
+    ``nn.MultiheadAttention``, is honoured for torch's own modules), and
+    ``reset_running_stats()`` where a module has no ``reset_parameters``. Values are drawn
+    on the CPU and copied to the layer's device, so they are identical on every device.
+    The global RNG state is left as it was.
+
+    Args:
+        layer: The layer, on one non-meta device; modified in place.
+        seed: The model seed.
+        index: The layer's index in the model.
+
+    Raises:
+        ModelError: The layer is on the meta device or several devices, or some parameter
+            or buffer is set by no reset method (it would hold garbage after
+            ``materialize_layer``).
+    """
+    devices = {tensor.device for _, _, tensor in _named_tensors(layer)}
+    where = f"layer {index} ({type(layer).__name__})"
+    if len(devices) > 1:
+        raise ModelError(f"{where} has tensors on several devices {sorted(map(str, devices))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "meta":
+        raise ModelError(f"{where} is on the meta device; materialize_layer() it first")
+    on_cpu = device.type == "cpu"
+    try:
+        if not on_cpu:
+            layer.to("cpu")
+        with _INIT_LOCK, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            # default_generator, not torch.manual_seed: that would also reseed CUDA.
+            torch.default_generator.manual_seed(layer_seed(seed, index))
+            for _, _, tensor in _named_tensors(layer):
+                if tensor.is_floating_point() or tensor.is_complex():
+                    tensor.fill_(math.nan)  # so that values no reset wrote show up below
+            claimed: set[int] = set()
+            _reset(layer, claimed)
+        _check_initialised(layer, where, claimed)
+    finally:
+        if not on_cpu:
+            layer.to(device)
+
+
+def prepare_layer(layer: nn.Module, seed: int, index: int, external: bool) -> None:
+    """Gives a materialized layer defined values before its state dict is loaded into it.
+
+    Without ``external`` weights this is ``init_layer``. With them (``init_state``), the
+    state dict overwrites every parameter and persistent buffer, so a layer without
+    ``reset_parameters()`` is filled with zeros instead; only non-persistent buffers
+    (not in any state dict) must still be set by a reset method.
+
+    Raises:
+        ModelError: as ``init_layer`` without ``external``; with it, a non-persistent
+            buffer that no reset method sets.
+    """
+    if not external:
+        init_layer(layer, seed, index)
+        return
+    try:
+        init_layer(layer, seed, index)
+        return
+    except ModelError:
+        pass
+    with torch.no_grad():
+        for _, _, tensor in _named_tensors(layer):
+            tensor.zero_()
+    persistent = set(layer.state_dict(keep_vars=True))
+    for name, _ in layer.named_buffers():
+        if name not in persistent:
+            raise ModelError(
+                f"layer {index} ({type(layer).__name__}): buffer {name!r} is in no state dict "
+                "(non-persistent), so init_state cannot set it; set it in a "
+                "reset_parameters() or compute it in forward()"
+            )
+
+
+def _reset(module: nn.Module, claimed: set[int]) -> None:
+    """Calls the outermost reset methods under ``module``; records the tensors they own."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+        claimed.update(id(t) for _, _, t in _named_tensors(module))
+        return
+    for child in module.children():
+        _reset(child, claimed)
+    private = getattr(module, "_reset_parameters", None)
+    if callable(private) and type(module).__module__.startswith("torch.nn"):
+        private()  # after the children, as in the module's own constructor
+        claimed.update(id(p) for p in module.parameters(recurse=False))
+    stats = getattr(module, "reset_running_stats", None)
+    if callable(stats):
+        stats()
+        claimed.update(id(b) for b in module.buffers(recurse=False))
+
+
+def _check_initialised(layer: nn.Module, where: str, claimed: set[int]) -> None:
+    for kind, name, tensor in _named_tensors(layer):
+        owner_name = name.rpartition(".")[0]
+        owner = type(layer.get_submodule(owner_name)).__name__
+        if id(tensor) not in claimed:
+            raise ModelError(
+                f"{where}: {kind} {name!r} of {owner} is set by no reset_parameters(); "
+                f"define {owner}.reset_parameters() so that any stage can initialise it, or "
+                "pass the initial weights as Pipeline(..., init_state=...)"
+            )
+        if (tensor.is_floating_point() or tensor.is_complex()) and bool(tensor.isnan().any()):
+            raise ModelError(
+                f"{where}: {kind} {name!r} of {owner} is not (fully) written by "
+                "reset_parameters(); every value must be set there, not in __init__"
+            )
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yields ``(kind, name, tensor)`` for each distinct parameter and buffer."""
+    seen: set[int] = set()
+    named = itertools.chain(
+        (("parameter", n, t) for n, t in module.named_parameters()),
+        (("buffer", n, t) for n, t in module.named_buffers()),
+    )
+    for kind, name, tensor in named:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield kind, name, tensor
+
+
+def _as_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequest(f"invalid device {device!r}: {exc}") from exc
+
+
+def build_layers(
+    name_or_path: str,
+    seed: int,
+    kwargs: Mapping[str, Any],
+    lo: int,
+    hi: int,
+    device: str | torch.device = "cpu",
+    allow: Sequence[str] = (),
+    external: bool = False,
+) -> list[nn.Module]:
+    """Builds and initialises only layers ``[lo, hi)`` of a model.
+
+    The result is bitwise equal to ``build(name_or_path, seed, **kwargs)[lo:hi]`` on any
+    device; the other layers are never allocated.
+
+    Args:
+        name_or_path: A built-in name or an allowed ``"package.module:function"``.
+        seed: The model seed.
+        kwargs: The factory's keyword arguments.
+        lo: First layer index (inclusive).
+        hi: Last layer index (exclusive).
+        device: Where the layers live.
+        allow: Allowed module prefixes (see ``resolve_factory``).
+        external: the weights will be loaded afterwards (see ``prepare_layer``).
+
+    Returns:
+        The initialised layers ``lo`` to ``hi - 1``.
+
+    Raises:
+        InvalidRequest: The range is outside the model or the device is invalid.
+        PermissionDenied: The factory is not allowed.
+        ModelError: The factory is unusable (see ``build_skeleton`` and ``init_layer``).
+    """
+    target = _as_device(device)
+    skeleton = build_skeleton(name_or_path, kwargs, allow)
+    count = len(skeleton)
+    if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= count):
+        raise InvalidRequest(
+            f"layer range [{lo!r}, {hi!r}) is not within the {count} layers of {name_or_path!r}"
+        )
+    return [_build_layer(skeleton[i], seed, i, external).to(target) for i in range(lo, hi)]
+
+
+def _build_layer(
+    skeleton_layer: nn.Module, seed: int, index: int, external: bool = False
+) -> nn.Module:
+    # Initialise on the CPU whatever the target, so every device gets the same values.
+    layer = materialize_layer(skeleton_layer, "cpu")
+    prepare_layer(layer, seed, index, external)
+    return layer
+
+
+def build(
+    name_or_path: str,
+    seed: int = 0,
+    allow: Sequence[str] = (),
+    external: bool = False,
+    **kwargs: Any,
+) -> nn.Sequential:
+    """Builds the whole model on the CPU, as the single-process reference.
+
+    Args:
+        name_or_path: A built-in name or an allowed ``"package.module:function"``.
+        seed: The model seed.
+        allow: Allowed module prefixes (see ``resolve_factory``).
+        **kwargs: The factory's keyword arguments.
+
+    Returns:
+        All layers in an ``nn.Sequential``; layer ``i`` is ``init_layer(layer, seed, i)``.
+
+    Raises:
+        PermissionDenied: The factory is not allowed.
+        ModelError: The factory is unusable (see ``build_skeleton`` and ``init_layer``).
+    """
+    skeleton = build_skeleton(name_or_path, kwargs, allow)
+    return nn.Sequential(
+        *(_build_layer(layer, seed, i, external) for i, layer in enumerate(skeleton))
+    )
+
+
+def factory_source(name_or_path: str, allow: Sequence[str] = ()) -> tuple[str, str]:
+    """The module file a factory comes from and the SHA-256 of its bytes.
+
+    A stage keeps the first version of a module it imported: comparing these between
+    stages catches a factory changed on disk but not reloaded everywhere.
+
+    Raises:
+        PermissionDenied / ModelError: as ``resolve_factory``.
+    """
+    factory = resolve_factory(name_or_path, allow)
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    module = inspect.getmodule(factory)
+    path = getattr(module, "__file__", None) or ""
+    if not path:
+        return "", ""
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return path, ""
+    return path, digest
+
+
+def describe(
+    name_or_path: str, kwargs: Mapping[str, Any], allow: Sequence[str] = ()
+) -> tuple[int, list[int]]:
+    """Counts a model's layers and the bytes of each, without allocating it.
+
+    Args:
+        name_or_path: A built-in name or an allowed ``"package.module:function"``.
+        kwargs: The factory's keyword arguments.
+        allow: Allowed module prefixes (see ``resolve_factory``).
+
+    Returns:
+        ``(num_layers, bytes_per_layer)``, counting parameters and buffers.
+
+    Raises:
+        PermissionDenied: The factory is not allowed.
+        ModelError: The factory is unusable (see ``build_skeleton``).
+    """
+    layers = build_skeleton(name_or_path, kwargs, allow)
+    sizes = [
+        sum(t.numel() * t.element_size() for _, _, t in _named_tensors(layer)) for layer in layers
+    ]
+    return len(layers), sizes
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+def _int_arg(model: str, name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelError(f"model {model!r}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": nn.GELU,
+    "relu": nn.ReLU,
+    "sigmoid": nn.Sigmoid,
+    "silu": nn.SiLU,
+    "tanh": nn.Tanh,
+}
+
+
+def mlp(*, sizes: Sequence[int] = (32, 64, 64, 10), activation: str = "relu") -> nn.Sequential:
+    """A multi-layer perceptron whose Linear and activation modules are separate layers.
+
+    Args:
+        sizes: Feature sizes from input to output; ``[32, 64, 10]`` gives
+            Linear(32, 64), ReLU, Linear(64, 10).
+        activation: One of ``"gelu"``, ``"relu"``, ``"sigmoid"``, ``"silu"``, ``"tanh"``.
+
+    Returns:
+        The layers; input (B, sizes[0]) float, output (B, sizes[-1]).
+
+    Raises:
+        ModelError: ``sizes`` is not at least two positive ints, or the activation is unknown.
+    """
+    if (
+        isinstance(sizes, str | bytes)
+        or not isinstance(sizes, Sequence)
+        or len(sizes) < 2
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)
+    ):
+        raise ModelError(f"model 'mlp': sizes must be at least 2 positive ints, got {sizes!r}")
+    make_activation = _ACTIVATIONS.get(activation) if isinstance(activation, str) else None
+    if make_activation is None:
+        raise ModelError(
+            f"model 'mlp': unknown activation {activation!r} (known: {sorted(_ACTIVATIONS)})"
+        )
+    layers: list[nn.Module] = []
+    for n_in, n_out in itertools.pairwise(sizes):
+        if layers:
+            layers.append(make_activation())
+        layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+def _init_linear(linear: nn.Linear) -> None:
+    nn.init.normal_(linear.weight, mean=0.0, std=_INIT_STD)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class TokenEmbedding(nn.Module):
+    """Token plus learned position embedding: int64 ids (B, T) to (B, T, d_model)."""
+
+    def __init__(self, vocab_size: int, d_model: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        # Plain parameters rather than nn.Embedding, whose constructor draws normal_ values;
+        # normal_ on the meta device costs seconds of one-time imports in torch.
+        self.token = nn.Parameter(torch.empty(vocab_size, d_model))
+        self.position = nn.Parameter(torch.empty(max_seq_len, d_model))
+
+    def reset_parameters(self) -> None:
+        """Draws both tables from N(0, 0.02²)."""
+        nn.init.normal_(self.token, mean=0.0, std=_INIT_STD)
+        nn.init.normal_(self.position, mean=0.0, std=_INIT_STD)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeds token ids.
+
+        Args:
+            ids: int64 token ids of shape (B, T), T <= max_seq_len.
+
+        Returns:
+            Embeddings of shape (B, T, d_model).
+
+        Raises:
+            InvalidRequest: Wrong shape or dtype, T over max_seq_len, or an id out of range.
+        """
+        if ids.dim() != 2 or ids.dtype != torch.int64:
+            raise InvalidRequest(
+                f"token ids must be int64 of shape (batch, seq_len), got {ids.dtype} "
+                f"{tuple(ids.shape)}"
+            )
+        seq_len = ids.shape[1]
+        if seq_len > self.max_seq_len:
+            raise InvalidRequest(
+                f"sequence length {seq_len} is over max_seq_len {self.max_seq_len}"
+            )
+        # Checked here because an out-of-range id is a device-side assert on CUDA.
+        if ids.numel() and bool(((ids < 0) | (ids >= self.vocab_size)).any()):
+            raise InvalidRequest(
+                f"token ids must be in [0, {self.vocab_size}), got min {int(ids.min())} "
+                f"max {int(ids.max())}"
+            )
+        positions = torch.arange(seq_len, device=ids.device)
+        return embedding(ids, self.token) + embedding(positions, self.position)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        # No bias on q/k/v: a key bias cannot change softmax, so its gradient is pure rounding
+        # noise, which Adam would amplify into random-sign updates (and it is 0 % useful).
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def reset_parameters(self) -> None:
+        """Draws weights from N(0, 0.02²) and zeroes biases."""
+        _init_linear(self.qkv)
+        _init_linear(self.proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attends each position to itself and the positions before it.
+
+        Args:
+            x: Activations of shape (B, T, d_model).
+
+        Returns:
+            Activations of shape (B, T, d_model).
+        """
+        batch, seq_len, d_model = x.shape
+        heads = self.qkv(x).view(batch, seq_len, 3, self.n_heads, d_model // self.n_heads)
+        q, k, v = heads.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, T, head_dim)
+        y = scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq_len, d_model))  # type: ignore[no-any-return]
+
+
+class TransformerBlock(nn.Module):
+    """A pre-LayerNorm decoder block: causal self-attention then a GELU MLP, each residual."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, mlp_ratio * d_model)
+        self.act = nn.GELU()
+        self.out = nn.Linear(mlp_ratio * d_model, d_model)
+
+    def reset_parameters(self) -> None:
+        """Resets the LayerNorms to identity, linear weights to N(0, 0.02²), biases to 0."""
+        self.ln1.reset_parameters()
+        self.attn.reset_parameters()
+        self.ln2.reset_parameters()
+        _init_linear(self.fc)
+        _init_linear(self.out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Applies the block.
+
+        Args:
+            x: Activations of shape (B, T, d_model).
+
+        Returns:
+            Activations of shape (B, T, d_model).
+        """
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(self.act(self.fc(self.ln2(x))))  # type: ignore[no-any-return]
+
+
+class LMHead(nn.Module):
+    """Final LayerNorm and projection to vocabulary logits."""
+
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.proj = nn.Linear(d_model, vocab_size)
+
+    def reset_parameters(self) -> None:
+        """Resets the LayerNorm to identity, the weight to N(0, 0.02²), the bias to 0."""
+        self.ln.reset_parameters()
+        _init_linear(self.proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Computes logits.
+
+        Args:
+            x: Activations of shape (B, T, d_model).
+
+        Returns:
+            Logits of shape (B, T, vocab_size).
+        """
+        return self.proj(self.ln(x))  # type: ignore[no-any-return]
+
+
+def gpt(
+    *,
+    vocab_size: int = 96,
+    d_model: int = 64,
+    n_heads: int = 4,
+    n_layers: int = 4,
+    max_seq_len: int = 128,
+    mlp_ratio: int = 4,
+) -> nn.Sequential:
+    """A small decoder-only transformer: embedding, ``n_layers`` blocks, head.
+
+    Args:
+        vocab_size: Number of token ids.
+        d_model: Width of the residual stream; a multiple of ``n_heads``.
+        n_heads: Attention heads per block.
+        n_layers: Number of transformer blocks (the model has ``n_layers + 2`` layers).
+        max_seq_len: Longest accepted sequence.
+        mlp_ratio: Hidden width of each MLP, as a multiple of ``d_model``.
+
+    Returns:
+        The layers; input int64 (B, T), output logits (B, T, vocab_size).
+
+    Raises:
+        ModelError: An argument is not a positive int, or ``d_model % n_heads != 0``.
+    """
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("d_model", d_model),
+        ("n_heads", n_heads),
+        ("max_seq_len", max_seq_len),
+        ("mlp_ratio", mlp_ratio),
+    ):
+        _int_arg("gpt", name, value)
+    _int_arg("gpt", "n_layers", n_layers, minimum=0)
+    if d_model % n_heads:
+        raise ModelError(f"model 'gpt': d_model {d_model} is not a multiple of n_heads {n_heads}")
+    return nn.Sequential(
+        TokenEmbedding(vocab_size, d_model, max_seq_len),
+        *(TransformerBlock(d_model, n_heads, mlp_ratio) for _ in range(n_layers)),
+        LMHead(d_model, vocab_size),
+    )
+
+
+def _conv_block(in_channels: int, out_channels: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1),
+        nn.GroupNorm(math.gcd(out_channels, 8), out_channels),
+        nn.ReLU(),
+    )
+
+
+def cnn(
+    *, in_channels: int = 1, num_classes: int = 10, width: int = 16, image_size: int = 28
+) -> nn.Sequential:
+    """A small convolutional classifier of six layers.
+
+    Layers: conv block, max-pool, conv block, max-pool, conv block, Flatten+Linear head,
+    where a conv block is Conv2d(3x3) + GroupNorm + ReLU.
+
+    Args:
+        in_channels: Channels of the input images.
+        num_classes: Number of output logits.
+        width: Channels of the first conv block (the later ones have twice as many).
+        image_size: Height and width of the (square) input images, at least 4.
+
+    Returns:
+        The layers; input float (B, in_channels, image_size, image_size), output
+        (B, num_classes).
+
+    Raises:
+        ModelError: An argument is not a positive int, or ``image_size < 4``.
+    """
+    _int_arg("cnn", "in_channels", in_channels)
+    _int_arg("cnn", "num_classes", num_classes)
+    _int_arg("cnn", "width", width)
+    _int_arg("cnn", "image_size", image_size, minimum=4)
+    side = image_size // 4
+    return nn.Sequential(
+        _conv_block(in_channels, width),
+        nn.MaxPool2d(2),
+        _conv_block(width, 2 * width),
+        nn.MaxPool2d(2),
+        _conv_block(2 * width, 2 * width),
+        nn.Sequential(nn.Flatten(), nn.Linear(2 * width * side * side, num_classes)),
+    )
+
+
+# Factories shipped in this package whose dependencies are optional extras: allowed on
+# every stage without --allow-models, imported only when named.
+PACKAGED_FACTORIES = ("elasticpipe.models.hf:causal_lm",)
+
+BUILTIN_MODELS: dict[str, Callable[..., nn.Module | list[nn.Module]]] = {
+    "cnn": cnn,
+    "gpt": gpt,
+    "mlp": mlp,
+}

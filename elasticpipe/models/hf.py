@@ -1,0 +1,290 @@
+"""Hugging Face decoder-only causal LMs as pipeline layers (``elasticpipe[hf]``).
+
+``elasticpipe.models.hf:causal_lm`` turns a ``transformers`` model into layers that each take and
+return one tensor: the embeddings (token ids in, hidden states out), one layer per
+decoder block, and the final norm with the LM head (hidden states in, logits out). A block
+wrapper builds what the block needs from its input's shape alone: the position ids, the
+rotary embeddings (Llama family) and the causal mask.
+
+Worked example: a GPT-2 with ``n_layer=2`` becomes 4 layers, whose state-dict keys map to
+the Hugging Face names as follows (``source_keys``), so ``init_state`` can read a
+``save_pretrained`` directory as it is::
+
+    0.wte.weight            transformer.wte.weight
+    0.wpe.weight            transformer.wpe.weight
+    1.block.ln_1.weight     transformer.h.0.ln_1.weight
+    2.block.attn.c_attn.*   transformer.h.1.attn.c_attn.*
+    3.ln_f.weight           transformer.ln_f.weight
+    3.lm_head.weight        lm_head.weight  (transformer.wte.weight when tied and absent)
+
+Tied input and output embeddings become two tensors (layers on two stages cannot share
+one); both start from the checkpoint's value and are trained separately.
+
+The layers are initialised from weights (``Pipeline(..., init_state=DIR)``), not from the
+seed: ``transformers`` modules have no ``reset_parameters()``. ``transformers`` is imported
+only when the factory runs, so ``import elasticpipe`` does not need it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from elasticpipe.errors import ModelError
+
+__all__ = ["FAMILIES", "causal_lm", "model_kwargs"]
+
+GPT2_FAMILY = ("gpt2",)
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+FAMILIES = (*GPT2_FAMILY, *LLAMA_FAMILY)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelError(
+            "elasticpipe.models.hf needs transformers: pip install 'elasticpipe[hf]'"
+        ) from exc
+    return transformers
+
+
+def _config(config: Mapping[str, Any] | None, path: str | None) -> Any:
+    """A transformers config from JSON-able kwargs or a local save_pretrained directory."""
+    if (config is None) == (path is None):
+        raise ModelError("causal_lm takes exactly one of config={...} or path='DIR'")
+    if path is not None:
+        config = json.loads((Path(path) / "config.json").read_text())
+    assert config is not None
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if model_type not in FAMILIES:
+        raise ModelError(
+            f"causal_lm supports model_type {list(FAMILIES)}, got {model_type!r} "
+            "(set config['model_type'])"
+        )
+    values.pop("architectures", None)
+    values.pop("transformers_version", None)
+    attention = values.pop("attn_implementation", None) or "sdpa"
+    made = _transformers().AutoConfig.for_model(model_type, **values)
+    # What from_pretrained would choose; a config made by hand leaves it unset.
+    made._attn_implementation = attention
+    return made
+
+
+def model_kwargs(path: str) -> dict[str, Any]:
+    """``model_kwargs`` for ``causal_lm`` from a local ``save_pretrained`` directory: its
+    ``config.json`` as plain data, so the stages need no copy of the directory."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ModelError(f"{path}/config.json is not a JSON object")
+    return {"config": config}
+
+
+def _causal_mask(hidden: torch.Tensor) -> torch.Tensor:
+    """An additive (1, 1, T, T) mask: 0 on and below the diagonal, the dtype's min above."""
+    t = hidden.shape[1]
+    full = torch.full((t, t), torch.finfo(hidden.dtype).min, device=hidden.device)
+    return full.triu(1).to(hidden.dtype)[None, None]
+
+
+def _first(output: Any) -> torch.Tensor:
+    """A block's hidden states (older transformers return a tuple)."""
+    result: torch.Tensor = output[0] if isinstance(output, tuple) else output
+    return result
+
+
+# ---- GPT-2 ---------------------------------------------------------------------------------
+
+
+class GPT2Embeddings(nn.Module):
+    """Token plus learned position embeddings, then dropout."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.embd_pdrop)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        return self.drop(self.wte(ids) + self.wpe(positions))  # type: ignore[no-any-return]
+
+
+class GPT2Layer(nn.Module):
+    """One ``GPT2Block`` under a causal mask."""
+
+    def __init__(self, config: Any, index: int):
+        super().__init__()
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        self.block = GPT2Block(config, layer_idx=index)  # type: ignore[no-untyped-call]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _first(self.block(hidden, attention_mask=_causal_mask(hidden)))
+
+
+class GPT2Head(nn.Module):
+    """Final layer norm and the LM head."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden))  # type: ignore[no-any-return]
+
+
+# ---- Llama family --------------------------------------------------------------------------
+
+
+class LlamaEmbeddings(nn.Module):
+    """Token embeddings."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)  # type: ignore[no-any-return]
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer with its rotary embeddings and causal mask built from the input.
+
+    The rotary embedding's ``inv_freq`` is a non-persistent buffer, in no state dict: it is
+    kept out of the module tree and built on first use on each device, from the config.
+    """
+
+    def __init__(self, config: Any, index: int):
+        super().__init__()
+        self.block = _decoder(config, index)
+        self._config = config
+        self._rotary: dict[torch.device, nn.Module] = {}
+
+    def _rotary_on(self, device: torch.device) -> nn.Module:
+        rotary = self._rotary.get(device)
+        if rotary is None:
+            with torch.device("cpu"):
+                rotary = _rotary(self._config)
+            rotary = rotary.to(device)
+            self._rotary[device] = rotary
+        return rotary
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        batch, length = hidden.shape[:2]
+        positions = torch.arange(length, device=hidden.device)[None].expand(batch, length)
+        cos, sin = self._rotary_on(hidden.device)(hidden, positions)
+        out = self.block(
+            hidden,
+            attention_mask=_causal_mask(hidden),
+            position_ids=positions,
+            position_embeddings=(cos, sin),
+        )
+        return _first(out)
+
+
+def _decoder(config: Any, index: int) -> nn.Module:
+    t = _transformers()
+    family = {
+        "llama": t.models.llama.modeling_llama.LlamaDecoderLayer,
+        "mistral": t.models.mistral.modeling_mistral.MistralDecoderLayer,
+        "qwen2": t.models.qwen2.modeling_qwen2.Qwen2DecoderLayer,
+    }
+    layer: nn.Module = family[config.model_type](config, index)
+    return layer
+
+
+def _rotary(config: Any) -> nn.Module:
+    t = _transformers()
+    family = {
+        "llama": t.models.llama.modeling_llama.LlamaRotaryEmbedding,
+        "mistral": t.models.mistral.modeling_mistral.MistralRotaryEmbedding,
+        "qwen2": t.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding,
+    }
+    rotary: nn.Module = family[config.model_type](config)
+    return rotary
+
+
+class LlamaHead(nn.Module):
+    """Final RMS norm and the LM head."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # type: ignore[no-any-return]
+
+
+# ---- the factory ---------------------------------------------------------------------------
+
+
+def causal_lm(*, config: Mapping[str, Any] | None = None, path: str | None = None) -> nn.Sequential:
+    """A decoder-only causal LM of ``transformers`` as embeddings, blocks and head.
+
+    Args:
+        config: the model's config as plain data (a ``config.json``'s content; it must
+            name its ``model_type``: one of ``FAMILIES``).
+        path: instead, a local ``save_pretrained`` directory whose ``config.json`` is read
+            (on every stage: use ``model_kwargs(path)`` to send the config instead).
+
+    Returns:
+        ``1 + num_layers + 1`` layers; the first takes token ids (B, T), the last returns
+        logits (B, T, vocab).
+
+    Raises:
+        ModelError: no transformers, an unsupported ``model_type``, or both/neither args.
+    """
+    cfg = _config(config, path)
+    if cfg.model_type in GPT2_FAMILY:
+        n = cfg.n_layer
+        layers: list[nn.Module] = [GPT2Embeddings(cfg)]
+        layers += [GPT2Layer(cfg, i) for i in range(n)]
+        layers.append(GPT2Head(cfg))
+    else:
+        n = cfg.num_hidden_layers
+        layers = [LlamaEmbeddings(cfg)]
+        layers += [LlamaLayer(cfg, i) for i in range(n)]
+        layers.append(LlamaHead(cfg))
+    return nn.Sequential(*layers)
+
+
+def source_keys(kwargs: Mapping[str, Any], keys: Sequence[str], have: set[str]) -> dict[str, str]:
+    """Maps the layers' state-dict keys to the Hugging Face checkpoint's names.
+
+    Args:
+        kwargs: ``causal_lm``'s arguments.
+        keys: the model's keys ("<layer>.<name>").
+        have: the keys the checkpoint holds (a tied head reads the input embedding).
+    """
+    cfg = _config(kwargs.get("config"), kwargs.get("path"))
+    gpt2 = cfg.model_type in GPT2_FAMILY
+    n = cfg.n_layer if gpt2 else cfg.num_hidden_layers
+    base, blocks = ("transformer.", "transformer.h.") if gpt2 else ("model.", "model.layers.")
+    embedding = f"{base}wte.weight" if gpt2 else f"{base}embed_tokens.weight"
+    mapped = {}
+    for key in keys:
+        layer_text, _, name = key.partition(".")
+        layer = int(layer_text)
+        if layer == 0:
+            mapped[key] = base + name
+        elif layer <= n:
+            mapped[key] = f"{blocks}{layer - 1}.{name.removeprefix('block.')}"
+        elif name.startswith("lm_head."):
+            mapped[key] = name if name in have or embedding not in have else embedding
+        else:
+            mapped[key] = base + name
+    return mapped
+
+
+causal_lm.source_keys = source_keys  # type: ignore[attr-defined]

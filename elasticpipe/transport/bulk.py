@@ -1,0 +1,324 @@
+"""The bulk channel: large activations and gradients on a raw socket beside gRPC.
+
+grpcio moves a tensor through four Python-level copies and HTTP/2 framing, each copy into
+fresh memory, which tops out near 1 GB/s on loopback; a socket that sends straight from the
+tensor's memory and receives straight into the new tensor's runs at the transport's speed
+(``bench/transfer.py`` measures both against gloo and raw TCP). So a tensor larger than one
+gRPC chunk travels here, and everything else -- small tensors, control, errors -- stays on
+gRPC.
+
+The channel is negotiated over gRPC and keeps gRPC's checks:
+
+1. The sender calls the receiver's ``OpenBulk`` (authenticated and authorised like
+   ``Forward``: role ``client`` or ``stage`` with mutual TLS). The reply names the port of
+   the receiver's bulk listener and a one-time token bound to the caller's identity; it
+   expires after ``TOKEN_TTL_S``.
+2. The sender connects to that port on the host it dialled for gRPC -- with TLS, a mutual
+   TLS handshake with the same certificates (the receiver checks that the certificate names
+   the caller the token was issued to) -- and sends ``MAGIC`` and the token.
+3. Then, per message, one exchange at a time::
+
+       sender:   u32 length, DataMessage (slot + DataHeader, no data)
+       receiver: GO -- or an error frame, and the message ends there
+       sender:   exactly the declared bytes, tensor after tensor
+       receiver: OK -- or an error frame
+
+   The receiver checks the header as it checks a gRPC data message (dtypes, shapes, byte
+   counts against its limit, the caller, the epoch, the room in the mailbox) and reserves
+   the room *before* it answers GO, so it never reads a byte it did not agree to hold; it
+   then reads the bytes straight into the tensor they become.
+
+An error frame is ``ERR``, a u32 length and JSON ``{"reason", "details"}``: the sender
+raises the same ``ElasticPipeError`` a gRPC call would have. Anything malformed closes the
+connection. Before GO nothing was delivered, so a sender that cannot open the channel (an
+older stage without ``OpenBulk``, a firewalled port, a full listener) or finds it broken
+sends that message over gRPC instead, and keeps to gRPC for that stage for
+``FALLBACK_S``; after GO a broken connection fails the message's run, as a broken gRPC
+stream does. One deadline covers the whole message on both ends.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from elasticpipe.errors import BY_REASON, ElasticPipeError, InvalidRequest, StageUnavailable
+from elasticpipe.logs import get_logger
+from elasticpipe.security.tls import TLS
+from elasticpipe.transport import rpc, serving
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.wire import bundle, codec, structure
+from elasticpipe.wire.structure import Value
+
+log = get_logger(__name__)
+
+MAGIC = b"EPBULK1\n"
+TOKEN_BYTES = 32
+TOKEN_TTL_S = 30.0
+MAX_HEADER_BYTES = 1 << 20  # a DataHeader of a bundle of many tensors stays far below
+GO, OK, ERR = b"G", b"K", b"E"
+MAX_ERROR_BYTES = 1 << 16
+U32 = struct.Struct("<I")
+FALLBACK_S = 60.0  # after the channel could not be opened: gRPC only, this long
+
+# A tensor above this goes on the bulk channel (one gRPC chunk: below it a unary Deliver
+# is a single round trip already).
+MIN_BULK_BYTES = codec.DEFAULT_CHUNK_BYTES
+
+
+# ---- framing, shared by both ends -------------------------------------------------------
+
+
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """Sets the socket's timeout to what is left until ``deadline`` (None: as it is)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        sock.settimeout(left)
+
+
+def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fills ``view`` from the socket, by ``deadline`` (``time.monotonic()``) if given.
+
+    Raises:
+        ConnectionError: the peer closed the connection first.
+        TimeoutError: the deadline passed.
+    """
+    while view.nbytes:
+        _until(sock, deadline)
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("the peer closed the bulk connection")
+        view = view[n:]
+
+
+def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes from the socket."""
+    buf = bytearray(n)
+    recv_exactly(sock, memoryview(buf), deadline)
+    return bytes(buf)
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview, deadline: float | None) -> None:
+    """``sendall`` by ``deadline``."""
+    _until(sock, deadline)
+    sock.sendall(data)
+
+
+def send_error(sock: socket.socket, exc: ElasticPipeError) -> None:
+    """The error frame for ``exc``."""
+    body = json.dumps({"reason": exc.reason(), "details": str(exc)}).encode()[:MAX_ERROR_BYTES]
+    sock.sendall(ERR + U32.pack(len(body)) + body)
+
+
+def read_error(sock: socket.socket, peer: str, deadline: float | None = None) -> ElasticPipeError:
+    """Reads the rest of an error frame (after ``ERR``) into the error it names."""
+    (n,) = U32.unpack(recv_bytes(sock, U32.size, deadline))
+    if n > MAX_ERROR_BYTES:
+        raise ConnectionError(f"bulk error frame of {n} bytes from {peer}")
+    try:
+        frame = json.loads(recv_bytes(sock, n, deadline))
+        kind = BY_REASON.get(str(frame["reason"]), ElasticPipeError)
+        return kind(f"{frame['details']} (from {peer})")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConnectionError(f"malformed bulk error frame from {peer}") from exc
+
+
+def raw_views(value: Value) -> Iterator[memoryview]:
+    """The bytes of every tensor of ``value``, without copying a contiguous CPU tensor."""
+    for t in structure.tensors(value):
+        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if flat.numel():
+            yield flat.numpy().data
+
+
+def header_frame(slot: int, head: stage_pb2.DataHeader) -> bytes:
+    """The length-prefixed header of one message."""
+    body = stage_pb2.DataMessage(slot=slot, header=head).SerializeToString()  # type: ignore[arg-type]
+    return U32.pack(len(body)) + body
+
+
+def keepalive(sock: socket.socket) -> None:
+    """TCP_NODELAY, and TCP keepalives so that a vanished peer is noticed in ~30 s."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def client_context(tls: TLS) -> ssl.SSLContext:
+    """Checks the receiver against the cluster's CA and its name, as gRPC does (no
+    stricter X.509 profile than gRPC's); presents our certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
+    ctx.load_verify_locations(tls.ca)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    return ctx
+
+
+def server_context(tls: TLS) -> ssl.SSLContext:
+    """Presents the receiver's certificate; requires one of the cluster's CA from the caller."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_verify_locations(tls.ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+# ---- the sending end --------------------------------------------------------------------
+
+
+_NO_CHANNEL_CODES = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+
+
+class _NoChannel(Exception):
+    """The channel could not be used for this message (nothing was delivered)."""
+
+
+class BulkSender:
+    """One sender's bulk connection to one stage, opened on first use (one send at a time:
+    a ``Link``'s thread, or ``StageClients`` under its lock)."""
+
+    def __init__(self, stub: stage_pb2_grpc.StageServiceStub, address: str, tls: TLS | None):
+        self._stub = stub
+        self.address = address
+        self._tls = tls
+        self._sock: socket.socket | None = None
+        self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
+
+    def _connect(self, deadline: float) -> socket.socket:
+        try:
+            reply = self._stub.OpenBulk(
+                stage_pb2.OpenBulkRequest(), timeout=max(0.001, deadline - time.monotonic())
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in _NO_CHANNEL_CODES:  # an older, busy or unreachable stage
+                raise _NoChannel(f"OpenBulk: {exc.code().name}") from exc
+            raise rpc.translate(exc, self.address) from exc
+        if not reply.port:
+            raise _NoChannel("the stage offers no bulk channel")
+        host, _ = serving.split_address(self.address)
+        try:
+            sock = socket.create_connection(
+                (host, reply.port), timeout=max(0.001, deadline - time.monotonic())
+            )
+        except OSError as exc:
+            raise _NoChannel(f"cannot reach its bulk port {reply.port}: {exc}") from exc
+        try:
+            keepalive(sock)
+            if self._tls is not None:
+                sock = client_context(self._tls).wrap_socket(sock, server_hostname=host)
+            send_all(sock, MAGIC + reply.token, deadline)
+            if recv_bytes(sock, 1, deadline) != OK:
+                raise _NoChannel("the stage refused the bulk connection")
+        except (OSError, ConnectionError) as exc:
+            sock.close()
+            raise _NoChannel(f"bulk handshake failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        """Closes the connection (the next send opens another)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def send(self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float) -> bool:
+        """Sends one declared value within ``timeout``; False when it must go over gRPC
+        instead (nothing was delivered: no channel now, or it broke before GO).
+
+        Raises:
+            ElasticPipeError: the receiver refused it (as gRPC would have), or the
+                connection broke after the receiver accepted the header
+                (``StageUnavailable``).
+        """
+        if time.monotonic() < self._grpc_until:
+            return False
+        deadline = time.monotonic() + timeout
+        frame = header_frame(slot, head)
+        try:
+            fresh = self._sock is None
+            sock = self._sock = self._sock or self._connect(deadline)
+            send_all(sock, frame, deadline)
+            answer = recv_bytes(sock, 1, deadline)
+        except _NoChannel as exc:
+            self._fall_back(str(exc))
+            return False
+        except ElasticPipeError:
+            self.close()
+            raise
+        except (OSError, ConnectionError) as exc:  # nothing delivered: gRPC takes it
+            self.close()
+            if fresh:
+                self._fall_back(f"bulk connection broke before GO: {exc}")
+            return False  # an idle connection the stage closed: reopened next time
+        try:
+            if answer == GO:
+                for view in raw_views(value):
+                    send_all(sock, view, deadline)
+                answer = recv_bytes(sock, 1, deadline)
+            if answer == ERR:
+                raise read_error(sock, self.address, deadline)
+        except ElasticPipeError:
+            raise  # the receiver's refusal (some are OSErrors too): the connection is fine
+        except (OSError, ConnectionError) as exc:
+            self.close()
+            raise StageUnavailable(f"bulk channel to {self.address}: {exc}") from exc
+        if answer != OK:
+            self.close()
+            raise StageUnavailable(f"unexpected bulk answer {answer!r} from {self.address}")
+        return True
+
+    def _fall_back(self, why: str) -> None:
+        self.close()
+        self._grpc_until = time.monotonic() + FALLBACK_S
+        log.info("bulk_channel_unused", peer=self.address, reason=why, retry_s=FALLBACK_S)
+
+
+# ---- the receiving end ------------------------------------------------------------------
+
+
+def receive_value(
+    sock: socket.socket, head: stage_pb2.DataHeader, limit: int, deadline: float
+) -> Value:
+    """Reads a checked header's bytes straight into the tensors they make, in declaration
+    order (exactly what ``bundle.declared_bytes`` counted and the mailbox reserved)."""
+    shape, metas = bundle.declared(head, limit)
+    tensors = []
+    for meta in metas:
+        tensor = torch.empty(tuple(meta.shape), dtype=codec.check_meta(meta, limit))
+        if tensor.numel():
+            recv_exactly(sock, tensor.reshape(-1).view(torch.uint8).numpy().data, deadline)
+        tensors.append(tensor)
+    return tensors[0] if shape is None else structure.unflatten(tensors, shape)
+
+
+def parse_header(body: bytes) -> stage_pb2.DataMessage:
+    """A header frame's message.
+
+    Raises:
+        InvalidRequest: not a DataMessage, or one that carries data.
+    """
+    msg = stage_pb2.DataMessage()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError
+        raise InvalidRequest(f"malformed bulk header ({len(body)} bytes)") from exc
+    if msg.data:
+        raise InvalidRequest("a bulk header must not carry data")
+    return msg

@@ -1,0 +1,126 @@
+"""Sending one tensor (or a tuple or flat dict of tensors, ``elasticpipe.wire.bundle``) to a
+stage: a unary ``Deliver`` for a small one, the bulk channel (``elasticpipe.transport.bulk``) for a
+large one, or the header-then-chunks stream of Forward/Backward/Targets where the peer has
+no bulk channel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from elasticpipe.security.tls import TLS
+from elasticpipe.transport import bulk, rpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from elasticpipe.wire import bundle, codec, structure
+from elasticpipe.wire.structure import Value
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One tensor (or tuple or flat dict of tensors) to send to a peer."""
+
+    method: str  # "Forward", "Backward" or "Targets"
+    epoch: int
+    run: int
+    step: int
+    micro_batch: int
+    tensor: Value
+    loss_scale: float = 0.0
+
+
+def header(msg: Outgoing, meta: tensor_pb2.TensorMeta | None) -> stage_pb2.DataHeader:
+    """The header every data message of ``msg`` starts with (no ``meta``: declare
+    ``msg.tensor`` with ``bundle.describe``)."""
+    return stage_pb2.DataHeader(
+        epoch=msg.epoch,
+        run=msg.run,
+        step=msg.step,
+        micro_batch=msg.micro_batch,
+        meta=meta,
+        loss_scale=msg.loss_scale,
+    )
+
+
+def data_stream(
+    msg: Outgoing, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES
+) -> Iterator[stage_pb2.DataChunk]:
+    """The header-then-chunks stream for one tensor."""
+    if not isinstance(msg.tensor, torch.Tensor):
+        head = header(msg, None)
+        bundle.describe(head, msg.tensor)
+        yield stage_pb2.DataChunk(header=head)
+        for piece in bundle.chunks(msg.tensor, chunk_bytes):
+            yield stage_pb2.DataChunk(data=piece)
+        return
+    meta, chunks = codec.tensor_chunks(msg.tensor, chunk_bytes)
+    yield stage_pb2.DataChunk(header=header(msg, meta))
+    for chunk in chunks:
+        yield stage_pb2.DataChunk(data=chunk)
+
+
+_SLOTS = {"Forward": stage_pb2.INPUT, "Backward": stage_pb2.GRAD, "Targets": stage_pb2.TARGET}
+
+
+def send(
+    stub: stage_pb2_grpc.StageServiceStub,
+    address: str,
+    msg: Outgoing,
+    timeout: float,
+    chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Sends one tensor synchronously, translating failures to the domain tree.
+
+    A tensor of at most one chunk goes in a single unary ``Deliver`` call; a larger one is
+    streamed in chunks (grpcio runs a thread per client stream, a unary call needs none).
+    """
+    if not isinstance(msg.tensor, torch.Tensor):
+        head = header(msg, None)
+        if bundle.describe(head, msg.tensor) <= chunk_bytes:
+            request = stage_pb2.DataMessage(
+                slot=_SLOTS[msg.method], header=head, data=bundle.data(msg.tensor)
+            )
+            rpc.call(address, stub.Deliver, request, timeout=timeout)
+            return
+        rpc.call(address, getattr(stub, msg.method), data_stream(msg, chunk_bytes), timeout=timeout)
+        return
+    meta = codec.tensor_meta(msg.tensor)
+    if meta.nbytes <= chunk_bytes:
+        request = stage_pb2.DataMessage(
+            slot=_SLOTS[msg.method], header=header(msg, meta), data=codec.tensor_bytes(msg.tensor)
+        )
+        rpc.call(address, stub.Deliver, request, timeout=timeout)
+        return
+    method = getattr(stub, msg.method)
+    rpc.call(address, method, data_stream(msg, chunk_bytes), timeout=timeout)
+
+
+class Sender:
+    """Sends to one stage, one message at a time: a value larger than one chunk over the
+    bulk channel (when the stage has one and ``use_bulk``), anything else over gRPC."""
+
+    def __init__(
+        self,
+        stub: stage_pb2_grpc.StageServiceStub,
+        address: str,
+        tls: TLS | None = None,
+        use_bulk: bool = True,
+    ):
+        self.stub = stub
+        self.address = address
+        self._bulk = bulk.BulkSender(stub, address, tls) if use_bulk else None
+
+    def send(self, msg: Outgoing, timeout: float) -> None:
+        """Sends one message synchronously (see ``send``; the same errors)."""
+        if self._bulk is not None and structure.nbytes(msg.tensor) > bulk.MIN_BULK_BYTES:
+            head = header(msg, None)
+            bundle.describe(head, msg.tensor)
+            if self._bulk.send(_SLOTS[msg.method], head, msg.tensor, timeout):
+                return
+        send(self.stub, self.address, msg, timeout)
+
+    def close(self) -> None:
+        """Closes the bulk connection, if any (the gRPC channel is the caller's)."""
+        if self._bulk is not None:
+            self._bulk.close()
