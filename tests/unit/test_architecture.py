@@ -58,6 +58,10 @@ FLOORS = {
 # Pure logic: testable without sockets, threads or clocks.
 PURE = ("wire", "training", "coordinator/planning", "stage_server/protocol.py")
 IMPURE_MODULES = {"grpc", "socket", "threading", "time"}
+# Each exception says why the module cannot be pure.
+IMPURE_ALLOWED = {
+    ("elasticpipe/training/rng.py", "threading"): "LOCK guards torch's process-global generators",
+}
 
 MAX_ROOT_MODULES = 10
 SOFT_LINES = 600  # over this, the module's docstring says why ("Longer than 600 lines: ...")
@@ -163,6 +167,7 @@ def test_pure_code_imports_no_sockets_threads_or_clocks(pure: str) -> None:
         if m.path in paths
         for line, imported in _imports(m)
         if imported.split(".")[0] in IMPURE_MODULES
+        and (m.path.relative_to(ROOT).as_posix(), imported) not in IMPURE_ALLOWED
     ]
     assert not wrong, "\n".join(wrong)
 
@@ -236,7 +241,9 @@ def test_no_test_module_imports_another() -> None:
                 module = node.module if node.level == 0 else "." * node.level + (node.module or "")
             elif isinstance(node, ast.Import):
                 module = node.names[0].name
-            if module and (module.startswith(".") or module.split(".")[0] == "tests"):
-                if not module.lstrip(".").startswith(("support", "tests.support")):
-                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {module}")
+            local = module is not None and (
+                module.startswith(".") or module.split(".")[0] == "tests"
+            )
+            if local and not module.lstrip(".").startswith(("support", "tests.support")):  # type: ignore[union-attr]
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {module}")
     assert not wrong, "\n".join(wrong)
