@@ -7,26 +7,24 @@ the weights a user brings.
 * ``weights``: Weights the user brings (``init_state``): a mapping, a safetensors file or a
   directory of shards, read lazily tensor by tensor and checked against the model's layers
   before use.
+* ``zoo``: The built-in models: an MLP, a small decoder-only transformer (GPT) and a small CNN.
 """
 
 from elasticpipe.models.contract import (
-    BUILTIN_MODELS,
     build,
     build_layers,
     build_skeleton,
     check_name,
-    cnn,
     describe,
     factory_source,
-    gpt,
     init_layer,
     layer_seed,
     materialize_layer,
-    mlp,
     prepare_layer,
     resolve_factory,
 )
 from elasticpipe.models.weights import TensorSource
+from elasticpipe.models.zoo import BUILTIN_MODELS, cnn, gpt, mlp
 
 __all__ = [
     "BUILTIN_MODELS",

@@ -14,7 +14,6 @@ from torch import nn
 
 from elasticpipe.errors import InvalidRequest, ModelError, PermissionDenied
 from elasticpipe.models.contract import (
-    BUILTIN_MODELS,
     build,
     build_layers,
     build_skeleton,
@@ -24,6 +23,7 @@ from elasticpipe.models.contract import (
     materialize_layer,
     resolve_factory,
 )
+from elasticpipe.models.zoo import BUILTIN_MODELS
 
 HERE = __name__  # this module doubles as an allowed package of user factories
 SEED = 1234
