@@ -1,5 +1,6 @@
 """The control plane: membership, planner, epochs, rebalancing policy, admin."""
 
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.planner import Plan, PlanError, order_hosts, plan, predict_step_time
 from elasticpipe.coordinator.policy import PolicyConfig
@@ -7,6 +8,7 @@ from elasticpipe.coordinator.server import CoordinatorServer
 
 __all__ = [
     "Coordinator",
+    "CoordinatorConfig",
     "CoordinatorServer",
     "Plan",
     "PlanError",

@@ -14,17 +14,16 @@ import threading
 import time
 
 from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.estimates import Timing
 from elasticpipe.coordinator.jobs import Jobs
 from elasticpipe.coordinator.membership import Heard, Member, Membership
-from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer, run_loop
 from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
 from elasticpipe.errors import InvalidRequest, NotReady
 from elasticpipe.logs import get_logger
-from elasticpipe.security.tls import TLS
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire.structure import Value
 
@@ -36,28 +35,17 @@ PAUSE_POINTS = ("after_freeze", "before_commit_point", "after_commit_point")
 class Coordinator:
     """The control plane of one cluster."""
 
-    def __init__(
-        self,
-        store: Store,
-        policy: PolicyConfig | None = None,
-        dead_after_s: float = 5.0,
-        heartbeat_interval_s: float = 1.0,
-        link_bandwidth: float = 0.0,
-        pause_at: str = "",
-        freeze_lease_s: float = 60.0,
-        tls: TLS | None = None,
-    ):
-        if pause_at and pause_at not in PAUSE_POINTS:
+    def __init__(self, store: Store, config: CoordinatorConfig | None = None):
+        config = config or CoordinatorConfig()
+        if config.pause_at and config.pause_at not in PAUSE_POINTS:
             raise InvalidRequest(
-                f"unknown pause point {pause_at!r} (choose from {list(PAUSE_POINTS)})"
+                f"unknown pause point {config.pause_at!r} (choose from {list(PAUSE_POINTS)})"
             )
-        self.cluster = Cluster(
-            store, dead_after_s, heartbeat_interval_s, link_bandwidth, freeze_lease_s, tls
-        )
-        self._pause_at = pause_at
+        self.cluster = Cluster(store, config)
+        self._pause_at = config.pause_at
         self._released = threading.Event()
         self.jobs = Jobs(self.cluster, self._pause)
-        self.rebalancer = Rebalancer(self.cluster, policy or PolicyConfig(), self._pause)
+        self.rebalancer = Rebalancer(self.cluster, config.policy, self._pause)
         self.recovery = Recovery(self.cluster, self._pause, self.jobs.abandon_stale_load)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from types import TracebackType
 
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.coordinator import Coordinator
-from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.service import CoordinatorServicer
 from elasticpipe.coordinator.store import Store
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
-from elasticpipe.security.tls import TLS
 from elasticpipe.transport.serving import RunningServer, metrics_host, start_server
 from elasticpipe.v1 import coordinator_pb2
 
@@ -20,35 +19,10 @@ log = get_logger(__name__)
 class CoordinatorServer:
     """Serves a ``Coordinator`` (a context manager)."""
 
-    def __init__(
-        self,
-        listen: str = "127.0.0.1:0",
-        state: str = ":memory:",
-        policy: PolicyConfig | None = None,
-        dead_after_s: float = 5.0,
-        heartbeat_interval_s: float = 1.0,
-        link_bandwidth: float = 0.0,
-        pause_at: str = "",
-        freeze_lease_s: float = 60.0,
-        tls: TLS | None = None,
-        insecure: bool = False,
-        advertise: str = "",
-        metrics_port: int | None = None,
-        metrics_listen: str = "",
-    ):
-        self._listen = listen
-        self._state = state
-        self._policy = policy
-        self._dead_after_s = dead_after_s
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._link_bandwidth = link_bandwidth
-        self._pause_at = pause_at
-        self._freeze_lease_s = freeze_lease_s
-        self._tls, self._insecure, self._advertise = tls, insecure, advertise
+    def __init__(self, config: CoordinatorConfig | None = None):
+        self.config = config or CoordinatorConfig()
         self.coordinator: Coordinator | None = None
         self._server: RunningServer | None = None
-        self._metrics_port = metrics_port  # None: no metrics endpoint; 0: any port
-        self._metrics_listen = metrics_listen  # its host (default: the listen host)
         self.metrics: MetricsEndpoint | None = None
 
     @property
@@ -59,43 +33,35 @@ class CoordinatorServer:
 
     def start(self) -> CoordinatorServer:
         """Opens the state file, binds the port and starts the policy loop."""
+        config = self.config
         metrics_on = (
-            metrics_host(self._listen, self._metrics_listen, self._insecure)
-            if self._metrics_port is not None
+            metrics_host(config.listen, config.metrics_listen, config.insecure)
+            if config.metrics_port is not None
             else ""
         )
-        self.coordinator = Coordinator(
-            Store(self._state),
-            self._policy,
-            self._dead_after_s,
-            self._heartbeat_interval_s,
-            self._link_bandwidth,
-            self._pause_at,
-            self._freeze_lease_s,
-            self._tls,
-        )
+        self.coordinator = Coordinator(Store(config.state), config)
         self._server = start_server(
-            self._listen,
+            config.listen,
             [
                 (
                     coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"],
                     CoordinatorServicer(self.coordinator),
                 )
             ],
-            tls=self._tls,
-            insecure=self._insecure,
-            advertise=self._advertise or None,
+            tls=config.tls,
+            insecure=config.insecure,
+            advertise=config.advertise or None,
             interceptors=[self.coordinator.cluster.metrics.interceptor()],
         )
-        if self._metrics_port is not None:
+        if config.metrics_port is not None:
             self.metrics = MetricsEndpoint(
-                self.coordinator.cluster.metrics.registry, metrics_on, self._metrics_port
+                self.coordinator.cluster.metrics.registry, metrics_on, config.metrics_port
             )
         self.coordinator.start()
         log.info(
             "coordinator_listening",
             address=self.address,
-            state=self._state,
+            state=config.state,
             auto_rebalance=self.coordinator.rebalancer.policy.enabled,
         )
         return self

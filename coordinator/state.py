@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from elasticpipe.coordinator import estimates, memory
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import Member, Membership
 from elasticpipe.coordinator.memory import MemoryTerms
@@ -21,7 +22,6 @@ from elasticpipe.errors import LayersLost, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import CoordinatorMetrics, CoordinatorView
 from elasticpipe.partition import Partition
-from elasticpipe.security.tls import TLS
 from elasticpipe.training.job import JobConfig
 from elasticpipe.transport import rpc
 
@@ -38,21 +38,15 @@ class LinkTerms(NamedTuple):
 class Cluster:
     """The coordinator's shared state (loaded from the store at start)."""
 
-    def __init__(
-        self,
-        store: Store,
-        dead_after_s: float = 5.0,
-        heartbeat_interval_s: float = 1.0,
-        link_bandwidth: float = 0.0,
-        freeze_lease_s: float = 60.0,
-        tls: TLS | None = None,
-    ):
+    def __init__(self, store: Store, config: CoordinatorConfig | None = None):
+        config = config or CoordinatorConfig()
         self.store = store
-        self.freeze_lease_s = freeze_lease_s  # how long a frozen stage waits for news
-        self.members = Membership(store, dead_after_s)
-        self.pool = rpc.StagePool(tls=tls)
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.link_bandwidth = link_bandwidth
+        self.config = config
+        self.freeze_lease_s = config.freeze_lease_s  # how long a frozen stage waits for news
+        self.members = Membership(store, config.dead_after_s)
+        self.pool = rpc.StagePool(tls=config.tls)
+        self.heartbeat_interval_s = config.heartbeat_interval_s
+        self.link_bandwidth = config.link_bandwidth
         self.cond = threading.Condition()
         self.move_lock = threading.RLock()
         self.partition = store.partition()

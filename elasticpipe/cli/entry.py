@@ -91,6 +91,7 @@ def _serve_until_signalled(
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """Runs the coordinator until SIGTERM/SIGINT."""
+    from elasticpipe.coordinator.config import CoordinatorConfig
     from elasticpipe.coordinator.policy import PolicyConfig
     from elasticpipe.coordinator.server import CoordinatorServer
 
@@ -102,21 +103,22 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         interval_s=args.policy_interval,
         reserve_spares=args.reserve_spares,
     )
-    server = CoordinatorServer(
-        args.listen,
-        args.state,
-        policy,
-        args.dead_after,
-        args.heartbeat_interval,
-        args.link_bandwidth,
-        args.pause_at,
-        args.freeze_lease,
-        TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
-        args.insecure,
-        args.advertise,
-        args.metrics_port,
-        args.metrics_listen,
-    ).start()
+    config = CoordinatorConfig(
+        listen=args.listen,
+        state=args.state,
+        policy=policy,
+        dead_after_s=args.dead_after,
+        heartbeat_interval_s=args.heartbeat_interval,
+        link_bandwidth=args.link_bandwidth,
+        pause_at=args.pause_at,
+        freeze_lease_s=args.freeze_lease,
+        tls=TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+        insecure=args.insecure,
+        advertise=args.advertise,
+        metrics_port=args.metrics_port,
+        metrics_listen=args.metrics_listen,
+    )
+    server = CoordinatorServer(config).start()
     return _serve_until_signalled(server, args.ready_file)
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
@@ -26,7 +27,9 @@ def coordinator_server() -> Iterator[CoordinatorServer]:
     """An in-process coordinator on 127.0.0.1:0."""
     from elasticpipe.coordinator.policy import PolicyConfig
 
-    with CoordinatorServer(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2) as c:
+    with CoordinatorServer(
+        CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
+    ) as c:
         yield c
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest, ModelError
@@ -219,7 +220,9 @@ def test_a_layer_larger_than_the_tensor_limit_saves_loads_and_migrates(tmp_path:
         (torch.randn(4, 4, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)
     ]
     expected = [reference_step(reference, opt, "cross_entropy", x, y) for x, y in batches]
-    with CoordinatorServer(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2) as c:
+    with CoordinatorServer(
+        CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
+    ) as c:
         stages = [
             StageServer(StageConfig(name=f"s{i}", max_tensor_bytes=limit), c.address).start()
             for i in range(2)

@@ -12,6 +12,7 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
@@ -27,7 +28,9 @@ CUSTOM = "tests.integration.custom_models:tiny"
 @pytest.fixture
 def cluster() -> Iterator[tuple[CoordinatorServer, list[StageServer]]]:
     """A coordinator and two stages that allow models under ``tests.integration``."""
-    with CoordinatorServer(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2) as c:
+    with CoordinatorServer(
+        CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
+    ) as c:
         stages = [
             StageServer(
                 StageConfig(name=f"s{i}", allow_models=("tests.integration",)), c.address
@@ -110,7 +113,9 @@ def test_watch_partition_streams_every_new_epoch(
 def test_slow_links_make_the_planner_cut_where_activations_are_small() -> None:
     """Given --link-bandwidth, the partition avoids cutting after wide layers."""
     with CoordinatorServer(
-        policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2, link_bandwidth=1e4
+        CoordinatorConfig(
+            policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2, link_bandwidth=1e4
+        )
     ) as coordinator:
         stages = [
             StageServer(StageConfig(name=f"s{i}"), coordinator.address).start() for i in range(2)

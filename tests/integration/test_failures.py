@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import LayersLost
 from elasticpipe.local.cluster import LocalCluster
@@ -65,7 +66,7 @@ def test_stage_retries_an_unreachable_coordinator_with_backoff(tmp_path: Path) -
         assert [r["attempt"] for r in retries[:4]] == [1, 2, 3, 4]
         assert retries[3]["retry_in_s"] > retries[0]["retry_in_s"]
         assert f"127.0.0.1:{port}" in retries[0]["coordinator"]
-        with CoordinatorServer(listen=f"127.0.0.1:{port}") as coordinator:
+        with CoordinatorServer(CoordinatorConfig(listen=f"127.0.0.1:{port}")) as coordinator:
             assert coordinator.coordinator is not None
             deadline = time.monotonic() + 30
             while not any(
@@ -136,7 +137,7 @@ def test_restarted_coordinator_remembers_stages_job_and_partition(tmp_path: Path
     """A coordinator restarted on the same state file knows the stages, the job, the
     partition with its epoch, and the epoch history."""
     state = str(tmp_path / "coordinator.sqlite")
-    with CoordinatorServer(state=state, heartbeat_interval_s=0.2) as first:
+    with CoordinatorServer(CoordinatorConfig(state=state, heartbeat_interval_s=0.2)) as first:
         stages = [
             StageServer(StageConfig(name=f"host-{i}"), first.address).start() for i in range(2)
         ]
@@ -151,7 +152,7 @@ def test_restarted_coordinator_remembers_stages_job_and_partition(tmp_path: Path
         finally:
             for s in stages:
                 s.stop()
-    with CoordinatorServer(state=state) as second:
+    with CoordinatorServer(CoordinatorConfig(state=state)) as second:
         assert second.coordinator is not None
         c = second.coordinator.cluster
         assert sorted(m.row.name for m in c.members.members()) == ["host-0", "host-1"]

@@ -11,6 +11,7 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
@@ -40,7 +41,7 @@ def test_a_cluster_on_ipv6_loopback_trains() -> None:
     """Coordinator and stages on [::1]:0 advertise bracketed IPv6 addresses, and a client
     trains through them like on IPv4."""
     with CoordinatorServer(
-        "[::1]:0", policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2
+        CoordinatorConfig("[::1]:0", policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
     ) as coordinator:
         assert coordinator.address.startswith("[::1]:")
         stages = [

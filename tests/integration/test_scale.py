@@ -7,6 +7,7 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.stage_server.server import StageServer
@@ -23,7 +24,9 @@ def test_sixty_four_stages_train_exactly() -> None:
     three steps and predicts, equal to single-process training: more stages than the
     client's or the coordinator's old 32-thread pools."""
     with CoordinatorServer(
-        policy=PolicyConfig(enabled=False), heartbeat_interval_s=1.0, dead_after_s=30.0
+        CoordinatorConfig(
+            policy=PolicyConfig(enabled=False), heartbeat_interval_s=1.0, dead_after_s=30.0
+        )
     ) as coordinator:
         servers = [
             StageServer(StageConfig(name=f"s{i:02d}"), coordinator.address).start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
@@ -18,7 +19,7 @@ def test_layers_lost_names_the_dead_owner_and_a_former_holder_of_the_copy() -> N
     """Chain a (layers 0-1), b (2-3); c, which left the chain, held the only copy of a's
     snapshot and is gone too. a dies: layers 0 and 1 have no live copy, and the error
     names a (the owner) and c (the copy's holder), not b."""
-    cluster = Cluster(Store(":memory:"), dead_after_s=60.0)
+    cluster = Cluster(Store(":memory:"), CoordinatorConfig(dead_after_s=60.0))
     members = cluster.members
     ids = {}
     # Unreachable addresses: the live-holdings probe fails at once and falls back to
