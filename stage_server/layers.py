@@ -19,7 +19,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from elasticpipe import clipping, loss_scaling, models, precision, rng, schedulers, structure
+from elasticpipe import (
+    allowlist,
+    clipping,
+    loss_scaling,
+    models,
+    precision,
+    rng,
+    schedulers,
+    structure,
+)
 from elasticpipe.clipping import GradClip
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.job import JobConfig
@@ -175,10 +184,14 @@ class LayerSlice:
     """Layers [lo, hi) of a job's model on one device, with one optimizer per layer."""
 
     def __init__(
-        self, job: JobConfig, device: torch.device, slowdown: Slowdown, allow: Iterable[str] = ()
+        self,
+        job: JobConfig,
+        device: torch.device,
+        slowdown: Slowdown,
+        allow: allowlist.Allow = (),
     ):
         self.job = job
-        self.allow = tuple(allow)
+        self.allow = allowlist.of(allow)
         self.device = device
         self.slowdown = slowdown
         self.layers: dict[int, nn.Module] = {}
