@@ -83,6 +83,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import secrets
 import socket
 import statistics
 import sys
@@ -99,6 +100,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python b
 
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.partition import Placement
+from elasticpipe.security import bounds
 from elasticpipe.training.job import JobConfig
 from elasticpipe.transport import rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
@@ -299,6 +301,7 @@ class Carrier:
 
 
 RUN_IDS = itertools.count(1)
+SECRET = secrets.token_bytes(bounds.RUN_SECRET_BYTES)  # the runs' (RunStepRequest.secret)
 
 
 class DataPath(Carrier):
@@ -334,7 +337,7 @@ class DataPath(Carrier):
         self.run_id = next(RUN_IDS)  # one stage, two paths: run ids never repeat
         for i in range(batch.count):
             self.sender.send(
-                sending.Outgoing("Forward", EPOCH, self.run_id, 0, i, payload),
+                sending.Outgoing("Forward", EPOCH, self.run_id, 0, i, payload, secret=SECRET),
                 SEND_TIMEOUT_S,
             )
 
@@ -349,6 +352,7 @@ class DataPath(Carrier):
                 micro_batches=batch.count,
                 mode=stage_pb2.INFER,
                 timeout_s=CONSUME_TIMEOUT_S,
+                secret=SECRET,
             ),
             timeout=CONSUME_TIMEOUT_S + 5.0,
         )
@@ -356,7 +360,7 @@ class DataPath(Carrier):
         self.accepted_bytes += batch.size * batch.count
         if last_of_size:
             stream = self.stub.FetchOutput(
-                stage_pb2.FetchOutputRequest(run=self.run_id, micro_batch=0),
+                stage_pb2.FetchOutputRequest(run=self.run_id, micro_batch=0, secret=SECRET),
                 timeout=SEND_TIMEOUT_S,
             )
             header = next(stream).header

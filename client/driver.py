@@ -11,6 +11,7 @@ raises is the root cause, not the aborts it triggered.
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from elasticpipe.errors import (
 )
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
+from elasticpipe.security import bounds
 from elasticpipe.security.tls import TLS
 from elasticpipe.training.clipping import NO_CLIP, GradClip
 from elasticpipe.transport import rpc
@@ -76,6 +78,13 @@ class StageClients(rpc.StagePool):
         super().close()
 
 
+def new_secret() -> bytes:
+    """A fresh run's secret: ``bounds.RUN_SECRET_BYTES`` random bytes. Run ids are ordered
+    (the stages fence by them) and so easy to guess; the secret is not, so a process that
+    does not hold the job cannot feed a run data (docs/security.md#run-secrets)."""
+    return secrets.token_bytes(bounds.RUN_SECRET_BYTES)
+
+
 class CommitIncomplete(StepAborted):
     """Some stages could not be told to commit (the step is decided: commit)."""
 
@@ -96,8 +105,13 @@ def run(
     timeout: float,
     client: int = 0,
     previous: Sequence[stage_pb2.StepDecision] = (),
+    *,
+    secret: bytes,
 ) -> list[stage_pb2.StepReport]:
     """Runs one step (``targets`` given) or inference pass (``targets`` None).
+
+    ``secret`` (``new_secret``) goes to every stage with the RunStep and in every input
+    and target: the stages take only data that carries it.
 
     Returns:
         One report per stage, in chain order.
@@ -119,6 +133,7 @@ def run(
         timeout_s=timeout,
         client=client,
         previous=previous,
+        secret=secret,
     )
     addresses = partition.addresses
     first, last = addresses[0], addresses[-1]
@@ -127,17 +142,13 @@ def run(
     def feed() -> None:
         try:
             for i, x in enumerate(inputs):
-                clients.send(
-                    first, Outgoing("Forward", partition.epoch, run_id, step, i, x), timeout
-                )
+                epoch = partition.epoch
+                forward = Outgoing("Forward", epoch, run_id, step, i, x, secret=secret)
+                clients.send(first, forward, timeout)
                 if targets is not None:
-                    clients.send(
-                        last,
-                        Outgoing(
-                            "Targets", partition.epoch, run_id, step, i, targets[i], scales[i]
-                        ),
-                        timeout,
-                    )
+                    y, scale = targets[i], scales[i]
+                    target = Outgoing("Targets", epoch, run_id, step, i, y, scale, secret)
+                    clients.send(last, target, timeout)
         except ElasticPipeError as exc:
             done.put(("client", exc))
             return
@@ -231,11 +242,16 @@ def commit(
 
 
 def fetch_output(
-    clients: StageClients, address: str, run_id: int, micro_batch: int, timeout: float
+    clients: StageClients,
+    address: str,
+    run_id: int,
+    micro_batch: int,
+    timeout: float,
+    secret: bytes,
 ) -> Value:
     """Downloads one inference output (a tensor, or a tuple or dict of them) from the last
-    stage."""
-    request = stage_pb2.FetchOutputRequest(run=run_id, micro_batch=micro_batch)
+    stage (``secret``: the run's, as ``run`` sent it)."""
+    request = stage_pb2.FetchOutputRequest(run=run_id, micro_batch=micro_batch, secret=secret)
     try:
         stream = iter(clients.stub(address).FetchOutput(request, timeout=timeout))
         header = next(stream).header

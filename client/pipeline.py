@@ -597,18 +597,19 @@ class Pipeline:
 
     def _run(
         self, step: int, batch: _Batch, train: bool
-    ) -> tuple[list[stage_pb2.StepReport], Partition, int, int]:
+    ) -> tuple[list[stage_pb2.StepReport], Partition, int, bytes, int]:
         """Runs one attempt after another until the stages accept the partition.
 
         Returns:
-            Reports, the partition used, the run id, and the attempts it took.
+            Reports, the partition used, the run id and its secret, and the attempts it
+            took.
         """
         partition = self._ensure_job(batch.xs[0])
         deadline = time.monotonic() + self._rebalance_timeout
         refused_at: float | None = None
         for attempts in itertools.count(1):
             self._check_lease()
-            run_id = next(self._runs)
+            run_id, secret = next(self._runs), driver.new_secret()
             try:
                 reports = driver.run(
                     self._clients,
@@ -622,9 +623,10 @@ class Pipeline:
                     self._step_timeout,
                     self._client,
                     list(self._decisions.values()),
+                    secret=secret,
                 )
                 self._decisions.clear()  # every stage heard every earlier decision
-                return reports, partition, run_id, attempts
+                return reports, partition, run_id, secret, attempts
             except (StaleEpoch, Rebalancing) as exc:
                 if train:
                     self._decided(run_id, step, commit=False)
@@ -658,7 +660,7 @@ class Pipeline:
 
     def _train_one(self, step: int, batch: _Batch) -> tuple[float, list[stage_pb2.StepReport], int]:
         """Runs and commits one step; returns its loss, reports and attempts."""
-        reports, partition, run_id, attempts = self._run(step, batch, train=True)
+        reports, partition, run_id, _, attempts = self._run(step, batch, train=True)
         self._test_pause("before_commit", step)
         norm, clip = self._clip(reports)
         if clip.skip:
@@ -840,12 +842,11 @@ class Pipeline:
         while True:
             self._catch_up(self._done, None)  # after a rollback, replay first
             try:
-                _, partition, run_id, _ = self._run(self._step, batch, train=False)
+                _, partition, run_id, secret, _ = self._run(self._step, batch, train=False)
+                last, timeout = partition.addresses[-1], self._step_timeout
                 return structure.cat(
                     [
-                        driver.fetch_output(
-                            self._clients, partition.addresses[-1], run_id, i, self._step_timeout
-                        )
+                        driver.fetch_output(self._clients, last, run_id, i, timeout, secret)
                         for i in range(len(xs))
                     ]
                 )

@@ -205,13 +205,20 @@ class BulkListener:
             admitted.mailbox.release(admitted.reservation)
             raise
         try:
-            servicer.stage.deliver(
-                admitted, slot, head.run, head.micro_batch, value, head.loss_scale
+            accepted = servicer.stage.deliver(
+                admitted,
+                slot,
+                head.run,
+                head.micro_batch,
+                value,
+                head.loss_scale,
+                secret=head.secret,
             )
         except ElasticPipeError as exc:
             bulk.send_error(conn, exc)
             return True
-        servicer.stage.metrics.bulk_received_bytes.inc(structure.nbytes(value))
+        if accepted:
+            servicer.stage.metrics.bulk_received_bytes.inc(structure.nbytes(value))
         conn.sendall(bulk.OK)
         return True
 

@@ -62,6 +62,7 @@ class RunContext:
     links: dict[str, Link]
     device: torch.device
     run: int
+    secret: bytes  # the run's, from its RunStep: every message sent carries it
     step: int
     train: bool
     deadline: float  # time.monotonic() value
@@ -90,7 +91,9 @@ def _loss(
 def _message(method: str, ctx: RunContext, micro_batch: int) -> Callable[[Value], Outgoing]:
     """Wraps a sent value (on the host, once its copy completed) as the link's message."""
     epoch = ctx.placement.epoch
-    return lambda value: Outgoing(method, epoch, ctx.run, ctx.step, micro_batch, value)
+    return lambda value: Outgoing(
+        method, epoch, ctx.run, ctx.step, micro_batch, value, secret=ctx.secret
+    )
 
 
 def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:

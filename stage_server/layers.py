@@ -21,6 +21,7 @@ from torch import nn
 
 from elasticpipe import models
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
+from elasticpipe.security import allowlist
 from elasticpipe.stage_server import devicepath, weightgrad
 from elasticpipe.stage_server.devicetime import EventClock, Lap
 from elasticpipe.training import clipping, loss_scaling, lr, precision, rng
@@ -177,10 +178,14 @@ class LayerSlice:
     """Layers [lo, hi) of a job's model on one device, with one optimizer per layer."""
 
     def __init__(
-        self, job: JobConfig, device: torch.device, slowdown: Slowdown, allow: Iterable[str] = ()
+        self,
+        job: JobConfig,
+        device: torch.device,
+        slowdown: Slowdown,
+        allow: allowlist.Allow = (),
     ):
         self.job = job
-        self.allow = tuple(allow)
+        self.allow = allowlist.of(allow)
         self.device = device
         self.slowdown = slowdown
         self.layers: dict[int, nn.Module] = {}

@@ -8,16 +8,30 @@ at its deadline -- never later.
 Memory is bounded: room for a message is *reserved* (its bytes plus a fixed per-entry
 overhead, so that even empty tensors count) before anything is allocated for it, and the
 number of entries is capped; concurrent streams cannot overcommit.
+
+Only the run's own data is ever taken. Every message carries its run's secret (random, one
+per run, chosen by the client and told to the stage in ``RunStep``: see ``expect``); a
+message held before its run is known is kept apart from any other copy for the same slot,
+so a stranger's message can neither stand in for nor replace the real one. When the run
+becomes known, held messages with another secret are dropped, and so is every later one;
+a take matches only the run's secret. Whoever does not hold the job cannot guess a secret
+(128 bits), so on a plaintext cluster too its messages only ever take up room, which the
+bounds above limit.
 """
 
 from __future__ import annotations
 
+import hmac
+import math
 import threading
 import time
 from enum import Enum
 from typing import Any
 
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StepAborted, TooLarge
+from elasticpipe.logs import get_logger
+
+log = get_logger(__name__)
 
 
 class Slot(Enum):
@@ -30,6 +44,11 @@ class Slot(Enum):
 
 ENTRY_OVERHEAD = 512  # bytes counted per message beyond its tensor (objects, keys)
 MAX_ENTRIES = 65_536
+KNOWN_RUNS = 16  # the newest runs started here whose secrets are kept
+REFUSED_LOG_INTERVAL_S = 10.0  # at most one ``data_refused`` line this often
+NO_SECRET = b""  # what a message without a secret carries (no run accepts it: see RunStep)
+
+Key = tuple[Slot, int, bytes]  # slot, micro-batch, the secret the message carried
 
 
 class Reservation:
@@ -52,9 +71,12 @@ class Mailbox:
         self._bytes = 0  # stored and reserved
         self._entries = 0  # stored and reserved
         self._cond = threading.Condition()
-        self._items: dict[int, dict[tuple[Slot, int], tuple[Any, int]]] = {}
+        self._items: dict[int, dict[Key, tuple[Any, int]]] = {}
+        self._secrets: dict[int, bytes] = {}  # of the runs started here (``expect``)
         self._closed_below = 0  # runs below this id are over: their late messages are dropped
         self._failures: dict[int, ElasticPipeError] = {}
+        self.refused = 0  # messages dropped for a wrong secret, in all
+        self._refused_logged = (-math.inf, 0)  # (when, ``refused`` then)
 
     def reserve(self, nbytes: int) -> Reservation:
         """Sets room aside for a message of ``nbytes`` before it is received.
@@ -91,9 +113,13 @@ class Mailbox:
         value: Any,
         nbytes: int,
         reservation: Reservation | None = None,
-    ) -> None:
-        """Delivers a message into room reserved for it (reserved now if not given);
-        drops it if its run is already over.
+        secret: bytes = NO_SECRET,
+    ) -> bool:
+        """Delivers a message into room reserved for it (reserved now if not given); drops
+        it if its run is already over, or is known here under another secret.
+
+        Returns:
+            False if the message was dropped for its secret (counted in ``refused``).
 
         Raises:
             TooLarge: no reservation was given and no room is left.
@@ -104,15 +130,61 @@ class Mailbox:
                 raise TooLarge(f"message of run {run} delivered twice into one reservation")
             if run < self._closed_below:
                 self._give_back(held)
-                return
+                return True
+            known = self._secrets.get(run)
+            if known is not None and not hmac.compare_digest(secret, known):
+                self._give_back(held)
+                self._refuse(run, 1)
+                return False
             box = self._items.setdefault(run, {})
-            replaced = box.pop((slot, micro_batch), None)
+            key = (slot, micro_batch, secret)
+            replaced = box.pop(key, None)
             if replaced is not None:  # a re-sent message replaces the first copy
                 self._bytes -= replaced[1]
                 self._entries -= 1
             held.open = False
-            box[(slot, micro_batch)] = (value, held.nbytes)
+            box[key] = (value, held.nbytes)
             self._cond.notify_all()
+            return True
+
+    def expect(self, run: int, secret: bytes) -> int:
+        """Starts ``run`` here with the secret its client chose: held messages of the run
+        with another secret are dropped, and so is every later one. The secrets of runs
+        closed (``close_through``), or older than the newest ``KNOWN_RUNS``, are forgotten:
+        their takes fail (a stage runs one run at a time, in order).
+
+        Returns:
+            How many held messages were dropped.
+        """
+        with self._cond:
+            if run < self._closed_below:
+                return 0  # over already: its takes fail, its messages are dropped
+            self._secrets[run] = secret
+            while len(self._secrets) > KNOWN_RUNS:  # inference runs are never closed
+                del self._secrets[min(self._secrets)]
+            box = self._items.get(run, {})
+            wrong = [k for k in box if not hmac.compare_digest(k[2], secret)]
+            for key in wrong:
+                self._bytes -= box.pop(key)[1]
+                self._entries -= 1
+            if wrong:
+                self._refuse(run, len(wrong))
+            return len(wrong)
+
+    def _refuse(self, run: int, n: int) -> None:
+        """Counts ``n`` messages of ``run`` dropped for their secret; logs at most every
+        ``REFUSED_LOG_INTERVAL_S`` (a flood must not flood the log too)."""
+        self.refused += n
+        now = time.monotonic()
+        when, before = self._refused_logged
+        if now - when >= REFUSED_LOG_INTERVAL_S:
+            self._refused_logged = (now, self.refused)
+            log.warning(
+                "data_refused",
+                run=run,
+                dropped=self.refused - before,
+                why="the message did not carry its run's secret (not from the job's holder)",
+            )
 
     def _give_back(self, held: Reservation) -> None:
         if held.open:
@@ -121,14 +193,19 @@ class Mailbox:
             self._entries -= 1
 
     def take(self, run: int, slot: Slot, micro_batch: int, deadline: float) -> Any:
-        """Waits for and removes a message.
+        """Waits for and removes a message of ``run`` (started here: ``expect``) that
+        carries the run's secret.
 
         Raises:
-            StepAborted / the run's failure: the run failed while waiting.
+            StepAborted / the run's failure: the run failed while waiting, or was never
+                started here, or is over.
             DeadlineExceeded: nothing arrived by ``deadline`` (a ``time.monotonic`` value).
         """
-        key = (slot, micro_batch)
         with self._cond:
+            secret = self._secrets.get(run)
+            if secret is None:
+                raise StepAborted(f"run {run} was not started here (or is over)")
+            key = (slot, micro_batch, secret)
             while True:
                 failure = self._failures.get(run)
                 if failure is not None:
@@ -173,6 +250,8 @@ class Mailbox:
                 self._entries -= len(entries)
             for old in [r for r in self._failures if r < self._closed_below]:
                 del self._failures[old]
+            for old in [r for r in self._secrets if r < self._closed_below]:
+                del self._secrets[old]
             self._cond.notify_all()
 
     def abort(self, run: int, reason: str) -> None:

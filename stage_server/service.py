@@ -140,7 +140,13 @@ class StageServicer:
             admitted.mailbox.release(admitted.reservation)
             raise
         self.stage.deliver(
-            admitted, slot, header.run, header.micro_batch, tensor, header.loss_scale
+            admitted,
+            slot,
+            header.run,
+            header.micro_batch,
+            tensor,
+            header.loss_scale,
+            secret=header.secret,
         )
         return stage_pb2.Ack()
 
@@ -179,7 +185,13 @@ class StageServicer:
             admitted.mailbox.release(admitted.reservation)
             raise
         self.stage.deliver(
-            admitted, slot, header.run, header.micro_batch, tensor, header.loss_scale
+            admitted,
+            slot,
+            header.run,
+            header.micro_batch,
+            tensor,
+            header.loss_scale,
+            secret=header.secret,
         )
         return stage_pb2.Ack()
 
@@ -205,6 +217,7 @@ class StageServicer:
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
         bounds.count(req.previous, "previous", bounds.MAX_DECISIONS)
         self.gate.check(f"RunStep of run {req.run}", req.client)
+        bounds.run_secret(req.secret)
         previous = [Decision(d.run, d.step, d.commit, _clip(d.clip)) for d in req.previous]
         result = self.stage.run_step(
             req.epoch,
@@ -216,6 +229,7 @@ class StageServicer:
             timeout,
             req.client,
             previous,
+            secret=req.secret,
         )
         return stage_pb2.StepReport(
             run=result.run,
@@ -238,7 +252,7 @@ class StageServicer:
     ) -> Iterator[stage_pb2.DataChunk]:
         self.gate.check(f"FetchOutput of run {req.run}")
         bounds.integer(req.micro_batch, "micro_batch", 0, bounds.MAX_MICRO_BATCHES - 1)
-        value = self.stage.fetch_output(req.run, req.micro_batch)
+        value = self.stage.fetch_output(req.run, req.micro_batch, req.secret)
         head = stage_pb2.DataHeader(
             epoch=self.stage.epoch, run=req.run, micro_batch=req.micro_batch
         )

@@ -9,6 +9,7 @@ coordinator whatever a lease that ran out leaves undecided.
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from elasticpipe.errors import (
     ElasticPipeError,
     InvalidRequest,
     NotReady,
+    PermissionDenied,
     StageUnavailable,
     TransferError,
 )
@@ -151,7 +153,7 @@ class Stage:
         self._mailbox = Mailbox(config.mailbox_bytes)
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
-        self._outputs: tuple[int, dict[int, Value]] = (0, {})
+        self._outputs: tuple[int, bytes, dict[int, Value]] = (0, b"", {})
         self._staged: _Staged | None = None
         self._restoring: tuple[int, Layers] | None = None  # (epoch, layers) of a load
         self._questions: list[Effect] = []
@@ -189,7 +191,7 @@ class Stage:
                 self._mailbox.abort(e.run, f"aborted on stage {self.config.name}")
             elif e.do is Do.RESET_RUNS:
                 self._mailbox = Mailbox(self.config.mailbox_bytes)
-                self._outputs = (0, {})
+                self._outputs = (0, b"", {})
             elif e.do is Do.DROP_STAGED:
                 if self._staged is not None and self._staged.epoch == e.epoch:
                     self._staged = None
@@ -328,9 +330,16 @@ class Stage:
         micro_batch: int,
         tensor: Value,
         loss_scale: float = 0.0,
-    ) -> None:
+        *,
+        secret: bytes,
+    ) -> bool:
         """Accepts an activation, gradient or target for a run (maybe before its RunStep)
-        into the room ``admit`` reserved (given back if anything fails)."""
+        into the room ``admit`` reserved (given back if anything fails); one without the
+        run's ``secret`` is dropped and counted (``Mailbox.put``), never used.
+
+        Returns:
+            False if it was dropped for its secret.
+        """
         try:
             if slot is Slot.TARGET and not (loss_scale > 0.0 and loss_scale <= 1.0):
                 raise InvalidRequest(
@@ -341,10 +350,14 @@ class Stage:
                 raise InvalidRequest(f"targets of micro-batch {micro_batch} must be one tensor")
             value = (tensor, loss_scale) if slot is Slot.TARGET else tensor
             nbytes = structure.nbytes(tensor)
-            admitted.mailbox.put(run, slot, micro_batch, value, nbytes, admitted.reservation)
+            mailbox = admitted.mailbox
+            if not mailbox.put(run, slot, micro_batch, value, nbytes, admitted.reservation, secret):
+                self.metrics.data_refused.inc()
+                return False
             placement = self.placement
             peers = {Slot.INPUT: placement.prev, Slot.GRAD: placement.next} if placement else {}
             self.metrics.received(peers.get(slot) or "client", nbytes)
+            return True
         finally:
             admitted.mailbox.release(admitted.reservation)
 
@@ -359,13 +372,18 @@ class Stage:
         timeout: float,
         client: int = 0,
         previous: Sequence[Decision] = (),
+        *,
+        secret: bytes,
     ) -> StepResult:
-        """Runs this stage's ops of one step (or inference pass) and reports."""
+        """Runs this stage's ops of one step (or inference pass) and reports; it takes
+        only data that carries the run's ``secret``."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
         with self._cond:
             self._apply(self.machine.begin_run(epoch, run, step, client, train, previous))
             assert self.slice is not None and self.placement is not None
+            if dropped := self._mailbox.expect(run, secret):
+                self.metrics.data_refused.inc(dropped)  # held before the run was known
             ctx = RunContext(
                 placement=self.placement,
                 layers=self.slice,
@@ -373,6 +391,7 @@ class Stage:
                 links=dict(self._links),
                 device=self.device,
                 run=run,
+                secret=secret,
                 step=step,
                 train=train,
                 deadline=time.monotonic() + timeout,
@@ -408,16 +427,20 @@ class Stage:
                 if self.slice.scales:
                     result.loss_scale = self.slice.loss_scale()
             if not train:
-                self._outputs = (run, result.outputs)
+                self._outputs = (run, secret, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)
         memtune.bound()  # freed activations kept for reuse, up to a bound
         self.faults.point("awaiting_commit")
         return result
 
-    def fetch_output(self, run: int, micro_batch: int) -> Value:
-        """An inference output kept by the last stage."""
+    def fetch_output(self, run: int, micro_batch: int, secret: bytes) -> Value:
+        """An inference output kept by the last stage, for whoever knows its run's secret."""
         with self._cond:
-            kept_run, outputs = self._outputs
+            kept_run, kept_secret, outputs = self._outputs
+            if kept_run == run and not hmac.compare_digest(secret, kept_secret):
+                raise PermissionDenied(
+                    f"output of run {run} refused: the request does not carry the run's secret"
+                )
             if kept_run != run or micro_batch not in outputs:
                 raise NotReady(
                     f"no output of run {run}, micro-batch {micro_batch} here "

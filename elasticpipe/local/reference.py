@@ -17,8 +17,10 @@ trains exactly as it does on any number of stages, across migrations and replays
 without randomness trains as ordinary PyTorch does (up to the rounding of summing
 micro-batch gradients, none with one micro-batch).
 
-Model factories, losses and optimizers given as ``"package.module:name"`` must be under
-``allow`` here, as they must be under ``--allow-models`` on stages.
+Model factories, losses and optimizers given as ``"package.module:name"`` are imported as
+they are: this is the user's own process importing the user's own code, so no allow-list
+applies -- unless ``allow`` gives one, which is then checked as a stage checks its
+``--allow-models``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from elasticpipe import models
 from elasticpipe.client import initial
 from elasticpipe.client.pipeline import StepStats
 from elasticpipe.logs import get_logger
+from elasticpipe.security import allowlist
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.training import clipping
 from elasticpipe.training.job import JobConfig
@@ -58,7 +61,7 @@ class LocalPipeline:
         micro_batches: int = 4,
         schedule: str = "1f1b",
         device: str | torch.device = "cpu",
-        allow: Sequence[str] = (),
+        allow: Sequence[str] | None = None,
         init_state: Any = None,
         precision: str = "fp32",
         grad_scaler_kwargs: dict[str, Any] | None = None,
@@ -78,7 +81,8 @@ class LocalPipeline:
                 same order as every schedule.
             device: where the layers live.
             allow: module prefixes allowed for ``"package.module:name"`` factories,
-                losses and optimizers (what ``--allow-models`` is to a stage).
+                losses and optimizers (what ``--allow-models`` is to a stage); None (the
+                default): any module.
             init_state: initial weights, as for ``Pipeline`` (checked the same way).
             precision, grad_scaler_kwargs: as for ``Pipeline`` ("fp32", "bf16" or "fp16",
                 with fp16's dynamic loss scaling).
@@ -108,7 +112,13 @@ class LocalPipeline:
             max_grad_norm=max_grad_norm,
             recompute=recompute,
         )
-        self.allow = tuple(allow)
+        self.allow = (
+            allowlist.LOCAL
+            if allow is None
+            else allowlist.AllowList(
+                (allow,) if isinstance(allow, str) else tuple(allow), allowlist.LOCAL_REMEDY
+            )
+        )
         check_job(loss, optimizer, self._job.optimizer_kwargs, self.allow)
         num_layers, _ = models.describe(model, self._job.model_kwargs, self.allow)
         self._slice = LayerSlice(self._job, torch.device(device), Slowdown(1.0), self.allow)

@@ -11,7 +11,7 @@ import inspect
 import itertools
 import math
 import reprlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def layer_seed(seed: int, index: int) -> int:
 # --------------------------------------------------------------------------- factories
 
 
-def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..., Any]:
+def resolve_factory(name_or_path: str, allow: allowlist.Allow = ()) -> Callable[..., Any]:
     """Finds a model factory by built-in name or by ``"package.module:function"`` path.
 
     The module is imported only after the path passed the allow-list, and the callable
@@ -78,7 +78,8 @@ def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..
     Args:
         name_or_path: A key of ``BUILTIN_MODELS``, or ``"package.module:function"``.
         allow: Module prefixes the operator allowed; ``"myorg"`` allows ``"myorg"`` and
-            ``"myorg.<anything>"`` but not ``"myorgevil"``.
+            ``"myorg.<anything>"`` but not ``"myorgevil"`` (an ``allowlist.AllowList``:
+            and how to allow more, or any module).
 
     Returns:
         The factory callable.
@@ -91,18 +92,14 @@ def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..
     if builtin is not None:
         return builtin
     name_or_path = allowlist.current_path(name_or_path)
-    prefixes = (allow,) if isinstance(allow, str) else tuple(allow)
+    allowed = allowlist.of(allow)
     if name_or_path in PACKAGED_FACTORIES:
         # Shipped with ElasticPipe (optional dependencies): allowed like the built-ins.
-        prefixes = (*prefixes, name_or_path.partition(":")[0])
+        allowed = allowed.plus(name_or_path.partition(":")[0])
     module_path, attr = _parse_path(name_or_path)
-    if not _is_allowed(module_path, prefixes):
-        raise PermissionDenied(
-            f"model factory {name_or_path!r} is not allowed: module {module_path!r} is under "
-            f"none of the allowed prefixes {list(prefixes)!r}; to allow it, start every stage "
-            f"with --allow-models {module_path.split('.')[0]} (built-ins: "
-            f"{sorted(BUILTIN_MODELS)})"
-        )
+    if not allowed.allows(module_path):
+        refusal = allowed.refusal("model factory", name_or_path, module_path)
+        raise PermissionDenied(f"{refusal} (built-ins: {sorted(BUILTIN_MODELS)})")
     try:
         module = importlib.import_module(module_path)
     except Exception as exc:  # an allowed module's import may fail in any way
@@ -118,10 +115,10 @@ def resolve_factory(name_or_path: str, allow: Sequence[str] = ()) -> Callable[..
             f"model factory {name_or_path!r} is a {type(factory).__name__}, not a callable"
         )
     defined_in = _defining_module(factory)
-    if defined_in is not None and not _is_allowed(defined_in, prefixes):
+    if defined_in is not None and not allowed.allows(defined_in):
         raise PermissionDenied(
             f"model factory {name_or_path!r} is defined in module {defined_in!r}, which is "
-            f"under none of the allowed prefixes {list(prefixes)!r}"
+            f"under none of the allowed prefixes {list(allowed.prefixes or ())!r}"
         )
     return factory  # type: ignore[no-any-return]
 
@@ -158,10 +155,6 @@ def _parse_path(path: str) -> tuple[str, str]:
             "or 'package.module:function'"
         )
     return module_path, attr
-
-
-def _is_allowed(module_path: str, prefixes: Sequence[str]) -> bool:
-    return any(module_path == p or module_path.startswith(p + ".") for p in prefixes if p)
 
 
 def _defining_module(obj: object) -> str | None:
@@ -256,7 +249,7 @@ def _check_layers_disjoint(name: str, layers: list[nn.Module]) -> None:
 
 
 def build_skeleton(
-    name_or_path: str, kwargs: Mapping[str, Any], allow: Sequence[str] = ()
+    name_or_path: str, kwargs: Mapping[str, Any], allow: allowlist.Allow = ()
 ) -> list[nn.Module]:
     """Builds every layer of a model on the meta device, allocating no memory.
 
@@ -437,7 +430,7 @@ def build_layers(
     lo: int,
     hi: int,
     device: str | torch.device = "cpu",
-    allow: Sequence[str] = (),
+    allow: allowlist.Allow = (),
     external: bool = False,
 ) -> list[nn.Module]:
     """Builds and initialises only layers ``[lo, hi)`` of a model.
@@ -485,7 +478,7 @@ def _build_layer(
 def build(
     name_or_path: str,
     seed: int = 0,
-    allow: Sequence[str] = (),
+    allow: allowlist.Allow = (),
     external: bool = False,
     **kwargs: Any,
 ) -> nn.Sequential:
@@ -510,7 +503,7 @@ def build(
     )
 
 
-def factory_source(name_or_path: str, allow: Sequence[str] = ()) -> tuple[str, str]:
+def factory_source(name_or_path: str, allow: allowlist.Allow = ()) -> tuple[str, str]:
     """The module file a factory comes from and the SHA-256 of its bytes.
 
     A stage keeps the first version of a module it imported: comparing these between
@@ -534,7 +527,7 @@ def factory_source(name_or_path: str, allow: Sequence[str] = ()) -> tuple[str, s
 
 
 def describe(
-    name_or_path: str, kwargs: Mapping[str, Any], allow: Sequence[str] = ()
+    name_or_path: str, kwargs: Mapping[str, Any], allow: allowlist.Allow = ()
 ) -> tuple[int, list[int]]:
     """Counts a model's layers and the bytes of each, without allocating it.
 

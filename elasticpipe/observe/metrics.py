@@ -191,6 +191,12 @@ class StageMetrics:
             "(elasticpipe/transport/bulk.py: tensors over 1 MiB)",
             registry=r,
         )
+        self.data_refused = Counter(
+            "elasticpipe_stage_data_refused",
+            "Data messages dropped because they did not carry their run's secret (not "
+            "from the job's holder or its stages)",
+            registry=r,
+        )
         self.rpc_errors = _rpc_errors("stage", r)
         self._read = read
         r.register(_ViewCollector(self._families))

@@ -5,6 +5,11 @@ It is the rule that model factories follow (``models.resolve_factory``), applied
 losses and optimizers: the module is imported only after its path passed the list, and the
 object found must itself be defined under an allowed prefix (so an allowed module cannot hand
 out, say, ``os.system`` that it happens to import).
+
+A list is an ``AllowList``: its prefixes and how to extend it, said in the words of whoever
+set it -- a stage flag on a stage, ``LocalPipeline``'s ``allow=`` argument in a local run,
+where the user's own process imports the user's own code and, without ``allow=``, any
+module is allowed (``LOCAL``). A plain sequence of prefixes is a stage's list.
 """
 
 from __future__ import annotations
@@ -12,11 +17,52 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from elasticpipe.errors import InvalidRequest, PermissionDenied
 
 ALLOW_FLAG = "--allow-models"
+STAGE_REMEDY = "start every stage with " + ALLOW_FLAG + " {package}"
+LOCAL_REMEDY = "add {package!r} to LocalPipeline's allow= argument (or leave allow= out)"
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """Module prefixes a path may come from (None: any module), and the remedy a refusal
+    names (``{package}``: the refused module's top package)."""
+
+    prefixes: tuple[str, ...] | None
+    remedy: str = STAGE_REMEDY
+
+    def allows(self, module_path: str) -> bool:
+        """Whether ``module_path`` is under an allowed prefix (see ``is_allowed``)."""
+        return self.prefixes is None or is_allowed(module_path, self.prefixes)
+
+    def plus(self, prefix: str) -> AllowList:
+        """This list with ``prefix`` allowed too."""
+        if self.prefixes is None:
+            return self
+        return AllowList((*self.prefixes, prefix), self.remedy)
+
+    def refusal(self, what: str, path: str, module_path: str) -> PermissionDenied:
+        """The error for ``path`` (a ``what``), whose module is under no prefix."""
+        remedy = self.remedy.format(package=module_path.split(".", maxsplit=1)[0])
+        return PermissionDenied(
+            f"{what} {path!r} is not allowed: module {module_path!r} is under none of the "
+            f"allowed prefixes {list(self.prefixes or ())!r}; to allow it, {remedy}"
+        )
+
+
+Allow = Sequence[str] | AllowList  # a stage's prefixes, or a list that says whose it is
+LOCAL = AllowList(None, LOCAL_REMEDY)  # LocalPipeline without allow=: the user's own code
+
+
+def of(allow: Allow) -> AllowList:
+    """``allow`` as an ``AllowList`` (a sequence, or one string, is a stage's prefixes)."""
+    if isinstance(allow, AllowList):
+        return allow
+    return AllowList((allow,) if isinstance(allow, str) else tuple(allow))
 
 
 def is_path(name: str) -> bool:
@@ -98,12 +144,12 @@ def is_allowed(module_path: str, allow: Sequence[str]) -> bool:
     return any(module_path == p or module_path.startswith(p + ".") for p in allow if p)
 
 
-def resolve(path: str, allow: Sequence[str], what: str) -> Callable[..., Any]:
+def resolve(path: str, allow: Allow, what: str) -> Callable[..., Any]:
     """Imports the callable ``path`` names if the allow-list lets it.
 
     Args:
         path: ``"package.module:name"``.
-        allow: Allowed module prefixes.
+        allow: Allowed module prefixes (an ``AllowList``: and how to allow more).
         what: What the callable is for ("loss", "optimizer"), named in errors.
 
     Returns:
@@ -113,14 +159,10 @@ def resolve(path: str, allow: Sequence[str], what: str) -> Callable[..., Any]:
         InvalidRequest: malformed path, failed import, missing attribute, not callable.
         PermissionDenied: the module, or the one defining the callable, is not allowed.
     """
-    prefixes = (allow,) if isinstance(allow, str) else tuple(allow)
+    allowed = of(allow)
     module_path, attr = parse(current_path(path), what)
-    if not is_allowed(module_path, prefixes):
-        raise PermissionDenied(
-            f"{what} {path!r} is not allowed: module {module_path!r} is under none of the "
-            f"allowed prefixes {list(prefixes)!r}; to allow it, start every stage with "
-            f"{ALLOW_FLAG} {module_path.split('.')[0]}"
-        )
+    if not allowed.allows(module_path):
+        raise allowed.refusal(what, path, module_path)
     try:
         module = importlib.import_module(module_path)
     except Exception as exc:  # an allowed module's import may fail in any way
@@ -136,9 +178,11 @@ def resolve(path: str, allow: Sequence[str], what: str) -> Callable[..., Any]:
     while isinstance(inner, functools.partial):
         inner = inner.func
     defined_in = getattr(inner, "__module__", None)
-    if not isinstance(defined_in, str) or not is_allowed(defined_in, prefixes):
+    if allowed.prefixes is not None and (
+        not isinstance(defined_in, str) or not allowed.allows(defined_in)
+    ):
         raise PermissionDenied(
             f"{what} {path!r} is defined in module {defined_in!r}, which is under none of the "
-            f"allowed prefixes {list(prefixes)!r}"
+            f"allowed prefixes {list(allowed.prefixes)!r}"
         )
     return found  # type: ignore[no-any-return]

@@ -12,6 +12,7 @@ RunStep previous (decisions carried)        at most 16
 run ids (RunStep, data, AbortStep)          generation (run >> 40) of the calling
                                             client, at most 16 generations past the
                                             stage's fence for data arriving first
+RunStep secret                              exactly 16 bytes
 epochs (Freeze, Assign)                     at most 1,000,000 past the stage's epoch
 slowdown factor (stage and admin)           [1, 1000]
 Profile repeats                             1 .. 100
@@ -46,6 +47,7 @@ from collections.abc import Sized
 from elasticpipe.errors import InvalidRequest
 
 RUN_ID_BITS = 40  # a run id is (client generation << 40) + n
+RUN_SECRET_BYTES = 16  # a run's secret (RunStepRequest.secret): random, never guessed
 MAX_MICRO_BATCHES = 4096
 MAX_TIMEOUT_S = 3600.0
 MAX_WAIT_S = 600.0
@@ -103,6 +105,20 @@ def text(value: str, what: str, most: int = MAX_NAME) -> str:
 def generation(run: int) -> int:
     """The client generation a run id belongs to."""
     return run >> RUN_ID_BITS
+
+
+def run_secret(value: bytes, what: str = "secret") -> bytes:
+    """A run's secret: exactly ``RUN_SECRET_BYTES`` bytes.
+
+    Raises:
+        InvalidRequest: naming the field, its length and the one allowed.
+    """
+    if len(value) != RUN_SECRET_BYTES:
+        raise InvalidRequest(
+            f"{what} is {len(value)} bytes long (a run's secret is {RUN_SECRET_BYTES} "
+            "random bytes, chosen by the client)"
+        )
+    return value
 
 
 def integer(value: int, what: str, lo: int, hi: int) -> int:

@@ -84,8 +84,7 @@ def _unknown(what: str, name: str, known: Sequence[str]) -> InvalidRequest:
     close = close or difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return InvalidRequest(
-        f"unknown {what} {name!r}: {hint}choose from {sorted(known)} or give "
-        "'package.module:name' (allowed by the stages' --allow-models)"
+        f"unknown {what} {name!r}: {hint}choose from {sorted(known)} or give 'package.module:name'"
     )
 
 
@@ -105,7 +104,7 @@ def check_loss_name(name: str) -> None:
     allowlist.parse(name, "loss")
 
 
-def loss_fn(name: str, allow: Sequence[str] = ()) -> LossFn:
+def loss_fn(name: str, allow: allowlist.Allow = ()) -> LossFn:
     """The mean-reduced loss called ``name``.
 
     Raises:
@@ -205,7 +204,7 @@ def check_optimizer_name(name: str) -> None:
     allowlist.parse(name, "optimizer")
 
 
-def optimizer_factory(name: str, allow: Sequence[str] = ()) -> OptimizerFactory:
+def optimizer_factory(name: str, allow: allowlist.Allow = ()) -> OptimizerFactory:
     """The class (or function) that builds optimizer ``name``.
 
     Raises:
@@ -223,7 +222,7 @@ def make_optimizer(
     name: str,
     params: Iterable[torch.nn.Parameter],
     kwargs: Mapping[str, Any],
-    allow: Sequence[str] = (),
+    allow: allowlist.Allow = (),
 ) -> torch.optim.Optimizer:
     """Builds optimizer ``name`` over ``params``.
 
@@ -257,7 +256,7 @@ def _probe_params() -> list[torch.nn.Parameter]:
     ]
 
 
-def check_per_parameter(name: str, kwargs: Mapping[str, Any], allow: Sequence[str] = ()) -> None:
+def check_per_parameter(name: str, kwargs: Mapping[str, Any], allow: allowlist.Allow = ()) -> None:
     """Probes the per-parameter rule: two parameters (with gradients 100x apart) stepped by
     one instance must end as when each is stepped by its own instance.
 
@@ -304,7 +303,7 @@ def check_optimizer(name: str, kwargs: Mapping[str, Any]) -> None:
 
 
 def check_job(
-    loss: str, optimizer: str, optimizer_kwargs: Mapping[str, Any], allow: Sequence[str]
+    loss: str, optimizer: str, optimizer_kwargs: Mapping[str, Any], allow: allowlist.Allow
 ) -> None:
     """What a stage checks before it accepts a job: the loss resolves and the optimizer
     resolves, takes its arguments and is per-parameter.
@@ -322,7 +321,7 @@ def reference_step(
     loss_name: str,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    allow: Sequence[str] = (),
+    allow: allowlist.Allow = (),
 ) -> float:
     """One ordinary single-process training step: the behaviour a pipeline must reproduce."""
     optimizer.zero_grad(set_to_none=True)

@@ -28,6 +28,7 @@ class Outgoing:
     micro_batch: int
     tensor: Value
     loss_scale: float = 0.0
+    secret: bytes = b""  # the run's (``RunStepRequest.secret``): the receiver checks it
 
 
 def header(msg: Outgoing, meta: tensor_pb2.TensorMeta | None) -> stage_pb2.DataHeader:
@@ -40,6 +41,7 @@ def header(msg: Outgoing, meta: tensor_pb2.TensorMeta | None) -> stage_pb2.DataH
         micro_batch=msg.micro_batch,
         meta=meta,
         loss_scale=msg.loss_scale,
+        secret=msg.secret,
     )
 
 

@@ -183,6 +183,7 @@ class DataHeader(_message.Message):
     LOSS_SCALE_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
     STRUCTURE_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """partition epoch the sender computed in"""
     run: _builtins.int
@@ -193,6 +194,10 @@ class DataHeader(_message.Message):
     loss_scale: _builtins.float
     """Targets only: this micro-batch's share of the mini-batch"""
     structure: _builtins.str
+    secret: _builtins.bytes
+    """The run's secret (RunStepRequest.secret): a stage uses the message only if it matches
+    the secret the run's RunStep brought; others are dropped, never used as a step's data.
+    """
     @_builtins.property
     def meta(self) -> _tensor_pb2.TensorMeta: ...
     @_builtins.property
@@ -213,10 +218,11 @@ class DataHeader(_message.Message):
         loss_scale: _builtins.float = ...,
         parts: _abc.Iterable[_tensor_pb2.TensorMeta] | None = ...,
         structure: _builtins.str = ...,
+        secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "loss_scale", b"loss_scale", "meta", b"meta", "micro_batch", b"micro_batch", "parts", b"parts", "run", b"run", "step", b"step", "structure", b"structure"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "loss_scale", b"loss_scale", "meta", b"meta", "micro_batch", b"micro_batch", "parts", b"parts", "run", b"run", "secret", b"secret", "step", b"step", "structure", b"structure"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -406,6 +412,7 @@ class RunStepRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     CLIENT_FIELD_NUMBER: _builtins.int
     PREVIOUS_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
@@ -416,6 +423,10 @@ class RunStepRequest(_message.Message):
     """how long the stage may wait for its inputs"""
     client: _builtins.int
     """the client's generation (its lease); older ones are fenced"""
+    secret: _builtins.bytes
+    """RUN_SECRET_BYTES (16) random bytes the client chose for this run alone: every data
+    message of the run carries them (DataHeader.secret), and so must its FetchOutput.
+    """
     @_builtins.property
     def previous(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepDecision]:
         """The client's decisions on earlier runs that a stage may not have heard (a lost commit
@@ -434,10 +445,11 @@ class RunStepRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         client: _builtins.int = ...,
         previous: _abc.Iterable[Global___StepDecision] | None = ...,
+        secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "run", b"run", "schedule", b"schedule", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "run", b"run", "schedule", b"schedule", "secret", b"secret", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,17 +579,21 @@ class FetchOutputRequest(_message.Message):
 
     RUN_FIELD_NUMBER: _builtins.int
     MICRO_BATCH_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
     run: _builtins.int
     micro_batch: _builtins.int
+    secret: _builtins.bytes
+    """the run's (RunStepRequest.secret)"""
     def __init__(
         self,
         *,
         run: _builtins.int = ...,
         micro_batch: _builtins.int = ...,
+        secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["micro_batch", b"micro_batch", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["micro_batch", b"micro_batch", "run", b"run", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -67,6 +67,21 @@ class GlobalNormSGD(torch.optim.Optimizer):
                     p.add_(p.grad / norm, alpha=-group["lr"])
 
 
+class SignSGD(torch.optim.Optimizer):
+    """A custom per-parameter optimizer: steps every parameter by ``lr * sign(grad)``."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Steps every parameter with a gradient by ``-lr * sign(grad)``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(torch.sign(p.grad), alpha=-group["lr"])
+
+
 def no_optimizer(params: Any, lr: float = 0.1) -> list[Any]:
     """Takes an optimizer's arguments but returns no optimizer (refused)."""
     return list(params)

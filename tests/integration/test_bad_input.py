@@ -142,6 +142,7 @@ def test_request_of_another_epoch_is_failed_precondition(
         mode=stage_pb2.TRAIN,
         client=client,  # the job's own client: the epoch is what is wrong
         timeout_s=5,
+        secret=bytes(bounds.RUN_SECRET_BYTES),
     )
     err = _status(_stub(server).RunStep, run)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION

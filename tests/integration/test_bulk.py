@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 
 EPOCH = 3
 BIG = 2 << 20  # bytes: over one chunk, so it goes over the bulk channel
+SECRET = bytes(range(16))  # the test's runs' secret (RunStepRequest.secret)
 
 
 def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
@@ -105,12 +106,19 @@ def _consume(stub: stage_pb2_grpc.StageServiceStub, run: int, sent: torch.Tensor
     """Runs the ReLU on micro-batch 0 of ``run`` and checks it came back bitwise as sent."""
     report = stub.RunStep(
         stage_pb2.RunStepRequest(
-            epoch=EPOCH, run=run, step=0, micro_batches=1, mode=stage_pb2.INFER, timeout_s=10
+            epoch=EPOCH,
+            run=run,
+            step=0,
+            micro_batches=1,
+            mode=stage_pb2.INFER,
+            timeout_s=10,
+            secret=SECRET,
         ),
         timeout=20,
     )
     assert report.run == run
-    stream = stub.FetchOutput(stage_pb2.FetchOutputRequest(run=run, micro_batch=0), timeout=20)
+    request = stage_pb2.FetchOutputRequest(run=run, micro_batch=0, secret=SECRET)
+    stream = stub.FetchOutput(request, timeout=20)
     assembler = codec.TensorAssembler(next(stream).header.meta)
     for chunk in stream:
         assembler.add(chunk.data)
@@ -118,7 +126,7 @@ def _consume(stub: stage_pb2_grpc.StageServiceStub, run: int, sent: torch.Tensor
 
 
 def _forward(run: int, tensor: torch.Tensor, epoch: int = EPOCH) -> sending.Outgoing:
-    return sending.Outgoing("Forward", epoch, run, 0, 0, tensor)
+    return sending.Outgoing("Forward", epoch, run, 0, 0, tensor, secret=SECRET)
 
 
 def test_a_refusal_is_grpcs_error_and_the_connection_goes_on(stage: StageServer) -> None:

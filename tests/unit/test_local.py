@@ -86,9 +86,11 @@ def test_predict_is_eval_mode_and_deterministic() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "text"),
     [
-        ({"model": DROPOUT}, PermissionDenied, "--allow-models tests"),
-        ({"model": "mlp", "loss": "tests.integration.custom_models:half_mse"}, PermissionDenied,
-         "half_mse"),
+        ({"model": DROPOUT, "allow": ["mypkg"]}, PermissionDenied,
+         "add 'tests' to LocalPipeline's allow= argument"),
+        ({"model": "mlp", "loss": "tests.integration.custom_models:reexported_loss",
+          "allow": ["tests.integration.custom_models"]}, PermissionDenied,
+         "defined in module 'tests.integration.custom_losses'"),
         ({"model": "mlp", "optimizer": "LBFGS"}, InvalidRequest, "'LBFGS' is refused"),
         ({"model": "mlp", "optimizer_kwargs": {"lr": object()}}, InvalidRequest, "JSON"),
         ({"model": "mlp", "micro_batches": 0}, InvalidRequest, "micro_batches"),
@@ -98,7 +100,8 @@ def test_predict_is_eval_mode_and_deterministic() -> None:
 def test_bad_arguments_are_refused_naming_them(
     kwargs: dict[str, object], error: type[Exception], text: str
 ) -> None:
-    """What a stage would refuse, LocalPipeline refuses up front, naming it."""
+    """What a stage would refuse, LocalPipeline refuses up front, naming it (paths: those
+    outside the ``allow=`` it was given)."""
     with pytest.raises(error) as info:
         LocalPipeline(**kwargs)  # type: ignore[arg-type]
     assert text in str(info.value)
@@ -165,3 +168,52 @@ def test_schedules_clipping_and_recompute_equal_plain_pytorch() -> None:
         state = pipe.state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value)
+
+
+def test_the_users_own_factory_loss_and_optimizer_need_no_allow_list() -> None:
+    """Without ``allow=``, LocalPipeline imports a model factory, a loss and an optimizer
+    from the user's own modules (here under tests/), as the user's process would, and
+    trains them as plain PyTorch does (bit for bit: one micro-batch, the same process)."""
+    from tests.integration.custom_models import SignSGD
+
+    own = "tests.integration.custom_models"
+    loss = "tests.integration.custom_losses:half_mse"
+    reference = models.build(f"{own}:tiny", seed=0, allow=["tests"])
+    optimizer = SignSGD(reference.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with LocalPipeline(
+        model=f"{own}:tiny",
+        loss=loss,
+        optimizer=f"{own}:SignSGD",
+        optimizer_kwargs={"lr": 0.01},
+        micro_batches=1,
+    ) as pipe:
+        for _ in range(STEPS):
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 3, generator=g)
+            want = reference_step(reference, optimizer, loss, x, y, allow=["tests"])
+            assert pipe.train_step(x, y) == want
+        state = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"model": "tests.integration.custom_models:tiny"},
+        {"model": "mlp", "loss": "tests.integration.custom_losses:half_mse"},
+        {"model": "mlp", "optimizer": "tests.integration.custom_models:SignSGD"},
+    ],
+    ids=["model", "loss", "optimizer"],
+)
+def test_an_allow_list_that_excludes_the_module_names_the_argument(
+    kwargs: dict[str, object],
+) -> None:
+    """With ``allow=`` that leaves the module out, LocalPipeline refuses it and says to add
+    its package to the ``allow=`` argument, not to start stages with a flag."""
+    with pytest.raises(PermissionDenied) as info:
+        LocalPipeline(**kwargs, allow=["mypkg"])  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "allowed prefixes ['mypkg']" in message
+    assert "add 'tests' to LocalPipeline's allow= argument" in message
+    assert "--allow-models" not in message and "stage" not in message

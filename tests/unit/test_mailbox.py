@@ -10,12 +10,21 @@ from typing import Any
 import pytest
 
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable, StepAborted, TooLarge
-from elasticpipe.stage_server.mailbox import Mailbox, Slot
+from elasticpipe.stage_server.mailbox import KNOWN_RUNS, NO_SECRET, Mailbox, Slot
 
 pytestmark = pytest.mark.timeout(20)
 
 SOON = 0.05  # how long a helper thread waits before acting
 PATIENT = 5.0  # a deadline far enough away that reaching it means the wake-up was missed
+
+
+def _box(max_bytes: int, **kwargs: Any) -> Mailbox:
+    """A mailbox whose runs 1 to 9 were started, their data carrying no secret (the
+    secrets themselves are tested below)."""
+    box = Mailbox(max_bytes, **kwargs)
+    for run in range(1, 10):
+        box.expect(run, NO_SECRET)
+    return box
 
 
 def _later(action: Callable[[], None]) -> threading.Thread:
@@ -41,7 +50,7 @@ def _timed_take(box: Mailbox, run: int, slot: Slot, mb: int, wait: float) -> tup
 
 def test_put_before_take_is_delivered() -> None:
     """A message that arrives before its take is returned at once."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "x0", 10)
     value, took = _timed_take(box, 1, Slot.INPUT, 0, PATIENT)
     assert value == "x0"
@@ -50,7 +59,7 @@ def test_put_before_take_is_delivered() -> None:
 
 def test_slots_and_micro_batches_are_kept_apart() -> None:
     """Messages are keyed by run, slot and micro-batch: each take gets its own message."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "in0", 1)
     box.put(1, Slot.GRAD, 0, "grad0", 1)
     box.put(1, Slot.INPUT, 1, "in1", 1)
@@ -64,7 +73,7 @@ def test_slots_and_micro_batches_are_kept_apart() -> None:
 
 def test_take_wakes_on_put_from_another_thread() -> None:
     """A waiting take returns the message as soon as another thread puts it."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     sender = _later(lambda: box.put(3, Slot.TARGET, 2, ("y", 0.5), 8))
     value, took = _timed_take(box, 3, Slot.TARGET, 2, PATIENT)
     sender.join()
@@ -74,7 +83,7 @@ def test_take_wakes_on_put_from_another_thread() -> None:
 
 def test_take_is_removed_once() -> None:
     """A taken message is gone: a second take of it waits until its deadline."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.put(1, Slot.GRAD, 0, "g", 4)
     assert box.take(1, Slot.GRAD, 0, time.monotonic() + PATIENT) == "g"
     with pytest.raises(DeadlineExceeded):
@@ -83,7 +92,7 @@ def test_take_is_removed_once() -> None:
 
 def test_deadline_raises_promptly_naming_the_wait() -> None:
     """With nothing delivered, take raises DeadlineExceeded at its deadline, not later."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     value, took = _timed_take(box, 4, Slot.GRAD, 7, 0.1)
     assert isinstance(value, DeadlineExceeded)
     assert "run 4" in str(value)
@@ -94,7 +103,7 @@ def test_deadline_raises_promptly_naming_the_wait() -> None:
 
 def test_past_deadline_raises_at_once() -> None:
     """A deadline already in the past raises without waiting."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     value, took = _timed_take(box, 1, Slot.INPUT, 0, -1.0)
     assert isinstance(value, DeadlineExceeded)
     assert took < 0.1
@@ -102,7 +111,7 @@ def test_past_deadline_raises_at_once() -> None:
 
 def test_fail_wakes_a_waiting_take_with_that_error() -> None:
     """Failing a run wakes its waiting take with exactly the recorded error."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     error = StageUnavailable("stage 2 at 127.0.0.1:1 died")
     failer = _later(lambda: box.fail(5, error))
     value, took = _timed_take(box, 5, Slot.INPUT, 0, PATIENT)
@@ -113,7 +122,7 @@ def test_fail_wakes_a_waiting_take_with_that_error() -> None:
 
 def test_fail_does_not_touch_other_runs() -> None:
     """A failure of one run leaves other runs' messages deliverable."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.put(6, Slot.INPUT, 0, "ok", 1)
     box.fail(5, StageUnavailable("gone"))
     assert box.take(6, Slot.INPUT, 0, time.monotonic() + PATIENT) == "ok"
@@ -122,7 +131,7 @@ def test_fail_does_not_touch_other_runs() -> None:
 
 def test_first_failure_wins() -> None:
     """Only the first failure of a run is recorded and raised."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     first, second = StageUnavailable("first"), StageUnavailable("second")
     box.fail(1, first)
     box.fail(1, second)
@@ -133,7 +142,7 @@ def test_first_failure_wins() -> None:
 
 def test_abort_fails_the_run_with_step_aborted() -> None:
     """abort wakes the run's waits with StepAborted carrying the reason."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.abort(9, "client gave up")
     with pytest.raises(StepAborted, match="client gave up"):
         box.take(9, Slot.GRAD, 0, time.monotonic() + PATIENT)
@@ -141,20 +150,21 @@ def test_abort_fails_the_run_with_step_aborted() -> None:
 
 def test_messages_of_closed_runs_are_dropped() -> None:
     """close_through frees held messages of closed runs and drops their late arrivals."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.put(2, Slot.INPUT, 0, "held", 10)
     box.put(4, Slot.INPUT, 0, "kept", 10)
     box.close_through(3)
     box.put(3, Slot.INPUT, 1, "late", 10)
+    assert box.usage() == (10, 1)  # only run 4's message is held
     for run, mb in ((2, 0), (3, 1)):
-        with pytest.raises(DeadlineExceeded):
+        with pytest.raises(StepAborted, match=f"run {run} was not started here"):
             box.take(run, Slot.INPUT, mb, time.monotonic() + SOON)
     assert box.take(4, Slot.INPUT, 0, time.monotonic() + PATIENT) == "kept"
 
 
 def test_close_through_forgets_failures_of_closed_runs() -> None:
     """Failures of closed runs are discarded; later runs keep theirs."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.fail(1, StageUnavailable("old"))
     box.fail(2, StageUnavailable("new"))
     box.close_through(1)
@@ -164,17 +174,19 @@ def test_close_through_forgets_failures_of_closed_runs() -> None:
 
 def test_close_through_never_reopens_runs() -> None:
     """Closing through an older run keeps newer closed runs closed."""
-    box = Mailbox(1000, entry_overhead=0)
+    box = _box(1000, entry_overhead=0)
     box.close_through(5)
     box.close_through(2)
     box.put(4, Slot.INPUT, 0, "late", 1)
-    with pytest.raises(DeadlineExceeded):
+    assert box.usage() == (0, 0)  # dropped, not held
+    box.expect(4, NO_SECRET)  # a closed run is not started again
+    with pytest.raises(StepAborted):
         box.take(4, Slot.INPUT, 0, time.monotonic() + SOON)
 
 
 def test_byte_limit_raises_too_large_with_the_values() -> None:
     """A put that would pass the byte limit raises TooLarge naming held, extra and limit."""
-    box = Mailbox(100, entry_overhead=0)
+    box = _box(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "a", 60)
     box.put(1, Slot.INPUT, 1, "b", 40)
     with pytest.raises(TooLarge) as info:
@@ -186,7 +198,7 @@ def test_byte_limit_raises_too_large_with_the_values() -> None:
 
 def test_bytes_return_to_zero_after_takes() -> None:
     """Taking every message frees its bytes: a full-limit message fits again."""
-    box = Mailbox(100, entry_overhead=0)
+    box = _box(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "a", 60)
     box.put(1, Slot.GRAD, 0, "b", 40)
     deadline = time.monotonic() + PATIENT
@@ -198,7 +210,7 @@ def test_bytes_return_to_zero_after_takes() -> None:
 
 def test_bytes_return_to_zero_after_close_through() -> None:
     """Closing runs frees the bytes of their untaken messages."""
-    box = Mailbox(100, entry_overhead=0)
+    box = _box(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "a", 60)
     box.put(2, Slot.INPUT, 0, "b", 40)
     box.close_through(2)
@@ -208,7 +220,7 @@ def test_bytes_return_to_zero_after_close_through() -> None:
 
 def test_duplicate_delivery_does_not_leak_bytes() -> None:
     """A re-delivered message replaces the first without leaking its bytes."""
-    box = Mailbox(100, entry_overhead=0)
+    box = _box(100, entry_overhead=0)
     box.put(1, Slot.INPUT, 0, "first", 40)
     box.put(1, Slot.INPUT, 0, "again", 40)
     assert box.take(1, Slot.INPUT, 0, time.monotonic() + PATIENT) == "again"
@@ -218,7 +230,7 @@ def test_duplicate_delivery_does_not_leak_bytes() -> None:
 
 def test_concurrent_puts_and_takes_lose_nothing() -> None:
     """Many producers and consumers on separate threads exchange every message once."""
-    box = Mailbox(10_000, entry_overhead=0)
+    box = _box(10_000, entry_overhead=0)
     n = 200
     got: list[int] = []
     lock = threading.Lock()
@@ -249,12 +261,12 @@ def test_concurrent_puts_and_takes_lose_nothing() -> None:
 def test_every_message_counts_its_overhead_even_when_empty() -> None:
     """Zero-byte tensors are not free: each message reserves a fixed overhead, and the
     number of messages is capped."""
-    box = Mailbox(1000, entry_overhead=100)
+    box = _box(1000, entry_overhead=100)
     for i in range(10):
         box.put(1, Slot.INPUT, i, "empty", 0)
     with pytest.raises(TooLarge, match="10 messages"):
         box.put(1, Slot.INPUT, 10, "empty", 0)
-    few = Mailbox(10**6, max_entries=3, entry_overhead=0)
+    few = _box(10**6, max_entries=3, entry_overhead=0)
     for i in range(3):
         few.put(1, Slot.INPUT, i, "x", 1)
     with pytest.raises(TooLarge, match="3 messages"):
@@ -264,7 +276,7 @@ def test_every_message_counts_its_overhead_even_when_empty() -> None:
 def test_reservations_stop_concurrent_streams_from_overcommitting() -> None:
     """Room is reserved before a message is received: two streams cannot both count on the
     same free bytes, and released room is free again."""
-    box = Mailbox(100, entry_overhead=0)
+    box = _box(100, entry_overhead=0)
     first = box.reserve(60)
     with pytest.raises(TooLarge):
         box.reserve(60)  # the first stream's bytes are not there yet, but their room is
@@ -274,3 +286,61 @@ def test_reservations_stop_concurrent_streams_from_overcommitting() -> None:
     box.put(1, Slot.INPUT, 0, "x", 60, second)
     assert box.take(1, Slot.INPUT, 0, time.monotonic() + PATIENT) == "x"
     box.put(2, Slot.INPUT, 0, "full", 100)
+
+
+SECRET, OTHER = b"s" * 16, b"o" * 16
+
+
+def test_a_message_without_the_runs_secret_is_never_taken() -> None:
+    """Messages held before their run starts are kept apart by secret: a stranger's copy
+    neither replaces nor stands in for the real one, and is dropped (counted) once the run
+    starts; a wrong secret arriving later is dropped at once; the take gets the real one."""
+    box = Mailbox(1000, entry_overhead=0)
+    assert box.put(20, Slot.INPUT, 0, "real", 10, secret=SECRET)
+    assert box.put(20, Slot.INPUT, 0, "stranger", 10, secret=OTHER)  # held: run unknown
+    assert box.put(20, Slot.GRAD, 0, "stranger", 10, secret=NO_SECRET)
+    assert box.usage() == (30, 3)
+    assert box.expect(20, SECRET) == 2
+    assert box.usage() == (10, 1)
+    assert not box.put(20, Slot.GRAD, 1, "late stranger", 10, secret=OTHER)
+    assert box.refused == 3
+    assert box.usage() == (10, 1)
+    assert box.take(20, Slot.INPUT, 0, time.monotonic() + PATIENT) == "real"
+    with pytest.raises(DeadlineExceeded):
+        box.take(20, Slot.GRAD, 0, time.monotonic() + SOON)
+
+
+def test_a_waiting_take_wakes_only_for_its_secret() -> None:
+    """A take waiting for its message ignores a stranger's copy and wakes on the real one."""
+    box = Mailbox(1000, entry_overhead=0)
+    box.expect(21, SECRET)
+
+    def deliver() -> None:
+        box.put(21, Slot.INPUT, 0, "stranger", 1, secret=OTHER)
+        box.put(21, Slot.INPUT, 0, "real", 1, secret=SECRET)
+
+    sender = _later(deliver)
+    value, _ = _timed_take(box, 21, Slot.INPUT, 0, PATIENT)
+    sender.join()
+    assert value == "real"
+    assert box.usage() == (0, 0)
+
+
+def test_a_run_not_started_is_never_taken_from() -> None:
+    """A take of a run that was never started fails at once, whatever is held for it."""
+    box = Mailbox(1000, entry_overhead=0)
+    box.put(22, Slot.INPUT, 0, "x", 1, secret=NO_SECRET)
+    with pytest.raises(StepAborted, match="run 22 was not started here"):
+        box.take(22, Slot.INPUT, 0, time.monotonic() + PATIENT)
+
+
+def test_only_the_newest_runs_secrets_are_kept() -> None:
+    """Runs that are never closed (inference) keep no more than ``KNOWN_RUNS`` secrets:
+    the oldest is forgotten and its takes fail."""
+    box = Mailbox(1000, entry_overhead=0)
+    for run in range(100, 100 + KNOWN_RUNS + 1):
+        box.expect(run, SECRET)
+    with pytest.raises(StepAborted):
+        box.take(100, Slot.INPUT, 0, time.monotonic() + PATIENT)
+    box.put(101, Slot.INPUT, 0, "x", 1, secret=SECRET)
+    assert box.take(101, Slot.INPUT, 0, time.monotonic() + PATIENT) == "x"

@@ -1,0 +1,146 @@
+"""A local process that does not hold the job cannot feed a step on a plaintext cluster:
+data for guessed runs, sent before or during training over every path (unary ``Deliver``,
+a chunked ``Forward`` stream, the bulk channel), is never taken as a step's data, because
+it lacks the run's secret that the client told the stages in ``RunStep``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.transport import rpc, sending
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.wire import codec
+from tests.integration.test_metrics import scrape, value
+
+pytestmark = pytest.mark.timeout(180)
+
+KWARGS = {"sizes": [8, 12, 12, 12, 12, 4]}
+STEPS = 4
+MICRO_BATCHES = 2
+FLOOD = 20_000  # zero-byte Deliver messages per stage, as in the report (issue 18)
+SLOTS = (stage_pb2.INPUT, stage_pb2.GRAD, stage_pb2.TARGET)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Three plaintext stages on loopback, with metrics (the drop counter)."""
+    with LocalCluster(
+        stages=3,
+        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        metrics=True,
+    ) as c:
+        yield c
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _empty(slot: int, epoch: int, run: int, micro_batch: int) -> stage_pb2.DataMessage:
+    """A zero-byte message for ``slot`` of a guessed run, as a stranger sends it."""
+    tensor = torch.zeros(0, dtype=torch.int64) if slot == stage_pb2.TARGET else torch.zeros(0, 12)
+    header = stage_pb2.DataHeader(
+        epoch=epoch,
+        run=run,
+        step=2,
+        micro_batch=micro_batch,
+        meta=codec.tensor_meta(tensor),
+        loss_scale=0.5 if slot == stage_pb2.TARGET else 0.0,
+    )
+    return stage_pb2.DataMessage(slot=slot, header=header, data=b"")
+
+
+def _flood(address: str) -> int:
+    """Sends ``FLOOD`` zero-byte messages for the next runs of the job's client generation
+    (read from the stage, as anyone on loopback can), every slot and micro-batch, then one
+    large poisoned activation over a chunked stream and one over the bulk channel; returns
+    the first run guessed."""
+    with rpc.channel(address) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        stats = stub.GetStats(stage_pb2.StatsRequest(), timeout=10)
+        first = max(stats.state.committed_run, stats.state.fence << 40) + 1
+        per_run = len(SLOTS) * MICRO_BATCHES
+        futures = []
+        for n in range(FLOOD):
+            run, rest = first + n // per_run, n % per_run
+            message = _empty(SLOTS[rest // MICRO_BATCHES], stats.epoch, run, rest % MICRO_BATCHES)
+            futures.append(stub.Deliver.future(message, timeout=60))
+            if len(futures) >= 16:  # within the server's concurrent-call limit
+                for future in futures:
+                    future.result()  # the stage acknowledges (it holds or drops them)
+                futures.clear()
+        for future in futures:
+            future.result()
+        poison = torch.full((40_000, 12), 1e6)  # 1.9 MB: streamed in chunks, or bulk
+        for run, sender in ((first, None), (first + 1, sending.Sender(stub, address))):
+            msg = sending.Outgoing("Forward", stats.epoch, run, 2, 0, poison)
+            if sender is None:
+                sending.send(stub, address, msg, timeout=30)
+            else:
+                sender.send(msg, timeout=30)
+                sender.close()
+    return first
+
+
+def _train(cluster: LocalCluster, flood: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Trains ``STEPS`` steps of a new job; with ``flood``, floods every stage after the
+    first step."""
+    losses = []
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model="mlp",
+        model_kwargs=KWARGS,
+        optimizer_kwargs={"lr": 1e-2},
+        micro_batches=MICRO_BATCHES,
+        stages=3,
+    ) as pipe:
+        for step, (x, y) in enumerate(_batches()):
+            losses.append(pipe.train_step(x, y))
+            if flood and step == 0:
+                guessed = [_flood(a) for a in pipe.partition.addresses]
+                assert guessed[0] == pipe._client << 40 | 2  # the next run, guessed right
+        return losses, pipe.state_dict()
+
+
+def test_a_flood_of_data_for_guessed_runs_changes_no_step(cluster: LocalCluster) -> None:
+    """20,000 zero-byte messages per stage for the job's next runs (every slot and
+    micro-batch), plus large poisoned activations over a stream and the bulk channel, sent
+    by a stranger without TLS: training goes on, its losses and weights equal bit for bit
+    those of the same job without the flood, and every stage counted what it dropped."""
+    want_losses, want_state = _train(cluster, flood=False)
+    got_losses, got_state = _train(cluster, flood=True)
+    assert got_losses == want_losses
+    assert got_state.keys() == want_state.keys()
+    for name, tensor in want_state.items():
+        assert torch.equal(got_state[name], tensor), name
+    for i in range(3):
+        samples = scrape(cluster.metrics_url(f"stage-{i}"))
+        dropped = value(samples, "elasticpipe_stage_data_refused_total")
+        # The guessed runs the job reached (its runs 2..4): their messages, all dropped,
+        # and the two large ones.
+        assert dropped >= 3 * len(SLOTS) * MICRO_BATCHES + 2, (i, dropped)
+
+
+def test_a_run_step_without_a_secret_is_refused(cluster: LocalCluster) -> None:
+    """A RunStep that names no 16-byte run secret is refused as invalid, naming the field."""
+    with rpc.channel(cluster.stage_addresses[0]) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RunStep(
+                stage_pb2.RunStepRequest(
+                    run=1, micro_batches=1, mode=stage_pb2.INFER, timeout_s=5, secret=b"x"
+                ),
+                timeout=10,
+            )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "secret" in str(info.value.details())
