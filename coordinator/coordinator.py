@@ -22,7 +22,14 @@ from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer, run_loo
 from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store
-from elasticpipe.errors import InvalidRequest, NotReady
+from elasticpipe.errors import (
+    DeadlineExceeded,
+    ElasticPipeError,
+    InvalidRequest,
+    NameInUse,
+    NotReady,
+    StageUnavailable,
+)
 from elasticpipe.logs import get_logger
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire.structure import Value
@@ -30,6 +37,7 @@ from elasticpipe.wire.structure import Value
 log = get_logger(__name__)
 
 PAUSE_POINTS = ("after_freeze", "before_commit_point", "after_commit_point")
+HOLDER_PROBE_S = 2.0  # a registration waits this long at most for the name's holder
 
 
 class Coordinator:
@@ -76,10 +84,38 @@ class Coordinator:
     # ---- membership ------------------------------------------------------------------
 
     def register(self, name: str, address: str, device: str, memory_bytes: int = 0) -> str:
-        """Registers a new incarnation of a stage (older ones of the name are dead)."""
+        """Registers a new incarnation of a stage (older ones of the name are dead).
+
+        A name is one stage's. A registration from another address while an incarnation
+        of the name still heartbeats is either a second process under a name in use, or
+        the restart (elsewhere) of one that died within ``dead_after_s``: the holder's own
+        address tells them apart (``_answers``). The restart becomes the new incarnation
+        at once; the second process is refused, and the holder is left alone.
+
+        Raises:
+            InvalidRequest: no name or no address.
+            NameInUse: a live incarnation elsewhere holds the name and still answers.
+        """
         if not name or not address:
             raise InvalidRequest(
                 f"register needs a name and an address (got {name!r}, {address!r})"
+            )
+        holder = self.cluster.members.holder(name, address)
+        if holder is not None and self._answers(holder):
+            heard = holder.last_seen_unix
+            ago = f"{time.time() - heard:.1f}s ago" if heard else "not yet"
+            log.warning(
+                "stage_name_refused",
+                name=name,
+                address=address,
+                holder=holder.row.stage_id,
+                holder_address=holder.row.address,
+            )
+            raise NameInUse(
+                f"stage name {name!r} is in use: incarnation {holder.row.incarnation} "
+                f"({holder.row.stage_id}) at {holder.row.address} is alive (last heartbeat "
+                f"{ago}) and answers; {address} was refused. Give this stage another "
+                f"--name, or stop the one at {holder.row.address} first"
             )
         previous = max(
             (m for m in self.cluster.members.members() if m.row.name == name),
@@ -99,6 +135,22 @@ class Coordinator:
                 state=state,
             )
         return stage_id
+
+    def _answers(self, holder: Member) -> bool:
+        """Whether the holder of a name still runs: its address answers a quick probe as
+        that incarnation. Unreachable, too slow, or another incarnation there (the old
+        process died and a new one took its port): it is gone, so it does not."""
+        try:
+            reply = self.cluster.pool.call(
+                holder.row.address, "GetStats", stage_pb2.StatsRequest(), HOLDER_PROBE_S
+            )
+        except (StageUnavailable, DeadlineExceeded) as exc:
+            log.info("stage_holder_gone", stage=holder.row.name, error=str(exc)[:200])
+            return False
+        except ElasticPipeError as exc:  # it answered, if only with an error: it runs
+            log.info("stage_holder_answered", stage=holder.row.name, error=str(exc)[:200])
+            return True
+        return bool(reply.stage_id == holder.row.stage_id)
 
     def heartbeat(
         self,
@@ -128,42 +180,70 @@ class Coordinator:
         return self.cluster.live_members()
 
     def forget(self, key: str) -> str:
-        """Removes a dead stage from membership.
+        """Removes dead (or departed) incarnations from membership: the one of an id, or
+        every one of a name or address that is no longer alive -- a replacement that now
+        holds the name stays.
 
         Raises:
-            InvalidRequest: unknown stage, or one that is alive (drain it instead).
+            InvalidRequest: unknown stage; only live incarnations match (drain them
+                instead); or the dead ones still hold layers (recovery replaces them first).
         """
-        member = self.cluster.members.find(key)
-        if member is None:
+        members = self.cluster.members
+        exact = members.by_id(key)
+        matching = (
+            [exact]
+            if exact is not None
+            else [m for m in members.members() if key in (m.row.name, m.row.address)]
+        )
+        if not matching:
             raise InvalidRequest(f"unknown stage {key!r}")
-        if self.cluster.members.alive(member):
+        gone = [m for m in matching if not members.alive(m)]
+        if not gone:
+            live = max(matching, key=lambda m: m.row.incarnation)
             raise InvalidRequest(
-                f"stage {member.row.name} is alive: drain it, stop it, then forget it"
+                f"stage {live.row.name} ({live.row.stage_id}) is alive: drain it, stop it, "
+                "then forget it"
             )
         partition = self.cluster.partition
-        if partition is not None and member.row.stage_id in partition.stage_ids:
+        held = set(partition.stage_ids) if partition is not None else set()
+        forgettable = [m for m in gone if m.row.stage_id not in held]
+        if not forgettable:
             raise InvalidRequest(
-                f"stage {member.row.name} still holds layers of the partition: "
-                "it will be replaced by recovery first"
+                f"stage {gone[0].row.name} ({gone[0].row.stage_id}) still holds layers of the "
+                "partition: it will be replaced by recovery first"
             )
-        self.cluster.members.forget(member.row.stage_id)
-        log.info("stage_forgotten", stage=member.row.name, stage_id=member.row.stage_id)
-        return f"forgot {member.row.name} ({member.row.stage_id})"
+        for m in forgettable:
+            members.forget(m.row.stage_id)
+            log.info("stage_forgotten", stage=m.row.name, stage_id=m.row.stage_id)
+        ids = ", ".join(m.row.stage_id for m in forgettable)
+        return f"forgot {forgettable[0].row.name} ({ids})"
 
     def leave(self, stage_id: str, timeout: float) -> MoveOutcome:
-        """A stage shutting down (SIGTERM): move its layers off, then it may exit."""
+        """A stage shutting down (SIGTERM): move its layers off, then it may exit (and
+        counts as ``left``, not dead, once it is silent)."""
         member = self.cluster.members.by_id(stage_id)
         if member is None:
             raise NotReady(f"unknown stage id {stage_id!r}")
         self.cluster.members.mark_leaving(stage_id)
+        partition = self.cluster.partition
+        if self.cluster.job is None or partition is None or stage_id not in partition.stage_ids:
+            self.cluster.members.mark_left(stage_id)  # nothing of a job to move off
+            log.info("stage_left", stage=member.row.name, stage_id=stage_id, moved=False)
+            return MoveOutcome(False, partition, f"{member.row.name} holds no layers")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.rebalancer.drain(stage_id, f"{member.row.name} is leaving")
+                outcome = self.rebalancer.drain(stage_id, f"{member.row.name} is leaving")
             except NotReady:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.5)
+                continue
+            now = self.cluster.partition
+            if now is None or stage_id not in now.stage_ids:  # the move went through
+                self.cluster.members.mark_left(stage_id)
+                log.info("stage_left", stage=member.row.name, stage_id=stage_id, moved=True)
+            return outcome
 
     def profile_job(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample, then moves to the partition the

@@ -3,9 +3,13 @@
 Every start of a stage process is a new *incarnation* with a new id, even under the same
 name and address: the coordinator never confuses a restarted stage with the one that
 died (that one's layers, runs and snapshots are gone). Registering a name again declares
-its older incarnations dead. An incarnation is alive while it heartbeats; one that misses
-heartbeats for ``dead_after_s``, or that a failure report and a probe find unreachable,
-is declared dead for good: if it comes back it is told so and registers anew, as a spare.
+its older incarnations dead -- unless one of them is a live ``holder`` elsewhere: a name
+is one host's, so a second process under a name in use is refused while its holder
+still answers (``Coordinator.register`` probes it). An incarnation is alive while it
+heartbeats; one that misses heartbeats for ``dead_after_s``, or that a failure report
+and a probe find unreachable, is declared dead for good: if it comes back it is told so
+and registers anew, as a spare. One that shut down on purpose (SIGTERM, its layers moved
+off first) has ``left``: it is gone as a dead one is, but nothing failed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from elasticpipe.coordinator.store import StageRow, Store
 from elasticpipe.v1 import stage_pb2
 
 RESTART_GRACE_S = 10.0
+LEFT_REASON = "left: shut down on purpose, after its layers moved off"
+
+# What ``Membership.state`` calls an incarnation (admin status, metrics).
+STATES = ("chain", "spare", "drained", "dead", "left")
 
 
 class Heard(Enum):
@@ -127,6 +135,30 @@ class Membership:
                 member.snapshots = snapshots
             return Heard.OK
 
+    def holder(self, name: str, address: str) -> Member | None:
+        """The newest live incarnation of ``name`` at an address other than ``address``
+        (one that has not left): the process a registration of the name from ``address``
+        would displace. At the same address there is none (two processes cannot listen on
+        one port): a registration from there is that stage's own restart."""
+        with self._lock:
+            same_name = [m for m in self._members.values() if m.row.name == name]
+        live = [
+            m for m in same_name if m.row.address != address and not m.row.left and self.alive(m)
+        ]
+        return max(live, key=lambda m: m.row.incarnation, default=None)
+
+    def state(self, member: Member, in_chain: bool) -> str:
+        """What an incarnation is (one of ``STATES``): ``left`` once its shutdown finished,
+        ``dead`` when declared dead or silent, else ``chain`` (it holds layers of the
+        partition), ``drained`` (kept out) or ``spare``."""
+        if member.row.left:
+            return "left"
+        if not self.alive(member):
+            return "dead"
+        if in_chain:
+            return "chain"
+        return "drained" if member.row.drained else "spare"
+
     def alive(self, member: Member) -> bool:
         """Whether the incarnation is not declared dead and was heard from recently."""
         return (
@@ -183,6 +215,16 @@ class Membership:
             if member is not None and not member.row.drained:
                 member.row = replace(member.row, leaving=True)
                 self._store.set_stage(stage_id, leaving=True)
+
+    def mark_left(self, stage_id: str) -> None:
+        """Notes that an incarnation's shutdown finished (nothing of the job is left on it,
+        and it exits now): its silence is a departure, not a failure. Kept out of future
+        partitions meanwhile."""
+        with self._lock:
+            member = self._members.get(stage_id)
+            if member is not None:
+                member.row = replace(member.row, left=True, drained=True)
+                self._store.set_stage(stage_id, left=True, drained=True)
 
     def forget(self, stage_id: str) -> None:
         """Removes a dead incarnation from membership (and from status)."""

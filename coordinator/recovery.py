@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from elasticpipe.coordinator import copies, epochs
 from elasticpipe.coordinator.epochs import Change
-from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.membership import LEFT_REASON, Member
 from elasticpipe.coordinator.planner import plan, predict_step_time
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -108,9 +108,12 @@ class Recovery:
         """Declares silent stages dead, and recovers if one of the chain is (called by the
         coordinator's loop)."""
         for member in self.c.members.members():
-            if self.c.members.silent(member) and self.c.members.declare_dead(
-                member.row.stage_id, "missed its heartbeats"
-            ):
+            if not self.c.members.silent(member):
+                continue
+            if member.row.left:  # its shutdown finished: gone, but nothing failed
+                if self.c.members.declare_dead(member.row.stage_id, LEFT_REASON):
+                    log.info("stage_gone", stage=member.row.name, why=LEFT_REASON)
+            elif self.c.members.declare_dead(member.row.stage_id, "missed its heartbeats"):
                 log.warning(
                     "stage_declared_dead", stage=member.row.name, why="missed its heartbeats"
                 )

@@ -288,14 +288,7 @@ class CoordinatorServicer:
         if p is not None and index is not None:
             lo, hi = p.boundaries[index], p.boundaries[index + 1]
         alive = cluster.members.alive(m)
-        if m.row.dead or not alive:
-            state = "dead"
-        elif index is not None:
-            state = "chain"
-        elif m.row.drained:
-            state = "drained"
-        else:
-            state = "spare"
+        state = cluster.members.state(m, index is not None)
         speed = cluster.speed_of(m) if cluster.job is not None and index is not None else None
         return coordinator_pb2.StageInfo(
             stage_id=m.row.stage_id,

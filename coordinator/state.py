@@ -15,7 +15,7 @@ from typing import NamedTuple
 from elasticpipe.coordinator import estimates, memory
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.estimates import Profile, Timing
-from elasticpipe.coordinator.membership import Member, Membership
+from elasticpipe.coordinator.membership import STATES, Member, Membership
 from elasticpipe.coordinator.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
 from elasticpipe.errors import LayersLost, NotReady
@@ -130,14 +130,9 @@ class Cluster:
         """What a scrape of the metrics reports: members by state, the partition."""
         partition = self.partition
         chain = set(partition.stage_ids) if partition else set()
-        members = dict.fromkeys(("chain", "spare", "drained", "dead"), 0)
+        members = dict.fromkeys(STATES, 0)
         for m in self.members.members():
-            if not self.members.alive(m):
-                members["dead"] += 1
-            elif m.row.stage_id in chain:
-                members["chain"] += 1
-            else:
-                members["drained" if m.row.drained else "spare"] += 1
+            members[self.members.state(m, m.row.stage_id in chain)] += 1
         return CoordinatorView(
             members=members,
             epoch=partition.epoch if partition else None,

@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS incarnations (
     registered_at REAL NOT NULL,
     drained INTEGER NOT NULL DEFAULT 0,
     leaving INTEGER NOT NULL DEFAULT 0,
+    left_cleanly INTEGER NOT NULL DEFAULT 0,
     dead INTEGER NOT NULL DEFAULT 0,
     forgotten INTEGER NOT NULL DEFAULT 0,
     UNIQUE (name, incarnation)
@@ -54,6 +55,7 @@ class StageRow:
     incarnation: int = 1
     dead: bool = False
     leaving: bool = False  # drained by its own shutdown (SIGTERM), not by an operator
+    left: bool = False  # its shutdown finished: nothing of the job left on it, it exits
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,11 @@ class Store:
         )
         self._db.executescript(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(incarnations)")}
-        if "leaving" not in columns:  # a state file from before the column existed
-            self._db.execute(
-                "ALTER TABLE incarnations ADD COLUMN leaving INTEGER NOT NULL DEFAULT 0"
-            )
+        for column in ("leaving", "left_cleanly"):  # a state file from before the column
+            if column not in columns:
+                self._db.execute(
+                    f"ALTER TABLE incarnations ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
+                )
 
     def close(self) -> None:
         """Closes the file."""
@@ -106,7 +109,8 @@ class Store:
         with self._lock:
             self._db.execute(
                 "INSERT INTO incarnations (stage_id, name, incarnation, address, device, "
-                "registered_at, drained, dead, leaving) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "registered_at, drained, dead, leaving, left_cleanly) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     row.stage_id,
                     row.name,
@@ -117,17 +121,20 @@ class Store:
                     int(row.drained),
                     int(row.dead),
                     int(row.leaving),
+                    int(row.left),
                 ),
             )
 
     def set_stage(self, stage_id: str, **flags: bool) -> None:
-        """Sets ``drained``, ``leaving``, ``dead`` or ``forgotten`` of an incarnation."""
+        """Sets ``drained``, ``leaving``, ``left``, ``dead`` or ``forgotten`` of an
+        incarnation."""
         for name, value in flags.items():
-            if name not in ("drained", "dead", "forgotten", "leaving"):
+            if name not in ("drained", "dead", "forgotten", "leaving", "left"):
                 raise ValueError(f"unknown stage flag {name!r}")
+            column = "left_cleanly" if name == "left" else name  # LEFT is an SQL keyword
             with self._lock:
                 self._db.execute(
-                    f"UPDATE incarnations SET {name}=? WHERE stage_id=?",
+                    f"UPDATE incarnations SET {column}=? WHERE stage_id=?",
                     (int(value), stage_id),
                 )
 
@@ -136,10 +143,22 @@ class Store:
         with self._lock:
             rows = self._db.execute(
                 "SELECT stage_id, name, address, device, registered_at, drained, incarnation, "
-                "dead, leaving FROM incarnations WHERE forgotten=0 ORDER BY registered_at, name"
+                "dead, leaving, left_cleanly FROM incarnations WHERE forgotten=0 "
+                "ORDER BY registered_at, name"
             ).fetchall()
         return [
-            StageRow(r[0], r[1], r[2], r[3], r[4], bool(r[5]), int(r[6]), bool(r[7]), bool(r[8]))
+            StageRow(
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                bool(r[5]),
+                int(r[6]),
+                bool(r[7]),
+                bool(r[8]),
+                bool(r[9]),
+            )
             for r in rows
         ]
 

@@ -8,6 +8,7 @@
     │   └── UserCodeError              INVALID_ARGUMENT     the user's model, loss or data raised
     ├── PermissionDenied               PERMISSION_DENIED    not allowed here (model, role, fault)
     ├── TooLarge                       RESOURCE_EXHAUSTED   declared or received size over a limit
+    ├── NameInUse                      ALREADY_EXISTS       a live stage already holds the name
     ├── NotReady                       FAILED_PRECONDITION  no job / layers / step in that state
     │   ├── StaleEpoch                 FAILED_PRECONDITION  request of another epoch (retryable)
     │   ├── Fenced                     FAILED_PRECONDITION  a newer client holds the job
@@ -70,6 +71,12 @@ class TooLarge(ElasticPipeError):
     """A declared or received size is over a configured limit."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NameInUse(ElasticPipeError):
+    """A stage registered under a name that a live, answering incarnation holds."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class NotReady(ElasticPipeError):
@@ -152,6 +159,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ElasticPipeError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAUTHENTICATED: PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: TooLarge,
+    grpc.StatusCode.ALREADY_EXISTS: NameInUse,
     grpc.StatusCode.FAILED_PRECONDITION: NotReady,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.ABORTED: StepAborted,

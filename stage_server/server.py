@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
-from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotReady
+from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NameInUse, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
 from elasticpipe.stage_server.bulk import BulkListener, listen_host
@@ -35,7 +36,13 @@ GRANT_TIMEOUT_S = 5.0  # asked on a request's path: short
 class StageServer:
     """Serves a ``Stage`` and keeps it registered with the coordinator (a context manager)."""
 
-    def __init__(self, config: StageConfig, coordinator: str, listen: str = "127.0.0.1:0"):
+    def __init__(
+        self,
+        config: StageConfig,
+        coordinator: str,
+        listen: str = "127.0.0.1:0",
+        on_refused: Callable[[NameInUse], None] | None = None,
+    ):
         self.coordinator = coordinator
         self._listen = listen
         self._config = config
@@ -47,6 +54,8 @@ class StageServer:
         self._thread: threading.Thread | None = None
         self.stage_id = ""
         self.registered = threading.Event()
+        self.refused: NameInUse | None = None  # the coordinator refused this stage's name
+        self._on_refused = on_refused
 
     @property
     def address(self) -> str:
@@ -101,17 +110,18 @@ class StageServer:
         return self
 
     def leave(self, timeout: float) -> None:
-        """Asks the coordinator to move this stage's layers off before it exits (SIGTERM).
+        """Asks the coordinator to move this stage's layers off before it exits (SIGTERM);
+        a stage holding none just says it goes, so that it counts as ``left``, not dead.
 
         Gives up quietly when the coordinator is gone or the time runs out: the stage
         then simply dies, and recovery replaces it.
         """
         stage = self.stage
-        if stage is None or not self.stage_id or timeout <= 0:
+        if stage is None or not self.stage_id:
             return
         placement = stage.placement
-        if placement is None or not placement.in_chain:
-            return
+        if timeout <= 0 and placement is not None and placement.in_chain:
+            return  # no time to move layers off: it dies, and recovery replaces it
         log.info("stage_leaving", stage_id=self.stage_id, timeout_s=timeout)
         try:
             with rpc.channel(self.coordinator, self._config.tls) as chan:
@@ -169,6 +179,12 @@ class StageServer:
                     else:
                         self._heartbeat(stub, interval)
                     self._stop.wait(interval)
+                except NameInUse as exc:  # retrying would not help: an operator must act
+                    log.error("stage_refused", name=self._config.name, error=str(exc))
+                    self.refused = exc
+                    if self._on_refused is not None:
+                        self._on_refused(exc)
+                    return
                 except ElasticPipeError as exc:
                     attempt += 1
                     delay = backoff * (0.5 + random.random())

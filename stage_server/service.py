@@ -426,6 +426,7 @@ class StageServicer:
         stage = self.stage
         placement = stage.placement
         return stage_pb2.StageStats(
+            stage_id=stage.stage_id,  # which incarnation answers (the coordinator's probe)
             name=stage.config.name,
             epoch=stage.epoch,
             layer_lo=placement.lo if placement else 0,

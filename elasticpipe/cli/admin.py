@@ -28,17 +28,26 @@ from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 ADMIN_TIMEOUT_S = 300.0
 
 STATUS_HELP = """\
+step (in the first line) is the job's committed step. A step is committed on every stage
+of the chain or on none, so the chain has one step, shown once; each stage reports its
+own with its heartbeats, which lag by up to an interval (--json: stages[].committed_step,
+as of that stage's last heartbeat).
+live stages come first, the chain in chain order; then the incarnations that are gone.
 columns of the stage table:
+  id      the incarnation's id (each start of a stage process gets a new one)
   state   chain (holds layers), spare (live, outside the chain: replaces a stage that
           dies, or joins when the planner predicts a gain), drained (kept out by an
-          operator), dead (declared dead: missed heartbeats or unreachable)
+          operator), dead (declared dead: missed heartbeats or unreachable), left (shut
+          down on purpose, SIGTERM, after its layers moved off)
   inc     incarnation: how many times a stage of this name registered
   speed   measured speed relative to the job's profile: 1.0 is the slowest profiled
-          stage; 2.0 runs the same layers in half the time (0: not measured yet)
+          stage; 2.0 runs the same layers in half the time (-: not measured, or not in
+          the chain)
   slow    emulated slowdown factor (admin slowdown; 1 = none)
   memory  bytes the stage offers its job (--memory, or measured at start; -: unknown)
   layers  the layer range owned, LO:HI (HI excluded)
-  step    the last optimizer step the stage committed
+  step    (gone incarnations) the last step it had committed when last heard from
+'admin forget NAME' removes the gone incarnations of a name.
 the epoch history lists every partition change of the job: its kind (start, move,
 scale-out, recovery, restore, or an attempt abandoned before its commit point), the
 layers and bytes moved, how long training paused, and why.
@@ -127,21 +136,36 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
     ]
     if s.job_failure:
         lines.append(f"JOB FAILED: {s.job_failure}")
+    live, gone = ordered_stages(s.stages)
     nw = _width((st.name for st in s.stages), 14)  # long names and addresses widen
+    iw = _width((st.stage_id for st in s.stages), 13)
     aw = _width((st.address for st in s.stages), 22)  # their columns, never overrun them
     lines += [
         "",
-        f"{'name':<{nw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}{'speed':>7}"
-        f"{'slow':>6}{'memory':>8}{'layers':>9}{'step':>7}  heartbeat",
+        f"{'name':<{nw}}{'id':<{iw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}"
+        f"{'speed':>7}{'slow':>6}{'memory':>8}{'layers':>9}  heartbeat",
     ]
-    for st in s.stages:
+    for st in live:
         layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
+        speed = f"{st.speed:.3f}" if st.speed > 0 else "-"
         lines.append(
-            f"{st.name:<{nw}}{st.state:<9}{st.incarnation:>4}  {st.address:<{aw}}{st.device:<8}"
-            f"{st.speed:>7.3f}{st.slowdown:>6.1f}{_mem(st.memory_bytes):>8}{layers:>9}"
-            f"{st.committed_step:>7}  "
-            f"{_ago(st.last_heartbeat_unix)}"
+            f"{st.name:<{nw}}{st.stage_id:<{iw}}{st.state:<9}{st.incarnation:>4}  "
+            f"{st.address:<{aw}}{st.device:<8}{speed:>7}{st.slowdown:>6.1f}"
+            f"{_mem(st.memory_bytes):>8}{layers:>9}  {_ago(st.last_heartbeat_unix)}"
         )
+    if gone:
+        lines += [
+            "",
+            "gone (dead or left; 'admin forget NAME' removes them):",
+            f"{'name':<{nw}}{'id':<{iw}}{'state':<9}{'inc':>4}  {'address':<{aw}}{'device':<8}"
+            f"{'step':>7}  last heartbeat",
+        ]
+        for st in gone:
+            lines.append(
+                f"{st.name:<{nw}}{st.stage_id:<{iw}}{st.state:<9}{st.incarnation:>4}  "
+                f"{st.address:<{aw}}{st.device:<8}{st.committed_step:>7}  "
+                f"{_ago(st.last_heartbeat_unix)}"
+            )
     if s.history:
         lines += [
             "",
@@ -156,6 +180,21 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
                 f"{r.layers_moved:>6}{r.bytes_moved:>12}{r.pause_s:>7.2f}s  {r.reason}"
             )
     return "\n".join(lines)
+
+
+GONE_STATES = ("dead", "left")
+
+
+def ordered_stages(
+    stages: Iterable[coordinator_pb2.StageInfo],
+) -> tuple[list[coordinator_pb2.StageInfo], list[coordinator_pb2.StageInfo]]:
+    """The live stages (the chain in chain order, then spares, then drained ones, each in
+    registration order), and the incarnations that are gone (dead or left)."""
+    every = list(stages)
+    rank = {"chain": 0, "spare": 1, "drained": 2}
+    live = [st for st in every if st.state not in GONE_STATES]
+    live.sort(key=lambda st: (rank.get(st.state, 3), st.index if st.state == "chain" else 0))
+    return live, [st for st in every if st.state in GONE_STATES]
 
 
 def format_plan(p: coordinator_pb2.PlanResponse) -> str:

@@ -62,11 +62,15 @@ class _Server(Protocol):
 
 
 def _serve_until_signalled(
-    server: _Server, ready_file: str | None, before_stop: Callable[[], None] | None = None
+    server: _Server,
+    ready_file: str | None,
+    before_stop: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Announces the server's address, serves until SIGTERM/SIGINT, then stops it (after
-    ``before_stop``, such as moving a stage's layers off)."""
-    stop = threading.Event()
+    """Announces the server's address, serves until SIGTERM/SIGINT (or until ``stop`` is
+    set, by the server itself), then stops it (after ``before_stop``, such as moving a
+    stage's layers off)."""
+    stop = stop or threading.Event()
     received: list[str] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -164,8 +168,16 @@ def cmd_stage(args: argparse.Namespace) -> int:
         bulk_port=None if args.no_bulk else args.bulk_port,
     )
     memtune.keep_freed_memory()  # received tensors reuse freed pages (memtune.py)
-    server = StageServer(config, args.coordinator, args.listen).start()
-    return _serve_until_signalled(server, args.ready_file, lambda: server.leave(args.drain_timeout))
+    refused = threading.Event()  # another live stage holds the name: exit, non-zero
+    server = StageServer(
+        config, args.coordinator, args.listen, on_refused=lambda _: refused.set()
+    ).start()
+    code = _serve_until_signalled(
+        server, args.ready_file, lambda: server.leave(args.drain_timeout), refused
+    )
+    if server.refused is not None:
+        raise server.refused  # main prints it and exits 2
+    return code
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

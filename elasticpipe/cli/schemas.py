@@ -103,7 +103,7 @@ COMMANDS = [*COMMAND_MESSAGES, *COMMAND_OBJECTS]
 
 # String fields whose values are a closed set (message name, field name) -> values.
 STRING_VALUES: dict[tuple[str, str], list[str]] = {
-    ("StageInfo", "state"): ["chain", "spare", "drained", "dead"],
+    ("StageInfo", "state"): ["chain", "spare", "drained", "dead", "left"],
     ("EpochRecord", "kind"): ["start", "move", "scale-out", "recovery", "restore", "abandoned"],
 }
 

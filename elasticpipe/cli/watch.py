@@ -20,11 +20,18 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from elasticpipe.cli.admin import ordered_stages
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.v1 import coordinator_pb2
 
 DECISIONS_SHOWN = 6
-STATE_STYLES = {"chain": "green", "spare": "cyan", "drained": "yellow", "dead": "red"}
+STATE_STYLES = {
+    "chain": "green",
+    "spare": "cyan",
+    "drained": "yellow",
+    "dead": "red",
+    "left": "dim",
+}
 
 
 def step_rate(
@@ -89,9 +96,8 @@ def _stages(s: coordinator_pb2.StatusResponse) -> Table:
         ("step", "right"),
     ):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    chain = sorted((st for st in s.stages if st.index >= 0), key=lambda st: st.index)
-    others = [st for st in s.stages if st.index < 0]
-    for st in [*chain, *others]:
+    live, gone = ordered_stages(s.stages)  # the chain in chain order, the gone ones last
+    for st in [*live, *gone]:
         layers = (
             f"{st.layer_lo}:{st.layer_hi} ({st.layer_hi - st.layer_lo})" if st.index >= 0 else "-"
         )

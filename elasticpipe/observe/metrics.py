@@ -49,7 +49,9 @@ class RpcErrorCounter(_Interceptor):
 
     The method is "Service/Method" (``StageService/RunStep``); a call to a method the server
     does not have counts as ``unknown`` with ``UNIMPLEMENTED`` (its name is the caller's
-    choice: it must not become a label value).
+    choice: it must not become a label value). A reply stream its caller abandoned
+    (cancelled, or past its deadline) counts as ``CANCELLED`` or ``DEADLINE_EXCEEDED``, and
+    is logged (``rpc_stream_abandoned``): gRPC sets no code for it.
     """
 
     def __init__(self, counter: Counter):
@@ -84,8 +86,29 @@ class RpcErrorCounter(_Interceptor):
 
         def streaming(behaviour: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Any:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                sent = 0
                 try:
-                    yield from behaviour(request, context)
+                    for reply in behaviour(request, context):
+                        yield reply
+                        sent += 1
+                except GeneratorExit:
+                    # gRPC stops iterating a stream whose caller went away (cancelled it,
+                    # or its deadline passed): no code is set, and it is no UNKNOWN failure.
+                    remaining = context.time_remaining()
+                    code = (
+                        "DEADLINE_EXCEEDED"
+                        if remaining is not None and remaining <= 0
+                        else ("CANCELLED")
+                    )
+                    self._counter.labels(method=method, code=code).inc()
+                    log.info(
+                        "rpc_stream_abandoned",
+                        method=method,
+                        peer=context.peer(),
+                        sent=sent,
+                        code=code,
+                    )
+                    raise
                 except BaseException:
                     record(method, context)
                     raise
@@ -300,7 +323,7 @@ class CoordinatorView:
     predicted_step_s: float | None  # the partition's prediction when it was made
 
 
-MEMBER_STATES = ("chain", "spare", "drained", "dead")
+MEMBER_STATES = ("chain", "spare", "drained", "dead", "left")
 
 
 class CoordinatorMetrics:
@@ -397,7 +420,7 @@ class CoordinatorMetrics:
         v = self._read()
         members = GaugeMetricFamily(
             "elasticpipe_coordinator_members",
-            "Stage incarnations by state (chain, spare, drained, dead)",
+            "Stage incarnations by state (chain, spare, drained, dead, left)",
             labels=["state"],
         )
         for state in MEMBER_STATES:

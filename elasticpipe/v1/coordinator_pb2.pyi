@@ -181,7 +181,7 @@ class StageInfo(_message.Message):
     committed_step: _builtins.int
     slowdown: _builtins.float
     state: _builtins.str
-    """"chain", "spare", "drained", "dead" """
+    """"chain", "spare", "drained", "dead", "left" """
     incarnation: _builtins.int
     """how many times a stage of this name registered"""
     memory_bytes: _builtins.int

@@ -324,7 +324,7 @@ STATUS_SCHEMA = {
                     "committed_step",
                 ],
                 "properties": {
-                    "state": {"enum": ["chain", "spare", "drained", "dead"]},
+                    "state": {"enum": ["chain", "spare", "drained", "dead", "left"]},
                     "incarnation": {"type": "integer"},
                     "committed_step": {"type": "integer"},
                     "layer_lo": {"type": "integer"},

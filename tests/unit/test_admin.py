@@ -86,3 +86,39 @@ def test_status_columns_widen_for_long_names_and_addresses() -> None:
     for row in rows:  # every row's state column starts where the header's does
         assert row[header.index("state") :].startswith("chain")
         assert row[header.index("address") - 1] == " "
+
+
+def test_status_lists_live_stages_first_with_ids_and_the_gone_ones_apart() -> None:
+    """The chain in chain order, then spares, each with its id; a spare's unmeasured speed
+    is "-", not 0.000; the job's step is shown once (live rows carry no per-stage step,
+    which heartbeats report at different moments); dead and left incarnations follow in
+    their own section, with the step each had committed when last heard from."""
+    from elasticpipe.cli.admin import format_status
+    from elasticpipe.v1 import coordinator_pb2
+
+    status = coordinator_pb2.StatusResponse(num_layers=4, committed_step=7)
+    status.partition.boundaries.extend([0, 2, 4])
+    rows = [  # registration order, as the coordinator sends them
+        ("old-b", "st-dead0001", "dead", -1, 0.0, 3),
+        ("spare", "st-spare001", "spare", -1, 0.0, 0),
+        ("b", "st-chain002", "chain", 1, 1.5, 6),
+        ("a", "st-chain001", "chain", 0, 1.0, 7),
+        ("gone", "st-left0001", "left", -1, 0.0, 5),
+    ]
+    for name, sid, state, index, speed, step in rows:
+        status.stages.add(
+            name=name, stage_id=sid, state=state, index=index, speed=speed, committed_step=step
+        )
+    lines = format_status(status).splitlines()
+    assert "step: 7" in lines[0]
+    order = [line.split()[0] for line in lines if line.split()[:1] and "st-" in line]
+    assert order == ["a", "b", "spare", "old-b", "gone"]
+    gone_at = next(i for i, line in enumerate(lines) if line.startswith("gone"))
+    assert all(line.startswith(("old-b", "gone")) for line in lines[gone_at + 2 :])
+    table = {line.split()[0]: line.split() for line in lines[:gone_at] if "st-" in line}
+    assert table["a"][1] == "st-chain001" and table["spare"][1] == "st-spare001"
+    assert table["spare"][4] == "-"  # speed (no address, no device in this status)
+    assert table["b"][4] == "1.500"
+    assert not any("6" in cell or "7" in cell for row in table.values() for cell in row[5:])
+    dead = next(line.split() for line in lines[gone_at:] if line.startswith("old-b"))
+    assert dead[1:4] == ["st-dead0001", "dead", "0"] and dead[4] == "3"

@@ -179,3 +179,47 @@ def test_find_by_id_name_or_address(members: Membership, key: str) -> None:
     assert found is not None
     assert found.row.stage_id == sid
     assert members.find("nobody") is None
+
+
+def test_the_holder_of_a_name_is_its_live_incarnation_elsewhere(
+    members: Membership, clock: FakeClock
+) -> None:
+    """A registration from another address meets the name's live incarnation as its holder;
+    from the holder's own address (its restart: one port, one process) there is none, nor
+    once the holder is silent, dead or has left."""
+    sid, _ = members.register("host-a", "10.0.0.1:7000", "cpu")
+    holder = members.holder("host-a", "10.0.0.1:7204")
+    assert holder is not None and holder.row.stage_id == sid
+    assert members.holder("host-a", "10.0.0.1:7000") is None
+    assert members.holder("host-b", "10.0.0.1:7204") is None
+    clock.now += 5.0
+    assert members.holder("host-a", "10.0.0.1:7204") is None  # silent: a restart elsewhere
+    members.heartbeat(sid, 0, {}, 0, 1.0)
+    members.mark_left(sid)
+    assert members.holder("host-a", "10.0.0.1:7204") is None  # shutting down on purpose
+
+
+def test_an_incarnation_that_left_is_left_not_dead_also_after_a_restart(
+    store: Store, clock: FakeClock
+) -> None:
+    """A stage whose shutdown finished is "left" (and kept out of partitions), a killed one
+    "dead"; the difference survives a coordinator restart, and the successor of the one
+    that left is not drained."""
+    first = Membership(store, clock=clock)
+    gone, _ = first.register("host-a", "a:1", "cpu")
+    killed, _ = first.register("host-b", "b:1", "cpu")
+    spare, _ = first.register("host-c", "c:1", "cpu")
+    first.mark_leaving(gone)
+    first.mark_left(gone)
+    first.declare_dead(killed, "missed its heartbeats")
+    states = {m.row.name: first.state(m, in_chain=False) for m in first.members()}
+    assert states == {"host-a": "left", "host-b": "dead", "host-c": "spare"}
+    restarted = Membership(store, clock=clock)
+    assert [restarted.state(m, in_chain=False) for m in restarted.members()][:2] == [
+        "left",
+        "dead",
+    ]
+    assert restarted.by_id(gone).row.drained  # type: ignore[union-attr]
+    again, _ = restarted.register("host-a", "a:1", "cpu")
+    assert not restarted.by_id(again).row.drained  # type: ignore[union-attr]
+    assert restarted.state(restarted.by_id(spare), in_chain=True) == "chain"  # type: ignore[arg-type]

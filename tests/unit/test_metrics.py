@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -180,3 +184,49 @@ def test_a_port_in_use_is_refused_by_value() -> None:
         port = busy.getsockname()[1]
         with pytest.raises(InvalidRequest, match=f"cannot serve metrics on 127.0.0.1 port {port}"):
             MetricsEndpoint(_stage().registry, "127.0.0.1", port)
+
+
+@pytest.mark.timeout(30)
+def test_a_reply_stream_its_caller_abandons_counts_as_cancelled_or_deadline_not_unknown() -> None:
+    """A server-streaming call the caller cancels after one reply, and one whose deadline
+    passes mid-stream, count as CANCELLED and DEADLINE_EXCEEDED (gRPC sets no code for
+    either: they used to count as UNKNOWN, with nothing logged)."""
+    stage = _stage()
+
+    def replies(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        for _ in range(100):
+            yield b"chunk"
+            time.sleep(0.05)
+
+    handler = grpc.method_handlers_generic_handler(
+        "elasticpipe.v1.StageService",
+        {"ExportLayers": grpc.unary_stream_rpc_method_handler(replies)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[stage.interceptor()])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            export = channel.unary_stream("/elasticpipe.v1.StageService/ExportLayers")
+            cancelled = export(b"", timeout=10)
+            next(cancelled)
+            cancelled.cancel()
+            with pytest.raises(grpc.RpcError) as late:
+                list(export(b"", timeout=0.3))
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+
+        def counted() -> dict[str, float]:
+            return {
+                s.labels["code"]: s.value
+                for f in stage.registry.collect()
+                for s in f.samples
+                if s.name == "elasticpipe_stage_rpc_errors_total"
+            }
+
+        while len(counted()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server notices each caller's departure on its own
+    finally:
+        server.stop(0)
+    assert counted() == {"CANCELLED": 1.0, "DEADLINE_EXCEEDED": 1.0}

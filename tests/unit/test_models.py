@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from elasticpipe.models.zoo import BUILTIN_MODELS
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -24,6 +23,7 @@ from elasticpipe.models.contract import (
     materialize_layer,
     resolve_factory,
 )
+from elasticpipe.models.zoo import BUILTIN_MODELS
 
 HERE = __name__  # this module doubles as an allowed package of user factories
 SEED = 1234
