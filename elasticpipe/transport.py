@@ -27,6 +27,7 @@ class Outgoing:
     micro_batch: int
     tensor: Value
     loss_scale: float = 0.0
+    inference: bool = False  # of an inference run (for the sender's trace; not sent)
 
 
 def header(msg: Outgoing, meta: tensor_pb2.TensorMeta | None) -> stage_pb2.DataHeader:
