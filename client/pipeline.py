@@ -19,10 +19,11 @@ Failures cost time, not results:
   mini-batches it kept since then and carries on. ``train_step`` returns as if nothing
   happened, with the same loss;
 * when the training script itself dies, ``Pipeline(..., resume=True)`` attaches to the
-  running job, and ``pipe.step`` says where to continue.
+  running job, and ``pipe.step`` says how many steps it has committed.
 
 The pipeline holds the job's *lease* while it lives (renewed in the background, released
-by ``close``): another ``Pipeline`` cannot take the job from under it.
+by ``close``): another ``Pipeline`` cannot take the job from under it. Once closed, it
+touches the job no more: its methods raise ``PipelineClosed``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from elasticpipe.errors import (
     JobInUse,
     LayersLost,
     NotReady,
+    PipelineClosed,
     Rebalancing,
     StagesMissing,
     StageUnavailable,
@@ -109,6 +111,8 @@ class StepStats:
     Attributes:
         step: the step committed.
         loss: its mean loss.
+        micro_batches: how many micro-batches it ran: the pipeline's ``micro_batches``, or
+            fewer when the mini-batch had fewer samples (one micro-batch per sample).
         seconds: wall time of ``train_step`` (replays and retries included).
         attempts: runs it took (more than 1 after a rebalance or a failure).
         replayed: earlier steps replayed first, after a recovery.
@@ -127,6 +131,7 @@ class StepStats:
 
     step: int = 0
     loss: float = 0.0
+    micro_batches: int = 0
     seconds: float = 0.0
     attempts: int = 0
     replayed: int = 0
@@ -140,7 +145,8 @@ class StepStats:
     def __str__(self) -> str:
         compute = "/".join(f"{s.compute_s * 1e3:.0f}" for s in self.stages)
         wait = "/".join(f"{s.wait_s * 1e3:.0f}" for s in self.stages)
-        extra = f", {self.attempts} attempts" if self.attempts > 1 else ""
+        extra = f", {self.micro_batches} micro-batches" if self.micro_batches else ""
+        extra += f", {self.attempts} attempts" if self.attempts > 1 else ""
         extra += f", {self.replayed} replayed" if self.replayed else ""
         return (
             f"step {self.step}: loss {self.loss:.4f} in {self.seconds * 1e3:.0f} ms{extra}; "
@@ -225,9 +231,12 @@ class Pipeline:
             optimizer: "sgd", "adam", "adamw", a ``torch.optim`` class by name ("RMSprop"),
                 or "package.module:name" allowed by the stages (per-parameter optimizers
                 only: see docs/training.md); ``optimizer_kwargs`` its arguments.
-            loss: "cross_entropy", "mse" or "package.module:function" allowed by the stages
-                (mean over the mini-batch).
-            micro_batches: micro-batches per mini-batch (fewer if the batch is smaller).
+            loss: "cross_entropy", "mse" or "package.module:function" allowed by the stages:
+                the mean over the micro-batch it is given (each micro-batch's is weighted by
+                its share of the mini-batch, so the step's loss is the mini-batch mean).
+            micro_batches: micro-batches per mini-batch; a mini-batch of fewer samples is
+                split into one micro-batch per sample (``last_step.micro_batches`` says how
+                many a step ran).
             schedule: "1f1b" (bounded activation memory), "gpipe", or "zb-h1" (zero bubble:
                 1F1B's order with each backward split into input and weight gradients).
             stages: how many stages to use (default: every live stage); more live stages
@@ -337,8 +346,9 @@ class Pipeline:
         self._profiled = True
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
-        self.num_layers = 0
-        self.last_step = StepStats()
+        self._num_layers = 0
+        self._last_step = StepStats()
+        self._closed = False
         # Checked now, before anything changes anywhere; streamed at job setup.
         self._init = None if init_state is None or resume else initial.check(self._job, init_state)
 
@@ -355,10 +365,13 @@ class Pipeline:
     def close(self) -> None:
         """Releases the job's lease and closes the channels (the stages keep the layers).
 
-        Closing twice does nothing the second time.
+        Afterwards every method that would touch the job raises ``PipelineClosed``;
+        ``step``, ``partition`` and ``last_step`` still say what was last known. Closing
+        twice does nothing the second time.
         """
-        if self._stop.is_set():
+        if self._closed:
             return
+        self._closed = True
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
@@ -380,15 +393,40 @@ class Pipeline:
 
     @property
     def step(self) -> int:
-        """Optimizer steps done so far (attaches first when resuming)."""
-        if self._resume:
+        """Optimizer steps committed so far: the next ``train_step`` is step ``step + 1``
+        (attaches first when resuming)."""
+        if self._resume and self._partition is None:
             self._ensure_job(None)
         return self._done
 
     @property
     def partition(self) -> Partition:
-        """The current boundaries, stages and epoch (sets the job up if needed)."""
+        """The current boundaries, stages and epoch (sets the job up if needed; after
+        ``close``, the last one known)."""
+        if self._closed and self._partition is not None:
+            return self._partition
         return self._ensure_job(None)
+
+    @property
+    def last_step(self) -> StepStats:
+        """What the last ``train_step`` took, stage by stage (``StepStats``; all zeros
+        before the first)."""
+        return self._last_step
+
+    @property
+    def num_layers(self) -> int:
+        """How many layers the model has (0 until the job is set up)."""
+        return self._num_layers
+
+    def _check_open(self) -> None:
+        """Raises ``PipelineClosed`` once ``close`` was called: the job is no longer ours."""
+        if self._closed:
+            held = self._partition
+            what = f"it released job {held.job_id}" if held else "it never held a job"
+            raise PipelineClosed(
+                f"this Pipeline is closed ({what}); make a new Pipeline to train on "
+                "(resume=True attaches to the running job)"
+            )
 
     def _coordinator_call(self, method: str, request: Any, timeout: float) -> Any:
         return rpc.call(
@@ -402,6 +440,7 @@ class Pipeline:
     # ---- job, lease and partition --------------------------------------------------------
 
     def _ensure_job(self, sample: Value | None) -> Partition:
+        self._check_open()
         if self._partition is not None:
             if self._init is not None:  # its streaming failed: no step before it is in
                 self._apply_init()
@@ -447,7 +486,7 @@ class Pipeline:
                     f"cannot reach the coordinator at {self.coordinator}: is it running, and "
                     f"is that its --listen/--advertise address? ({exc})"
                 ) from exc
-        self.num_layers = reply.num_layers
+        self._num_layers = reply.num_layers
         beyond = [i for i in self._job.recompute if i >= reply.num_layers]
         if beyond:
             raise InvalidRequest(
@@ -720,7 +759,7 @@ class Pipeline:
 
     def _recover(self, exc: ElasticPipeError, deadline: float) -> None:
         """After a failed attempt: reports it and waits for the job to recover."""
-        if isinstance(exc, Fenced | LayersLost):
+        if isinstance(exc, Fenced | LayersLost | PipelineClosed):
             raise exc
         if time.monotonic() > deadline:
             raise exc
@@ -774,21 +813,28 @@ class Pipeline:
         ``inputs`` is a tensor, or a tuple or flat dict of tensors (what the first layer
         takes; every tensor is split along its first, batch, dimension).
 
-        Splits the batch into micro-batches, runs forward and backward through every stage
-        (the loss is computed on the last stage), then commits the optimizer step on every
-        stage. Gradients are accumulated so that the result equals ordinary training on the
-        whole mini-batch. A failure on the way (a stage dying, a lost message) is recovered
-        from and replayed before this returns.
+        Splits the batch into micro-batches (``micro_batches`` of them, or one per sample
+        if it has fewer: ``last_step.micro_batches`` says how many ran), runs forward and
+        backward through every stage (the loss is computed on the last stage), then commits
+        the optimizer step on every stage. Gradients are accumulated so that the result
+        equals ordinary training on the whole mini-batch. A failure on the way (a stage
+        dying, a lost message) is recovered from and replayed before this returns.
 
         Returns:
             The mini-batch's mean loss.
 
         Raises:
-            InvalidRequest: inputs or targets the model cannot take (message names them).
+            InvalidRequest: inputs or targets of the wrong kind or batch size (named); the
+                step ran nowhere.
+            UserCodeError: the model or the loss raised on them (a target out of range, an
+                input shape a layer cannot take): the message has the original error, the
+                layer or loss, and the micro-batch; the step is discarded on every stage.
             LayersLost: the job cannot recover (every copy of some layers is gone).
             Fenced: another client took the job over.
+            PipelineClosed: ``close`` was called.
             ElasticPipeError: the job did not recover within ``recovery_timeout``.
         """
+        self._check_open()
         started = time.perf_counter()
         xs, ys, scales = self._split(inputs, targets)
         batch = _Batch(xs, ys, scales)
@@ -805,9 +851,10 @@ class Pipeline:
         reports = self._last_reports
         assert self._partition is not None
         ideal_s, step_efficiency = efficiency.step_efficiency(self._job.schedule, reports)
-        self.last_step = StepStats(
+        self._last_step = StepStats(
             step=target,
             loss=loss,
+            micro_batches=len(xs),
             seconds=time.perf_counter() - started,
             attempts=attempts,
             replayed=replayed,
@@ -833,7 +880,14 @@ class Pipeline:
     def predict(self, inputs: Value) -> Value:
         """The model's output on ``inputs``: forward only, in eval mode (dropout off,
         batch-norm statistics used and left unchanged); changes nothing. A last layer that
-        returns a tuple or dict gives a tuple or dict."""
+        returns a tuple or dict gives a tuple or dict.
+
+        Raises:
+            InvalidRequest: inputs of the wrong kind (named).
+            UserCodeError: the model raised on them (the message says where).
+            PipelineClosed: ``close`` was called.
+        """
+        self._check_open()
         xs, _, scales = self._split(inputs, None)
         batch = _Batch(xs, [], scales)
         self._ensure_job(xs[0])
@@ -858,7 +912,11 @@ class Pipeline:
     # ---- state -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights and buffers, keyed like the local ``nn.Sequential``."""
+        """The whole model's weights and buffers, keyed like the local ``nn.Sequential``.
+
+        Raises:
+            PipelineClosed: ``close`` was called.
+        """
         self._ensure_job(None)
         deadline = time.monotonic() + self._recovery_timeout
         while True:
@@ -910,6 +968,9 @@ class Pipeline:
         directory appears complete or not at all. It does not depend on the partition, so
         it can be loaded on any number of stages. (Checkpoints of earlier versions were one
         msgpack file: ``load`` still reads them, ``save`` no longer writes them.)
+
+        Raises:
+            PipelineClosed: ``close`` was called.
         """
         self._ensure_job(None)
         _, params = weights.expected_state(self._job.model, self._job.model_kwargs)
@@ -950,7 +1011,9 @@ class Pipeline:
         Raises:
             InvalidRequest: not a checkpoint, one of another model or optimizer, an
                 override the optimizer does not have, or shards that do not fit the model.
+            PipelineClosed: ``close`` was called.
         """
+        self._check_open()
         overrides = dict(optimizer_kwargs or {})
         try:
             overrides_json = json.dumps(overrides)
@@ -1075,7 +1138,11 @@ class Pipeline:
         self._replay.clear()
 
     def stage_stats(self) -> list[stage_pb2.StageStats]:
-        """Each stage's own report (epoch, layers, timings, peak activations)."""
+        """Each stage's own report (epoch, layers, timings, peak activations).
+
+        Raises:
+            PipelineClosed: ``close`` was called.
+        """
         partition = self._ensure_job(None)
         return [
             rpc.call(a, self._clients.stub(a).GetStats, stage_pb2.StatsRequest(), timeout=10.0)

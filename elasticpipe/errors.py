@@ -13,7 +13,8 @@
     │   ├── StaleEpoch                 FAILED_PRECONDITION  request of another epoch (retryable)
     │   ├── Fenced                     FAILED_PRECONDITION  a newer client holds the job
     │   ├── JobInUse                   FAILED_PRECONDITION  a live client holds the job's lease
-    │   └── StagesMissing              FAILED_PRECONDITION  fewer live stages than the job needs
+    │   ├── StagesMissing              FAILED_PRECONDITION  fewer live stages than the job needs
+    │   └── PipelineClosed             FAILED_PRECONDITION  a method of a closed pipeline was called
     ├── Unavailable                    UNAVAILABLE          a peer cannot be reached
     │   ├── StageUnavailable           UNAVAILABLE          a stage cannot be reached or died
     │   ├── CoordinatorUnavailable     UNAVAILABLE          the coordinator cannot be reached
@@ -101,6 +102,11 @@ class JobInUse(NotReady):
 
 class StagesMissing(NotReady):
     """Fewer live stages than the job asked for (so far)."""
+
+
+class PipelineClosed(NotReady):
+    """The pipeline was closed (``close()``, or the end of its ``with`` block): it no longer
+    holds the job, so it must not touch it; make a new one (``resume=True`` attaches)."""
 
 
 class Unavailable(ElasticPipeError):

@@ -91,8 +91,9 @@ def _loss(
 def _message(method: str, ctx: RunContext, micro_batch: int) -> Callable[[Value], Outgoing]:
     """Wraps a sent value (on the host, once its copy completed) as the link's message."""
     epoch = ctx.placement.epoch
+    inference = not ctx.train
     return lambda value: Outgoing(
-        method, epoch, ctx.run, ctx.step, micro_batch, value, secret=ctx.secret
+        method, epoch, ctx.run, ctx.step, micro_batch, value, secret=ctx.secret, inference=inference
     )
 
 
@@ -134,11 +135,10 @@ def _run_ops(
     split = any(op.kind is OpKind.WEIGHT for op in ops)  # ZB-H1: B, then W
     wire_dtype = ctx.layers.job.wire_dtype
     tracer, now, epoch = ctx.tracer, ctx.tracer.now_ns, placement.epoch
+    lo, hi, inference = placement.lo, placement.hi, not ctx.train
 
     def span(kind: SpanKind, i: int, start: int, end: int) -> None:
-        tracer.record(
-            Span(kind, start, end, ctx.step, run, i, placement.lo, placement.hi, "", epoch)
-        )
+        tracer.record(Span(kind, start, end, ctx.step, run, i, lo, hi, "", epoch, inference))
 
     for op in ops:
         i = op.micro_batch

@@ -94,6 +94,7 @@ class Link:
                             msg.micro_batch,
                             peer=self.address,
                             epoch=msg.epoch,
+                            inference=msg.inference,
                         )
                     )
             except ElasticPipeError as exc:

@@ -57,6 +57,9 @@ class Span(NamedTuple):
     layer_hi: int = 0
     peer: str = ""
     epoch: int = 0
+    # An inference run's: it runs under the number of the step committed last, so without
+    # this its forwards would pass for that training step's.
+    inference: bool = False
 
     def to_proto(self) -> stage_pb2.Span:
         """The span in wire form."""
@@ -71,6 +74,7 @@ class Span(NamedTuple):
             layer_hi=self.layer_hi,
             peer=self.peer,
             epoch=self.epoch,
+            inference=self.inference,
         )
 
 

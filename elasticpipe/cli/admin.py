@@ -328,6 +328,13 @@ def _trace(stub: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         f"pipeline efficiency {f.efficiency:.0%}"
         for f in figures
     ]
+    predicted = summary["inference_runs"]
+    if predicted:
+        after = sorted({r["after_step"] for r in predicted})
+        lines.append(
+            f"{len(predicted)} inference run(s) (predict) after step(s) "
+            f"{', '.join(map(str, after))}: in the trace, not in the figures or the timeline"
+        )
     lines.append(f"wrote {args.out}" + (f" and {args.png}" if args.png else ""))
     return summary, "\n".join(lines)
 

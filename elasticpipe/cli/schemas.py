@@ -43,7 +43,7 @@ COMMAND_MESSAGES: dict[str, Descriptor] = {
 _NUMBER = {"type": "number"}
 TRACE_ANSWER: dict[str, Any] = {
     "type": "object",
-    "required": ["stages", "steps", "out", "png"],
+    "required": ["stages", "steps", "inference_runs", "out", "png"],
     "additionalProperties": False,
     "properties": {
         "stages": {
@@ -92,12 +92,28 @@ TRACE_ANSWER: dict[str, Any] = {
                 },
             },
         },
+        "inference_runs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["run", "after_step"],
+                "additionalProperties": False,
+                "properties": {
+                    "run": {"type": "integer", "minimum": 1},
+                    "after_step": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
         "out": {"type": "string"},
         "png": {"type": "string"},
     },
 }
 COMMAND_OBJECTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "trace": ("the trace's summary: per stage and per step (traces.summary)", TRACE_ANSWER),
+    "trace": (
+        "the trace's summary: per stage, per training step, and the inference runs "
+        "(traces.summary)",
+        TRACE_ANSWER,
+    ),
 }
 COMMANDS = [*COMMAND_MESSAGES, *COMMAND_OBJECTS]
 

@@ -35,6 +35,7 @@ import torch
 from elasticpipe import models
 from elasticpipe.client import initial
 from elasticpipe.client.pipeline import StepStats
+from elasticpipe.errors import PipelineClosed
 from elasticpipe.logs import get_logger
 from elasticpipe.security import allowlist
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
@@ -131,9 +132,10 @@ class LocalPipeline:
                     self._slice.install(i, self._slice.load_layer(i, init.layer_state(i)))
             finally:
                 init.close()
-        self.num_layers = num_layers
+        self._num_layers = num_layers
         self._step = 0
-        self.last_step = StepStats()
+        self._last_step = StepStats()
+        self._closed = False
 
     # ---- lifecycle (for symmetry with Pipeline) ----------------------------------------
 
@@ -146,16 +148,37 @@ class LocalPipeline:
         self.close()
 
     def close(self) -> None:
-        """Nothing to release; here so that code can swap the two pipelines."""
+        """Nothing to release, but afterwards ``train_step``, ``predict``, ``state_dict``
+        and ``layers`` raise ``PipelineClosed``, as ``Pipeline``'s do, so that code can swap
+        the two pipelines. Closing twice does nothing the second time."""
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosed(
+                "this LocalPipeline is closed; make a new one to train on (or stay inside "
+                "its with block)"
+            )
 
     @property
     def step(self) -> int:
-        """Optimizer steps done so far."""
+        """Optimizer steps committed so far: the next ``train_step`` is step ``step + 1``."""
         return self._step
+
+    @property
+    def last_step(self) -> StepStats:
+        """What the last ``train_step`` took (``StepStats``; no per-stage figures here)."""
+        return self._last_step
+
+    @property
+    def num_layers(self) -> int:
+        """How many layers the model has."""
+        return self._num_layers
 
     @property
     def layers(self) -> list[torch.nn.Module]:
         """The model's layers, in order (live: training changes them)."""
+        self._check_open()
         return [self._slice.layers[i] for i in self._slice.indices]
 
     # ---- training ----------------------------------------------------------------------
@@ -173,8 +196,13 @@ class LocalPipeline:
             The mini-batch's mean loss.
 
         Raises:
-            InvalidRequest: inputs or targets the model cannot take (message names them).
+            InvalidRequest: inputs or targets of the wrong kind or batch size (named).
+            UserCodeError: the model or the loss raised on them (a target out of range, an
+                input shape a layer cannot take): the message has the original error, the
+                layer or loss, and the micro-batch; nothing of the step is kept.
+            PipelineClosed: ``close`` was called.
         """
+        self._check_open()
         started = time.perf_counter()
         xs, ys, scales = self._split(inputs, targets)
         step = self._step + 1
@@ -218,9 +246,10 @@ class LocalPipeline:
         layers.step(clip)
         self._step = step
         total = float(sum(losses))
-        self.last_step = StepStats(
+        self._last_step = StepStats(
             step=step,
             loss=total,
+            micro_batches=len(xs),
             seconds=time.perf_counter() - started,
             attempts=1,
             grad_norm=norm,
@@ -230,7 +259,14 @@ class LocalPipeline:
 
     def predict(self, inputs: Value) -> Value:
         """The model's output on ``inputs``: forward only, in eval mode; changes nothing
-        (a tuple or dict when the last layer returns one)."""
+        (a tuple or dict when the last layer returns one).
+
+        Raises:
+            InvalidRequest: inputs of the wrong kind (named).
+            UserCodeError: the model raised on them (the message says where).
+            PipelineClosed: ``close`` was called.
+        """
+        self._check_open()
         xs, _, _ = self._split(inputs, None)
         cpu = torch.device("cpu")
         outs = [
@@ -243,7 +279,12 @@ class LocalPipeline:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights and buffers, keyed like the local ``nn.Sequential``
-        (and like ``Pipeline.state_dict``)."""
+        (and like ``Pipeline.state_dict``).
+
+        Raises:
+            PipelineClosed: ``close`` was called.
+        """
+        self._check_open()
         state: dict[str, torch.Tensor] = {}
         for i in self._slice.indices:
             for name, tensor in self._slice.layers[i].state_dict().items():

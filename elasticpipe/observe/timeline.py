@@ -2,8 +2,9 @@
 
 Forward ops are blue boxes and backward ops orange ones, each labelled with its
 micro-batch id; whatever stays white in a row is that stage's bubble (waiting for an
-input, a gradient, a send, or the client). Drawn with matplotlib's Agg backend (no
-display needed); matplotlib is the ``plots`` extra.
+input, a gradient, a send, or the client). Only training steps are drawn: an inference
+run's forwards (``predict``) are left out (``traces.latest_ops``). Drawn with matplotlib's
+Agg backend (no display needed); matplotlib is the ``plots`` extra.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ The trace JSON is the Trace Event Format that chrome://tracing and ui.perfetto.d
 one process per stage (named, in chain order), one thread per kind of work (compute,
 waits, sends to each peer, control), an "X" event per span with the micro-batch id, step,
 run and layer range in ``args``.
+
+An inference run (``predict``) carries the number of the step committed before it, so its
+spans are marked (``Span.inference``) and kept apart: they are in the Chrome trace under
+their own category ("predict F0", ...), but never in a training step's ops, figure or
+timeline; ``summary`` lists them on their own.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ OP_KINDS = {  # the op each op span times
     stage_pb2.SPAN_WEIGHT: OpKind.WEIGHT,
 }
 OP_SPANS = tuple(OP_KINDS)
+INFERENCE = "inference"  # the Chrome trace category of every span of an inference run
 
 _NAMES = {
     stage_pb2.SPAN_FORWARD: "F",
@@ -135,15 +141,16 @@ def collect(
 
 
 def latest_ops(trace: StageTrace) -> dict[int, list[stage_pb2.Span]]:
-    """Per step, the stage's F, B (and W) spans of the newest run of that step (a retried
-    step keeps only its last attempt), in the order they ran."""
+    """Per step, the stage's F, B (and W) spans of the newest training run of that step (a
+    retried step keeps only its last attempt; inference runs are no step's), in the order
+    they ran."""
     runs: dict[int, int] = {}
     for span in trace.spans:
-        if span.kind in OP_SPANS:
+        if span.kind in OP_SPANS and not span.inference:
             runs[span.step] = max(runs.get(span.step, 0), span.run)
     ops: dict[int, list[stage_pb2.Span]] = defaultdict(list)
     for span in trace.spans:
-        if span.kind in OP_SPANS and span.run == runs[span.step]:
+        if span.kind in OP_SPANS and not span.inference and span.run == runs[span.step]:
             ops[span.step].append(span)
     for spans in ops.values():
         spans.sort(key=lambda s: s.start_ns)
@@ -195,15 +202,21 @@ def step_figures(traces: Sequence[StageTrace]) -> list[StepFigure]:
     return figures
 
 
+def inference_runs(traces: Sequence[StageTrace]) -> list[tuple[int, int]]:
+    """The (run, step) of every inference run any stage traced, by run: ``step`` is the
+    step committed before it ran."""
+    return sorted({(s.run, s.step) for t in traces for s in t.spans if s.inference})
+
+
 def _label(span: stage_pb2.Span) -> str:
     name = _NAMES.get(span.kind, "span")
     if span.kind in OP_SPANS:
-        return f"{name}{span.micro_batch}"
-    if span.kind == stage_pb2.SPAN_SEND:
-        return f"send {span.micro_batch}"
-    if span.kind == stage_pb2.SPAN_RECV_WAIT:
-        return f"wait {span.micro_batch}"
-    return name
+        name = f"{name}{span.micro_batch}"
+    elif span.kind == stage_pb2.SPAN_SEND:
+        name = f"send {span.micro_batch}"
+    elif span.kind == stage_pb2.SPAN_RECV_WAIT:
+        name = f"wait {span.micro_batch}"
+    return f"predict {name}" if span.inference else name
 
 
 def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
@@ -238,10 +251,12 @@ def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
                 args["layers"] = f"{span.layer_lo}:{span.layer_hi}"
             if span.peer:
                 args["peer"] = span.peer
+            if span.inference:
+                args["inference"] = True
             events.append(
                 {
                     "name": _label(span),
-                    "cat": _NAMES.get(span.kind, "span"),
+                    "cat": INFERENCE if span.inference else _NAMES.get(span.kind, "span"),
                     "ph": "X",
                     "ts": (start - origin) / 1e3,
                     "dur": span.duration_ns / 1e3,
@@ -258,7 +273,8 @@ def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
 
 
 def summary(traces: Sequence[StageTrace], figures: Sequence[StepFigure]) -> dict[str, Any]:
-    """What ``admin trace --json`` prints: per stage and per step."""
+    """What ``admin trace --json`` prints: per stage, per training step, and the inference
+    runs apart."""
     return {
         "stages": [
             {
@@ -282,6 +298,9 @@ def summary(traces: Sequence[StageTrace], figures: Sequence[StepFigure]) -> dict
             }
             for f in figures
         ],
+        "inference_runs": [
+            {"run": run, "after_step": step} for run, step in inference_runs(traces)
+        ],
     }
 
 
@@ -291,6 +310,7 @@ __all__ = [
     "chrome_trace",
     "clock_offset",
     "collect",
+    "inference_runs",
     "latest_ops",
     "step_figures",
     "summary",

@@ -29,6 +29,7 @@ class Outgoing:
     tensor: Value
     loss_scale: float = 0.0
     secret: bytes = b""  # the run's (``RunStepRequest.secret``): the receiver checks it
+    inference: bool = False  # of an inference run (for the sender's trace; not sent)
 
 
 def header(msg: Outgoing, meta: tensor_pb2.TensorMeta | None) -> stage_pb2.DataHeader:

@@ -1546,6 +1546,7 @@ class Span(_message.Message):
     LAYER_HI_FIELD_NUMBER: _builtins.int
     PEER_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    INFERENCE_FIELD_NUMBER: _builtins.int
     kind: Global___SpanKind.ValueType
     start_ns: _builtins.int
     """the stage's clock (TraceResponse.now_ns's), nanoseconds"""
@@ -1560,6 +1561,10 @@ class Span(_message.Message):
     peer: _builtins.str
     """SPAN_SEND: the address sent to"""
     epoch: _builtins.int
+    inference: _builtins.bool
+    """An inference run's (``predict``): it carries the number of the step committed last, so
+    this tells its spans from that training step's.
+    """
     def __init__(
         self,
         *,
@@ -1573,10 +1578,11 @@ class Span(_message.Message):
         layer_hi: _builtins.int = ...,
         peer: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        inference: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ns", b"duration_ns", "epoch", b"epoch", "kind", b"kind", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "micro_batch", b"micro_batch", "peer", b"peer", "run", b"run", "start_ns", b"start_ns", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ns", b"duration_ns", "epoch", b"epoch", "inference", b"inference", "kind", b"kind", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "micro_batch", b"micro_batch", "peer", b"peer", "run", b"run", "start_ns", b"start_ns", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

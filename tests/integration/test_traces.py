@@ -284,3 +284,48 @@ def test_a_migration_shows_as_freeze_prepare_and_commit_on_every_stage(
         assert {e["args"]["epoch"] for e in control if e["name"] != "commit"} == {epoch + 1}
         layers = {e["args"]["layers"] for e in events if e.get("cat") == "F" and e["pid"] == pid}
         assert len(layers) == 2, layers  # each stage's slice changed between the steps
+
+
+@pytest.mark.timeout(180)
+def test_a_predict_after_the_last_step_does_not_hide_it(
+    cluster4: LocalCluster, tmp_path: Path
+) -> None:
+    """Two steps, then a predict (which runs under the last step's number): ``admin trace``
+    still measures step 2 from its training run, lists the predict as an inference run
+    after step 2, and its F/B events and PNG boxes are step 2's training ops only."""
+    stages = 3
+    with Pipeline(
+        coordinator=cluster4.coordinator,
+        model="mlp",
+        model_kwargs={"sizes": [32, 64, 64, 64, 64, 10]},
+        micro_batches=MICRO_BATCHES,
+        stages=stages,
+    ) as pipe:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            pipe.train_step(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,)))
+        pipe.predict(torch.randn(16, 32, generator=g))
+        out, png = tmp_path / "t.json", tmp_path / "t.png"
+        traced = _admin(
+            cluster4, "--json", "trace", "--steps", "1", "--out", str(out), "--png", str(png)
+        )
+    assert traced.returncode == 0, traced.stderr
+    doc = json.loads(traced.stdout)
+    jsonschema.validate(doc, SUMMARY_SCHEMA)
+    assert [f["step"] for f in doc["steps"]] == [2]
+    assert [r["after_step"] for r in doc["inference_runs"]] == [2]
+
+    events = json.loads(out.read_text())["traceEvents"]
+    ops = _ops(events)  # F/B of training runs: each (kind, stage, micro-batch) once
+    assert set(ops) == {
+        (kind, s, m) for kind in "FB" for s in range(stages) for m in range(MICRO_BATCHES)
+    }
+    assert {e["args"]["run"] for e in ops.values()} == {ops[("F", 0, 0)]["args"]["run"]}
+    predicted = [e for e in events if e.get("ph") == "X" and e["cat"] == "inference"]
+    forwards = {
+        (e["pid"], e["args"]["micro_batch"]) for e in predicted if e["name"].startswith("predict F")
+    }
+    assert forwards == {(s, m) for s in range(stages) for m in range(MICRO_BATCHES)}
+    assert {e["args"]["run"] for e in predicted} == {doc["inference_runs"][0]["run"]}
+    assert {e["args"]["step"] for e in predicted} == {2}
+    assert _png_size(png)[0] == 1200

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elasticpipe import LocalPipeline, models
-from elasticpipe.errors import InvalidRequest, PermissionDenied
+from elasticpipe.errors import InvalidRequest, PermissionDenied, PipelineClosed
 from elasticpipe.training.objectives import make_optimizer, reference_step
 
 STEPS = 4
@@ -217,3 +217,32 @@ def test_an_allow_list_that_excludes_the_module_names_the_argument(
     assert "allowed prefixes ['mypkg']" in message
     assert "add 'tests' to LocalPipeline's allow= argument" in message
     assert "--allow-models" not in message and "stage" not in message
+
+
+def test_a_closed_local_pipeline_refuses_what_a_closed_pipeline_refuses() -> None:
+    """After its ``with`` block, train_step, predict, state_dict and layers raise
+    PipelineClosed, as Pipeline's do (so the two stay swappable), and no step is taken;
+    step and last_step still say what was done."""
+    x, y = torch.randn(8, 12), torch.randint(0, 6, (8,))
+    with LocalPipeline(model="mlp", model_kwargs={"sizes": [12, 24, 6]}) as pipe:
+        pipe.train_step(x, y)
+    calls = {
+        "train_step": lambda: pipe.train_step(x, y),
+        "predict": lambda: pipe.predict(x),
+        "state_dict": pipe.state_dict,
+        "layers": lambda: pipe.layers,
+    }
+    for name, call in calls.items():
+        with pytest.raises(PipelineClosed, match="this LocalPipeline is closed"):
+            call()
+        assert pipe.step == 1 and pipe.last_step.step == 1, name
+    pipe.close()  # a second close does nothing
+
+
+@pytest.mark.parametrize(("rows", "ran"), [(8, 4), (6, 4), (3, 3), (1, 1)])
+def test_last_step_says_how_many_micro_batches_ran(rows: int, ran: int) -> None:
+    """A mini-batch of fewer samples than ``micro_batches`` (4) is split into one
+    micro-batch per sample; ``last_step.micro_batches`` says how many ran."""
+    with LocalPipeline(model="mlp", model_kwargs={"sizes": [12, 6]}, micro_batches=4) as pipe:
+        pipe.train_step(torch.randn(rows, 12), torch.randint(0, 6, (rows,)))
+        assert pipe.last_step.micro_batches == ran

@@ -171,3 +171,86 @@ def test_the_schedules_in_the_example_are_what_the_stages_ran() -> None:
         ]
         want = [(op.kind, op.micro_batch) for op in stage_ops("1f1b", 2, s, 2)]
         assert got == want
+
+
+def _with_a_predict_after(stages: list[traces.StageTrace]) -> list[traces.StageTrace]:
+    """``stages`` followed by an inference run (``predict``): a forward of one micro-batch
+    on every stage, run 8, under the number of the step committed last (3), as a stage
+    traces it, and the activation sent from stage 0 to stage 1."""
+    out = []
+    for t in stages:
+        predicted = [
+            stage_pb2.Span(
+                kind=stage_pb2.SPAN_FORWARD,
+                start_ns=(20 + t.index) * S + t.offset_ns,
+                duration_ns=S // 2,
+                step=3,
+                run=8,
+                micro_batch=0,
+                layer_lo=t.layer_lo,
+                layer_hi=t.layer_hi,
+                inference=True,
+            )
+        ]
+        if t.index == 0:
+            predicted.append(
+                stage_pb2.Span(
+                    kind=stage_pb2.SPAN_SEND,
+                    start_ns=20 * S + S // 2 + t.offset_ns,
+                    duration_ns=S // 10,
+                    step=3,
+                    run=8,
+                    micro_batch=0,
+                    peer="peer-of-0",
+                    inference=True,
+                )
+            )
+        out.append(
+            traces.StageTrace(
+                t.index,
+                t.name,
+                t.address,
+                t.layer_lo,
+                t.layer_hi,
+                t.offset_ns,
+                t.rtt_ns,
+                (*t.spans, *predicted),
+                False,
+            )
+        )
+    return out
+
+
+def test_a_predict_after_the_last_step_leaves_that_step_whole(tmp_path: Path) -> None:
+    """An inference run carrying the last step's number (a later run id, forwards only) is
+    no part of that step: its figure, ops and timeline are the training run's, the summary
+    lists the inference run apart, and the Chrome trace names its spans as a predict's."""
+    trained = _worked_example([0, 5 * S])
+    stages = _with_a_predict_after(trained)
+
+    assert traces.step_figures(stages) == traces.step_figures(trained)
+    assert [f.step for f in traces.step_figures(stages)] == [3]
+    for with_predict, alone in zip(stages, trained, strict=True):
+        assert traces.latest_ops(with_predict) == traces.latest_ops(alone)
+
+    doc = traces.summary(stages, traces.step_figures(stages))
+    assert [s["step"] for s in doc["steps"]] == [3]
+    assert doc["inference_runs"] == [{"run": 8, "after_step": 3}]
+    assert traces.summary(trained, traces.step_figures(trained))["inference_runs"] == []
+
+    events = [e for e in traces.chrome_trace(stages)["traceEvents"] if e["ph"] == "X"]
+    predicted = [e for e in events if e["cat"] == traces.INFERENCE]
+    assert sorted((e["pid"], e["name"]) for e in predicted) == [
+        (0, "predict F0"),
+        (0, "predict send 0"),
+        (1, "predict F0"),
+    ]
+    assert all(e["args"]["inference"] is True and e["args"]["run"] == 8 for e in predicted)
+    training = [e for e in events if e["cat"] in ("F", "B")]
+    assert len(training) == 8 and all("inference" not in e["args"] for e in training)
+
+    # The PNG draws the training step's boxes only: the same picture as without the predict.
+    with_predict, alone = tmp_path / "with.png", tmp_path / "alone.png"
+    timeline.draw(stages, traces.step_figures(stages), with_predict)
+    timeline.draw(trained, traces.step_figures(trained), alone)
+    assert with_predict.read_bytes() == alone.read_bytes()
