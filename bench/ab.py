@@ -8,6 +8,9 @@ the per-round ratios B/A. A side is ``key=value,...``: ``schedule``, ``snapshot_
 side's processes (the stages, set when they start; the client, set around its rounds).
 
     python bench/ab.py --a schedule=1f1b --b schedule=gpipe --rounds 8
+
+``--quick``: 2 rounds of 1 step after 1 warm-up step (checks the script end to end in
+seconds; its figures mean little).
 """
 
 from __future__ import annotations
@@ -67,7 +70,10 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step, 1 warm-up")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.per_round, args.warmup = 2, 1, 1
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1234)
     data = [

@@ -15,12 +15,15 @@ traced steps, in ms from the step's start on the client:
 * the time from the last stage's last backward to ``driver.run`` returning (reports back),
   and the commit's round trip.
 
-Run: ``python bench/anatomy.py [--steps N] [--stages S] [--schedule 1f1b|gpipe|zb-h1]``.
+Run: ``python bench/anatomy.py [--steps N] [--stages S] [--schedule 1f1b|gpipe|zb-h1]
+[--quick]`` (``--quick``: 2 traced steps after 1 warm-up step, to check the script end to end
+in seconds). The last line is JSON: the medians of the step's parts, in ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -69,7 +72,10 @@ def main() -> int:
         "(4x slower than a core) before its slowdown",
     )
     parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="2 traced steps, 1 warm-up")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 2, 1
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1234)
     cluster_kwargs: dict[str, Any] = {"stages": args.stages}
@@ -243,6 +249,20 @@ def main() -> int:
         f"(start to stage 0's first F {start:.1f}, reports back {back:.1f}, commit "
         f"{commit:.1f}, the rest -- hand-offs between ops on the path -- {rest:.1f})"
     )
+    figures = {
+        "stages": cluster_kwargs["stages"],
+        "schedule": args.schedule,
+        "steps": len(steps),
+        "step_ms": step_ms,
+        "busiest_busy_ms": busiest,
+        "bubble_ms": cp - busiest,
+        "overhead_ms": step_ms - cp,
+        "start_ms": start,
+        "reports_back_ms": back,
+        "commit_ms": commit,
+        "hand_offs_ms": rest,
+    }
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
     return 0
 
 

@@ -19,7 +19,10 @@ and the bytes restored. For the runs: steps/s with failures against the failure-
 run, the snapshot overhead (run 1 against run 2), and whether run 3 ends with exactly the
 weights of run 1. The last line is JSON.
 
-Usage: ``python bench/faults.py [--steps N] [--snapshot-every K]``.
+Usage: ``python bench/faults.py [--steps N] [--snapshot-every K] [--quick]``. ``--quick``
+checks the script end to end: 12 steps with snapshots every 2, one round of 2-step runs for
+the overhead, heartbeats every 0.25 s and stages dead after 2 s (the failures and the
+bitwise check are all there; the figures mean little).
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool
     """Trains ``steps`` steps as a fresh job; injects the failures if asked."""
     run = Run()
     plan = {steps // 3: "stage", steps // 2: "coordinator", 2 * steps // 3: "stage"}
-    restart_at = steps // 2 + 5
+    # the coordinator is back before the second stage is killed
+    restart_at = max(steps // 2 + 1, min(steps // 2 + 5, 2 * steps // 3 - 1))
     restarting: threading.Thread | None = None
     with Pipeline(
         coordinator=cluster.coordinator,
@@ -154,16 +158,24 @@ def main() -> None:
         default=0,
         help="steps of each snapshot on/off run (default: --steps)",
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="12 steps, 1 round of 2-step runs, faster deaths"
+    )
     args = parser.parse_args()
+    heartbeat, dead_after = ("0.25", "2") if args.quick else ("0.5", "3")
+    if args.quick:
+        args.steps, args.snapshot_every, args.rounds, args.overhead_steps = 12, 2, 1, 2
+    if args.steps < 6:
+        parser.error(f"--steps must be >= 6 to place the three failures apart (got {args.steps})")
     overhead_steps = args.overhead_steps or args.steps
     with LocalCluster(
         stages=5,
         coordinator_args=[
             "--no-auto-rebalance",
             "--heartbeat-interval",
-            "0.5",
+            heartbeat,
             "--dead-after",
-            "3",
+            dead_after,
         ],
     ) as cluster:
         pairs = []

@@ -12,7 +12,8 @@ clipping and the scheduler work), all in one run on one cluster.
 On a CPU host the step times are dominated by RPC and scheduling noise at this size:
 compare them within one run only. The last line printed is JSON.
 
-Usage: ``python bench/memory.py [--steps N]``.
+Usage: ``python bench/memory.py [--steps N] [--quick]`` (``--quick``: 1 measured step per
+config, to check the script end to end; its figures mean little).
 """
 
 from __future__ import annotations
@@ -103,7 +104,12 @@ def run(cluster: LocalCluster, options: dict[str, Any], steps: int) -> dict[str,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="measured steps per config")
+    parser.add_argument("--quick", action="store_true", help="1 measured step per config")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 1
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1 (got {args.steps})")
     started = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
     with LocalCluster(

@@ -13,7 +13,9 @@
    (one thread, CPU time, so that other load on a shared host does not count), alternating,
    medians.
 
-Usage: ``python bench/memory_plan.py [--steps N]``. The last line is JSON.
+Usage: ``python bench/memory_plan.py [--steps N] [--quick]``. The last line is JSON.
+``--quick``: 2 steps of each precision (the first is not counted), to check the script end
+to end in seconds.
 """
 
 from __future__ import annotations
@@ -74,7 +76,12 @@ def _step_times(steps: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 steps of each precision")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 2
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2: the first step is not counted (got {args.steps})")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     result: dict[str, object] = {}

@@ -9,7 +9,8 @@ bandwidths of 1, 10 or 100). The lower bound is the larger of total cost over to
 speed and the costliest layer on the fastest host (it ignores memory and links, so the
 gap overstates the loss on those kinds).
 
-Run: ``python bench/order_hosts.py [--seeds N] [--hosts 8,16,...]`` (about half a minute).
+Run: ``python bench/order_hosts.py [--seeds N] [--hosts 8,16,...] [--quick]`` (about half a
+minute; ``--quick``: 1 seed at 8 and 16 hosts, a second).
 The last line is JSON: per H, the geometric means of found/given and found/bound, and the
 median time.
 """
@@ -69,7 +70,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=2, help="instances per host count and kind")
     parser.add_argument("--hosts", default=",".join(map(str, HOSTS)), help="host counts")
+    parser.add_argument("--quick", action="store_true", help="1 seed at 8 and 16 hosts")
     args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.hosts = 1, "8,16"
     try:
         host_counts = [int(h) for h in args.hosts.split(",")]
     except ValueError:

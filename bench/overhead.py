@@ -41,7 +41,9 @@ Everything here shares the machine with whatever else runs on it; the load avera
 printed before and after, and with load from other processes the wall-clock figures (the
 2-thread one most of all) swing by tens of percent between runs -- compare the CPU times.
 
-Run: ``python bench/overhead.py [--steps N] [--quick] [--profile [N]]``. ``--profile [N]`` adds N
+Run: ``python bench/overhead.py [--steps N] [--quick] [--profile [N]]``. ``--quick``: 2 timed
+steps per way after 1 warm-up step and 1 round of the TLS pair, to check the script end to
+end (its figures mean little). ``--profile [N]`` adds N
 (default 10) untimed steps of the 2-stage pipeline under a sampling profiler of every client
 thread and prints where each thread spent them; the table never comes from a profiled pass.
 """
@@ -92,8 +94,8 @@ NUM_BATCHES = 8  # distinct mini-batches, cycled
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 COORDINATOR_ARGS = ["--state", ":memory:", "--no-auto-rebalance"]
 
-FULL = {"steps": 40, "warmup": 5}
-QUICK = {"steps": 8, "warmup": 2}
+FULL = {"steps": 40, "warmup": 5, "tls_rounds": 5}
+QUICK = {"steps": 2, "warmup": 1, "tls_rounds": 1}
 
 
 @dataclass
@@ -429,7 +431,7 @@ def main() -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="8 timed steps per way (~30-40 s in all, most of it starting processes)",
+        help="2 timed steps per way, 1 TLS round (most of its time is starting processes)",
     )
     parser.add_argument(
         "--profile",
@@ -443,14 +445,16 @@ def main() -> int:
     parser.add_argument(
         "--tls-rounds",
         type=int,
-        default=5,
+        default=None,
         metavar="N",
-        help="rounds of the plaintext vs mutual-TLS comparison (0: skip it)",
+        help="rounds of the plaintext vs mutual-TLS comparison (default 5; 0: skip it)",
     )
     args = parser.parse_args()
     preset = QUICK if args.quick else FULL
     steps = args.steps if args.steps is not None else preset["steps"]
     warmup = preset["warmup"]
+    if args.tls_rounds is None:
+        args.tls_rounds = preset["tls_rounds"]
     if steps < 1:
         parser.error("--steps must be >= 1")
 

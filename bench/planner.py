@@ -1,7 +1,15 @@
-"""Benchmark of the planner: partition quality against common baselines, and planning time."""
+"""Benchmark of the planner: partition quality against common baselines, and planning time.
+
+Run: ``python bench/planner.py [--quick]`` (``--quick``: one timing pass per layer and one
+planning run per case, at L = 200 and S = 16: checks the script end to end in seconds). The
+last line is JSON: per model, stage count and speeds, each method's bottleneck over the
+optimum, and the planning times.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -20,6 +28,7 @@ from elasticpipe.coordinator.planner import plan
 STAGE_COUNTS = (4, 8)
 TIMING_REPEATS = 7
 PLAN_REPEATS = 7
+TIMING_SIZE = (1000, 64)  # layers, stages of the planning-time table
 GPT_KWARGS = {"vocab_size": 8192, "d_model": 256, "n_heads": 4, "n_layers": 12, "max_seq_len": 128}
 GPT_BATCH = (4, 128)  # micro-batch of 4 sequences of 128 tokens
 CNN_KWARGS = {"in_channels": 3, "num_classes": 10, "width": 32, "image_size": 32}
@@ -151,8 +160,10 @@ def model_cases() -> dict[str, tuple[list[float], list[int]]]:
     }
 
 
-def quality_table(models: dict[str, tuple[list[float], list[int]]]) -> None:
-    """Prints each method's bottleneck divided by the optimum, per model, speeds and S."""
+def quality_table(models: dict[str, tuple[list[float], list[int]]]) -> dict[str, float]:
+    """Prints each method's bottleneck divided by the optimum, per model, speeds and S;
+    returns them as ``{"model/S/speeds/method": ratio}``."""
+    out: dict[str, float] = {}
     print("bottleneck / optimum (lower is better; 1.000 = optimal)")
     header = (
         f"{'model':<7}{'L':>4}{'S':>4}  {'speeds':<14}{'optimum ms':>11}"
@@ -177,6 +188,8 @@ def quality_table(models: dict[str, tuple[list[float], list[int]]]) -> None:
                     stage_bottleneck(costs, speeds, b) / best.bottleneck for b in splits.values()
                 ]
                 ours = stage_bottleneck(costs, speeds, best.boundaries) / best.bottleneck
+                for method, ratio in zip([*splits, "ours"], [*ratios, ours], strict=True):
+                    out[f"{name}/{n_stages}/{label}/{method}"] = round(ratio, 4)
                 unit = 1e3 if name != "random" else 1.0  # random costs are unitless
                 print(
                     f"{name:<7}{n_layers:>4}{n_stages:>4}  {label:<14}"
@@ -184,12 +197,14 @@ def quality_table(models: dict[str, tuple[list[float], list[int]]]) -> None:
                     f"{ratios[2]:>11.3f}{ours:>7.3f}"
                 )
     print("(random: 48 lognormal costs, unitless; parameter counts = costs x U(0.5, 1.5))")
+    return out
 
 
-def timing_table() -> None:
-    """Prints the planner's time at L = 1000, S = 64 (median and max of several runs)."""
+def timing_table() -> dict[str, float]:
+    """Prints the planner's time at L = 1000, S = 64 (median and max of several runs);
+    returns the medians in ms by case."""
     rng = np.random.default_rng(1)
-    n_layers, n_stages = 1000, 64
+    n_layers, n_stages = TIMING_SIZE
     mixed = np.array([(1.0, 2.0, 4.0)[s % 3] for s in range(n_stages)])
     heavy_ends = np.concatenate(([40.0], rng.uniform(0.8, 1.2, n_layers - 2), [120.0]))
     rng_costs = rng.uniform(0.1, 10.0, n_layers)
@@ -213,6 +228,7 @@ def timing_table() -> None:
     }
     print(f"\nplanning time, L = {n_layers}, S = {n_stages} ({PLAN_REPEATS} runs each)")
     print(f"{'case':<52}{'median ms':>10}{'max ms':>9}")
+    out = {}
     for label, call in cases.items():
         runs = []
         for _ in range(PLAN_REPEATS):
@@ -220,10 +236,18 @@ def timing_table() -> None:
             call()
             runs.append(time.perf_counter() - start)
         print(f"{label:<52}{statistics.median(runs) * 1e3:>10.1f}{max(runs) * 1e3:>9.1f}")
+        out[label] = round(statistics.median(runs) * 1e3, 3)
+    return out
 
 
 def main() -> None:
     """Runs the whole benchmark and prints its tables."""
+    global TIMING_REPEATS, PLAN_REPEATS, TIMING_SIZE  # --quick shrinks them
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 pass and 1 run, L = 200, S = 16")
+    args = parser.parse_args()
+    if args.quick:
+        TIMING_REPEATS, PLAN_REPEATS, TIMING_SIZE = 1, 1, (200, 16)
     started = time.perf_counter()
     torch.set_num_threads(1)  # one thread: steadier per-layer times on a shared machine
     models = model_cases()
@@ -233,10 +257,22 @@ def main() -> None:
             shown = ", ".join(f"{c * 1e3:.1f}" for c in costs)
             print(f"  {name}: ms per layer [{shown}]; params {params}")
     print()
-    quality_table(models)
-    timing_table()
+    quality = quality_table(models)
+    plan_ms = timing_table()
     took, load = time.perf_counter() - started, os.getloadavg()[0]
     print(f"\nbench took {took:.1f} s; load average {load:.1f} on {os.cpu_count()} CPUs")
+    worst = max(v for k, v in quality.items() if k.endswith("/ours"))
+    print(
+        json.dumps(
+            {
+                "ours_worst_over_optimum": worst,
+                "over_optimum": quality,
+                "plan_ms": plan_ms,
+                "plan_size": list(TIMING_SIZE),
+                "seconds": round(took, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,13 +13,16 @@ What is measured, in one process with one intra-op thread (a stage's budget):
 The small model makes the overhead as visible as it can be: on a real model each layer's
 forward takes milliseconds, the seeding microseconds.
 
-Usage: ``.venv/bin/python bench/rng_overhead.py [--steps N] [--rounds R]``
+Usage: ``.venv/bin/python bench/rng_overhead.py [--steps N] [--rounds R] [--quick]``
+(``--quick``: 1 round of 3 steps and 2,000 calls per piece, to check the script end to end in
+seconds). The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +38,10 @@ MICRO_BATCHES = 4
 BATCH = 32
 
 
-def _per_call_us(fn: Callable[[], object], n: int = 20000) -> float:
+CALLS = 20000  # per piece timed
+
+
+def _per_call_us(fn: Callable[[], object], n: int = CALLS) -> float:
     start = time.thread_time()  # CPU time, as the steps below
     for _ in range(n):
         fn()
@@ -60,18 +66,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 steps, fewer calls")
     args = parser.parse_args()
+    calls = CALLS
+    if args.quick:
+        args.steps, args.rounds, calls = 3, 1, 2000
     torch.set_num_threads(1)
     device = torch.device("cpu")
 
-    seed_us = _per_call_us(lambda: rng.forward_seed(5, 123, 3, 14))
-    manual_us = _per_call_us(lambda: torch.default_generator.manual_seed(12345))
+    seed_us = _per_call_us(lambda: rng.forward_seed(5, 123, 3, 14), calls)
+    manual_us = _per_call_us(lambda: torch.default_generator.manual_seed(12345), calls)
 
     def fork() -> None:
         with rng.forked(device):
             pass
 
-    fork_us = _per_call_us(fork)
+    fork_us = _per_call_us(fork, calls)
     layers = 2 * len(SIZES) - 3
     print(f"forward_seed        {seed_us:7.2f} us per layer per micro-batch")
     print(f"manual_seed (CPU)   {manual_us:7.2f} us per layer per micro-batch")
@@ -106,6 +116,16 @@ def main() -> None:
         f"overhead            {on_ms - off_ms:7.3f} ms per step "
         f"({(on_ms / off_ms - 1) * 100:+.1f} %)"
     )
+    figures = {
+        "forward_seed_us": seed_us,
+        "manual_seed_us": manual_us,
+        "forked_us": fork_us,
+        "predicted_ms_per_step": predicted,
+        "seeded_ms_per_step": on_ms,
+        "unseeded_ms_per_step": off_ms,
+        "overhead_ms_per_step": on_ms - off_ms,
+    }
+    print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
 
 
 if __name__ == "__main__":

@@ -5,30 +5,32 @@ Each chain size runs on a fresh cluster of three processes:
 * **the coordinator** -- the real one (``elasticpipe coordinator``, started by
   ``LocalCluster`` with no stage; ``--state :memory: --no-auto-rebalance``, heartbeat
   interval ``--heartbeat-interval``, default 1 s, the product's default);
-* **the fake stages** -- child processes of at most ``--fakes-per-process`` (64) fake
-  stages each (one process of hundreds of gRPC servers on one GIL measured its own thread
-  convoys). Each fake is a real gRPC server (``serving.start_server``, like a stage
-  server's) on a loopback address of its own (127.0.0.2, 127.0.0.3, ...: its own host, as
-  a real stage's; the coordinator profiles hosts at once), whose servicer implements
-  every method of ``StageService`` with no compute, and a membership thread that
-  registers and heartbeats exactly like ``stage_server/server.py`` (``Register``, then a
-  ``HeartbeatRequest`` with epoch, per-layer timings, committed step, run state and
-  snapshot holdings every interval; re-registers when told). What the fakes keep is what
-  the coordinator and the client look at: the step and epoch protocols (epoch checks,
-  client fences, one run at a time, ``RunStep``/``CommitStep``/``AbortStep``/``Fence``;
+* **the fake stages** (``bench/fake_stage.py``) -- child processes of at most
+  ``--fakes-per-process`` (64) fake stages each (one process of hundreds of gRPC servers on
+  one GIL measured its own thread convoys). Each fake is a real gRPC server
+  (``serving.start_server``, like a stage server's) on a loopback address of its own
+  (127.0.0.2, 127.0.0.3, ...: its own host, as a real stage's; the coordinator profiles
+  hosts at once), whose servicer implements every method of ``StageService`` with no
+  compute (and refuses to start when the service has an RPC it lacks), and a membership
+  thread that registers and heartbeats exactly like ``stage_server/server.py``
+  (``Register``, then a ``HeartbeatRequest`` with epoch, per-layer timings, committed step,
+  run state and snapshot holdings every interval; re-registers when told). What the fakes
+  keep is what the coordinator and the client look at: the step and epoch protocols (epoch
+  checks, client fences, one run at a time,
+  ``RunStep``/``CommitStep``/``AbortStep``/``Fence``;
   ``Freeze``/``PrepareEpoch``/``CommitEpoch``/``AbortEpoch``), the layers owned, per-layer
   timings, and snapshots: at step 0 and every ``snapshot_every`` committed steps a fake
   records its own snapshot and pushes a copy to the next stage (``PushSnapshot``, real
   checksummed ``LayerChunk`` streams of a 1 KiB state blob per layer), and reports both in
-  its holdings, so the coordinator's safe-step bookkeeping and its wait for step 0's
-  copies at job setup run for real. ``Describe`` answers with the real model description
-  (``models.describe``/``factory_source``, allocating nothing), ``Profile`` with
-  synthetic timings (distinct speeds per stage, so the planner has work), a migration's
+  its holdings, so the coordinator's safe-step bookkeeping and its wait for step 0's copies
+  at job setup run for real. ``Describe`` answers with the real model description
+  (``models.describe``/``factory_source``, allocating nothing), ``Profile`` with synthetic
+  timings (distinct speeds per stage, so the planner has work), a migration's
   ``PrepareEpoch`` pulls each incoming layer from its owner through ``ExportLayers``
   (``transfers.pull_layer``, as a stage does). The data path is accepted and dropped: the
   first stage's ``RunStep`` waits until the client's inputs for the run arrived, the last
-  stage's until its targets did, every other stage answers at once with an empty report
-  (no activations flow between fakes). Losses are reported as 0.
+  stage's until its targets did, every other stage answers at once with an empty report (no
+  activations flow between fakes). Losses are reported as 0.
 * **the client** -- this process: a real ``Pipeline`` over all S stages (mlp of 4S+1
   layers, SGD, 4 micro-batches, snapshots every 10 steps, the defaults otherwise), and
   admin calls to the coordinator.
@@ -75,22 +77,21 @@ was.
 
 Run: ``python bench/scale.py [--sizes 64,128,256] [--steps N] [--window S]
 [--heartbeat-interval S] [--dead-after S] [--snapshot-every K] [--fakes-per-process N]
-[--quick]`` (default: about 1.5-2 minutes; ``--quick``: 16 and 64 stages, shorter
-windows). The last line is JSON: ``max_stages`` (the longest chain that ran a step),
-``plan_ms``, ``migration_s`` and ``step_fanout_s`` at that length, ``exponents`` and
-``growth_per_stage`` per figure, and every size's figures.
+[--quick]`` (default: about 1.5-2 minutes; ``--quick``: 4 and 8 stages, heartbeats every
+0.25 s, windows of 0.5 s, 2 steps: checks the script end to end; its figures mean little).
+The last line is JSON: ``max_stages`` (the longest chain that ran a step), ``plan_ms``,
+``migration_s`` and ``step_fanout_s`` at that length, ``exponents`` and ``growth_per_stage``
+per figure, and every size's figures, and ``failed``: the sizes that did not run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import multiprocessing as mp
 import os
-import random
 import re
 import statistics
 import sys
@@ -107,35 +108,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/scale.py`
 
+from fake_stage import (  # bench/fake_stage.py, next to this script
+    BATCH,
+    MICRO_BATCHES,
+    WIDTH,
+    Counters,
+    FakeStage,
+    describe,
+    layer_cost,
+    stage_speed,
+)
+
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.planner import order_hosts, plan, spare_positions
-from elasticpipe.errors import (
-    ElasticPipeError,
-    Fenced,
-    InvalidRequest,
-    NotReady,
-    Rebalancing,
-    StageUnavailable,
-    StaleEpoch,
-    StepAborted,
-)
+from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.partition import Placement
-from elasticpipe.stage_server import transfers
-from elasticpipe.training.job import JobConfig
-from elasticpipe.transport import rpc, serving
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
-from elasticpipe.wire import codec, layer_state
+from elasticpipe.transport import rpc
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 STAGE_COUNTS = (64, 128, 256)
-MICRO_BATCHES = 4
-BATCH = 8
-WIDTH = 4
-PARAM_FLOATS = 256  # each layer's state blob: 1 KiB of weights (msgpack)
-KEEP_SNAPSHOTS = 2
-REGISTER_TIMEOUT_S = 5.0
-BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
 SUPERLINEAR = 1.3  # growth exponent above which a figure is flagged
 FAKES_PER_PROCESS = 64
 
@@ -143,706 +135,6 @@ FAKES_PER_PROCESS = 64
 def model_kwargs(stages: int) -> dict[str, Any]:
     """An mlp of 4S+1 layers (2S+1 Linear, 2S ReLU): ~4 layers per stage."""
     return {"sizes": [WIDTH] * (2 * stages + 2)}
-
-
-def layer_cost(layer: int) -> float:
-    """Seconds of forward + backward of one micro-batch through ``layer`` on a speed-1 stage."""
-    return 1e-3 * (1.0 + (layer % 5) / 4)
-
-
-def loopback_host(index: int) -> str:
-    """Fake ``index``'s own host: a loopback address of its own (127.0.0.2, ...), as each
-    real stage has its host (the coordinator profiles hosts at once, a host's stages in
-    turn)."""
-    return f"127.0.{index // 250 % 256}.{index % 250 + 2}"
-
-
-def stage_speed(index: int) -> float:
-    """A fake's speed: distinct per stage, between 0.7 and 1.3."""
-    return 0.7 + 0.6 * ((index * 37) % 101) / 100
-
-
-_DESCRIBING = threading.Lock()
-
-
-def describe(model: str, kwargs_json: str) -> tuple[int, tuple[int, ...], str, str]:
-    """The real model description (``models.describe``/``factory_source``), once per
-    process: S real stages would each compute it on their own host, in parallel. The
-    lock keeps S concurrent Describe calls from all computing it at once on one GIL."""
-    with _DESCRIBING:
-        return _describe(model, kwargs_json)
-
-
-@functools.cache
-def _describe(model: str, kwargs_json: str) -> tuple[int, tuple[int, ...], str, str]:
-    num_layers, sizes = models.describe(model, json.loads(kwargs_json))
-    path, digest = models.factory_source(model)
-    return num_layers, tuple(sizes), path, digest
-
-
-BLOB = layer_state.pack({"model": {"weight": torch.zeros(PARAM_FLOATS)}, "optimizer": None})
-
-
-# ---- the fake stage ------------------------------------------------------------------
-
-
-class Counters:
-    """What the fakes' membership threads saw (shared by all fakes of the process)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.heartbeats = 0
-        self.heartbeat_latency: list[float] = []
-        self.register_latency: list[float] = []
-        self.errors: Counter[str] = Counter()
-        self.max_gap = 0.0
-        self.reregistered = 0
-        self.dead = 0
-        self.calls: Counter[str] = Counter()  # RPCs served by the fakes, by method
-        self.max_lag = 0.0  # the worst oversleep of a 50 ms sleep in the fakes' process
-
-    def take(self) -> dict[str, Any]:
-        """A snapshot of the counters; resets the latency lists and the largest gap."""
-        with self.lock:
-            out = {
-                "heartbeats": self.heartbeats,
-                "heartbeat_latency": self.heartbeat_latency,
-                "register_latency": self.register_latency,
-                "errors": dict(self.errors),
-                "max_gap": self.max_gap,
-                "reregistered": self.reregistered,
-                "dead": self.dead,
-                "calls": dict(self.calls),
-                "max_lag": self.max_lag,
-            }
-            self.heartbeat_latency, self.register_latency, self.max_gap = [], [], 0.0
-            self.calls, self.max_lag = Counter(), 0.0
-        return out
-
-    def watch(self, stop: threading.Event, period: float = 0.05) -> None:
-        """Measures how late this process's threads get to run (GIL and CPU starvation)."""
-        while True:
-            started = time.monotonic()
-            if stop.wait(period):
-                return
-            lag = time.monotonic() - started - period
-            with self.lock:
-                self.max_lag = max(self.max_lag, lag)
-
-
-class Counted:
-    """A fake stage's servicer as gRPC sees it: every call counted by method."""
-
-    def __init__(self, fake: FakeStage):
-        self._fake = fake
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._fake, name)
-        counters = self._fake.counters
-
-        def call(request: Any, context: Any) -> Any:
-            with counters.lock:
-                counters.calls[name] += 1
-            return method(request, context)
-
-        return call
-
-
-class FakeStage:
-    """A StageService with no compute, and the membership loop of a real stage server."""
-
-    def __init__(self, name: str, index: int, coordinator: str, counters: Counters):
-        self.name = name
-        self.host = loopback_host(index)
-        self.speed = stage_speed(index)
-        self.coordinator = coordinator
-        self.counters = counters
-        self.cond = threading.Condition()
-        self.pool = rpc.StagePool()
-        # protocol state, as stage_server.protocol.StepMachine keeps it
-        self.job: JobConfig | None = None
-        self.placement: Placement | None = None
-        self.epoch = self.committed_step = self.committed_run = 0
-        self.phase = "idle"
-        self.active_run = self.active_step = self.active_client = 0
-        self.fence = self.closed_below = 0
-        self.frozen_for, self.prepared, self.prepared_step = 0, False, 0
-        self.staged: Placement | None = None
-        self.staged_job: JobConfig | None = None
-        self.prepared_rollback = False
-        self.timings: dict[int, list[float]] = {}  # layer -> [forward, backward, bytes, n]
-        self.inbox: dict[tuple[int, int], set[int]] = {}  # (run, slot) -> micro-batches
-        self.own: dict[int, tuple[int, ...]] = {}  # step -> layers
-        self.copies: dict[str, dict[int, tuple[int, ...]]] = {}  # source -> step -> layers
-        self.stage_id = ""
-        self.registered = threading.Event()
-        self._stop = threading.Event()
-        self._server: serving.RunningServer | None = None
-        self._thread: threading.Thread | None = None
-
-    # ---- lifecycle -----------------------------------------------------------------
-
-    def serve(self) -> str:
-        self._server = serving.start_server(
-            f"{self.host}:0",
-            [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], Counted(self))],
-        )
-        return self._server.address
-
-    @property
-    def address(self) -> str:
-        assert self._server is not None
-        return self._server.address
-
-    def join_cluster(self) -> None:
-        self._thread = threading.Thread(target=self._membership, name="membership", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._server is not None:
-            self._server.stop(grace=0.1)
-        self.pool.close()
-
-    # ---- membership (as stage_server/server.py) -------------------------------------
-
-    def _membership(self) -> None:
-        backoff, interval = BACKOFF_START_S, 1.0
-        last_sent = 0.0
-        with rpc.channel(self.coordinator) as chan:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
-            while not self._stop.is_set():
-                try:
-                    if not self.stage_id:
-                        interval = self._register(stub)
-                        backoff = BACKOFF_START_S
-                    else:
-                        now = time.monotonic()
-                        if last_sent:
-                            with self.counters.lock:
-                                self.counters.max_gap = max(self.counters.max_gap, now - last_sent)
-                        last_sent = now
-                        self._heartbeat(stub, interval)
-                    self._stop.wait(interval)
-                except ElasticPipeError as exc:
-                    with self.counters.lock:
-                        self.counters.errors[f"{type(exc).__name__}: {str(exc)[:60]}"] += 1
-                    self._stop.wait(backoff * (0.5 + random.random()))
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
-
-    def _register(self, stub: coordinator_pb2_grpc.CoordinatorServiceStub) -> float:
-        started = time.perf_counter()
-        reply = rpc.call(
-            self.coordinator,
-            stub.Register,
-            coordinator_pb2.RegisterRequest(name=self.name, address=self.address, device="fake"),
-            timeout=REGISTER_TIMEOUT_S,
-        )
-        with self.counters.lock:
-            self.counters.register_latency.append(time.perf_counter() - started)
-        self.stage_id = reply.stage_id
-        self.registered.set()
-        return reply.heartbeat_interval_s or 1.0
-
-    def _heartbeat(
-        self, stub: coordinator_pb2_grpc.CoordinatorServiceStub, interval: float
-    ) -> None:
-        with self.cond:
-            request = coordinator_pb2.HeartbeatRequest(
-                stage_id=self.stage_id,
-                epoch=self.epoch,
-                timings=self._timings(),
-                committed_step=self.committed_step,
-                slowdown=1.0,
-                state=self._state(),
-                snapshots=self._holdings(),
-            )
-        started = time.perf_counter()
-        reply = rpc.call(self.coordinator, stub.Heartbeat, request, timeout=max(1.0, interval * 2))
-        with self.counters.lock:
-            self.counters.heartbeats += 1
-            self.counters.heartbeat_latency.append(time.perf_counter() - started)
-        if reply.dead:
-            with self.cond:
-                self.job = self.placement = None
-            with self.counters.lock:
-                self.counters.dead += 1
-        if reply.reregister:
-            self.stage_id = ""
-            with self.counters.lock:
-                self.counters.reregistered += 1
-
-    # ---- state in wire form (lock held) ----------------------------------------------
-
-    def _timings(self) -> list[stage_pb2.LayerTiming]:
-        return [
-            stage_pb2.LayerTiming(
-                layer=i, forward_s=t[0], backward_s=t[1], output_bytes=int(t[2]), samples=int(t[3])
-            )
-            for i, t in sorted(self.timings.items())
-        ]
-
-    def _state(self) -> stage_pb2.RunState:
-        return stage_pb2.RunState(
-            phase=self.phase,
-            epoch=self.epoch,
-            committed_step=self.committed_step,
-            committed_run=self.committed_run,
-            active_run=self.active_run,
-            active_step=self.active_step,
-            fence=self.fence,
-            frozen_for=self.frozen_for,
-            prepared=self.prepared,
-        )
-
-    def _holdings(self) -> list[stage_pb2.SnapshotHolding]:
-        job = self.job.job_id if self.job else ""
-        out = [
-            stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, replica=False)
-            for step, layers in sorted(self.own.items())
-        ]
-        for held in self.copies.values():
-            out += [
-                stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, replica=True)
-                for step, layers in sorted(held.items())
-            ]
-        return out
-
-    # ---- checks (lock held) -----------------------------------------------------------
-
-    def _check_epoch(self, epoch: int) -> None:
-        if self.job is None or self.placement is None:
-            raise NotReady(f"stage {self.name} has no job assigned")
-        if epoch != self.epoch:
-            raise StaleEpoch(f"stale epoch {epoch}: stage {self.name} is at epoch {self.epoch}")
-        if self.frozen_for:
-            raise Rebalancing(f"rebalancing from epoch {self.epoch} to {self.frozen_for}")
-
-    def _check_client(self, client: int) -> None:
-        if client < self.fence:
-            raise Fenced(f"client {client} fenced by stage {self.name} (fence {self.fence})")
-
-    def _owned(self) -> range:
-        return self.placement.layers if self.placement is not None else range(0)
-
-    # ---- snapshots --------------------------------------------------------------------
-
-    def _capture(self, step: int) -> None:
-        """Records this stage's snapshot of ``step`` and pushes a copy (lock held)."""
-        job, placement = self.job, self.placement
-        if job is None or placement is None or not job.snapshot_every or not placement.in_chain:
-            return
-        self.own[step] = tuple(placement.layers)
-        for old in sorted(self.own)[:-KEEP_SNAPSHOTS]:
-            del self.own[old]
-        peer = placement.replica
-        if peer:
-            args = (peer, job.job_id, step, tuple(placement.layers), self.stage_id)
-            threading.Thread(target=self._push, args=args, daemon=True).start()
-
-    def _push(self, peer: str, job_id: str, step: int, layers: Sequence[int], me: str) -> None:
-        def messages() -> Iterator[stage_pb2.SnapshotChunk]:
-            yield stage_pb2.SnapshotChunk(job_id=job_id, step=step, source=me)
-            for layer in layers:
-                for chunk in layer_state.messages(layer, BLOB):
-                    yield stage_pb2.SnapshotChunk(chunk=chunk)
-
-        unreachable = 0
-        for attempt in range(transfers.PUSH_RETRIES):  # as transfers.push_snapshot
-            try:
-                rpc.call(peer, self.pool.stub(peer).PushSnapshot, messages(), timeout=60.0)
-                return
-            except (NotReady, StageUnavailable) as exc:  # no job yet, or not reached
-                unreachable += isinstance(exc, StageUnavailable)
-                if unreachable > transfers.UNREACHABLE_RETRIES:
-                    with self.counters.lock:
-                        self.counters.errors["push: StageUnavailable"] += 1
-                    return
-                pause = transfers.UNREACHABLE_PAUSE_S if unreachable else 0.02 * (attempt + 1)
-                time.sleep(min(pause, 0.5))
-            except ElasticPipeError as exc:
-                with self.counters.lock:
-                    self.counters.errors[f"push: {type(exc).__name__}"] += 1
-                return
-
-    # ---- data path --------------------------------------------------------------------
-
-    def _accept(self, slot: int, header: stage_pb2.DataHeader, chunks: Iterator[bytes]) -> None:
-        codec.check_meta(header.meta, codec.DEFAULT_MAX_TENSOR_BYTES)
-        with self.cond:
-            self._check_epoch(header.epoch)
-        assembler = codec.TensorAssembler(header.meta)
-        for data in chunks:
-            assembler.add(data)
-        assembler.finish()
-        with self.cond:
-            self._check_epoch(header.epoch)
-            if header.run >= self.closed_below:
-                self.inbox.setdefault((header.run, slot), set()).add(header.micro_batch)
-                self.cond.notify_all()
-
-    def _stream(self, slot: int, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
-        first = next(chunks, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise InvalidRequest("a data stream must start with a DataHeader")
-        self._accept(slot, first.header, (c.data for c in chunks))
-        return stage_pb2.Ack()
-
-    def Forward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
-        return self._stream(stage_pb2.INPUT, chunks)
-
-    def Backward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
-        return self._stream(stage_pb2.GRAD, chunks)
-
-    def Targets(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
-        return self._stream(stage_pb2.TARGET, chunks)
-
-    def Deliver(self, msg: stage_pb2.DataMessage, ctx: Any) -> stage_pb2.Ack:
-        self._accept(msg.slot, msg.header, iter([msg.data]))
-        return stage_pb2.Ack()
-
-    def RunStep(self, req: stage_pb2.RunStepRequest, ctx: Any) -> stage_pb2.StepReport:
-        started = time.perf_counter()
-        remaining = ctx.time_remaining()
-        deadline = time.monotonic() + min(req.timeout_s, remaining or req.timeout_s)
-        train = req.mode == stage_pb2.TRAIN
-        with self.cond:
-            self._check_client(req.client)
-            self._check_epoch(req.epoch)
-            for d in req.previous:  # a decision the client could not deliver earlier
-                if self.phase == "awaiting_commit" and d.run == self.active_run:
-                    if d.commit:
-                        self._commit(d.run, d.step)
-                    else:
-                        self._abort_awaiting()
-            if self.phase != "idle":
-                raise NotReady(f"stage {self.name} is busy with run {self.active_run}")
-            if req.run < self.closed_below:
-                raise StepAborted(f"run {req.run} was aborted before it started")
-            if train and req.step != self.committed_step + 1:
-                raise NotReady(f"step {req.step} is not the next step of stage {self.name}")
-            self.fence = max(self.fence, req.client)
-            self.phase, self.active_run, self.active_step = "running", req.run, req.step
-            self.active_client = req.client
-            placement = self.placement
-            assert placement is not None
-            wanted = []
-            if placement.index == 0:
-                wanted.append(stage_pb2.INPUT)
-            if placement.index == placement.num_stages - 1 and train:
-                wanted.append(stage_pb2.TARGET)
-
-            def arrived() -> bool:
-                if self.closed_below > req.run or self.active_run != req.run:
-                    return True
-                return all(
-                    len(self.inbox.get((req.run, slot), ())) >= req.micro_batches for slot in wanted
-                )
-
-            if not self.cond.wait_for(arrived, max(0.0, deadline - time.monotonic())):
-                self._fail_run(req.run)
-                raise StepAborted(f"run {req.run}: the client's data did not arrive in time")
-            if self.closed_below > req.run or self.phase != "running":
-                self._fail_run(req.run)
-                raise StepAborted(f"run {req.run} aborted on stage {self.name}")
-            self.phase = "awaiting_commit" if train else "idle"
-            compute = 0.0
-            for layer in placement.layers:
-                seconds = layer_cost(layer) / self.speed
-                t = self.timings.setdefault(layer, [0.0, 0.0, 0.0, 0.0])
-                t[0], t[1], t[2], t[3] = seconds / 3, 2 * seconds / 3, BATCH * WIDTH, t[3] + 1
-                compute += seconds * req.micro_batches
-            last = placement.index == placement.num_stages - 1
-            return stage_pb2.StepReport(
-                run=req.run,
-                losses=[0.0] * req.micro_batches if last and train else [],
-                compute_s=compute,
-                wall_s=time.perf_counter() - started,
-                timings=self._timings(),
-            )
-
-    def _fail_run(self, run: int) -> None:
-        self.closed_below = max(self.closed_below, run + 1)
-        if self.active_run == run and self.phase == "running":
-            self.phase = "idle"
-        self._drop_inbox()
-
-    def _drop_inbox(self) -> None:
-        for key in [k for k in self.inbox if k[0] < self.closed_below]:
-            del self.inbox[key]
-
-    def _commit(self, run: int, step: int) -> None:
-        self.phase = "idle"
-        self.committed_step, self.committed_run = step, run
-        self.closed_below = max(self.closed_below, run + 1)
-        self._drop_inbox()
-        job = self.job
-        if job is not None and job.snapshot_every and step % job.snapshot_every == 0:
-            self._capture(step)
-
-    def _abort_awaiting(self) -> None:
-        self.phase = "idle"
-        self.closed_below = max(self.closed_below, self.active_run + 1)
-        self._drop_inbox()
-
-    def FetchOutput(
-        self, req: stage_pb2.FetchOutputRequest, ctx: Any
-    ) -> Iterator[stage_pb2.DataChunk]:
-        raise NotReady(f"stage {self.name} is a fake: it keeps no inference output")
-        yield stage_pb2.DataChunk()  # unreachable: makes this a generator
-
-    def CommitStep(
-        self, req: stage_pb2.CommitStepRequest, ctx: Any
-    ) -> stage_pb2.CommitStepResponse:
-        with self.cond:
-            self._check_client(req.client)
-            if not (self.committed_run == req.run and self.committed_step == req.step):
-                if req.epoch != self.epoch:
-                    raise StaleEpoch(
-                        f"stale epoch {req.epoch}: stage {self.name} is at {self.epoch}"
-                    )
-                if self.phase != "awaiting_commit" or self.active_run != req.run:
-                    raise NotReady(f"run {req.run} is not awaiting commit on stage {self.name}")
-                self._commit(req.run, req.step)
-            self.cond.notify_all()
-            return stage_pb2.CommitStepResponse(committed_step=self.committed_step)
-
-    def AbortStep(self, req: stage_pb2.AbortStepRequest, ctx: Any) -> stage_pb2.Ack:
-        with self.cond:
-            self._check_client(req.client)
-            if not (self.committed_run == req.run and req.run):
-                if self.active_run == req.run and self.phase == "awaiting_commit":
-                    self._abort_awaiting()
-                else:
-                    self.closed_below = max(self.closed_below, req.run + 1)
-                    self._drop_inbox()
-            self.cond.notify_all()
-        return stage_pb2.Ack()
-
-    def Fence(self, req: stage_pb2.FenceRequest, ctx: Any) -> stage_pb2.RunState:
-        with self.cond:
-            self.fence = max(self.fence, req.client)
-            if self.phase == "running" and self.active_client < self.fence:
-                self.closed_below = max(self.closed_below, self.active_run + 1)
-                self.cond.notify_all()
-            return self._state()
-
-    # ---- control ----------------------------------------------------------------------
-
-    def Describe(self, req: stage_pb2.DescribeRequest, ctx: Any) -> stage_pb2.DescribeResponse:
-        num_layers, sizes, path, digest = describe(req.job.model, req.job.model_kwargs_json)
-        return stage_pb2.DescribeResponse(
-            num_layers=num_layers, param_bytes=sizes, factory_file=path, factory_sha256=digest
-        )
-
-    def Profile(self, req: stage_pb2.ProfileRequest, ctx: Any) -> stage_pb2.ProfileResponse:
-        num_layers = describe(req.job.model, req.job.model_kwargs_json)[0]
-        return stage_pb2.ProfileResponse(
-            timings=[
-                stage_pb2.LayerTiming(
-                    layer=i,
-                    forward_s=layer_cost(i) / self.speed / 3,
-                    backward_s=2 * layer_cost(i) / self.speed / 3,
-                    output_bytes=BATCH * WIDTH * 4 // MICRO_BATCHES,
-                    samples=req.repeats,
-                )
-                for i in range(num_layers)
-            ]
-        )
-
-    def Assign(self, req: stage_pb2.AssignRequest, ctx: Any) -> stage_pb2.AssignResponse:
-        job = JobConfig.from_proto(req.job)
-        placement = Placement.from_proto(req.assignment)
-        with self.cond:
-            if self.phase == "running":
-                self.closed_below = max(self.closed_below, self.active_run + 1)
-            self.job, self.placement, self.epoch = job, placement, placement.epoch
-            self.committed_step = self.committed_run = 0
-            self.phase, self.frozen_for, self.prepared, self.staged = "idle", 0, False, None
-            self.inbox.clear()
-            self.timings = {i: [0.0, 0.0, 0.0, 0.0] for i in placement.layers}
-            self.own.clear()
-            self.copies.clear()
-            self._capture(0)
-            self.cond.notify_all()
-        return stage_pb2.AssignResponse(num_layers=placement.hi - placement.lo)
-
-    def Freeze(self, req: stage_pb2.EpochRequest, ctx: Any) -> stage_pb2.FreezeResponse:
-        timeout = max(0.0, (ctx.time_remaining() or 30.0) - 0.5)
-        with self.cond:
-            if req.epoch <= self.epoch:
-                raise InvalidRequest(f"cannot freeze for epoch {req.epoch} at epoch {self.epoch}")
-            if req.abort_running and self.phase == "running":
-                self._fail_run(self.active_run)
-            if not self.cond.wait_for(lambda: self.phase == "idle", timeout):
-                raise NotReady(f"stage {self.name} did not reach a step boundary")
-            if self.frozen_for != req.epoch:
-                self.frozen_for, self.prepared, self.staged = req.epoch, False, None
-            return stage_pb2.FreezeResponse(committed_step=self.committed_step)
-
-    def PrepareEpoch(
-        self, req: stage_pb2.PrepareEpochRequest, ctx: Any
-    ) -> stage_pb2.PrepareEpochResponse:
-        started = time.perf_counter()
-        placement = Placement.from_proto(req.assignment)
-        deadline = time.monotonic() + (ctx.time_remaining() or req.timeout_s or 60.0) - 0.5
-        with self.cond:
-            if self.frozen_for != req.epoch:
-                raise NotReady(f"epoch {req.epoch} was abandoned on stage {self.name}")
-        received = 0
-        if req.rollback:  # a recovery: every owned layer from the snapshot of committed_step
-            sources = {src.layer: src.address for src in req.incoming}
-            with self.cond:
-                held = set(self.own.get(req.committed_step, ()))
-                for copy in self.copies.values():
-                    held |= set(copy.get(req.committed_step, ()))
-            wanted = [
-                (
-                    layer,
-                    stage_pb2.ExportLayersRequest(
-                        layers=[layer],
-                        include_optimizer=True,
-                        from_snapshot=True,
-                        snapshot_step=req.committed_step,
-                        job_id=req.job.job_id,
-                    ),
-                )
-                for layer in placement.layers
-                if layer not in held
-            ]
-        else:
-            sources = {src.layer: src.address for src in req.incoming}
-            wanted = [
-                (
-                    src.layer,
-                    stage_pb2.ExportLayersRequest(
-                        epoch=req.source_epoch, layers=[src.layer], include_optimizer=True
-                    ),
-                )
-                for src in req.incoming
-            ]
-        for layer, request in wanted:
-            if not sources.get(layer):
-                raise NotReady(f"layer {layer}: no source and no snapshot on {self.name}")
-            limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
-            got = transfers.pull_layer(
-                self.pool, sources[layer], request, deadline, limits, layer_state.Destination()
-            )
-            received += got.packed.nbytes
-        with self.cond:
-            if self.frozen_for != req.epoch:
-                raise NotReady(f"epoch {req.epoch} was abandoned on stage {self.name}")
-            self.staged, self.prepared, self.prepared_step = placement, True, req.committed_step
-            self.prepared_rollback = req.rollback
-            self.staged_job = JobConfig.from_proto(req.job)
-            return stage_pb2.PrepareEpochResponse(
-                committed_step=self.committed_step,
-                bytes_received=received,
-                transfer_s=time.perf_counter() - started,
-            )
-
-    def CommitEpoch(self, req: stage_pb2.EpochRequest, ctx: Any) -> stage_pb2.EpochResponse:
-        with self.cond:
-            if self.epoch == req.epoch and self.frozen_for != req.epoch:
-                return stage_pb2.EpochResponse(epoch=self.epoch)
-            if self.frozen_for != req.epoch or not self.prepared or self.staged is None:
-                raise NotReady(f"nothing is prepared for epoch {req.epoch} on {self.name}")
-            self.epoch, self.placement = req.epoch, self.staged
-            self.committed_step = self.prepared_step
-            self.frozen_for, self.prepared, self.staged = 0, False, None
-            if self.job is None or self.prepared_rollback:
-                self.job = self.staged_job
-            if self.prepared_rollback:  # as StepMachine.commit_epoch: prune, then snapshot
-                self.committed_run = 0
-                self.inbox.clear()
-                self.own = {k: v for k, v in self.own.items() if k <= self.committed_step}
-                for held in self.copies.values():
-                    for k in [k for k in held if k > self.committed_step]:
-                        del held[k]
-                self._capture(self.committed_step)
-            self.timings = {
-                i: self.timings.get(i, [0.0, 0.0, 0.0, 0.0]) for i in self.placement.layers
-            }
-            self.cond.notify_all()
-            return stage_pb2.EpochResponse(epoch=self.epoch)
-
-    def AbortEpoch(self, req: stage_pb2.EpochRequest, ctx: Any) -> stage_pb2.EpochResponse:
-        with self.cond:
-            if self.frozen_for == req.epoch:
-                self.frozen_for, self.prepared, self.staged = 0, False, None
-                self.cond.notify_all()
-            return stage_pb2.EpochResponse(epoch=self.epoch)
-
-    def ExportLayers(
-        self, req: stage_pb2.ExportLayersRequest, ctx: Any
-    ) -> Iterator[stage_pb2.LayerChunk]:
-        with self.cond:
-            if req.from_snapshot:
-                held = set(self.own.get(req.snapshot_step, ()))
-                for copy in self.copies.values():
-                    held |= set(copy.get(req.snapshot_step, ()))
-            else:
-                if req.epoch and req.epoch != self.epoch:
-                    self._check_epoch(req.epoch)
-                held = set(self._owned())
-            missing = [i for i in req.layers if i not in held]
-        if missing:
-            raise NotReady(f"stage {self.name} does not hold layers {missing}")
-        for layer in req.layers:
-            yield from layer_state.messages(layer, BLOB)
-
-    def RestoreLayers(
-        self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: Any
-    ) -> stage_pb2.RestoreResponse:
-        pieces = (message.chunk for message in chunks)
-        limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
-        layers = [got.layer for got in layer_state.receive(pieces, *limits)]
-        return stage_pb2.RestoreResponse(layers=layers)
-
-    def PushSnapshot(self, chunks: Iterator[stage_pb2.SnapshotChunk], ctx: Any) -> stage_pb2.Ack:
-        first = next(chunks, None)
-        if first is None or not first.source:
-            raise InvalidRequest("a snapshot stream must start with its job, step and source")
-        pieces = (message.chunk for message in chunks)
-        limits = (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_LAYER_BYTES)
-        blobs = {got.layer: got.packed for got in layer_state.receive(pieces, *limits)}
-        with self.cond:
-            if self.job is None or self.job.job_id != first.job_id:
-                raise NotReady(f"stage {self.name} does not run job {first.job_id!r} (yet)")
-            held = self.copies.setdefault(first.source, {})
-            held[first.step] = tuple(sorted(blobs))
-            for old in sorted(held)[:-KEEP_SNAPSHOTS]:
-                del held[old]
-        return stage_pb2.Ack()
-
-    def GetTrace(self, req: stage_pb2.TraceRequest, ctx: Any) -> stage_pb2.TraceResponse:
-        return stage_pb2.TraceResponse()  # no ops, no spans
-
-    def GetStats(self, req: stage_pb2.StatsRequest, ctx: Any) -> stage_pb2.StageStats:
-        with self.cond:
-            owned = self._owned()
-            return stage_pb2.StageStats(
-                stage_id=self.stage_id,
-                name=self.name,
-                epoch=self.epoch,
-                layer_lo=owned.start if owned else 0,
-                layer_hi=owned.stop if owned else 0,
-                committed_step=self.committed_step,
-                slowdown=1.0,
-                timings=self._timings(),
-                device="fake",
-                frozen=bool(self.frozen_for),
-                state=self._state(),
-                snapshots=self._holdings(),
-            )
-
-    def SetSlowdown(self, req: stage_pb2.SlowdownRequest, ctx: Any) -> stage_pb2.Ack:
-        return stage_pb2.Ack()
-
-    def InjectFault(self, req: stage_pb2.FaultRequest, ctx: Any) -> stage_pb2.Ack:
-        raise InvalidRequest("fault injection is off on fake stages")
 
 
 def fakes_main(conn: Connection, coordinator: str, first: int, end: int, chain: int) -> None:
@@ -1456,10 +748,11 @@ def main() -> int:
     parser.add_argument("--dead-after", type=float, default=5.0)
     parser.add_argument("--snapshot-every", type=int, default=10)
     parser.add_argument("--log-dir", default="", help="keep the coordinator's logs there")
-    parser.add_argument("--quick", action="store_true", help="16 and 64 stages, short windows")
+    parser.add_argument("--quick", action="store_true", help="4 and 8 stages, short windows")
     args = parser.parse_args()
     if args.quick:
-        args.sizes, args.steps, args.window, args.idle = "16,64", 3, 3.0, 1.0
+        args.sizes, args.steps, args.window, args.idle = "4,8", 2, 0.5, 0.2
+        args.heartbeat_interval = 0.25
     try:
         sizes = sorted(int(s) for s in args.sizes.split(","))
     except ValueError:

@@ -14,6 +14,8 @@ Two ways alternate round by round in one run, on the same clones:
 Prints the best-of-rounds thread CPU of each piece (ms) and one JSON line.
 
     python bench/snapshot_cost.py --rounds 5
+
+``--quick``: 1 round of a 1 MiB layer set, to check the script end to end in a second.
 """
 
 from __future__ import annotations
@@ -105,7 +107,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", default="8,64", help="MiB per layer set, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="1 round of a 1 MiB layer set")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.sizes = 1, "1"
     ways = ["crc+sha", "sha-once"]
     result: dict[str, Any] = {}
     for mib in (int(s) for s in args.sizes.split(",")):

@@ -14,7 +14,10 @@ after recovery. The last line is JSON.
 ``--schedule zb-h1`` runs the same with the zero-bubble schedule (the planner's
 predictions then model that schedule's smaller bubble: ``predict_step_time``).
 
-Usage: ``python bench/straggler.py [--measure-steps N] [--base F] [--schedule S]``.
+Usage: ``python bench/straggler.py [--measure-steps N] [--base F] [--schedule S] [--quick]``.
+``--quick`` checks the script end to end: no emulated device (``--base 1``), 4 micro-batches
+of 2 sequences of 16 tokens, 1 measured step per phase, and at most 3 steps waiting for each
+rebalance (``rebalance_steps`` is -1 when none came in time); its figures mean little.
 """
 
 from __future__ import annotations
@@ -95,7 +98,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"])
+    parser.add_argument("--quick", action="store_true", help="tiny batches, 1 step per phase")
     args = parser.parse_args()
+    wait_limit = 20  # steps waiting for a rebalance
+    if args.quick:
+        args.measure_steps, args.base, args.micro_batches = 1, 1.0, 4
+        args.batch, args.seq, wait_limit = 8, 16, 3
     n, base = args.measure_steps, args.base
     out: dict[str, Any] = {"schedule": args.schedule}
     with (
@@ -137,7 +145,7 @@ def main() -> int:
         # The straggler: the stage holding the middle of the model, 3x slower.
         victim = f"stage-{cluster.stage_addresses.index(pipe.partition.addresses[1])}"
         bench.slowdown(victim, 3 * base)
-        steps = bench.steps_until_epoch_changes(limit=20)
+        steps = bench.steps_until_epoch_changes(limit=wait_limit)
         move = bench.last_move()
         out["rebalance_steps"] = steps
         out["pause_s"] = move.pause_s
@@ -174,7 +182,7 @@ def main() -> int:
 
         # Recovery: the stage is fast again; the layers should come back.
         bench.slowdown(victim, base)
-        steps = bench.steps_until_epoch_changes(limit=20)
+        steps = bench.steps_until_epoch_changes(limit=wait_limit)
         move = bench.last_move()
         out["recovery_steps"] = steps
         out["recovery_pause_s"] = move.pause_s

@@ -7,11 +7,14 @@ step's pipeline efficiency as the client measured it (``pipe.last_step``) and as
 measured it (first forward to last backward, clocks corrected).
 
     .venv/bin/python bench/timeline.py --png docs/img/timeline.png
+
+``--quick``: 1 step before tracing, to check the script end to end. The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -26,7 +29,12 @@ def main() -> None:
     parser.add_argument("--png", default="timeline.png")
     parser.add_argument("--out", default="trace.json")
     parser.add_argument("--steps", type=int, default=4, help="steps trained before tracing")
+    parser.add_argument("--quick", action="store_true", help="1 step before tracing")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 1
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1 (got {args.steps})")
     kwargs = {"n_layers": 6, "d_model": 64, "max_seq_len": 32}
     with (
         LocalCluster(stages=4, coordinator_args=["--no-auto-rebalance"]) as cluster,
@@ -48,7 +56,7 @@ def main() -> None:
             f"client: ideal {pipe.last_step.ideal_s * 1e3:.1f} ms, "
             f"efficiency {pipe.last_step.efficiency:.1%}"
         )
-        subprocess.run(
+        traced = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -56,6 +64,7 @@ def main() -> None:
                 "admin",
                 "--coordinator",
                 cluster.coordinator,
+                "--json",
                 "trace",
                 "--steps",
                 "1",
@@ -65,7 +74,28 @@ def main() -> None:
                 args.png,
             ],
             check=True,
+            capture_output=True,
+            text=True,
         )
+    step = json.loads(traced.stdout)["steps"][-1]
+    print(
+        f"trace: step {step['step']}: ideal {step['ideal_s'] * 1e3:.1f} ms, measured "
+        f"{step['measured_s'] * 1e3:.1f} ms, pipeline efficiency {step['efficiency']:.1%}; "
+        f"wrote {args.out} and {args.png}"
+    )
+    print(
+        json.dumps(
+            {
+                "client_efficiency": round(pipe.last_step.efficiency, 4),
+                "client_ideal_ms": round(pipe.last_step.ideal_s * 1e3, 3),
+                "trace_step": step["step"],
+                "trace_efficiency": round(step["efficiency"], 4),
+                "trace_measured_ms": round(step["measured_s"] * 1e3, 3),
+                "out": args.out,
+                "png": args.png,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
