@@ -1,4 +1,4 @@
-"""The ``elasticpipe`` command: coordinator, stage, admin and demo.
+"""The ``elasticpipe`` command: coordinator, stage, admin, demo, certs and export-hf.
 
 Logging is configured here, once, for whichever command runs (console or JSON lines on
 stderr). ``--log-format`` and ``--log-level`` go before the command; the admin options
@@ -219,6 +219,15 @@ def cmd_certs(args: argparse.Namespace) -> int:
     else:
         cert, key = tls.issue(args.dir, args.name, args.role, tuple(args.host), args.out)
         print(f"issued {cert} and {key} for {args.name!r} (role {args.role})")
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """Writes a checkpoint of ``elasticpipe.models.hf:causal_lm`` as a save_pretrained directory."""
+    from elasticpipe.models import hf
+
+    out = hf.save_pretrained(args.checkpoint, args.config, args.out)
+    print(f"wrote {out / 'config.json'} and {out / hf.WEIGHTS_FILE}: load with from_pretrained")
     return 0
 
 
@@ -581,6 +590,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="base name of the files written (default: the --name); needed for a family",
     )
     ce.set_defaults(func=cmd_certs)
+
+    ex = sub.add_parser(
+        "export-hf",
+        help="write a checkpoint of a Hugging Face model as a save_pretrained directory",
+        formatter_class=Formatter,
+    )
+    ex.add_argument("checkpoint", help="a checkpoint directory written by pipe.save")
+    ex.add_argument("out", help="the directory to write config.json and model.safetensors in")
+    ex.add_argument(
+        "--config",
+        default=None,
+        metavar="DIR",
+        help="a directory holding the model's config.json (default: the checkpoint's model_kwargs)",
+    )
+    ex.set_defaults(func=cmd_export_hf)
 
     ad = sub.add_parser(
         "admin",

@@ -18,7 +18,15 @@ the Hugging Face names as follows (``source_keys``), so ``init_state`` can read 
     3.lm_head.weight        lm_head.weight  (transformer.wte.weight when tied and absent)
 
 Tied input and output embeddings become two tensors (layers on two stages cannot share
-one); both start from the checkpoint's value and are trained separately.
+one); both start from the checkpoint's value and are trained separately (``init_state``
+warns of it).
+
+Back to ``transformers``: ``save_pretrained(pipe, config, DIR)`` writes ``DIR/config.json``
+and ``DIR/model.safetensors`` under the Hugging Face names, which
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads to predict what the pipeline predicts:
+a tied config whose two trained tensors now differ is written with
+``tie_word_embeddings=false`` (tying them again would replace the trained head by the
+embedding).
 
 The layers are initialised from weights (``Pipeline(..., init_state=DIR)``), not from the
 seed: ``transformers`` modules have no ``reset_parameters()``. ``transformers`` is imported
@@ -28,6 +36,7 @@ only when the factory runs, so ``import elasticpipe`` does not need it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,9 +44,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticpipe.errors import ModelError
+from elasticpipe.errors import InvalidRequest, ModelError
+from elasticpipe.logs import get_logger
 
-__all__ = ["FAMILIES", "causal_lm", "model_kwargs"]
+__all__ = ["FAMILIES", "causal_lm", "model_kwargs", "save_pretrained", "source_keys"]
+
+log = get_logger(__name__)
+
+MODEL = "elasticpipe.models.hf:causal_lm"
 
 GPT2_FAMILY = ("gpt2",)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -288,3 +302,170 @@ def source_keys(kwargs: Mapping[str, Any], keys: Sequence[str], have: set[str]) 
 
 
 causal_lm.source_keys = source_keys  # type: ignore[attr-defined]
+
+
+# ---- back to transformers ------------------------------------------------------------------
+
+WEIGHTS_FILE = "model.safetensors"
+EMBED_TOKENS = "model.embed_tokens.weight"
+
+
+def save_pretrained(weights: Any, config: Any, out_dir: str | os.PathLike[str]) -> Path:
+    """Writes a ``save_pretrained`` directory of the pipeline's weights for ``transformers``.
+
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` then predicts what the pipeline
+    predicts. ``config.json`` is the model's config with ``architectures`` and ``dtype``
+    set to what is written; ``model.safetensors`` holds every tensor under its Hugging
+    Face name (``source_keys``). Tied embeddings (``tie_word_embeddings``, GPT-2's
+    default) were trained as two tensors: if they are still equal the head is left out,
+    as ``transformers`` saves a tied model; if they differ, the config is written with
+    ``tie_word_embeddings=false`` and both are kept, since tying them again would put the
+    trained embedding in place of the trained head.
+
+    Args:
+        weights: a ``Pipeline`` or ``LocalPipeline`` (its ``state_dict()`` is fetched), a
+            mapping of the model's keys to tensors (a ``state_dict()``), or a checkpoint
+            directory written by ``pipe.save``.
+        config: the model's config: a ``config.json``'s content, ``causal_lm``'s
+            ``model_kwargs`` (``{"config": ...}`` or ``{"path": DIR}``), or a directory
+            holding ``config.json``; ``None`` for a checkpoint directory, whose manifest
+            records the ``model_kwargs``.
+        out_dir: the directory to write (created if needed; its ``config.json`` and
+            ``model.safetensors`` are replaced).
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        InvalidRequest: weights that do not fit the config (missing or unexpected keys,
+            shapes that differ), or an ``out_dir`` holding other weight files.
+        ModelError: no transformers, or a config of an unsupported family.
+    """
+    from safetensors.torch import save_file
+
+    kwargs = _export_kwargs(weights, config)
+    cfg = _config(kwargs.get("config"), kwargs.get("path"))
+    state = _state_of(weights)
+    _check_fits(state, kwargs)
+    names = source_keys(kwargs, list(state), set())
+    tensors = {names[k]: v.detach().cpu().contiguous() for k, v in state.items()}
+    embedding = "transformer.wte.weight" if cfg.model_type in GPT2_FAMILY else EMBED_TOKENS
+    head = "lm_head.weight"
+    if getattr(cfg, "tie_word_embeddings", False):
+        if torch.equal(tensors[embedding], tensors[head]):
+            del tensors[head]  # transformers ties it again on load
+        else:
+            cfg.tie_word_embeddings = False
+            log.info("hf_embeddings_untied", embedding=embedding, head=head)
+    architecture = _causal_lm_class(cfg.model_type)
+    if architecture:
+        cfg.architectures = [architecture]
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        # transformers 5 calls it dtype (torch_dtype is its deprecated alias), 4.x torch_dtype.
+        setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", dtypes.pop())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    others = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name != WEIGHTS_FILE and (p.suffix == ".safetensors" or p.name.endswith(".index.json"))
+    )
+    if others:
+        raise InvalidRequest(
+            f"{out} already holds weight files {others}; from_pretrained could read them "
+            "instead of the export: write into an empty directory"
+        )
+    cfg.save_pretrained(str(out))
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    log.info(
+        "hf_exported",
+        path=str(out),
+        tensors=len(tensors),
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+    return out
+
+
+def _export_kwargs(weights: Any, config: Any) -> dict[str, Any]:
+    """``causal_lm``'s kwargs from ``save_pretrained``'s ``config`` argument."""
+    if config is None:
+        return _checkpoint_kwargs(weights)
+    if isinstance(config, (str, os.PathLike)):
+        return {"path": str(config)}
+    if isinstance(config, Mapping):
+        return {"config": dict(config)} if "model_type" in config else dict(config)
+    raise InvalidRequest(
+        "config must be a config.json's content, causal_lm's model_kwargs or a directory "
+        f"holding config.json (got a {type(config).__name__})"
+    )
+
+
+def _checkpoint_kwargs(weights: Any) -> dict[str, Any]:
+    """The ``model_kwargs`` a checkpoint directory's manifest records."""
+    from elasticpipe.models.weights import MANIFEST, read_json
+
+    if not isinstance(weights, (str, os.PathLike)) or not (Path(weights) / MANIFEST).is_file():
+        raise InvalidRequest(
+            "config=None needs a checkpoint directory written by pipe.save (its manifest "
+            f"records the model_kwargs); got {weights!r}: pass the config (export-hf: --config DIR)"
+        )
+    job = read_json(Path(weights) / MANIFEST).get("job") or {}
+    if job.get("model") != MODEL:
+        raise InvalidRequest(
+            f"checkpoint {str(weights)!r} is of model {job.get('model')!r}, not {MODEL!r}"
+        )
+    kwargs: dict[str, Any] = job.get("model_kwargs") or {}
+    return kwargs
+
+
+def _state_of(weights: Any) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from a pipeline, a mapping or a checkpoint directory."""
+    from elasticpipe.models.weights import open_source
+
+    state_dict = getattr(weights, "state_dict", None)
+    if callable(state_dict):
+        fetched: dict[str, torch.Tensor] = state_dict()
+        return fetched
+    if not isinstance(weights, (Mapping, str, os.PathLike)):
+        raise InvalidRequest(
+            "weights must be a Pipeline, a state dict or a checkpoint directory "
+            f"(got a {type(weights).__name__})"
+        )
+    source = open_source(weights)
+    try:
+        return {key: source.get(key) for key in source.keys()}  # noqa: SIM118 (no dict)
+    finally:
+        source.close()
+
+
+def _check_fits(state: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) -> None:
+    """Refuses a state whose keys or shapes are not the model's, naming them."""
+    from elasticpipe.models.weights import MAX_LISTED, expected_state
+
+    expected, _ = expected_state(MODEL, kwargs)
+    problems = []
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        problems.append(f"missing keys {missing[:MAX_LISTED]}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:MAX_LISTED]}")
+    for key in sorted(set(expected) & set(state)):
+        if tuple(state[key].shape) != expected[key].shape:
+            problems.append(
+                f"{key!r} has shape {list(state[key].shape)}, the model's "
+                f"{list(expected[key].shape)}"
+            )
+    if problems:
+        raise InvalidRequest("the weights do not fit the config: " + "; ".join(problems[:8]))
+
+
+def _causal_lm_class(model_type: str) -> str | None:
+    """The ``architectures`` entry ``transformers`` writes for the family's causal LM."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return None
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
