@@ -473,19 +473,24 @@ class Pipeline:
         self._renewer.start()
         if reply.resumed or self._step:
             self._init = None  # the running job has its weights already
+        weights = "resumed" if reply.resumed else "seed"
         if self._init is not None:
-            self._apply_init()
+            self._apply_init()  # an epoch change of its own: the start's epoch, then this one
+            weights = "init_state"
+        partition = self._partition
+        assert partition is not None
         log.info(
             "pipeline_attached" if reply.resumed else "pipeline_ready",
             job=partition.job_id,
             model=self._job.model,
             layers=self.num_layers,
             boundaries=list(partition.boundaries),
-            epoch=partition.epoch,
+            epoch=partition.epoch,  # the one in force now (after init_state's load)
             stages=partition.num_stages,
             step=self._step,
+            weights=weights,
         )
-        return self._partition
+        return partition
 
     def _apply_init(self) -> None:
         """Streams ``init_state`` to the stages (at job setup; again after a failure)."""

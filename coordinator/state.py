@@ -148,7 +148,7 @@ class Cluster:
             members=members,
             epoch=partition.epoch if partition else None,
             chain_length=len(chain),
-            predicted_step_s=(partition.predicted_step_s or None) if partition else None,
+            predicted_step_s=partition.predicted_step_s if partition else None,
         )
 
     # ---- stages ----------------------------------------------------------------------
@@ -203,6 +203,16 @@ class Cluster:
         if self.profile is not None:
             return self.profile.speeds.get(member.row.stage_id)
         return None
+
+    def in_seconds(self, stage_ids: Sequence[str]) -> bool:
+        """Whether step times predicted for a chain of these stages are seconds: the layer
+        costs were profiled, or a stage of the chain measured its layers against them (its
+        speed then converts them to seconds). Before either, the costs come from parameter
+        sizes and a "step time" from them has no unit."""
+        if self.profile is not None:
+            return True
+        members = [self.members.by_id(sid) for sid in stage_ids]
+        return any(m is not None and self.speed_of(m) is not None for m in members)
 
     def speeds(self, stage_ids: Sequence[str]) -> list[float]:
         """Current speeds of stages, unknown ones filled in."""
