@@ -18,7 +18,7 @@ from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import Member, Membership
 from elasticpipe.coordinator.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
-from elasticpipe.errors import LayersLost, NotReady
+from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotReady
 from elasticpipe.job import JobConfig
 from elasticpipe.logs import get_logger
 from elasticpipe.metrics import CoordinatorMetrics, CoordinatorView
@@ -107,7 +107,9 @@ class Cluster:
             self.cond.notify_all()
 
     def fail_job(self, message: str) -> None:
-        """Marks the job as failed beyond recovery (clients waiting get the message)."""
+        """Marks the job as failed beyond recovery (clients waiting get the message, and
+        how to continue from a checkpoint)."""
+        message = f"{message}; {CONTINUE_FROM_SAVE}"
         self.failure = message
         self.store.put("job_failure", message)
         log.error("job_failed", error=message)

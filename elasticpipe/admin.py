@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from elasticpipe import rpc
+from elasticpipe import rpc, serving
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
 from elasticpipe.tls import TLS
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -370,6 +370,7 @@ def run_admin(args: argparse.Namespace) -> int:
     """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
     address = args.coordinator
     try:
+        serving.check_dial_address(address, "coordinator address")
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         with rpc.channel(address, tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)

@@ -10,7 +10,7 @@ from elasticpipe import rpc
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.metrics import MetricsEndpoint
-from elasticpipe.serving import RunningServer, metrics_host, start_server
+from elasticpipe.serving import RunningServer, check_dial_address, metrics_host, start_server
 from elasticpipe.stage_server.bulk import BulkListener, listen_host
 from elasticpipe.stage_server.callers import Grant
 from elasticpipe.stage_server.protocol import Do, Effect
@@ -36,7 +36,7 @@ class StageServer:
     """Serves a ``Stage`` and keeps it registered with the coordinator (a context manager)."""
 
     def __init__(self, config: StageConfig, coordinator: str, listen: str = "127.0.0.1:0"):
-        self.coordinator = coordinator
+        self.coordinator = check_dial_address(coordinator, "coordinator address")
         self._listen = listen
         self._config = config
         self.stage: Stage | None = None

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -144,3 +146,45 @@ def test_a_resume_starts_the_partitions_rollback_record_afresh(
     assert status.history[-1].restored_step == 3
     assert (status.partition.restored_step, status.partition.restore_epoch) == (3, attached.epoch)
     jsonschema.validate(to_json(status), command_schema("status"))
+
+
+CLIENT = """
+import sys, time, torch
+from elasticpipe.client.pipeline import Pipeline
+pipe = Pipeline(coordinator=sys.argv[1], model="mlp", model_kwargs={kwargs!r}, micro_batches=2,
+                stages=2, snapshot_every=1, lease_s=6.0)
+pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+print("trained", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_resume_waiting_for_a_dead_clients_lease_says_so_once(
+    coordinator_server: CoordinatorServer,
+    stage_servers: list[StageServer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A script SIGKILLed while holding the job's lease (6 s): its successor's
+    Pipeline(resume=True) retries every second until the lease runs out, and logs
+    waiting_for_lease once (then only every 10 s), not once per retry; then it attaches."""
+    address = coordinator_server.address
+    code = CLIENT.format(kwargs=KWARGS)
+    with subprocess.Popen(
+        [sys.executable, "-c", code, address], stdout=subprocess.PIPE, text=True
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "trained"
+        finally:
+            holder.kill()
+    started = time.monotonic()
+    with (
+        caplog.at_level(logging.INFO, logger="elasticpipe"),
+        _pipeline(address, resume=True) as pipe,
+    ):
+        assert pipe.step == 1
+    waited = time.monotonic() - started
+    lines = _events(caplog, "waiting_for_lease")
+    assert 2 < waited < 10, waited  # several retries, all within the first ten seconds
+    assert len(lines) == 1, lines
+    assert "held by client" in lines[0]["reason"]
