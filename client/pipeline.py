@@ -48,6 +48,7 @@ from elasticpipe import models
 from elasticpipe.client import checkpoints, driver, initial
 from elasticpipe.client.driver import CommitIncomplete, StageClients
 from elasticpipe.errors import (
+    CONTINUE_FROM_SAVE,
     CoordinatorUnavailable,
     DeadlineExceeded,
     ElasticPipeError,
@@ -72,7 +73,7 @@ from elasticpipe.security.tls import TLS
 from elasticpipe.training import clipping, loss_scaling
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import check_optimizer
-from elasticpipe.transport import rpc
+from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from elasticpipe.wire import bundle, codec, layer_state, structure
 from elasticpipe.wire.layer_state import PackedLayer
@@ -188,6 +189,33 @@ class _Repeats:
         return 1
 
 
+class _Waiting:
+    """Logs a wait at info once, when it begins, then at most every ``every`` seconds
+    with how long it has lasted: a client waiting out another's lease says so without a
+    line per retry."""
+
+    def __init__(
+        self, event: str, every: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ):
+        self._event, self._every, self._clock = event, every, clock
+        self._began: float | None = None
+        self._logged = 0.0
+
+    def still(self, **fields: Any) -> bool:
+        """The wait goes on: logs it if it just began or ``every`` seconds passed since
+        the last line; returns whether it logged."""
+        now = self._clock()
+        if self._began is None:
+            self._began = self._logged = now
+            log.info(self._event, **fields)
+            return True
+        if now - self._logged < self._every:
+            return False
+        self._logged = now
+        log.info(self._event, waited_s=round(now - self._began, 1), **fields)
+        return True
+
+
 class Pipeline:
     """A model trained across the stage servers of one coordinator."""
 
@@ -224,7 +252,8 @@ class Pipeline:
         """Describes the job; nothing is contacted until first use.
 
         Args:
-            coordinator: "host:port" of the coordinator.
+            coordinator: "host:port" of the coordinator ("[addr]:port" for IPv6), no
+                scheme (checked here).
             model: built-in name ("mlp", "gpt", "cnn") or "package.module:function".
             model_kwargs: JSON-able arguments of the model factory.
             seed: layer i's initial weights depend only on (seed, i).
@@ -317,7 +346,7 @@ class Pipeline:
         ):
             if not seconds > 0:
                 raise InvalidRequest(f"{what} must be > 0 (got {seconds})")
-        self.coordinator = coordinator
+        self.coordinator = serving.check_dial_address(coordinator, "coordinator address")
         self._num_stages = stages or 0
         self._resume = resume
         self._step_timeout = step_timeout
@@ -457,6 +486,7 @@ class Pipeline:
             client_name=f"{socket.gethostname()}:{os.getpid()}",
         )
         deadline = time.monotonic() + self._setup_timeout
+        lease_wait = _Waiting("waiting_for_lease")
         while True:
             try:
                 reply = self._coordinator_call(
@@ -473,7 +503,7 @@ class Pipeline:
                 # A restarted script resumes once its dead predecessor's lease runs out.
                 if not self._resume or time.monotonic() > deadline:
                     raise
-                log.info("waiting_for_lease", reason=str(exc))
+                lease_wait.still(reason=str(exc))
                 time.sleep(1.0)
             except StagesMissing as exc:
                 if time.monotonic() > deadline:
@@ -506,19 +536,24 @@ class Pipeline:
         self._renewer.start()
         if reply.resumed or self._step:
             self._init = None  # the running job has its weights already
+        weights = "resumed" if reply.resumed else "seed"
         if self._init is not None:
-            self._apply_init()
+            self._apply_init()  # an epoch change of its own: the start's epoch, then this one
+            weights = "init_state"
+        partition = self._partition
+        assert partition is not None
         log.info(
             "pipeline_attached" if reply.resumed else "pipeline_ready",
             job=partition.job_id,
             model=self._job.model,
             layers=self.num_layers,
             boundaries=list(partition.boundaries),
-            epoch=partition.epoch,
+            epoch=partition.epoch,  # the one in force now (after init_state's load)
             stages=partition.num_stages,
             step=self._step,
+            weights=weights,
         )
-        return self._partition
+        return partition
 
     def _apply_init(self) -> None:
         """Streams ``init_state`` to the stages (at job setup; again after a failure)."""
@@ -606,7 +641,8 @@ class Pipeline:
         if missing:
             raise LayersLost(
                 f"the job was rolled back to step {restored}, but this pipeline no longer "
-                f"holds the mini-batches of steps {missing[:5]}... to replay"
+                f"holds the mini-batches of steps {missing[:5]}... to replay; "
+                f"{CONTINUE_FROM_SAVE}"
             )
         log.warning(
             "pipeline_rolled_back",

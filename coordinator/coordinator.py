@@ -247,10 +247,21 @@ class Coordinator:
 
     def profile_job(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample, then moves to the partition the
-        profile calls for."""
+        profile calls for if it is predicted faster (else the job keeps its epoch: no
+        move, and no epoch in its history, for nothing)."""
         self.jobs.profile_later(job_id, client, sample)
-        outcome = self.rebalancer.rebalance(dry_run=False, reason="profiled", force=True)
-        log.info("job_profiled", job=job_id, moved=outcome.changed)
+        view = self.rebalancer.plan_view()
+        moved = False
+        if view.optimal_step_s < view.current_step_s:
+            outcome = self.rebalancer.rebalance(dry_run=False, reason="profiled", force=True)
+            moved = outcome.changed
+        log.info(
+            "job_profiled",
+            job=job_id,
+            moved=moved,
+            predicted_step_s=round(view.current_step_s, 6),
+            optimal_step_s=round(view.optimal_step_s, 6),
+        )
 
     def slowdown(self, key: str, factor: float) -> str:
         """Changes a stage's emulated slowdown."""

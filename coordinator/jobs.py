@@ -299,7 +299,10 @@ class Jobs:
         """
         if not job.snapshot_every:
             return partition, False
-        new = partition.evolve(epoch=self.c.store.reserve_epoch())
+        # The job's history for this client starts here: no rollback goes further back,
+        # and snapshots of stages that missed this epoch are of an older history.
+        epoch = self.c.store.reserve_epoch()
+        new = partition.evolve(epoch=epoch, restored_step=step, restore_epoch=epoch)
         reason = f"client {holder} attached at step {step}: snapshot"
 
         def history(result: epochs.MoveResult) -> EpochRow:
@@ -313,6 +316,7 @@ class Jobs:
                 kind="attach",
                 job_id=new.job_id,
                 stage_names=tuple(self.c.names(new.stage_ids)),
+                restored_step=step,
             )
 
         try:
@@ -417,7 +421,10 @@ class Jobs:
                 job_id=job.job_id,
                 boundaries=best.boundaries,
                 stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
-                predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
+                # Without a profile the costs have no unit: the step time is unknown.
+                predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule)
+                if profile is not None
+                else None,
             ).validate(num_layers)
             names = self.c.names(partition.stage_ids)  # a copy's source is checked by name
             wire = partition.assignments(names)
@@ -455,7 +462,13 @@ class Jobs:
                 EpochRow(
                     epoch=epoch,
                     at=time.time(),
-                    reason=f"job {job.job_id} started",
+                    reason=f"job {job.job_id} started: "
+                    + (
+                        "layers built empty, their initial weights (init_state) are streamed "
+                        "by the client next, as a restore of step 0"
+                        if job.external_weights
+                        else f"initial weights from seed {job.seed}"
+                    ),
                     boundaries=partition.boundaries,
                     stage_ids=partition.stage_ids,
                     kind="start",
@@ -550,8 +563,21 @@ class Jobs:
         job, partition = self._check_holder(job_id, client)
         members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
         profile = self._profile(job, sample, members)
-        self.c.profile = profile
-        self.c.store.put("profile", profile.to_store())
+        with self.c.move_lock:
+            self.c.profile = profile
+            self.c.store.put("profile", profile.to_store())
+            # The partition's step time was unknown (costs without a unit): now it is not.
+            current = self.c.partition
+            if current is not None and current.job_id == job.job_id:
+                speeds = self.c.speeds(current.stage_ids)
+                now = estimates.evaluate(
+                    current.boundaries, profile.costs, speeds, *self.c.links(len(speeds))
+                )
+                timed = current.evolve(
+                    predicted_step_s=predict_step_time(now, job.micro_batches, job.schedule)
+                )
+                self.c.store.put_partition(timed)
+                self.c.adopt(timed)
 
     # ---- settling undecided runs -----------------------------------------------------
 
@@ -755,15 +781,24 @@ class Jobs:
                 epochs.record_abandoned(self.c, change, "the client abandoned the load")
                 return change.old
             new = change.new.evolve(restored_step=step)
+            # A job started from init_state loads it first, before any rollback or step.
+            initial = job.external_weights and change.old.restore_epoch == 0 and step == 0
             change = replace(change, new=new, rollback_step=step)
             try:
                 received = epochs.prepare(self.c, job, change, step)
+                what = (
+                    "initial weights (init_state) loaded"
+                    if initial
+                    else f"checkpoint of step {step} loaded"
+                )
                 row = EpochRow(
                     epoch=epoch,
                     at=time.time(),
-                    reason=f"checkpoint of step {step} loaded",
+                    reason=f"{what}: {new.num_layers} layers, {received} bytes streamed by "
+                    "the client",
                     boundaries=new.boundaries,
                     stage_ids=new.stage_ids,
+                    layers_moved=new.num_layers,
                     bytes_moved=received,
                     kind="restore",
                     job_id=new.job_id,
@@ -778,7 +813,13 @@ class Jobs:
             self.c.adopt(new)
             epochs.commit(self.c, change)
             self.wait_for_copies(new, job, step)
-        log.info("checkpoint_loaded", job=job_id, step=step, epoch=epoch)
+        log.info(
+            "initial_weights_loaded" if initial else "checkpoint_loaded",
+            job=job_id,
+            step=step,
+            epoch=epoch,
+            bytes=received,
+        )
         return new
 
     def expire_restore(self) -> None:

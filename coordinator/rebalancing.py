@@ -40,7 +40,12 @@ Proposal = tuple[tuple[int, ...], tuple[str, ...]]  # a move's boundaries and ch
 
 @dataclass(frozen=True)
 class PlanView:
-    """The current partition next to the optimal one (``admin plan``)."""
+    """The current partition next to the optimal one (``admin plan``).
+
+    ``current_step_s`` and ``optimal_step_s`` are seconds only when ``in_seconds``; before
+    the stages are profiled or measured they are in the unit-less costs of parameter sizes
+    (their ratio, the gain, is still meaningful).
+    """
 
     current: Partition
     optimal: Plan
@@ -50,6 +55,7 @@ class PlanView:
     costs: tuple[float, ...]
     bytes_to_move: int
     layers_to_move: int
+    in_seconds: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class Rebalancer:
             costs=costs,
             bytes_to_move=self.c.bytes_to_move(current, target),
             layers_to_move=len(current.moves_to(target)),
+            in_seconds=self.c.in_seconds(current.stage_ids),
         )
 
     def rebalance(self, dry_run: bool, reason: str, force: bool = True) -> MoveOutcome:
@@ -139,7 +146,7 @@ class Rebalancer:
             key = (view.optimal.boundaries, view.current.stage_ids)
             decision = self._confirmed("move", decision, key, view.current.stage_ids)
         if not dry_run:
-            self._log_decision(decision, reason)
+            self._log_decision(decision, reason, view.in_seconds)
         if not decision.move or dry_run:
             return MoveOutcome(
                 False, view.current, decision.reason, decision.gain, view.bytes_to_move, 0.0, target
@@ -168,17 +175,20 @@ class Rebalancer:
             reason=f"{decision.reason}; waiting to confirm at step {step + 1}",
         )
 
-    def _log_decision(self, decision: Decision, reason: str) -> None:
-        """Logs a decision when it changes; the steady state goes to debug."""
+    def _log_decision(self, decision: Decision, reason: str, in_seconds: bool = True) -> None:
+        """Logs a decision when it changes; the steady state goes to debug. Step times
+        not in seconds (``in_seconds`` false: nothing profiled or measured yet) are logged
+        and exported as unknown (None)."""
+        current = round(decision.current_step_s, 4) if in_seconds else None
         fields = {
             "reason": reason,
             "why": decision.reason,
             "gain": round(decision.gain, 4),
-            "current_step_s": round(decision.current_step_s, 4),
-            "proposed_step_s": round(decision.proposed_step_s, 4),
+            "current_step_s": current,
+            "proposed_step_s": round(decision.proposed_step_s, 4) if in_seconds else None,
             "bytes_to_move": decision.bytes_to_move,
         }
-        self.c.metrics.decided(decision.outcome, decision.current_step_s)
+        self.c.metrics.decided(decision.outcome, decision.current_step_s if in_seconds else None)
         # The same kind of decision (its numbers aside) once at info, then at debug.
         kind = re.sub(r"[0-9.]+", "#", decision.reason)
         if decision.move:
@@ -232,7 +242,10 @@ class Rebalancer:
                 job.micro_batches,
                 job.schedule,
             )
-            new = target.evolve(epoch=self.c.store.reserve_epoch(), predicted_step_s=predicted)
+            new = target.evolve(
+                epoch=self.c.store.reserve_epoch(),
+                predicted_step_s=predicted if self.c.in_seconds(target.stage_ids) else None,
+            )
             names = tuple(self.c.names(new.stage_ids))
 
             def history(result: MoveResult) -> EpochRow:
@@ -422,7 +435,9 @@ class Rebalancer:
             decision = self._confirmed("scale-out", decision, key, current.stage_ids)
         else:
             self._proposals.pop("scale-out", None)
-        self._log_decision(decision, f"scale out with {spare.row.name}")
+        self._log_decision(
+            decision, f"scale out with {spare.row.name}", self.c.in_seconds(current.stage_ids)
+        )
         if not decision.move:
             return None
         self._proposals.pop("scale-out", None)

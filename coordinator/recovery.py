@@ -237,7 +237,9 @@ class Recovery:
             job_id=old.job_id,
             boundaries=best.boundaries,
             stages=tuple(chain),
-            predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule),
+            predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule)
+            if self.c.in_seconds([r.stage_id for r in chain])
+            else None,
             restored_step=step,
             restore_epoch=epoch,
         ).validate(old.num_layers)

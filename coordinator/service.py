@@ -363,8 +363,8 @@ class CoordinatorServicer:
         return coordinator_pb2.PlanResponse(
             current=partition_to_proto(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
-            current_step_s=view.current_step_s,
-            optimal_step_s=view.optimal_step_s,
+            current_step_s=view.current_step_s if view.in_seconds else None,
+            optimal_step_s=view.optimal_step_s if view.in_seconds else None,
             stage_speeds=view.speeds,
             layer_costs=list(view.costs),
             bytes_to_move=view.bytes_to_move,

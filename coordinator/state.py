@@ -18,7 +18,7 @@ from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import STATES, Member, Membership
 from elasticpipe.coordinator.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
-from elasticpipe.errors import LayersLost, NotReady
+from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import CoordinatorMetrics, CoordinatorView
 from elasticpipe.partition import Partition
@@ -101,7 +101,9 @@ class Cluster:
             self.cond.notify_all()
 
     def fail_job(self, message: str) -> None:
-        """Marks the job as failed beyond recovery (clients waiting get the message)."""
+        """Marks the job as failed beyond recovery (clients waiting get the message, and
+        how to continue from a checkpoint)."""
+        message = f"{message}; {CONTINUE_FROM_SAVE}"
         self.failure = message
         self.store.put("job_failure", message)
         log.error("job_failed", error=message)
@@ -137,7 +139,7 @@ class Cluster:
             members=members,
             epoch=partition.epoch if partition else None,
             chain_length=len(chain),
-            predicted_step_s=(partition.predicted_step_s or None) if partition else None,
+            predicted_step_s=partition.predicted_step_s if partition else None,
         )
 
     # ---- stages ----------------------------------------------------------------------
@@ -192,6 +194,16 @@ class Cluster:
         if self.profile is not None:
             return self.profile.speeds.get(member.row.stage_id)
         return None
+
+    def in_seconds(self, stage_ids: Sequence[str]) -> bool:
+        """Whether step times predicted for a chain of these stages are seconds: the layer
+        costs were profiled, or a stage of the chain measured its layers against them (its
+        speed then converts them to seconds). Before either, the costs come from parameter
+        sizes and a "step time" from them has no unit."""
+        if self.profile is not None:
+            return True
+        members = [self.members.by_id(sid) for sid in stage_ids]
+        return any(m is not None and self.speed_of(m) is not None for m in members)
 
     def speeds(self, stage_ids: Sequence[str]) -> list[float]:
         """Current speeds of stages, unknown ones filled in."""

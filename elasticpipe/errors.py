@@ -147,6 +147,16 @@ class LayersLost(ElasticPipeError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+# How a LayersLost job goes on (docs/checkpoints.md, docs/failures.md): a lost job cannot be
+# resumed, but a checkpoint loads into a new job on any partition, optimizer state and step
+# included.
+CONTINUE_FROM_SAVE = (
+    "to continue from your last pipe.save(DIR): close this Pipeline, start a new one with "
+    "the same arguments (without resume=True: a lost job cannot be resumed), then call "
+    "pipe.load(DIR)"
+)
+
+
 class DeadlineExceeded(ElasticPipeError, TimeoutError):
     """A wait ran past its deadline."""
 

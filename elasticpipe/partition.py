@@ -161,7 +161,9 @@ class Partition:
         job_id: the job the layers belong to.
         boundaries: ``S + 1`` cuts; stage ``s`` owns ``[boundaries[s], boundaries[s+1])``.
         stages: the chain, in order.
-        predicted_step_s: the planner's step time for it (0: unknown).
+        predicted_step_s: the planner's seconds per step for it; None while unknown (the
+            stages are not profiled yet: layer costs estimated from parameter sizes have
+            no unit).
         restored_step: the step the job was last rolled back to (with ``restore_epoch``).
         restore_epoch: the epoch of the last rollback (recovery or checkpoint load); 0 if
             none. A client that saw an older one must replay from ``restored_step``.
@@ -171,7 +173,7 @@ class Partition:
     job_id: str
     boundaries: tuple[int, ...]
     stages: tuple[StageRef, ...]
-    predicted_step_s: float = 0.0
+    predicted_step_s: float | None = None
     restored_step: int = 0
     restore_epoch: int = 0
     _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
@@ -338,7 +340,7 @@ class Partition:
             job_id=p.job_id,
             boundaries=tuple(p.boundaries),
             stages=tuple(StageRef(i, a) for i, a in zip(p.stage_ids, p.addresses, strict=True)),
-            predicted_step_s=p.predicted_step_s,
+            predicted_step_s=p.predicted_step_s if p.HasField("predicted_step_s") else None,
             restored_step=p.restored_step,
             restore_epoch=p.restore_epoch,
         )
@@ -363,7 +365,10 @@ class Partition:
             job_id=str(raw["job_id"]),
             boundaries=tuple(raw["boundaries"]),
             stages=tuple(StageRef(str(a), str(b)) for a, b in raw["stages"]),
-            predicted_step_s=float(raw.get("predicted_step_s", 0.0)),
+            # 0 stood for "unknown" in states written before None did.
+            predicted_step_s=float(raw["predicted_step_s"])
+            if raw.get("predicted_step_s")
+            else None,
             restored_step=int(raw.get("restored_step", 0)),
             restore_epoch=int(raw.get("restore_epoch", 0)),
         )

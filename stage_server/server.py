@@ -21,7 +21,12 @@ from elasticpipe.stage_server.service import (
 )
 from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.transport import rpc
-from elasticpipe.transport.serving import RunningServer, metrics_host, start_server
+from elasticpipe.transport.serving import (
+    RunningServer,
+    check_dial_address,
+    metrics_host,
+    start_server,
+)
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = get_logger(__name__)
@@ -43,7 +48,7 @@ class StageServer:
         listen: str = "127.0.0.1:0",
         on_refused: Callable[[NameInUse], None] | None = None,
     ):
-        self.coordinator = coordinator
+        self.coordinator = check_dial_address(coordinator, "coordinator address")
         self._listen = listen
         self._config = config
         self.stage: Stage | None = None

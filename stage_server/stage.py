@@ -155,7 +155,8 @@ class Stage:
         self._peers = rpc.StagePool(tls=config.tls)
         self._outputs: tuple[int, bytes, dict[int, Value]] = (0, b"", {})
         self._staged: _Staged | None = None
-        self._restoring: tuple[int, Layers] | None = None  # (epoch, layers) of a load
+        # A load in progress: its epoch, the layers built so far, and the bytes each came in.
+        self._restoring: tuple[int, Layers, dict[int, int]] | None = None
         self._questions: list[Effect] = []
         self._snapshotter = Snapshotter(
             self.snapshots, self._push_copy, lambda: self.faults.point("snapshot")
@@ -516,7 +517,8 @@ class Stage:
         takes what ``RestoreLayers`` staged.
 
         Returns:
-            Bytes received and seconds spent.
+            Bytes received (for a restore: the bytes the client streamed here) and seconds
+            spent.
         """
         with self._cond:
             # The transfers may outlast the freeze lease: hold it for as long as they may take.
@@ -535,6 +537,7 @@ class Stage:
             if restoring is None or restoring[0] != new_epoch:
                 raise NotReady(f"no checkpoint was streamed here for epoch {new_epoch}")
             staged = dict(restoring[1])
+            received = sum(restoring[2].values())  # what the client streamed here
         else:
             sources = dict(incoming)
             wanted = list(placement.layers) if rollback else [layer for layer, _ in incoming]
@@ -782,8 +785,9 @@ class Stage:
         with self._cond:
             self.machine.check_frozen(epoch)
             if self._restoring is None or self._restoring[0] != epoch:
-                self._restoring = (epoch, {})
+                self._restoring = (epoch, {}, {})
             self._restoring[1][index] = built
+            self._restoring[2][index] = got.packed.nbytes
 
     # ---- snapshots ----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
 from elasticpipe.security.tls import TLS
-from elasticpipe.transport import rpc
+from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ADMIN_TIMEOUT_S = 300.0
@@ -49,8 +49,10 @@ columns of the stage table:
   step    (gone incarnations) the last step it had committed when last heard from
 'admin forget NAME' removes the gone incarnations of a name.
 the epoch history lists every partition change of the job: its kind (start, move,
-scale-out, recovery, restore, or an attempt abandoned before its commit point), the
-layers and bytes moved, how long training paused, and why.
+scale-out, recovery, restore: a checkpoint or init_state streamed by the client, attach:
+the snapshot taken when a client resumes, or an attempt abandoned before its commit
+point), the layers and bytes moved, how long training paused, and why. A job started
+from init_state has two epochs: its start, then the restore of its initial weights.
 """
 
 
@@ -105,11 +107,14 @@ def _value(field: Any, value: Any) -> Any:
 
 
 def to_json(message: Message) -> dict[str, Any]:
-    """Every field of a message, zeros included; integers stay numbers."""
+    """Every field of a message, zeros included; integers stay numbers; an ``optional``
+    scalar that is not set (unknown, such as a step time before profiling) is None."""
     out: dict[str, Any] = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
-        if field.is_repeated:
+        if field.message_type is None and field.has_presence and not field.is_repeated:
+            out[field.name] = value if message.HasField(field.name) else None
+        elif field.is_repeated:
             out[field.name] = [_value(field, v) for v in value]
         else:
             out[field.name] = _value(field, value)
@@ -209,12 +214,18 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
             f"{name:<{nw}}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
             f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
         )
-    gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
-    lines += [
-        f"predicted step: current {p.current_step_s * 1e3:.1f} ms, optimal "
-        f"{p.optimal_step_s * 1e3:.1f} ms (gain {gain:.1%}); "
-        f"{p.bytes_to_move} bytes to move",
-    ]
+    if p.HasField("current_step_s") and p.HasField("optimal_step_s"):
+        gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
+        predicted = (
+            f"predicted step: current {p.current_step_s * 1e3:.1f} ms, optimal "
+            f"{p.optimal_step_s * 1e3:.1f} ms (gain {gain:.1%})"
+        )
+    else:
+        predicted = (
+            "predicted step: unknown until the stages are profiled (the first training "
+            "step does it; until then layer costs are estimated from parameter sizes)"
+        )
+    lines += [f"{predicted}; {p.bytes_to_move} bytes to move"]
     return "\n".join(lines)
 
 
@@ -405,6 +416,7 @@ def run_admin(args: argparse.Namespace) -> int:
     """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
     address = args.coordinator
     try:
+        serving.check_dial_address(address, "coordinator address")
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         with rpc.channel(address, tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)

@@ -298,6 +298,16 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsH
         return super()._get_help_string(action)
 
 
+def _coordinator_address(text: str) -> str:
+    """The type of ``--coordinator``: HOST:PORT, checked before anything dials it."""
+    from elasticpipe.transport.serving import check_dial_address
+
+    try:
+        return check_dial_address(text, "coordinator address")
+    except ElasticPipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _admin_options(defaults: bool) -> AdminParser:
     """The admin options, accepted before and after the subcommand (only the given ones
     override: the defaults are set once, on the ``admin`` parser)."""
@@ -307,6 +317,7 @@ def _admin_options(defaults: bool) -> AdminParser:
     kw = (lambda d: {"default": d}) if defaults else (lambda d: {"default": argparse.SUPPRESS})
     common.add_argument(
         "--coordinator",
+        metavar="HOST:PORT",  # checked by run_admin: its errors are JSON with --json
         help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",
         **kw(os.environ.get(ENV_COORDINATOR, "127.0.0.1:7100")),
     )
@@ -421,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument(
         "--coordinator",
+        type=_coordinator_address,
+        metavar="HOST:PORT",
         default=os.environ.get(ENV_COORDINATOR),
         required=ENV_COORDINATOR not in os.environ,
         help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",

@@ -1,7 +1,8 @@
 """JSON Schemas of what ``elasticpipe admin COMMAND --json`` prints: the contract for scripts.
 
 Each command prints the JSON form of one protobuf message (``admin.to_json``: every field
-present, zeros too, 64-bit integers as numbers, enums by name, bytes as hex) or, on any
+present, zeros too, 64-bit integers as numbers, enums by name, bytes as hex, null for an
+``optional`` number that is unknown) or, on any
 error, ``{"error": {"code": "<gRPC status name>", "message": "..."}}``; ``admin trace``
 prints its own summary object. The message schemas are derived from the descriptors (so a
 new field is in the schema the day it is in the proto) plus the value sets the coordinator
@@ -120,7 +121,15 @@ COMMANDS = [*COMMAND_MESSAGES, *COMMAND_OBJECTS]
 # String fields whose values are a closed set (message name, field name) -> values.
 STRING_VALUES: dict[tuple[str, str], list[str]] = {
     ("StageInfo", "state"): ["chain", "spare", "drained", "dead", "left"],
-    ("EpochRecord", "kind"): ["start", "move", "scale-out", "recovery", "restore", "abandoned"],
+    ("EpochRecord", "kind"): [
+        "start",
+        "move",
+        "scale-out",
+        "recovery",
+        "restore",
+        "attach",
+        "abandoned",
+    ],
 }
 
 _SCALARS: dict[int, dict[str, Any]] = {
@@ -169,7 +178,14 @@ def _field(message: Descriptor, field: FieldDescriptor, defs: dict[str, Any]) ->
         one = {"enum": STRING_VALUES[(message.name, field.name)]}
     else:
         one = dict(_SCALARS[field.type])
+        if _unknown_when_unset(field):
+            one["type"] = [one["type"], "null"]
     return {"type": "array", "items": one} if field.is_repeated else one
+
+
+def _unknown_when_unset(field: FieldDescriptor) -> bool:
+    """A scalar field declared ``optional``: JSON null when unset (unknown), not zero."""
+    return field.message_type is None and not field.is_repeated and field.has_presence
 
 
 def _object(message: Descriptor, defs: dict[str, Any]) -> dict[str, Any]:

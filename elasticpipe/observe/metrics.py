@@ -394,9 +394,9 @@ class CoordinatorMetrics:
         """An epoch change was abandoned."""
         self.migrations_aborted.labels(kind=kind).inc()
 
-    def decided(self, outcome: str, current_step_s: float) -> None:
+    def decided(self, outcome: str, current_step_s: float | None) -> None:
         """The policy decided (``outcome``), predicting ``current_step_s`` for the current
-        partition at the live speeds."""
+        partition at the live speeds (None: unknown, nothing profiled or measured yet)."""
         self.decisions.labels(outcome=outcome).inc()
         with self._lock:
             self._predicted = current_step_s

@@ -65,6 +65,52 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def check_dial_address(address: str, what: str = "address") -> str:
+    """Checks, before anything is dialled, that ``address`` is a HOST:PORT to connect to.
+
+    gRPC takes almost any string as a target and fails late and obscurely: without a port
+    it dials 443, and ``http://HOST:PORT`` fails name resolution ("Misformatted domain
+    name"). IPv6 literals go in brackets (``[::1]:7100``).
+
+    Args:
+        address: what the user gave.
+        what: what it is, for the message ("coordinator address").
+
+    Returns:
+        ``address``, unchanged.
+
+    Raises:
+        InvalidRequest: not HOST:PORT with a host and a port in [1, 65535]; the message
+            names the value and the fix.
+    """
+    expected = "expected HOST:PORT, e.g. 127.0.0.1:7100 ([ADDR]:PORT for IPv6)"
+    if not address:
+        raise InvalidRequest(f"no {what} given: {expected}")
+    scheme, sep, rest = address.partition("://")
+    if sep:
+        raise InvalidRequest(
+            f"{what} {address!r} is a URL: give HOST:PORT without {scheme + sep!r}, "
+            f"e.g. {rest.rstrip('/')!r}"
+        )
+    if any(c.isspace() or c in "/?#@" for c in address):
+        raise InvalidRequest(f"{what} {address!r} is not HOST:PORT: {expected}")
+    host, sep, port = address.rpartition(":")
+    bracketed = address.startswith("[") and address.endswith("]")  # [ADDR] alone
+    if ":" in host and not bracketed and not (host.startswith("[") and host.endswith("]")):
+        raise InvalidRequest(f"{what} {address!r}: put an IPv6 address in brackets, [ADDR]:PORT")
+    if not sep or not port or bracketed:
+        raise InvalidRequest(
+            f"{what} {address!r} has no port: {expected} (without a port, gRPC would dial port 443)"
+        )
+    if not port.isdecimal():
+        raise InvalidRequest(f"{what} {address!r}: port {port!r} is not a number: {expected}")
+    if not host or host == "[]":
+        raise InvalidRequest(f"{what} {address!r} has no host: {expected}")
+    if not 1 <= int(port) <= 65535:
+        raise InvalidRequest(f"{what} {address!r}: port {port} is not in [1, 65535]")
+    return address
+
+
 def join_address(host: str, port: int) -> str:
     """ "host:port", with IPv6 literals in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -228,6 +228,7 @@ class Partition(_message.Message):
     epoch: _builtins.int
     job_id: _builtins.str
     predicted_step_s: _builtins.float
+    """seconds per step (unset: unknown, not profiled)"""
     restored_step: _builtins.int
     """the step of the last rollback (recovery or load)"""
     restore_epoch: _builtins.int
@@ -252,15 +253,17 @@ class Partition(_message.Message):
         boundaries: _abc.Iterable[_builtins.int] | None = ...,
         stage_ids: _abc.Iterable[_builtins.str] | None = ...,
         addresses: _abc.Iterable[_builtins.str] | None = ...,
-        predicted_step_s: _builtins.float = ...,
+        predicted_step_s: _builtins.float | None = ...,
         restored_step: _builtins.int = ...,
         restore_epoch: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_predicted_step_s", b"_predicted_step_s", "predicted_step_s", b"predicted_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "boundaries", b"boundaries", "epoch", b"epoch", "job_id", b"job_id", "predicted_step_s", b"predicted_step_s", "restore_epoch", b"restore_epoch", "restored_step", b"restored_step", "stage_ids", b"stage_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predicted_step_s", b"_predicted_step_s", "addresses", b"addresses", "boundaries", b"boundaries", "epoch", b"epoch", "job_id", b"job_id", "predicted_step_s", b"predicted_step_s", "restore_epoch", b"restore_epoch", "restored_step", b"restored_step", "stage_ids", b"stage_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__predicted_step_s: _TypeAlias = _typing.Literal["predicted_step_s"]  # noqa: Y015
+    _WhichOneofArgType__predicted_step_s: _TypeAlias = _typing.Literal["_predicted_step_s", b"_predicted_step_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__predicted_step_s) -> _WhichOneofReturnType__predicted_step_s | None: ...
 
 Global___Partition: _TypeAlias = Partition  # noqa: Y015
 
@@ -925,6 +928,7 @@ class PlanResponse(_message.Message):
     BYTES_TO_MOVE_FIELD_NUMBER: _builtins.int
     STAGE_NAMES_FIELD_NUMBER: _builtins.int
     current_step_s: _builtins.float
+    """seconds per step (unset: unknown, not profiled)"""
     optimal_step_s: _builtins.float
     bytes_to_move: _builtins.int
     @_builtins.property
@@ -944,18 +948,25 @@ class PlanResponse(_message.Message):
         *,
         current: Global___Partition | None = ...,
         optimal_boundaries: _abc.Iterable[_builtins.int] | None = ...,
-        current_step_s: _builtins.float = ...,
-        optimal_step_s: _builtins.float = ...,
+        current_step_s: _builtins.float | None = ...,
+        optimal_step_s: _builtins.float | None = ...,
         stage_speeds: _abc.Iterable[_builtins.float] | None = ...,
         layer_costs: _abc.Iterable[_builtins.float] | None = ...,
         bytes_to_move: _builtins.int = ...,
         stage_names: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["current", b"current"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "current", b"current", "current_step_s", b"current_step_s", "optimal_step_s", b"optimal_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speeds", b"stage_speeds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speeds", b"stage_speeds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__current_step_s: _TypeAlias = _typing.Literal["current_step_s"]  # noqa: Y015
+    _WhichOneofArgType__current_step_s: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s"]  # noqa: Y015
+    _WhichOneofReturnType__optimal_step_s: _TypeAlias = _typing.Literal["optimal_step_s"]  # noqa: Y015
+    _WhichOneofArgType__optimal_step_s: _TypeAlias = _typing.Literal["_optimal_step_s", b"_optimal_step_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__current_step_s) -> _WhichOneofReturnType__current_step_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__optimal_step_s) -> _WhichOneofReturnType__optimal_step_s | None: ...
 
 Global___PlanResponse: _TypeAlias = PlanResponse  # noqa: Y015
 

@@ -1,4 +1,5 @@
-"""LayersLost names every host the layers were lost with, former copy holders included."""
+"""LayersLost names every host the layers were lost with, former copy holders included,
+and how to continue from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -50,3 +51,31 @@ def test_layers_lost_names_the_dead_owner_and_a_former_holder_of_the_copy() -> N
         cluster.pool.close()
     assert "layers [0, 1] have no live copy" in cluster.failure
     assert "['a', 'c']" in cluster.failure, cluster.failure
+    assert "to continue from your last pipe.save(DIR)" in cluster.failure
+
+
+def test_a_lost_job_says_how_to_continue_from_the_last_save() -> None:
+    """Every chain stage dead and no spare: the failure (what LayersLost carries to the
+    client) says to start a new Pipeline without resume=True and load the last save, and
+    the API it names exists."""
+    import inspect
+
+    from elasticpipe.client.pipeline import Pipeline
+
+    cluster = Cluster(Store(":memory:"), CoordinatorConfig(dead_after_s=60.0))
+    stage_id, _ = cluster.members.register("a", "127.0.0.1:1", "cpu")
+    cluster.members.declare_dead(stage_id, "killed")
+    cluster.job = JobConfig(model="mlp", job_id="j1", snapshot_every=3)
+    cluster.num_layers = 2
+    cluster.partition = Partition(
+        epoch=1, job_id="j1", boundaries=(0, 2), stages=(StageRef(stage_id, "127.0.0.1:1"),)
+    )
+    try:
+        assert Recovery(cluster).recover(list(cluster.members.members())) is None
+    finally:
+        cluster.pool.close()
+    assert "every stage of the chain died (['a'])" in cluster.failure
+    assert "pipe.save(DIR)" in cluster.failure and "pipe.load(DIR)" in cluster.failure
+    assert "without resume=True" in cluster.failure
+    assert "resume" in inspect.signature(Pipeline).parameters
+    assert callable(Pipeline.load) and callable(Pipeline.save)

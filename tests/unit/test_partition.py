@@ -130,3 +130,15 @@ def test_assignments_equal_each_stages_own_assignment(n_stages: int) -> None:
     for ref in stages:
         assert wire[ref.stage_id] == p.assignment(ref.stage_id, names).to_proto()
         assert Placement.from_proto(wire[ref.stage_id]) == p.assignment(ref.stage_id, names)
+
+
+def test_an_unknown_step_time_stays_unknown_on_the_wire_and_in_the_store() -> None:
+    """predicted_step_s None (not profiled) round-trips as None, is unset on the wire, and
+    a stored 0.0 (how "unknown" was written before) reads back as None."""
+    assert P.predicted_step_s is None
+    assert not P.to_proto().HasField("predicted_step_s")
+    assert Partition.from_proto(P.to_proto()).predicted_step_s is None
+    assert Partition.from_json(P.to_json()).predicted_step_s is None
+    assert Partition.from_json({**P.to_json(), "predicted_step_s": 0.0}).predicted_step_s is None
+    timed = P.evolve(predicted_step_s=0.125)
+    assert Partition.from_proto(timed.to_proto()).predicted_step_s == 0.125

@@ -1,4 +1,5 @@
-"""A job waiting out an outage logs the same warning once, not once per retry."""
+"""A job waiting out an outage logs the same warning once, not once per retry; a client
+waiting for a lease says so once, then every ten seconds."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 
 import pytest
 
-from elasticpipe.client.pipeline import _Repeats
+from elasticpipe.client.pipeline import _Repeats, _Waiting
 
 
 def test_a_repeated_warning_is_logged_once_then_with_its_count(
@@ -30,3 +31,19 @@ def test_a_long_outage_is_reported_again_with_how_often_it_recurred(
             repeats.warn("failure_not_reported", "connection refused")
     assert len(caplog.records) == 3
     assert "repeated" in caplog.records[-1].getMessage()
+
+
+def test_a_long_wait_is_logged_once_then_every_ten_seconds_with_its_length(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client waiting out another's lease, retrying every second for 25 s, logs the
+    wait when it begins and then at 10 s and 20 s, each with the seconds waited."""
+    now = [100.0]
+    waiting = _Waiting("waiting_for_lease", every=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="elasticpipe"):
+        for second in range(26):
+            now[0] = 100.0 + second
+            waiting.still(reason="job j1 is held by client 'c'")
+    fields = [r.elasticpipe for r in caplog.records]
+    assert [f.get("waited_s") for f in fields] == [None, 10.0, 20.0]
+    assert all(f["event"] == "waiting_for_lease" and "held by" in f["reason"] for f in fields)

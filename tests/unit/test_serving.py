@@ -75,3 +75,37 @@ def test_metrics_beyond_loopback_need_an_explicit_choice() -> None:
     assert serving.metrics_host("0.0.0.0:7100", "127.0.0.1") == "127.0.0.1"
     assert serving.metrics_host("0.0.0.0:7100", insecure=True) == "0.0.0.0"
     assert serving.metrics_host("[::]:7100", "[::1]") == "::1"
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:7100", "localhost:1", "host-2.example.org:65535", "[::1]:7100"]
+)
+def test_a_dialable_address_is_accepted_unchanged(address: str) -> None:
+    """HOST:PORT, and [ADDR]:PORT for IPv6, pass the check as they are."""
+    assert serving.check_dial_address(address, "coordinator address") == address
+
+
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("", "no coordinator address given"),
+        ("10.0.0.5", "has no port"),  # gRPC would dial 443
+        ("10.0.0.5:", "has no port"),
+        ("[::1]", "has no port"),
+        ("http://10.0.0.5:7100", "without 'http://', e.g. '10.0.0.5:7100'"),
+        ("grpc://h:7100/", "is a URL"),
+        (":7100", "has no host"),
+        ("h:0", "port 0 is not in [1, 65535]"),
+        ("h:70000", "port 70000"),
+        ("h:seven", "port 'seven' is not a number"),
+        ("::1:7100", "put an IPv6 address in brackets"),
+        ("h 1:7100", "is not HOST:PORT"),
+    ],
+)
+def test_an_address_that_cannot_be_dialled_is_refused_naming_it(address: str, says: str) -> None:
+    """What gRPC would misread (no port: port 443; a URL: "Misformatted domain name") is
+    refused up front, the message naming the value and what is wrong with it."""
+    with pytest.raises(InvalidRequest) as info:
+        serving.check_dial_address(address, "coordinator address")
+    assert says in str(info.value)
+    assert repr(address) in str(info.value) or not address

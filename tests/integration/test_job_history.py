@@ -1,0 +1,190 @@
+"""What a new job reports about itself: its predicted step time, and its epoch history
+(start, init_state's load, a resume), in the client's log, the partition and admin views."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+import torch
+
+from elasticpipe import models
+from elasticpipe.cli.admin import format_plan, format_status, to_json
+from elasticpipe.cli.schemas import command_schema
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.server import CoordinatorServer
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+pytestmark = pytest.mark.timeout(120)
+KWARGS = {"sizes": [16, 64, 64, 4]}
+
+
+def _pipeline(coordinator: str, **extra: Any) -> Pipeline:
+    return Pipeline(
+        coordinator=coordinator,
+        model="mlp",
+        model_kwargs=KWARGS,
+        micro_batches=2,
+        stages=2,
+        snapshot_every=1,
+        **extra,
+    )
+
+
+def _call(coordinator: str, method: str, request: Any) -> Any:
+    with grpc.insecure_channel(coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        return getattr(stub, method)(request, timeout=30)
+
+
+def _events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
+    fields = [getattr(r, "elasticpipe", None) for r in caplog.records]
+    return [f for f in fields if isinstance(f, dict) and f.get("event") == name]
+
+
+def _init_state() -> dict[str, torch.Tensor]:
+    return dict(models.build("mlp", seed=7, **KWARGS).state_dict())
+
+
+def test_the_step_time_is_unknown_until_profiled_then_in_seconds(
+    coordinator_server: CoordinatorServer, stage_servers: list[StageServer]
+) -> None:
+    """A job set up before its first step (here from init_state) has no profile: its
+    predicted step time is None on the partition, null in `admin plan --json` (valid for
+    the schema) and "unknown" in the table, not a unit-less cost; after the first step
+    profiles the stages it is seconds, of the order of the steps measured."""
+    address = coordinator_server.address
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with _pipeline(address, init_state=_init_state()) as pipe:
+        assert pipe.partition.predicted_step_s is None
+        plan = _call(address, "Plan", coordinator_pb2.PlanRequest())
+        document = to_json(plan)
+        assert document["current_step_s"] is None and document["optimal_step_s"] is None
+        assert document["current"]["predicted_step_s"] is None
+        jsonschema.validate(document, command_schema("plan"))
+        assert "predicted step: unknown" in format_plan(plan)
+        started = time.perf_counter()
+        pipe.train_step(x, y)  # profiles the stages first
+        pipe.train_step(x, y)
+        measured = (time.perf_counter() - started) / 2
+        predicted = pipe.partition.predicted_step_s
+        assert predicted is not None and predicted > 0
+        # The planner leaves out RPC and Python overheads, so it predicts less than a
+        # step takes; a unit-less cost was off by two orders of magnitude (11.3 for 0.1 s).
+        assert predicted < 10 * measured, (predicted, measured)
+        plan = _call(address, "Plan", coordinator_pb2.PlanRequest())
+        assert plan.HasField("current_step_s") and plan.current_step_s > 0
+        assert "predicted step: current" in format_plan(plan)
+        jsonschema.validate(to_json(plan), command_schema("plan"))
+
+
+def test_a_job_from_init_state_tells_its_two_epochs_truthfully(
+    coordinator_server: CoordinatorServer,
+    stage_servers: list[StageServer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job started from init_state has a start epoch, then the restore that streamed
+    the weights: the history says so, counts the bytes streamed, and the client's
+    pipeline_ready line names the epoch in force, the one pipe.partition reports."""
+    address = coordinator_server.address
+    weights = _init_state()
+    tensor_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    with (
+        caplog.at_level(logging.INFO, logger="elasticpipe"),
+        _pipeline(address, init_state=weights) as pipe,
+    ):
+        pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+        epoch, job_id = pipe.partition.epoch, pipe.partition.job_id
+    status = _call(address, "Status", coordinator_pb2.StatusRequest())
+    rows = [r for r in status.history if r.job_id == job_id]
+    assert [r.kind for r in rows] == ["start", "restore"], format_status(status)
+    start, load = rows
+    assert "init_state" in start.reason and start.bytes_moved == 0
+    assert "initial weights (init_state) loaded" in load.reason, load.reason
+    # Every tensor of every layer, plus each layer's small msgpack header.
+    overhead = 4096 * pipe.num_layers
+    assert tensor_bytes <= load.bytes_moved <= tensor_bytes + overhead, load.bytes_moved
+    assert load.layers_moved == pipe.num_layers
+    assert str(load.bytes_moved) in load.reason
+    ready = _events(caplog, "pipeline_ready")
+    assert len(ready) == 1
+    assert ready[0]["epoch"] == epoch == load.epoch, (ready, epoch, load.epoch)
+    assert ready[0]["weights"] == "init_state"
+    loaded = _events(caplog, "initial_weights_loaded")
+    assert [e["bytes"] for e in loaded] == [load.bytes_moved]
+
+
+def test_a_resume_starts_the_partitions_rollback_record_afresh(
+    coordinator_server: CoordinatorServer, stage_servers: list[StageServer]
+) -> None:
+    """After a client resumes at step 3, the partition's restored_step and restore_epoch
+    are that step and the attach's epoch (not the init_state load of step 0 before it),
+    and `admin status --json`, with its attach row, is valid for the schema."""
+    address = coordinator_server.address
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with _pipeline(address, init_state=_init_state()) as first:
+        for _ in range(3):
+            first.train_step(x, y)
+        loaded = first.partition
+    assert (loaded.restored_step, loaded.restore_epoch) == (0, loaded.epoch)
+    with _pipeline(address, resume=True) as second:
+        assert second.step == 3
+        attached = second.partition
+        assert attached.epoch > loaded.epoch
+        assert (attached.restored_step, attached.restore_epoch) == (3, attached.epoch)
+        second.train_step(x, y)
+        assert second.step == 4
+    status = _call(address, "Status", coordinator_pb2.StatusRequest())
+    assert status.history[-1].kind == "attach"
+    assert status.history[-1].restored_step == 3
+    assert (status.partition.restored_step, status.partition.restore_epoch) == (3, attached.epoch)
+    jsonschema.validate(to_json(status), command_schema("status"))
+
+
+CLIENT = """
+import sys, time, torch
+from elasticpipe.client.pipeline import Pipeline
+pipe = Pipeline(coordinator=sys.argv[1], model="mlp", model_kwargs={kwargs!r}, micro_batches=2,
+                stages=2, snapshot_every=1, lease_s=6.0)
+pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+print("trained", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_resume_waiting_for_a_dead_clients_lease_says_so_once(
+    coordinator_server: CoordinatorServer,
+    stage_servers: list[StageServer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A script SIGKILLed while holding the job's lease (6 s): its successor's
+    Pipeline(resume=True) retries every second until the lease runs out, and logs
+    waiting_for_lease once (then only every 10 s), not once per retry; then it attaches."""
+    address = coordinator_server.address
+    code = CLIENT.format(kwargs=KWARGS)
+    with subprocess.Popen(
+        [sys.executable, "-c", code, address], stdout=subprocess.PIPE, text=True
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "trained"
+        finally:
+            holder.kill()
+    started = time.monotonic()
+    with (
+        caplog.at_level(logging.INFO, logger="elasticpipe"),
+        _pipeline(address, resume=True) as pipe,
+    ):
+        assert pipe.step == 1
+    waited = time.monotonic() - started
+    lines = _events(caplog, "waiting_for_lease")
+    assert 2 < waited < 10, waited  # several retries, all within the first ten seconds
+    assert len(lines) == 1, lines
+    assert "held by client" in lines[0]["reason"]
