@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-HELPERS = {"datapaths.py", "fake_stage.py"}  # modules the benches import, not benches
+# modules the benches import, not benches
+HELPERS = {"datapaths.py", "fake_epochs.py", "fake_stage.py"}
 # Every bench's JSON keys (a subset: a bench may print more).
 KEYS: dict[str, set[str]] = {
     "ab.py": {"a", "b", "ratio_b_over_a"},
