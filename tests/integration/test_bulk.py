@@ -20,9 +20,10 @@ from elasticpipe.job import JobConfig
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training import make_optimizer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from tests.integration.test_metrics import scrape, value
+from tests.numerics import reference_step
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,8 +14,9 @@ from elasticpipe import models, rpc
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import InvalidRequest, TransferError
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training import make_optimizer
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.numerics import reference_step
 
 MODELS = {
     "mlp": {"sizes": [12, 24, 24, 24, 24, 6]},

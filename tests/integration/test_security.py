@@ -19,7 +19,7 @@ from elasticpipe import models, rpc, tls
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.cluster import LocalCluster
 from elasticpipe.errors import PermissionDenied, StageUnavailable
-from elasticpipe.training import make_optimizer, reference_step
+from elasticpipe.training import make_optimizer
 from elasticpipe.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -27,6 +27,7 @@ from elasticpipe.v1 import (
     stage_pb2,
     stage_pb2_grpc,
 )
+from tests.numerics import reference_step
 
 pytestmark = pytest.mark.timeout(240)
 KWARGS = {"sizes": [8, 16, 16, 16, 4]}
