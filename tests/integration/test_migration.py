@@ -92,7 +92,9 @@ def _train_and_compare(
         for step in range(1, steps + 1):
             x, y = _batch(model, g)
             got = pipe.train_step(x, y)
-            want = reference_step(reference, ref_opt, "cross_entropy", x, y)
+            # Cut as the pipeline cuts it: a whole-batch Adam reference drifts beyond float32's
+            # tolerance on a 5-layer GPT's layer norms within 10 steps (tests/numerics.py).
+            want = reference_step(reference, ref_opt, "cross_entropy", x, y, micro_batches=3)
             torch.testing.assert_close(
                 torch.tensor(got), torch.tensor(want), msg=f"loss of step {step}"
             )
