@@ -3,7 +3,7 @@
 One optimizer over the whole model, every micro-batch's loss (its share of the mini-batch)
 under ``torch.autocast("cpu", dtype=torch.float16)``, ``torch.amp.GradScaler`` scaling,
 unscaling (then ``clip_grad_norm_`` if asked), stepping and updating, as its docs show for
-gradient accumulation.
+gradient accumulation. It runs under a stage's thread count (``tests.support.numerics``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from elasticpipe import models
 from elasticpipe.training.objectives import loss_fn, make_optimizer
 from elasticpipe.wire.structure import split_batch
+from tests.support.numerics import stage_threads
 
 
 class Fp16Reference:
@@ -38,23 +39,24 @@ class Fp16Reference:
         self.loss = loss_fn("cross_entropy")
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, bool, float | None]:
-        """One step; returns (loss, the scale it used, whether it was skipped, the norm of
-        the unscaled gradients when clipping)."""
-        self.opt.zero_grad(set_to_none=True)
-        scale = self.scaler.get_scale()
-        total = 0.0
-        xs, ys, shares = split_batch(x, y, self.micro_batches, torch.device("cpu"))
-        for xm, ym, share in zip(xs, ys, shares, strict=True):
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = self.model(xm)
-            loss = self.loss(out.float(), ym) * share
-            self.scaler.scale(loss).backward()
-            total += float(loss.detach())
-        self.scaler.unscale_(self.opt)
-        norm = None
-        if self.max_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm))
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        skipped = self.scaler.get_scale() < scale
+        """One step under a stage's thread count; returns (loss, the scale it used, whether
+        it was skipped, the norm of the unscaled gradients when clipping)."""
+        with stage_threads():
+            self.opt.zero_grad(set_to_none=True)
+            scale = self.scaler.get_scale()
+            total = 0.0
+            xs, ys, shares = split_batch(x, y, self.micro_batches, torch.device("cpu"))
+            for xm, ym, share in zip(xs, ys, shares, strict=True):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = self.model(xm)
+                loss = self.loss(out.float(), ym) * share
+                self.scaler.scale(loss).backward()
+                total += float(loss.detach())
+            self.scaler.unscale_(self.opt)
+            norm = None
+            if self.max_norm is not None:
+                norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm))
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
         return total, scale, skipped, norm

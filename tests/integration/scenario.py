@@ -12,9 +12,10 @@ import torch
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.support.numerics import reference_step
 
 KWARGS = {"sizes": [12, 24, 24, 24, 24, 6]}  # 9 layers
 ADAM = {"lr": 1e-2}

@@ -20,11 +20,12 @@ from elasticpipe.partition import Placement
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training.job import JobConfig
-from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from elasticpipe.wire import codec
 from tests.integration.test_metrics import scrape, value
+from tests.support.numerics import reference_step
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,8 +29,9 @@ from elasticpipe.errors import (
     UserCodeError,
 )
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support.numerics import reference_step, stage_threads
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -82,7 +83,8 @@ def test_predict_runs_in_eval_mode_and_changes_nothing(cluster: LocalCluster) ->
     local = models.build(NORMED, seed=0, allow=(ALLOWED,))
     local.load_state_dict(after)
     local.eval()
-    torch.testing.assert_close(first, local(x))
+    with stage_threads():
+        torch.testing.assert_close(first, local(x))
 
 
 def test_a_users_bad_targets_are_their_error_not_an_internal_one(cluster: LocalCluster) -> None:

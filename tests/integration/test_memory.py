@@ -14,7 +14,8 @@ from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer
+from tests.support.numerics import reference_step
 
 # Layers: Linear(64, 256) 66.5 kB, ReLU, Linear(256, 256) 263 kB, ReLU, Linear(256, 256),
 # ReLU, Linear(256, 8). With SGD a layer needs its weights and gradients (2x), plus the

@@ -14,9 +14,10 @@ from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest, TransferError
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.support.numerics import reference_step
 
 MODELS = {
     "mlp": {"sizes": [12, 24, 24, 24, 24, 6]},
@@ -92,7 +93,9 @@ def _train_and_compare(
         for step in range(1, steps + 1):
             x, y = _batch(model, g)
             got = pipe.train_step(x, y)
-            want = reference_step(reference, ref_opt, "cross_entropy", x, y)
+            # Cut as the pipeline cuts it: a whole-batch Adam reference drifts beyond float32's
+            # tolerance on a 5-layer GPT's layer norms within 10 steps (tests/support/numerics.py).
+            want = reference_step(reference, ref_opt, "cross_entropy", x, y, micro_batches=3)
             torch.testing.assert_close(
                 torch.tensor(got), torch.tensor(want), msg=f"loss of step {step}"
             )

@@ -4,7 +4,6 @@ bad structure is a clear error naming the layer."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -19,11 +18,11 @@ from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
-from elasticpipe.training.objectives import reference_step
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import bundle, codec, compress, structure
 from tests.integration.scenario import FAST
+from tests.support.numerics import reference_step, stage_threads
 
 ALLOWED = "tests.integration.custom_models"
 MASKED = f"{ALLOWED}:masked"  # 6 layers: embedding, (attention, mlp) x 2, head
@@ -64,19 +63,6 @@ def _set_partition(cluster: LocalCluster, boundaries: list[int]) -> None:
         assert reply.changed, reply
     finally:
         channel.close()
-
-
-@contextlib.contextmanager
-def _threads_of_a_stage() -> Iterator[None]:
-    """Runs the local reference with the one intra-op thread a LocalCluster stage has: a
-    reduction (layer norm's, an embedding's backward) split over more threads rounds
-    differently, and the comparison is bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _local(kwargs: dict[str, Any], schedule: str = "1f1b") -> LocalPipeline:
@@ -125,6 +111,7 @@ def _train_with_a_migration(pipe: Pipeline, cluster: LocalCluster, as_dict: bool
     return losses
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_hidden_and_mask_train_through_3_stages_like_pytorch_across_a_migration(
@@ -136,7 +123,7 @@ def test_hidden_and_mask_train_through_3_stages_like_pytorch_across_a_migration(
     reference = models.build(MASKED, seed=2, allow=[ALLOWED])
     optimizer = torch.optim.SGD(reference.parameters(), **SGD)
     want = [reference_step(reference, optimizer, "cross_entropy", x, y) for x, y in _batches()]
-    with _threads_of_a_stage(), _local({}, schedule) as local:
+    with stage_threads(), _local({}, schedule) as local:
         local_losses = [local.train_step(x, y) for x, y in _batches()]
         local_state = local.state_dict()
     torch.testing.assert_close(torch.tensor(local_losses), torch.tensor(want))
@@ -154,17 +141,18 @@ def test_hidden_and_mask_train_through_3_stages_like_pytorch_across_a_migration(
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
     reference.eval()
-    with torch.no_grad():
+    with torch.no_grad(), stage_threads():
         torch.testing.assert_close(predicted, reference(x))
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(120)
 def test_dict_layers_train_through_3_stages_like_locally(cluster: LocalCluster) -> None:
     """Layers passing a flat dict ({"hidden", "keep"}: a float mask that needs no gradient)
     train through 3 stages with a migration exactly as LocalPipeline does, from dict inputs
     ({"ids", "mask"})."""
     kwargs = {"as_dict": True}
-    with _threads_of_a_stage(), _local(kwargs) as local:
+    with stage_threads(), _local(kwargs) as local:
         local_losses = [local.train_step(x, y) for x, y in _batches(as_dict=True)]
         local_state = local.state_dict()
     with _pipeline(cluster, kwargs) as pipe:
@@ -179,7 +167,7 @@ def test_a_cut_carrying_only_integers_sends_an_empty_gradient(cluster: LocalClus
     a gradient of no tensors (an empty tuple), the first stage's backward completes, and
     training equals LocalPipeline's bit for bit."""
     kwargs = {"clamp": True}
-    with _threads_of_a_stage(), _local(kwargs) as local:
+    with stage_threads(), _local(kwargs) as local:
         local_losses = [local.train_step(x, y) for x, y in _batches(3)]
         local_state = local.state_dict()
     with _pipeline(cluster, kwargs) as pipe:
@@ -193,6 +181,7 @@ def test_a_cut_carrying_only_integers_sends_an_empty_gradient(cluster: LocalClus
     assert losses == local_losses
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("as_dict", [False, True])
 def test_predict_returns_the_structure_the_last_layer_returns(
@@ -208,13 +197,13 @@ def test_predict_returns_the_structure_the_last_layer_returns(
         got = pipe.predict(x)
         with pytest.raises(InvalidRequest, match=r"layer 4 returned a (tuple|dict) of 2 tensors"):
             pipe.train_step(x, y)
-    with torch.no_grad(), _threads_of_a_stage():
+    with torch.no_grad(), stage_threads():
         want = reference(x)
     assert type(got) is type(want)
     if as_dict:
         assert list(got) == ["hidden", "keep"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with _threads_of_a_stage(), _local(kwargs) as local:
+    with stage_threads(), _local(kwargs) as local:
         torch.testing.assert_close(local.predict(x), want, rtol=0, atol=0)
 
 
@@ -352,6 +341,7 @@ def _with_cuts(model: torch.nn.Sequential, boundaries: list[int]) -> torch.nn.Mo
     return torch.nn.Sequential(*layers)
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("as_dict", [False, True])
 def test_bf16_wire_and_recompute_with_several_tensors_equal_the_local_cast(

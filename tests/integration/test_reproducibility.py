@@ -14,10 +14,10 @@ from elasticpipe import LocalPipeline, models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest, PermissionDenied
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import reference_step
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from tests.integration.scenario import FAST, arm
+from tests.support.numerics import reference_step, stage_threads
 
 ALLOWED = "tests.integration.custom_models"
 DROPOUT = f"{ALLOWED}:dropout"
@@ -59,14 +59,18 @@ def _set_partition(cluster: LocalCluster, boundaries: list[int]) -> None:
 
 
 def _local(seed: int = 5) -> tuple[list[float], dict[str, torch.Tensor]]:
-    with LocalPipeline(
-        model=DROPOUT,
-        seed=seed,
-        optimizer="adam",
-        optimizer_kwargs=ADAM,
-        micro_batches=3,
-        allow=[ALLOWED],
-    ) as pipe:
+    """LocalPipeline's losses and weights, trained under a stage's thread count."""
+    with (
+        stage_threads(),
+        LocalPipeline(
+            model=DROPOUT,
+            seed=seed,
+            optimizer="adam",
+            optimizer_kwargs=ADAM,
+            micro_batches=3,
+            allow=[ALLOWED],
+        ) as pipe,
+    ):
         losses = [pipe.train_step(x, y) for x, y in _batches()]
         return losses, pipe.state_dict()
 
@@ -84,6 +88,7 @@ def _assert_same(
         torch.testing.assert_close(got[1][key], value, rtol=0, atol=0, msg=f"{key}, {what}")
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(240)
 def test_dropout_trains_the_same_on_2_stages_on_3_with_a_migration_and_locally(
     cluster: LocalCluster,
@@ -159,9 +164,12 @@ def test_custom_loss_through_the_allow_list(cluster: LocalCluster) -> None:
     kwargs = {"sizes": [8, 16, 4]}
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(3)]
-    with LocalPipeline(
-        model="mlp", model_kwargs=kwargs, loss=loss, micro_batches=2, allow=[ALLOWED]
-    ) as local:
+    with (
+        stage_threads(),
+        LocalPipeline(
+            model="mlp", model_kwargs=kwargs, loss=loss, micro_batches=2, allow=[ALLOWED]
+        ) as local,
+    ):
         want = [local.train_step(x, y) for x, y in batches]
     with Pipeline(
         coordinator=cluster.coordinator,
@@ -173,10 +181,11 @@ def test_custom_loss_through_the_allow_list(cluster: LocalCluster) -> None:
     ) as pipe:
         got = [pipe.train_step(x, y) for x, y in batches]
     assert got == pytest.approx(want, rel=1e-6)
-    plain = [
-        0.5 * torch.nn.functional.mse_loss(models.build("mlp", seed=0, **kwargs)(x), y).item()
-        for x, y in batches[:1]
-    ]
+    with stage_threads():
+        plain = [
+            0.5 * torch.nn.functional.mse_loss(models.build("mlp", seed=0, **kwargs)(x), y).item()
+            for x, y in batches[:1]
+        ]
     assert got[0] == pytest.approx(plain[0], rel=1e-6)  # the custom loss was the one used
     for refused, why in (
         ("tests.integration.custom_losses:half_mse", "--allow-models tests"),

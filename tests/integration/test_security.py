@@ -20,7 +20,7 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import PermissionDenied, StageUnavailable
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.security import tls
-from elasticpipe.training.objectives import make_optimizer, reference_step
+from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import (
     coordinator_pb2,
@@ -29,6 +29,7 @@ from elasticpipe.v1 import (
     stage_pb2,
     stage_pb2_grpc,
 )
+from tests.support.numerics import reference_step
 
 pytestmark = pytest.mark.timeout(240)
 KWARGS = {"sizes": [8, 16, 16, 16, 4]}

@@ -21,6 +21,7 @@ from elasticpipe.training.objectives import loss_fn, make_optimizer
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from elasticpipe.wire import compress
+from tests.support.numerics import stage_threads
 
 from .scenario import arm
 
@@ -65,13 +66,15 @@ class Reference:
         self.sched = make_scheduler(self.opt) if make_scheduler else None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
-        """Returns (loss, norm before clipping, lr applied)."""
-        self.opt.zero_grad(set_to_none=True)
-        loss = loss_fn("cross_entropy")(self.model(x), y)
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM))
-        lr = float(self.opt.param_groups[0]["lr"])
-        self.opt.step()
+        """Returns (loss, norm before clipping, lr applied); runs under a stage's thread
+        count."""
+        with stage_threads():
+            self.opt.zero_grad(set_to_none=True)
+            loss = loss_fn("cross_entropy")(self.model(x), y)
+            loss.backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM))
+            lr = float(self.opt.param_groups[0]["lr"])
+            self.opt.step()
         if self.sched is not None:
             self.sched.step()
         return float(loss.detach()), norm, lr
@@ -289,6 +292,7 @@ def _sent_bytes(cluster: LocalCluster) -> float:
     return total
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("wire_dtype", ["bf16", "fp16"])
 def test_wire_dtype_equals_the_same_cast_done_locally(
@@ -312,9 +316,10 @@ def test_wire_dtype_equals_the_same_cast_done_locally(
             if step > 1:
                 pipe.train_step(x, y)
             for m, o in ((reference, opt), (plain, plain_opt)):
-                o.zero_grad()
-                loss_fn("cross_entropy")(m(x), y).backward()
-                o.step()
+                with stage_threads():
+                    o.zero_grad()
+                    loss_fn("cross_entropy")(m(x), y).backward()
+                    o.step()
         state = pipe.state_dict()
     assert list(pipe.partition.boundaries) == boundaries
     want = {k: v for k, v in zip(plain.state_dict(), reference.state_dict().values(), strict=True)}

@@ -11,6 +11,7 @@ from elasticpipe.training.clipping import GradClip, decide
 from elasticpipe.v1 import stage_pb2
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("max_norm", [0.1, 1.0, 100.0])
 def test_the_decision_equals_clip_grad_norm(max_norm: float) -> None:

@@ -45,6 +45,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_layers_equal_the_hugging_face_model_forward_and_backward(

@@ -15,6 +15,7 @@ DROPOUT = "tests.integration.custom_models:dropout"
 ALLOW = ["tests.integration"]
 
 
+@pytest.mark.numerics
 def test_local_pipeline_equals_plain_pytorch_without_randomness() -> None:
     """An MLP (no dropout) through LocalPipeline equals ordinary PyTorch training: bit for bit
     with one micro-batch, to 1e-6 with four."""
@@ -123,6 +124,7 @@ def test_a_failed_step_changes_nothing() -> None:
         assert not torch.equal(pipe.state_dict()["0.weight"], before["0.weight"])
 
 
+@pytest.mark.numerics
 def test_schedules_clipping_and_recompute_equal_plain_pytorch() -> None:
     """A cosine schedule with warm-up, global-norm clipping and recomputation in
     LocalPipeline equal the same features of plain PyTorch on the whole model."""

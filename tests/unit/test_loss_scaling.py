@@ -17,6 +17,7 @@ from elasticpipe.training import clipping
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.loss_scaling import LossScale, check_kwargs
 from tests.fp16_reference import Fp16Reference
+from tests.support.numerics import stage_threads
 
 KWARGS = {"sizes": [12, 24, 24, 24, 6]}
 ADAM = {"lr": 2e-2}
@@ -35,6 +36,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(10, 12, generator=g) * 3, torch.randint(0, 6, (10,), generator=g)
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("max_norm", [None, 0.5])
 def test_local_fp16_equals_autocast_and_grad_scaler(max_norm: float | None) -> None:
@@ -56,7 +58,8 @@ def test_local_fp16_equals_autocast_and_grad_scaler(max_norm: float | None) -> N
     skipped, scales = [], []
     for step in range(1, 12):
         x, y = _batch(step)
-        got = local.train_step(x, y)
+        with stage_threads():  # the thread count the reference's steps run under
+            got = local.train_step(x, y)
         want, scale, skip, norm = reference.step(x, y)
         assert got == want, f"loss of step {step}"
         assert local.last_step.loss_scale == scale, f"scale of step {step}"

@@ -46,6 +46,7 @@ def _autocast_step(
     return total
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_bf16_equals_plain_autocast_with_the_same_micro_batches(micro_batches: int) -> None:
@@ -65,6 +66,7 @@ def test_bf16_equals_plain_autocast_with_the_same_micro_batches(micro_batches: i
         assert torch.equal(state[key], value), key
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(60)
 def test_bf16_micro_batches_stay_close_to_whole_batch_autocast() -> None:
     """With 3 micro-batches against one whole-batch autocast step, bf16 rounding differs per

@@ -71,6 +71,7 @@ def _split(outs, gs, xx, params) -> torch.Tensor | None:  # type: ignore[no-unty
     return dx
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("make", "shape", "fallback"),
     [
@@ -135,6 +136,7 @@ def test_the_input_path_runs_once_and_w_runs_each_exit_for_its_weights() -> None
     assert all(p.grad is not None for p in layer.parameters())
 
 
+@pytest.mark.numerics
 def test_under_autocast_the_split_is_exact() -> None:
     """bf16 autocast puts a cast between each weight and its matmul: still exact."""
     torch.manual_seed(1)
@@ -179,6 +181,7 @@ class _Reentrant(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("make", [_Hooked, _Reentrant], ids=["tensor hook", "reentrant"])
 def test_hooks_and_reentrant_checkpoints_keep_the_split_exact(
     make: Callable[[], nn.Module],

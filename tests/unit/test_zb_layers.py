@@ -53,6 +53,7 @@ def _grads(
     return grads, inputs
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("input_grad", [False, True])
 @pytest.mark.parametrize("options", [{}, {"recompute_all": True}])
