@@ -18,12 +18,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from elasticpipe.coordinator import concurrency, copies, epochs, estimates, memory
+from elasticpipe.coordinator import concurrency, copies, epochs
 from elasticpipe.coordinator.epochs import Change
-from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.laps import Laps
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planner import PlanError, order_hosts, predict_step_time
+from elasticpipe.coordinator.planning import (
+    PlanError,
+    estimates,
+    memory,
+    order_hosts,
+    predict_step_time,
+)
+from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import (
