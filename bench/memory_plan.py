@@ -4,7 +4,7 @@
    bf16: total state (weights, gradients, Adam state) and activations stashed per
    micro-batch, and the largest single layer -- what profiling one layer at a time keeps
    resident, against the whole model that profiling used to build on every stage.
-2. What a stage must hold (``coordinator/memory.py``) with 4 stages and 8 micro-batches:
+2. What a stage must hold (``coordinator/planning/memory.py``) with 4 stages and 8 micro-batches:
    GPipe keeps all 8 in flight, 1F1B at most 4.
 3. The planner with equal speeds, then with stage 0 capped at 60% of what it held: the
    partition moves layers off it, and the predicted bottleneck grows (the cost of the cap).
@@ -27,9 +27,8 @@ import time
 
 import torch
 
-from elasticpipe.coordinator import memory
-from elasticpipe.coordinator.estimates import Profile
-from elasticpipe.coordinator.planner import plan
+from elasticpipe.coordinator.planning import memory, plan
+from elasticpipe.coordinator.planning.estimates import Profile
 from elasticpipe.local.reference import LocalPipeline
 from elasticpipe.stage_server.layers import Slowdown
 from elasticpipe.stage_server.profiling import profile_layers

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/order_hosts.py`
 
-from elasticpipe.coordinator.planner import PlanError, order_hosts, plan
+from elasticpipe.coordinator.planning import PlanError, order_hosts, plan
 
 HOSTS = (8, 16, 32, 48, 64, 128, 256)
 KINDS = ("plain", "heavy_ends", "memory", "links")

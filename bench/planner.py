@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/planner.py`
 
-from elasticpipe.coordinator.planner import plan
+from elasticpipe.coordinator.planning import plan
 
 STAGE_COUNTS = (4, 8)
 TIMING_REPEATS = 7

@@ -121,7 +121,7 @@ from fake_stage import (  # bench/fake_stage.py, next to this script
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.coordinator.planner import order_hosts, plan, spare_positions
+from elasticpipe.coordinator.planning import order_hosts, plan, spare_positions
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc

@@ -19,7 +19,7 @@ HF_MODEL = "elasticpipe.models.hf:causal_lm"
 class InitialWeights:
     """A checked plan of where each layer's tensors come from."""
 
-    def __init__(self, plan: weights.Plan):
+    def __init__(self, plan: weights.LoadPlan):
         self._plan = plan
 
     def layer_state(self, layer: int) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def check(job: JobConfig, init_state: Any) -> InitialWeights:
     return InitialWeights(plan)
 
 
-def _warn_untied(job: JobConfig, plan: weights.Plan) -> None:
+def _warn_untied(job: JobConfig, plan: weights.LoadPlan) -> None:
     """Warns of each file tensor that starts several of the model's tensors (a tied
     embedding and LM head): they are trained apart and differ after the first step."""
     readers: dict[str, list[str]] = {}

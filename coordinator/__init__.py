@@ -2,8 +2,8 @@
 
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.coordinator import Coordinator
-from elasticpipe.coordinator.planner import Plan, PlanError, order_hosts, plan, predict_step_time
-from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.planning import Plan, PlanError, order_hosts, plan, predict_step_time
+from elasticpipe.coordinator.planning.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 
 __all__ = [

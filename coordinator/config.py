@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.planning.policy import PolicyConfig
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.security.tls import TLS
 

@@ -15,9 +15,9 @@ import time
 
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.config import CoordinatorConfig
-from elasticpipe.coordinator.estimates import Timing
 from elasticpipe.coordinator.jobs import Jobs
 from elasticpipe.coordinator.membership import Heard, Member, Membership
+from elasticpipe.coordinator.planning.estimates import Timing
 from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer, run_loop
 from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster

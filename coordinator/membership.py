@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from elasticpipe.coordinator.estimates import Timing
+from elasticpipe.coordinator.planning.estimates import Timing
 from elasticpipe.coordinator.store import StageRow, Store
 from elasticpipe.v1 import stage_pb2
 

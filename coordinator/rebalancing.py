@@ -16,17 +16,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from elasticpipe.coordinator import epochs, estimates, memory
+from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.epochs import Change, MoveResult
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planner import (
+from elasticpipe.coordinator.planning import (
     Plan,
     PlanError,
+    estimates,
+    memory,
     plan,
     predict_step_time,
     spare_positions,
 )
-from elasticpipe.coordinator.policy import Decision, PolicyConfig, decide
+from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import InvalidRequest

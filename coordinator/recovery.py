@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from elasticpipe.coordinator import copies, epochs
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import LEFT_REASON, Member
-from elasticpipe.coordinator.planner import plan, predict_step_time
+from elasticpipe.coordinator.planning import plan, predict_step_time
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StageUnavailable

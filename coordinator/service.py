@@ -12,7 +12,7 @@ import grpc
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.claims import Claims
 from elasticpipe.coordinator.coordinator import Coordinator
-from elasticpipe.coordinator.jobs import DEFAULT_LEASE_S
+from elasticpipe.coordinator.leases import DEFAULT_LEASE_S
 from elasticpipe.coordinator.membership import Heard, Member
 from elasticpipe.coordinator.rebalancing import MoveOutcome
 from elasticpipe.errors import InvalidRequest, TooLarge

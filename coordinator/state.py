@@ -12,11 +12,11 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from elasticpipe.coordinator import estimates, memory
 from elasticpipe.coordinator.config import CoordinatorConfig
-from elasticpipe.coordinator.estimates import Profile, Timing
 from elasticpipe.coordinator.membership import STATES, Member, Membership
-from elasticpipe.coordinator.memory import MemoryTerms
+from elasticpipe.coordinator.planning import estimates, memory
+from elasticpipe.coordinator.planning.estimates import Profile, Timing
+from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
 from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotReady
 from elasticpipe.logs import get_logger

@@ -88,7 +88,7 @@ def _serve_until_signalled(
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """Runs the coordinator until SIGTERM/SIGINT."""
     from elasticpipe.coordinator.config import CoordinatorConfig
-    from elasticpipe.coordinator.policy import PolicyConfig
+    from elasticpipe.coordinator.planning.policy import PolicyConfig
     from elasticpipe.coordinator.server import CoordinatorServer
 
     policy = PolicyConfig(

@@ -194,7 +194,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 @dataclass
-class Plan:
+class LoadPlan:
     """Where each model key is read from, checked complete and of the right shapes."""
 
     source: TensorSource
@@ -228,7 +228,7 @@ def plan(
     source: TensorSource,
     expected: dict[str, Expected],
     rename: Rename,
-) -> Plan:
+) -> LoadPlan:
     """Matches the source's keys to the model's, or raises naming what does not fit.
 
     Raises:
@@ -257,7 +257,7 @@ def plan(
                 break
     if problems:
         raise InvalidRequest("init_state does not fit the model: " + "; ".join(problems))
-    return Plan(source, keys, expected)
+    return LoadPlan(source, keys, expected)
 
 
 def _few(keys: list[str]) -> str:
@@ -266,7 +266,7 @@ def _few(keys: list[str]) -> str:
     return f"[{shown}{more}]"
 
 
-def iter_layers(p: Plan, layers: range) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+def iter_layers(p: LoadPlan, layers: range) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """(layer, its state) for each layer in order, reading only that layer's tensors."""
     for layer in layers:
         yield layer, p.layer_state(layer)

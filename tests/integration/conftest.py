@@ -25,7 +25,7 @@ def cluster4() -> Iterator[LocalCluster]:
 @pytest.fixture
 def coordinator_server() -> Iterator[CoordinatorServer]:
     """An in-process coordinator on 127.0.0.1:0."""
-    from elasticpipe.coordinator.policy import PolicyConfig
+    from elasticpipe.coordinator.planning.policy import PolicyConfig
 
     with CoordinatorServer(
         CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from elasticpipe import models, training
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.config import CoordinatorConfig
-from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.planning.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest, ModelError
 from elasticpipe.local.cluster import LocalCluster

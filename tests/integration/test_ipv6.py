@@ -12,7 +12,7 @@ import torch
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.config import CoordinatorConfig
-from elasticpipe.coordinator.policy import PolicyConfig
+from elasticpipe.coordinator.planning.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.stage_server.server import StageServer

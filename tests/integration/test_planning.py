@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
-from elasticpipe.coordinator.planner import plan
+from elasticpipe.coordinator.planning import plan
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpipe.coordinator.estimates import (
+from elasticpipe.coordinator.planning.estimates import (
     Timing,
     evaluate,
     fallback_costs,

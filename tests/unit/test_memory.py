@@ -6,9 +6,8 @@ import math
 
 import pytest
 
-from elasticpipe.coordinator import memory
-from elasticpipe.coordinator.estimates import Profile
-from elasticpipe.coordinator.planner import PlanError, plan
+from elasticpipe.coordinator.planning import PlanError, memory, plan
+from elasticpipe.coordinator.planning.estimates import Profile
 from elasticpipe.training.job import JobConfig
 
 

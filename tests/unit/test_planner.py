@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticpipe.coordinator import planner
-from elasticpipe.coordinator.planner import (
+from elasticpipe.coordinator.planning import (
     Plan,
     PlanError,
+    cost,
+    hosts,
     moved_layers,
     order_hosts,
     plan,
@@ -471,7 +472,7 @@ def test_large_instance_runs_and_is_consistent() -> None:
 
 def test_spare_positions_are_the_ends_and_beside_the_busiest_stages() -> None:
     """A constant number of candidates, whatever the chain's length; all for short chains."""
-    from elasticpipe.coordinator.planner import spare_positions
+    from elasticpipe.coordinator.planning import spare_positions
 
     assert spare_positions([1.0, 1.0, 1.0]) == [0, 1, 2, 3]
     times = [1.0] * 256
@@ -491,18 +492,18 @@ def test_order_hosts_long_chain_moves_fast_hosts_to_heavy_ends(
     speeds = [1.0] * n_hosts
     speeds[n_hosts // 3] = speeds[2 * n_hosts // 3] = 4.0
     reorders = 0
-    permuted = planner._Instance.permuted
+    permuted = cost._Instance.permuted
 
-    def counted(self: planner._Instance, order: Sequence[int]) -> planner._Instance:
+    def counted(self: cost._Instance, order: Sequence[int]) -> cost._Instance:
         nonlocal reorders
         reorders += 1
         return permuted(self, order)
 
-    monkeypatch.setattr(planner._Instance, "permuted", counted)
+    monkeypatch.setattr(cost._Instance, "permuted", counted)
     order, result = order_hosts(costs, speeds)
     assert sorted(order) == list(range(n_hosts))
     assert {order[0], order[-1]} == {n_hosts // 3, 2 * n_hosts // 3}
     # Each end takes its heavy layer and one more (9 / 4); the slow hosts take 2 each.
     assert result.bottleneck == pytest.approx(2.25)
     assert plan(costs, speeds).bottleneck == pytest.approx(8.0)
-    assert reorders <= 2 * planner._MAX_SWAPS
+    assert reorders <= 2 * hosts._MAX_SWAPS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpipe.coordinator.policy import PolicyConfig, decide
+from elasticpipe.coordinator.planning.policy import PolicyConfig, decide
 
 BASE = PolicyConfig(
     threshold=0.10,

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elasticpipe.coordinator.planner import Plan
+from elasticpipe.coordinator.planning.cost import Plan
 
 Timing = tuple[float, float, int, int]  # (forward_s, backward_s, output_bytes, samples)
 

@@ -34,8 +34,8 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from elasticpipe.coordinator.estimates import Profile
-from elasticpipe.coordinator.planner import PlanError
+from elasticpipe.coordinator.planning.cost import PlanError
+from elasticpipe.coordinator.planning.estimates import Profile
 from elasticpipe.training.job import JobConfig
 
 __all__ = [
