@@ -115,11 +115,14 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
     weight gradient as a third of a stage's time each (one matmul each for a linear layer),
     the step is the longer of two paths: the bottleneck busy for every micro-batch plus a
     third of every other stage, and, with few micro-batches, the first micro-batch's
-    forward and input gradient through the chain, the bottleneck's for the others and the
-    first stage's last weight gradient::
+    forward through the chain, the bottleneck's forward and input gradient for the others,
+    and the drain: the input gradients from the last stage down to some stage ``s`` and
+    ``s``'s last weight gradient (the first stage's, unless a slower stage's outlasts the
+    input gradients after it)::
 
+        tail = max over s of (sum(stage_times[s:]) + stage_times[s])
         step = max(m * bottleneck + (sum(stage_times) - max(stage_times)) / 3,
-                   2/3 * sum(stage_times) + 2/3 * (m - 1) * bottleneck + stage_times[0] / 3)
+                   (sum(stage_times) + tail + 2 * (m - 1) * bottleneck) / 3)
                + sum(link_times)
 
     capped at 1F1B's prediction (a link as the bottleneck gains nothing from the split).
@@ -148,7 +151,12 @@ def predict_step_time(plan: Plan, micro_batches: int, schedule: str = "1f1b") ->
     if schedule == "zb-h1" and plan.stage_times:
         total, m, bottleneck = math.fsum(plan.stage_times), micro_batches, plan.bottleneck
         steady = m * bottleneck + (total - max(plan.stage_times)) / 3
-        chain = (2 * total + 2 * (m - 1) * bottleneck + plan.stage_times[0]) / 3
+        # The drain ends with some stage's last weight gradient after the input gradients
+        # from the last stage down to it: the first stage's, unless a slower stage's own
+        # weight gradient outlasts the input gradients that follow it.
+        times = plan.stage_times
+        tail = max(math.fsum(times[s:]) + times[s] for s in range(len(times)))
+        chain = (total + tail + 2 * (m - 1) * bottleneck) / 3
         # A link as the bottleneck: splitting backwards relieves no link, so never more
         # than 1F1B's time.
         return min(max(steady, chain) + links, one_f_one_b)
