@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from elasticpipe import models, training
+from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.planning.policy import PolicyConfig
@@ -21,6 +21,7 @@ from elasticpipe.errors import InvalidRequest, ModelError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
+from elasticpipe.training import objectives
 from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.support.numerics import assert_losses_close, reference_step
@@ -221,7 +222,9 @@ def test_a_layer_larger_than_the_tensor_limit_saves_loads_and_migrates(tmp_path:
         (torch.randn(4, 4, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)
     ]
     # The stages are in this process, at its thread count: so is this reference.
-    expected = [training.reference_step(reference, opt, "cross_entropy", x, y) for x, y in batches]
+    expected = [
+        objectives.reference_step(reference, opt, "cross_entropy", x, y) for x, y in batches
+    ]
     with CoordinatorServer(
         CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
     ) as c:

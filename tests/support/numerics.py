@@ -28,8 +28,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from elasticpipe import training
 from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training import objectives
 from elasticpipe.wire.structure import split_batch
 
 # The intra-op threads of a LocalCluster stage: its own default, read from its signature.
@@ -69,9 +69,9 @@ def reference_step(
     than float32's tolerance on small parameters (layer norms' weights, measured 2e-5)."""
     with stage_threads():
         if micro_batches is None:
-            return training.reference_step(model, optimizer, loss_name, inputs, targets, allow)
+            return objectives.reference_step(model, optimizer, loss_name, inputs, targets, allow)
         optimizer.zero_grad(set_to_none=True)
-        loss = training.loss_fn(loss_name, allow)
+        loss = objectives.loss_fn(loss_name, allow)
         total = 0.0
         xs, ys, shares = split_batch(inputs, targets, micro_batches, torch.device("cpu"))
         for x, y, share in zip(xs, ys, shares, strict=True):
