@@ -34,7 +34,7 @@ from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.security import bounds
 from elasticpipe.security.tls import TLS
-from elasticpipe.stage_server import capacity, devicepath, devicetime, memtune, transfers
+from elasticpipe.stage_server import devicepath, devicetime, memory, transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
@@ -93,7 +93,7 @@ class StageConfig:
     insecure: bool = False  # plaintext beyond loopback, on a trusted network
     advertise: str = ""  # the address peers use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
-    memory_bytes: int = 0  # what this stage offers its job (0: measure, see capacity.detect)
+    memory_bytes: int = 0  # what this stage offers its job (0: measure, see memory.detect)
     metrics_listen: str = ""  # the metrics' host (default: the listen host, loopback only)
     bulk_port: int | None = 0  # the bulk channel's port (0: any free one; None: no channel)
 
@@ -137,7 +137,7 @@ class Stage:
         events = devicetime.event_clock(config.timer, self.device)  # CUDA: event timing
         self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device), events)
         self.path = devicepath.for_device(self.device)  # pinned copies on a stream (CUDA)
-        self.memory_bytes = capacity.detect(self.device, config.memory_bytes)
+        self.memory_bytes = memory.detect(self.device, config.memory_bytes)
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
@@ -430,7 +430,7 @@ class Stage:
             if not train:
                 self._outputs = (run, secret, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)
-        memtune.bound()  # freed activations kept for reuse, up to a bound
+        memory.bound()  # freed activations kept for reuse, up to a bound
         self.faults.point("awaiting_commit")
         return result
 
