@@ -38,11 +38,12 @@ from elasticpipe.stage_server import devicepath, devicetime, memory, transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
-from elasticpipe.stage_server.layers import Built, LayerSlice, LayerTiming, Slowdown
+from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
 from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
+from elasticpipe.stage_server.slicestate import Built, LayerTiming
 from elasticpipe.stage_server.snapshots import (
     Capture,
     Holding,
