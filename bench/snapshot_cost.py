@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elasticpipe.stage_server import transfers
-from elasticpipe.stage_server.layers import tensors_cloned
+from elasticpipe.stage_server.slicestate import tensors_cloned
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import layer_state
 from elasticpipe.wire.layer_state import PackedLayer

@@ -1,8 +1,9 @@
-"""The layers a stage owns: per-layer compute with timing and slowdown, optimizers, state.
+"""The layers a stage runs: per-layer forward and backward, with timing and slowdown.
 
 Each owned layer is run on its own, with its input detached, so that the stage can time
 the forward *and* the backward of every layer it holds (what the planner needs) and can
-hand any single layer, with its optimizer state, to another stage.
+hand any single layer, with its optimizer state, to another stage (``slicestate``: the
+layers' state and optimizers, ``LayerSlice``'s base class).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -19,43 +20,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from elasticpipe import models
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.security import allowlist
-from elasticpipe.stage_server import devicepath, weightgrad
+from elasticpipe.stage_server import weightgrad
 from elasticpipe.stage_server.devicetime import EventClock, Lap
-from elasticpipe.training import clipping, loss_scaling, lr, precision, rng
-from elasticpipe.training.clipping import GradClip
+from elasticpipe.stage_server.slicestate import SliceState
+from elasticpipe.training import precision, rng
 from elasticpipe.training.job import JobConfig
-from elasticpipe.training.objectives import loss_fn, make_optimizer
+from elasticpipe.training.objectives import loss_fn
 from elasticpipe.wire import structure
 from elasticpipe.wire.structure import Value
-
-EWMA_ALPHA = 0.3
-
-
-@dataclass
-class LayerTiming:
-    """Smoothed measurements of one layer on this stage (slowdown included)."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    output_bytes: int = 0
-    samples: int = 0
-    stash_bytes: int = 0  # profiling only (see profiling.py)
-    state_bytes: int = 0  # profiling only
-
-    def observe(self, forward_s: float | None, backward_s: float | None, out: int) -> None:
-        """Folds one measurement in (EWMA; the first sample is taken as is)."""
-        first = self.samples == 0
-        if forward_s is not None:
-            a = 1.0 if first else EWMA_ALPHA
-            self.forward_s += a * (forward_s - self.forward_s)
-            self.output_bytes = out
-            self.samples += 1
-        if backward_s is not None:
-            a = 1.0 if self.backward_s == 0.0 else EWMA_ALPHA
-            self.backward_s += a * (backward_s - self.backward_s)
 
 
 @dataclass
@@ -95,16 +69,6 @@ class _WeightWork(NamedTuple):
     split: weightgrad.Split
     grads: list[torch.Tensor]
     b_seconds: float | Lap
-
-
-class Built(NamedTuple):
-    """One layer with its optimizer and learning-rate scheduler (None without parameters
-    or without a schedule), and its copy of the job's loss scale (fp16 only)."""
-
-    module: nn.Module
-    optimizer: torch.optim.Optimizer | None
-    scheduler: lr.Scheduler | None
-    loss_scale: loss_scaling.LossScale | None = None
 
 
 class Slowdown:
@@ -174,8 +138,8 @@ def _user_error(
     )
 
 
-class LayerSlice:
-    """Layers [lo, hi) of a job's model on one device, with one optimizer per layer."""
+class LayerSlice(SliceState):
+    """Layers [lo, hi) of a job's model on one device, run one at a time and timed."""
 
     def __init__(
         self,
@@ -184,67 +148,12 @@ class LayerSlice:
         slowdown: Slowdown,
         allow: allowlist.Allow = (),
     ):
-        self.job = job
-        self.allow = allowlist.of(allow)
-        self.device = device
+        super().__init__(job, device, allow)
         self.slowdown = slowdown
-        self.layers: dict[int, nn.Module] = {}
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.schedulers: dict[int, lr.Scheduler] = {}
-        # fp16: every layer's copy of the job's loss scale (all equal; loss_scaling.py)
-        self.scales: dict[int, loss_scaling.LossScale] = {}
-        self.timings: dict[int, LayerTiming] = {}
         self.loss = loss_fn(job.loss, self.allow)
         self._lock = threading.Lock()
         # CUDA-event measurements not read yet: (layer, forward, backward, output bytes)
         self._deferred: list[tuple[int, Lap | None, Lap | None, int]] = []
-
-    # ---- building ---------------------------------------------------------------------
-
-    def build(self, lo: int, hi: int) -> None:
-        """Builds layers [lo, hi) fresh from the job's factory (new job)."""
-        built = models.build_layers(
-            self.job.model,
-            self.job.seed,
-            self.job.model_kwargs,
-            lo,
-            hi,
-            self.device,
-            self.allow,
-            external=self.job.external_weights,
-        )
-        self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
-        self.optimizers = {
-            i: opt for i, layer in self.layers.items() if (opt := self._optimizer(layer))
-        }
-        self.schedulers = {
-            i: sched for i, opt in self.optimizers.items() if (sched := self._scheduler(opt))
-        }
-        self.timings = {i: LayerTiming() for i in self.layers}
-        self.scales = {i: s for i in self.layers if (s := self._initial_scale()) is not None}
-
-    def _initial_scale(self) -> loss_scaling.LossScale | None:
-        """A new layer's loss scale: ``init_scale`` with fp16, else none."""
-        if self.job.precision != "fp16":
-            return None
-        return loss_scaling.LossScale.initial(self.job.scaler)
-
-    def _optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
-        """The layer's own optimizer; None for a layer without parameters (an activation)."""
-        params = [p for p in layer.parameters() if p.requires_grad]
-        if not params:
-            return None
-        return make_optimizer(self.job.optimizer, params, self.job.optimizer_kwargs, self.allow)
-
-    def _scheduler(self, optimizer: torch.optim.Optimizer) -> lr.Scheduler | None:
-        """The optimizer's learning-rate scheduler; None without a schedule."""
-        job = self.job
-        return lr.build(job.scheduler, job.scheduler_kwargs, job.warmup_steps, optimizer)
-
-    @property
-    def indices(self) -> list[int]:
-        """Owned layer indices, ascending."""
-        return sorted(self.layers)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -518,174 +427,6 @@ class LayerSlice:
             g = structure.grads_value(gs)
             raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
 
-    def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
-        """Applies the accumulated gradients (one optimizer step) and clears them; then
-        the learning-rate schedulers step, and with fp16 the loss scale updates.
-
-        Args:
-            clip: scale the gradients first, or skip the optimizer step (a non-finite
-                global norm: the schedulers still step, see ``elasticpipe.training.clipping``; the
-                loss scale backs off).
-        """
-        for i, opt in self.optimizers.items():
-            if not clip.skip:
-                if clip.coef:
-                    _scale_grads(self.layers[i].parameters(), clip.coef)
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-        for sched in self.schedulers.values():
-            sched.step()
-        if self.scales:
-            kwargs = self.job.scaler
-            for scale in self.scales.values():
-                scale.update(clip.skip, kwargs)
-
-    def loss_scale(self) -> float:
-        """What the loss is multiplied by before backward: the layers' loss scale with
-        fp16 (the same on every layer), else 1."""
-        if not self.scales:
-            return 1.0
-        return self.scales[min(self.scales)].scale
-
-    def finish_backward(self) -> float | None:
-        """After a run's last backward: unscales the accumulated gradients (fp16, as
-        ``GradScaler.unscale_``) and returns their squared norm when the commit's decision
-        needs it (``JobConfig.reports_grad_norm``), else None."""
-        if self.scales:
-            loss_scaling.unscale_(
-                [
-                    p.grad
-                    for i in self.optimizers
-                    for p in self.layers[i].parameters()
-                    if p.grad is not None
-                ],
-                self.loss_scale(),
-            )
-        return self.grad_sq_norm() if self.job.reports_grad_norm else None
-
-    def grad_sq_norm(self) -> float:
-        """Sum of the squared norms of every owned layer's accumulated gradients."""
-        return devicepath.sq_norm(
-            [
-                [p.grad for p in self.layers[i].parameters() if p.grad is not None]
-                for i in self.optimizers
-            ]
-        )
-
-    def lr(self) -> float:
-        """The learning rate the next optimizer step applies (the first owned layer with
-        parameters; every layer's schedule is the same); 0 with no such layer."""
-        for i in self.indices:
-            if i in self.optimizers:
-                return lr.current_lr(self.optimizers[i])
-        return 0.0
-
-    def zero_grad(self) -> None:
-        """Discards accumulated gradients (an aborted step)."""
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=True)
-
-    # ---- state, for migration and state_dict --------------------------------------------
-
-    def snapshot_layer(self, index: int) -> dict[str, Any]:
-        """One layer's full state, cloned: training may go on while it is packed."""
-        state: dict[str, Any] = tensors_cloned(self.export_layer(index, include_optimizer=True))
-        return state
-
-    def export_layer(self, index: int, include_optimizer: bool) -> dict[str, Any]:
-        """One layer's full state: weights and buffers, and optionally optimizer state."""
-        layer = self.layers[index]
-        state: dict[str, Any] = {
-            "index": index,
-            "model": {k: v.detach().cpu() for k, v in layer.state_dict().items()},
-        }
-        if include_optimizer and index in self.optimizers:
-            state["optimizer"] = _tensors_to_cpu(self.optimizers[index].state_dict())
-        if include_optimizer and index in self.schedulers:
-            state["scheduler"] = lr.dumps(self.schedulers[index])
-        if include_optimizer and index in self.scales:
-            state["loss_scale"] = self.scales[index].to_state()
-        return state
-
-    def new_layer(self, index: int) -> nn.Module:
-        """Allocates layer ``index`` of the job's model, initialised, to load state into.
-
-        Raises:
-            InvalidRequest: no such layer.
-        """
-        skeleton = models.build_skeleton(self.job.model, self.job.model_kwargs, self.allow)
-        if not 0 <= index < len(skeleton):
-            raise InvalidRequest(f"layer {index} out of range (model has {len(skeleton)})")
-        layer = models.materialize_layer(skeleton[index], self.device).train()
-        # Initialise first: buffers that the state dict does not carry (non-persistent
-        # ones, such as causal masks) must not stay uninitialised memory.
-        models.prepare_layer(layer, self.job.seed, index, self.job.external_weights)
-        return layer
-
-    def load_layer(
-        self, index: int, state: dict[str, Any], layer: nn.Module | None = None
-    ) -> Built:
-        """Builds a layer from exported state without installing it (staged).
-
-        Args:
-            layer: from ``new_layer``, possibly already holding the state's weights (they
-                were received into it); a new one if None.
-
-        Raises:
-            InvalidRequest: the state does not fit the layer the job's model defines.
-        """
-        if state.get("index") != index:
-            raise InvalidRequest(f"state for layer {state.get('index')} sent as layer {index}")
-        if layer is None:
-            layer = self.new_layer(index)
-        try:
-            layer.load_state_dict(state["model"], strict=True)
-        except (RuntimeError, KeyError, TypeError) as exc:
-            raise InvalidRequest(f"state of layer {index} does not fit the model: {exc}") from exc
-        optimizer = self._optimizer(layer)
-        # The scheduler is built before the states are loaded (building sets the lr of
-        # step 0); loading the optimizer's state then sets the lr it had, as in PyTorch.
-        scheduler = self._scheduler(optimizer) if optimizer is not None else None
-        if optimizer is not None and "optimizer" in state:
-            try:
-                optimizer.load_state_dict(state["optimizer"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise InvalidRequest(
-                    f"optimizer state of layer {index} is unusable: {exc}"
-                ) from exc
-        if scheduler is not None and "optimizer" in state:
-            text = state.get("scheduler")
-            if not isinstance(text, str):
-                raise InvalidRequest(
-                    f"state of layer {index} carries no scheduler state, but the job "
-                    f"schedules its learning rate ({self.job.scheduler or 'warm-up'})"
-                )
-            lr.loads(scheduler, text, index)
-        # fp16: the exported scale; weights alone (init_state) start from init_scale.
-        scale = self._initial_scale()
-        if scale is not None and "loss_scale" in state:
-            scale = loss_scaling.LossScale.from_state(state["loss_scale"], index)
-        return Built(layer, optimizer, scheduler, scale)
-
-    def install(self, index: int, built: Built) -> None:
-        """Takes ownership of a staged layer."""
-        self.layers[index] = built.module
-        if built.optimizer is not None:
-            self.optimizers[index] = built.optimizer
-        if built.scheduler is not None:
-            self.schedulers[index] = built.scheduler
-        if built.loss_scale is not None:
-            self.scales[index] = built.loss_scale
-        self.timings.setdefault(index, LayerTiming())
-
-    def drop(self, index: int) -> None:
-        """Frees a layer that now lives elsewhere."""
-        self.layers.pop(index, None)
-        self.optimizers.pop(index, None)
-        self.schedulers.pop(index, None)
-        self.scales.pop(index, None)
-        self.timings.pop(index, None)
-
 
 def _backward(outs: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
     """Accumulates the gradients of ``outs`` (given ``gs``) into the graph's leaves."""
@@ -707,35 +448,3 @@ def _input_grads(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
-    """Multiplies the gradients by ``coef`` in place, as ``clip_grad_norm_`` does (it
-    multiplies by the clamped coefficient even when that is 1)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        # a fill, not a host-to-device copy: no synchronisation on a GPU
-        scale = torch.full((), coef, dtype=torch.float32, device=grads[0].device)
-        torch._foreach_mul_(grads, scale)
-
-
-def tensors_cloned(obj: Any) -> Any:
-    """``obj`` (nested dicts and lists) with every tensor cloned: a snapshot's private copy
-    of a layer's exported state."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: tensors_cloned(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [tensors_cloned(v) for v in obj]
-    return obj
-
-
-def _tensors_to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _tensors_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_tensors_to_cpu(v) for v in obj]
-    return obj

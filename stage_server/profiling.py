@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from elasticpipe import models
-from elasticpipe.stage_server.layers import LayerSlice, LayerTiming, Slowdown
+from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.training.job import JobConfig
 from elasticpipe.wire import structure
 from elasticpipe.wire.structure import Value

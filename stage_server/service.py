@@ -14,9 +14,9 @@ from elasticpipe.security import bounds
 from elasticpipe.stage_server import callers
 from elasticpipe.stage_server.bulk import BulkListener
 from elasticpipe.stage_server.faults import Fault
-from elasticpipe.stage_server.layers import LayerTiming
 from elasticpipe.stage_server.mailbox import Slot
 from elasticpipe.stage_server.protocol import Decision, RunState
+from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.stage_server.snapshots import Holding, receive_copy
 from elasticpipe.stage_server.stage import Admitted, Stage
 from elasticpipe.stage_server.tracing import MAX_TRACE_SPANS, SpanKind

@@ -1,10 +1,12 @@
-"""One stage's domain logic: its job, layers, runs and epoch changes, behind one lock.
+"""One stage's domain logic: its job, layers, runs and snapshot copies, behind one lock.
 
 The rules of the step and epoch protocols live in ``protocol.StepMachine``; this class
 feeds it events, carries out the effects it returns (optimizer steps, mailbox closes,
 installs, snapshots), runs the ops of a step (``executor``), and moves layer state
 (``transfers``, ``snapshots``). A ticker thread drives the machine's leases and asks the
-coordinator whatever a lease that ran out leaves undecided.
+coordinator whatever a lease that ran out leaves undecided. The epoch change and restore
+are its base class's (``epochs.EpochChanges``); its configuration is ``config.StageConfig``
+(importable from here too).
 """
 
 from __future__ import annotations
@@ -12,37 +14,35 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from elasticpipe import models
 from elasticpipe.errors import (
-    DeadlineExceeded,
     ElasticPipeError,
     InvalidRequest,
     NotReady,
     PermissionDenied,
     StageUnavailable,
-    TransferError,
 )
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.security import bounds
-from elasticpipe.security.tls import TLS
-from elasticpipe.stage_server import capacity, devicepath, devicetime, memtune, transfers
+from elasticpipe.stage_server import devicepath, devicetime, memory, transfers
 from elasticpipe.stage_server.callers import check_source
+from elasticpipe.stage_server.config import StageConfig
+from elasticpipe.stage_server.epochs import EpochChanges
 from elasticpipe.stage_server.executor import RunContext, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
-from elasticpipe.stage_server.layers import Built, LayerSlice, LayerTiming, Slowdown
+from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
 from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
+from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.stage_server.snapshots import (
     Capture,
     Holding,
@@ -57,45 +57,17 @@ from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import check_job
 from elasticpipe.training.schedule import forward_ops, stage_ops
 from elasticpipe.transport import rpc
-from elasticpipe.v1 import stage_pb2
-from elasticpipe.wire import codec, layer_state, structure
-from elasticpipe.wire.layer_state import IntoModule, PackedLayer, Received
+from elasticpipe.wire import structure
+from elasticpipe.wire.layer_state import PackedLayer
 from elasticpipe.wire.structure import Value
+
+__all__ = ["Admitted", "Stage", "StageConfig"]  # StageConfig: re-exported from config.py
 
 log = get_logger(__name__)
 
 TICK_S = 0.25
 SNAPSHOT_PUSH_TIMEOUT_S = 120.0
 ABORT_WAIT_S = 10.0
-EXTEND_MARGIN_S = 30.0
-
-Layers = dict[int, Built]
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    """What the operator chose for this stage (parsed once at start-up)."""
-
-    name: str
-    address: str = ""
-    device: str = "cpu"
-    allow_models: tuple[str, ...] = ()
-    slowdown: float = 1.0
-    timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
-    max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
-    max_layer_bytes: int = codec.DEFAULT_MAX_LAYER_BYTES  # one layer's state, all tensors
-    transfer_chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES  # layer state sent in such chunks
-    mailbox_bytes: int = 4 << 30
-    send_timeout_s: float = 30.0
-    commit_lease_s: float = 30.0
-    enable_fault_injection: bool = False
-    tls: TLS | None = None  # mutual TLS for every connection (server and peers)
-    insecure: bool = False  # plaintext beyond loopback, on a trusted network
-    advertise: str = ""  # the address peers use (default: derived from the listen address)
-    metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
-    memory_bytes: int = 0  # what this stage offers its job (0: measure, see capacity.detect)
-    metrics_listen: str = ""  # the metrics' host (default: the listen host, loopback only)
-    bulk_port: int | None = 0  # the bulk channel's port (0: any free one; None: no channel)
 
 
 @dataclass(frozen=True)
@@ -104,17 +76,6 @@ class Admitted:
 
     mailbox: Mailbox
     reservation: Reservation
-
-
-@dataclass
-class _Staged:
-    """What an epoch change brought here, held aside until it commits."""
-
-    epoch: int
-    placement: Placement
-    job: JobConfig
-    layers: Layers
-    new_slice: LayerSlice | None  # replaces the whole slice (joining, rollback, restore)
 
 
 def _clock(timer: str, device: torch.device) -> Callable[[], float]:
@@ -128,8 +89,9 @@ def _clock(timer: str, device: torch.device) -> Callable[[], float]:
 Asker = Callable[[Effect], None]
 
 
-class Stage:
-    """A stage server's domain logic, independent of gRPC's server side."""
+class Stage(EpochChanges):
+    """A stage server's domain logic, independent of gRPC's server side (its epoch changes
+    and restores: ``EpochChanges``)."""
 
     def __init__(self, config: StageConfig):
         self.config = config
@@ -137,7 +99,7 @@ class Stage:
         events = devicetime.event_clock(config.timer, self.device)  # CUDA: event timing
         self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device), events)
         self.path = devicepath.for_device(self.device)  # pinned copies on a stream (CUDA)
-        self.memory_bytes = capacity.detect(self.device, config.memory_bytes)
+        self.memory_bytes = memory.detect(self.device, config.memory_bytes)
         self.machine = StepMachine(config.name, config.commit_lease_s)
         self.faults = Faults(config.name, config.enable_fault_injection)
         self.snapshots = SnapshotStore()
@@ -154,9 +116,8 @@ class Stage:
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
         self._outputs: tuple[int, bytes, dict[int, Value]] = (0, b"", {})
-        self._staged: _Staged | None = None
-        # A load in progress: its epoch, the layers built so far, and the bytes each came in.
-        self._restoring: tuple[int, Layers, dict[int, int]] | None = None
+        self._staged = None  # what an epoch change holds aside (``EpochChanges``)
+        self._restoring = None  # a load in progress
         self._questions: list[Effect] = []
         self._snapshotter = Snapshotter(
             self.snapshots, self._push_copy, lambda: self.faults.point("snapshot")
@@ -430,7 +391,7 @@ class Stage:
             if not train:
                 self._outputs = (run, secret, result.outputs)
         self.metrics.ran(train, result.wall_s, result.op_seconds)
-        memtune.bound()  # freed activations kept for reuse, up to a bound
+        memory.bound()  # freed activations kept for reuse, up to a bound
         self.faults.point("awaiting_commit")
         return result
 
@@ -479,315 +440,6 @@ class Stage:
         with self._cond:
             self._apply(self.machine.fence_clients(client, holder))
             return self.machine.state()
-
-    # ---- epoch changes -----------------------------------------------------------------
-
-    def freeze(self, new_epoch: int, timeout: float, lease_s: float, abort_running: bool) -> int:
-        """Waits for the step boundary (or ends the run in flight), then holds it."""
-        with self._cond:
-            if abort_running:
-                self._apply(self.machine.preempt())
-            if not self._cond.wait_for(lambda: self.machine.phase is Phase.IDLE, timeout):
-                raise DeadlineExceeded(
-                    f"stage {self.config.name} did not reach a step boundary within "
-                    f"{timeout:.1f}s (run {self.machine.active_run} is "
-                    f"{self.machine.phase.value})"
-                )
-            self._apply(self.machine.freeze(new_epoch, lease_s, time.monotonic()))
-            return self.machine.committed_step
-
-    def prepare_epoch(
-        self,
-        new_epoch: int,
-        placement: Placement,
-        job: JobConfig,
-        incoming: Sequence[tuple[int, str]],
-        committed_step: int,
-        source_epoch: int,
-        rollback: bool,
-        restored_by_client: bool,
-        lease_s: float,
-        timeout: float,
-    ) -> tuple[int, float]:
-        """Gathers what this stage will own in ``new_epoch`` and holds it aside.
-
-        A migration pulls the incoming layers' live state from their owners (at
-        ``source_epoch``); a rollback builds every owned layer from the snapshot of
-        ``committed_step`` (held here or pulled from ``incoming``'s holders); a restore
-        takes what ``RestoreLayers`` staged.
-
-        Returns:
-            Bytes received (for a restore: the bytes the client streamed here) and seconds
-            spent.
-        """
-        with self._cond:
-            # The transfers may outlast the freeze lease: hold it for as long as they may take.
-            self.machine.extend(new_epoch, timeout + EXTEND_MARGIN_S, time.monotonic())
-            same_job = self.job is not None and self.job.job_id == job.job_id
-            joining = not (same_job and self.placement is not None and self.placement.in_chain)
-            keep = self.slice if same_job and not (rollback or restored_by_client) else None
-            restoring = self._restoring
-        started, received = time.perf_counter(), 0
-        deadline = time.monotonic() + timeout
-        new_slice = None if keep is not None else self._new_slice(job)
-        target = keep if keep is not None else new_slice
-        assert target is not None
-        staged: Layers = {}
-        if restored_by_client:
-            if restoring is None or restoring[0] != new_epoch:
-                raise NotReady(f"no checkpoint was streamed here for epoch {new_epoch}")
-            staged = dict(restoring[1])
-            received = sum(restoring[2].values())  # what the client streamed here
-        else:
-            sources = dict(incoming)
-            wanted = list(placement.layers) if rollback else [layer for layer, _ in incoming]
-            for layer in wanted:
-                into = IntoModule(target.new_layer(layer), f"layer {layer}")
-                state, size = self._fetch(
-                    job,
-                    layer,
-                    sources.get(layer, ""),
-                    source_epoch,
-                    committed_step if rollback else None,
-                    deadline,
-                    into,
-                )
-                received += size
-                if not isinstance(state, dict):
-                    raise TransferError(f"layer {layer}: state is not a mapping")
-                staged[layer] = target.load_layer(layer, state, into.module)
-        owned = set(keep.layers if keep is not None else ()) | set(staged)
-        missing = [i for i in placement.layers if i not in owned]
-        if missing:
-            raise NotReady(
-                f"epoch {new_epoch} gives stage {self.config.name} layers "
-                f"{missing} that it neither holds nor receives"
-            )
-        self.faults.point("prepare")
-        with self._cond:
-            self._apply(
-                self.machine.prepared(
-                    new_epoch,
-                    committed_step,
-                    time.monotonic(),
-                    lease_s,
-                    rollback=rollback or restored_by_client,
-                    new_history=restored_by_client,
-                    joining=joining,
-                )
-            )
-            self._staged = _Staged(new_epoch, placement, job, staged, new_slice)
-        return received, time.perf_counter() - started
-
-    def _fetch(
-        self,
-        job: JobConfig,
-        layer: int,
-        source: str,
-        source_epoch: int,
-        snapshot_step: int | None,
-        deadline: float,
-        into: IntoModule,
-    ) -> tuple[Any, int]:
-        """One layer's state and its size: a copy of a snapshot held here, or pulled from
-        ``source`` (its weights straight into ``into``'s module)."""
-        if snapshot_step is not None:
-            held = self.snapshots.get(job.job_id, snapshot_step, layer)
-            if held is not None:
-                return held.copy_into(into), held.nbytes
-        if not source:
-            raise TransferError(
-                f"layer {layer}: no source given and no snapshot of step {snapshot_step} here"
-            )
-        request = (
-            stage_pb2.ExportLayersRequest(
-                layers=[layer],
-                include_optimizer=True,
-                from_snapshot=True,
-                snapshot_step=snapshot_step,
-                job_id=job.job_id,
-            )
-            if snapshot_step is not None
-            else stage_pb2.ExportLayersRequest(
-                epoch=source_epoch, layers=[layer], include_optimizer=True
-            )
-        )
-        got = transfers.pull_layer(
-            self._peers,
-            source,
-            request,
-            deadline,
-            (self.config.max_tensor_bytes, self.config.max_layer_bytes),
-            into,
-            self.faults.take_import_fault(),
-        )
-        return got.packed.unpack(), got.packed.nbytes
-
-    def _install(self, epoch: int) -> None:
-        """Installs what was staged for ``epoch`` (the lock is held)."""
-        staged = self._staged
-        assert staged is not None and staged.epoch == epoch
-        if staged.new_slice is not None:
-            self.job, self.slice = staged.job, staged.new_slice
-        assert self.slice is not None
-        for index, built in staged.layers.items():
-            self.slice.drop(index)
-            self.slice.install(index, built)
-        for index in [i for i in self.slice.layers if i not in staged.placement.layers]:
-            self.slice.drop(index)
-        self._set_placement(staged.placement)
-        self._staged, self._restoring = None, None
-        log.info(
-            "epoch_committed",
-            epoch=epoch,
-            lo=staged.placement.lo,
-            hi=staged.placement.hi,
-            received=sorted(staged.layers),
-            step=self.machine.committed_step,
-        )
-
-    def commit_epoch(self, new_epoch: int) -> int:
-        """Installs what was staged and switches epoch (idempotent)."""
-        self.faults.point("epoch_commit")
-        with self._cond:
-            staged = self._staged
-            every = staged.job.snapshot_every if staged is not None else None
-            self._apply(self.machine.commit_epoch(new_epoch, every))
-            return self.machine.epoch
-
-    def abort_epoch(self, new_epoch: int) -> int:
-        """Drops anything staged for ``new_epoch``; the current epoch stays in force."""
-        with self._cond:
-            self._apply(self.machine.abort_epoch(new_epoch))
-            return self.machine.epoch
-
-    # ---- layer state out and in ------------------------------------------------------
-
-    def export_layers(
-        self,
-        epoch: int,
-        layers: Sequence[int],
-        include_optimizer: bool,
-        snapshot: tuple[str, int] | None = None,
-    ) -> Iterator[tuple[int, PackedLayer]]:
-        """Packs the full state of owned layers (or of a snapshot held here), one at a time.
-
-        Args:
-            epoch: the epoch the caller computed in (0: no check, the client between steps).
-            layers: which layers.
-            include_optimizer: with optimizer state.
-            snapshot: (job id, step) to export a snapshot held here instead.
-
-        Raises:
-            InvalidRequest: a layer asked for twice.
-            NotReady: a layer not owned (or not held), or the state moved on meanwhile.
-        """
-        repeated = sorted(i for i, n in Counter(layers).items() if n > 1)
-        if repeated:
-            raise InvalidRequest(f"layers {repeated} asked for more than once")
-        if snapshot is not None:
-            job_id, step = snapshot
-            for layer in layers:
-                held = self.snapshots.get(job_id, step, layer)
-                if held is None:
-                    raise NotReady(
-                        f"stage {self.config.name} holds no snapshot of layer {layer} at step "
-                        f"{step} of job {job_id!r}"
-                    )
-                yield layer, held
-            return
-        with self._cond:
-            if epoch and epoch != self.machine.epoch:
-                self.machine.check_epoch(epoch)
-            if self.slice is None:
-                raise NotReady(f"stage {self.config.name} has no job assigned")
-            missing = [i for i in layers if i not in self.slice.layers]
-            if missing:
-                raise NotReady(
-                    f"stage {self.config.name} does not own layers {missing} "
-                    f"(owns {self.slice.indices})"
-                )
-            at = (self.machine.epoch, self.machine.committed_step)
-        for i in layers:  # one layer at a time, all of the same committed state
-            with self._cond:
-                if (self.machine.epoch, self.machine.committed_step) != at or self.slice is None:
-                    raise NotReady(
-                        f"stage {self.config.name} moved past epoch {at[0]}, step {at[1]} "
-                        "during the export: export again"
-                    )
-                state = self.slice.export_layer(i, include_optimizer)
-            yield i, layer_state.pack(state)
-
-    def check_restore(self, epoch: int) -> LayerSlice:
-        """Checks, before any layer arrives, that a load's epoch change holds this stage.
-
-        Raises:
-            NotReady: not frozen for ``epoch``, or no job.
-        """
-        with self._cond:
-            self.machine.check_frozen(epoch)
-            if self.slice is None or self.job is None:
-                raise NotReady(f"stage {self.config.name} has no job assigned")
-            return self._new_slice(self.job)
-
-    def check_restored_layer(self, index: int) -> None:
-        """Checks a checkpointed layer is this stage's, at its first chunk.
-
-        Raises:
-            NotReady: naming the layer and the layers owned.
-        """
-        with self._cond:
-            owned = self.placement.layers if self.placement is not None else range(0)
-        if index not in owned:
-            raise NotReady(
-                f"stage {self.config.name} does not own layer {index} (owns {list(owned)})"
-            )
-
-    def restore_into(self, index: int, builder: LayerSlice) -> IntoModule:
-        """Where a checkpointed layer's tensors go, on its header (after
-        ``check_restored_layer``), before any of it is allocated: a new layer of
-        ``builder``'s."""
-        return IntoModule(builder.new_layer(index), f"layer {index}")
-
-    def stage_restored(
-        self,
-        epoch: int,
-        got: Received,
-        builder: LayerSlice,
-        overrides: dict[str, Any] | None = None,
-    ) -> None:
-        """Builds one checkpointed layer and holds it for ``epoch``'s change (a load).
-
-        Args:
-            got: the layer as received (into ``restore_into``'s destination).
-            overrides: optimizer hyper-parameters to set after loading its state (as in
-                plain PyTorch: load the state, then set the ``lr``).
-
-        Raises:
-            NotReady: the change was abandoned.
-            InvalidRequest: the state does not fit the layer, or an override names a
-                hyper-parameter the optimizer does not have.
-        """
-        index = got.layer
-        state = got.packed.unpack()
-        if not isinstance(state, dict) or not isinstance(got.destination, IntoModule):
-            raise InvalidRequest(f"checkpoint state of layer {index} is not a mapping")
-        built = builder.load_layer(index, state, got.destination.module)
-        if overrides and built.optimizer is not None:
-            for group in built.optimizer.param_groups:
-                unknown = sorted(set(overrides) - set(group))
-                if unknown:
-                    raise InvalidRequest(
-                        f"optimizer {builder.job.optimizer!r} has no hyper-parameter {unknown} "
-                        f"(it has {sorted(k for k in group if k != 'params')})"
-                    )
-                group.update(overrides)
-        with self._cond:
-            self.machine.check_frozen(epoch)
-            if self._restoring is None or self._restoring[0] != epoch:
-                self._restoring = (epoch, {}, {})
-            self._restoring[1][index] = built
-            self._restoring[2][index] = got.packed.nbytes
 
     # ---- snapshots ----------------------------------------------------------------------
 

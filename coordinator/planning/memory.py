@@ -23,9 +23,9 @@ A layer ``l`` on a stage needs::
   gradients B kept for W (at most about one stash more each: a gradient per tensor the
   weights' nodes produced); taken at its largest, ``min(m, S) + min(m, S - 1)``.
 
-A stage offers what it reports (``capacity.detect``: ``--memory``, free CUDA memory less a
-headroom, or the host's available memory); 0 means unknown, and such a stage has no cap, nor
-has one that offers more than the whole model needs (it can never overflow).
+A stage offers what it reports (``stage_server.memory.detect``: ``--memory``, free CUDA memory
+less a headroom, or the host's available memory); 0 means unknown, and such a stage has no
+cap, nor has one that offers more than the whole model needs (it can never overflow).
 """
 
 from __future__ import annotations

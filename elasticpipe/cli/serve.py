@@ -22,7 +22,7 @@ from typing import Protocol
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
 from elasticpipe.security.tls import TLS
-from elasticpipe.stage_server import memtune
+from elasticpipe.stage_server import memory
 
 ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
 ENV_COORDINATOR = "ELASTICPIPE_COORDINATOR"
@@ -121,7 +121,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def _memory_size(text: str) -> int:
     """``--memory``'s type: a byte count with an optional unit (argparse reports the error)."""
     from elasticpipe.errors import InvalidRequest
-    from elasticpipe.stage_server.capacity import parse_bytes
+    from elasticpipe.stage_server.memory import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -159,7 +159,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
         bulk_port=None if args.no_bulk else args.bulk_port,
     )
-    memtune.keep_freed_memory()  # received tensors reuse freed pages (memtune.py)
+    memory.keep_freed_memory()  # received tensors reuse freed pages (memory.py)
     refused = threading.Event()  # another live stage holds the name: exit, non-zero
     server = StageServer(
         config, args.coordinator, args.listen, on_refused=lambda _: refused.set()

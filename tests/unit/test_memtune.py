@@ -11,22 +11,22 @@ import pytest
 
 SCRIPT = """
 import json, resource, torch
-from elasticpipe.stage_server import memtune
+from elasticpipe.stage_server import memory
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-tuned = memtune.keep_freed_memory()
+tuned = memory.keep_freed_memory()
 rounds = []
 for _ in range(6):  # 64 MiB: above anything glibc's own mmap threshold adapts to
     before = faults()
     x = torch.empty(64 << 20, dtype=torch.uint8); x.fill_(1); del x
     rounds.append(faults() - before)
 reuse_faults = rounds[-1]
-free_before = memtune.free_bytes()
-trimmed = memtune.bound()
+free_before = memory.free_bytes()
+trimmed = memory.bound()
 print(json.dumps({"tuned": tuned, "reuse_faults": reuse_faults, "free_before": free_before,
-                  "trimmed": trimmed, "free_after": memtune.free_bytes()}))
+                  "trimmed": trimmed, "free_after": memory.free_bytes()}))
 """
 
 
