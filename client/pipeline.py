@@ -27,7 +27,7 @@ touches the job no more: its methods raise ``PipelineClosed``.
 
 This module is the public surface; the machinery is in its base classes: ``Steps``
 (``steps.py``: runs, commits, replays) over ``Session`` (``session.py``: the job, its lease,
-partition and recovery).
+partition and recovery). Checkpoint files are ``checkpoints.py``'s.
 """
 
 from __future__ import annotations
@@ -64,8 +64,6 @@ from elasticpipe.wire.layer_state import PackedLayer
 from elasticpipe.wire.structure import Value, split_batch
 
 log = get_logger(__name__)
-
-CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"
 
 
 @dataclass(frozen=True)
@@ -548,58 +546,14 @@ class Pipeline(Steps):
         except TypeError as exc:
             raise InvalidRequest(f"optimizer_kwargs must be JSON-able: {exc}") from exc
         check_optimizer(self._job.optimizer, {**self._job.optimizer_kwargs, **overrides})
-        if Path(path).is_file():
-            self._load_msgpack(path, overrides_json)
-            return
-        reader = checkpoints.Reader(Path(path))
+        checkpoint = checkpoints.open_for(path, self._job)
         try:
-            job = self._job
-            mine = {
-                "model": job.model,
-                "model_kwargs": job.model_kwargs,
-                "optimizer": job.optimizer,
-            }
-            theirs = {k: reader.job.get(k) for k in mine}
-            if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
-                raise InvalidRequest(
-                    f"checkpoint {path} is of {theirs}, this pipeline trains {mine}"
-                )
-            expected, params = weights.expected_state(job.model, job.model_kwargs)
-            plan = weights.plan(reader.weights, expected, weights.no_rename)
-            self._ensure_job(None)
-            self._restore(
-                reader.step,
-                lambda layer: reader.layer_state(layer, plan.layer_state(layer), params[layer]),
-                overrides_json,
-            )
+            partition = self._ensure_job(None)
+            checkpoint.check_layers(partition.num_layers)
+            self._restore(checkpoint.step, checkpoint.layer_state, overrides_json)
         finally:
-            reader.close()
-        log.info("checkpoint_loaded", path=str(path), step=reader.step, layers=self.num_layers)
-
-    def _load_msgpack(self, path: str | os.PathLike[str], overrides_json: str) -> None:
-        """Loads a one-file msgpack checkpoint of an earlier version (read only)."""
-        raw = Path(path).read_bytes()
-        checkpoint = codec.unpack_state(raw, max(len(raw), 1))
-        if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-            raise InvalidRequest(f"{path} is not an ElasticPipe checkpoint")
-        job = self._job
-        mine = {"model": job.model, "model_kwargs": job.model_kwargs, "optimizer": job.optimizer}
-        theirs = {k: checkpoint["job"].get(k) for k in mine}
-        if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
-            raise InvalidRequest(f"checkpoint {path} is of {theirs}, this pipeline trains {mine}")
-        layers: dict[int, bytes] = checkpoint["layers"]
-        max_bytes = max(len(raw), 1)
-        partition = self._ensure_job(None)
-        if sorted(layers) != list(range(partition.num_layers)):
-            raise InvalidRequest(
-                f"checkpoint {path} has layers {sorted(layers)}, the model {partition.num_layers}"
-            )
-        self._restore(
-            int(checkpoint["step"]),
-            lambda layer: codec.unpack_state(layers[layer], max_bytes, max_bytes),
-            overrides_json,
-        )
-        log.info("checkpoint_loaded", path=str(path), step=self._step, layers=len(layers))
+            checkpoint.close()
+        log.info("checkpoint_loaded", path=str(path), step=checkpoint.step, layers=self.num_layers)
 
     def stage_stats(self) -> list[stage_pb2.StageStats]:
         """Each stage's own report (epoch, layers, timings, peak activations).
