@@ -1,4 +1,12 @@
-"""The client SDK: ``Pipeline`` drives micro-batches through the stage servers."""
+"""The client SDK: ``Pipeline`` drives micro-batches through the stage servers.
+
+* ``pipeline``: ``Pipeline``, the public methods, and ``StepStats``/``StageStep``;
+* ``steps``: its steps' runs until one is accepted, the commit decision, the replays;
+* ``session``: its job on the coordinator: setup/attach, lease, partition, recovery, restore;
+* ``driver``: one run of a step through the chain of stages;
+* ``checkpoints``: the checkpoint formats (``save`` writes, ``load`` opens);
+* ``initial``: ``init_state``, checked against the model before a job starts.
+"""
 
 from elasticpipe.client.pipeline import Pipeline, StageStep, StepStats
 

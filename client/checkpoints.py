@@ -17,14 +17,20 @@ manifest. Nothing in a checkpoint is code: loading one never unpickles anything.
 
 The directory is written beside its target and renamed into place once complete, so a
 crash while saving leaves the previous checkpoint as it was.
+
+``open_for`` opens a checkpoint for ``Pipeline.load``: a directory, or the one msgpack file
+of earlier versions (``V1_FORMAT``: still read, no longer written), checked against the job
+before anything is sent; ``Pipeline`` streams its layers to the stages.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +38,14 @@ import torch
 from safetensors.torch import save_file
 
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.models import weights
 from elasticpipe.models.weights import MANIFEST, TensorSource, read_json
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.rng import RNG_PROTOCOL
+from elasticpipe.wire import codec
 
 FORMAT = "elasticpipe-checkpoint-v2"
+V1_FORMAT = "elasticpipe-checkpoint-v1"  # one msgpack file: read, no longer written
 
 
 def weights_name(layer: int) -> str:
@@ -215,6 +224,81 @@ class Reader:
         """Closes the shards."""
         self.weights.close()
         self.optimizer.close()
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint opened for ``load``: its step and each layer's state (what a stage's
+    ``load_layer`` takes), read one layer at a time."""
+
+    path: str | os.PathLike[str]
+    step: int
+    layer_state: Callable[[int], Any]
+    close: Callable[[], None]
+    layers: list[int] | None = None  # a V1 file's layers, checked once the model is known
+
+    def check_layers(self, num_layers: int) -> None:
+        """Fails unless the checkpoint holds layers 0 to ``num_layers - 1`` (V1 files; the
+        shards of a directory were checked against the model when it was opened)."""
+        if self.layers is not None and self.layers != list(range(num_layers)):
+            raise InvalidRequest(
+                f"checkpoint {self.path} has layers {self.layers}, the model {num_layers}"
+            )
+
+
+def check_job(path: str | os.PathLike[str], recorded: Mapping[str, Any], job: JobConfig) -> None:
+    """Fails unless the job a checkpoint records has ``job``'s model and optimizer.
+
+    Raises:
+        InvalidRequest: naming both.
+    """
+    mine = {"model": job.model, "model_kwargs": job.model_kwargs, "optimizer": job.optimizer}
+    theirs = {k: recorded.get(k) for k in mine}
+    if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
+        raise InvalidRequest(f"checkpoint {path} is of {theirs}, this pipeline trains {mine}")
+
+
+def open_for(path: str | os.PathLike[str], job: JobConfig) -> Opened:
+    """Opens a checkpoint of ``save`` (or an earlier version's file) to load into ``job``.
+
+    Raises:
+        InvalidRequest: not a checkpoint, one of another model or optimizer, or shards that
+            do not fit the model.
+    """
+    if Path(path).is_file():
+        return _open_v1(path, job)
+    reader = Reader(Path(path))
+    try:
+        check_job(path, reader.job, job)
+        expected, params = weights.expected_state(job.model, job.model_kwargs)
+        plan = weights.plan(reader.weights, expected, weights.no_rename)
+    except BaseException:
+        reader.close()
+        raise
+    return Opened(
+        path,
+        reader.step,
+        lambda layer: reader.layer_state(layer, plan.layer_state(layer), params[layer]),
+        reader.close,
+    )
+
+
+def _open_v1(path: str | os.PathLike[str], job: JobConfig) -> Opened:
+    """Opens a one-file msgpack checkpoint of an earlier version (read only)."""
+    raw = Path(path).read_bytes()
+    checkpoint = codec.unpack_state(raw, max(len(raw), 1))
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != V1_FORMAT:
+        raise InvalidRequest(f"{path} is not an ElasticPipe checkpoint")
+    check_job(path, checkpoint["job"], job)
+    layers: dict[int, bytes] = checkpoint["layers"]
+    max_bytes = max(len(raw), 1)
+    return Opened(
+        path,
+        int(checkpoint["step"]),
+        lambda layer: codec.unpack_state(layers[layer], max_bytes, max_bytes),
+        lambda: None,
+        sorted(layers),
+    )
 
 
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:

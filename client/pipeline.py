@@ -24,18 +24,18 @@ Failures cost time, not results:
 The pipeline holds the job's *lease* while it lives (renewed in the background, released
 by ``close``): another ``Pipeline`` cannot take the job from under it. Once closed, it
 touches the job no more: its methods raise ``PipelineClosed``.
+
+This module is the public surface; the machinery is in its base classes: ``Steps``
+(``steps.py``: runs, commits, replays) over ``Session`` (``session.py``: the job, its lease,
+partition and recovery). Checkpoint files are ``checkpoints.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import os
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -46,51 +46,24 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client import checkpoints, driver, initial
-from elasticpipe.client.driver import CommitIncomplete, StageClients
-from elasticpipe.errors import (
-    CONTINUE_FROM_SAVE,
-    CoordinatorUnavailable,
-    DeadlineExceeded,
-    ElasticPipeError,
-    Fenced,
-    InvalidRequest,
-    JobInUse,
-    LayersLost,
-    NotReady,
-    PipelineClosed,
-    Rebalancing,
-    StagesMissing,
-    StageUnavailable,
-    StaleEpoch,
-    StepAborted,
-    TransferError,
-)
+from elasticpipe.client.session import RECOVERABLE, RETRY_WAIT_S, _Batch, _RolledBack
+from elasticpipe.client.steps import Steps
+from elasticpipe.errors import InvalidRequest, Rebalancing, StaleEpoch
 from elasticpipe.logs import get_logger
 from elasticpipe.models import weights
 from elasticpipe.observe import efficiency
 from elasticpipe.partition import Partition
 from elasticpipe.security.tls import TLS
-from elasticpipe.training import clipping, loss_scaling
+from elasticpipe.training import loss_scaling
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import check_optimizer
-from elasticpipe.transport import rpc, serving
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
-from elasticpipe.wire import bundle, codec, layer_state, structure
+from elasticpipe.transport import rpc
+from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import codec, layer_state, structure
 from elasticpipe.wire.layer_state import PackedLayer
 from elasticpipe.wire.structure import Value, split_batch
 
 log = get_logger(__name__)
-
-RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
-SETUP_POLL_S = 5.0  # how long the coordinator waits for stages before the client reports
-MAX_DECISIONS = 8
-CHECKPOINT_FORMAT = "elasticpipe-checkpoint-v1"
-RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
-# Tests only: "before_commit:STEP" (or "after_commit:STEP") blocks the client there, so a
-# test can kill it exactly between RunStep and CommitStep (or after a partial commit).
-ENV_TEST_PAUSE = "ELASTICPIPE_TEST_PAUSE"
-# Failures after which the step is retried once the job has recovered.
-RECOVERABLE = (StageUnavailable, DeadlineExceeded, StepAborted, TransferError, NotReady)
 
 
 @dataclass(frozen=True)
@@ -156,67 +129,7 @@ class StepStats:
         )
 
 
-@dataclass
-class _Batch:
-    xs: list[Value]
-    ys: list[torch.Tensor]
-    scales: list[float]
-
-
-class _Repeats:
-    """Logs a warning the first time, then the same warning (same event and fields) at
-    most once every ``every`` seconds with how often it recurred: a job waiting out an
-    outage says so without a line per retry."""
-
-    def __init__(self, every: float = 10.0):
-        self._every = every
-        self._last: dict[str, tuple[str, float, int]] = {}  # event: (what, logged at, count)
-
-    def warn(self, event: str, error: str, **fields: Any) -> int:
-        """Logs ``event`` unless it just did; returns how often in a row it happened."""
-        what, now = f"{error}|{sorted(fields.items())!r}", time.monotonic()
-        last = self._last.get(event)
-        if last is not None and last[0] == what:
-            count = last[2] + 1
-            if now - last[1] < self._every:
-                self._last[event] = (what, last[1], count)
-                return count
-            log.warning(event, error=error, repeated=count, **fields)
-            self._last[event] = (what, now, count)
-            return count
-        log.warning(event, error=error, **fields)
-        self._last[event] = (what, now, 1)
-        return 1
-
-
-class _Waiting:
-    """Logs a wait at info once, when it begins, then at most every ``every`` seconds
-    with how long it has lasted: a client waiting out another's lease says so without a
-    line per retry."""
-
-    def __init__(
-        self, event: str, every: float = 10.0, clock: Callable[[], float] = time.monotonic
-    ):
-        self._event, self._every, self._clock = event, every, clock
-        self._began: float | None = None
-        self._logged = 0.0
-
-    def still(self, **fields: Any) -> bool:
-        """The wait goes on: logs it if it just began or ``every`` seconds passed since
-        the last line; returns whether it logged."""
-        now = self._clock()
-        if self._began is None:
-            self._began = self._logged = now
-            log.info(self._event, **fields)
-            return True
-        if now - self._logged < self._every:
-            return False
-        self._logged = now
-        log.info(self._event, waited_s=round(now - self._began, 1), **fields)
-        return True
-
-
-class Pipeline:
+class Pipeline(Steps):
     """A model trained across the stage servers of one coordinator."""
 
     def __init__(
@@ -346,36 +259,15 @@ class Pipeline:
         ):
             if not seconds > 0:
                 raise InvalidRequest(f"{what} must be > 0 (got {seconds})")
-        self.coordinator = serving.check_dial_address(coordinator, "coordinator address")
+        self._open(coordinator, tls)  # the channels and the job's state (none yet)
         self._num_stages = stages or 0
         self._resume = resume
         self._step_timeout = step_timeout
         self._setup_timeout = setup_timeout
         self._rebalance_timeout = rebalance_timeout
         self._recovery_timeout = recovery_timeout
-        self._repeats = _Repeats()
         self._lease_s = lease_s
-        self._tls = tls or TLS.from_env()
-        self._channel = rpc.channel(coordinator, self._tls)
-        self._coord = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
-        self._clients = StageClients(tls=self._tls)
-        self._partition: Partition | None = None
-        self._client = 0
-        self._runs: Iterator[int] = itertools.count(1)
-        self._step = 0  # committed on the stages (drops when the job is rolled back)
-        self._done = 0  # steps train_step has returned (the script's view; never drops)
         self._last_reports: list[stage_pb2.StepReport] = []
-        self._restore_epoch = 0
-        # Decisions on runs that some stage may not have heard yet (a lost CommitStep or
-        # AbortStep): every RunStep carries them until a run reaches every stage.
-        self._decisions: dict[int, stage_pb2.StepDecision] = {}
-        self._replay: dict[int, _Batch] = {}
-        self._safe_step = 0
-        self._lease_lost = False
-        self._profiled = True
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
-        self._num_layers = 0
         self._last_step = StepStats()
         self._closed = False
         # Checked now, before anything changes anywhere; streamed at job setup.
@@ -401,20 +293,7 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join(timeout=5)
-        if self._partition is not None and not self._lease_lost:
-            try:
-                self._coordinator_call(
-                    "RenewLease",
-                    coordinator_pb2.LeaseRequest(
-                        job_id=self._partition.job_id, client=self._client, release=True
-                    ),
-                    timeout=5.0,
-                )
-            except ElasticPipeError as exc:
-                log.debug("lease_not_released", error=str(exc))
+        self._release_lease()
         if self._init is not None:
             self._init.close()
         self._clients.close()
@@ -447,401 +326,12 @@ class Pipeline:
         """How many layers the model has (0 until the job is set up)."""
         return self._num_layers
 
-    def _check_open(self) -> None:
-        """Raises ``PipelineClosed`` once ``close`` was called: the job is no longer ours."""
-        if self._closed:
-            held = self._partition
-            what = f"it released job {held.job_id}" if held else "it never held a job"
-            raise PipelineClosed(
-                f"this Pipeline is closed ({what}); make a new Pipeline to train on "
-                "(resume=True attaches to the running job)"
-            )
-
-    def _coordinator_call(self, method: str, request: Any, timeout: float) -> Any:
-        return rpc.call(
-            self.coordinator,
-            getattr(self._coord, method),
-            request,
-            timeout=timeout,
-            unavailable=CoordinatorUnavailable,
-        )
-
-    # ---- job, lease and partition --------------------------------------------------------
-
-    def _ensure_job(self, sample: Value | None) -> Partition:
-        self._check_open()
-        if self._partition is not None:
-            if self._init is not None:  # its streaming failed: no step before it is in
-                self._apply_init()
-            return self._partition
-        spec = self._job.to_proto()
-        if sample is not None:
-            bundle.set_sample(spec, sample)
-        request = coordinator_pb2.SetupJobRequest(
-            job=spec,
-            num_stages=self._num_stages,
-            wait_s=min(self._setup_timeout, SETUP_POLL_S),
-            resume=self._resume,
-            lease_s=self._lease_s,
-            client_name=f"{socket.gethostname()}:{os.getpid()}",
-        )
-        deadline = time.monotonic() + self._setup_timeout
-        lease_wait = _Waiting("waiting_for_lease")
-        while True:
-            try:
-                reply = self._coordinator_call(
-                    "SetupJob", request, timeout=self._setup_timeout + 120.0
-                )
-                break
-            except (StageUnavailable, Rebalancing) as exc:
-                # Attaching while a stage died: the coordinator recovers it first.
-                if time.monotonic() > deadline:
-                    raise
-                log.info("setup_retried", reason=str(exc))
-                time.sleep(0.5)
-            except JobInUse as exc:
-                # A restarted script resumes once its dead predecessor's lease runs out.
-                if not self._resume or time.monotonic() > deadline:
-                    raise
-                lease_wait.still(reason=str(exc))
-                time.sleep(1.0)
-            except StagesMissing as exc:
-                if time.monotonic() > deadline:
-                    raise
-                waited = time.monotonic() - (deadline - self._setup_timeout)
-                # Quiet at first (stages are often still starting), then a warning.
-                (log.warning if waited > 10 else log.info)("waiting_for_stages", why=str(exc))
-            except CoordinatorUnavailable as exc:
-                raise CoordinatorUnavailable(
-                    f"cannot reach the coordinator at {self.coordinator}: is it running, and "
-                    f"is that its --listen/--advertise address? ({exc})"
-                ) from exc
-        self._num_layers = reply.num_layers
-        beyond = [i for i in self._job.recompute if i >= reply.num_layers]
-        if beyond:
-            raise InvalidRequest(
-                f"recompute names layers {beyond}, but the model has {reply.num_layers} "
-                f"(0 to {reply.num_layers - 1})"
-            )
-        self._client = reply.client
-        self._runs = itertools.count((reply.client << RUN_ID_BITS) + 1)
-        self._step = self._done = reply.committed_step
-        self._safe_step = reply.safe_step
-        self._profiled = reply.profiled
-        self._adopt(Partition.from_proto(reply.partition))
-        partition = self._partition
-        assert partition is not None
-        self._restore_epoch = partition.restore_epoch
-        self._renewer = threading.Thread(target=self._renew_loop, name="lease", daemon=True)
-        self._renewer.start()
-        if reply.resumed or self._step:
-            self._init = None  # the running job has its weights already
-        weights = "resumed" if reply.resumed else "seed"
-        if self._init is not None:
-            self._apply_init()  # an epoch change of its own: the start's epoch, then this one
-            weights = "init_state"
-        partition = self._partition
-        assert partition is not None
-        log.info(
-            "pipeline_attached" if reply.resumed else "pipeline_ready",
-            job=partition.job_id,
-            model=self._job.model,
-            layers=self.num_layers,
-            boundaries=list(partition.boundaries),
-            epoch=partition.epoch,  # the one in force now (after init_state's load)
-            stages=partition.num_stages,
-            step=self._step,
-            weights=weights,
-        )
-        return partition
-
-    def _apply_init(self) -> None:
-        """Streams ``init_state`` to the stages (at job setup; again after a failure)."""
-        init = self._init
-        assert init is not None
-        self._restore(0, init.layer_state, "")
-        self._init = None
-        init.close()
-
-    def _profile(self, sample: Value) -> None:
-        """Sends the first micro-batch for profiling if the job was set up without one
-        (``load`` or ``state_dict`` before the first step): the partition then follows the
-        measured costs and speeds."""
-        if self._profiled:
-            return
-        partition = self._partition
-        assert partition is not None
-        request = coordinator_pb2.ProfileJobRequest(job_id=partition.job_id, client=self._client)
-        bundle.set_sample(request, sample)
-        reply = self._coordinator_call("ProfileJob", request, timeout=self._setup_timeout + 120.0)
-        self._profiled = True
-        self._adopt(Partition.from_proto(reply))
-
-    def _renew_loop(self) -> None:
-        interval = self._lease_s / 3
-        while not self._stop.wait(interval):
-            partition = self._partition
-            if partition is None:
-                continue
-            try:
-                reply = self._coordinator_call(
-                    "RenewLease",
-                    coordinator_pb2.LeaseRequest(
-                        job_id=partition.job_id,
-                        client=self._client,
-                        last_step=self.last_step.step,
-                        efficiency=self.last_step.efficiency,
-                    ),
-                    timeout=interval,
-                )
-            except ElasticPipeError as exc:
-                log.debug("lease_not_renewed", error=str(exc))
-                continue
-            if not reply.held:
-                self._lease_lost = True
-                log.warning("lease_lost", job=partition.job_id)
-                return
-            self._safe_step = max(self._safe_step, reply.safe_step)
-
-    def _adopt(self, partition: Partition) -> None:
-        self._partition = partition.validate()
-
-    def _refresh(self, deadline: float, since: float | None = None) -> Partition:
-        """Waits (until ``deadline``) for a partition newer than ours and adopts it."""
-        old = self._partition
-        assert old is not None
-        started = time.monotonic()
-        wait = min(RETRY_WAIT_S, max(0.0, deadline - started))
-        reply = self._coordinator_call(
-            "GetPartition",
-            coordinator_pb2.GetPartitionRequest(newer_than=old.epoch, timeout_s=wait),
-            timeout=wait + 10.0,
-        )
-        self._adopt(Partition.from_proto(reply))
-        new = self._partition
-        assert new is not None
-        if new.epoch != old.epoch:
-            log.info(
-                "partition_changed",
-                old_epoch=old.epoch,
-                new_epoch=new.epoch,
-                old=list(old.boundaries),
-                new=list(new.boundaries),
-                pause_s=round(time.monotonic() - (since or started), 3),
-            )
-        if new.restore_epoch > self._restore_epoch:
-            self._rolled_back(new)
-        return new
-
-    def _rolled_back(self, partition: Partition) -> None:
-        """The job was rolled back to ``partition.restored_step``: replay from there."""
-        self._restore_epoch = partition.restore_epoch
-        restored = partition.restored_step
-        missing = [s for s in range(restored + 1, self._done + 1) if s not in self._replay]
-        if missing:
-            raise LayersLost(
-                f"the job was rolled back to step {restored}, but this pipeline no longer "
-                f"holds the mini-batches of steps {missing[:5]}... to replay; "
-                f"{CONTINUE_FROM_SAVE}"
-            )
-        log.warning(
-            "pipeline_rolled_back",
-            to_step=restored,
-            from_step=self._step,
-            replay=max(0, self._done - restored),
-        )
-        # Ahead of us only after a checkpoint load whose answer this client missed.
-        self._done = max(self._done, restored)
-        self._step = restored
-        self._safe_step = min(self._safe_step, restored)
-        self._decisions.clear()
-
-    def _check_lease(self) -> None:
-        if self._lease_lost:
-            raise Fenced(
-                "this pipeline lost the job's lease (another client took the job over, or "
-                "this one stopped renewing it for too long)"
-            )
-
     # ---- training ----------------------------------------------------------------------
 
     def _split(
         self, inputs: Value, targets: torch.Tensor | None
     ) -> tuple[list[Value], list[torch.Tensor], list[float]]:
         return split_batch(inputs, targets, self._job.micro_batches, torch.device("cpu"))
-
-    def _run(
-        self, step: int, batch: _Batch, train: bool
-    ) -> tuple[list[stage_pb2.StepReport], Partition, int, bytes, int]:
-        """Runs one attempt after another until the stages accept the partition.
-
-        Returns:
-            Reports, the partition used, the run id and its secret, and the attempts it
-            took.
-        """
-        partition = self._ensure_job(batch.xs[0])
-        deadline = time.monotonic() + self._rebalance_timeout
-        refused_at: float | None = None
-        for attempts in itertools.count(1):
-            self._check_lease()
-            run_id, secret = next(self._runs), driver.new_secret()
-            try:
-                reports = driver.run(
-                    self._clients,
-                    partition,
-                    run_id,
-                    step,
-                    batch.xs,
-                    batch.ys if train else None,
-                    batch.scales,
-                    self._job.schedule,
-                    self._step_timeout,
-                    self._client,
-                    list(self._decisions.values()),
-                    secret=secret,
-                )
-                self._decisions.clear()  # every stage heard every earlier decision
-                return reports, partition, run_id, secret, attempts
-            except (StaleEpoch, Rebalancing) as exc:
-                if train:
-                    self._decided(run_id, step, commit=False)
-                if time.monotonic() > deadline:
-                    raise
-                refused_at = refused_at or time.monotonic()
-                log.info("step_retried", step=step, epoch=partition.epoch, reason=str(exc))
-                try:
-                    partition = self._refresh(deadline, refused_at)
-                except CoordinatorUnavailable:
-                    # The stages may be frozen by a coordinator that died: its restart (or
-                    # their freeze lease) releases them; training needs no coordinator.
-                    time.sleep(0.5)
-                if self._step != (step - 1 if train else self._done):
-                    raise _RolledBack() from exc  # replay first
-            except ElasticPipeError:
-                if train:
-                    self._decided(run_id, step, commit=False)
-                raise
-        raise AssertionError("unreachable")
-
-    def _decided(
-        self, run: int, step: int, commit: bool, clip: clipping.GradClip = clipping.NO_CLIP
-    ) -> None:
-        """Keeps a decision until a later run has reached every stage."""
-        self._decisions[run] = stage_pb2.StepDecision(
-            run=run, step=step, commit=commit, clip=clip.to_proto()
-        )
-        while len(self._decisions) > MAX_DECISIONS:  # the oldest is long settled
-            del self._decisions[min(self._decisions)]
-
-    def _train_one(self, step: int, batch: _Batch) -> tuple[float, list[stage_pb2.StepReport], int]:
-        """Runs and commits one step; returns its loss, reports and attempts."""
-        reports, partition, run_id, _, attempts = self._run(step, batch, train=True)
-        self._test_pause("before_commit", step)
-        norm, clip = self._clip(reports)
-        if clip.skip:
-            log.warning(
-                "step_skipped",
-                step=step,
-                grad_norm=norm,
-                why="non-finite gradient norm",
-                loss_scale=loss_scaling.reported(reports),
-            )
-        self._decided(run_id, step, commit=True, clip=clip)
-        try:
-            driver.commit(self._clients, partition, run_id, step, self._client, clip)
-        except CommitIncomplete as exc:
-            # The decision is commit: stages that missed it learn it from the next run's
-            # ``previous``, or are replaced by recovery if they are dead.
-            log.warning("commit_incomplete", step=step, stages=sorted(exc.failed), error=str(exc))
-            self._step = step
-            self._test_pause("after_commit", step)
-            self._report_failure(exc)
-            return float(sum(reports[-1].losses)), reports, attempts
-        self._step = step
-        self._test_pause("after_commit", step)
-        return float(sum(reports[-1].losses)), reports, attempts
-
-    def _clip(self, reports: list[stage_pb2.StepReport]) -> tuple[float | None, clipping.GradClip]:
-        """The global gradient norm of a run and the clipping its commit applies."""
-        if not self._job.reports_grad_norm:
-            return None, clipping.NO_CLIP
-        sq_norms = [r.grad_sq_norm for r in reports]
-        return clipping.decide(sq_norms, self._job.max_grad_norm or None)
-
-    def _test_pause(self, point: str, step: int) -> None:
-        if os.environ.get(ENV_TEST_PAUSE) == f"{point}:{step}":
-            log.warning("paused_at", point=point, step=step)
-            threading.Event().wait()
-
-    def _report_failure(self, exc: ElasticPipeError) -> list[str]:
-        """Tells the coordinator; returns the stages it declared dead."""
-        partition = self._partition
-        assert partition is not None
-        try:
-            ack = self._coordinator_call(
-                "ReportFailure",
-                coordinator_pb2.FailureReport(
-                    job_id=partition.job_id,
-                    epoch=partition.epoch,
-                    suspects=list(partition.addresses),
-                    error=str(exc)[:1000],
-                ),
-                timeout=15.0,
-            )
-        except CoordinatorUnavailable as unreachable:
-            self._repeats.warn("failure_not_reported", str(unreachable))
-            return []
-        return list(ack.dead)
-
-    def _recover(self, exc: ElasticPipeError, deadline: float) -> None:
-        """After a failed attempt: reports it and waits for the job to recover."""
-        if isinstance(exc, Fenced | LayersLost | PipelineClosed):
-            raise exc
-        if time.monotonic() > deadline:
-            raise exc
-        dead = self._report_failure(exc)
-        repeats = self._repeats.warn("step_failed", str(exc)[:300], step=self._step + 1, dead=dead)
-        partition = self._partition
-        assert partition is not None
-        if not dead:  # nobody died: a transient failure, try again (backing off if it stays)
-            time.sleep(min(2.0, 0.2 * 2 ** min(repeats - 1, 4)))
-            with contextlib.suppress(CoordinatorUnavailable):
-                self._refresh(time.monotonic() + 0.1)
-            return
-        while self._partition is not None and self._partition.epoch == partition.epoch:
-            if time.monotonic() > deadline:
-                raise exc
-            try:
-                self._refresh(deadline)
-            except CoordinatorUnavailable:
-                time.sleep(0.5)
-
-    def _catch_up(self, target: int, batch: _Batch | None) -> tuple[float, int, int]:
-        """Commits steps until ``target``: replays kept mini-batches after a rollback,
-        then ``batch`` as step ``target``. Survives failures until ``recovery_timeout``.
-
-        Returns:
-            The loss of step ``target``, the attempts it took, and the steps replayed.
-        """
-        deadline = time.monotonic() + self._recovery_timeout
-        attempts = replayed = 0
-        loss = float("nan")
-        while self._step < target:
-            step = self._step + 1
-            current = batch if step == target and batch is not None else self._replay[step]
-            try:
-                loss, reports, tries = self._train_one(step, current)
-                attempts += tries
-            except _RolledBack:
-                continue
-            except RECOVERABLE as exc:
-                self._recover(exc, deadline)
-                continue
-            if step < target:
-                replayed += 1
-            else:
-                self._last_reports = reports
-        return loss, attempts, replayed
 
     def train_step(self, inputs: Value, targets: torch.Tensor) -> float:
         """One synchronous training step on a mini-batch.
@@ -1056,122 +546,14 @@ class Pipeline:
         except TypeError as exc:
             raise InvalidRequest(f"optimizer_kwargs must be JSON-able: {exc}") from exc
         check_optimizer(self._job.optimizer, {**self._job.optimizer_kwargs, **overrides})
-        if Path(path).is_file():
-            self._load_msgpack(path, overrides_json)
-            return
-        reader = checkpoints.Reader(Path(path))
+        checkpoint = checkpoints.open_for(path, self._job)
         try:
-            job = self._job
-            mine = {
-                "model": job.model,
-                "model_kwargs": job.model_kwargs,
-                "optimizer": job.optimizer,
-            }
-            theirs = {k: reader.job.get(k) for k in mine}
-            if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
-                raise InvalidRequest(
-                    f"checkpoint {path} is of {theirs}, this pipeline trains {mine}"
-                )
-            expected, params = weights.expected_state(job.model, job.model_kwargs)
-            plan = weights.plan(reader.weights, expected, weights.no_rename)
-            self._ensure_job(None)
-            self._restore(
-                reader.step,
-                lambda layer: reader.layer_state(layer, plan.layer_state(layer), params[layer]),
-                overrides_json,
-            )
+            partition = self._ensure_job(None)
+            checkpoint.check_layers(partition.num_layers)
+            self._restore(checkpoint.step, checkpoint.layer_state, overrides_json)
         finally:
-            reader.close()
-        log.info("checkpoint_loaded", path=str(path), step=reader.step, layers=self.num_layers)
-
-    def _load_msgpack(self, path: str | os.PathLike[str], overrides_json: str) -> None:
-        """Loads a one-file msgpack checkpoint of an earlier version (read only)."""
-        raw = Path(path).read_bytes()
-        checkpoint = codec.unpack_state(raw, max(len(raw), 1))
-        if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-            raise InvalidRequest(f"{path} is not an ElasticPipe checkpoint")
-        job = self._job
-        mine = {"model": job.model, "model_kwargs": job.model_kwargs, "optimizer": job.optimizer}
-        theirs = {k: checkpoint["job"].get(k) for k in mine}
-        if json.dumps(theirs, sort_keys=True) != json.dumps(mine, sort_keys=True):
-            raise InvalidRequest(f"checkpoint {path} is of {theirs}, this pipeline trains {mine}")
-        layers: dict[int, bytes] = checkpoint["layers"]
-        max_bytes = max(len(raw), 1)
-        partition = self._ensure_job(None)
-        if sorted(layers) != list(range(partition.num_layers)):
-            raise InvalidRequest(
-                f"checkpoint {path} has layers {sorted(layers)}, the model {partition.num_layers}"
-            )
-        self._restore(
-            int(checkpoint["step"]),
-            lambda layer: codec.unpack_state(layers[layer], max_bytes, max_bytes),
-            overrides_json,
-        )
-        log.info("checkpoint_loaded", path=str(path), step=self._step, layers=len(layers))
-
-    def _restore(self, step: int, state_of: Callable[[int], Any], overrides_json: str) -> None:
-        """Streams every layer's state (``state_of(layer)``, read one at a time) to its
-        owner and makes it take effect at ``step`` on every stage or on none."""
-        partition = self._partition
-        assert partition is not None
-        self._check_lease()
-        begun = self._coordinator_call(
-            "BeginRestore",
-            coordinator_pb2.RestoreBeginRequest(job_id=partition.job_id, client=self._client),
-            timeout=120.0,
-        )
-        owners = Partition.from_proto(begun.partition)
-        committed = False
-        try:
-            for s, address in enumerate(owners.addresses):
-
-                def messages(
-                    owned: range = owners.layers_of(s),
-                ) -> Iterator[stage_pb2.RestoreChunk]:
-                    first = True
-                    for layer in owned:
-                        for chunk in layer_state.messages(layer, layer_state.pack(state_of(layer))):
-                            yield stage_pb2.RestoreChunk(
-                                epoch=begun.epoch if first else 0,
-                                committed_step=step if first else 0,
-                                chunk=chunk,
-                                optimizer_overrides_json=overrides_json if first else "",
-                            )
-                            first = False
-
-                rpc.call(
-                    address,
-                    self._clients.stub(address).RestoreLayers,
-                    messages(),
-                    timeout=self._step_timeout,
-                )
-            reply = self._coordinator_call(
-                "EndRestore",
-                coordinator_pb2.RestoreEndRequest(
-                    job_id=partition.job_id, epoch=begun.epoch, step=step, commit=True
-                ),
-                timeout=300.0,
-            )
-            committed = True
-        finally:
-            if not committed:
-                try:
-                    self._coordinator_call(
-                        "EndRestore",
-                        coordinator_pb2.RestoreEndRequest(
-                            job_id=partition.job_id, epoch=begun.epoch, step=step, commit=False
-                        ),
-                        timeout=60.0,
-                    )
-                except ElasticPipeError as exc:
-                    log.warning("load_not_abandoned", error=str(exc))
-        new = Partition.from_proto(reply)
-        self._adopt(new)
-        self._restore_epoch = new.restore_epoch
-        self._step = self._done = step
-        self._safe_step = step
-        self._decisions.clear()
-        self._replay.clear()
+            checkpoint.close()
+        log.info("checkpoint_loaded", path=str(path), step=checkpoint.step, layers=self.num_layers)
 
     def stage_stats(self) -> list[stage_pb2.StageStats]:
         """Each stage's own report (epoch, layers, timings, peak activations).
@@ -1184,10 +566,6 @@ class Pipeline:
             rpc.call(a, self._clients.stub(a).GetStats, stage_pb2.StatsRequest(), timeout=10.0)
             for a in partition.addresses
         ]
-
-
-class _RolledBack(Exception):
-    """The job was rolled back while a step waited: catch up from the step restored."""
 
 
 __all__ = ["Pipeline", "StageStep", "StepStats"]

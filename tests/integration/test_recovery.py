@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from elasticpipe.client import checkpoints
-from elasticpipe.client.pipeline import CHECKPOINT_FORMAT
+from elasticpipe.client.checkpoints import V1_FORMAT as CHECKPOINT_FORMAT
 from elasticpipe.errors import InvalidRequest, JobInUse
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.models import weights

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from elasticpipe.client.pipeline import _Repeats, _Waiting
+from elasticpipe.client.session import _Repeats, _Waiting
 
 
 def test_a_repeated_warning_is_logged_once_then_with_its_count(

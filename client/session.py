@@ -1,0 +1,520 @@
+"""A ``Pipeline``'s session with its job: setup and attach, the lease, the partition, recovery.
+
+``Session`` is the base class of ``Pipeline`` that talks to the coordinator for it:
+
+* **the job**: ``SetupJob`` starts the job or, with ``resume=True``, attaches to it (waiting
+  out a dead predecessor's lease); ``init_state`` and ``load`` replace every layer's state in
+  one ``BeginRestore``/``EndRestore`` transaction;
+* **the lease**: renewed in the background every ``lease_s / 3`` seconds and released by
+  ``close``; a pipeline that lost it is ``Fenced``;
+* **the partition**: after a refusal (a rebalance), wait for a newer one and adopt it;
+* **recovery**: report a failure, wait until the coordinator has replaced or dropped the dead
+  stage, and notice a rollback (``Steps._catch_up`` then replays the mini-batches kept in
+  ``_replay``).
+
+``Pipeline`` (the public methods) derives from ``Steps`` (``client/steps.py``), which derives
+from ``Session``: one object, whose state ``_open`` sets up and the classes declare. It logs
+as ``elasticpipe.client.pipeline``: these are the Pipeline's events, on the logger
+applications filter on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from elasticpipe.client.driver import StageClients
+from elasticpipe.client.initial import InitialWeights
+from elasticpipe.errors import (
+    CONTINUE_FROM_SAVE,
+    CoordinatorUnavailable,
+    DeadlineExceeded,
+    ElasticPipeError,
+    Fenced,
+    InvalidRequest,
+    JobInUse,
+    LayersLost,
+    NotReady,
+    PipelineClosed,
+    Rebalancing,
+    StagesMissing,
+    StageUnavailable,
+    StepAborted,
+    TransferError,
+)
+from elasticpipe.logs import get_logger
+from elasticpipe.partition import Partition
+from elasticpipe.security.tls import TLS
+from elasticpipe.training.job import JobConfig
+from elasticpipe.transport import rpc, serving
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.wire import bundle, layer_state
+from elasticpipe.wire.structure import Value
+
+if TYPE_CHECKING:
+    from elasticpipe.client.pipeline import StepStats
+
+log = get_logger("elasticpipe.client.pipeline")
+
+RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
+SETUP_POLL_S = 5.0  # how long the coordinator waits for stages before the client reports
+RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
+# Failures after which the step is retried once the job has recovered.
+RECOVERABLE = (StageUnavailable, DeadlineExceeded, StepAborted, TransferError, NotReady)
+
+
+@dataclass
+class _Batch:
+    xs: list[Value]
+    ys: list[torch.Tensor]
+    scales: list[float]
+
+
+class _Repeats:
+    """Logs a warning the first time, then the same warning (same event and fields) at
+    most once every ``every`` seconds with how often it recurred: a job waiting out an
+    outage says so without a line per retry."""
+
+    def __init__(self, every: float = 10.0):
+        self._every = every
+        self._last: dict[str, tuple[str, float, int]] = {}  # event: (what, logged at, count)
+
+    def warn(self, event: str, error: str, **fields: Any) -> int:
+        """Logs ``event`` unless it just did; returns how often in a row it happened."""
+        what, now = f"{error}|{sorted(fields.items())!r}", time.monotonic()
+        last = self._last.get(event)
+        if last is not None and last[0] == what:
+            count = last[2] + 1
+            if now - last[1] < self._every:
+                self._last[event] = (what, last[1], count)
+                return count
+            log.warning(event, error=error, repeated=count, **fields)
+            self._last[event] = (what, now, count)
+            return count
+        log.warning(event, error=error, **fields)
+        self._last[event] = (what, now, 1)
+        return 1
+
+
+class _Waiting:
+    """Logs a wait at info once, when it begins, then at most every ``every`` seconds
+    with how long it has lasted: a client waiting out another's lease says so without a
+    line per retry."""
+
+    def __init__(
+        self, event: str, every: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ):
+        self._event, self._every, self._clock = event, every, clock
+        self._began: float | None = None
+        self._logged = 0.0
+
+    def still(self, **fields: Any) -> bool:
+        """The wait goes on: logs it if it just began or ``every`` seconds passed since
+        the last line; returns whether it logged."""
+        now = self._clock()
+        if self._began is None:
+            self._began = self._logged = now
+            log.info(self._event, **fields)
+            return True
+        if now - self._logged < self._every:
+            return False
+        self._logged = now
+        log.info(self._event, waited_s=round(now - self._began, 1), **fields)
+        return True
+
+
+class _RolledBack(Exception):
+    """The job was rolled back while a step waited: catch up from the step restored."""
+
+
+class Session:
+    """The coordinator side of a ``Pipeline``: its job, lease, partition and recovery."""
+
+    # Set by Pipeline: its arguments, its last step, close().
+    _job: JobConfig
+    _num_stages: int
+    _resume: bool
+    _step_timeout: float
+    _setup_timeout: float
+    _lease_s: float
+    _init: InitialWeights | None
+    _last_step: StepStats
+    _closed: bool
+
+    def _open(self, coordinator: str, tls: TLS | None) -> None:
+        """Checks the coordinator's address and opens the channels; no job yet."""
+        self.coordinator = serving.check_dial_address(coordinator, "coordinator address")
+        self._repeats = _Repeats()
+        self._tls = tls or TLS.from_env()
+        self._channel = rpc.channel(coordinator, self._tls)
+        self._coord = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._clients = StageClients(tls=self._tls)
+        self._partition: Partition | None = None
+        self._client = 0
+        self._runs: Iterator[int] = itertools.count(1)
+        self._step = 0  # committed on the stages (drops when the job is rolled back)
+        self._done = 0  # steps train_step has returned (the script's view; never drops)
+        self._restore_epoch = 0
+        # Decisions on runs that some stage may not have heard yet (a lost CommitStep or
+        # AbortStep): every RunStep carries them until a run reaches every stage.
+        self._decisions: dict[int, stage_pb2.StepDecision] = {}
+        self._replay: dict[int, _Batch] = {}
+        self._safe_step = 0
+        self._lease_lost = False
+        self._profiled = True
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self._num_layers = 0
+
+    def _check_open(self) -> None:
+        """Raises ``PipelineClosed`` once ``close`` was called: the job is no longer ours."""
+        if self._closed:
+            held = self._partition
+            what = f"it released job {held.job_id}" if held else "it never held a job"
+            raise PipelineClosed(
+                f"this Pipeline is closed ({what}); make a new Pipeline to train on "
+                "(resume=True attaches to the running job)"
+            )
+
+    def _coordinator_call(self, method: str, request: Any, timeout: float) -> Any:
+        return rpc.call(
+            self.coordinator,
+            getattr(self._coord, method),
+            request,
+            timeout=timeout,
+            unavailable=CoordinatorUnavailable,
+        )
+
+    # ---- job, lease and partition --------------------------------------------------------
+
+    def _ensure_job(self, sample: Value | None) -> Partition:
+        self._check_open()
+        if self._partition is not None:
+            if self._init is not None:  # its streaming failed: no step before it is in
+                self._apply_init()
+            return self._partition
+        spec = self._job.to_proto()
+        if sample is not None:
+            bundle.set_sample(spec, sample)
+        request = coordinator_pb2.SetupJobRequest(
+            job=spec,
+            num_stages=self._num_stages,
+            wait_s=min(self._setup_timeout, SETUP_POLL_S),
+            resume=self._resume,
+            lease_s=self._lease_s,
+            client_name=f"{socket.gethostname()}:{os.getpid()}",
+        )
+        deadline = time.monotonic() + self._setup_timeout
+        lease_wait = _Waiting("waiting_for_lease")
+        while True:
+            try:
+                reply = self._coordinator_call(
+                    "SetupJob", request, timeout=self._setup_timeout + 120.0
+                )
+                break
+            except (StageUnavailable, Rebalancing) as exc:
+                # Attaching while a stage died: the coordinator recovers it first.
+                if time.monotonic() > deadline:
+                    raise
+                log.info("setup_retried", reason=str(exc))
+                time.sleep(0.5)
+            except JobInUse as exc:
+                # A restarted script resumes once its dead predecessor's lease runs out.
+                if not self._resume or time.monotonic() > deadline:
+                    raise
+                lease_wait.still(reason=str(exc))
+                time.sleep(1.0)
+            except StagesMissing as exc:
+                if time.monotonic() > deadline:
+                    raise
+                waited = time.monotonic() - (deadline - self._setup_timeout)
+                # Quiet at first (stages are often still starting), then a warning.
+                (log.warning if waited > 10 else log.info)("waiting_for_stages", why=str(exc))
+            except CoordinatorUnavailable as exc:
+                raise CoordinatorUnavailable(
+                    f"cannot reach the coordinator at {self.coordinator}: is it running, and "
+                    f"is that its --listen/--advertise address? ({exc})"
+                ) from exc
+        self._num_layers = reply.num_layers
+        beyond = [i for i in self._job.recompute if i >= reply.num_layers]
+        if beyond:
+            raise InvalidRequest(
+                f"recompute names layers {beyond}, but the model has {reply.num_layers} "
+                f"(0 to {reply.num_layers - 1})"
+            )
+        self._client = reply.client
+        self._runs = itertools.count((reply.client << RUN_ID_BITS) + 1)
+        self._step = self._done = reply.committed_step
+        self._safe_step = reply.safe_step
+        self._profiled = reply.profiled
+        self._adopt(Partition.from_proto(reply.partition))
+        partition = self._partition
+        assert partition is not None
+        self._restore_epoch = partition.restore_epoch
+        self._renewer = threading.Thread(target=self._renew_loop, name="lease", daemon=True)
+        self._renewer.start()
+        if reply.resumed or self._step:
+            self._init = None  # the running job has its weights already
+        weights = "resumed" if reply.resumed else "seed"
+        if self._init is not None:
+            self._apply_init()  # an epoch change of its own: the start's epoch, then this one
+            weights = "init_state"
+        partition = self._partition
+        assert partition is not None
+        log.info(
+            "pipeline_attached" if reply.resumed else "pipeline_ready",
+            job=partition.job_id,
+            model=self._job.model,
+            layers=self._num_layers,
+            boundaries=list(partition.boundaries),
+            epoch=partition.epoch,  # the one in force now (after init_state's load)
+            stages=partition.num_stages,
+            step=self._step,
+            weights=weights,
+        )
+        return partition
+
+    def _apply_init(self) -> None:
+        """Streams ``init_state`` to the stages (at job setup; again after a failure)."""
+        init = self._init
+        assert init is not None
+        self._restore(0, init.layer_state, "")
+        self._init = None
+        init.close()
+
+    def _profile(self, sample: Value) -> None:
+        """Sends the first micro-batch for profiling if the job was set up without one
+        (``load`` or ``state_dict`` before the first step): the partition then follows the
+        measured costs and speeds."""
+        if self._profiled:
+            return
+        partition = self._partition
+        assert partition is not None
+        request = coordinator_pb2.ProfileJobRequest(job_id=partition.job_id, client=self._client)
+        bundle.set_sample(request, sample)
+        reply = self._coordinator_call("ProfileJob", request, timeout=self._setup_timeout + 120.0)
+        self._profiled = True
+        self._adopt(Partition.from_proto(reply))
+
+    def _renew_loop(self) -> None:
+        interval = self._lease_s / 3
+        while not self._stop.wait(interval):
+            partition = self._partition
+            if partition is None:
+                continue
+            try:
+                reply = self._coordinator_call(
+                    "RenewLease",
+                    coordinator_pb2.LeaseRequest(
+                        job_id=partition.job_id,
+                        client=self._client,
+                        last_step=self._last_step.step,
+                        efficiency=self._last_step.efficiency,
+                    ),
+                    timeout=interval,
+                )
+            except ElasticPipeError as exc:
+                log.debug("lease_not_renewed", error=str(exc))
+                continue
+            if not reply.held:
+                self._lease_lost = True
+                log.warning("lease_lost", job=partition.job_id)
+                return
+            self._safe_step = max(self._safe_step, reply.safe_step)
+
+    def _adopt(self, partition: Partition) -> None:
+        self._partition = partition.validate()
+
+    def _refresh(self, deadline: float, since: float | None = None) -> Partition:
+        """Waits (until ``deadline``) for a partition newer than ours and adopts it."""
+        old = self._partition
+        assert old is not None
+        started = time.monotonic()
+        wait = min(RETRY_WAIT_S, max(0.0, deadline - started))
+        reply = self._coordinator_call(
+            "GetPartition",
+            coordinator_pb2.GetPartitionRequest(newer_than=old.epoch, timeout_s=wait),
+            timeout=wait + 10.0,
+        )
+        self._adopt(Partition.from_proto(reply))
+        new = self._partition
+        assert new is not None
+        if new.epoch != old.epoch:
+            log.info(
+                "partition_changed",
+                old_epoch=old.epoch,
+                new_epoch=new.epoch,
+                old=list(old.boundaries),
+                new=list(new.boundaries),
+                pause_s=round(time.monotonic() - (since or started), 3),
+            )
+        if new.restore_epoch > self._restore_epoch:
+            self._rolled_back(new)
+        return new
+
+    def _rolled_back(self, partition: Partition) -> None:
+        """The job was rolled back to ``partition.restored_step``: replay from there."""
+        self._restore_epoch = partition.restore_epoch
+        restored = partition.restored_step
+        missing = [s for s in range(restored + 1, self._done + 1) if s not in self._replay]
+        if missing:
+            raise LayersLost(
+                f"the job was rolled back to step {restored}, but this pipeline no longer "
+                f"holds the mini-batches of steps {missing[:5]}... to replay; "
+                f"{CONTINUE_FROM_SAVE}"
+            )
+        log.warning(
+            "pipeline_rolled_back",
+            to_step=restored,
+            from_step=self._step,
+            replay=max(0, self._done - restored),
+        )
+        # Ahead of us only after a checkpoint load whose answer this client missed.
+        self._done = max(self._done, restored)
+        self._step = restored
+        self._safe_step = min(self._safe_step, restored)
+        self._decisions.clear()
+
+    def _check_lease(self) -> None:
+        if self._lease_lost:
+            raise Fenced(
+                "this pipeline lost the job's lease (another client took the job over, or "
+                "this one stopped renewing it for too long)"
+            )
+
+    def _release_lease(self) -> None:
+        """Stops renewing the lease and gives it back (``close``)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+        if self._partition is not None and not self._lease_lost:
+            try:
+                self._coordinator_call(
+                    "RenewLease",
+                    coordinator_pb2.LeaseRequest(
+                        job_id=self._partition.job_id, client=self._client, release=True
+                    ),
+                    timeout=5.0,
+                )
+            except ElasticPipeError as exc:
+                log.debug("lease_not_released", error=str(exc))
+
+    # ---- recovery ----------------------------------------------------------------------
+
+    def _report_failure(self, exc: ElasticPipeError) -> list[str]:
+        """Tells the coordinator; returns the stages it declared dead."""
+        partition = self._partition
+        assert partition is not None
+        try:
+            ack = self._coordinator_call(
+                "ReportFailure",
+                coordinator_pb2.FailureReport(
+                    job_id=partition.job_id,
+                    epoch=partition.epoch,
+                    suspects=list(partition.addresses),
+                    error=str(exc)[:1000],
+                ),
+                timeout=15.0,
+            )
+        except CoordinatorUnavailable as unreachable:
+            self._repeats.warn("failure_not_reported", str(unreachable))
+            return []
+        return list(ack.dead)
+
+    def _recover(self, exc: ElasticPipeError, deadline: float) -> None:
+        """After a failed attempt: reports it and waits for the job to recover."""
+        if isinstance(exc, Fenced | LayersLost | PipelineClosed):
+            raise exc
+        if time.monotonic() > deadline:
+            raise exc
+        dead = self._report_failure(exc)
+        repeats = self._repeats.warn("step_failed", str(exc)[:300], step=self._step + 1, dead=dead)
+        partition = self._partition
+        assert partition is not None
+        if not dead:  # nobody died: a transient failure, try again (backing off if it stays)
+            time.sleep(min(2.0, 0.2 * 2 ** min(repeats - 1, 4)))
+            with contextlib.suppress(CoordinatorUnavailable):
+                self._refresh(time.monotonic() + 0.1)
+            return
+        while self._partition is not None and self._partition.epoch == partition.epoch:
+            if time.monotonic() > deadline:
+                raise exc
+            try:
+                self._refresh(deadline)
+            except CoordinatorUnavailable:
+                time.sleep(0.5)
+
+    # ---- restoring every layer (init_state, load) ---------------------------------------
+
+    def _restore(self, step: int, state_of: Callable[[int], Any], overrides_json: str) -> None:
+        """Streams every layer's state (``state_of(layer)``, read one at a time) to its
+        owner and makes it take effect at ``step`` on every stage or on none."""
+        partition = self._partition
+        assert partition is not None
+        self._check_lease()
+        begun = self._coordinator_call(
+            "BeginRestore",
+            coordinator_pb2.RestoreBeginRequest(job_id=partition.job_id, client=self._client),
+            timeout=120.0,
+        )
+        owners = Partition.from_proto(begun.partition)
+        committed = False
+        try:
+            for s, address in enumerate(owners.addresses):
+
+                def messages(
+                    owned: range = owners.layers_of(s),
+                ) -> Iterator[stage_pb2.RestoreChunk]:
+                    first = True
+                    for layer in owned:
+                        for chunk in layer_state.messages(layer, layer_state.pack(state_of(layer))):
+                            yield stage_pb2.RestoreChunk(
+                                epoch=begun.epoch if first else 0,
+                                committed_step=step if first else 0,
+                                chunk=chunk,
+                                optimizer_overrides_json=overrides_json if first else "",
+                            )
+                            first = False
+
+                rpc.call(
+                    address,
+                    self._clients.stub(address).RestoreLayers,
+                    messages(),
+                    timeout=self._step_timeout,
+                )
+            reply = self._coordinator_call(
+                "EndRestore",
+                coordinator_pb2.RestoreEndRequest(
+                    job_id=partition.job_id, epoch=begun.epoch, step=step, commit=True
+                ),
+                timeout=300.0,
+            )
+            committed = True
+        finally:
+            if not committed:
+                try:
+                    self._coordinator_call(
+                        "EndRestore",
+                        coordinator_pb2.RestoreEndRequest(
+                            job_id=partition.job_id, epoch=begun.epoch, step=step, commit=False
+                        ),
+                        timeout=60.0,
+                    )
+                except ElasticPipeError as exc:
+                    log.warning("load_not_abandoned", error=str(exc))
+        new = Partition.from_proto(reply)
+        self._adopt(new)
+        self._restore_epoch = new.restore_epoch
+        self._step = self._done = step
+        self._safe_step = step
+        self._decisions.clear()
+        self._replay.clear()
