@@ -3,6 +3,8 @@ watch, and the JSON schemas of ``--json``.
 
 * ``admin``: ``elasticpipe admin``: the operator's view of a running cluster, and its levers.
 * ``entry``: The ``elasticpipe`` command: coordinator, stage, admin and demo.
+* ``process``: How a coordinator's or stage's process ends once its server has stopped
+  cleanly: at once, without the interpreter's teardown.
 * ``schemas``: JSON Schemas of what ``elasticpipe admin COMMAND --json`` prints: the contract
   for scripts.
 * ``watch``: ``elasticpipe admin status --watch``: a live view of the cluster, redrawn every

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 # the operator asks for more. Set before gRPC is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from elasticpipe.cli import process
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import LEVELS, configure_logging, get_logger
 from elasticpipe.security.tls import TLS
@@ -689,13 +690,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``elasticpipe`` command."""
+    """Entry point of the ``elasticpipe`` command; run as the program (no ``argv``), a
+    coordinator or stage ends its process once stopped (``elasticpipe.cli.process``)."""
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format, args.log_level)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
     except ElasticPipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    if argv is None and args.func in (cmd_coordinator, cmd_stage):
+        process.end(code)
+    return code
