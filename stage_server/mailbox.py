@@ -14,9 +14,10 @@ per run, chosen by the client and told to the stage in ``RunStep``: see ``expect
 message held before its run is known is kept apart from any other copy for the same slot,
 so a stranger's message can neither stand in for nor replace the real one. When the run
 becomes known, held messages with another secret are dropped, and so is every later one;
-a take matches only the run's secret. Whoever does not hold the job cannot guess a secret
-(128 bits), so on a plaintext cluster too its messages only ever take up room, which the
-bounds above limit.
+a take matches only the run's secret. Every message dropped for its secret is counted
+(``refused``), a copy that a later one with the same secret replaced while held too.
+Whoever does not hold the job cannot guess a secret (128 bits), so on a plaintext cluster
+too its messages only ever take up room, which the bounds above limit.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ class Mailbox:
         self._bytes = 0  # stored and reserved
         self._entries = 0  # stored and reserved
         self._cond = threading.Condition()
-        self._items: dict[int, dict[Key, tuple[Any, int]]] = {}
+        # run -> key -> (value, bytes, copies: how many messages it stands for, with those
+        # it replaced, so that all of them are counted if its secret is refused)
+        self._items: dict[int, dict[Key, tuple[Any, int, int]]] = {}
         self._secrets: dict[int, bytes] = {}  # of the runs started here (``expect``)
         self._closed_below = 0  # runs below this id are over: their late messages are dropped
         self._failures: dict[int, ElasticPipeError] = {}
@@ -139,11 +142,13 @@ class Mailbox:
             box = self._items.setdefault(run, {})
             key = (slot, micro_batch, secret)
             replaced = box.pop(key, None)
+            copies = 1
             if replaced is not None:  # a re-sent message replaces the first copy
                 self._bytes -= replaced[1]
                 self._entries -= 1
+                copies += replaced[2]
             held.open = False
-            box[key] = (value, held.nbytes)
+            box[key] = (value, held.nbytes, copies)
             self._cond.notify_all()
             return True
 
@@ -154,7 +159,8 @@ class Mailbox:
         their takes fail (a stage runs one run at a time, in order).
 
         Returns:
-            How many held messages were dropped.
+            How many messages held for the run were dropped (a copy replaced while held,
+            by one with the same secret, counts too).
         """
         with self._cond:
             if run < self._closed_below:
@@ -164,12 +170,15 @@ class Mailbox:
                 del self._secrets[min(self._secrets)]
             box = self._items.get(run, {})
             wrong = [k for k in box if not hmac.compare_digest(k[2], secret)]
+            dropped = 0
             for key in wrong:
-                self._bytes -= box.pop(key)[1]
+                _, nbytes, copies = box.pop(key)
+                self._bytes -= nbytes
                 self._entries -= 1
-            if wrong:
-                self._refuse(run, len(wrong))
-            return len(wrong)
+                dropped += copies
+            if dropped:
+                self._refuse(run, dropped)
+            return dropped
 
     def _refuse(self, run: int, n: int) -> None:
         """Counts ``n`` messages of ``run`` dropped for their secret; logs at most every
@@ -212,7 +221,7 @@ class Mailbox:
                     raise failure
                 box = self._items.get(run, {})
                 if key in box:
-                    value, nbytes = box.pop(key)
+                    value, nbytes, _ = box.pop(key)
                     self._bytes -= nbytes
                     self._entries -= 1
                     return value
@@ -246,7 +255,7 @@ class Mailbox:
             self._closed_below = max(self._closed_below, run + 1)
             for old in [r for r in self._items if r < self._closed_below]:
                 entries = self._items.pop(old).values()
-                self._bytes -= sum(n for _, n in entries)
+                self._bytes -= sum(n for _, n, _ in entries)
                 self._entries -= len(entries)
             for old in [r for r in self._failures if r < self._closed_below]:
                 del self._failures[old]

@@ -4,6 +4,8 @@ admin commands, the live watch, and the JSON schemas of ``--json``.
 * ``admin``: ``elasticpipe admin``: the operator's view of a running cluster, and its levers.
 * ``entry``: The ``elasticpipe`` command: its parser and ``main``; demo, certs, export-hf
   and admin.
+* ``process``: How a coordinator's or stage's process ends once its server has stopped
+  cleanly: at once, without the interpreter's teardown.
 * ``schemas``: JSON Schemas of what ``elasticpipe admin COMMAND --json`` prints: the contract
   for scripts.
 * ``serve``: ``elasticpipe coordinator`` and ``elasticpipe stage``: their flags, their

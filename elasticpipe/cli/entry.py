@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 # the operator asks for more. Set before gRPC is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from elasticpipe.cli import serve
+from elasticpipe.cli import process, serve
 from elasticpipe.cli.serve import ENV_COORDINATOR
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import LEVELS, configure_logging
@@ -351,13 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``elasticpipe`` command."""
+    """Entry point of the ``elasticpipe`` command; run as the program (no ``argv``), a
+    coordinator or stage ends its process once stopped (``elasticpipe.cli.process``)."""
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format, args.log_level)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
     except ElasticPipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    if argv is None and args.func in (serve.cmd_coordinator, serve.cmd_stage):
+        process.end(code)
+    return code

@@ -310,6 +310,23 @@ def test_a_message_without_the_runs_secret_is_never_taken() -> None:
         box.take(20, Slot.GRAD, 0, time.monotonic() + SOON)
 
 
+def test_a_strangers_copies_replaced_while_held_are_all_counted() -> None:
+    """A stranger's message that replaced its own earlier copy while held (same run, slot,
+    micro-batch and secret) counts as two refused when the run starts, not one; copies
+    with the run's secret are not counted."""
+    box = Mailbox(1000, entry_overhead=0)
+    assert box.put(23, Slot.INPUT, 0, "empty", 0, secret=NO_SECRET)
+    assert box.put(23, Slot.INPUT, 0, "poison", 10, secret=NO_SECRET)  # replaces "empty"
+    assert box.put(23, Slot.INPUT, 0, "poison again", 10, secret=NO_SECRET)
+    assert box.put(23, Slot.GRAD, 0, "real", 5, secret=SECRET)
+    assert box.put(23, Slot.GRAD, 0, "real, re-sent", 5, secret=SECRET)
+    assert box.usage() == (15, 2)
+    assert box.expect(23, SECRET) == 3
+    assert box.refused == 3
+    assert box.usage() == (5, 1)
+    assert box.take(23, Slot.GRAD, 0, time.monotonic() + PATIENT) == "real, re-sent"
+
+
 def test_a_waiting_take_wakes_only_for_its_secret() -> None:
     """A take waiting for its message ignores a stranger's copy and wakes on the real one."""
     box = Mailbox(1000, entry_overhead=0)
