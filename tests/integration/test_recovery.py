@@ -31,7 +31,7 @@ from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.models import weights
 from elasticpipe.v1 import coordinator_pb2, stage_pb2
 from elasticpipe.wire import codec
-from tests.integration.scenario import (
+from tests.support.scenario import (
     FAST,
     REFERENCE,
     STEPS,
@@ -222,7 +222,7 @@ def test_sigterm_moves_a_stage_off_before_it_exits(cluster: LocalCluster) -> Non
 SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from tests.integration.scenario import batch, pipeline
+from tests.support.scenario import batch, pipeline
 class C: coordinator = {address!r}
 with pipeline(C) as pipe:
     for step in range(pipe.step + 1, 11):

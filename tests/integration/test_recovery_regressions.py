@@ -22,9 +22,10 @@ import pytest
 
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import coordinator_pb2, stage_pb2
-from tests.integration.scenario import (
+from tests.support.scenario import (
     FAST,
     REFERENCE,
+    SCRIPT,
     Trainer,
     admin,
     arm,
@@ -32,7 +33,6 @@ from tests.integration.scenario import (
     history,
     pipeline,
 )
-from tests.integration.test_recovery import SCRIPT
 
 ROOT = str(Path(__file__).resolve().parents[2])
 STAGE_ARGS = ["--enable-fault-injection", "--commit-lease", "5"]
@@ -87,7 +87,7 @@ def _resume_and_check(cluster: LocalCluster, kill_first: bool = False) -> list[s
 LOAD_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from tests.integration.scenario import batch, pipeline
+from tests.support.scenario import batch, pipeline
 from elasticpipe.v1 import coordinator_pb2
 class C: coordinator = {address!r}
 pipe = pipeline(C)
