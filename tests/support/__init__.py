@@ -3,6 +3,7 @@
 - ``clusters``: the ``LocalCluster`` profiles (quiet, failing) the conftest serves as fixtures;
 - ``scenario``: one job, one batch per step, the failure-free reference computed once, the
   training loop with a hook before each step, and the job as a script a test can kill;
+- ``faults``: a declarative fault plan (``FaultPlan().at(step=5).pause(...).then_kill()``);
 - ``cli``: running ``elasticpipe`` (and ``elasticpipe admin``) as a user does;
 - ``custom_models``, ``custom_losses``: user code importable by path (``--allow-models``);
 - ``zb_models``: odd layers for the zero-bubble schedule;
