@@ -1,4 +1,5 @@
-"""Shared fixtures: real clusters of real processes on loopback, and in-process servers."""
+"""Shared fixtures: real clusters of real processes on loopback (the profiles of
+``tests/support/clusters.py``), and in-process servers."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
+from tests.support import clusters
 
 
 @pytest.fixture(scope="module")
 def cluster4() -> Iterator[LocalCluster]:
     """Four stage processes and a coordinator (auto-rebalance off: tests move layers)."""
-    with LocalCluster(
-        stages=4, coordinator_args=["--state", ":memory:", "--no-auto-rebalance"]
-    ) as cluster:
+    with clusters.quiet(4) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def failing4() -> Iterator[LocalCluster]:
+    """Three chain stages and a spare that accept injected faults, and a coordinator with
+    fast heartbeats (one per test module: a test that kills a stage revives it)."""
+    with clusters.failing(4) as cluster:
         yield cluster
 
 
@@ -48,17 +56,3 @@ def stage_servers(coordinator_server: CoordinatorServer) -> Iterator[list[StageS
     yield servers
     for server in servers:
         server.stop()
-
-
-def as_at_a_terminal(command: list[str]) -> list[str]:
-    """``python -m MODULE ARGS`` that a test will stop with Ctrl-C (SIGINT), run with SIGINT
-    handled as at a terminal: a suite started in the background of a non-interactive shell
-    runs with SIGINT ignored, children inherit that, and Python then installs no handler."""
-    python, flag, module, *args = command
-    assert flag == "-m", command
-    code = (
-        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        f"sys.argv[0] = {module!r}; runpy.run_module({module!r}, run_name='__main__', "
-        "alter_sys=True)"
-    )
-    return [python, "-c", code, *args]

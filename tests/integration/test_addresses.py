@@ -4,8 +4,6 @@ a stage's --coordinator, admin --coordinator -- before anything is dialled."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +12,7 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
+from tests.support import cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,21 +45,8 @@ def test_a_stage_refuses_a_coordinator_address_it_cannot_dial(
 def test_admin_refuses_a_coordinator_address_it_cannot_dial() -> None:
     """`elasticpipe admin --json --coordinator http://HOST:PORT status` exits 2 with the
     JSON error object naming the value and the form to use."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elasticpipe",
-            "admin",
-            "--json",
-            "--coordinator",
-            "http://127.0.0.1:7100",
-            "status",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    done = cli.elasticpipe(
+        "admin", "--json", "--coordinator", "http://127.0.0.1:7100", "status", timeout=60
     )
     assert done.returncode == 2, done.stderr
     error = json.loads(done.stdout)["error"]

@@ -19,7 +19,7 @@ import torch
 from elasticpipe.cli.schemas import COMMANDS, command_schema
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
-from tests.integration.conftest import as_at_a_terminal
+from tests.support import cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,23 +43,14 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def _admin(cluster: LocalCluster, *args: str, coordinator: str = "") -> Any:
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elasticpipe",
-            "admin",
-            "--json",
-            "--coordinator",
-            coordinator or cluster.coordinator,
-            "--timeout",
-            "60",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    run = cli.elasticpipe(
+        "admin",
+        "--json",
+        "--coordinator",
+        coordinator or cluster.coordinator,
+        "--timeout",
+        "60",
+        *args,
     )
     out = json.loads(run.stdout)
     assert run.returncode == (2 if "error" in out else 0), run.stdout + run.stderr
@@ -130,7 +121,7 @@ def test_every_admin_command_prints_json_that_matches_its_schema(
 
 def _watch(cluster: LocalCluster, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        as_at_a_terminal(
+        cli.as_at_a_terminal(
             [
                 sys.executable,
                 "-m",
@@ -196,13 +187,7 @@ def test_watch_rejects_a_bad_interval_naming_it(cluster: LocalCluster) -> None:
 )
 def test_usage_errors_are_json_with_json(args: list[str], named: str) -> None:
     """A malformed command line with --json is the error object (exit 2), naming the value."""
-    run = subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "admin", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    run = cli.elasticpipe("admin", *args, "--json", timeout=60)
     assert run.returncode == 2, run.stdout + run.stderr
     out = _check(args[0], json.loads(run.stdout))
     assert out["error"]["code"] == "INVALID_ARGUMENT" and named in out["error"]["message"]

@@ -4,10 +4,8 @@ of bytes a peer can send takes a stage down."""
 
 from __future__ import annotations
 
-import socket
 import struct
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,20 +14,21 @@ from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import StaleEpoch, TooLarge
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.partition import Placement
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from elasticpipe.wire import codec
-from tests.integration.test_metrics import scrape, value
+from tests.support import bulk_stage
+from tests.support.bulk_stage import EPOCH, connect_bulk, open_bulk
 from tests.support.numerics import reference_step
+from tests.support.prometheus import scrape, value
+
+stage = bulk_stage.stage  # the fixture: one in-process stage holding a job
 
 pytestmark = pytest.mark.timeout(120)
 
-EPOCH = 3
 BIG = 2 << 20  # bytes: over one chunk, so it goes over the bulk channel
 SECRET = bytes(range(16))  # the test's runs' secret (RunStepRequest.secret)
 
@@ -79,25 +78,6 @@ def models_build(kwargs: dict[str, list[int]]) -> torch.nn.Module:
 # ---- one in-process stage holding a job, spoken to directly ------------------------------
 
 
-@pytest.fixture
-def stage() -> Iterator[StageServer]:
-    """A stage server that owns layer 1 (a ReLU) of a 2-stage job at ``EPOCH`` (nobody
-    registers it: no coordinator is needed to take data)."""
-    config = StageConfig(name="bulk-test", max_tensor_bytes=64 << 20, mailbox_bytes=32 << 20)
-    with StageServer(config, "127.0.0.1:1") as server:
-        job = JobConfig(
-            model="mlp", model_kwargs={"sizes": [4, 4, 4]}, optimizer="sgd", optimizer_kwargs={}
-        )
-        placement = Placement(epoch=EPOCH, index=1, num_stages=2, lo=1, hi=2)
-        with rpc.channel(server.address) as chan:
-            reply = stage_pb2_grpc.StageServiceStub(chan).Assign(
-                stage_pb2.AssignRequest(job=job.to_proto(), assignment=placement.to_proto()),
-                timeout=30,
-            )
-        assert reply.num_layers == 1
-        yield server
-
-
 def _sender(server: StageServer) -> tuple[sending.Sender, stage_pb2_grpc.StageServiceStub]:
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(server.address))
     return sending.Sender(stub, server.address), stub
@@ -145,32 +125,20 @@ def test_a_refusal_is_grpcs_error_and_the_connection_goes_on(stage: StageServer)
     sender.close()
 
 
-def _open(stub: stage_pb2_grpc.StageServiceStub) -> tuple[int, bytes]:
-    reply = stub.OpenBulk(stage_pb2.OpenBulkRequest(), timeout=10)
-    assert reply.port
-    return reply.port, reply.token
-
-
-def _connect(port: int, token: bytes) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(bulk.MAGIC + token)
-    return sock
-
-
 def test_garbage_and_stolen_tokens_never_take_the_stage_down(stage: StageServer) -> None:
     """No token, a replayed token, an oversized header frame, a declared tensor over the
     limit, and a peer that vanishes after GO: each is refused or dropped, nothing leaks
     from the mailbox, and the next honest message arrives intact."""
     sender, stub = _sender(stage)
-    port, token = _open(stub)
+    port, token = open_bulk(stub)
 
-    sock = _connect(port, b"\0" * bulk.TOKEN_BYTES)  # a token never issued
+    sock = connect_bulk(port, b"\0" * bulk.TOKEN_BYTES)  # a token never issued
     assert sock.recv(1) == b""  # closed without OK
     sock.close()
 
-    sock = _connect(port, token)
+    sock = connect_bulk(port, token)
     assert sock.recv(1) == bulk.OK
-    again = _connect(port, token)  # the same token twice
+    again = connect_bulk(port, token)  # the same token twice
     assert again.recv(1) == b""
     again.close()
 
@@ -187,8 +155,8 @@ def test_garbage_and_stolen_tokens_never_take_the_stage_down(stage: StageServer)
     sock.sendall(b"\1" * 1000)  # then vanish mid-tensor
     sock.close()
 
-    port, token = _open(stub)
-    sock = _connect(port, token)
+    port, token = open_bulk(stub)
+    sock = connect_bulk(port, token)
     assert sock.recv(1) == bulk.OK
     sock.sendall(struct.pack("<I", bulk.MAX_HEADER_BYTES + 1))
     assert sock.recv(1) == b""  # dropped

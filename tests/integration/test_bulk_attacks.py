@@ -17,18 +17,21 @@ from elasticpipe.stage_server.server import StageServer
 from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from elasticpipe.wire import bundle, codec
-from tests.integration.test_bulk import EPOCH, _connect, _open, stage  # noqa: F401
+from tests.support import bulk_stage
+from tests.support.bulk_stage import EPOCH, connect_bulk, open_bulk
+
+stage = bulk_stage.stage  # the fixture: one in-process stage holding a job
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_meta_beside_structure_is_not_held_beyond_its_reservation(stage: StageServer) -> None:  # noqa: F811
+def test_meta_beside_structure_is_not_held_beyond_its_reservation(stage: StageServer) -> None:
     """A header with ``structure``+``parts`` declaring 4 bytes and ``meta`` declaring
     16 MiB: both ends read the structure (``bundle.declared``), so the 4 bytes reserved are
     the 4 bytes taken, and the mailbox limit (32 MiB) holds."""
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
-    port, token = _open(stub)
-    sock = _connect(port, token)
+    port, token = open_bulk(stub)
+    sock = connect_bulk(port, token)
     assert sock.recv(1) == bulk.OK
     big = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[4 << 20], nbytes=16 << 20)
     sock.settimeout(5)
@@ -49,11 +52,11 @@ def test_meta_beside_structure_is_not_held_beyond_its_reservation(stage: StageSe
     assert entries <= 1 and held < 1 << 20, (held, entries)  # one 4-byte tuple at most
 
 
-def test_unauthenticated_connections_are_bounded(stage: StageServer) -> None:  # noqa: F811
+def test_unauthenticated_connections_are_bounded(stage: StageServer) -> None:
     """Connections that never send a token count from accept: at most MAX_HANDSHAKES
     threads for 300 silent connections."""
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
-    port, _ = _open(stub)
+    port, _ = open_bulk(stub)
     before = threading.active_count()
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
     time.sleep(1.0)
@@ -63,7 +66,7 @@ def test_unauthenticated_connections_are_bounded(stage: StageServer) -> None:  #
     assert threads <= 16 + 1
 
 
-def test_a_foreign_caller_cannot_starve_the_token_table(stage: StageServer) -> None:  # noqa: F811
+def test_a_foreign_caller_cannot_starve_the_token_table(stage: StageServer) -> None:
     """A burst of OpenBulk calls gets at most 8 tokens per caller; a sender refused a
     token sends over gRPC instead of failing (``TooLarge``)."""
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
@@ -85,11 +88,11 @@ def test_a_foreign_caller_cannot_starve_the_token_table(stage: StageServer) -> N
         sender.close()
 
 
-def test_a_closed_listener_stops_serving_open_connections(stage: StageServer) -> None:  # noqa: F811
+def test_a_closed_listener_stops_serving_open_connections(stage: StageServer) -> None:
     """Closing the listener ends the connections opened before (no message admitted)."""
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
-    port, token = _open(stub)
-    sock = _connect(port, token)
+    port, token = open_bulk(stub)
+    sock = connect_bulk(port, token)
     assert sock.recv(1) == bulk.OK
     servicer_bulk = stage._servicer.bulk if stage._servicer is not None else None
     assert servicer_bulk is not None
@@ -164,7 +167,7 @@ def test_a_bundle_is_received_without_extra_copies() -> None:
     assert peak < declared // 2, f"{peak} bytes of Python buffers for {declared} declared"
 
 
-def test_an_unreachable_bulk_port_falls_back_to_grpc(stage: StageServer) -> None:  # noqa: F811
+def test_an_unreachable_bulk_port_falls_back_to_grpc(stage: StageServer) -> None:
     """OpenBulk names a port the sender cannot reach (a firewall, a port-forward or NAT
     that maps only the gRPC port; here: the listener is gone): the message must still go
     over gRPC, which works, rather than fail the run with StageUnavailable."""
@@ -178,7 +181,7 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc(stage: StageServer) -> None
 
 
 def test_a_message_must_arrive_within_the_read_timeout(
-    stage: StageServer,  # noqa: F811
+    stage: StageServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """docs/security.md: 'a message's header and bytes must arrive within 30 s' -- one
@@ -188,8 +191,8 @@ def test_a_message_must_arrive_within_the_read_timeout(
 
     monkeypatch.setattr(listener, "READ_TIMEOUT_S", 1.0)
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
-    port, token = _open(stub)
-    sock = _connect(port, token)
+    port, token = open_bulk(stub)
+    sock = connect_bulk(port, token)
     assert sock.recv(1) == bulk.OK
     payload = torch.rand((2 << 20) // 4)
     head = stage_pb2.DataHeader(epoch=EPOCH, run=6, step=0, micro_batch=0)

@@ -27,7 +27,7 @@ from elasticpipe.v1 import (
     tensor_pb2,
 )
 from elasticpipe.wire import codec, layer_state
-from tests.integration.scenario import FAST, STEPS, Trainer, batch, check, history, pipeline
+from tests.support.scenario import FAST, STEPS, Trainer, batch, check, history, pipeline
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -28,7 +28,7 @@ from tests.support.numerics import assert_losses_close, reference_step
 
 MLP = {"sizes": [6, 12, 12, 3]}
 ADAM = {"lr": 1e-2}
-NO_RESET = "tests.integration.custom_models:no_reset"
+NO_RESET = "tests.support.custom_models:no_reset"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def cluster() -> Iterator[LocalCluster]:
     """Three stages allowing the tests' factories; rebalancing only on request."""
     with LocalCluster(
         stages=3,
-        stage_args=["--allow-models", "tests.integration"],
+        stage_args=["--allow-models", "tests.support"],
         coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"],
     ) as c:
         yield c

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
+from tests.support import cli
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _admin(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "admin", "--coordinator", cluster.coordinator, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_admin_commands_inspect_and_move_a_running_job(cluster4: LocalCluster) -> None:
@@ -37,46 +26,46 @@ def test_admin_commands_inspect_and_move_a_running_job(cluster4: LocalCluster) -
         stages=3,
     ) as pipe:
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
-        status = _admin(cluster4, "status")
+        status = cli.admin(cluster4, "status")
         assert status.returncode == 0, status.stderr
         for name in ("stage-0", "stage-1", "stage-2", "stage-3"):
             assert name in status.stdout
         assert "model: mlp" in status.stdout and "epoch history" in status.stdout
 
-        plan = _admin(cluster4, "plan")
+        plan = cli.admin(cluster4, "plan")
         assert plan.returncode == 0, plan.stderr
         assert "predicted step" in plan.stdout and "optimal" in plan.stdout
         epoch = pipe.partition.epoch
-        dry = _admin(cluster4, "rebalance", "--dry-run")
+        dry = cli.admin(cluster4, "rebalance", "--dry-run")
         assert dry.returncode == 0 and dry.stdout.startswith("dry run: would move to 0:")
         assert cluster4.status().partition.epoch == epoch  # a dry run moves nothing
 
-        moved = _admin(cluster4, "set-partition", "0:1,1:2,2:7")
+        moved = cli.admin(cluster4, "set-partition", "0:1,1:2,2:7")
         assert moved.returncode == 0, moved.stderr
         assert moved.stdout.startswith("moved") and "0:1,1:2,2:7" in moved.stdout
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
         assert pipe.partition.epoch == epoch + 1
         assert pipe.partition.boundaries == (0, 1, 2, 7)
 
-        victim = _admin(cluster4, "--json", "status")
+        victim = cli.admin(cluster4, "--json", "status")
         stages = json.loads(victim.stdout)["stages"]
         middle = next(s["name"] for s in stages if s.get("index", -1) == 1)
-        drained = _admin(cluster4, "drain", middle)
+        drained = cli.admin(cluster4, "drain", middle)
         assert drained.returncode == 0 and drained.stdout.startswith("moved"), drained.stderr
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
         assert len(pipe.partition.addresses) == 2
-        back = _admin(cluster4, "undrain", middle)
+        back = cli.admin(cluster4, "undrain", middle)
         assert back.returncode == 0 and back.stdout.startswith("moved"), back.stderr
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
         assert len(pipe.partition.addresses) == 3
 
-        slow = _admin(cluster4, "slowdown", middle, "2.5")
+        slow = cli.admin(cluster4, "slowdown", middle, "2.5")
         assert slow.returncode == 0 and "2.5" in slow.stdout
-        history = _admin(cluster4, "status").stdout
+        history = cli.admin(cluster4, "status").stdout
         assert "admin set-partition" in history and f"drain {middle}" in history
 
-        bad = _admin(cluster4, "set-partition", "0:3,4:7")
+        bad = cli.admin(cluster4, "set-partition", "0:3,4:7")
         assert bad.returncode == 2 and "'4:7'" in bad.stderr
-        wrong = _admin(cluster4, "set-partition", "0:3,3:9")
+        wrong = cli.admin(cluster4, "set-partition", "0:3,3:9")
         assert wrong.returncode == 2 and "[0, 3, 9]" in wrong.stderr
-        _admin(cluster4, "slowdown", middle, "1")
+        cli.admin(cluster4, "slowdown", middle, "1")

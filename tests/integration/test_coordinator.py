@@ -22,18 +22,18 @@ from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
-CUSTOM = "tests.integration.custom_models:tiny"
+CUSTOM = "tests.support.custom_models:tiny"
 
 
 @pytest.fixture
 def cluster() -> Iterator[tuple[CoordinatorServer, list[StageServer]]]:
-    """A coordinator and two stages that allow models under ``tests.integration``."""
+    """A coordinator and two stages that allow models under ``tests.support``."""
     with CoordinatorServer(
         CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
     ) as c:
         stages = [
             StageServer(
-                StageConfig(name=f"s{i}", allow_models=("tests.integration",)), c.address
+                StageConfig(name=f"s{i}", allow_models=("tests.support",)), c.address
             ).start()
             for i in range(2)
         ]
@@ -49,7 +49,7 @@ def test_user_factory_under_an_allowed_prefix_trains_exactly(
 ) -> None:
     """A factory given by import path, allowed by --allow-models, trains like local code."""
     coordinator, _ = cluster
-    reference = models.build(CUSTOM, seed=2, allow=("tests.integration",), width=8)
+    reference = models.build(CUSTOM, seed=2, allow=("tests.support",), width=8)
     optimizer = make_optimizer("adamw", reference.parameters(), {"lr": 0.01})
     g = torch.Generator().manual_seed(0)
     with Pipeline(

@@ -13,7 +13,7 @@ import pytest
 
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import coordinator_pb2
-from tests.integration.scenario import (
+from tests.support.scenario import (
     FAST,
     STEPS,
     Trainer,

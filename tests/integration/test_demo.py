@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import as_at_a_terminal
+from tests.support.cli import as_at_a_terminal
 
 DEMO = [
     sys.executable,

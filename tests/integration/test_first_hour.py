@@ -31,12 +31,13 @@ from elasticpipe.errors import (
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support import cli
 from tests.support.numerics import reference_step, stage_threads
 
 pytestmark = pytest.mark.timeout(240)
 
-ALLOWED = "tests.integration"
-NORMED = "tests.integration.custom_models:normed"
+ALLOWED = "tests.support"
+NORMED = "tests.support.custom_models:normed"
 MLP = {"sizes": [8, 16, 16, 4]}
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,17 +51,6 @@ def cluster() -> Iterator[LocalCluster]:
         coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"],
     ) as c:
         yield c
-
-
-def admin(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    """Runs ``elasticpipe admin ARGS --coordinator ADDRESS`` (options after the command)."""
-    return subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "admin", *args, "--coordinator", cluster.coordinator],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 # ---- bugs ----------------------------------------------------------------------------------
@@ -371,13 +361,13 @@ def test_admin_json_is_for_scripts(cluster: LocalCluster) -> None:
     against a schema; an error is JSON too, with exit code 2."""
     with Pipeline(coordinator=cluster.coordinator, model="mlp", model_kwargs=MLP) as pipe:
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
-        result = admin(cluster, "status", "--json")
+        result = cli.admin(cluster, "status", "--json", after=True)
         assert result.returncode == 0, result.stderr
         status = json.loads(result.stdout)
         jsonschema.validate(status, STATUS_SCHEMA)
         assert status["partition"]["epoch"] >= 1 and isinstance(status["committed_step"], int)
         assert all("slowdown" in s and "speed" in s for s in status["stages"])
-        error = admin(cluster, "drain", "nobody", "--json")
+        error = cli.admin(cluster, "drain", "nobody", "--json", after=True)
         assert error.returncode == 2
         jsonschema.validate(json.loads(error.stdout), ERROR_SCHEMA)
         assert "unknown stage 'nobody'" in json.loads(error.stdout)["error"]["message"]
@@ -385,23 +375,10 @@ def test_admin_json_is_for_scripts(cluster: LocalCluster) -> None:
 
 def test_admin_options_go_before_or_after_the_command(cluster: LocalCluster) -> None:
     """--coordinator and --json work before and after the subcommand alike."""
-    before = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elasticpipe",
-            "admin",
-            "--coordinator",
-            cluster.coordinator,
-            "--json",
-            "status",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    before = cli.elasticpipe(
+        "admin", "--coordinator", cluster.coordinator, "--json", "status", timeout=60, check=True
     )
-    after = admin(cluster, "status", "--json")
+    after = cli.admin(cluster, "status", "--json", after=True)
     assert json.loads(before.stdout)["num_layers"] == json.loads(after.stdout)["num_layers"]
 
 
@@ -411,13 +388,13 @@ def test_dry_run_shows_the_target_and_moves_nothing(cluster: LocalCluster) -> No
     with Pipeline(coordinator=cluster.coordinator, model="mlp", model_kwargs=MLP, stages=3) as pipe:
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
         epoch = pipe.partition.epoch
-        assert admin(cluster, "set-partition", "0:1,1:2,2:5").returncode == 0
-        dry = admin(cluster, "rebalance", "--dry-run")
+        assert cli.admin(cluster, "set-partition", "0:1,1:2,2:5", after=True).returncode == 0
+        dry = cli.admin(cluster, "rebalance", "--dry-run", after=True)
         assert dry.returncode == 0, dry.stderr
         assert dry.stdout.startswith("dry run: would move to 0:") and "bytes to move" in dry.stdout
         assert "gain" in dry.stdout
         assert cluster.status().partition.epoch == epoch + 1  # the set-partition only
-        plan = admin(cluster, "plan")
+        plan = cli.admin(cluster, "plan", after=True)
         names = [s.name for s in cluster.status().stages if s.state == "chain"]
         assert all(name in plan.stdout for name in names)
 
@@ -431,8 +408,15 @@ def test_set_partition_with_a_stage_twice_is_refused_and_loses_nothing(
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
         before = pipe.partition
         names = [cluster.name_of(a) for a in before.addresses]
-        bad = admin(
-            cluster, "set-partition", "0:1,1:3,3:5", "--stages", names[0], names[0], names[1]
+        bad = cli.admin(
+            cluster,
+            "set-partition",
+            "0:1,1:3,3:5",
+            "--stages",
+            names[0],
+            names[0],
+            names[1],
+            after=True,
         )
         assert bad.returncode == 2 and f"stage {names[0]!r} is listed twice" in bad.stderr
         assert cluster.status().partition.epoch == before.epoch
@@ -451,7 +435,7 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
         status = cluster.status()
         assert status.factory_file.endswith("elasticpipe/models/zoo.py")  # where mlp is defined
         assert len(status.factory_sha256) == 64
-        shown = admin(cluster, "status")
+        shown = cli.admin(cluster, "status", after=True)
         assert status.factory_file in shown.stdout and status.factory_sha256[:12] in shown.stdout
         # A move whose transfer fails its checksum: abandoned, and recorded as such.
         lo, mid, hi = pipe.partition.boundaries
@@ -461,7 +445,7 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
             stage_pb2_grpc.StageServiceStub(channel).InjectFault(
                 stage_pb2.FaultRequest(fault=stage_pb2.CORRUPT_NEXT_IMPORT), timeout=10
             )
-        failed = admin(cluster, "set-partition", f"{lo}:{target},{target}:{hi}")
+        failed = cli.admin(cluster, "set-partition", f"{lo}:{target},{target}:{hi}", after=True)
         checksum = "CRC-32" in failed.stderr or "SHA-256 mismatch" in failed.stderr
         assert failed.returncode != 0 and checksum, failed.stderr
         abandoned = cluster.status().history[-1]
@@ -475,20 +459,23 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
             time.sleep(0.2)
         log = (cluster.log_dir / "coordinator.log").read_text()
         assert "stage_declared_dead" in log and spare in log
-        bad = admin(
+        bad = cli.admin(
             cluster,
             "set-partition",
             "0:2,2:5",
             "--stages",
             spare,
             cluster.name_of(pipe.partition.addresses[0]),
+            after=True,
         )
         assert bad.returncode == 2 and "is not alive" in bad.stderr
-        forgot = admin(cluster, "forget", spare)
+        forgot = cli.admin(cluster, "forget", spare, after=True)
         assert forgot.returncode == 0 and spare in forgot.stdout
         assert spare not in [s.name for s in cluster.status().stages]
-        mine = json.loads(admin(cluster, "status", "--json").stdout)["history"]
-        every = json.loads(admin(cluster, "status", "--json", "--all").stdout)["history"]
+        mine = json.loads(cli.admin(cluster, "status", "--json", after=True).stdout)["history"]
+        every = json.loads(cli.admin(cluster, "status", "--json", "--all", after=True).stdout)[
+            "history"
+        ]
         assert {r["job_id"] for r in mine} == {pipe.partition.job_id}
         assert len(every) > len(mine)
         assert "abandoned" in [r["kind"] for r in mine]
@@ -516,21 +503,9 @@ def test_help_explains_every_option_and_the_log_level_is_checked() -> None:
     for p in walk(parser):
         for action in p._actions:  # type: ignore[attr-defined]
             assert action.help, f"{p.prog}: {action.dest} has no help"  # type: ignore[attr-defined]
-    text = subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "coordinator", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    text = cli.elasticpipe("coordinator", "--help", timeout=60, check=True).stdout
     assert "(default: 0.1)" in text and "(default: 127.0.0.1:7100)" in text
-    bad = subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "--log-level", "loud", "admin", "status"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    bad = cli.elasticpipe("--log-level", "loud", "admin", "status", timeout=60)
     assert bad.returncode == 2 and "loud" in bad.stderr
 
 

@@ -20,9 +20,8 @@ from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
-from tests.fp16_reference import Fp16Reference
-
-from .scenario import arm
+from tests.support.fp16_reference import Fp16Reference
+from tests.support.scenario import arm
 
 KWARGS = {"sizes": [12, 24, 24, 24, 6]}  # 7 layers
 ADAM = {"lr": 2e-2}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -15,6 +13,7 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
+from tests.support import cli
 from tests.support.numerics import reference_step
 
 # Layers: Linear(64, 256) 66.5 kB, ReLU, Linear(256, 256) 263 kB, ReLU, Linear(256, 256),
@@ -35,16 +34,6 @@ def capped() -> Iterator[LocalCluster]:
         per_stage_args=[["--memory", cap] for cap in CAPS],
     ) as cluster:
         yield cluster
-
-
-def _admin(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "admin", *args, "--coordinator", cluster.coordinator],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.mark.timeout(180)
@@ -82,13 +71,13 @@ def test_small_caps_force_an_uneven_partition_and_training_stays_exact(
                 assert held and (held <= {0, 1} or held <= {5, 6}), before.boundaries
                 assert not held & {2, 4}, (names, before.boundaries)
                 epoch = capped.status().partition.epoch
-                refused = _admin(
-                    capped, "set-partition", "0:4,4:7", "--stages", "stage-0", "stage-1"
+                refused = cli.admin(
+                    capped, "set-partition", "0:4,4:7", "--stages", "stage-0", "stage-1", after=True
                 )
                 assert refused.returncode == 2, refused.stderr
                 assert "stage 'stage-0' would hold layers 0..3" in refused.stderr
                 assert "short by" in refused.stderr and "offers 409600 B" in refused.stderr
-                drained = _admin(capped, "drain", "stage-1")
+                drained = cli.admin(capped, "drain", "stage-1", after=True)
                 assert drained.returncode == 2, drained.stderr
                 assert "need" in drained.stderr and "stage_memory" in drained.stderr
                 status = capped.status()
@@ -99,10 +88,10 @@ def test_small_caps_force_an_uneven_partition_and_training_stays_exact(
                 }
                 assert {s.state for s in status.stages} == {"chain"}
                 # A 4x slower stage-1 would hand layers to stage-0, but they do not fit.
-                assert _admin(capped, "slowdown", "stage-1", "4").returncode == 0
+                assert cli.admin(capped, "slowdown", "stage-1", "4", after=True).returncode == 0
             if step == 2:
                 time.sleep(1.5)  # a heartbeat with stage-1's slow timings
-                moved = _admin(capped, "rebalance")
+                moved = cli.admin(capped, "rebalance", after=True)
                 assert moved.returncode == 0, moved.stderr
                 assert capped.status().partition.epoch == epoch
                 assert pipe.partition == before
@@ -134,12 +123,6 @@ def test_a_model_too_big_for_every_stage_fails_clearly_at_setup(capped: LocalClu
 @pytest.mark.timeout(60)
 def test_a_bad_memory_flag_is_refused_naming_it() -> None:
     """``elasticpipe stage --memory 12Q`` exits 2 quoting the bad value."""
-    done = subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "stage", "--coordinator", "127.0.0.1:1", *BAD],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = cli.elasticpipe("stage", "--coordinator", "127.0.0.1:1", *BAD, timeout=60)
     assert done.returncode == 2
     assert "invalid memory size '12Q'" in done.stderr

@@ -3,44 +3,22 @@
 from __future__ import annotations
 
 import re
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.support.prometheus import scrape, value
 
 STAGES = 3
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 MLP = {"sizes": [12, 24, 24, 24, 24, 24, 6]}
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    """Every sample of one endpoint, parsed as Prometheus parses it."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        assert reply.status == 200
-        assert reply.headers["Content-Type"].startswith("text/plain")
-        text = reply.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    key = (name, frozenset(labels.items()))
-    assert key in samples, f"no sample {name}{labels}; have {sorted(n for n, _ in samples)}"
-    return samples[key]
 
 
 @pytest.fixture(scope="module")

@@ -208,7 +208,7 @@ def test_training_across_namespaced_hosts_with_a_live_migration(
             "exec",
             ns,
             sys.executable,
-            str(HERE / "multihost_client.py"),
+            str(HERE.parent / "support" / "multihost_client.py"),
             coordinator,
             str(certs),
         ],

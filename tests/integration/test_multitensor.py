@@ -21,10 +21,10 @@ from elasticpipe.stage_server.server import StageServer
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import bundle, codec, compress, structure
-from tests.integration.scenario import FAST
 from tests.support.numerics import reference_step, stage_threads
+from tests.support.scenario import FAST
 
-ALLOWED = "tests.integration.custom_models"
+ALLOWED = "tests.support.custom_models"
 MASKED = f"{ALLOWED}:masked"  # 6 layers: embedding, (attention, mlp) x 2, head
 SGD = {"lr": 0.1, "momentum": 0.9}
 STEPS = 4

@@ -17,7 +17,8 @@ import pytest
 from elasticpipe.cli.schemas import command_schema
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import coordinator_pb2
-from tests.integration.scenario import batch, pipeline
+from tests.support import cli
+from tests.support.scenario import batch, pipeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,17 +40,6 @@ def cluster() -> Iterator[LocalCluster]:
         ],
     ) as c:
         yield c
-
-
-def admin(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    """Runs ``elasticpipe admin ARGS --coordinator ADDRESS``."""
-    return subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "admin", *args, "--coordinator", cluster.coordinator],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def incarnations(cluster: LocalCluster, name: str) -> list[coordinator_pb2.StageInfo]:
@@ -130,11 +120,11 @@ def test_forget_by_name_removes_its_dead_incarnations_and_keeps_the_live_one(
     dead = [s.stage_id for s in before if s.state == "dead"]
     live = [s.stage_id for s in before if s.alive]
     assert dead and len(live) == 1, before
-    forgot = admin(cluster, "forget", name)
+    forgot = cli.admin(cluster, "forget", name, after=True)
     assert forgot.returncode == 0, forgot.stderr
     assert all(sid in forgot.stdout for sid in dead), forgot.stdout
     assert [s.stage_id for s in incarnations(cluster, name)] == live
-    again = admin(cluster, "forget", name)
+    again = cli.admin(cluster, "forget", name, after=True)
     assert again.returncode == 2 and "alive" in again.stderr and live[0] in again.stderr
 
 
@@ -155,13 +145,13 @@ def test_a_stage_that_left_on_sigterm_is_left_not_dead(cluster: LocalCluster) ->
     while {incarnations(cluster, n)[-1].state for n in (chain_stage, spare)} != {"left"}:
         assert time.monotonic() < deadline, cluster.status()
         time.sleep(0.2)
-    shown = admin(cluster, "status", "--json")
+    shown = cli.admin(cluster, "status", "--json", after=True)
     assert shown.returncode == 0, shown.stderr
     answer = json.loads(shown.stdout)
     jsonschema.validate(answer, command_schema("status"))
     newest = {s["name"]: s for s in sorted(answer["stages"], key=lambda s: s["incarnation"])}
     assert newest[chain_stage]["state"] == newest[spare]["state"] == "left", newest
-    table = admin(cluster, "status").stdout.splitlines()
+    table = cli.admin(cluster, "status", after=True).stdout.splitlines()
     gone_at = next(i for i, line in enumerate(table) if line.startswith("gone"))
     gone_rows = [line for line in table[gone_at + 2 :] if line.strip()]
     assert any(line.startswith(chain_stage) and " left " in line for line in gone_rows)
@@ -180,7 +170,7 @@ def test_status_shows_ids_a_dash_for_unmeasured_speed_and_one_step(cluster: Loca
         while (status := cluster.status()).committed_step != 3:  # the next heartbeats
             assert time.monotonic() < deadline, status
             time.sleep(0.1)
-        table = admin(cluster, "status").stdout.splitlines()
+        table = cli.admin(cluster, "status", after=True).stdout.splitlines()
     assert "step: 3" in table[0]
     for st in status.stages:
         row = next(line for line in table if st.stage_id in line)

@@ -9,17 +9,11 @@ losses and the same final weights, with no exception reaching the training loop.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -29,38 +23,30 @@ from elasticpipe.client.checkpoints import V1_FORMAT as CHECKPOINT_FORMAT
 from elasticpipe.errors import InvalidRequest, JobInUse
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.models import weights
-from elasticpipe.v1 import coordinator_pb2, stage_pb2
+from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import codec
-from tests.integration.scenario import (
-    FAST,
+from tests.support.clusters import revive
+from tests.support.faults import FaultPlan
+from tests.support.scenario import (
     REFERENCE,
     STEPS,
     Trainer,
-    admin,
     arm,
     batch,
     check,
     history,
+    kill_script_at,
     pipeline,
+    script,
     stage,
+    train_and_check,
 )
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def cluster(failing4: LocalCluster) -> LocalCluster:
     """Three chain stages and a spare that accept injected faults; a state file."""
-    with LocalCluster(
-        stages=4,
-        stage_args=["--enable-fault-injection", "--commit-lease", "5"],
-        coordinator_args=FAST,
-        log_dir=os.environ.get("ELASTICPIPE_TEST_LOGS"),  # keep the processes' logs
-    ) as c:
-        yield c
-
-
-def _revive(cluster: LocalCluster, name: str) -> None:
-    """Brings a killed stage back under its name (a new incarnation, then a spare)."""
-    cluster.add_stage(name, ["--enable-fault-injection", "--commit-lease", "5"])
+    return failing4
 
 
 # ---- a stage killed at each point of the step protocol -----------------------------------
@@ -86,30 +72,14 @@ def test_zero_bubble_training_survives_a_stage_killed_mid_step(cluster: LocalClu
 
 
 def _kill_a_stage_at(cluster: LocalCluster, point: str, **options: object) -> None:
+    plan = FaultPlan().at(step=5).pause(stage=1, point=point).then_kill()
     with pipeline(cluster, **options) as pipe:
-        kill_at = 5
-        victim: list[str] = []
-
-        def before(step: int) -> None:
-            if step == kill_at:
-                address = pipe.partition.addresses[1]
-                victim.append(cluster.name_of(address))
-                arm(address, stage_pb2.PAUSE_AT, point)
-                threading.Thread(target=_kill_when_paused, args=(cluster, victim[0])).start()
-
-        trainer = Trainer(pipe, before).start()
-        state = trainer.finish()
-        check(trainer.losses, state)
+        train_and_check(pipe, plan.hook(cluster, pipe))
         records = history(cluster)
-        assert records[-1].kind == "recovery" and victim[0] in records[-1].reason
+        assert records[-1].kind == "recovery" and plan.killed[0] in records[-1].reason
         stages = {s.name: s for s in cluster.status().stages if s.state == "dead"}
-        assert victim[0] in stages
-    _revive(cluster, victim[0])
-
-
-def _kill_when_paused(cluster: LocalCluster, name: str) -> None:
-    cluster.wait_for_log(name, "paused_at", timeout=60)
-    cluster.kill(name)
+        assert plan.killed[0] in stages
+    revive(cluster, *plan.killed)
 
 
 @pytest.mark.timeout(180)
@@ -118,49 +88,20 @@ def test_a_stage_killed_during_a_migration_loses_nothing(cluster: LocalCluster, 
     """A stage receiving layers SIGKILLed while it prepares (before the commit point) or
     while it installs (after it): the move is abandoned or finished, the dead stage is
     recovered from snapshots, and the results stay exact."""
+    # The move is abandoned before its commit point, as expected for "prepare".
+    plan = FaultPlan().at(step=5).pause("receiver", point).move_a_layer_to(1).then_kill()
     with pipeline(cluster) as pipe:
-        victim: list[str] = []
-
-        def before(step: int) -> None:
-            if step != 5:
-                return
-            part = pipe.partition
-            receiver = part.addresses[1]
-            victim.append(cluster.name_of(receiver))
-            arm(receiver, stage_pb2.PAUSE_AT, point)
-            target = list(part.boundaries)
-            if target[3] - target[2] > 1:
-                target[2] += 1  # the receiver takes a layer from the last stage
-            else:
-                target[1] -= 1  # ... or from the first
-            request = coordinator_pb2.SetPartitionRequest(boundaries=target)
-
-            def move() -> None:
-                # Abandoned before its commit point, as expected for "prepare".
-                with contextlib.suppress(grpc.RpcError):
-                    admin(cluster).SetPartition(request, timeout=120)
-
-            threading.Thread(target=move, daemon=True).start()
-            _kill_when_paused(cluster, victim[0])
-
-        trainer = Trainer(pipe, before).start()
-        state = trainer.finish()
-        check(trainer.losses, state)
+        train_and_check(pipe, plan.hook(cluster, pipe))
         assert history(cluster)[-1].kind == "recovery"
-    _revive(cluster, victim[0])
+    revive(cluster, *plan.killed)
 
 
 def test_a_lost_commit_is_settled_by_the_next_run(cluster: LocalCluster) -> None:
     """Every CommitStep of one run lost on one stage: that stage learns the decision from
     the next RunStep, and results stay exact (no recovery needed)."""
+    plan = FaultPlan().at(step=4).drop_commit(stage=2)
     with pipeline(cluster) as pipe:
-
-        def before(step: int) -> None:
-            if step == 4:
-                arm(pipe.partition.addresses[2], stage_pb2.DROP_NEXT_COMMIT)
-
-        trainer = Trainer(pipe, before).start()
-        check(trainer.losses, trainer.finish())
+        train_and_check(pipe, plan.hook(cluster, pipe))
         assert [r.kind for r in history(cluster)] == ["start"]  # no recovery, no move
 
 
@@ -171,18 +112,10 @@ def test_a_restarted_stage_is_a_new_incarnation_and_replaces_its_old_self(
     the old incarnation is declared dead, the new one is alive (it replaces the old one in
     the chain if it registered before the recovery, else it waits as a spare), and the
     coordinator never confuses the two."""
+    plan = FaultPlan().at(step=4).kill(stage=3).revive()
     with pipeline(cluster, stages=4) as pipe:
-        name = ""
-
-        def before(step: int) -> None:
-            nonlocal name
-            if step == 4:
-                name = cluster.name_of(pipe.partition.addresses[3])
-                cluster.kill(name)
-                _revive(cluster, name)
-
-        trainer = Trainer(pipe, before).start()
-        check(trainer.losses, trainer.finish())
+        train_and_check(pipe, plan.hook(cluster, pipe))
+        name = plan.killed[0]
         same_name = sorted(
             (s for s in cluster.status().stages if s.name == name), key=lambda s: s.incarnation
         )
@@ -195,21 +128,14 @@ def test_a_restarted_stage_is_a_new_incarnation_and_replaces_its_old_self(
 def test_sigterm_moves_a_stage_off_before_it_exits(cluster: LocalCluster) -> None:
     """SIGTERM on a chain stage: its layers move to the others at the next cut and then it
     exits 0; nothing is rolled back and results stay exact."""
+    plan = FaultPlan().at(step=4).terminate(stage=1)
     with pipeline(cluster) as pipe:
-        name = ""
-
-        def before(step: int) -> None:
-            nonlocal name
-            if step == 4:
-                name = cluster.name_of(pipe.partition.addresses[1])
-                threading.Thread(target=lambda: cluster.terminate(name), daemon=True).start()
-
-        trainer = Trainer(pipe, before).start()
-        check(trainer.losses, trainer.finish())
+        train_and_check(pipe, plan.hook(cluster, pipe))
+        name = plan.killed[0]
         assert cluster.procs[name].wait(30) == 0
         leaving = [r for r in history(cluster) if "leaving" in r.reason]
         assert leaving and leaving[-1].kind == "move"
-    _revive(cluster, name)
+    revive(cluster, name)
     # a process's own leave is not an operator's drain: its restart is usable again
     newest = max(
         (s for s in cluster.status().stages if s.name == name), key=lambda s: s.incarnation
@@ -218,16 +144,6 @@ def test_sigterm_moves_a_stage_off_before_it_exits(cluster: LocalCluster) -> Non
 
 
 # ---- the training script killed ----------------------------------------------------------
-
-SCRIPT = """
-import sys
-sys.path.insert(0, {root!r})
-from tests.integration.scenario import batch, pipeline
-class C: coordinator = {address!r}
-with pipeline(C) as pipe:
-    for step in range(pipe.step + 1, 11):
-        pipe.train_step(*batch(step))
-"""
 
 
 @pytest.mark.timeout(180)
@@ -245,31 +161,8 @@ def test_a_killed_training_script_resumes_as_if_it_never_died(
         # The next job's chain: the first three live stages; one of them loses its commit.
         chain = [s for s in status.stages if s.alive and s.state != "drained"][:3]
         arm(chain[1].address, stage_pb2.DROP_NEXT_COMMIT)
-    log = tmp_path / "script.log"
     env = {**os.environ, "ELASTICPIPE_TEST_PAUSE": f"{where}:{pause}"}
-    with log.open("wb") as out:
-        script = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SCRIPT.format(
-                    root=str(Path(__file__).resolve().parents[2]), address=cluster.coordinator
-                ),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while "paused_at" not in log.read_text(errors="replace"):
-            assert script.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        script.kill()
-        script.wait(10)
-    finally:
-        script.kill()
+    kill_script_at(script(cluster), tmp_path / "script.log", env, "paused_at")
     with pipeline(cluster, resume=True) as pipe:
         assert pipe.step == (pause - 1 if where == "before_commit" else pause)
         trainer = Trainer(pipe).start()
@@ -299,30 +192,8 @@ def test_an_undecided_run_ends_by_the_commit_lease(cluster: LocalCluster, tmp_pa
     """A script killed between RunStep and CommitStep, with no successor: once its lease
     and the stages' commit lease run out, the coordinator settles the run (abort) and no
     stage stays AWAITING_COMMIT."""
-    log = tmp_path / "script.log"
     env = {**os.environ, "ELASTICPIPE_TEST_PAUSE": "before_commit:2"}
-    with log.open("wb") as out:
-        script = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SCRIPT.format(
-                    root=str(Path(__file__).resolve().parents[2]), address=cluster.coordinator
-                ),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while "paused_at" not in log.read_text(errors="replace"):
-            assert script.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-    finally:
-        script.kill()
-        script.wait(10)
+    kill_script_at(script(cluster), tmp_path / "script.log", env, "paused_at")
     chain = [s.address for s in cluster.status().stages if s.state == "chain"]
     phases = [stage(a).GetStats(stage_pb2.StatsRequest(), timeout=5).state.phase for a in chain]
     assert phases == ["awaiting_commit"] * len(chain)

@@ -8,63 +8,33 @@ requires its losses and final weights.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import coordinator_pb2, stage_pb2
-from tests.integration.scenario import (
-    FAST,
+from elasticpipe.v1 import coordinator_pb2
+from tests.support.clusters import revive
+from tests.support.faults import FaultPlan
+from tests.support.scenario import (
     REFERENCE,
     Trainer,
     admin,
-    arm,
     check,
     history,
+    kill_script_at,
     pipeline,
+    script,
+    train_and_check,
 )
-from tests.integration.test_recovery import SCRIPT
-
-ROOT = str(Path(__file__).resolve().parents[2])
-STAGE_ARGS = ["--enable-fault-injection", "--commit-lease", "5"]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def cluster(failing4: LocalCluster) -> LocalCluster:
     """Three chain stages and a spare that accept injected faults."""
-    with LocalCluster(stages=4, stage_args=STAGE_ARGS, coordinator_args=FAST) as c:
-        yield c
-
-
-def _revive(cluster: LocalCluster, *names: str) -> None:
-    for name in names:
-        cluster.add_stage(name, STAGE_ARGS)
-
-
-def _run_script(script: str, log: Path, env: dict[str, str], until: str) -> None:
-    """Runs a training script until ``until`` appears in its output, then SIGKILLs it."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while until not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-    finally:
-        proc.kill()
-        proc.wait(10)
+    return failing4
 
 
 def _resume_and_check(cluster: LocalCluster, kill_first: bool = False) -> list[str]:
@@ -87,7 +57,7 @@ def _resume_and_check(cluster: LocalCluster, kill_first: bool = False) -> list[s
 LOAD_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from tests.integration.scenario import batch, pipeline
+from tests.support.scenario import batch, pipeline
 from elasticpipe.v1 import coordinator_pb2
 class C: coordinator = {address!r}
 pipe = pipeline(C)
@@ -112,8 +82,7 @@ def test_a_script_killed_mid_load_blocks_neither_recovery_nor_its_resume(
     chain stage SIGKILLed: once the script's lease runs out the load is abandoned and
     recovered from (not after the 10-minute load lease); the resumed script trains on
     exactly."""
-    script = LOAD_SCRIPT.format(root=ROOT, address=cluster.coordinator)
-    _run_script(script, tmp_path / "script.log", dict(os.environ), "load_begun")
+    kill_script_at(script(cluster, LOAD_SCRIPT), tmp_path / "script.log", os.environ, "load_begun")
     victim = cluster.name_of(
         next(s.address for s in cluster.status().stages if s.state == "chain" and s.layer_lo > 0)
     )
@@ -126,7 +95,7 @@ def test_a_script_killed_mid_load_blocks_neither_recovery_nor_its_resume(
     assert kinds[1][0] == "abandoned" and "went silent" in kinds[1][1], kinds
     assert kinds[2][0] == "recovery", kinds
     _resume_and_check(cluster)
-    _revive(cluster, victim)
+    revive(cluster, victim)
 
 
 @pytest.mark.timeout(150)
@@ -136,16 +105,15 @@ def test_a_resumed_script_survives_a_crash_before_the_next_snapshot(
     """The script SIGKILLed after step 4 (the last snapshot is step 3), resumed, and a
     chain stage SIGKILLed before any step: the rollback goes to the attach point (the
     resumed client never had step 4's mini-batch), and the results stay exact."""
-    script = SCRIPT.format(root=ROOT, address=cluster.coordinator)
     env = {**os.environ, "ELASTICPIPE_TEST_PAUSE": "after_commit:4"}
-    _run_script(script, tmp_path / "script.log", env, "paused_at")
+    kill_script_at(script(cluster), tmp_path / "script.log", env, "paused_at")
     killed = _resume_and_check(cluster, kill_first=True)
     records = history(cluster)
     attach = next(r for r in records if r.kind == "attach")
     assert "step 4" in attach.reason
     recovery = next(r for r in records if r.kind == "recovery")
     assert killed[0] in recovery.reason and recovery.restored_step == 4
-    _revive(cluster, *killed)
+    revive(cluster, *killed)
 
 
 @pytest.mark.timeout(180)
@@ -153,47 +121,32 @@ def test_a_graceful_leave_then_a_crash_loses_nothing(cluster: LocalCluster) -> N
     """SIGTERM on a chain stage (it held the only copy of its predecessor's snapshot),
     then its predecessor SIGKILLed before the next snapshot: the leave's move snapshotted
     the cut and copied it before the stage exited, so the crash recovers exactly."""
+    # at step 5 (the last snapshot is step 3): the leave waits until its layers moved
+    plan = FaultPlan().at(step=5).terminate(stage=1, wait=True).kill(stage=0)
     with pipeline(cluster) as pipe:
-        names: list[str] = []
-
-        def before(step: int) -> None:
-            if step != 5:  # the last snapshot is step 3
-                return
-            chain = [cluster.name_of(a) for a in pipe.partition.addresses]
-            names.extend(chain[:2])
-            assert cluster.terminate(chain[1], timeout=60) == 0  # after its layers moved
-            cluster.kill(chain[0])
-
-        trainer = Trainer(pipe, before).start()
-        check(trainer.losses, trainer.finish())
+        train_and_check(pipe, plan.hook(cluster, pipe))
+        left, crashed = plan.killed
         records = history(cluster)
         leave = next(i for i, r in enumerate(records) if "leaving" in r.reason)
         assert records[leave].kind == "move"
         recovery = records[-1]
-        assert recovery.kind == "recovery" and names[0] in recovery.reason
+        assert recovery.kind == "recovery" and crashed in recovery.reason
         assert recovery.restored_step == 4  # the leave's cut, not step 3
-    _revive(cluster, *names)
+    revive(cluster, crashed, left)
 
 
 @pytest.mark.timeout(150)
 def test_with_no_spare_left_the_chain_shrinks_and_stays_exact(cluster: LocalCluster) -> None:
     """Every live stage in the chain (no spare), one SIGKILLed mid-run: the job goes on
     over the survivors, re-partitioned, with exact results."""
+    plan = FaultPlan().at(step=5).kill(stage=2)
     with pipeline(cluster, stages=4) as pipe:
-        victim: list[str] = []
-
-        def before(step: int) -> None:
-            if step == 5:
-                victim.append(cluster.name_of(pipe.partition.addresses[2]))
-                cluster.kill(victim[0])
-
-        trainer = Trainer(pipe, before).start()
-        check(trainer.losses, trainer.finish())
+        train_and_check(pipe, plan.hook(cluster, pipe))
         assert pipe.partition.num_stages == 3
         recovery = history(cluster)[-1]
         assert recovery.kind == "recovery" and "shrank to 3 stages" in recovery.reason
-        assert victim[0] not in recovery.stages
-    _revive(cluster, *victim)
+        assert plan.killed[0] not in recovery.stages
+    revive(cluster, *plan.killed)
 
 
 @pytest.mark.timeout(180)
@@ -204,39 +157,15 @@ def test_a_migration_sender_killed_mid_move_loses_nothing(
     """The stage *giving* layers away SIGKILLed while it prepares (before the commit
     point) or while it installs the new epoch (after it): the move is abandoned or
     finished, the sender is recovered from snapshots, and the results stay exact."""
+    # the middle stage takes a layer from the last (or the first): the sender pauses
+    plan = FaultPlan().at(step=5).pause("sender", point).move_a_layer_to(1).then_kill()
     with pipeline(cluster) as pipe:
-        victim: list[str] = []
-
-        def before(step: int) -> None:
-            if step != 5:
-                return
-            part = pipe.partition
-            target = list(part.boundaries)
-            if target[3] - target[2] > 1:
-                target[2] += 1  # the middle stage takes a layer from the last
-                sender = part.addresses[2]
-            else:
-                target[1] -= 1  # ... or from the first
-                sender = part.addresses[0]
-            victim.append(cluster.name_of(sender))
-            arm(sender, stage_pb2.PAUSE_AT, point)
-            request = coordinator_pb2.SetPartitionRequest(boundaries=target)
-
-            def move() -> None:
-                with contextlib.suppress(grpc.RpcError):  # abandoned, for "prepare"
-                    admin(cluster).SetPartition(request, timeout=120)
-
-            threading.Thread(target=move, daemon=True).start()
-            cluster.wait_for_log(victim[0], "paused_at", timeout=60)
-            cluster.kill(victim[0])
-
-        trainer = Trainer(pipe, before).start()
-        check(trainer.losses, trainer.finish())
+        train_and_check(pipe, plan.hook(cluster, pipe))
         records = history(cluster)
-        assert records[-1].kind == "recovery" and victim[0] in records[-1].reason
+        assert records[-1].kind == "recovery" and plan.killed[0] in records[-1].reason
         if point == "prepare":
             assert any(r.kind == "abandoned" for r in records)
-    _revive(cluster, *victim)
+    revive(cluster, *plan.killed)
 
 
 @pytest.mark.timeout(90)

@@ -16,10 +16,10 @@ from elasticpipe.errors import InvalidRequest, PermissionDenied
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
-from tests.integration.scenario import FAST, arm
 from tests.support.numerics import reference_step, stage_threads
+from tests.support.scenario import FAST, arm
 
-ALLOWED = "tests.integration.custom_models"
+ALLOWED = "tests.support.custom_models"
 DROPOUT = f"{ALLOWED}:dropout"
 STEPS = 4
 ADAM = {"lr": 1e-2}
@@ -188,8 +188,8 @@ def test_custom_loss_through_the_allow_list(cluster: LocalCluster) -> None:
         ]
     assert got[0] == pytest.approx(plain[0], rel=1e-6)  # the custom loss was the one used
     for refused, why in (
-        ("tests.integration.custom_losses:half_mse", "--allow-models tests"),
-        (f"{ALLOWED}:reexported_loss", "tests.integration.custom_losses"),
+        ("tests.support.custom_losses:half_mse", "--allow-models tests"),
+        (f"{ALLOWED}:reexported_loss", "tests.support.custom_losses"),
     ):
         with (
             Pipeline(

@@ -17,7 +17,7 @@ from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import codec
-from tests.integration.test_metrics import scrape, value
+from tests.support.prometheus import scrape, value
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,7 +7,6 @@ import itertools
 import json
 import struct
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from elasticpipe.client.pipeline import Pipeline, StepStats
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.schedule import stage_ops as schedule_ops
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support import cli
 
 STAGES, MICRO_BATCHES = 4, 4
 TOLERANCE_US = 2000.0  # clock-offset error: half a loopback round trip, generously
@@ -69,16 +69,6 @@ SUMMARY_SCHEMA = {
 }
 
 
-def _admin(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "elasticpipe", "admin", "--coordinator", cluster.coordinator, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 @contextlib.contextmanager
 def _trained_and_traced(
     cluster: LocalCluster, stem: Path, sizes: list[int], **pipeline_kwargs: Any
@@ -100,7 +90,7 @@ def _trained_and_traced(
         stats = pipe.last_step
         assert 0 < stats.efficiency <= 1 and stats.ideal_s > 0
         out, png = stem.with_suffix(".json"), stem.with_suffix(".png")
-        traced = _admin(cluster, "trace", "--steps", "1", "--out", str(out), "--png", str(png))
+        traced = cli.admin(cluster, "trace", "--steps", "1", "--out", str(out), "--png", str(png))
         assert traced.returncode == 0, traced.stderr
         yield stats, traced, out, png
 
@@ -146,7 +136,7 @@ def test_trace_of_a_1f1b_step_has_every_op_in_dependency_order(
             time.sleep(0.1)
         status = cluster4.status()
         assert status.efficiency_step == 2 and 0 < status.efficiency <= 1
-        table = _admin(cluster4, "status")
+        table = cli.admin(cluster4, "status")
         assert "efficiency: " in table.stdout and "(step 2)" in table.stdout
 
     trace = json.loads(out.read_text())
@@ -185,7 +175,7 @@ def test_trace_of_a_1f1b_step_has_every_op_in_dependency_order(
     assert (width, height) == (1200, 150 + 70 * STAGES)
     assert png.stat().st_size > 10_000
 
-    summary = _admin(
+    summary = cli.admin(
         cluster4, "--json", "trace", "--steps", "1", "--out", str(tmp_path / "again.json")
     )
     assert summary.returncode == 0, summary.stderr
@@ -245,7 +235,7 @@ def test_get_trace_is_bounded_and_refuses_more_steps_than_kept(cluster4: LocalCl
 def test_trace_without_a_job_says_so(tmp_path: Path) -> None:
     """With no job running, ``admin trace`` exits 2 saying there is nothing to trace."""
     with LocalCluster(stages=1, coordinator_args=["--state", ":memory:"]) as cluster:
-        result = _admin(cluster, "trace", "--out", str(tmp_path / "t.json"))
+        result = cli.admin(cluster, "trace", "--out", str(tmp_path / "t.json"))
     assert result.returncode == 2
     assert "start a job before tracing it" in result.stderr
     assert not (tmp_path / "t.json").exists()
@@ -266,12 +256,12 @@ def test_a_migration_shows_as_freeze_prepare_and_commit_on_every_stage(
     ) as pipe:
         pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
         epoch = pipe.partition.epoch
-        moved = _admin(cluster4, "set-partition", "0:1,1:2,2:3,3:15")
+        moved = cli.admin(cluster4, "set-partition", "0:1,1:2,2:3,3:15")
         assert moved.returncode == 0, moved.stderr
         pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
         assert pipe.partition.epoch == epoch + 1
         out = tmp_path / "t.json"
-        traced = _admin(cluster4, "trace", "--steps", "2", "--out", str(out))
+        traced = cli.admin(cluster4, "trace", "--steps", "2", "--out", str(out))
         assert traced.returncode == 0, traced.stderr
     events = json.loads(out.read_text())["traceEvents"]
     for pid in range(STAGES):
@@ -306,7 +296,7 @@ def test_a_predict_after_the_last_step_does_not_hide_it(
             pipe.train_step(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,)))
         pipe.predict(torch.randn(16, 32, generator=g))
         out, png = tmp_path / "t.json", tmp_path / "t.png"
-        traced = _admin(
+        traced = cli.admin(
             cluster4, "--json", "trace", "--steps", "1", "--out", str(out), "--png", str(png)
         )
     assert traced.returncode == 0, traced.stderr

@@ -22,8 +22,7 @@ from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from elasticpipe.wire import compress
 from tests.support.numerics import stage_threads
-
-from .scenario import arm
+from tests.support.scenario import arm
 
 KWARGS = {"sizes": [12, 24, 24, 24, 6]}  # 7 layers
 GPT = {"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8}

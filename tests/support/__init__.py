@@ -1,1 +1,16 @@
-"""Shared test code: the one place test modules import from (no test imports another)."""
+"""Shared test code: the one place test modules import from (no test imports another).
+
+- ``clusters``: the ``LocalCluster`` profiles (quiet, failing) the conftest serves as fixtures;
+- ``scenario``: one job, one batch per step, the failure-free reference computed once, the
+  training loop with a hook before each step, and the job as a script a test can kill;
+- ``faults``: a declarative fault plan (``FaultPlan().at(step=5).pause(...).then_kill()``);
+- ``cli``: running ``elasticpipe`` (and ``elasticpipe admin``) as a user does;
+- ``custom_models``, ``custom_losses``: user code importable by path (``--allow-models``);
+- ``zb_models``: odd layers for the zero-bubble schedule;
+- ``fp16_reference``: plain PyTorch fp16 training, what ``precision="fp16"`` must equal;
+- ``bulk_stage``: one in-process stage holding a job, for the bulk-channel tests;
+- ``prometheus``: reading a metrics endpoint;
+- ``fake_cuda``: CUDA events on the host clock;
+- ``multihost_client``: the client host of the multi-host test (run as a script);
+- ``deploy``: the deployment files' checks.
+"""

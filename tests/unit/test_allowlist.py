@@ -7,12 +7,12 @@ import pytest
 from elasticpipe.errors import InvalidRequest, PermissionDenied
 from elasticpipe.security import allowlist
 
-MODELS = "tests.integration.custom_models"
+MODELS = "tests.support.custom_models"
 
 
 def test_allowed_path_resolves() -> None:
     """A callable defined in an allowed module is returned."""
-    from tests.integration import custom_models
+    from tests.support import custom_models
 
     assert allowlist.resolve(f"{MODELS}:half_mse", [MODELS], "loss") is custom_models.half_mse
     assert allowlist.resolve(f"{MODELS}:half_mse", ["tests"], "loss") is custom_models.half_mse
@@ -22,12 +22,12 @@ def test_allowed_path_resolves() -> None:
     ("path", "allow", "error", "text"),
     [
         ("os:system", ["tests"], PermissionDenied, "--allow-models os"),
-        (f"{MODELS}:half_mse", ["tests.integ"], PermissionDenied, "'tests.integration"),
+        (f"{MODELS}:half_mse", ["tests.supp"], PermissionDenied, "'tests.support"),
         (f"{MODELS}:half_mse", [], PermissionDenied, "none of the allowed prefixes []"),
         (f"{MODELS}:reexported_loss", [MODELS], PermissionDenied, "custom_losses"),
         (f"{MODELS}:F", [MODELS], InvalidRequest, "is a module, not a callable"),
         (f"{MODELS}:nothing", [MODELS], InvalidRequest, "no attribute 'nothing'"),
-        ("tests.integration.missing_mod:f", ["tests"], InvalidRequest, "cannot import"),
+        ("tests.support.missing_mod:f", ["tests"], InvalidRequest, "cannot import"),
         ("no_such_module_xyz:f", ["tests"], PermissionDenied, "'no_such_module_xyz'"),
         ("no colon", ["tests"], InvalidRequest, "malformed loss 'no colon'"),
         ("a.b:__class__", ["a"], InvalidRequest, "malformed"),
@@ -72,7 +72,7 @@ def test_a_refusal_says_how_to_allow_the_module_where_it_is_set(
 def test_the_local_list_allows_any_module_and_what_it_hands_out() -> None:
     """``LOCAL`` (LocalPipeline without ``allow=``) imports any module, and a callable an
     allowed module re-exports from another is taken too: it is the user's own process."""
-    from tests.integration import custom_losses, custom_models
+    from tests.support import custom_losses, custom_models
 
     assert allowlist.resolve(f"{MODELS}:reexported_loss", allowlist.LOCAL, "loss") is (
         custom_losses.half_mse

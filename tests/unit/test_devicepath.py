@@ -28,40 +28,9 @@ from elasticpipe.stage_server.devicetime import EventClock, Lap, event_clock
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.training.job import JobConfig
+from tests.support.fake_cuda import FakeEvent, Flag
 
 CPU = torch.device("cpu")
-
-
-class Flag:
-    """A stand-in for a CUDA event: ``query()`` is True once ``done`` is set."""
-
-    def __init__(self, done: bool = False):
-        self.done = done
-
-    def query(self) -> bool:
-        return self.done
-
-
-class FakeEvent:
-    """A timing event on the host clock: what ``torch.cuda.Event`` does, on the CPU."""
-
-    synced = 0
-
-    def __init__(self) -> None:
-        self.at = math.nan
-
-    def record(self, stream: object = None) -> None:
-        assert stream is None  # no device given: the current stream
-        self.at = time.perf_counter()
-
-    def synchronize(self) -> None:
-        FakeEvent.synced += 1
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        return (end.at - self.at) * 1000.0
 
 
 def _pool(**kw: Any) -> tuple[PinnedPool, list[tuple[tuple[int, ...], torch.dtype]]]:
@@ -182,8 +151,8 @@ def test_laps_add_and_scale_by_the_slowdown() -> None:
     assert changed.factor == 3.0 and changed.raw() == pytest.approx(lap.raw() + more.raw())
 
 
-NORMED = "tests.integration.custom_models:normed"
-ALLOW = ("tests.integration.custom_models",)
+NORMED = "tests.support.custom_models:normed"
+ALLOW = ("tests.support.custom_models",)
 
 
 @pytest.mark.timeout(30)

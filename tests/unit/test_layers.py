@@ -9,8 +9,8 @@ import torch
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.training.job import JobConfig
 
-NORMED = "tests.integration.custom_models:normed"  # Linear, BatchNorm1d, ReLU, Dropout, Linear
-ALLOW = ("tests.integration.custom_models",)
+NORMED = "tests.support.custom_models:normed"  # Linear, BatchNorm1d, ReLU, Dropout, Linear
+ALLOW = ("tests.support.custom_models",)
 
 
 def _slice(**options: object) -> LayerSlice:
@@ -66,7 +66,7 @@ def test_a_moved_layer_carries_its_scheduler() -> None:
     assert built.scheduler.last_epoch == 4
 
 
-MASKED = "tests.integration.custom_models:masked"  # layers pass (hidden, mask) or a dict
+MASKED = "tests.support.custom_models:masked"  # layers pass (hidden, mask) or a dict
 
 
 def _train_masked(as_dict: bool, **options: object) -> tuple[dict[str, torch.Tensor], int]:

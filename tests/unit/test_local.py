@@ -11,8 +11,8 @@ from elasticpipe.errors import InvalidRequest, PermissionDenied, PipelineClosed
 from elasticpipe.training.objectives import make_optimizer, reference_step
 
 STEPS = 4
-DROPOUT = "tests.integration.custom_models:dropout"
-ALLOW = ["tests.integration"]
+DROPOUT = "tests.support.custom_models:dropout"
+ALLOW = ["tests.support"]
 
 
 @pytest.mark.numerics
@@ -89,9 +89,9 @@ def test_predict_is_eval_mode_and_deterministic() -> None:
     [
         ({"model": DROPOUT, "allow": ["mypkg"]}, PermissionDenied,
          "add 'tests' to LocalPipeline's allow= argument"),
-        ({"model": "mlp", "loss": "tests.integration.custom_models:reexported_loss",
-          "allow": ["tests.integration.custom_models"]}, PermissionDenied,
-         "defined in module 'tests.integration.custom_losses'"),
+        ({"model": "mlp", "loss": "tests.support.custom_models:reexported_loss",
+          "allow": ["tests.support.custom_models"]}, PermissionDenied,
+         "defined in module 'tests.support.custom_losses'"),
         ({"model": "mlp", "optimizer": "LBFGS"}, InvalidRequest, "'LBFGS' is refused"),
         ({"model": "mlp", "optimizer_kwargs": {"lr": object()}}, InvalidRequest, "JSON"),
         ({"model": "mlp", "micro_batches": 0}, InvalidRequest, "micro_batches"),
@@ -176,10 +176,10 @@ def test_the_users_own_factory_loss_and_optimizer_need_no_allow_list() -> None:
     """Without ``allow=``, LocalPipeline imports a model factory, a loss and an optimizer
     from the user's own modules (here under tests/), as the user's process would, and
     trains them as plain PyTorch does (bit for bit: one micro-batch, the same process)."""
-    from tests.integration.custom_models import SignSGD
+    from tests.support.custom_models import SignSGD
 
-    own = "tests.integration.custom_models"
-    loss = "tests.integration.custom_losses:half_mse"
+    own = "tests.support.custom_models"
+    loss = "tests.support.custom_losses:half_mse"
     reference = models.build(f"{own}:tiny", seed=0, allow=["tests"])
     optimizer = SignSGD(reference.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
@@ -202,9 +202,9 @@ def test_the_users_own_factory_loss_and_optimizer_need_no_allow_list() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"model": "tests.integration.custom_models:tiny"},
-        {"model": "mlp", "loss": "tests.integration.custom_losses:half_mse"},
-        {"model": "mlp", "optimizer": "tests.integration.custom_models:SignSGD"},
+        {"model": "tests.support.custom_models:tiny"},
+        {"model": "mlp", "loss": "tests.support.custom_losses:half_mse"},
+        {"model": "mlp", "optimizer": "tests.support.custom_models:SignSGD"},
     ],
     ids=["model", "loss", "optimizer"],
 )

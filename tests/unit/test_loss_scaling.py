@@ -16,7 +16,7 @@ from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.training import clipping
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.loss_scaling import LossScale, check_kwargs
-from tests.fp16_reference import Fp16Reference
+from tests.support.fp16_reference import Fp16Reference
 from tests.support.numerics import stage_threads
 
 KWARGS = {"sizes": [12, 24, 24, 24, 6]}

@@ -11,8 +11,8 @@ from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.training import rng
 from elasticpipe.training.job import JobConfig
 
-DROPOUT = "tests.integration.custom_models:dropout"
-ALLOW = ("tests.integration",)
+DROPOUT = "tests.support.custom_models:dropout"
+ALLOW = ("tests.support",)
 
 
 def test_forward_seed_is_a_pure_function_of_its_four_inputs() -> None:

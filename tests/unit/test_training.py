@@ -128,7 +128,7 @@ def test_unknown_names_and_bad_arguments_are_invalid(call: object, value: str) -
 
 # ---- any torch.optim class, custom losses and optimizers by path ------------------------
 
-CUSTOM = "tests.integration.custom_models"
+CUSTOM = "tests.support.custom_models"
 
 
 @pytest.mark.parametrize("name", sorted(torch_optimizers()))
@@ -160,7 +160,7 @@ def test_an_optimizer_looking_across_parameters_is_refused() -> None:
 def test_custom_optimizer_by_path_builds_and_checks_its_result() -> None:
     """A path to an optimizer class builds it; a path to something that is not one is an
     InvalidRequest naming it; bad arguments are named."""
-    from tests.integration.custom_models import GlobalNormSGD
+    from tests.support.custom_models import GlobalNormSGD
 
     param = nn.Parameter(torch.zeros(2))
     opt = make_optimizer(f"{CUSTOM}:GlobalNormSGD", [param], {"lr": 0.5}, allow=[CUSTOM])
@@ -174,7 +174,7 @@ def test_custom_optimizer_by_path_builds_and_checks_its_result() -> None:
 def test_custom_loss_by_path_follows_the_allow_list() -> None:
     """A loss by path resolves when allowed, is refused naming it otherwise, and malformed
     or unknown names are InvalidRequest naming them (also in a JobConfig)."""
-    from tests.integration.custom_models import half_mse
+    from tests.support.custom_models import half_mse
 
     assert loss_fn(f"{CUSTOM}:half_mse", allow=[CUSTOM]) is half_mse
     with pytest.raises(PermissionDenied, match=f"{CUSTOM}:half_mse"):

@@ -10,12 +10,12 @@ import torch
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.training.job import JobConfig
 
-ALLOW = ("tests.unit.zb_models",)
+ALLOW = ("tests.support.zb_models",)
 
 
 def _slice(model: str, n: int, **options: object) -> LayerSlice:
     job = JobConfig(
-        model=f"tests.unit.zb_models:{model}",
+        model=f"tests.support.zb_models:{model}",
         optimizer="sgd",
         optimizer_kwargs={"lr": 0.1},
         **options,  # type: ignore[arg-type]
@@ -104,10 +104,10 @@ def test_split_backward_with_event_laps_settles(input_grad: bool, recompute: boo
     """CUDA-event Laps (stand-in events): B's lap plus W's (and a recompute's) settle into
     each layer's backward time; a slowed clock pays for B and W."""
     from elasticpipe.stage_server.devicetime import EventClock
-    from tests.unit.test_devicepath import FakeEvent
+    from tests.support.fake_cuda import FakeEvent
 
     job = JobConfig(
-        model="tests.unit.zb_models:odd",
+        model="tests.support.zb_models:odd",
         optimizer="sgd",
         optimizer_kwargs={"lr": 0.1},
         recompute_all=recompute,

@@ -1,5 +1,5 @@
 """User-defined model factories, a loss and an optimizer, importable by path
-(``tests.integration.custom_models:tiny``)."""
+(``tests.support.custom_models:tiny``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.integration import custom_losses
+from tests.support import custom_losses
 
 
 def tiny(width: int = 8, classes: int = 3) -> nn.Sequential:

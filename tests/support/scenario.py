@@ -3,8 +3,12 @@ reference (single-process training, which the pipeline equals by transparency)."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import grpc
 import torch
@@ -15,18 +19,12 @@ from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.support.clusters import FAST  # noqa: F401 (the scenario's coordinator flags)
 from tests.support.numerics import reference_step
 
 KWARGS = {"sizes": [12, 24, 24, 24, 24, 6]}  # 9 layers
 ADAM = {"lr": 1e-2}
 STEPS = 10
-FAST = [
-    "--heartbeat-interval",
-    "0.2",
-    "--dead-after",
-    "2",
-    "--no-auto-rebalance",
-]
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +100,13 @@ class Trainer:
         return self.pipe.state_dict()
 
 
+def train_and_check(pipe: Pipeline, before: Callable[[int], None] = lambda step: None) -> None:
+    """Trains ``pipe`` to the end on a thread, ``before(step)`` first at each step (a fault
+    plan's hook, say), and checks the failure-free run's losses and weights."""
+    trainer = Trainer(pipe, before).start()
+    check(trainer.losses, trainer.finish())
+
+
 def stage(address: str) -> stage_pb2_grpc.StageServiceStub:
     """A stub of one stage."""
     return stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(address))
@@ -120,3 +125,37 @@ def admin(cluster: LocalCluster) -> coordinator_pb2_grpc.CoordinatorServiceStub:
 def history(cluster: LocalCluster) -> list[coordinator_pb2.EpochRecord]:
     """The current job's epoch history."""
     return list(cluster.status().history)
+
+
+ROOT = str(Path(__file__).resolve().parents[2])  # the repository, for scripts run apart
+SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.support.scenario import batch, pipeline
+class C: coordinator = {address!r}
+with pipeline(C) as pipe:
+    for step in range(pipe.step + 1, 11):
+        pipe.train_step(*batch(step))
+"""  # the scenario's training as a script of its own (a process a test can kill)
+
+
+def script(cluster: LocalCluster, text: str = SCRIPT) -> str:
+    """A training script (``SCRIPT`` or another of its placeholders) for ``cluster``."""
+    return text.format(root=ROOT, address=cluster.coordinator)
+
+
+def kill_script_at(code: str, log: Path, env: Mapping[str, str], until: str) -> None:
+    """Runs the Python ``code`` until ``until`` appears in its output, then SIGKILLs it."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while until not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -21,8 +21,8 @@ import torch
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.security.tls import TLS
 
-sys.path.insert(0, str(Path(__file__).parent))
-from scenario import ADAM, KWARGS, REFERENCE, STEPS, batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from tests.support.scenario import ADAM, KWARGS, REFERENCE, STEPS, batch
 
 MOVE_AFTER = 4
 
