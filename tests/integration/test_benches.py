@@ -18,7 +18,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 # modules the benches import, not benches
-HELPERS = {"datapaths.py", "fake_epochs.py", "fake_stage.py"}
+HELPERS = {"datapaths.py", "fake_epochs.py", "fake_stage.py", "scale_parts.py"}
 # Every bench's JSON keys (a subset: a bench may print more).
 KEYS: dict[str, set[str]] = {
     "ab.py": {"a", "b", "ratio_b_over_a"},
