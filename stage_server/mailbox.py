@@ -1,23 +1,35 @@
 """Where a stage's incoming activations, gradients and targets wait for the op that needs them.
 
 Messages may arrive before the ``RunStep`` they belong to (the previous stage can be
-faster than the client's call), so the mailbox is keyed by run id and accepts any run that
-is not known to be over. A run's waiting op wakes on its message, on the run's failure, or
-at its deadline -- never later.
+faster than the client's call), so the mailbox is keyed by run id and holds *early* data --
+for a run not started here yet -- within a window: the client starts one run at a time and
+sends a run's data only once it starts that run, so early data is for the next run, or a
+few past it when attempts failed before reaching this stage (their aborts move the window
+too). Past the newest run started or closed here, of its client generation, only
+``EARLY_RUNS`` runs are held; data for a run further ahead, one already passed, or an older
+generation is dropped and counted. A generation the mailbox has not run yet (a new client;
+a stage that just joined, or rolled back) has no window: its data is held, within the early
+caps. A run's waiting op wakes on its message, on the run's failure, or at its deadline --
+never later.
 
 Memory is bounded: room for a message is *reserved* (its bytes plus a fixed per-entry
 overhead, so that even empty tensors count) before anything is allocated for it, and the
-number of entries is capped; concurrent streams cannot overcommit.
+number of entries is capped; concurrent streams cannot overcommit. Early data has caps of
+its own inside those (``EARLY_ENTRIES`` messages, ``EARLY_HELD_RUNS`` runs, a quarter of the
+bytes -- or one message, however large, when nothing else is held early): when they are
+reached the newest arrival displaces the early data of the furthest run first, oldest
+first, and is dropped itself only when its own run is the furthest ahead. So data for runs
+that never come can neither stay for good nor keep out the job's own: the runs started
+here have the rest of the room, and the next run's early data displaces a stranger's.
 
 Only the run's own data is ever taken. Every message carries its run's secret (random, one
 per run, chosen by the client and told to the stage in ``RunStep``: see ``expect``); a
 message held before its run is known is kept apart from any other copy for the same slot,
 so a stranger's message can neither stand in for nor replace the real one. When the run
 becomes known, held messages with another secret are dropped, and so is every later one;
-a take matches only the run's secret. Every message dropped for its secret is counted
-(``refused``), a copy that a later one with the same secret replaced while held too.
-Whoever does not hold the job cannot guess a secret (128 bits), so on a plaintext cluster
-too its messages only ever take up room, which the bounds above limit.
+a take matches only the run's secret. Whoever does not hold the job cannot guess a secret
+(128 bits), so on a plaintext cluster too its messages only ever take up room, within
+the early caps above, until their run is started, passed or closed here, or displaced.
 """
 
 from __future__ import annotations
@@ -26,11 +38,13 @@ import hmac
 import math
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StepAborted, TooLarge
 from elasticpipe.logs import get_logger
+from elasticpipe.security import bounds
 
 log = get_logger(__name__)
 
@@ -46,10 +60,16 @@ class Slot(Enum):
 ENTRY_OVERHEAD = 512  # bytes counted per message beyond its tensor (objects, keys)
 MAX_ENTRIES = 65_536
 KNOWN_RUNS = 16  # the newest runs started here whose secrets are kept
+EARLY_RUNS = 8  # runs past the newest started or closed here whose data may come first
+EARLY_ENTRIES = 16_384  # early messages held (a run's inputs and targets: 2 x 4096 at most)
+EARLY_HELD_RUNS = 64  # runs with early messages held
+EARLY_SHARE = 4  # early data holds at most 1/EARLY_SHARE of the byte limit
 REFUSED_LOG_INTERVAL_S = 10.0  # at most one ``data_refused`` line this often
 NO_SECRET = b""  # what a message without a secret carries (no run accepts it: see RunStep)
 
 Key = tuple[Slot, int, bytes]  # slot, micro-batch, the secret the message carried
+
+WRONG_SECRET = "the message did not carry its run's secret (not from the job's holder)"
 
 
 class Reservation:
@@ -64,9 +84,14 @@ class Mailbox:
     """Thread-safe store of per-run messages, with bounded memory and failure wake-ups."""
 
     def __init__(
-        self, max_bytes: int, max_entries: int = MAX_ENTRIES, entry_overhead: int = ENTRY_OVERHEAD
+        self,
+        max_bytes: int,
+        max_entries: int = MAX_ENTRIES,
+        entry_overhead: int = ENTRY_OVERHEAD,
+        on_refused: Callable[[int], None] | None = None,
     ):
         self._max_bytes = max_bytes
+        self._early_max = (max_bytes // EARLY_SHARE, min(EARLY_ENTRIES, max_entries))
         self._max_entries = max_entries
         self._overhead = entry_overhead
         self._bytes = 0  # stored and reserved
@@ -78,7 +103,11 @@ class Mailbox:
         self._secrets: dict[int, bytes] = {}  # of the runs started here (``expect``)
         self._closed_below = 0  # runs below this id are over: their late messages are dropped
         self._failures: dict[int, ElasticPipeError] = {}
-        self.refused = 0  # messages dropped for a wrong secret, in all
+        self._newest = 0  # the newest run started or closed here: early data's window
+        self._early: set[int] = set()  # runs whose held messages are early (not started)
+        self._early_held = [0, 0]  # bytes and entries of those
+        self._on_refused = on_refused  # told how many messages each drop refused
+        self.refused = 0  # messages dropped (a wrong secret, outside the window), in all
         self._refused_logged = (-math.inf, 0)  # (when, ``refused`` then)
 
     def reserve(self, nbytes: int) -> Reservation:
@@ -119,10 +148,12 @@ class Mailbox:
         secret: bytes = NO_SECRET,
     ) -> bool:
         """Delivers a message into room reserved for it (reserved now if not given); drops
-        it if its run is already over, or is known here under another secret.
+        it if its run is already over, or is known here under another secret, or is early
+        and outside the window or the early caps (see the module docstring).
 
         Returns:
-            False if the message was dropped for its secret (counted in ``refused``).
+            False if the message was dropped for its secret, or as early data that may not
+            be held (counted in ``refused``).
 
         Raises:
             TooLarge: no reservation was given and no room is left.
@@ -139,18 +170,106 @@ class Mailbox:
                 self._give_back(held)
                 self._refuse(run, 1)
                 return False
-            box = self._items.setdefault(run, {})
             key = (slot, micro_batch, secret)
-            replaced = box.pop(key, None)
+            if known is None:
+                why = self._outside_window(run)
+                if why is None and not self._room_early(run, key, held.nbytes):
+                    why = "early data of the run furthest ahead, with the early caps reached"
+                if why is not None:
+                    self._give_back(held)
+                    self._refuse(run, 1, why)
+                    return False
+            replaced = self._items.get(run, {}).pop(key, None)
             copies = 1
             if replaced is not None:  # a re-sent message replaces the first copy
-                self._bytes -= replaced[1]
-                self._entries -= 1
-                copies += replaced[2]
+                self._forget(run, replaced[1])
+                copies += replaced[2]  # and stands for it: a stranger's copies all count
+            box = self._items.setdefault(run, {})
             held.open = False
             box[key] = (value, held.nbytes, copies)
+            if known is None:
+                self._early.add(run)
+                self._early_held[0] += held.nbytes
+                self._early_held[1] += 1
             self._cond.notify_all()
             return True
+
+    def _outside_window(self, run: int) -> str | None:
+        """Why early data of ``run`` may not be held (None: it may)."""
+        newest = self._newest
+        if not newest or bounds.generation(run) > bounds.generation(newest):
+            return None  # a generation not run here yet: no window, the early caps hold
+        if bounds.generation(run) < bounds.generation(newest):
+            return f"early data of an older client generation than run {newest}'s"
+        if run <= newest:
+            return f"data of a run never started here, which run {newest} passed"
+        if run > newest + EARLY_RUNS:
+            return f"early data more than {EARLY_RUNS} runs past run {newest}"
+        return None
+
+    def _room_early(self, run: int, key: Key, nbytes: int) -> bool:
+        """Makes room in the early caps for a message of ``run``, displacing the early data
+        of the runs furthest ahead (oldest first), never a nearer run's; False if the
+        message itself is of the run furthest ahead and no room can be made."""
+        max_bytes, max_entries = self._early_max
+        box = self._items.get(run, {})
+        again = box.get(key)  # a re-sent message frees its first copy
+        while True:
+            held_bytes, held_entries = self._early_held
+            if again is not None:
+                held_bytes, held_entries = held_bytes - again[1], held_entries - 1
+            new_run = run not in self._early
+            if (
+                held_bytes + nbytes <= max_bytes
+                and held_entries < max_entries
+                and not (new_run and len(self._early) >= EARLY_HELD_RUNS)
+            ):
+                return True
+            if not self._early or held_entries == 0:
+                return True  # one message, however large, when nothing else is held early
+            furthest = max(self._early)
+            if furthest < run:
+                return False
+            victims = self._items[furthest]
+            oldest = next((k for k in victims if (furthest, k) != (run, key)), None)
+            if oldest is None:
+                return False  # only its own first copy is as far ahead
+            _, displaced, copies = victims.pop(oldest)
+            self._forget(furthest, displaced)
+            self._refuse(furthest, copies, "early data displaced by data of a nearer run")
+
+    def _forget(self, run: int, nbytes: int) -> None:
+        """Gives back a held message's room (in the early caps too, if early); drops the
+        run's box once empty."""
+        self._bytes -= nbytes
+        self._entries -= 1
+        if run in self._early:
+            self._early_held[0] -= nbytes
+            self._early_held[1] -= 1
+        if not self._items.get(run, True):
+            del self._items[run]
+            self._early.discard(run)
+
+    def _drop_run(self, run: int) -> int:
+        """Frees every message held for ``run``; how many there were (with the copies they
+        replaced)."""
+        box = self._items.pop(run, {})
+        nbytes = sum(n for _, n, _ in box.values())
+        self._bytes -= nbytes
+        self._entries -= len(box)
+        if run in self._early:
+            self._early.discard(run)
+            self._early_held[0] -= nbytes
+            self._early_held[1] -= len(box)
+        return sum(c for _, _, c in box.values())
+
+    def _advance(self, run: int) -> None:
+        """``run`` was started or closed here: the window moves past it, and early data
+        now outside it is dropped."""
+        self._newest = max(self._newest, run)
+        for old in [r for r in self._early if self._outside_window(r) is not None]:
+            if n := self._drop_run(old):
+                self._refuse(old, n, "early data outside the window once a newer run came")
 
     def expect(self, run: int, secret: bytes) -> int:
         """Starts ``run`` here with the secret its client chose: held messages of the run
@@ -169,21 +288,28 @@ class Mailbox:
             while len(self._secrets) > KNOWN_RUNS:  # inference runs are never closed
                 del self._secrets[min(self._secrets)]
             box = self._items.get(run, {})
+            if run in self._early:  # its messages are the run's now, not early data
+                self._early.discard(run)
+                self._early_held[0] -= sum(n for _, n, _ in box.values())
+                self._early_held[1] -= len(box)
             wrong = [k for k in box if not hmac.compare_digest(k[2], secret)]
             dropped = 0
             for key in wrong:
                 _, nbytes, copies = box.pop(key)
-                self._bytes -= nbytes
-                self._entries -= 1
+                self._forget(run, nbytes)
                 dropped += copies
             if dropped:
                 self._refuse(run, dropped)
-            return dropped
+            before = self.refused
+            self._advance(run)
+            return dropped + self.refused - before
 
-    def _refuse(self, run: int, n: int) -> None:
-        """Counts ``n`` messages of ``run`` dropped for their secret; logs at most every
-        ``REFUSED_LOG_INTERVAL_S`` (a flood must not flood the log too)."""
+    def _refuse(self, run: int, n: int, why: str = WRONG_SECRET) -> None:
+        """Counts ``n`` messages of ``run`` dropped (``why``), tells ``on_refused``; logs at
+        most every ``REFUSED_LOG_INTERVAL_S`` (a flood must not flood the log too)."""
         self.refused += n
+        if self._on_refused is not None:
+            self._on_refused(n)
         now = time.monotonic()
         when, before = self._refused_logged
         if now - when >= REFUSED_LOG_INTERVAL_S:
@@ -192,7 +318,7 @@ class Mailbox:
                 "data_refused",
                 run=run,
                 dropped=self.refused - before,
-                why="the message did not carry its run's secret (not from the job's holder)",
+                why=why,
             )
 
     def _give_back(self, held: Reservation) -> None:
@@ -222,8 +348,7 @@ class Mailbox:
                 box = self._items.get(run, {})
                 if key in box:
                     value, nbytes, _ = box.pop(key)
-                    self._bytes -= nbytes
-                    self._entries -= 1
+                    self._forget(run, nbytes)
                     return value
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -254,9 +379,8 @@ class Mailbox:
         with self._cond:
             self._closed_below = max(self._closed_below, run + 1)
             for old in [r for r in self._items if r < self._closed_below]:
-                entries = self._items.pop(old).values()
-                self._bytes -= sum(n for _, n, _ in entries)
-                self._entries -= len(entries)
+                self._drop_run(old)
+            self._advance(run)
             for old in [r for r in self._failures if r < self._closed_below]:
                 del self._failures[old]
             for old in [r for r in self._secrets if r < self._closed_below]:

@@ -106,12 +106,14 @@ class StageServicer:
         self, header: stage_pb2.DataHeader, nbytes: int | None = None
     ) -> tuple[bundle.Assembler, Admitted]:
         """Checks the declared tensor(s) (unless ``nbytes`` says it was done), the caller,
-        the epoch, the run and the room left, and reserves the room, before anything is
-        allocated."""
+        the secret's length, the epoch, the run and the room left, and reserves the room,
+        before anything is allocated (every data path comes here: ``Deliver``, the
+        streams, the bulk channel)."""
         limit = self.stage.config.max_tensor_bytes
         if nbytes is None:
             nbytes = bundle.declared_bytes(header, limit)
         self.gate.check(f"data of run {header.run}")
+        bounds.run_secret(header.secret, "DataHeader.secret")  # held as a key: never unbounded
         admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
         return bundle.assembler(header, limit), admitted
 

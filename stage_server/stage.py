@@ -112,7 +112,7 @@ class Stage(EpochChanges):
         self.asker: Asker | None = None  # set by the server: asks the coordinator
         self.poisoned = ""  # why this incarnation must be replaced (then re-registers)
         self._cond = threading.Condition(threading.RLock())
-        self._mailbox = Mailbox(config.mailbox_bytes)
+        self._mailbox = self._new_mailbox()
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
         self._outputs: tuple[int, bytes, dict[int, Value]] = (0, b"", {})
@@ -152,7 +152,7 @@ class Stage(EpochChanges):
             elif e.do is Do.WAKE_RUN:
                 self._mailbox.abort(e.run, f"aborted on stage {self.config.name}")
             elif e.do is Do.RESET_RUNS:
-                self._mailbox = Mailbox(self.config.mailbox_bytes)
+                self._mailbox = self._new_mailbox()
                 self._outputs = (0, b"", {})
             elif e.do is Do.DROP_STAGED:
                 if self._staged is not None and self._staged.epoch == e.epoch:
@@ -259,6 +259,13 @@ class Stage(EpochChanges):
                     use_bulk=self.config.bulk_port is not None,
                 )
 
+    def _new_mailbox(self) -> Mailbox:
+        """An empty mailbox; every message it drops is counted in ``data_refused``."""
+        return Mailbox(self.config.mailbox_bytes, on_refused=self._count_refused)
+
+    def _count_refused(self, n: int) -> None:
+        self.metrics.data_refused.inc(n)
+
     def _fail_run(self, run: int, error: ElasticPipeError) -> None:
         self._mailbox.fail(run, error)
 
@@ -314,8 +321,7 @@ class Stage(EpochChanges):
             nbytes = structure.nbytes(tensor)
             mailbox = admitted.mailbox
             if not mailbox.put(run, slot, micro_batch, value, nbytes, admitted.reservation, secret):
-                self.metrics.data_refused.inc()
-                return False
+                return False  # counted in data_refused by the mailbox
             placement = self.placement
             peers = {Slot.INPUT: placement.prev, Slot.GRAD: placement.next} if placement else {}
             self.metrics.received(peers.get(slot) or "client", nbytes)
@@ -344,8 +350,7 @@ class Stage(EpochChanges):
         with self._cond:
             self._apply(self.machine.begin_run(epoch, run, step, client, train, previous))
             assert self.slice is not None and self.placement is not None
-            if dropped := self._mailbox.expect(run, secret):
-                self.metrics.data_refused.inc(dropped)  # held before the run was known
+            self._mailbox.expect(run, secret)  # drops (and counts) the data not the run's
             ctx = RunContext(
                 placement=self.placement,
                 layers=self.slice,

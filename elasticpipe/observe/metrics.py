@@ -217,7 +217,8 @@ class StageMetrics:
         self.data_refused = Counter(
             "elasticpipe_stage_data_refused",
             "Data messages dropped because they did not carry their run's secret (not "
-            "from the job's holder or its stages)",
+            "from the job's holder or its stages), or came early for a run outside the "
+            "window or the early caps of the mailbox",
             registry=r,
         )
         self.rpc_errors = _rpc_errors("stage", r)

@@ -12,7 +12,7 @@ RunStep previous (decisions carried)        at most 16
 run ids (RunStep, data, AbortStep)          generation (run >> 40) of the calling
                                             client, at most 16 generations past the
                                             stage's fence for data arriving first
-RunStep secret                              exactly 16 bytes
+RunStep secret, DataHeader secret (data)    exactly 16 bytes
 epochs (Freeze, Assign)                     at most 1,000,000 past the stage's epoch
 slowdown factor (stage and admin)           [1, 1000]
 Profile repeats                             1 .. 100

@@ -31,6 +31,8 @@ STREAM_S = 1.5
 WATCH_S = 2.0
 KWARGS = {"sizes": [8, 16, 4]}
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
@@ -122,6 +124,7 @@ def test_an_idle_stream_gives_its_mailbox_room_back(cluster: LocalCluster) -> No
     stats = admin.GetStats(stage_pb2.StatsRequest(), timeout=10)
     elements = ((1 << 31) - 1024) // 4  # two fit in the 4 GiB mailbox, three do not
     header = stage_pb2.DataHeader(
+        secret=STRANGER,
         epoch=stats.epoch,
         run=(stats.state.fence + 1) << 40,
         micro_batch=0,

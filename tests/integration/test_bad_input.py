@@ -21,6 +21,8 @@ pytestmark = pytest.mark.timeout(120)
 
 KWARGS = {"sizes": [12, 16, 6]}
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 @pytest.fixture
 def trained(
@@ -70,7 +72,7 @@ def test_byte_count_disagreeing_with_shape_is_invalid(
     """A header whose nbytes disagrees with dtype and shape gets INVALID_ARGUMENT naming both."""
     pipe, server = trained
     meta = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[2, 3], nbytes=20)
-    header = stage_pb2.DataHeader(epoch=pipe.partition.epoch, run=1, meta=meta)
+    header = stage_pb2.DataHeader(secret=STRANGER, epoch=pipe.partition.epoch, run=1, meta=meta)
     err = _status(_forward, _stub(server), header, b"\0" * 20)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "[2, 3]" in err.details() and "24 bytes" in err.details() and "20" in err.details()
@@ -81,7 +83,7 @@ def test_missing_and_extra_bytes_are_invalid(trained: tuple[Pipeline, StageServe
     """Fewer or more bytes than declared get INVALID_ARGUMENT with both counts."""
     pipe, server = trained
     meta = codec.tensor_meta(torch.zeros(2, 3))
-    header = stage_pb2.DataHeader(epoch=pipe.partition.epoch, run=1, meta=meta)
+    header = stage_pb2.DataHeader(secret=STRANGER, epoch=pipe.partition.epoch, run=1, meta=meta)
     short = _status(_forward, _stub(server), header, b"\0" * 8)
     assert short.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "received 8 bytes" in short.details() and "24 bytes" in short.details()
@@ -95,7 +97,7 @@ def test_unknown_dtype_is_invalid(trained: tuple[Pipeline, StageServer]) -> None
     """A dtype number the codec does not know gets INVALID_ARGUMENT naming it."""
     pipe, server = trained
     meta = tensor_pb2.TensorMeta(dtype=99, shape=[1], nbytes=4)  # type: ignore[arg-type]
-    header = stage_pb2.DataHeader(epoch=pipe.partition.epoch, run=1, meta=meta)
+    header = stage_pb2.DataHeader(secret=STRANGER, epoch=pipe.partition.epoch, run=1, meta=meta)
     err = _status(_forward, _stub(server), header, b"\0" * 4)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "99" in err.details()
@@ -128,7 +130,9 @@ def test_request_of_another_epoch_is_failed_precondition(
     """Data and RunStep of a stale epoch get FAILED_PRECONDITION stating the current epoch."""
     pipe, server = trained
     epoch = pipe.partition.epoch
-    header = stage_pb2.DataHeader(epoch=epoch + 7, run=1, meta=codec.tensor_meta(torch.zeros(1)))
+    header = stage_pb2.DataHeader(
+        secret=STRANGER, epoch=epoch + 7, run=1, meta=codec.tensor_meta(torch.zeros(1))
+    )
     err = _status(_forward, _stub(server), header, b"\0" * 4)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"stale epoch {epoch + 7}" in err.details() and f"at epoch {epoch}" in err.details()
@@ -181,7 +185,7 @@ def test_oversized_tensor_is_resource_exhausted(trained: tuple[Pipeline, StageSe
     and a single gRPC message over the transport limit is refused the same way."""
     pipe, server = trained
     huge = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[1 << 40], nbytes=4 << 40)
-    header = stage_pb2.DataHeader(epoch=pipe.partition.epoch, run=1, meta=huge)
+    header = stage_pb2.DataHeader(secret=STRANGER, epoch=pipe.partition.epoch, run=1, meta=huge)
     err = _status(_forward, _stub(server), header)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(4 << 40) in err.details() and str(1 << 20) in err.details()
@@ -238,7 +242,10 @@ def test_single_message_delivery_is_checked_like_a_stream(
     pipe, server = trained
     stub = _stub(server)
     header = stage_pb2.DataHeader(
-        epoch=pipe.partition.epoch, run=1, meta=codec.tensor_meta(torch.zeros(2, 3))
+        secret=STRANGER,
+        epoch=pipe.partition.epoch,
+        run=1,
+        meta=codec.tensor_meta(torch.zeros(2, 3)),
     )
     err = _status(
         stub.Deliver, stage_pb2.DataMessage(slot=stage_pb2.INPUT, header=header, data=b"\0" * 23), 5
@@ -255,6 +262,7 @@ def test_single_message_delivery_is_checked_like_a_stream(
     )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "slot 7" in err.details()
     huge = stage_pb2.DataHeader(
+        secret=STRANGER,
         epoch=pipe.partition.epoch,
         run=1,
         meta=tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[1 << 30], nbytes=4 << 30),

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.timeout(120)
 BIG = 2 << 20  # bytes: over one chunk, so it goes over the bulk channel
 SECRET = bytes(range(16))  # the test's runs' secret (RunStepRequest.secret)
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
     """Two stage processes whose inputs, activations and gradients (1.3 MB per
@@ -143,13 +145,17 @@ def test_garbage_and_stolen_tokens_never_take_the_stage_down(stage: StageServer)
     again.close()
 
     too_big = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[1 << 26], nbytes=1 << 28)
-    head = stage_pb2.DataHeader(epoch=EPOCH, run=2, step=0, micro_batch=0, meta=too_big)
+    head = stage_pb2.DataHeader(
+        secret=STRANGER, epoch=EPOCH, run=2, step=0, micro_batch=0, meta=too_big
+    )
     sock.sendall(bulk.header_frame(stage_pb2.INPUT, head))
     assert sock.recv(1) == bulk.ERR
     assert isinstance(bulk.read_error(sock, "stage"), TooLarge)
 
     ok_meta = codec.tensor_meta(torch.rand(BIG // 4))
-    head = stage_pb2.DataHeader(epoch=EPOCH, run=2, step=0, micro_batch=0, meta=ok_meta)
+    head = stage_pb2.DataHeader(
+        secret=STRANGER, epoch=EPOCH, run=2, step=0, micro_batch=0, meta=ok_meta
+    )
     sock.sendall(bulk.header_frame(stage_pb2.INPUT, head))
     assert sock.recv(1) == bulk.GO
     sock.sendall(b"\1" * 1000)  # then vanish mid-tensor

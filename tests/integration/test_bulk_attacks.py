@@ -24,6 +24,8 @@ stage = bulk_stage.stage  # the fixture: one in-process stage holding a job
 
 pytestmark = pytest.mark.timeout(60)
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 def test_meta_beside_structure_is_not_held_beyond_its_reservation(stage: StageServer) -> None:
     """A header with ``structure``+``parts`` declaring 4 bytes and ``meta`` declaring
@@ -36,7 +38,7 @@ def test_meta_beside_structure_is_not_held_beyond_its_reservation(stage: StageSe
     big = tensor_pb2.TensorMeta(dtype=tensor_pb2.FLOAT32, shape=[4 << 20], nbytes=16 << 20)
     sock.settimeout(5)
     for mb in range(4):  # 64 MiB of tensors into a 32 MiB mailbox
-        head = stage_pb2.DataHeader(epoch=EPOCH, run=2, step=0, micro_batch=mb)
+        head = stage_pb2.DataHeader(secret=STRANGER, epoch=EPOCH, run=2, step=0, micro_batch=mb)
         bundle.describe(head, (torch.zeros(1),))  # structure + one 4-byte part
         head.meta.CopyFrom(big)
         try:
@@ -81,7 +83,9 @@ def test_a_foreign_caller_cannot_starve_the_token_table(stage: StageServer) -> N
     sender = sending.Sender(stub, stage.address)
     payload = torch.rand((2 << 20) // 4)
     try:
-        sender.send(sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=10)
+        sender.send(
+            sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload, secret=STRANGER), timeout=10
+        )
     except TooLarge as exc:
         pytest.fail(f"honest send refused after a token burst: {exc}")
     finally:
@@ -98,7 +102,7 @@ def test_a_closed_listener_stops_serving_open_connections(stage: StageServer) ->
     assert servicer_bulk is not None
     servicer_bulk.close()
     payload = torch.rand((2 << 20) // 4)
-    head = stage_pb2.DataHeader(epoch=EPOCH, run=5, step=0, micro_batch=0)
+    head = stage_pb2.DataHeader(secret=STRANGER, epoch=EPOCH, run=5, step=0, micro_batch=0)
     head.meta.CopyFrom(codec.tensor_meta(payload))
     sock.settimeout(5)
     sock.sendall(bulk.header_frame(stage_pb2.INPUT, head))
@@ -137,7 +141,9 @@ def test_a_peer_without_open_bulk_gets_large_tensors_over_grpc() -> None:
         stub = stage_pb2_grpc.StageServiceStub(rpc.channel(address))
         sender = sending.Sender(stub, address)
         payload = torch.rand((2 << 20) // 4)
-        sender.send(sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=10)
+        sender.send(
+            sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload, secret=STRANGER), timeout=10
+        )
         assert old.received == payload.numel() * 4
     finally:
         server.stop(0)
@@ -149,7 +155,7 @@ def test_a_bundle_is_received_without_extra_copies() -> None:
     import tracemalloc
 
     value = (torch.rand(4 << 20), torch.rand(4 << 20))  # 32 MiB
-    head = stage_pb2.DataHeader(epoch=EPOCH, run=1, step=0, micro_batch=0)
+    head = stage_pb2.DataHeader(secret=STRANGER, epoch=EPOCH, run=1, step=0, micro_batch=0)
     declared = bundle.describe(head, value)
     a, b = socket.socketpair()
     feeder = threading.Thread(
@@ -177,7 +183,7 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc(stage: StageServer) -> None
     stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
     sender = sending.Sender(stub, stage.address)
     payload = torch.rand((2 << 20) // 4)
-    sender.send(sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload), timeout=5)
+    sender.send(sending.Outgoing("Forward", EPOCH, 1, 0, 0, payload, secret=STRANGER), timeout=5)
 
 
 def test_a_message_must_arrive_within_the_read_timeout(
@@ -195,7 +201,7 @@ def test_a_message_must_arrive_within_the_read_timeout(
     sock = connect_bulk(port, token)
     assert sock.recv(1) == bulk.OK
     payload = torch.rand((2 << 20) // 4)
-    head = stage_pb2.DataHeader(epoch=EPOCH, run=6, step=0, micro_batch=0)
+    head = stage_pb2.DataHeader(secret=STRANGER, epoch=EPOCH, run=6, step=0, micro_batch=0)
     head.meta.CopyFrom(codec.tensor_meta(payload))
     sock.sendall(bulk.header_frame(stage_pb2.INPUT, head))
     assert sock.recv(1) == bulk.GO

@@ -31,6 +31,8 @@ from tests.support.scenario import FAST, STEPS, Trainer, batch, check, history, 
 
 pytestmark = pytest.mark.timeout(180)
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
@@ -54,7 +56,9 @@ def _refused(call: Callable[[], object], code: grpc.StatusCode, text: str) -> st
 
 def _data(epoch: int, run: int) -> stage_pb2.DataMessage:
     meta, chunks = codec.tensor_chunks(torch.zeros(4, 12))
-    header = stage_pb2.DataHeader(epoch=epoch, run=run, step=2, micro_batch=0, meta=meta)
+    header = stage_pb2.DataHeader(
+        secret=STRANGER, epoch=epoch, run=run, step=2, micro_batch=0, meta=meta
+    )
     return stage_pb2.DataMessage(slot=stage_pb2.INPUT, header=header, data=b"".join(chunks))
 
 

@@ -106,6 +106,8 @@ JOB_CHANGING = frozenset(
 KWARGS = {"sizes": [8, 16, 16, 4]}
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 # ---- messages from descriptors -----------------------------------------------------------
 
@@ -306,7 +308,9 @@ def _big_stream_calls(
     def payloads() -> list[bytes]:
         stats = admin.GetStats(stage_pb2.StatsRequest(), timeout=10)
         return _big_forward(
-            stage_pb2.DataHeader(epoch=stats.epoch, run=(stats.state.fence + 8) << 40)
+            stage_pb2.DataHeader(
+                secret=STRANGER, epoch=stats.epoch, run=(stats.state.fence + 8) << 40
+            )
         )
 
     forward = SERVICES[0].methods_by_name["Forward"]

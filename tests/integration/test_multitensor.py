@@ -29,6 +29,8 @@ MASKED = f"{ALLOWED}:masked"  # 6 layers: embedding, (attention, mlp) x 2, head
 SGD = {"lr": 0.1, "momentum": 0.9}
 STEPS = 4
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
@@ -283,7 +285,7 @@ def test_malformed_multi_tensor_messages_get_precise_statuses(
         raw = bundle.data(value)
 
         def head(**changes: Any) -> stage_pb2.DataHeader:
-            h = stage_pb2.DataHeader(epoch=pipe.partition.epoch, run=1)
+            h = stage_pb2.DataHeader(secret=STRANGER, epoch=pipe.partition.epoch, run=1)
             bundle.describe(h, value)
             for name, change in changes.items():
                 setattr(h, name, change)

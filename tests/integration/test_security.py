@@ -34,6 +34,8 @@ from tests.support.numerics import reference_step
 pytestmark = pytest.mark.timeout(240)
 KWARGS = {"sizes": [8, 16, 16, 16, 4]}
 
+STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
@@ -291,7 +293,7 @@ def test_the_bulk_channel_is_mutual_tls_bound_to_the_token_holder(cluster: Local
     sender = sending.Sender(stub, address, peer)
     payload = torch.rand((2 << 20) // 4)
     with pytest.raises(NotReady):  # a stale epoch, or no job yet
-        sender.send(sending.Outgoing("Forward", 0, 1, 0, 0, payload), timeout=20)
+        sender.send(sending.Outgoing("Forward", 0, 1, 0, 0, payload, secret=STRANGER), timeout=20)
     assert sender._bulk is not None and sender._bulk._sock is not None  # over the channel
     sender.close()
 

@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 
 from elasticpipe.errors import DeadlineExceeded, StageUnavailable, StepAborted, TooLarge
-from elasticpipe.stage_server.mailbox import KNOWN_RUNS, NO_SECRET, Mailbox, Slot
+from elasticpipe.stage_server.mailbox import (
+    EARLY_ENTRIES,
+    EARLY_HELD_RUNS,
+    EARLY_RUNS,
+    KNOWN_RUNS,
+    MAX_ENTRIES,
+    NO_SECRET,
+    Mailbox,
+    Slot,
+)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -361,3 +370,78 @@ def test_only_the_newest_runs_secrets_are_kept() -> None:
         box.take(100, Slot.INPUT, 0, time.monotonic() + PATIENT)
     box.put(101, Slot.INPUT, 0, "x", 1, secret=SECRET)
     assert box.take(101, Slot.INPUT, 0, time.monotonic() + PATIENT) == "x"
+
+
+GENERATION = 1 << 40  # the first run id of client generation 1
+
+
+def test_early_data_far_past_the_newest_run_is_dropped_and_counted() -> None:
+    """Data for runs far past the newest run started here (a stranger's guesses: issue 18's
+    review filled the mailbox for good with 65,546 of them), for a run passed without being
+    started, or of an older generation is dropped at once and counted; the next run's is
+    held and taken."""
+    told: list[int] = []
+    box = Mailbox(1 << 20, on_refused=told.append)
+    box.expect(GENERATION + 9, SECRET)
+    flood = MAX_ENTRIES + 10
+    for n in range(flood):
+        run = GENERATION + 10**9 + n // 4096
+        assert not box.put(run, Slot.INPUT, n % 4096, "x", 0, secret=OTHER)
+    assert not box.put(GENERATION + 5, Slot.INPUT, 0, "passed", 0, secret=OTHER)
+    assert not box.put(9, Slot.INPUT, 0, "older client", 0, secret=OTHER)
+    assert box.usage() == (0, 0)
+    assert box.refused == sum(told) == flood + 2
+    assert box.put(GENERATION + 10, Slot.INPUT, 0, "real", 10, secret=SECRET)
+    box.expect(GENERATION + 10, SECRET)
+    assert box.take(GENERATION + 10, Slot.INPUT, 0, time.monotonic() + PATIENT) == "real"
+    assert box.usage() == (0, 0)
+
+
+def test_early_data_in_the_window_is_freed_once_its_run_is_passed() -> None:
+    """Early data is held for the ``EARLY_RUNS`` runs past the newest one; data for a run
+    the stage then passes without starting it is freed (counted), not kept until a close
+    that never comes."""
+    box = Mailbox(1 << 20, entry_overhead=0)
+    box.expect(GENERATION + 1, SECRET)
+    for run in range(GENERATION + 2, GENERATION + 2 + EARLY_RUNS):
+        assert box.put(run, Slot.INPUT, 0, "x", 1, secret=OTHER)
+    assert not box.put(GENERATION + 2 + EARLY_RUNS, Slot.INPUT, 0, "x", 1, secret=OTHER)
+    assert box.usage() == (EARLY_RUNS, EARLY_RUNS)
+    box.expect(GENERATION + 5, SECRET)  # runs 2..4 passed; 5 started: its stranger dropped
+    assert box.usage() == (EARLY_RUNS - 4, EARLY_RUNS - 4)
+    assert box.refused == 1 + 4
+    box.close_through(GENERATION + 20)
+    assert box.usage() == (0, 0)
+
+
+def test_a_flood_for_a_generation_not_run_yet_never_keeps_out_the_jobs_data() -> None:
+    """Before any run of its generation (a stage that just joined) early data has no window:
+    a stranger's flood fills only the early caps, the job's next run's data displaces it,
+    and the data of the started run has the rest of the mailbox."""
+    box = Mailbox(1 << 30, entry_overhead=0)
+    for n in range(EARLY_ENTRIES + 1000):
+        run = GENERATION + 10**6 + n % (2 * EARLY_HELD_RUNS)
+        box.put(run, Slot.INPUT, n // (2 * EARLY_HELD_RUNS), "x", 1, secret=OTHER)
+    assert box.usage()[1] <= EARLY_ENTRIES
+    real = GENERATION + 7
+    assert box.put(real, Slot.INPUT, 0, "real", 1, secret=SECRET)
+    assert box.put(real, Slot.TARGET, 0, "target", 1, secret=SECRET)
+    box.expect(real, SECRET)
+    assert box.usage() == (2, 2)  # the rest was of runs past the window: dropped
+    for mb in range(1, MAX_ENTRIES - 2):  # the run's own data: the whole mailbox
+        assert box.put(real, Slot.GRAD, mb, "g", 1, secret=SECRET)
+    assert box.take(real, Slot.INPUT, 0, time.monotonic() + PATIENT) == "real"
+    assert box.take(real, Slot.TARGET, 0, time.monotonic() + PATIENT) == "target"
+
+
+def test_early_bytes_are_capped_and_a_nearer_run_displaces_a_further_one() -> None:
+    """Early data holds at most a quarter of the bytes (or one message when alone); a
+    message of a nearer run displaces a further run's, one of the furthest run is dropped."""
+    box = Mailbox(4000, entry_overhead=0)
+    assert box.put(GENERATION + 90, Slot.INPUT, 0, "far", 900, secret=OTHER)
+    assert not box.put(GENERATION + 95, Slot.INPUT, 0, "further", 500, secret=OTHER)
+    assert box.put(GENERATION + 1, Slot.INPUT, 0, "real", 500, secret=SECRET)
+    assert box.usage() == (500, 1)
+    assert box.refused == 2
+    box.expect(GENERATION + 1, SECRET)
+    assert box.take(GENERATION + 1, Slot.INPUT, 0, time.monotonic() + PATIENT) == "real"
