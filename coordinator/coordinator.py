@@ -16,7 +16,7 @@ import time
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.jobs import Jobs
-from elasticpipe.coordinator.membership import Heard, Member, Membership
+from elasticpipe.coordinator.membership import Heard, Member, Membership, Probe, holder_alive
 from elasticpipe.coordinator.planning.estimates import Timing
 from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer, run_loop
 from elasticpipe.coordinator.recovery import Recovery
@@ -28,7 +28,7 @@ from elasticpipe.errors import (
     InvalidRequest,
     NameInUse,
     NotReady,
-    StageUnavailable,
+    Unavailable,
 )
 from elasticpipe.logs import get_logger
 from elasticpipe.v1 import stage_pb2
@@ -86,35 +86,53 @@ class Coordinator:
     def register(self, name: str, address: str, device: str, memory_bytes: int = 0) -> str:
         """Registers a new incarnation of a stage (older ones of the name are dead).
 
-        A name is one stage's. A registration from another address while an incarnation
-        of the name still heartbeats is either a second process under a name in use, or
-        the restart (elsewhere) of one that died within ``dead_after_s``: the holder's own
-        address tells them apart (``_answers``). The restart becomes the new incarnation
-        at once; the second process is refused, and the holder is left alone.
+        A name is one stage's. A registration while an incarnation of the name still
+        heartbeats is either a second process under a name in use, or the restart of one
+        that died within ``dead_after_s`` -- at another address or at the same one (an
+        advertised address can be shared). A probe of the holder's address tells them apart
+        (``_probe``, ``holder_alive``): the restart becomes the new incarnation at once; the
+        second process is refused, and the holder is left alone.
 
         Raises:
             InvalidRequest: no name or no address.
-            NameInUse: a live incarnation elsewhere holds the name and still answers.
+            NameInUse: the name's live incarnation answered as itself: the newcomer should
+                stop (the stage process exits with code 2).
+            NotReady: the name's incarnation still heartbeats but its probe timed out: the
+                newcomer retries until it answers (then it is refused) or is missed.
         """
         if not name or not address:
             raise InvalidRequest(
                 f"register needs a name and an address (got {name!r}, {address!r})"
             )
-        holder = self.cluster.members.holder(name, address)
-        if holder is not None and self._answers(holder):
+        members = self.cluster.members
+        holder = members.holder(name)
+        probe = self._probe(holder) if holder is not None else Probe.UNREACHABLE
+        if holder is not None and holder_alive(
+            members.heard_ago(holder), members.dead_after_s, probe
+        ):
             heard = holder.last_seen_unix
             ago = f"{time.time() - heard:.1f}s ago" if heard else "not yet"
             log.warning(
-                "stage_name_refused",
+                "stage_name_held" if probe is Probe.TIMED_OUT else "stage_name_refused",
                 name=name,
                 address=address,
                 holder=holder.row.stage_id,
                 holder_address=holder.row.address,
+                probe=probe.name,
             )
-            raise NameInUse(
+            held = (
                 f"stage name {name!r} is in use: incarnation {holder.row.incarnation} "
                 f"({holder.row.stage_id}) at {holder.row.address} is alive (last heartbeat "
-                f"{ago}) and answers; {address} was refused. Give this stage another "
+                f"{ago})"
+            )
+            if probe is Probe.TIMED_OUT:
+                raise NotReady(
+                    f"{held} but did not answer within {HOLDER_PROBE_S:.0f}s; {address} "
+                    f"waits: it is refused once the holder answers, and takes the name "
+                    f"once the holder misses its heartbeats"
+                )
+            raise NameInUse(
+                f"{held} and answers; {address} was refused. Give this stage another "
                 f"--name, or stop the one at {holder.row.address} first"
             )
         previous = max(
@@ -136,21 +154,29 @@ class Coordinator:
             )
         return stage_id
 
-    def _answers(self, holder: Member) -> bool:
-        """Whether the holder of a name still runs: its address answers a quick probe as
-        that incarnation. Unreachable, too slow, or another incarnation there (the old
-        process died and a new one took its port): it is gone, so it does not."""
+    def _probe(self, holder: Member) -> Probe:
+        """Asks the holder's address which incarnation answers there (``GetStats``,
+        ``HOLDER_PROBE_S`` at most)."""
         try:
             reply = self.cluster.pool.call(
                 holder.row.address, "GetStats", stage_pb2.StatsRequest(), HOLDER_PROBE_S
             )
-        except (StageUnavailable, DeadlineExceeded) as exc:
-            log.info("stage_holder_gone", stage=holder.row.name, error=str(exc)[:200])
-            return False
-        except ElasticPipeError as exc:  # it answered, if only with an error: it runs
-            log.info("stage_holder_answered", stage=holder.row.name, error=str(exc)[:200])
-            return True
-        return bool(reply.stage_id == holder.row.stage_id)
+        except DeadlineExceeded:
+            probe = Probe.TIMED_OUT
+        except Unavailable:
+            probe = Probe.UNREACHABLE
+        except ElasticPipeError:  # something else answers there now
+            probe = Probe.ERROR
+        else:
+            probe = Probe.ITSELF if reply.stage_id == holder.row.stage_id else Probe.OTHER
+        log.info(
+            "stage_holder_probed",
+            stage=holder.row.name,
+            holder=holder.row.stage_id,
+            address=holder.row.address,
+            probe=probe.name,
+        )
+        return probe
 
     def heartbeat(
         self,

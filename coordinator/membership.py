@@ -3,9 +3,10 @@
 Every start of a stage process is a new *incarnation* with a new id, even under the same
 name and address: the coordinator never confuses a restarted stage with the one that
 died (that one's layers, runs and snapshots are gone). Registering a name again declares
-its older incarnations dead -- unless one of them is a live ``holder`` elsewhere: a name
-is one host's, so a second process under a name in use is refused while its holder
-still answers (``Coordinator.register`` probes it). An incarnation is alive while it
+its older incarnations dead -- unless one of them is a live ``holder``: a name is one
+host's, so a second process under a name in use is refused while its holder still
+answers as itself (``Coordinator.register`` probes it; ``holder_alive`` is the rule). An
+incarnation is alive while it
 heartbeats; one that misses heartbeats for ``dead_after_s``, or that a failure report
 and a probe find unreachable, is declared dead for good: if it comes back it is told so
 and registers anew, as a spare. One that shut down on purpose (SIGTERM, its layers moved
@@ -30,6 +31,33 @@ LEFT_REASON = "left: shut down on purpose, after its layers moved off"
 
 # What ``Membership.state`` calls an incarnation (admin status, metrics).
 STATES = ("chain", "spare", "drained", "dead", "left")
+
+
+class Probe(Enum):
+    """What a quick ``GetStats`` to a name's holder found at the holder's address."""
+
+    ITSELF = "answered as the holder"
+    OTHER = "answered as another incarnation, or as none"
+    TIMED_OUT = "did not answer in time"
+    UNREACHABLE = "refused the connection, or could not be reached"
+    ERROR = "answered with an error"
+
+
+def holder_alive(heard_ago_s: float, dead_after_s: float, probe: Probe) -> bool:
+    """Whether a name's holder still runs, so that a registration of the name is refused.
+
+    Only while its last heartbeat is fresh (within ``dead_after_s``), and only if the probe
+    reached that very incarnation (its reply carries the holder's id) or timed out (a slow
+    holder that still heartbeats is not displaced). A refused connection, a reply from
+    another incarnation or from none (a restart on the holder's port), or any error reply
+    (something else now answers there) mean it is gone: the registration is its restart.
+
+    Args:
+        heard_ago_s: seconds since the holder's last heartbeat.
+        dead_after_s: the silence after which an incarnation counts as dead.
+        probe: what the probe of the holder's address found.
+    """
+    return heard_ago_s < dead_after_s and probe in (Probe.ITSELF, Probe.TIMED_OUT)
 
 
 class Heard(Enum):
@@ -135,17 +163,26 @@ class Membership:
                 member.snapshots = snapshots
             return Heard.OK
 
-    def holder(self, name: str, address: str) -> Member | None:
-        """The newest live incarnation of ``name`` at an address other than ``address``
-        (one that has not left): the process a registration of the name from ``address``
-        would displace. At the same address there is none (two processes cannot listen on
-        one port): a registration from there is that stage's own restart."""
+    def holder(self, name: str) -> Member | None:
+        """The newest live incarnation of ``name`` (one that has not left): the process a
+        registration of the name would displace. It may be at the registering address too:
+        an advertised address (``--advertise``, NAT, a copied unit file) can be shared, so
+        only a probe tells a restart there from a second process (``holder_alive``)."""
         with self._lock:
             same_name = [m for m in self._members.values() if m.row.name == name]
-        live = [
-            m for m in same_name if m.row.address != address and not m.row.left and self.alive(m)
-        ]
+        live = [m for m in same_name if not m.row.left and self.alive(m)]
         return max(live, key=lambda m: m.row.incarnation, default=None)
+
+    def heard_ago(self, member: Member) -> float:
+        """Seconds since the incarnation's last heartbeat (infinite: never heard)."""
+        if member.last_seen is None:
+            return float("inf")
+        return self._clock() - member.last_seen
+
+    @property
+    def dead_after_s(self) -> float:
+        """The silence after which an incarnation counts as dead."""
+        return self._dead_after
 
     def state(self, member: Member, in_chain: bool) -> str:
         """What an incarnation is (one of ``STATES``): ``left`` once its shutdown finished,

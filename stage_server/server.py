@@ -190,11 +190,12 @@ class StageServer:
                     if self._on_refused is not None:
                         self._on_refused(exc)
                     return
-                except ElasticPipeError as exc:
+                except ElasticPipeError as exc:  # a name's holder not yet decided: NotReady
                     attempt += 1
                     delay = backoff * (0.5 + random.random())
+                    held = not self.stage_id and isinstance(exc, NotReady)
                     log.warning(
-                        "coordinator_unreachable",
+                        "stage_name_held" if held else "coordinator_unreachable",
                         coordinator=self.coordinator,
                         attempt=attempt,
                         retry_in_s=round(delay, 2),

@@ -1,7 +1,8 @@
 """Stage names as an operator meets them on real processes: a second stage under a name in
-use is refused and the holder is left alone, a restart elsewhere is a new incarnation at
-once, ``admin forget NAME`` removes that name's dead incarnations, a stage that left on
-SIGTERM shows as ``left``, and ``admin status`` lists live stages first, with their ids."""
+use is refused and the holder is left alone (also one that advertises the holder's own
+address), a restart elsewhere or on its own port is a new incarnation at once, ``admin
+forget NAME`` removes that name's dead incarnations, a stage that left on SIGTERM shows as
+``left``, and ``admin status`` lists live stages first, with their ids."""
 
 from __future__ import annotations
 
@@ -92,13 +93,76 @@ def test_a_second_stage_under_a_name_in_use_is_refused_and_the_holder_is_untouch
     assert "stage_name_refused" in (cluster.log_dir / "coordinator.log").read_text()
 
 
+def test_a_second_stage_advertising_the_holders_address_is_refused(
+    cluster: LocalCluster,
+) -> None:
+    """A second process under a live stage's name that advertises the holder's own address
+    (``--advertise``, as behind NAT or from a copied unit file) is not taken for the
+    holder's restart: the probe finds the holder answering as itself, so the second exits
+    with code 2 naming it, and the holder stays the one live incarnation of its name."""
+    holder = cluster.status().stages[1]
+    assert holder.alive, holder
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticpipe",
+            "stage",
+            "--coordinator",
+            cluster.coordinator,
+            "--name",
+            holder.name,
+            "--listen",
+            "127.0.0.1:0",
+            "--advertise",
+            holder.address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,  # it used to run on, the two knocking each other out
+        check=False,
+    )
+    assert second.returncode == 2, second.stderr[-2000:]
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage name"), second.stderr[-2000:]
+    for named in (holder.name, holder.stage_id, holder.address, "last heartbeat"):
+        assert named in last, last
+    (still,) = incarnations(cluster, holder.name)
+    assert (still.stage_id, still.alive) == (holder.stage_id, True)
+    assert "recovery" not in [r.kind for r in cluster.status().history]
+
+
+def test_a_stage_restarted_on_its_own_port_is_a_new_incarnation_at_once(
+    cluster: LocalCluster,
+) -> None:
+    """A stage SIGKILLed and started again on the very same address, long before its
+    silence would count: the probe there finds no process or one that is no incarnation
+    yet, so the restart registers as the next incarnation and the old one is dead."""
+    stage = next(s for s in cluster.status().stages if s.state == "spare" and s.alive)
+    cluster.kill(stage.name)
+    started = time.monotonic()
+    cluster.add_stage(stage.name, extra=["--listen", stage.address])  # the last one counts
+    while len(rows := incarnations(cluster, stage.name)) < 2:  # the old row still looks alive
+        assert time.monotonic() - started < DEAD_AFTER_S / 2, rows
+        time.sleep(0.1)
+    old, new = rows
+    assert (old.stage_id, old.state, old.alive) == (stage.stage_id, "dead", False)
+    assert (new.address, new.incarnation, new.state) == (
+        stage.address,
+        old.incarnation + 1,
+        "spare",
+    )
+
+
 def test_a_stage_restarted_elsewhere_before_it_is_missed_is_a_new_incarnation_at_once(
     cluster: LocalCluster,
 ) -> None:
     """A stage SIGKILLed and started again on another port, long before its silence would
     count: the old address no longer answers, so the restart registers within seconds as
     the next incarnation, and the old one is dead."""
-    name = [s.name for s in cluster.status().stages if s.state == "spare"][-1]
+    stages = cluster.status().stages
+    once = [s.name for s in stages if s.state == "spare" and incarnations(cluster, s.name) == [s]]
+    name = once[-1]  # not the one the previous test restarted
     RESTARTED.append(name)
     cluster.kill(name)
     started = time.monotonic()

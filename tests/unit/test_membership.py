@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe.coordinator.membership import Heard, Membership
+from elasticpipe.coordinator.membership import Heard, Membership, Probe, holder_alive
 from elasticpipe.coordinator.store import Store
 from elasticpipe.v1 import stage_pb2
 
@@ -181,22 +181,46 @@ def test_find_by_id_name_or_address(members: Membership, key: str) -> None:
     assert members.find("nobody") is None
 
 
-def test_the_holder_of_a_name_is_its_live_incarnation_elsewhere(
+def test_the_holder_of_a_name_is_its_live_incarnation_at_any_address(
     members: Membership, clock: FakeClock
 ) -> None:
-    """A registration from another address meets the name's live incarnation as its holder;
-    from the holder's own address (its restart: one port, one process) there is none, nor
-    once the holder is silent, dead or has left."""
+    """A registration meets the name's live incarnation as its holder, from another address
+    and from the holder's own (an advertised address can be shared: only the probe tells a
+    restart there from a second process); there is none once it is silent, dead or left."""
     sid, _ = members.register("host-a", "10.0.0.1:7000", "cpu")
-    holder = members.holder("host-a", "10.0.0.1:7204")
+    holder = members.holder("host-a")
     assert holder is not None and holder.row.stage_id == sid
-    assert members.holder("host-a", "10.0.0.1:7000") is None
-    assert members.holder("host-b", "10.0.0.1:7204") is None
+    assert members.heard_ago(holder) == 0.0 and members.dead_after_s == 5.0
+    assert members.holder("host-b") is None
     clock.now += 5.0
-    assert members.holder("host-a", "10.0.0.1:7204") is None  # silent: a restart elsewhere
+    assert members.heard_ago(holder) == 5.0
+    assert members.holder("host-a") is None  # silent: a restart elsewhere
     members.heartbeat(sid, 0, {}, 0, 1.0)
     members.mark_left(sid)
-    assert members.holder("host-a", "10.0.0.1:7204") is None  # shutting down on purpose
+    assert members.holder("host-a") is None  # shutting down on purpose
+    other, _ = members.register("host-c", "10.0.0.3:7000", "cpu")
+    members.declare_dead(other, "test")
+    assert members.holder("host-c") is None
+
+
+@pytest.mark.parametrize(
+    ("heard_ago", "probe", "alive"),
+    [
+        (0.5, Probe.ITSELF, True),  # it answered as itself: a second process is refused
+        (0.5, Probe.TIMED_OUT, True),  # slow but heartbeating: not displaced
+        (0.5, Probe.OTHER, False),  # another incarnation, or none, on its port: a restart
+        (0.5, Probe.UNREACHABLE, False),  # connection refused: it died
+        (0.5, Probe.ERROR, False),  # something else answers there (UNIMPLEMENTED, ...)
+        (5.0, Probe.ITSELF, False),  # its heartbeat is stale: missed, whatever answers
+        (5.0, Probe.TIMED_OUT, False),
+        (float("inf"), Probe.ITSELF, False),  # never heard from
+    ],
+)
+def test_a_holder_is_alive_only_while_it_heartbeats_and_answers_as_itself_or_times_out(
+    heard_ago: float, probe: Probe, alive: bool
+) -> None:
+    """The rule a registration under a held name follows (dead_after 5 s)."""
+    assert holder_alive(heard_ago, 5.0, probe) is alive
 
 
 def test_an_incarnation_that_left_is_left_not_dead_also_after_a_restart(
