@@ -99,18 +99,23 @@ def _flood(address: str) -> int:
     return first
 
 
-def _train(cluster: LocalCluster, flood: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Trains ``STEPS`` steps of a new job; with ``flood``, floods every stage after the
-    first step (the three at once: each flood costs seconds on a loaded machine)."""
-    losses = []
-    with Pipeline(
+def _pipeline(cluster: LocalCluster) -> Pipeline:
+    """The job every test here trains: a 3-stage MLP."""
+    return Pipeline(
         coordinator=cluster.coordinator,
         model="mlp",
         model_kwargs=KWARGS,
         optimizer_kwargs={"lr": 1e-2},
         micro_batches=MICRO_BATCHES,
         stages=3,
-    ) as pipe:
+    )
+
+
+def _train(cluster: LocalCluster, flood: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Trains ``STEPS`` steps of a new job; with ``flood``, floods every stage after the
+    first step (the three at once: each flood costs seconds on a loaded machine)."""
+    losses = []
+    with _pipeline(cluster) as pipe:
         for step, (x, y) in enumerate(_batches()):
             losses.append(pipe.train_step(x, y))
             if flood and step == 0:
@@ -208,14 +213,7 @@ def test_a_flood_for_far_runs_is_dropped_at_once_and_training_goes_on(
     counted, the mailbox holds none of them, and the job trains on exactly as without."""
     want_losses, _ = _train(cluster, flood=False)
     losses = []
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model="mlp",
-        model_kwargs=KWARGS,
-        optimizer_kwargs={"lr": 1e-2},
-        micro_batches=MICRO_BATCHES,
-        stages=3,
-    ) as pipe:
+    with _pipeline(cluster) as pipe:
         for step, (x, y) in enumerate(_batches()):
             losses.append(pipe.train_step(x, y))
             if step:
