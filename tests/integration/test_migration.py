@@ -60,6 +60,22 @@ class Admin:
     def status(self) -> coordinator_pb2.StatusResponse:
         return self.call("Status", coordinator_pb2.StatusRequest())  # type: ignore[return-value]
 
+    def plan(self) -> coordinator_pb2.PlanResponse:
+        return self.call("Plan", coordinator_pb2.PlanRequest())  # type: ignore[return-value]
+
+    def slowdown(self, stage: str, factor: float) -> coordinator_pb2.AdminAck:
+        request = coordinator_pb2.AdminSlowdownRequest(stage=stage, factor=factor)
+        return self.call("Slowdown", request)  # type: ignore[return-value]
+
+
+def _slow_down(admin: Admin, stage: str, factor: float) -> None:
+    """Sets a stage's emulated slowdown and waits until its heartbeat reports it."""
+    admin.slowdown(stage, factor)
+    deadline = time.monotonic() + 20  # heartbeats every 1 s; a loaded host may delay one
+    while not any(s.name == stage and s.slowdown == factor for s in admin.status().stages):
+        assert time.monotonic() < deadline, admin.status()
+        time.sleep(0.1)
+
 
 def _batch(model: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     if model == "mlp":
@@ -120,7 +136,13 @@ def test_training_is_exact_across_migrations(
     def between(step: int, pipe: Pipeline) -> None:
         part = pipe.partition
         num_layers = part.boundaries[-1]
-        if step == 2:  # lopsided on purpose: the last stage gets most layers
+        if step == 1:
+            # The stage that will hold most layers runs 4x slower from now on, so the
+            # rebalance at step 4 has a move to make on any host: sub-millisecond layers
+            # alone measure too noisily on a loaded one to tell the partitions apart.
+            between.slow = cluster.name_of(part.addresses[-1])  # type: ignore[attr-defined]
+            _slow_down(admin, between.slow, 4.0)  # type: ignore[attr-defined]
+        elif step == 2:  # lopsided on purpose: the last stage gets most layers
             lopsided = [*range(stages), num_layers]
             assert admin.set_partition(lopsided).changed
         elif step == 4:
@@ -132,7 +154,8 @@ def test_training_is_exact_across_migrations(
             while not reply.changed and time.monotonic() < deadline:
                 time.sleep(0.5)
                 reply = admin.rebalance()
-            assert reply.changed, reply.decision
+            assert reply.changed, (reply.decision, admin.plan())
+            _slow_down(admin, between.slow, 1.0)  # type: ignore[attr-defined]
         elif step == 7:
             victim = admin.status().stages[1].name
             between.victim = victim  # type: ignore[attr-defined]
