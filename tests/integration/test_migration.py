@@ -140,8 +140,7 @@ def test_training_is_exact_across_migrations(
             # The stage that will hold most layers runs 4x slower from now on, so the
             # rebalance at step 4 has a move to make on any host: sub-millisecond layers
             # alone measure too noisily on a loaded one to tell the partitions apart.
-            between.slow = cluster.name_of(part.addresses[-1])  # type: ignore[attr-defined]
-            _slow_down(admin, between.slow, 4.0)  # type: ignore[attr-defined]
+            _slow_down(admin, cluster.name_of(part.addresses[-1]), 4.0)
         elif step == 2:  # lopsided on purpose: the last stage gets most layers
             lopsided = [*range(stages), num_layers]
             assert admin.set_partition(lopsided).changed
@@ -155,7 +154,7 @@ def test_training_is_exact_across_migrations(
                 time.sleep(0.5)
                 reply = admin.rebalance()
             assert reply.changed, (reply.decision, admin.plan())
-            _slow_down(admin, between.slow, 1.0)  # type: ignore[attr-defined]
+            _slow_down(admin, cluster.name_of(part.addresses[-1]), 1.0)  # the same chain
         elif step == 7:
             victim = admin.status().stages[1].name
             between.victim = victim  # type: ignore[attr-defined]
@@ -311,7 +310,7 @@ def test_auto_rebalance_moves_layers_off_a_straggler_and_stays_exact() -> None:
         before = pipe.partition
         victim = before.addresses[1]
         name = f"stage-{cluster.stage_addresses.index(victim)}"
-        admin.call("Slowdown", coordinator_pb2.AdminSlowdownRequest(stage=name, factor=4.0))
+        admin.slowdown(name, 4.0)
         deadline = time.monotonic() + 60  # the policy confirms over two re-plans, ~1 s apart
         while pipe.partition.epoch == before.epoch and time.monotonic() < deadline:
             step()
