@@ -243,7 +243,7 @@ def test_recompute_is_exact_and_stashes_less(
     cluster: LocalCluster, model: str, schedule: str
 ) -> None:
     """recompute=True and recompute=[some layers] train to exactly the weights of
-    recompute=False, and the peak stashed bytes drop."""
+    recompute=False, and the peak stashed bytes drop, on the same partition."""
     kwargs = GPT if model == "gpt" else KWARGS
     results = {}
     for recompute in (False, True, [1, 2]):
@@ -252,6 +252,11 @@ def test_recompute_is_exact_and_stashes_less(
         ) as pipe:
             for step in range(1, 4):
                 pipe.train_step(*_batch(step, model))
+                if step == 1:
+                    # Pinned once the first step profiled the job (its plan follows measured
+                    # speeds): what a stage stashes depends on where the cuts are.
+                    _set_partition(cluster, [0, 1, 3, pipe.partition.boundaries[-1]])
+            assert list(pipe.partition.boundaries)[:3] == [0, 1, 3]
             stashed = sum(s.peak_stashed_bytes for s in pipe.last_step.stages)
             results[str(recompute)] = (pipe.state_dict(), stashed)
     plain, plain_bytes = results["False"]
