@@ -91,7 +91,8 @@ def main() -> int:
                 cluster = stack.enter_context(
                     LocalCluster(
                         stages=args.stages,
-                        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+                        state=":memory:",
+                        auto_rebalance=False,
                     )
                 )
             options: dict[str, Any] = {"micro_batches": 4, **kwargs}

@@ -122,9 +122,7 @@ def main() -> int:
     driver.commit = timed("commit", driver.commit)  # type: ignore[method-assign]
     print(f"load average {os.getloadavg()[0]:.2f} before")
     with (
-        LocalCluster(
-            coordinator_args=["--state", ":memory:", "--no-auto-rebalance"], **cluster_kwargs
-        ) as cluster,
+        LocalCluster(state=":memory:", auto_rebalance=False, **cluster_kwargs) as cluster,
         Pipeline(
             tls=cluster.client_tls,
             coordinator=cluster.coordinator,

@@ -244,9 +244,7 @@ class DataPath(Carrier):
     def __init__(self, use_bulk: bool = True, cluster: LocalCluster | None = None) -> None:
         super().__init__("data path" if use_bulk else "gRPC path")
         self.owns_cluster = cluster is None
-        self.cluster = cluster or LocalCluster(
-            stages=1, coordinator_args=["--state", ":memory:", "--no-auto-rebalance"]
-        )
+        self.cluster = cluster or LocalCluster(stages=1, state=":memory:", auto_rebalance=False)
         if self.owns_cluster:
             self.cluster.start()
         self.address = self.cluster.stage_addresses[0]

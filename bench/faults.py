@@ -162,7 +162,7 @@ def main() -> None:
         "--quick", action="store_true", help="12 steps, 1 round of 2-step runs, faster deaths"
     )
     args = parser.parse_args()
-    heartbeat, dead_after = ("0.25", "2") if args.quick else ("0.5", "3")
+    heartbeat, dead_after = (0.25, 2.0) if args.quick else (0.5, 3.0)
     if args.quick:
         args.steps, args.snapshot_every, args.rounds, args.overhead_steps = 12, 2, 1, 2
     if args.steps < 6:
@@ -170,13 +170,9 @@ def main() -> None:
     overhead_steps = args.overhead_steps or args.steps
     with LocalCluster(
         stages=5,
-        coordinator_args=[
-            "--no-auto-rebalance",
-            "--heartbeat-interval",
-            heartbeat,
-            "--dead-after",
-            dead_after,
-        ],
+        auto_rebalance=False,
+        heartbeat_s=heartbeat,
+        dead_after_s=dead_after,
     ) as cluster:
         pairs = []
         for _ in range(args.rounds):

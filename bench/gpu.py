@@ -55,7 +55,6 @@ WIDTH = 2048
 MODEL_KWARGS: dict[str, Any] = {"sizes": [WIDTH] * 5}  # 4 Linear(2048, 2048), ReLU between
 BATCH = 1024
 RTOL, ATOL = 1e-4, 1e-5
-COORDINATOR_ARGS = ["--state", ":memory:", "--no-auto-rebalance"]
 DEVICE = "cuda"  # "cpu" with --dry-run-cpu
 STAGE_ARGS = ["--device", DEVICE]
 HOP_BYTES = {"4mib": 4 << 20, "32mib": 32 << 20}
@@ -219,7 +218,7 @@ def main() -> int:
     a1, a1_losses, ref = plain(batches, micro=False)
     a4, _, _ = plain(batches, micro=True)
     with LocalCluster(
-        stages=2, coordinator_args=COORDINATOR_ARGS, stage_args=STAGE_ARGS
+        stages=2, state=":memory:", auto_rebalance=False, stage_args=STAGE_ARGS
     ) as cluster:
         b, _, b_out, _ = piped(cluster, 1, batches)
         c, c_losses, c_out, state = piped(cluster, 2, batches)

@@ -112,9 +112,7 @@ def main() -> int:
         parser.error(f"--steps must be >= 1 (got {args.steps})")
     started = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
-    with LocalCluster(
-        stages=2, coordinator_args=["--state", ":memory:", "--no-auto-rebalance"], metrics=True
-    ) as cluster:
+    with LocalCluster(stages=2, state=":memory:", auto_rebalance=False, metrics=True) as cluster:
         for name, options in CONFIGS.items():
             results[name] = run(cluster, options, args.steps)
             print(f"  ran {name}", file=sys.stderr)

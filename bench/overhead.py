@@ -92,7 +92,6 @@ OPTIMIZER = "sgd"
 OPTIMIZER_KWARGS = {"lr": 0.05}
 NUM_BATCHES = 8  # distinct mini-batches, cycled
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
-COORDINATOR_ARGS = ["--state", ":memory:", "--no-auto-rebalance"]
 
 FULL = {"steps": 40, "warmup": 5, "tls_rounds": 5}
 QUICK = {"steps": 2, "warmup": 1, "tls_rounds": 1}
@@ -215,7 +214,7 @@ def run_pipeline(
     result.stage_wall_s = [[] for _ in range(stages)]
     report = ""
     started = time.perf_counter()
-    with LocalCluster(stages=stages, coordinator_args=COORDINATOR_ARGS) as cluster:
+    with LocalCluster(stages=stages, state=":memory:", auto_rebalance=False) as cluster:
         result.start_s = time.perf_counter() - started
         procs = [cluster.procs[f"stage-{s}"].pid for s in range(stages)]
         with make_pipeline(cluster, stages, schedule) as pipe:
@@ -274,7 +273,9 @@ def run_tls_pair(data: Batches, warmup: int, steps: int, rounds: int) -> TlsPair
     per_round = max(1, steps // rounds)
     with contextlib.ExitStack() as stack:
         clusters = [
-            stack.enter_context(LocalCluster(stages=2, coordinator_args=COORDINATOR_ARGS, tls=t))
+            stack.enter_context(
+                LocalCluster(stages=2, state=":memory:", auto_rebalance=False, tls=t)
+            )
             for t in (False, True)
         ]
         pipes = [stack.enter_context(make_pipeline(c, 2)) for c in clusters]

@@ -141,18 +141,16 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
     """Everything measured on a fresh coordinator with ``stages`` fake stages (and one spare),
     into ``out`` (what was measured stays there if a later phase fails)."""
     hb = args.heartbeat_interval
-    coordinator_args = [
-        "--state",
-        ":memory:",
-        "--no-auto-rebalance",
-        "--heartbeat-interval",
-        str(hb),
-        "--dead-after",
-        str(args.dead_after),
-    ]
     started = time.perf_counter()
     log_dir = Path(args.log_dir) / f"{stages}-stages" if args.log_dir else None
-    with LocalCluster(stages=0, coordinator_args=coordinator_args, log_dir=log_dir) as cluster:
+    with LocalCluster(
+        stages=0,
+        state=":memory:",
+        auto_rebalance=False,
+        heartbeat_s=hb,
+        dead_after_s=args.dead_after,
+        log_dir=log_dir,
+    ) as cluster:
         cpid = cluster.procs["coordinator"].pid
         admin = Admin(cluster.coordinator)
         time.sleep(0.5)

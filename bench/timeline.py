@@ -37,7 +37,7 @@ def main() -> None:
         parser.error(f"--steps must be >= 1 (got {args.steps})")
     kwargs = {"n_layers": 6, "d_model": 64, "max_seq_len": 32}
     with (
-        LocalCluster(stages=4, coordinator_args=["--no-auto-rebalance"]) as cluster,
+        LocalCluster(stages=4, auto_rebalance=False) as cluster,
         Pipeline(
             coordinator=cluster.coordinator,
             model="gpt",

@@ -62,13 +62,22 @@ class LocalCluster:
         tls: bool = False,
         metrics: bool = False,
         per_stage_args: Sequence[Sequence[str]] | None = None,
+        *,
+        auto_rebalance: bool = True,
+        heartbeat_s: float | None = None,
+        dead_after_s: float | None = None,
+        state: str | None = None,
+        fault_injection: bool = False,
+        commit_lease_s: float | None = None,
+        allow_models: Sequence[str] = (),
     ):
         """Describes the cluster; ``start`` (or ``with``) launches it.
 
         Args:
             stages: number of stage servers.
             slowdowns: per-stage emulated slowdown factors (default all 1).
-            coordinator_args: extra flags for ``elasticpipe coordinator``.
+            coordinator_args: extra flags for ``elasticpipe coordinator`` (after those the
+                typed options below spell).
             stage_args: extra flags for every ``elasticpipe stage``.
             log_dir: where each process writes its log (default: a temporary folder).
             threads_per_stage: torch intra-op threads of each stage (they share the host).
@@ -79,13 +88,34 @@ class LocalCluster:
                 (``metrics_ports``, ``metrics_url``).
             per_stage_args: extra flags of each stage in turn, after ``stage_args``
                 (e.g. ``[["--memory", "2M"], []]``).
+            auto_rebalance: the coordinator moves layers by itself when the planner
+                predicts a gain (False: only on request, ``Admin.rebalance``).
+            heartbeat_s: seconds between the stages' heartbeats (None: the default, 1 s).
+            dead_after_s: seconds of silence before a stage is declared dead (None: 5 s).
+            state: the coordinator's SQLite file; ``":memory:"`` keeps nothing (None: a
+                file in the cluster's temporary folder, so that ``restart_coordinator``
+                finds it).
+            fault_injection: the stages accept injected faults (``tests``, ``bench``).
+            commit_lease_s: how long a stage holds a step's commit for its client.
+            allow_models: module prefixes every stage may import model factories from.
         """
         self.num_stages = stages
         self.slowdowns = list(slowdowns or [1.0] * stages)
         if len(self.slowdowns) != stages:
             raise ValueError(f"{len(self.slowdowns)} slowdowns given for {stages} stages")
-        self._coordinator_args = list(coordinator_args)
-        self._stage_args = list(stage_args)
+        typed: list[str] = [] if auto_rebalance else ["--no-auto-rebalance"]
+        for flag, value in (("--heartbeat-interval", heartbeat_s), ("--dead-after", dead_after_s)):
+            if value is not None:
+                typed += [flag, str(value)]
+        if state is not None:
+            typed += ["--state", state]
+        self._coordinator_args = [*typed, *coordinator_args]
+        typed = ["--enable-fault-injection"] if fault_injection else []
+        if commit_lease_s is not None:
+            typed += ["--commit-lease", str(commit_lease_s)]
+        if allow_models:
+            typed += ["--allow-models", *allow_models]
+        self._stage_args = [*typed, *stage_args]
         self._per_stage_args = [list(a) for a in per_stage_args or [[]] * stages]
         if len(self._per_stage_args) != stages:
             raise ValueError(f"{len(self._per_stage_args)} per_stage_args for {stages} stages")

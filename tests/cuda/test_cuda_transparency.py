@@ -29,7 +29,8 @@ def gpu_cluster() -> Iterator[LocalCluster]:
     """Three stage processes on the GPU and a coordinator."""
     with LocalCluster(
         stages=3,
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        state=":memory:",
+        auto_rebalance=False,
         stage_args=["--device", "cuda"],
     ) as cluster:
         yield cluster

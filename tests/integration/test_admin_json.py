@@ -29,15 +29,10 @@ def cluster() -> Iterator[LocalCluster]:
     """Four stages (a job uses three: one spare), quick death detection, no auto moves."""
     with LocalCluster(
         stages=4,
-        coordinator_args=[
-            "--state",
-            ":memory:",
-            "--no-auto-rebalance",
-            "--dead-after",
-            "1.5",
-            "--heartbeat-interval",
-            "0.3",
-        ],
+        state=":memory:",
+        auto_rebalance=False,
+        dead_after_s=1.5,
+        heartbeat_s=0.3,
     ) as c:
         yield c
 

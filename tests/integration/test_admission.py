@@ -46,9 +46,7 @@ def cluster() -> Iterator[LocalCluster]:
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)  # the processes of the cluster inherit them
-        with LocalCluster(
-            stages=2, tls=True, coordinator_args=["--no-auto-rebalance", "--dead-after", "3"]
-        ) as c:
+        with LocalCluster(stages=2, tls=True, auto_rebalance=False, dead_after_s=3) as c:
             with Pipeline(
                 coordinator=c.coordinator, model="mlp", model_kwargs=KWARGS, tls=c.client_tls
             ) as pipe:

@@ -45,7 +45,7 @@ def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
     reference = models_build(kwargs)
     opt = make_optimizer("sgd", reference.parameters(), {"lr": 0.05})
     g = torch.Generator().manual_seed(0)
-    with LocalCluster(stages=2, metrics=True, coordinator_args=["--no-auto-rebalance"]) as c:
+    with LocalCluster(stages=2, metrics=True, auto_rebalance=False) as c:
         with Pipeline(
             coordinator=c.coordinator,
             model="mlp",

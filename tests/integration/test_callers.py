@@ -27,7 +27,8 @@ from elasticpipe.v1 import (
     tensor_pb2,
 )
 from elasticpipe.wire import codec, layer_state
-from tests.support.scenario import FAST, STEPS, Trainer, batch, check, history, pipeline
+from tests.support.clusters import fast
+from tests.support.scenario import STEPS, Trainer, batch, check, history, pipeline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +38,7 @@ STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header c
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Three chain stages and a spare, on mutual TLS."""
-    with LocalCluster(stages=4, tls=True, coordinator_args=FAST) as c:
+    with fast(4, tls=True) as c:
         yield c
 
 

@@ -37,7 +37,8 @@ def cluster() -> Iterator[LocalCluster]:
     with LocalCluster(
         stages=3,
         stage_args=["--allow-models", "tests.support"],
-        coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"],
+        auto_rebalance=False,
+        heartbeat_s=0.2,
     ) as c:
         yield c
 
@@ -273,9 +274,7 @@ def test_recovery_after_a_crash_rolls_back_to_the_users_weights_not_the_seeds() 
     batches = _batches(4, seed=9)
     expected_losses, expected_state = _reference(weights, batches)
     with (
-        LocalCluster(
-            stages=3, coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"]
-        ) as cluster,
+        LocalCluster(stages=3, auto_rebalance=False, heartbeat_s=0.2) as cluster,
         _pipe(cluster, 2, init_state=weights, snapshot_every=10) as pipe,
     ):
         losses = [pipe.train_step(x, y) for x, y in batches[:2]]

@@ -86,7 +86,8 @@ def test_a_job_without_snapshots_fails_clearly_when_a_stage_dies_mid_step() -> N
     and nothing hangs."""
     with LocalCluster(
         stages=2,
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        state=":memory:",
+        auto_rebalance=False,
     ) as cluster:
         kwargs = {"sizes": [64, 256, 256, 256, 8]}
         with Pipeline(

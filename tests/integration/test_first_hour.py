@@ -47,8 +47,10 @@ def cluster() -> Iterator[LocalCluster]:
     """Three stages allowing the tests' factories; rebalancing only on request."""
     with LocalCluster(
         stages=3,
-        stage_args=["--allow-models", ALLOWED, "--enable-fault-injection"],
-        coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"],
+        allow_models=[ALLOWED],
+        fault_injection=True,
+        auto_rebalance=False,
+        heartbeat_s=0.2,
     ) as c:
         yield c
 
@@ -219,7 +221,7 @@ def test_stages_that_import_different_factory_code_are_refused(tmp_path: Path) -
             "from torch import nn\n\n"
             f"def build():\n    return nn.Sequential(nn.Linear({width}, 4), nn.Linear(4, 2))\n"
         )
-    with LocalCluster(stages=0, coordinator_args=["--no-auto-rebalance"]) as cluster:
+    with LocalCluster(stages=0, auto_rebalance=False) as cluster:
         for version in ("a", "b"):
             cluster.add_stage(
                 f"host-{version}",
@@ -240,7 +242,7 @@ def test_stages_that_import_different_factory_code_are_refused(tmp_path: Path) -
 QUIET_SCRIPT = """
 import torch
 from elasticpipe import LocalCluster, Pipeline
-with LocalCluster(stages=2, coordinator_args=["--no-auto-rebalance"]) as cluster:
+with LocalCluster(stages=2, auto_rebalance=False) as cluster:
     with Pipeline(coordinator=cluster.coordinator, model="mlp",
                   model_kwargs={"sizes": [4, 8, 2]}) as pipe:
         for _ in range(3):

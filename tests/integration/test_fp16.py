@@ -47,8 +47,9 @@ def cluster() -> Iterator[LocalCluster]:
     """Three stages that accept injected faults; layers move only when told."""
     with LocalCluster(
         stages=3,
-        stage_args=["--enable-fault-injection"],
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        fault_injection=True,
+        state=":memory:",
+        auto_rebalance=False,
     ) as c:
         yield c
 
@@ -287,4 +288,4 @@ def test_a_recovery_rolls_the_scale_back_and_replays_it(cluster: LocalCluster) -
         state = pipe.state_dict()
     for key, value in reference.model.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
-    cluster.add_stage(victim, ["--enable-fault-injection"])
+    cluster.add_stage(victim)

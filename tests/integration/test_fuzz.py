@@ -250,7 +250,7 @@ def _serving(address: str, who: tls.TLS | None) -> bool:
 @pytest.fixture(scope="module")
 def busy() -> Iterator[LocalCluster]:
     """A TLS cluster whose training job must come out exact."""
-    with LocalCluster(stages=2, tls=True, coordinator_args=["--no-auto-rebalance"]) as c:
+    with LocalCluster(stages=2, tls=True, auto_rebalance=False) as c:
         yield c
 
 

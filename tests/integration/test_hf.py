@@ -58,9 +58,7 @@ SGD = {"lr": 0.5, "momentum": 0.9}
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Three stages (the packaged factory needs no --allow-models)."""
-    with LocalCluster(
-        stages=3, coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"]
-    ) as c:
+    with LocalCluster(stages=3, auto_rebalance=False, heartbeat_s=0.2) as c:
         yield c
 
 

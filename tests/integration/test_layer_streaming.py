@@ -42,7 +42,8 @@ def test_a_layer_over_the_limit_in_tiny_chunks_moves_saves_loads_and_recovers_ex
         LocalCluster(
             stages=3,
             stage_args=limits,
-            coordinator_args=["--no-auto-rebalance", "--heartbeat-interval", "0.2"],
+            auto_rebalance=False,
+            heartbeat_s=0.2,
         ) as cluster,
         Pipeline(
             coordinator=cluster.coordinator,

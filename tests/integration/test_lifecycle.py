@@ -22,9 +22,7 @@ MLP = {"sizes": [8, 16, 16, 4]}
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Two stages; rebalancing only on request."""
-    with LocalCluster(
-        stages=2, coordinator_args=["--state", ":memory:", "--no-auto-rebalance"]
-    ) as c:
+    with LocalCluster(stages=2, state=":memory:", auto_rebalance=False) as c:
         yield c
 
 

@@ -30,7 +30,8 @@ def capped() -> Iterator[LocalCluster]:
     """Two stages, the first offering 400 KiB and the second 2 MiB."""
     with LocalCluster(
         stages=2,
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        state=":memory:",
+        auto_rebalance=False,
         per_stage_args=[["--memory", cap] for cap in CAPS],
     ) as cluster:
         yield cluster

@@ -26,7 +26,8 @@ def cluster() -> Iterator[LocalCluster]:
     """Three stages and a coordinator, each with a metrics endpoint on a free port."""
     with LocalCluster(
         stages=STAGES,
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        state=":memory:",
+        auto_rebalance=False,
         metrics=True,
     ) as c:
         yield c

@@ -31,8 +31,9 @@ def cluster() -> Iterator[LocalCluster]:
     """Four stages that accept injected faults; rebalancing only on request."""
     with LocalCluster(
         stages=4,
-        stage_args=["--enable-fault-injection"],
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        fault_injection=True,
+        state=":memory:",
+        auto_rebalance=False,
     ) as c:
         yield c
 

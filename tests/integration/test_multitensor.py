@@ -21,8 +21,8 @@ from elasticpipe.stage_server.server import StageServer
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import bundle, codec, compress, structure
+from tests.support.clusters import fast
 from tests.support.numerics import reference_step, stage_threads
-from tests.support.scenario import FAST
 
 ALLOWED = "tests.support.custom_models"
 MASKED = f"{ALLOWED}:masked"  # 6 layers: embedding, (attention, mlp) x 2, head
@@ -35,7 +35,7 @@ STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header c
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Three stage processes that allow the custom_models module; moves on request only."""
-    with LocalCluster(stages=3, stage_args=["--allow-models", ALLOWED], coordinator_args=FAST) as c:
+    with fast(3, allow_models=[ALLOWED]) as c:
         yield c
 
 

@@ -33,13 +33,9 @@ def cluster() -> Iterator[LocalCluster]:
     """Four stages; silence counts only after 20 s; rebalancing only on request."""
     with LocalCluster(
         stages=4,
-        coordinator_args=[
-            "--no-auto-rebalance",
-            "--heartbeat-interval",
-            "0.2",
-            "--dead-after",
-            str(DEAD_AFTER_S),
-        ],
+        auto_rebalance=False,
+        heartbeat_s=0.2,
+        dead_after_s=DEAD_AFTER_S,
     ) as c:
         yield c
 

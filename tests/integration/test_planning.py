@@ -32,13 +32,9 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
         LocalCluster(
             stages=2,
             slowdowns=[2.0, 1.0],
-            coordinator_args=[
-                "--state",
-                ":memory:",
-                "--no-auto-rebalance",
-                "--heartbeat-interval",
-                "0.3",
-            ],
+            state=":memory:",
+            auto_rebalance=False,
+            heartbeat_s=0.3,
         ) as cluster,
         Pipeline(
             coordinator=cluster.coordinator,

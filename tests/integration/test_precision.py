@@ -22,9 +22,7 @@ def test_bf16_pipeline_equals_local_pipeline_on_any_partition() -> None:
     predictions within float32's default tolerance: the local side runs under a stage's
     thread count, with the same kernels (tests.support.numerics)."""
     with (
-        LocalCluster(
-            stages=3, coordinator_args=["--state", ":memory:", "--no-auto-rebalance"]
-        ) as cluster,
+        LocalCluster(stages=3, state=":memory:", auto_rebalance=False) as cluster,
         stage_threads(),
     ):
         for stages in (2, 3):

@@ -16,8 +16,9 @@ from elasticpipe.errors import InvalidRequest, PermissionDenied
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from tests.support.clusters import failing
 from tests.support.numerics import reference_step, stage_threads
-from tests.support.scenario import FAST, arm
+from tests.support.scenario import arm
 
 ALLOWED = "tests.support.custom_models"
 DROPOUT = f"{ALLOWED}:dropout"
@@ -25,14 +26,11 @@ STEPS = 4
 ADAM = {"lr": 1e-2}
 
 
-STAGE_ARGS = ["--allow-models", ALLOWED, "--enable-fault-injection", "--commit-lease", "5"]
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Four stage processes (jobs use 2 or 3; the others are spares) that allow only the
     custom_models module and accept injected faults; moves on request."""
-    with LocalCluster(stages=4, stage_args=STAGE_ARGS, coordinator_args=FAST) as c:
+    with failing(4, allow_models=[ALLOWED]) as c:
         yield c
 
 
@@ -255,7 +253,7 @@ def test_dropout_replayed_after_a_stage_is_killed_is_the_same(cluster: LocalClus
         assert replayed >= 1, "nothing was replayed: the kill did not happen"
         assert victim not in {cluster.name_of(a) for a in pipe.partition.addresses}
         _assert_same((losses, pipe.state_dict()), reference, "after a replay")
-    cluster.add_stage(victim, STAGE_ARGS)
+    cluster.add_stage(victim)
 
 
 def _kill_when_paused(cluster: LocalCluster, name: str) -> None:

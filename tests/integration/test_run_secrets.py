@@ -38,7 +38,8 @@ def cluster() -> Iterator[LocalCluster]:
     """Three plaintext stages on loopback, with metrics (the drop counter)."""
     with LocalCluster(
         stages=3,
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        state=":memory:",
+        auto_rebalance=False,
         metrics=True,
     ) as c:
         yield c

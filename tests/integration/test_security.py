@@ -40,7 +40,7 @@ STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header c
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Three stages, a coordinator, a client and an admin, all with certificates."""
-    with LocalCluster(stages=3, tls=True, coordinator_args=["--no-auto-rebalance"]) as c:
+    with LocalCluster(stages=3, tls=True, auto_rebalance=False) as c:
         yield c
 
 

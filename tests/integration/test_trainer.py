@@ -36,8 +36,9 @@ def cluster() -> Iterator[LocalCluster]:
     """Three stages that accept injected faults; layers move only when told."""
     with LocalCluster(
         stages=3,
-        stage_args=["--enable-fault-injection"],
-        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+        fault_injection=True,
+        state=":memory:",
+        auto_rebalance=False,
         metrics=True,
     ) as c:
         yield c
@@ -408,4 +409,4 @@ def test_a_recovery_replays_the_same_clip(cluster: LocalCluster) -> None:
         state = pipe.state_dict()
     for key, value in reference.model.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=f"parameter {key}")
-    cluster.add_stage(victim, ["--enable-fault-injection"])
+    cluster.add_stage(victim)

@@ -3,6 +3,8 @@ once (its flags named here), exposed as fixtures by ``tests/integration/conftest
 
 - ``quiet(n)``: n stages and an in-memory coordinator that moves nothing by itself (the
   tests move layers);
+- ``fast(n)``: n stages and a coordinator with fast heartbeats that declares a silent stage
+  dead after 2 s, and moves nothing by itself;
 - ``failing(n)``: n stages that accept injected faults, with a short commit lease, and a
   coordinator with fast heartbeats that declares a silent stage dead after 2 s;
 - ``revive``: a killed stage of ``failing`` back under its name (a new incarnation).
@@ -15,31 +17,34 @@ from typing import Any
 
 from elasticpipe.local.cluster import LocalCluster
 
-QUIET = ["--state", ":memory:", "--no-auto-rebalance"]  # the coordinator: in memory, no moves
-FAST = [  # the coordinator: heartbeats every 0.2 s, dead after 2 s silent, no moves
-    "--heartbeat-interval",
-    "0.2",
-    "--dead-after",
-    "2",
-    "--no-auto-rebalance",
-]
-FAULTS = ["--enable-fault-injection", "--commit-lease", "5"]  # a stage: faults armed by RPC
+# The coordinator that fails fast: heartbeats every 0.2 s, dead after 2 s silent, no moves.
+FAST_OPTIONS: dict[str, Any] = {"heartbeat_s": 0.2, "dead_after_s": 2.0, "auto_rebalance": False}
+FAST = ["--heartbeat-interval", "0.2", "--dead-after", "2", "--no-auto-rebalance"]  # as flags,
+# for ``restart_coordinator``
+FAULTS: dict[str, Any] = {"fault_injection": True, "commit_lease_s": 5.0}  # a stage: faults
+# armed by RPC, a commit lease of 5 s
 
 
 def quiet(stages: int, **options: Any) -> LocalCluster:
     """``stages`` stage processes and an in-memory coordinator with auto-rebalance off."""
-    return LocalCluster(stages=stages, coordinator_args=QUIET, **options)
+    return LocalCluster(stages=stages, state=":memory:", auto_rebalance=False, **options)
+
+
+def fast(stages: int, **options: Any) -> LocalCluster:
+    """``stages`` stage processes and a coordinator that declares a silent stage dead after
+    2 s (``FAST_OPTIONS``); ``options`` add to them."""
+    return LocalCluster(stages=stages, **{**FAST_OPTIONS, **options})
 
 
 def failing(stages: int = 4, **options: Any) -> LocalCluster:
     """``stages`` stages that accept injected faults (a commit lease of 5 s) and a coordinator
     with fast heartbeats; the processes' logs are kept in $ELASTICPIPE_TEST_LOGS if set."""
     options.setdefault("log_dir", os.environ.get("ELASTICPIPE_TEST_LOGS"))
-    return LocalCluster(stages=stages, stage_args=FAULTS, coordinator_args=FAST, **options)
+    return fast(stages, **FAULTS, **options)
 
 
 def revive(cluster: LocalCluster, *names: str) -> None:
     """Brings killed stages of a ``failing`` cluster back under their names (each a new
     incarnation, then a spare)."""
     for name in names:
-        cluster.add_stage(name, FAULTS)
+        cluster.add_stage(name)
