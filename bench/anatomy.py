@@ -43,8 +43,7 @@ from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.observe import traces
 from elasticpipe.observe.efficiency import critical_path
 from elasticpipe.training.schedule import Op, OpKind
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.v1 import stage_pb2
 
 STRAGGLER_MODEL = {
     "vocab_size": 96,
@@ -141,12 +140,11 @@ def main() -> int:
             t0 = time.time_ns()
             pipe.train_step(*data[k % len(data)])
             steps.append((pipe.step, t0, time.time_ns()))
-        with rpc.channel(cluster.coordinator, cluster.client_tls) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            status = stub.Status(coordinator_pb2.StatusRequest(), timeout=30)
-            predicted = stub.Plan(coordinator_pb2.PlanRequest(), timeout=30).current_step_s
+        with cluster.admin(timeout=30) as admin:
+            status = admin.status()
+            predicted = admin.plan().current_step_s or 0.0
         collected = traces.collect(
-            status, min(args.steps, traces.MAX_STEPS), cluster.client_tls, 30
+            status.stages, min(args.steps, traces.MAX_STEPS), cluster.client_tls, 30
         )
     print(f"load average {os.getloadavg()[0]:.2f} after; planner predicts {1e3 * predicted:.1f} ms")
 

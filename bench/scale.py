@@ -112,7 +112,6 @@ from fake_stage import (  # bench/fake_stage.py, next to this script
     stage_speed,
 )
 from scale_parts import (  # bench/scale_parts.py, next to this script
-    Admin,
     Fakes,
     Phases,
     Probe,
@@ -130,7 +129,6 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.planning import order_hosts, plan, spare_positions
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import coordinator_pb2
 
 STAGE_COUNTS = (64, 128, 256)
 SUPERLINEAR = 1.3  # growth exponent above which a figure is flagged
@@ -152,7 +150,7 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
         log_dir=log_dir,
     ) as cluster:
         cpid = cluster.procs["coordinator"].pid
-        admin = Admin(cluster.coordinator)
+        admin = cluster.admin(timeout=600)
         time.sleep(0.5)
         c0, t0 = process_cpu_s(cpid), time.perf_counter()
         time.sleep(args.idle)
@@ -219,7 +217,7 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
                 out["hb_p99_ms"] = 1000 * quantile(after["heartbeat_latency"], 0.99)
                 out["hb_max_gap_s"] = after["max_gap"]
                 out["fakes_hb_cpu_frac"] = (f1 - f0) / (t1 - t0)
-                out["alive_after_window"] = admin.alive()
+                out["alive_after_window"] = len(admin.status().alive)
             print(
                 f"  heartbeats: {out['heartbeats_per_s']:.0f}/s, coordinator CPU "
                 f"{100 * out['hb_cpu_frac']:.1f}% of a core "
@@ -293,28 +291,22 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
                 f"{out['fakes_cpu_ms']:.0f} ms, coordinator {out['coordinator_cpu_ms']:.0f} ms)",
                 flush=True,
             )
-            out["plan_rpc_ms"] = 1000 * timed(
-                lambda: admin.call("Plan", coordinator_pb2.PlanRequest()), 3
-            )
+            out["plan_rpc_ms"] = 1000 * timed(admin.plan, 3)
 
             with phase("policy loop on, 1 spare"):
-                kinds_before = Counter(
-                    r.kind for r in admin.call("Status", coordinator_pb2.StatusRequest()).history
-                )
-                admin.call("SetAutoRebalance", coordinator_pb2.AutoRebalanceRequest(enabled=True))
+                kinds_before = Counter(r.kind for r in admin.status().history)
+                admin.auto(True)
                 time.sleep(1.0)
                 counters()
                 c0, t0 = process_cpu_s(cpid), time.perf_counter()
                 time.sleep(args.window)
                 c1, t1 = process_cpu_s(cpid), time.perf_counter()
                 during = counters()
-                admin.call("SetAutoRebalance", coordinator_pb2.AutoRebalanceRequest(enabled=False))
+                admin.auto(False)
                 out["policy_cpu_frac"] = (c1 - c0) / (t1 - t0)
                 out["policy_hb_p99_ms"] = 1000 * quantile(during["heartbeat_latency"], 0.99)
                 out["policy_hb_max_gap_s"] = during["max_gap"]
-                kinds = Counter(
-                    r.kind for r in admin.call("Status", coordinator_pb2.StatusRequest()).history
-                )
+                kinds = Counter(r.kind for r in admin.status().history)
                 out["policy_epochs"] = dict(kinds - kinds_before)
             print(
                 f"  auto-rebalance on, 1 spare: coordinator CPU {100 * out['policy_cpu_frac']:.0f}%"
@@ -332,13 +324,11 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
                 moves = []
                 for target in (shifted(original), original):
                     t0 = time.perf_counter()
-                    reply = admin.call(
-                        "SetPartition", coordinator_pb2.SetPartitionRequest(boundaries=target)
-                    )
+                    reply = admin.set_partition(target)
                     wall = time.perf_counter() - t0
                     assert reply.changed, reply.decision
                     moves.append((wall, reply.pause_s, reply.bytes_moved))
-                history = admin.call("Status", coordinator_pb2.StatusRequest()).history
+                history = admin.status().history
                 out["layers_moved"] = history[-1].layers_moved
                 out["migration_s"] = statistics.median(m[0] for m in moves)
                 out["migration_pause_s"] = statistics.median(m[1] for m in moves)

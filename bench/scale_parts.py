@@ -213,24 +213,6 @@ def coordinator_log_events(path: Path) -> Counter[str]:
     return events
 
 
-class Admin:
-    """The coordinator's admin RPCs."""
-
-    def __init__(self, address: str):
-        self.address = address
-        self.channel = rpc.channel(address)
-        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
-
-    def call(self, method: str, request: Any, timeout: float = 600.0) -> Any:
-        return rpc.call(self.address, getattr(self.stub, method), request, timeout=timeout)
-
-    def alive(self) -> int:
-        return sum(s.alive for s in self.call("Status", coordinator_pb2.StatusRequest()).stages)
-
-    def close(self) -> None:
-        self.channel.close()
-
-
 def timed(fn: Any, repeats: int) -> float:
     """Median seconds of ``repeats`` calls of ``fn``."""
     times = []
@@ -247,7 +229,9 @@ class Probe:
     and keeps the latencies, so that a stalled coordinator shows apart from stalled fakes."""
 
     def __init__(self, address: str, interval: float = 0.2):
-        self.admin = Admin(address)
+        self.address = address
+        self.channel = rpc.channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
         self.interval = interval
         self.samples: list[tuple[float, float]] = []  # (monotonic time sent, latency)
         self.pending_since: float | None = None
@@ -260,7 +244,7 @@ class Probe:
         while not self._stop.wait(self.interval):
             sent = self.pending_since = time.monotonic()
             with contextlib.suppress(ElasticPipeError):
-                self.admin.call("Heartbeat", request, timeout=30.0)
+                rpc.call(self.address, self.stub.Heartbeat, request, timeout=30.0)
             self.pending_since = None
             self.samples.append((sent, time.monotonic() - sent))
 
@@ -274,7 +258,7 @@ class Probe:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=35)
-        self.admin.close()
+        self.channel.close()
 
 
 class Phases:

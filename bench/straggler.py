@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 
+from elasticpipe.client.admin import Admin
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MODEL = {"vocab_size": 96, "d_model": 128, "n_heads": 4, "n_layers": 16, "max_seq_len": 64}
 
@@ -41,17 +40,12 @@ MODEL = {"vocab_size": 96, "d_model": 128, "n_heads": 4, "n_layers": 16, "max_se
 class Bench:
     """A cluster, a pipeline on it, and the admin levers."""
 
-    def __init__(self, cluster: LocalCluster, pipe: Pipeline, batch: int, seq: int):
-        self.cluster = cluster
+    def __init__(self, admin: Admin, pipe: Pipeline, batch: int, seq: int):
+        self.admin = admin
         self.pipe = pipe
-        self.channel = rpc.channel(cluster.coordinator)
-        self.admin = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
         self.gen = torch.Generator().manual_seed(0)
         self.batch, self.seq = batch, seq
         self.step_times: list[float] = []
-
-    def call(self, method: str, request: Any) -> Any:
-        return rpc.call(self.cluster.coordinator, getattr(self.admin, method), request, timeout=300)
 
     def train(self, steps: int) -> float:
         """Trains ``steps`` steps; returns steps/s over them."""
@@ -73,21 +67,6 @@ class Bench:
             if self.pipe.partition.epoch != epoch:
                 return n
         return -1
-
-    def plan(self) -> coordinator_pb2.PlanResponse:
-        return self.call("Plan", coordinator_pb2.PlanRequest())
-
-    def last_move(self) -> coordinator_pb2.EpochRecord:
-        return self.call("Status", coordinator_pb2.StatusRequest()).history[-1]
-
-    def set_partition(self, boundaries: list[int]) -> None:
-        self.call("SetPartition", coordinator_pb2.SetPartitionRequest(boundaries=boundaries))
-
-    def auto(self, on: bool) -> None:
-        self.call("SetAutoRebalance", coordinator_pb2.AutoRebalanceRequest(enabled=on))
-
-    def slowdown(self, stage: str, factor: float) -> None:
-        self.call("Slowdown", coordinator_pb2.AdminSlowdownRequest(stage=stage, factor=factor))
 
 
 def main() -> int:
@@ -130,12 +109,13 @@ def main() -> int:
             micro_batches=args.micro_batches,
             schedule=args.schedule,
         ) as pipe,
+        cluster.admin(timeout=300) as admin,
     ):
-        bench = Bench(cluster, pipe, args.batch, args.seq)
+        bench = Bench(admin, pipe, args.batch, args.seq)
         bench.train(2)  # warm-up and first measurements
         initial = list(pipe.partition.boundaries)
         out["before_steps_per_s"] = bench.train(n)
-        out["before_predicted_steps_per_s"] = 1.0 / bench.plan().current_step_s
+        out["before_predicted_steps_per_s"] = 1.0 / admin.plan().current_step_s
         print(
             f"partition {initial}; before the slowdown: {out['before_steps_per_s']:.3f} "
             f"steps/s (planner predicts {out['before_predicted_steps_per_s']:.3f})",
@@ -144,14 +124,14 @@ def main() -> int:
 
         # The straggler: the stage holding the middle of the model, 3x slower.
         victim = f"stage-{cluster.stage_addresses.index(pipe.partition.addresses[1])}"
-        bench.slowdown(victim, 3 * base)
+        admin.slowdown(victim, 3 * base)
         steps = bench.steps_until_epoch_changes(limit=wait_limit)
-        move = bench.last_move()
+        move = admin.status().history[-1]
         out["rebalance_steps"] = steps
         out["pause_s"] = move.pause_s
         out["bytes_moved"] = move.bytes_moved
         elastic_bounds = list(pipe.partition.boundaries)
-        moves_before = len(bench.call("Status", coordinator_pb2.StatusRequest()).history)
+        moves_before = len(admin.status().history)
         print(
             f"{victim} slowed 3x: rebalanced after {steps} steps to {elastic_bounds} "
             f"({move.layers_moved} layers, {move.bytes_moved / 1e6:.1f} MB, pause "
@@ -160,9 +140,9 @@ def main() -> int:
         )
         bench.train(1)
         out["elastic_steps_per_s"] = bench.train(n)
-        view = bench.plan()
+        view = admin.plan()
         out["optimal_steps_per_s"] = 1.0 / view.optimal_step_s
-        history = bench.call("Status", coordinator_pb2.StatusRequest()).history
+        history = admin.status().history
         out["extra_moves"] = len(history) - moves_before
         print(
             f"elastic: {out['elastic_steps_per_s']:.3f} steps/s; planner's optimum "
@@ -171,19 +151,19 @@ def main() -> int:
         )
 
         # The same straggler on the static partition.
-        bench.auto(False)
-        bench.set_partition(initial)
+        admin.auto(False)
+        admin.set_partition(initial)
         bench.train(1)
         out["static_steps_per_s"] = bench.train(n)
         print(f"static partition {initial}: {out['static_steps_per_s']:.3f} steps/s", flush=True)
-        bench.set_partition(elastic_bounds)
-        bench.auto(True)
+        admin.set_partition(elastic_bounds)
+        admin.auto(True)
         bench.train(1)
 
         # Recovery: the stage is fast again; the layers should come back.
-        bench.slowdown(victim, base)
+        admin.slowdown(victim, base)
         steps = bench.steps_until_epoch_changes(limit=wait_limit)
-        move = bench.last_move()
+        move = admin.status().history[-1]
         out["recovery_steps"] = steps
         out["recovery_pause_s"] = move.pause_s
         out["recovery_bytes_moved"] = move.bytes_moved

@@ -5,9 +5,11 @@
 * ``session``: its job on the coordinator: setup/attach, lease, partition, recovery, restore;
 * ``driver``: one run of a step through the chain of stages;
 * ``checkpoints``: the checkpoint formats (``save`` writes, ``load`` opens);
+* ``admin``: ``Admin``, the typed client of the coordinator's admin RPCs, and its answers;
 * ``initial``: ``init_state``, checked against the model before a job starts.
 """
 
+from elasticpipe.client.admin import Admin
 from elasticpipe.client.pipeline import Pipeline, StageStep, StepStats
 
-__all__ = ["Pipeline", "StageStep", "StepStats"]
+__all__ = ["Admin", "Pipeline", "StageStep", "StepStats"]

@@ -16,16 +16,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from elasticpipe.client.admin import (
+    GONE_STATES,
+    Admin,
+    Move,
+    PlanReport,
+    StageInfo,
+    Status,
+    document,
+)
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
 from elasticpipe.security.tls import TLS
-from elasticpipe.transport import rpc, serving
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
-
-ADMIN_TIMEOUT_S = 300.0
 
 STATUS_HELP = """\
 step (in the first line) is the job's committed step. A step is committed on every stage
@@ -124,7 +128,7 @@ def to_json(message: Message) -> dict[str, Any]:
 # ---- tables ------------------------------------------------------------------------------
 
 
-def format_status(s: coordinator_pb2.StatusResponse) -> str:
+def format_status(s: Status) -> str:
     """The status as tables (stages, then the epoch history)."""
     job = s.job_id or "-"
     lines = [
@@ -187,12 +191,9 @@ def format_status(s: coordinator_pb2.StatusResponse) -> str:
     return "\n".join(lines)
 
 
-GONE_STATES = ("dead", "left")
-
-
 def ordered_stages(
-    stages: Iterable[coordinator_pb2.StageInfo],
-) -> tuple[list[coordinator_pb2.StageInfo], list[coordinator_pb2.StageInfo]]:
+    stages: Iterable[StageInfo],
+) -> tuple[list[StageInfo], list[StageInfo]]:
     """The live stages (the chain in chain order, then spares, then drained ones, each in
     registration order), and the incarnations that are gone (dead or left)."""
     every = list(stages)
@@ -202,7 +203,7 @@ def ordered_stages(
     return live, [st for st in every if st.state in GONE_STATES]
 
 
-def format_plan(p: coordinator_pb2.PlanResponse) -> str:
+def format_plan(p: PlanReport) -> str:
     """Current and optimal partitions side by side."""
     current = list(p.current.boundaries)
     optimal = list(p.optimal_boundaries)
@@ -214,8 +215,8 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
             f"{name:<{nw}}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
             f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
         )
-    if p.HasField("current_step_s") and p.HasField("optimal_step_s"):
-        gain = 1 - p.optimal_step_s / p.current_step_s if p.current_step_s else 0.0
+    gain = p.gain
+    if gain is not None and p.current_step_s is not None and p.optimal_step_s is not None:
         predicted = (
             f"predicted step: current {p.current_step_s * 1e3:.1f} ms, optimal "
             f"{p.optimal_step_s * 1e3:.1f} ms (gain {gain:.1%})"
@@ -229,7 +230,7 @@ def format_plan(p: coordinator_pb2.PlanResponse) -> str:
     return "\n".join(lines)
 
 
-def format_move(r: coordinator_pb2.RebalanceResponse, dry_run: bool = False) -> str:
+def format_move(r: Move, dry_run: bool = False) -> str:
     """The outcome of rebalance / set-partition / drain (or what a dry run would do)."""
     target = _ranges(list(r.target.boundaries)) if r.target.boundaries else "-"
     if dry_run:
@@ -248,42 +249,38 @@ def format_move(r: coordinator_pb2.RebalanceResponse, dry_run: bool = False) -> 
 # ---- commands ----------------------------------------------------------------------------
 
 
-def _status(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    reply = stub.Status(coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout)
+def _status(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.status(all_jobs=args.all)
     return reply, format_status(reply)
 
 
-def _plan(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    reply = stub.Plan(coordinator_pb2.PlanRequest(), timeout=args.timeout)
+def _plan(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.plan()
     return reply, format_plan(reply)
 
 
-def _rebalance(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    request = coordinator_pb2.RebalanceRequest(dry_run=args.dry_run, reason="admin rebalance")
-    reply = stub.Rebalance(request, timeout=args.timeout)
+def _rebalance(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.rebalance(dry_run=args.dry_run)
     return reply, format_move(reply, dry_run=args.dry_run)
 
 
-def _set_partition(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    request = coordinator_pb2.SetPartitionRequest(
-        boundaries=parse_ranges(args.ranges), stage_ids=args.stages
-    )
-    reply = stub.SetPartition(request, timeout=args.timeout)
+def _set_partition(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.set_partition(parse_ranges(args.ranges), args.stages)
     return reply, format_move(reply)
 
 
-def _drain(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    reply = stub.Drain(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+def _drain(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.drain(args.stage)
     return reply, format_move(reply)
 
 
-def _undrain(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    reply = stub.Undrain(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+def _undrain(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.undrain(args.stage)
     return reply, format_move(reply)
 
 
-def _forget(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    reply = stub.Forget(coordinator_pb2.DrainRequest(stage=args.stage), timeout=args.timeout)
+def _forget(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.forget(args.stage)
     return reply, reply.message
 
 
@@ -299,34 +296,23 @@ def _mem(value: int) -> str:
     return f"{size:.1f}T"
 
 
-def _slowdown(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    request = coordinator_pb2.AdminSlowdownRequest(stage=args.stage, factor=args.factor)
-    reply = stub.Slowdown(request, timeout=args.timeout)
+def _slowdown(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.slowdown(args.stage, args.factor)
     return reply, reply.message
 
 
-def _auto(stub: Any, args: argparse.Namespace) -> tuple[Message, str]:
-    request = coordinator_pb2.AutoRebalanceRequest(enabled=args.state == "on")
-    reply = stub.SetAutoRebalance(request, timeout=args.timeout)
+def _auto(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    reply = admin.auto(args.state == "on")
     return reply, reply.message
 
 
-def _trace(stub: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from elasticpipe.observe import traces
-
-    if not 1 <= args.steps <= traces.MAX_STEPS:
-        raise InvalidRequest(f"--steps must be in [1, {traces.MAX_STEPS}] (got {args.steps})")
-    status = stub.Status(coordinator_pb2.StatusRequest(), timeout=args.timeout)
-    tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
-    collected = traces.collect(status, args.steps, tls, args.timeout)
-    figures = traces.step_figures(collected)
+def _trace(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    trace = admin.trace(args.steps)
     with open(args.out, "w") as f:
-        json.dump(traces.chrome_trace(collected), f)
+        json.dump(trace.chrome(), f)
     if args.png:
-        from elasticpipe.observe import timeline
-
-        timeline.draw(collected, figures, args.png, title=f"job {status.job_id}")
-    summary = traces.summary(collected, figures)
+        trace.draw(args.png)
+    summary = trace.summary()
     summary.update(out=args.out, png=args.png or "")
     lines = [
         f"{t['name']:<14} layers {t['layers'][0]}:{t['layers'][1]:<5} {t['spans']:>6} spans"
@@ -337,7 +323,7 @@ def _trace(stub: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     lines += [
         f"step {f.step}: ideal {f.ideal_s * 1e3:.1f} ms, measured {f.measured_s * 1e3:.1f} ms, "
         f"pipeline efficiency {f.efficiency:.0%}"
-        for f in figures
+        for f in trace.figures
     ]
     predicted = summary["inference_runs"]
     if predicted:
@@ -350,7 +336,9 @@ def _trace(stub: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return summary, "\n".join(lines)
 
 
-Command = Callable[[Any, argparse.Namespace], tuple[Message | dict[str, Any], str]]
+# Each command calls its Admin method; it returns the answer (a dataclass, or the trace's
+# summary) and its table.
+Command = Callable[[Admin, argparse.Namespace], tuple[Any, str]]
 COMMANDS: dict[str, Command] = {
     "status": _status,
     "plan": _plan,
@@ -365,30 +353,23 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def _watch(stub: Any, args: argparse.Namespace) -> int:
+def _watch(admin: Admin, args: argparse.Namespace) -> int:
     """``status --watch``: the live view (or JSON lines) until Ctrl-C or ``--count`` polls."""
     from rich.console import Console
 
     from elasticpipe.cli.watch import watch
 
-    def fetch() -> coordinator_pb2.StatusResponse:
-        try:
-            reply: coordinator_pb2.StatusResponse = stub.Status(
-                coordinator_pb2.StatusRequest(all_jobs=args.all), timeout=args.timeout
-            )
-        except grpc.RpcError as exc:
-            raise rpc.translate(exc, args.coordinator, CoordinatorUnavailable) from exc
-        return reply
-
     if args.interval <= 0:
         raise InvalidRequest(f"--interval must be positive, got {args.interval}")
     if args.count < 0:
         raise InvalidRequest(f"--count must be 0 (no limit) or positive, got {args.count}")
-    as_json = to_json if args.json else None
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide lines rather than folded cells
         console = Console(width=max(console.width, 160))
-    return watch(fetch, console, args.interval, args.count, as_json)
+    as_json = document if args.json else None
+    return watch(
+        lambda: admin.status(all_jobs=args.all), console, args.interval, args.count, as_json
+    )
 
 
 class AdminParser(argparse.ArgumentParser):
@@ -416,16 +397,11 @@ def run_admin(args: argparse.Namespace) -> int:
     """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
     address = args.coordinator
     try:
-        serving.check_dial_address(address, "coordinator address")
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
-        with rpc.channel(address, tls) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        with Admin(address, tls, timeout=args.timeout) as admin:
             if args.admin_command == "status" and getattr(args, "watch", False):
-                return _watch(stub, args)
-            try:
-                reply, text = COMMANDS[args.admin_command](stub, args)
-            except grpc.RpcError as exc:
-                raise rpc.translate(exc, address, CoordinatorUnavailable) from exc
+                return _watch(admin, args)
+            reply, text = COMMANDS[args.admin_command](admin, args)
     except ElasticPipeError as exc:
         message = str(exc)
         if isinstance(exc, CoordinatorUnavailable):
@@ -438,6 +414,6 @@ def run_admin(args: argparse.Namespace) -> int:
         else:
             print(f"error: {message}", file=sys.stderr)
         return 2
-    document = reply if isinstance(reply, dict) else to_json(reply)
-    _print(json.dumps(document, indent=2) if args.json else text)
+    answer = reply if isinstance(reply, dict) else document(reply)
+    _print(json.dumps(answer, indent=2) if args.json else text)
     return 0

@@ -1,6 +1,6 @@
 """``elasticpipe admin status --watch``: a live view of the cluster, redrawn every interval.
 
-The view is :func:`render`, a pure function of two consecutive ``StatusResponse`` messages
+The view is :func:`render`, a pure function of two consecutive ``Status`` answers
 and the seconds between them (the step rate is the committed-step delta over that time), so
 it is tested without a cluster by printing it to a recording ``rich`` console. :func:`watch`
 polls the coordinator and redraws: in place on a terminal, frame after frame otherwise (a
@@ -21,8 +21,8 @@ from rich.table import Table
 from rich.text import Text
 
 from elasticpipe.cli.admin import ordered_stages
+from elasticpipe.client.admin import Status
 from elasticpipe.errors import ElasticPipeError
-from elasticpipe.v1 import coordinator_pb2
 
 DECISIONS_SHOWN = 6
 STATE_STYLES = {
@@ -35,8 +35,8 @@ STATE_STYLES = {
 
 
 def step_rate(
-    previous: coordinator_pb2.StatusResponse | None,
-    current: coordinator_pb2.StatusResponse,
+    previous: Status | None,
+    current: Status,
     elapsed_s: float,
 ) -> float | None:
     """Committed steps per second between two statuses of the same job (None: unknown).
@@ -49,7 +49,7 @@ def step_rate(
     return max(0, current.committed_step - previous.committed_step) / elapsed_s
 
 
-def efficiency(status: coordinator_pb2.StatusResponse) -> tuple[float, int] | None:
+def efficiency(status: Status) -> tuple[float, int] | None:
     """The latest pipeline efficiency (ideal over measured step time) and the step it was
     measured on; None while the job's client has reported none."""
     if not status.efficiency_step:
@@ -62,8 +62,8 @@ def _ranges(boundaries: list[int]) -> str:
 
 
 def _header(
-    previous: coordinator_pb2.StatusResponse | None,
-    s: coordinator_pb2.StatusResponse,
+    previous: Status | None,
+    s: Status,
     elapsed_s: float,
 ) -> Text:
     rate = step_rate(previous, s, elapsed_s)
@@ -85,7 +85,7 @@ def _header(
     return text
 
 
-def _stages(s: coordinator_pb2.StatusResponse) -> Table:
+def _stages(s: Status) -> Table:
     table = Table(title="stages", title_justify="left", expand=False)
     for name, justify in (
         ("name", "left"),
@@ -112,7 +112,7 @@ def _stages(s: coordinator_pb2.StatusResponse) -> Table:
     return table
 
 
-def _decisions(s: coordinator_pb2.StatusResponse, shown: int) -> Table:
+def _decisions(s: Status, shown: int) -> Table:
     table = Table(title=f"last decisions (of {len(s.history)})", title_justify="left")
     for name, justify in (
         ("epoch", "right"),
@@ -138,8 +138,8 @@ def _decisions(s: coordinator_pb2.StatusResponse, shown: int) -> Table:
 
 
 def render(
-    previous: coordinator_pb2.StatusResponse | None,
-    current: coordinator_pb2.StatusResponse,
+    previous: Status | None,
+    current: Status,
     elapsed_s: float,
     decisions: int = DECISIONS_SHOWN,
     note: str = "",
@@ -167,11 +167,11 @@ def render(
 
 
 def watch(
-    fetch: Callable[[], coordinator_pb2.StatusResponse],
+    fetch: Callable[[], Status],
     console: Console,
     interval_s: float,
     count: int = 0,
-    as_json: Callable[[coordinator_pb2.StatusResponse], dict[str, Any]] | None = None,
+    as_json: Callable[[Status], dict[str, Any]] | None = None,
 ) -> int:
     """Polls ``fetch`` every ``interval_s`` seconds and shows each status until Ctrl-C (or
     ``count`` polls, when positive).
@@ -185,7 +185,7 @@ def watch(
     """
     if interval_s <= 0:
         raise ValueError(f"--interval must be positive, got {interval_s}")
-    previous: coordinator_pb2.StatusResponse | None = None
+    previous: Status | None = None
     current = fetch()
     polled = time.monotonic()
     elapsed, shown = 0.0, 0

@@ -21,10 +21,8 @@ import torch
 
 from elasticpipe.demo.corpus import CharCorpus, sample_text
 from elasticpipe.demo.record import Event, Sample, Timeline
-from elasticpipe.errors import CoordinatorUnavailable, InvalidRequest
+from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from elasticpipe.wire import structure
 
 # Quick reactions for a demo of a few minutes: re-plan twice a second, and allow a move
@@ -100,10 +98,8 @@ class Events:
 
 def _slowdown(cluster: LocalCluster, stage: str, factor: float) -> None:
     """What ``elasticpipe admin slowdown STAGE FACTOR`` does."""
-    with rpc.channel(cluster.coordinator, cluster.admin_tls) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        request = coordinator_pb2.AdminSlowdownRequest(stage=stage, factor=factor)
-        rpc.call(cluster.coordinator, stub.Slowdown, request, 30.0, CoordinatorUnavailable)
+    with cluster.admin(timeout=30.0) as admin:
+        admin.slowdown(stage, factor)
 
 
 class _Recorder:

@@ -26,10 +26,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from elasticpipe.errors import DeadlineExceeded, StageUnavailable
+from elasticpipe.client.admin import Admin, Status
+from elasticpipe.errors import CoordinatorUnavailable, DeadlineExceeded, StageUnavailable
 from elasticpipe.security.tls import TLS, init_ca, issue
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 START_TIMEOUT_S = 60.0
 
@@ -304,7 +303,7 @@ class LocalCluster:
             try:
                 self.status(timeout=2.0)
                 return
-            except (StageUnavailable, DeadlineExceeded):
+            except (CoordinatorUnavailable, DeadlineExceeded):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
@@ -322,18 +321,16 @@ class LocalCluster:
         """The process name of a stage address."""
         return f"stage-{self.stage_addresses.index(address)}"
 
-    def status(self, timeout: float = 10.0) -> coordinator_pb2.StatusResponse:
+    def admin(self, timeout: float = 60.0) -> Admin:
+        """A typed admin client of this cluster's coordinator (with the admin's certificate
+        under TLS); close it, or use ``with``."""
+        return Admin(self.coordinator, self.admin_tls, timeout=timeout)
+
+    def status(self, timeout: float = 10.0) -> Status:
         """The coordinator's status (waiting up to ``timeout`` for it to be reachable: a
         restarted coordinator's channel may still be backing off)."""
-        with rpc.channel(self.coordinator, self.admin_tls) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            return rpc.call(
-                self.coordinator,
-                stub.Status,
-                coordinator_pb2.StatusRequest(),
-                timeout=timeout,
-                wait_for_ready=True,
-            )
+        with self.admin(timeout) as admin:
+            return admin.status(wait=True)
 
     def wait_for_stages(self, count: int, timeout: float) -> None:
         """Waits until ``count`` stages are registered and alive."""
@@ -341,7 +338,7 @@ class LocalCluster:
         while True:
             try:
                 alive = sum(s.alive for s in self.status(timeout=2.0).stages)
-            except (StageUnavailable, DeadlineExceeded):
+            except (CoordinatorUnavailable, DeadlineExceeded):
                 alive = 0
             if alive >= count:
                 return

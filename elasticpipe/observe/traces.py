@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -33,7 +33,7 @@ from elasticpipe.observe.efficiency import critical_path, efficiency
 from elasticpipe.security.tls import TLS
 from elasticpipe.training.schedule import Op, OpKind
 from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 CLOCK_SAMPLES = 5
 MAX_STEPS = 16  # what a stage keeps (stage_server.tracing.DEFAULT_STEPS_KEPT)
@@ -103,16 +103,32 @@ def clock_offset(stub: Any, timeout: float, samples: int = CLOCK_SAMPLES) -> tup
     return best
 
 
+class ChainedStage(Protocol):
+    """What ``collect`` reads of a stage in a status (a ``StageInfo``, typed or wire)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def layer_lo(self) -> int: ...
+    @property
+    def layer_hi(self) -> int: ...
+
+
 def collect(
-    status: coordinator_pb2.StatusResponse, steps: int, tls: TLS | None, timeout: float
+    stages: Iterable[ChainedStage], steps: int, tls: TLS | None, timeout: float
 ) -> list[StageTrace]:
-    """The spans of the last ``steps`` steps of every stage in the chain, in chain order.
+    """The spans of the last ``steps`` steps of every stage of ``stages`` that is in the
+    chain (a status's stages), in chain order.
 
     Raises:
         InvalidRequest: no job is running (nothing to trace).
         StageUnavailable (and the rest of the tree): a stage did not answer.
     """
-    chain = sorted((s for s in status.stages if s.index >= 0), key=lambda s: s.index)
+    chain = sorted((s for s in stages if s.index >= 0), key=lambda s: s.index)
     if not chain:
         raise InvalidRequest("no stage is in a chain: start a job before tracing it")
     out = []

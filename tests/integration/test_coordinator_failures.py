@@ -8,18 +8,16 @@ import threading
 import time
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import coordinator_pb2
 from tests.support.scenario import (
     FAST,
     STEPS,
     Trainer,
-    admin,
     batch,
     check,
+    move_on_a_thread,
     pipeline,
 )
 
@@ -34,20 +32,6 @@ def cluster_pausing_at(point: str) -> Iterator[LocalCluster]:
     args = [*FAST, *LEASE, *(["--pause-at", point] if point else [])]
     with LocalCluster(stages=3, coordinator_args=args) as cluster:
         yield cluster
-
-
-def _move(cluster: LocalCluster, boundaries: list[int]) -> threading.Thread:
-    """Asks for a move on a thread (the coordinator may die before it answers)."""
-
-    def move() -> None:
-        with contextlib.suppress(grpc.RpcError):
-            admin(cluster).SetPartition(
-                coordinator_pb2.SetPartitionRequest(boundaries=boundaries), timeout=120
-            )
-
-    thread = threading.Thread(target=move, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_training_goes_on_while_the_coordinator_is_down() -> None:
@@ -91,7 +75,7 @@ def test_a_coordinator_killed_mid_migration_finishes_or_undoes_it(point: str, ki
             part = pipe.partition
             target = [0, part.boundaries[1] + 1, *part.boundaries[2:]]
             moved["before"], moved["target"] = part.epoch, target
-            _move(cluster, target)
+            move_on_a_thread(cluster, target)
             cluster.wait_for_log("coordinator", "paused_at", timeout=60)
             cluster.kill("coordinator")
             threading.Timer(
@@ -113,7 +97,7 @@ def test_a_freeze_whose_coordinator_never_returns_ends_by_its_lease() -> None:
         def before(step: int) -> None:
             if step == 4:
                 part = pipe.partition
-                _move(cluster, [0, part.boundaries[1] + 1, *part.boundaries[2:]])
+                move_on_a_thread(cluster, [0, part.boundaries[1] + 1, *part.boundaries[2:]])
                 cluster.wait_for_log("coordinator", "paused_at", timeout=60)
                 cluster.kill("coordinator")
 

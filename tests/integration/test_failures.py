@@ -105,13 +105,8 @@ def test_a_job_without_snapshots_fails_clearly_when_a_stage_dies_mid_step() -> N
             lost = list(pipe.partition.layers_of(1))
             name = f"stage-{cluster.stage_addresses.index(victim)}"
             errors: list[BaseException] = []
-            from elasticpipe.transport import rpc
-            from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
-
-            with rpc.channel(cluster.coordinator) as channel:  # long steps: the kill lands in one
-                coordinator_pb2_grpc.CoordinatorServiceStub(channel).Slowdown(
-                    coordinator_pb2.AdminSlowdownRequest(stage=name, factor=1000.0), timeout=10
-                )
+            with cluster.admin() as admin:  # long steps: the kill lands in one
+                admin.slowdown(name, 1000.0)
 
             def train() -> None:
                 try:

@@ -18,8 +18,8 @@ import torch
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.v1 import stage_pb2
+from tests.support.clusters import set_partition
 from tests.support.fp16_reference import Fp16Reference
 from tests.support.scenario import arm
 
@@ -57,11 +57,6 @@ def cluster() -> Iterator[LocalCluster]:
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     return torch.randn(10, 12, generator=g) * 3, torch.randint(0, 6, (10,), generator=g)
-
-
-def _set_partition(cluster: LocalCluster, boundaries: list[int]) -> None:
-    stub = coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(cluster.coordinator))
-    stub.SetPartition(coordinator_pb2.SetPartitionRequest(boundaries=boundaries), timeout=120)
 
 
 def _pipeline(cluster: LocalCluster, **kwargs: Any) -> Pipeline:
@@ -115,9 +110,9 @@ def test_fp16_equals_grad_scaler_across_migrations(
             skipped.append(skip)
             scales.append(scale)
             if step == 2:
-                _set_partition(cluster, [0, 1, 3, 7])
+                set_partition(cluster, [0, 1, 3, 7])
             if step == 5:
-                _set_partition(cluster, [0, 3, 5, 7])
+                set_partition(cluster, [0, 3, 5, 7])
         assert list(pipe.partition.boundaries) == [0, 3, 5, 7]  # the layers did move
         state = pipe.state_dict()
     assert skipped[:3] == [True] * 3 and any(skipped[3:]) and not all(skipped[3:])

@@ -9,18 +9,17 @@ import sys
 import time
 from typing import Any
 
-import grpc
 import jsonschema
 import pytest
 import torch
 
 from elasticpipe import models
-from elasticpipe.cli.admin import format_plan, format_status, to_json
+from elasticpipe.cli.admin import format_plan, format_status
 from elasticpipe.cli.schemas import command_schema
+from elasticpipe.client.admin import Admin, PlanReport, Status, document
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.stage_server.server import StageServer
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
 KWARGS = {"sizes": [16, 64, 64, 4]}
@@ -38,10 +37,14 @@ def _pipeline(coordinator: str, **extra: Any) -> Pipeline:
     )
 
 
-def _call(coordinator: str, method: str, request: Any) -> Any:
-    with grpc.insecure_channel(coordinator) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        return getattr(stub, method)(request, timeout=30)
+def _plan(coordinator: str) -> PlanReport:
+    with Admin(coordinator) as admin:
+        return admin.plan()
+
+
+def _status(coordinator: str) -> Status:
+    with Admin(coordinator) as admin:
+        return admin.status()
 
 
 def _events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
@@ -64,11 +67,11 @@ def test_the_step_time_is_unknown_until_profiled_then_in_seconds(
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     with _pipeline(address, init_state=_init_state()) as pipe:
         assert pipe.partition.predicted_step_s is None
-        plan = _call(address, "Plan", coordinator_pb2.PlanRequest())
-        document = to_json(plan)
-        assert document["current_step_s"] is None and document["optimal_step_s"] is None
-        assert document["current"]["predicted_step_s"] is None
-        jsonschema.validate(document, command_schema("plan"))
+        plan = _plan(address)
+        printed = document(plan)
+        assert printed["current_step_s"] is None and printed["optimal_step_s"] is None
+        assert printed["current"]["predicted_step_s"] is None
+        jsonschema.validate(printed, command_schema("plan"))
         assert "predicted step: unknown" in format_plan(plan)
         started = time.perf_counter()
         pipe.train_step(x, y)  # profiles the stages first
@@ -79,10 +82,10 @@ def test_the_step_time_is_unknown_until_profiled_then_in_seconds(
         # The planner leaves out RPC and Python overheads, so it predicts less than a
         # step takes; a unit-less cost was off by two orders of magnitude (11.3 for 0.1 s).
         assert predicted < 10 * measured, (predicted, measured)
-        plan = _call(address, "Plan", coordinator_pb2.PlanRequest())
-        assert plan.HasField("current_step_s") and plan.current_step_s > 0
+        plan = _plan(address)
+        assert plan.current_step_s is not None and plan.current_step_s > 0
         assert "predicted step: current" in format_plan(plan)
-        jsonschema.validate(to_json(plan), command_schema("plan"))
+        jsonschema.validate(document(plan), command_schema("plan"))
 
 
 def test_a_job_from_init_state_tells_its_two_epochs_truthfully(
@@ -102,7 +105,7 @@ def test_a_job_from_init_state_tells_its_two_epochs_truthfully(
     ):
         pipe.train_step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
         epoch, job_id = pipe.partition.epoch, pipe.partition.job_id
-    status = _call(address, "Status", coordinator_pb2.StatusRequest())
+    status = _status(address)
     rows = [r for r in status.history if r.job_id == job_id]
     assert [r.kind for r in rows] == ["start", "restore"], format_status(status)
     start, load = rows
@@ -141,11 +144,11 @@ def test_a_resume_starts_the_partitions_rollback_record_afresh(
         assert (attached.restored_step, attached.restore_epoch) == (3, attached.epoch)
         second.train_step(x, y)
         assert second.step == 4
-    status = _call(address, "Status", coordinator_pb2.StatusRequest())
+    status = _status(address)
     assert status.history[-1].kind == "attach"
     assert status.history[-1].restored_step == 3
     assert (status.partition.restored_step, status.partition.restore_epoch) == (3, attached.epoch)
-    jsonschema.validate(to_json(status), command_schema("status"))
+    jsonschema.validate(document(status), command_schema("status"))
 
 
 CLIENT = """

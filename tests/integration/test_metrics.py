@@ -13,7 +13,8 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support.clusters import set_partition
 from tests.support.prometheus import scrape, value
 
 STAGES = 3
@@ -60,12 +61,7 @@ def test_scraped_metrics_match_training_and_a_live_migration(cluster: LocalClust
         train(STEPS_BEFORE)
         layers = pipe.partition.boundaries[-1]
         lopsided = [0, 1, 2, layers]  # the last stage gets most layers
-        with rpc.channel(cluster.coordinator) as channel:
-            admin = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-            reply = admin.SetPartition(
-                coordinator_pb2.SetPartitionRequest(boundaries=lopsided), timeout=60
-            )
-        assert reply.changed
+        assert set_partition(cluster, lopsided).changed
         train(STEPS_AFTER)
         partition = pipe.partition
     assert list(partition.boundaries) == lopsided
@@ -153,15 +149,8 @@ def test_failed_calls_are_counted_by_method_and_code(cluster: LocalCluster) -> N
     assert delta("StageService/Forward", "INVALID_ARGUMENT") == 1
 
     coordinator_before = scrape(cluster.metrics_url("coordinator"))
-    with rpc.channel(cluster.coordinator) as channel:
-        admin = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        with pytest.raises(InvalidRequest):
-            rpc.call(
-                cluster.coordinator,
-                admin.SetPartition,
-                coordinator_pb2.SetPartitionRequest(boundaries=[0, 9]),
-                10,
-            )
+    with cluster.admin() as admin, pytest.raises(InvalidRequest):
+        admin.set_partition([0, 9])
     coordinator_after = scrape(cluster.metrics_url("coordinator"))
     key = (
         "elasticpipe_coordinator_rpc_errors_total",

@@ -10,14 +10,12 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe import models
+from elasticpipe.client.admin import Admin
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest, TransferError
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import make_optimizer
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
-from tests.support.numerics import reference_step
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support.reference import Lockstep
 
 MODELS = {
     "mlp": {"sizes": [12, 24, 24, 24, 24, 6]},
@@ -38,35 +36,11 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-class Admin:
-    """The operator's levers, as the CLI pulls them."""
-
-    def __init__(self, address: str):
-        self.channel = rpc.channel(address)
-        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
-        self.address = address
-
-    def call(self, method: str, request: object) -> object:
-        return rpc.call(self.address, getattr(self.stub, method), request, timeout=120)
-
-    def set_partition(self, boundaries: list[int]) -> coordinator_pb2.RebalanceResponse:
-        return self.call("SetPartition", coordinator_pb2.SetPartitionRequest(boundaries=boundaries))  # type: ignore[return-value]
-
-    def rebalance(self) -> coordinator_pb2.RebalanceResponse:
-        return self.call("Rebalance", coordinator_pb2.RebalanceRequest())  # type: ignore[return-value]
-
-    def drain(self, stage: str, back: bool = False) -> coordinator_pb2.RebalanceResponse:
-        return self.call("Undrain" if back else "Drain", coordinator_pb2.DrainRequest(stage=stage))  # type: ignore[return-value]
-
-    def status(self) -> coordinator_pb2.StatusResponse:
-        return self.call("Status", coordinator_pb2.StatusRequest())  # type: ignore[return-value]
-
-    def plan(self) -> coordinator_pb2.PlanResponse:
-        return self.call("Plan", coordinator_pb2.PlanRequest())  # type: ignore[return-value]
-
-    def slowdown(self, stage: str, factor: float) -> coordinator_pb2.AdminAck:
-        request = coordinator_pb2.AdminSlowdownRequest(stage=stage, factor=factor)
-        return self.call("Slowdown", request)  # type: ignore[return-value]
+@pytest.fixture
+def admin(cluster: LocalCluster) -> Iterator[Admin]:
+    """The operator's levers on the module's cluster (a move may take a while)."""
+    with cluster.admin(timeout=120) as a:
+        yield a
 
 
 def _slow_down(admin: Admin, stage: str, factor: float) -> None:
@@ -92,46 +66,34 @@ def _train_and_compare(
     steps: int,
     between: Callable[[int, Pipeline], None],
 ) -> Pipeline:
-    """Trains ``steps`` steps next to a local reference, calling ``between`` after each."""
-    kwargs = MODELS[model]
-    reference = models.build(model, seed=5, **kwargs)
-    ref_opt = make_optimizer("adam", reference.parameters(), ADAM)
+    """Trains ``steps`` steps beside LocalPipeline, calling ``between`` after each: every
+    loss and the final weights equal its, bit for bit."""
     g = torch.Generator().manual_seed(11)
-    with Pipeline(
-        coordinator=cluster.coordinator,
+    with Lockstep(
+        cluster,
         model=model,
-        model_kwargs=kwargs,
+        model_kwargs=MODELS[model],
         seed=5,
         optimizer="adam",
         optimizer_kwargs=ADAM,
         micro_batches=3,
         stages=stages,
-    ) as pipe:
+    ) as both:
         for step in range(1, steps + 1):
-            x, y = _batch(model, g)
-            got = pipe.train_step(x, y)
-            # Cut as the pipeline cuts it: a whole-batch Adam reference drifts beyond float32's
-            # tolerance on a 5-layer GPT's layer norms within 10 steps (tests/support/numerics.py).
-            want = reference_step(reference, ref_opt, "cross_entropy", x, y, micro_batches=3)
-            torch.testing.assert_close(
-                torch.tensor(got), torch.tensor(want), msg=f"loss of step {step}"
-            )
-            between(step, pipe)
-        state = pipe.state_dict()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=f"parameter {key}")
-    return pipe
+            both.train_step(*_batch(model, g))
+            between(step, both.pipe)
+        both.assert_same_weights()
+    return both.pipe
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_training_is_exact_across_migrations(
-    cluster: LocalCluster, model: str, stages: int
+    cluster: LocalCluster, admin: Admin, model: str, stages: int
 ) -> None:
     """set-partition at step 2, rebalance at step 4, drain at 7 and return at 8: after 10
     steps the weights equal single-process training and every loss matched."""
-    admin = Admin(cluster.coordinator)
     epochs: list[tuple[int, tuple[int, ...]]] = []
 
     def between(step: int, pipe: Pipeline) -> None:
@@ -162,7 +124,7 @@ def test_training_is_exact_across_migrations(
             reply = admin.drain(victim)
             assert reply.changed and len(reply.partition.addresses) == stages - 1
         elif step == 8:
-            reply = admin.drain(between.victim, back=True)  # type: ignore[attr-defined]
+            reply = admin.undrain(between.victim)  # type: ignore[attr-defined]
             assert reply.changed and len(reply.partition.addresses) == stages
         epochs.append((part.epoch, part.boundaries))
 
@@ -184,11 +146,10 @@ def test_training_is_exact_across_migrations(
     ids=["bad-checksum", "cancelled"],
 )
 def test_failed_transfer_keeps_the_old_epoch_and_training_exact(
-    cluster: LocalCluster, fault: int
+    cluster: LocalCluster, admin: Admin, fault: int
 ) -> None:
     """A transfer whose chunk fails its checksum, or that is cancelled midway, aborts the
     change: the epoch and partition stay, every layer stays usable, results stay exact."""
-    admin = Admin(cluster.coordinator)
 
     def between(step: int, pipe: Pipeline) -> None:
         if step != 3:
@@ -220,10 +181,9 @@ def test_failed_transfer_keeps_the_old_epoch_and_training_exact(
 
 
 @pytest.mark.timeout(300)
-def test_moves_during_steps_are_retried_transparently(cluster: LocalCluster) -> None:
+def test_moves_during_steps_are_retried_transparently(cluster: LocalCluster, admin: Admin) -> None:
     """Partition changes issued while steps run make stages refuse the old epoch; the client
     discards the attempt, adopts the new partition and retries, and results stay exact."""
-    admin = Admin(cluster.coordinator)
     stop = threading.Event()
     moves: list[int] = []
 
@@ -266,12 +226,7 @@ def test_moves_during_steps_are_retried_transparently(cluster: LocalCluster) -> 
 def test_auto_rebalance_moves_layers_off_a_straggler_and_stays_exact() -> None:
     """With auto-rebalance on, a stage slowed 4x mid-training loses layers within a few
     steps, the decision is in the epoch history, and training stays exact."""
-    # SGD: this test may run many steps, and Adam turns rounding noise in near-zero
-    # gradients into full-size updates; exactness under Adam is checked above over 10 steps.
-    sgd = {"lr": 0.01, "momentum": 0.9}
-    kwargs = {"sizes": [256] * 10}
-    reference = models.build("mlp", seed=1, **kwargs)
-    ref_opt = make_optimizer("sgd", reference.parameters(), sgd)
+    sgd = {"lr": 0.01, "momentum": 0.9}  # (Adam across moves: the exactness test above)
     g = torch.Generator().manual_seed(3)
     with (
         LocalCluster(
@@ -287,24 +242,22 @@ def test_auto_rebalance_moves_layers_off_a_straggler_and_stays_exact() -> None:
                 "1",
             ],
         ) as cluster,
-        Pipeline(
-            coordinator=cluster.coordinator,
+        Lockstep(
+            cluster,
             model="mlp",
-            model_kwargs=kwargs,
+            model_kwargs={"sizes": [256] * 10},
             seed=1,
             optimizer="sgd",
             optimizer_kwargs=sgd,
             loss="mse",
             micro_batches=4,
-        ) as pipe,
+        ) as both,
+        cluster.admin(timeout=120) as admin,
     ):
-        admin = Admin(cluster.coordinator)
+        pipe = both.pipe
 
         def step() -> None:
-            x, y = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
-            got = pipe.train_step(x, y)
-            want = reference_step(reference, ref_opt, "mse", x, y)
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+            both.train_step(torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g))
 
         for _ in range(3):
             step()
@@ -325,16 +278,13 @@ def test_auto_rebalance_moves_layers_off_a_straggler_and_stays_exact() -> None:
         assert admin.status().history[-1].reason == "auto"
         for _ in range(2):
             step()
-        state = pipe.state_dict()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+        both.assert_same_weights()
 
 
 @pytest.mark.timeout(300)
-def test_undrain_works_after_other_moves(cluster: LocalCluster) -> None:
+def test_undrain_works_after_other_moves(cluster: LocalCluster, admin: Admin) -> None:
     """drain, then another move, then undrain: the returning stage pulls its layers from
     their owners at the current epoch (not its own, older one), and results stay exact."""
-    admin = Admin(cluster.coordinator)
     drained: list[str] = []
 
     def between(step: int, pipe: Pipeline) -> None:
@@ -345,18 +295,17 @@ def test_undrain_works_after_other_moves(cluster: LocalCluster) -> None:
         elif step == 3:
             assert admin.set_partition([0, 1, part.num_layers]).changed
         elif step == 4:
-            reply = admin.drain(drained[0], back=True)
+            reply = admin.undrain(drained[0])
             assert reply.changed and len(reply.partition.addresses) == 3
 
     _train_and_compare(cluster, "mlp", 3, 6, between)
 
 
 @pytest.mark.timeout(300)
-def test_set_partition_refuses_what_would_lose_a_layer(cluster: LocalCluster) -> None:
+def test_set_partition_refuses_what_would_lose_a_layer(cluster: LocalCluster, admin: Admin) -> None:
     """A stage listed twice, an unknown stage, or ranges that skip or overrun a layer are
     refused with INVALID_ARGUMENT naming the value, before anything changes; training goes
     on exactly."""
-    admin = Admin(cluster.coordinator)
 
     def between(step: int, pipe: Pipeline) -> None:
         if step != 2:
@@ -370,9 +319,8 @@ def test_set_partition_refuses_what_would_lose_a_layer(cluster: LocalCluster) ->
             ([0, 3, 3, part.num_layers], [], "without layers"),
         ]
         for boundaries, stages, match in cases:
-            request = coordinator_pb2.SetPartitionRequest(boundaries=boundaries, stage_ids=stages)
             with pytest.raises(InvalidRequest, match=match):
-                admin.call("SetPartition", request)
+                admin.set_partition(boundaries, stages)
         status = admin.status()
         assert status.partition.epoch == part.epoch
         assert tuple(status.partition.boundaries) == part.boundaries
@@ -385,10 +333,6 @@ def test_a_spare_that_joins_is_added_when_the_planner_predicts_a_gain() -> None:
     """A stage registering while a job runs is a spare; the policy adds it to the chain
     (scale-out, a normal migration) once the planner predicts a gain over the threshold,
     and training stays exact."""
-    sgd = {"lr": 0.01}
-    kwargs = {"sizes": [128] * 9}
-    reference = models.build("mlp", seed=1, **kwargs)
-    ref_opt = make_optimizer("sgd", reference.parameters(), sgd)
     g = torch.Generator().manual_seed(3)
     with (
         LocalCluster(
@@ -405,23 +349,21 @@ def test_a_spare_that_joins_is_added_when_the_planner_predicts_a_gain() -> None:
                 "1000",
             ],
         ) as cluster,
-        Pipeline(
-            coordinator=cluster.coordinator,
+        Lockstep(
+            cluster,
             model="mlp",
-            model_kwargs=kwargs,
+            model_kwargs={"sizes": [128] * 9},
             seed=1,
             optimizer="sgd",
-            optimizer_kwargs=sgd,
+            optimizer_kwargs={"lr": 0.01},
             loss="mse",
             micro_batches=4,
-        ) as pipe,
+        ) as both,
     ):
+        pipe = both.pipe
 
         def step() -> None:
-            x, y = torch.randn(32, 128, generator=g), torch.randn(32, 128, generator=g)
-            got = pipe.train_step(x, y)
-            want = reference_step(reference, ref_opt, "mse", x, y)
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+            both.train_step(torch.randn(32, 128, generator=g), torch.randn(32, 128, generator=g))
 
         for _ in range(3):
             step()
@@ -435,10 +377,8 @@ def test_a_spare_that_joins_is_added_when_the_planner_predicts_a_gain() -> None:
         assert admin_history_kinds(cluster)[-1] == "scale-out"
         for _ in range(2):
             step()
-        state = pipe.state_dict()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(state[key], value)
+        both.assert_same_weights()
 
 
 def admin_history_kinds(cluster: LocalCluster) -> list[str]:
-    return [r.kind for r in Admin(cluster.coordinator).status().history]
+    return [r.kind for r in cluster.status().history]

@@ -18,10 +18,9 @@ from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import bundle, codec, compress, structure
-from tests.support.clusters import fast
+from tests.support.clusters import fast, set_partition
 from tests.support.numerics import reference_step, stage_threads
 
 ALLOWED = "tests.support.custom_models"
@@ -50,21 +49,6 @@ def _batches(n: int = STEPS, as_dict: bool = False) -> list[tuple[Any, torch.Ten
         y = torch.randint(0, 3, (9,), generator=g)
         out.append(({"ids": ids, "mask": mask} if as_dict else (ids, mask), y))
     return out
-
-
-def _set_partition(cluster: LocalCluster, boundaries: list[int]) -> None:
-    channel = rpc.channel(cluster.coordinator)
-    try:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        reply = rpc.call(
-            cluster.coordinator,
-            stub.SetPartition,
-            coordinator_pb2.SetPartitionRequest(boundaries=boundaries),
-            timeout=120,
-        )
-        assert reply.changed, reply
-    finally:
-        channel.close()
 
 
 def _local(kwargs: dict[str, Any], schedule: str = "1f1b") -> LocalPipeline:
@@ -108,7 +92,7 @@ def _train_with_a_migration(pipe: Pipeline, cluster: LocalCluster, as_dict: bool
         if step == 2:
             before = list(pipe.partition.boundaries)
             target = [0, 1, 4, 6] if before != [0, 1, 4, 6] else [0, 3, 5, 6]
-            _set_partition(cluster, target)
+            assert set_partition(cluster, target).changed
     assert list(pipe.partition.boundaries) == target
     return losses
 
@@ -177,7 +161,8 @@ def test_a_cut_carrying_only_integers_sends_an_empty_gradient(cluster: LocalClus
         for step, (x, y) in enumerate(_batches(3), start=1):
             losses.append(pipe.train_step(x, y))
             if step == 1 and list(pipe.partition.boundaries) != [0, 1, 4, 7]:
-                _set_partition(cluster, [0, 1, 4, 7])  # after the profile's own partition
+                # after the profile's own partition
+                assert set_partition(cluster, [0, 1, 4, 7]).changed
         assert list(pipe.partition.boundaries) == [0, 1, 4, 7]
         _exact(pipe.state_dict(), local_state, "integers at the first cut")
     assert losses == local_losses

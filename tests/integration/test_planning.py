@@ -11,8 +11,6 @@ import torch
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.planning import plan
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SIZES = [512] * 9  # 8 equal Linear layers, 7 ReLUs: 15 layers
 
@@ -56,17 +54,16 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
 
         train(4)
         speeds: dict[str, list[float]] = {}
-        with rpc.channel(cluster.coordinator) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        with cluster.admin() as admin:
             # The measured speed of a stage: the median of its reports over several heartbeats
             # (a step whose caches another process evicted skews a mean).
             for _ in range(8):
                 train(2)
                 time.sleep(0.4)  # at least one heartbeat with the latest timings
-                status = stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+                status = admin.status()
                 for stage in status.stages:
                     speeds.setdefault(stage.name, []).append(stage.speed)
-            view = stub.Plan(coordinator_pb2.PlanRequest(), timeout=10)
+            view = admin.plan()
         boundaries = pipe.partition.boundaries
     median = {name: statistics.median(values) for name, values in speeds.items()}
     ratio = median["stage-0"] / median["stage-1"]

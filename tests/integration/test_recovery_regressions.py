@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import coordinator_pb2
 from tests.support.clusters import revive
 from tests.support.faults import FaultPlan
 from tests.support.scenario import (
     REFERENCE,
     Trainer,
-    admin,
     check,
     history,
     kill_script_at,
@@ -177,7 +175,8 @@ def test_the_auto_rebalance_switch_survives_a_coordinator_restart(tmp_path: Path
         stages=1, coordinator_args=["--state", state, "--heartbeat-interval", "0.2"]
     ) as c:
         assert c.status().auto_rebalance
-        admin(c).SetAutoRebalance(coordinator_pb2.AutoRebalanceRequest(enabled=False), timeout=10)
+        with c.admin() as admin:
+            admin.auto(False)
         c.kill("coordinator")
         c.restart_coordinator(["--auto-rebalance", "--heartbeat-interval", "0.2"])
         assert not c.status().auto_rebalance

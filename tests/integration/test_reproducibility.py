@@ -14,9 +14,8 @@ from elasticpipe import LocalPipeline, models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest, PermissionDenied
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
-from tests.support.clusters import failing
+from elasticpipe.v1 import stage_pb2
+from tests.support.clusters import failing, set_partition
 from tests.support.numerics import reference_step, stage_threads
 from tests.support.scenario import arm
 
@@ -39,21 +38,6 @@ def _batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [
         (torch.randn(9, 8, generator=g), torch.randint(0, 3, (9,), generator=g)) for _ in range(n)
     ]
-
-
-def _set_partition(cluster: LocalCluster, boundaries: list[int]) -> None:
-    channel = rpc.channel(cluster.coordinator)
-    try:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        reply = rpc.call(
-            cluster.coordinator,
-            stub.SetPartition,
-            coordinator_pb2.SetPartitionRequest(boundaries=boundaries),
-            timeout=120,
-        )
-        assert reply.changed, reply
-    finally:
-        channel.close()
 
 
 def _local(seed: int = 5) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -116,7 +100,7 @@ def test_dropout_trains_the_same_on_2_stages_on_3_with_a_migration_and_locally(
                 if stages == 3 and step == 2:  # a partition other than the planner's
                     before = list(pipe.partition.boundaries)
                     target = [0, 1, 5, 7] if before != [0, 1, 5, 7] else [0, 2, 4, 7]
-                    _set_partition(cluster, target)
+                    assert set_partition(cluster, target).changed
             if stages == 3:
                 assert list(pipe.partition.boundaries) == target
             _assert_same((losses, pipe.state_dict()), reference, f"{stages} stages")

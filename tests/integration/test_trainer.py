@@ -18,9 +18,9 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import loss_fn, make_optimizer
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import compress
+from tests.support.clusters import set_partition
 from tests.support.numerics import stage_threads
 from tests.support.scenario import arm
 
@@ -50,11 +50,6 @@ def _batch(step: int, model: str = "mlp") -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(0, 17, (6, 8), generator=g)
         return tokens, torch.roll(tokens, -1, dims=1)
     return torch.randn(10, 12, generator=g) * 3, torch.randint(0, 6, (10,), generator=g)
-
-
-def _set_partition(cluster: LocalCluster, boundaries: list[int]) -> None:
-    stub = coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(cluster.coordinator))
-    stub.SetPartition(coordinator_pb2.SetPartitionRequest(boundaries=boundaries), timeout=120)
 
 
 class Reference:
@@ -167,9 +162,9 @@ def test_schedule_and_clipping_equal_pytorch_across_migrations(
             assert lrs == pytest.approx([lr] * 3, rel=1e-12), f"lr of step {step}"
             clipped += norm > MAX_NORM
             if step == 2:  # every stage keeps a layer with parameters (a reported lr)
-                _set_partition(cluster, [0, 1, 3, 7])
+                set_partition(cluster, [0, 1, 3, 7])
             if step == 5:
-                _set_partition(cluster, [0, 3, 5, 7])
+                set_partition(cluster, [0, 3, 5, 7])
         assert list(pipe.partition.boundaries) == [0, 3, 5, 7]  # the layers did move
         state = pipe.state_dict()
     assert clipped >= 4, "the test must clip for real"
@@ -256,7 +251,7 @@ def test_recompute_is_exact_and_stashes_less(
                 if step == 1:
                     # Pinned once the first step profiled the job (its plan follows measured
                     # speeds): what a stage stashes depends on where the cuts are.
-                    _set_partition(cluster, [0, 1, 3, pipe.partition.boundaries[-1]])
+                    set_partition(cluster, [0, 1, 3, pipe.partition.boundaries[-1]])
             assert list(pipe.partition.boundaries)[:3] == [0, 1, 3]
             stashed = sum(s.peak_stashed_bytes for s in pipe.last_step.stages)
             results[str(recompute)] = (pipe.state_dict(), stashed)

@@ -7,6 +7,7 @@ once (its flags named here), exposed as fixtures by ``tests/integration/conftest
   dead after 2 s, and moves nothing by itself;
 - ``failing(n)``: n stages that accept injected faults, with a short commit lease, and a
   coordinator with fast heartbeats that declares a silent stage dead after 2 s;
+- ``set_partition``: a move of a cluster's job, as an operator asks for it;
 - ``revive``: a killed stage of ``failing`` back under its name (a new incarnation).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from elasticpipe.client.admin import Move
 from elasticpipe.local.cluster import LocalCluster
 
 # The coordinator that fails fast: heartbeats every 0.2 s, dead after 2 s silent, no moves.
@@ -41,6 +43,13 @@ def failing(stages: int = 4, **options: Any) -> LocalCluster:
     with fast heartbeats; the processes' logs are kept in $ELASTICPIPE_TEST_LOGS if set."""
     options.setdefault("log_dir", os.environ.get("ELASTICPIPE_TEST_LOGS"))
     return fast(stages, **FAULTS, **options)
+
+
+def set_partition(cluster: LocalCluster, boundaries: list[int]) -> Move:
+    """Moves the cluster's job to ``boundaries`` (as ``admin set-partition`` does) and returns
+    the outcome; a move waits for its layers to be copied, up to two minutes."""
+    with cluster.admin(timeout=120) as admin:
+        return admin.set_partition(boundaries)
 
 
 def revive(cluster: LocalCluster, *names: str) -> None:

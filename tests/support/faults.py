@@ -23,18 +23,15 @@ by the step's own move, so the hook waits for the kill before the step starts.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import coordinator_pb2, stage_pb2
+from elasticpipe.v1 import stage_pb2
 from tests.support.clusters import revive
-from tests.support.scenario import admin, arm
+from tests.support.scenario import arm, move_on_a_thread
 
 STEP_POINTS = frozenset({"run_started", "awaiting_commit", "commit", "snapshot"})
 EPOCH_POINTS = frozenset({"prepare", "epoch_commit"})
@@ -153,13 +150,7 @@ class FaultPlan:
 
         def run(step: _Step, killed: list[str]) -> None:
             assert step.move is not None
-            request = coordinator_pb2.SetPartitionRequest(boundaries=step.move[0])
-
-            def move() -> None:
-                with contextlib.suppress(grpc.RpcError):
-                    admin(step.cluster).SetPartition(request, timeout=120)
-
-            threading.Thread(target=move, daemon=True).start()
+            move_on_a_thread(step.cluster, list(step.move[0]))
 
         return self._add(run)
 

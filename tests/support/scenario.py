@@ -3,6 +3,7 @@ reference (single-process training, which the pipeline equals by transparency)."
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -14,11 +15,12 @@ import grpc
 import torch
 
 from elasticpipe import models
+from elasticpipe.client.admin import EpochRecord
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from tests.support.clusters import FAST  # noqa: F401 (the scenario's coordinator flags)
 from tests.support.numerics import reference_step
 
@@ -117,12 +119,20 @@ def arm(address: str, fault: int, point: str = "") -> None:
     stage(address).InjectFault(stage_pb2.FaultRequest(fault=fault, point=point), timeout=10)  # type: ignore[arg-type]
 
 
-def admin(cluster: LocalCluster) -> coordinator_pb2_grpc.CoordinatorServiceStub:
-    """The coordinator's admin stub."""
-    return coordinator_pb2_grpc.CoordinatorServiceStub(rpc.channel(cluster.coordinator))
+def move_on_a_thread(cluster: LocalCluster, boundaries: list[int]) -> threading.Thread:
+    """Asks the coordinator for a move to ``boundaries`` on a thread, and returns it: the
+    coordinator may die, or abandon the move, before it answers, so its error is ignored."""
+
+    def move() -> None:
+        with contextlib.suppress(ElasticPipeError), cluster.admin(timeout=120) as admin:
+            admin.set_partition(boundaries)
+
+    thread = threading.Thread(target=move, daemon=True)
+    thread.start()
+    return thread
 
 
-def history(cluster: LocalCluster) -> list[coordinator_pb2.EpochRecord]:
+def history(cluster: LocalCluster) -> list[EpochRecord]:
     """The current job's epoch history."""
     return list(cluster.status().history)
 

@@ -39,18 +39,22 @@ def test_the_facade_exports_tls() -> None:
 
 
 def test_the_sdk_reference_covers_every_argument_member_and_field() -> None:
-    """docs/sdk.md names every argument of Pipeline and LocalPipeline, every public member,
-    every StepStats and StageStep field and every error class, so it cannot fall behind."""
+    """docs/sdk.md names every argument of Pipeline, LocalPipeline, LocalCluster and Admin,
+    every public member of the pipelines and every Admin method, every StepStats and
+    StageStep field and every error class, so it cannot fall behind."""
     import dataclasses
     import inspect
 
-    from elasticpipe import LocalPipeline, Pipeline, StepStats, errors
+    from elasticpipe import Admin, LocalCluster, LocalPipeline, Pipeline, StepStats, errors
     from elasticpipe.client.pipeline import StageStep
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "sdk.md").read_text()
     names = {
         *list(inspect.signature(Pipeline.__init__).parameters)[1:],
         *list(inspect.signature(LocalPipeline.__init__).parameters)[1:],
+        *list(inspect.signature(LocalCluster.__init__).parameters)[1:],
+        *list(inspect.signature(Admin.__init__).parameters)[1:],
+        *(n for n in vars(Admin) if not n.startswith("_")),
         *(n for n in dir(Pipeline) if not n.startswith("_")),
         *(n for n in dir(LocalPipeline) if not n.startswith("_")),
         *(f.name for f in dataclasses.fields(StepStats)),

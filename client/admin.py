@@ -1,0 +1,375 @@
+"""``Admin``: the typed client of the coordinator's admin RPCs, one method per RPC.
+
+::
+
+    from elasticpipe import Admin
+
+    with Admin("10.0.0.1:7000", tls=TLS("admin.pem", "admin.key", "ca.pem")) as admin:
+        status = admin.status()
+        print(status.partition.boundaries, [s.name for s in status.chain])
+        admin.set_partition([0, 4, 8, 12])
+        admin.slowdown("host-3", 2.0)
+
+Every answer is a frozen dataclass that mirrors its protobuf message field for field, in
+the message's order (``document(answer)`` is what ``elasticpipe admin ... --json`` prints);
+repeated fields are tuples, and an optional field that is not set (a step time
+before profiling) is None. Failures raise the SDK's errors (``elasticpipe.errors``): an
+unreachable coordinator is ``CoordinatorUnavailable``, a refused request ``InvalidRequest``
+or ``FailedPrecondition``, naming the bad value. TLS goes through the same ``TLS`` as the
+``Pipeline``, with a certificate of the ``admin`` role.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from elasticpipe.errors import CoordinatorUnavailable, InvalidRequest
+from elasticpipe.observe import traces
+from elasticpipe.security.tls import TLS
+from elasticpipe.transport import rpc, serving
+from elasticpipe.v1 import coordinator_pb2 as pb
+from elasticpipe.v1 import coordinator_pb2_grpc
+
+__all__ = [
+    "Ack",
+    "Admin",
+    "EpochRecord",
+    "Move",
+    "PartitionInfo",
+    "PlanReport",
+    "StageInfo",
+    "Status",
+    "Trace",
+    "document",
+]
+
+ADMIN_TIMEOUT_S = 300.0  # a move waits for its layers to be copied
+GONE_STATES = ("dead", "left")
+
+T = TypeVar("T")
+
+
+def from_proto(cls: type[T], message: Message) -> T:
+    """The dataclass ``cls`` with the fields of ``message`` (nested messages, repeated
+    fields and unset optional scalars converted as the class's annotations say)."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        values[f.name] = _field(hints[f.name], message, f.name)
+    return cls(**values)
+
+
+def _field(hint: Any, message: Message, name: str) -> Any:
+    value = getattr(message, name)
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple:  # repeated: tuple[X, ...]
+        element = args[0]
+        if dataclasses.is_dataclass(element):
+            return tuple(from_proto(element, v) for v in value)  # type: ignore[arg-type]
+        return tuple(value)
+    if isinstance(hint, types.UnionType):  # optional scalar: X | None
+        return value if message.HasField(name) else None
+    if dataclasses.is_dataclass(hint):
+        return from_proto(hint, value)  # type: ignore[arg-type]
+    return value
+
+
+def document(answer: Any) -> Any:
+    """The JSON form of an answer (what ``elasticpipe admin ... --json`` prints): every
+    field, tuples as lists, an unset optional as None."""
+    if dataclasses.is_dataclass(answer) and not isinstance(answer, type):
+        return {f.name: document(getattr(answer, f.name)) for f in dataclasses.fields(answer)}
+    if isinstance(answer, tuple | list):
+        return [document(v) for v in answer]
+    return answer
+
+
+# ---- the answers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """Which stages own which layers in one epoch (the wire's ``Partition``).
+
+    Stage ``s`` of the chain (``stage_ids[s]`` at ``addresses[s]``) owns layers
+    ``[boundaries[s], boundaries[s + 1])``; ``predicted_step_s`` is the planner's seconds
+    per step (None until the stages are profiled).
+    """
+
+    epoch: int
+    job_id: str
+    boundaries: tuple[int, ...]
+    stage_ids: tuple[str, ...]
+    addresses: tuple[str, ...]
+    predicted_step_s: float | None
+    restored_step: int
+    restore_epoch: int
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One incarnation of a stage, as the coordinator last heard of it.
+
+    ``state`` is ``chain`` (holds layers ``layer_lo:layer_hi``, place ``index``), ``spare``,
+    ``drained``, ``dead`` or ``left``; ``speed`` is relative to the job's profile (0 while
+    unknown); ``slowdown`` the emulated factor; ``memory_bytes`` what it offers (0: unknown).
+    """
+
+    stage_id: str
+    name: str
+    address: str
+    device: str
+    speed: float
+    alive: bool
+    last_heartbeat_unix: float
+    index: int
+    layer_lo: int
+    layer_hi: int
+    committed_step: int
+    slowdown: float
+    state: str
+    incarnation: int
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One partition change of a job: its kind (start, move, scale-out, recovery, restore,
+    attach, abandoned), what moved, how long training paused, and why."""
+
+    epoch: int
+    at_unix: float
+    reason: str
+    boundaries: tuple[int, ...]
+    layers_moved: int
+    bytes_moved: int
+    pause_s: float
+    kind: str
+    stages: tuple[str, ...]
+    restored_step: int
+    lost_steps: int
+    job_id: str
+    detected_unix: float
+
+
+@dataclass(frozen=True)
+class Status:
+    """The cluster: every stage incarnation, the job's partition, its epoch history."""
+
+    stages: tuple[StageInfo, ...]
+    partition: PartitionInfo
+    history: tuple[EpochRecord, ...]
+    job_model: str
+    num_layers: int
+    auto_rebalance: bool
+    job_id: str
+    client: str
+    committed_step: int
+    job_failure: str
+    factory_file: str
+    factory_sha256: str
+    efficiency: float
+    efficiency_step: int
+
+    @property
+    def chain(self) -> list[StageInfo]:
+        """The stages that hold layers, in chain order."""
+        return sorted((s for s in self.stages if s.state == "chain"), key=lambda s: s.index)
+
+    @property
+    def alive(self) -> list[StageInfo]:
+        """The live incarnations (chain, spare or drained)."""
+        return [s for s in self.stages if s.alive]
+
+    def stage(self, name: str) -> StageInfo:
+        """The live incarnation named ``name`` (or with that id), else the newest gone one.
+
+        Raises:
+            InvalidRequest: no stage of that name or id ever registered.
+        """
+        rows = [s for s in self.stages if name in (s.name, s.stage_id)]
+        if not rows:
+            raise InvalidRequest(f"no stage named {name!r} in the status")
+        return max(rows, key=lambda s: (s.state not in GONE_STATES, s.incarnation))
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The current partition beside the planner's optimum for the measured speeds."""
+
+    current: PartitionInfo
+    optimal_boundaries: tuple[int, ...]
+    current_step_s: float | None
+    optimal_step_s: float | None
+    stage_speeds: tuple[float, ...]
+    layer_costs: tuple[float, ...]
+    bytes_to_move: int
+    stage_names: tuple[str, ...]
+
+    @property
+    def gain(self) -> float | None:
+        """The fraction of step time the optimum would save (None until profiled)."""
+        if self.current_step_s is None or self.optimal_step_s is None:
+            return None
+        return 1 - self.optimal_step_s / self.current_step_s if self.current_step_s else 0.0
+
+
+@dataclass(frozen=True)
+class Move:
+    """The outcome of a rebalance, set-partition, drain or undrain (or what a dry run
+    would do): ``changed`` says whether layers moved, ``decision`` why or why not."""
+
+    changed: bool
+    partition: PartitionInfo
+    decision: str
+    predicted_gain: float
+    bytes_moved: int
+    pause_s: float
+    target: PartitionInfo
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A lever's answer (slowdown, auto, forget): what the coordinator did."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The spans of the last steps of every stage in the chain, clock-aligned, with the
+    per-step figures (``admin trace``); ``chrome()`` is the Chrome/Perfetto trace."""
+
+    job_id: str
+    stages: tuple[traces.StageTrace, ...]
+    figures: tuple[traces.StepFigure, ...]
+
+    def chrome(self) -> dict[str, Any]:
+        """The Chrome trace-event document (open in Perfetto or chrome://tracing)."""
+        return traces.chrome_trace(self.stages)
+
+    def summary(self) -> dict[str, Any]:
+        """Per stage, per training step, and the inference runs apart (``--json``)."""
+        return traces.summary(self.stages, self.figures)
+
+    def draw(self, png: str) -> None:
+        """Draws the timeline of the steps to ``png`` (needs matplotlib)."""
+        from elasticpipe.observe import timeline
+
+        timeline.draw(self.stages, self.figures, png, title=f"job {self.job_id}")
+
+
+# ---- the client -------------------------------------------------------------------------
+
+
+class Admin:
+    """A connection to a coordinator's admin RPCs; close it (or use ``with``) when done.
+
+    Args:
+        coordinator: HOST:PORT of the coordinator.
+        tls: mutual TLS material with a certificate of the ``admin`` role (None: plaintext).
+        timeout: seconds each call may take (a move waits for its layers to be copied).
+    """
+
+    def __init__(
+        self, coordinator: str, tls: TLS | None = None, timeout: float = ADMIN_TIMEOUT_S
+    ) -> None:
+        serving.check_dial_address(coordinator, "coordinator address")
+        if timeout <= 0:
+            raise InvalidRequest(f"timeout must be positive, got {timeout}")
+        self.coordinator = coordinator
+        self.tls = tls
+        self.timeout = timeout
+        self._channel = rpc.channel(coordinator, tls)
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> Admin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Message, timeout: float | None = None, **kw: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout or self.timeout, **kw)
+        except grpc.RpcError as exc:
+            raise rpc.translate(exc, self.coordinator, CoordinatorUnavailable) from exc
+
+    # ---- views ---------------------------------------------------------------------
+
+    def status(
+        self, all_jobs: bool = False, timeout: float | None = None, wait: bool = False
+    ) -> Status:
+        """The stages, the partition and the epoch history (of every job with
+        ``all_jobs``); with ``wait``, waits up to ``timeout`` for the coordinator to be
+        reachable (a restarted one's channel may still be backing off)."""
+        request = pb.StatusRequest(all_jobs=all_jobs)
+        return from_proto(Status, self._call("Status", request, timeout, wait_for_ready=wait))
+
+    def plan(self) -> PlanReport:
+        """The current partition and the optimal one for the measured speeds."""
+        return from_proto(PlanReport, self._call("Plan", pb.PlanRequest()))
+
+    def trace(self, steps: int = 1) -> Trace:
+        """The spans of the last ``steps`` steps of every stage in the chain.
+
+        Raises:
+            InvalidRequest: ``steps`` outside ``[1, MAX_STEPS]``, or no job is running.
+        """
+        if not 1 <= steps <= traces.MAX_STEPS:
+            raise InvalidRequest(f"steps must be in [1, {traces.MAX_STEPS}] (got {steps})")
+        status = self.status()
+        collected = traces.collect(status.stages, steps, self.tls, self.timeout)
+        figures = traces.step_figures(collected)
+        return Trace(status.job_id, tuple(collected), tuple(figures))
+
+    # ---- levers --------------------------------------------------------------------
+
+    def rebalance(self, dry_run: bool = False, reason: str = "admin rebalance") -> Move:
+        """Moves to the optimal partition if the planner predicts a gain (with
+        ``dry_run``, only says what it would do)."""
+        request = pb.RebalanceRequest(dry_run=dry_run, reason=reason)
+        return from_proto(Move, self._call("Rebalance", request))
+
+    def set_partition(self, boundaries: Sequence[int], stages: Iterable[str] = ()) -> Move:
+        """Moves to ``boundaries`` (``S + 1`` cuts, ``0`` to the layer count), optionally
+        with a new chain order (``stages``: names or ids)."""
+        cuts = [int(b) for b in boundaries]
+        if any(b < 0 for b in cuts):
+            raise InvalidRequest(f"boundaries must be non-negative layer numbers, got {cuts}")
+        request = pb.SetPartitionRequest(boundaries=cuts, stage_ids=list(stages))
+        return from_proto(Move, self._call("SetPartition", request))
+
+    def drain(self, stage: str) -> Move:
+        """Moves the layers off ``stage`` (a name or id) and keeps it out of the chain."""
+        return from_proto(Move, self._call("Drain", pb.DrainRequest(stage=stage)))
+
+    def undrain(self, stage: str) -> Move:
+        """Lets a drained ``stage`` back in (a spare; the planner may take it in)."""
+        return from_proto(Move, self._call("Undrain", pb.DrainRequest(stage=stage)))
+
+    def slowdown(self, stage: str, factor: float) -> Ack:
+        """Emulates a device ``factor`` times slower on ``stage`` (1: none)."""
+        request = pb.AdminSlowdownRequest(stage=stage, factor=factor)
+        return from_proto(Ack, self._call("Slowdown", request))
+
+    def auto(self, enabled: bool) -> Ack:
+        """Turns automatic rebalancing on or off."""
+        request = pb.AutoRebalanceRequest(enabled=enabled)
+        return from_proto(Ack, self._call("SetAutoRebalance", request))
+
+    def forget(self, stage: str) -> Ack:
+        """Removes the gone (dead or left) incarnations of ``stage``."""
+        return from_proto(Ack, self._call("Forget", pb.DrainRequest(stage=stage)))
