@@ -27,6 +27,7 @@ import urllib.request
 from typing import Any
 
 import torch
+from shared.steps import fewest_steps  # bench/shared/steps.py, beside this script
 
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
@@ -106,10 +107,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="measured steps per config")
     parser.add_argument("--quick", action="store_true", help="1 measured step per config")
     args = parser.parse_args()
-    if args.quick:
-        args.steps = 1
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1 (got {args.steps})")
+    fewest_steps(parser, args, 1)
     started = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
     with LocalCluster(stages=2, state=":memory:", auto_rebalance=False, metrics=True) as cluster:

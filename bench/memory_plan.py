@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+from shared.steps import fewest_steps  # bench/shared/steps.py, beside this script
 
 from elasticpipe.coordinator.planning import memory, plan
 from elasticpipe.coordinator.planning.estimates import Profile
@@ -77,10 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 steps of each precision")
     args = parser.parse_args()
-    if args.quick:
-        args.steps = 2
-    if args.steps < 2:
-        parser.error(f"--steps must be >= 2: the first step is not counted (got {args.steps})")
+    fewest_steps(parser, args, 2, ": the first step is not counted")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     result: dict[str, object] = {}

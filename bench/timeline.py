@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import torch
+from shared.steps import fewest_steps  # bench/shared/steps.py, beside this script
 
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
@@ -31,10 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps trained before tracing")
     parser.add_argument("--quick", action="store_true", help="1 step before tracing")
     args = parser.parse_args()
-    if args.quick:
-        args.steps = 1
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1 (got {args.steps})")
+    fewest_steps(parser, args, 1)
     kwargs = {"n_layers": 6, "d_model": 64, "max_seq_len": 32}
     with (
         LocalCluster(stages=4, auto_rebalance=False) as cluster,

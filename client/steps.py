@@ -113,14 +113,7 @@ class Steps(Session):
         reports, partition, run_id, _, attempts = self._run(step, batch, train=True)
         self._test_pause("before_commit", step)
         norm, clip = self._clip(reports)
-        if clip.skip:
-            log.warning(
-                "step_skipped",
-                step=step,
-                grad_norm=norm,
-                why="non-finite gradient norm",
-                loss_scale=loss_scaling.reported(reports),
-            )
+        clipping.warn_if_skipped(log, step, norm, clip, loss_scaling.reported(reports))
         self._decided(run_id, step, commit=True, clip=clip)
         try:
             driver.commit(self._clients, partition, run_id, step, self._client, clip)

@@ -16,12 +16,15 @@ the commit point sends **AbortEpoch** everywhere: nothing staged survives, nothi
 freed, the old epoch stays in force. A coordinator that dies mid-change finds the record
 on restart (``finish_pending``) and rolls it back (before the commit point) or forward
 (after it); a stage whose freeze lease runs out meanwhile asks ``outcome``.
+
+Every row of the epoch history (a change, a job's start, an abandoned attempt) is made by
+``history_row``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -109,6 +112,52 @@ class MoveResult:
     wait_s: float = 0.0
     transfer_s: float = 0.0
     cut_steps: tuple[int, ...] = ()  # each old-chain stage's committed step at the freeze
+
+
+def history_row(
+    cluster: Cluster,
+    partition: Partition,
+    kind: str,
+    reason: str,
+    *,
+    names: Sequence[str] | None = None,
+    moved: MoveResult | None = None,
+    restored_step: int = 0,
+    lost_steps: int = 0,
+    detected_at: float = 0.0,
+    extra: dict[str, Any] | None = None,
+) -> EpochRow:
+    """The epoch history's row for ``partition``, stamped now.
+
+    Args:
+        cluster: looks up the names of the partition's stages.
+        partition: the partition the row is of (its epoch, cut and chain).
+        kind: "start", "move", "recovery", "restore", "attach", "abandoned", ...
+        reason: why the partition changed (or why the attempt was abandoned).
+        names: the chain's stage names, when looked up before the change (default: now).
+        moved: what the change did: its layers and bytes moved and its pause (none if None).
+        restored_step, lost_steps, detected_at, extra: as ``EpochRow``'s.
+
+    Returns:
+        The row, for ``Store.add_epoch`` or the commit point's transaction.
+    """
+    return EpochRow(
+        epoch=partition.epoch,
+        at=time.time(),
+        reason=reason,
+        boundaries=partition.boundaries,
+        stage_ids=partition.stage_ids,
+        layers_moved=moved.layers_moved if moved is not None else 0,
+        bytes_moved=moved.bytes_moved if moved is not None else 0,
+        pause_s=moved.pause_s if moved is not None else 0.0,
+        extra=extra if extra is not None else {},
+        kind=kind,
+        job_id=partition.job_id,
+        stage_names=tuple(names if names is not None else cluster.names(partition.stage_ids)),
+        restored_step=restored_step,
+        lost_steps=lost_steps,
+        detected_at=detected_at,
+    )
 
 
 def freeze(cluster: Cluster, change: Change, lease_s: float | None = None) -> list[int]:
@@ -301,18 +350,8 @@ def change_epoch(
 def record_abandoned(cluster: Cluster, change: Change, why: str) -> None:
     """Records an epoch reserved by a change that was abandoned (so that every epoch
     number in the history is explained)."""
-    cluster.store.add_epoch(
-        EpochRow(
-            epoch=change.new.epoch,
-            at=time.time(),
-            reason=f"{change.kind} abandoned, epoch {change.old.epoch} kept: {why[:300]}",
-            boundaries=change.new.boundaries,
-            stage_ids=change.new.stage_ids,
-            kind="abandoned",
-            job_id=change.new.job_id,
-            stage_names=tuple(cluster.names(change.new.stage_ids)),
-        )
-    )
+    reason = f"{change.kind} abandoned, epoch {change.old.epoch} kept: {why[:300]}"
+    cluster.store.add_epoch(history_row(cluster, change.new, "abandoned", reason))
 
 
 def finish_pending(cluster: Cluster) -> None:
@@ -334,34 +373,22 @@ def finish_pending(cluster: Cluster) -> None:
         cluster.store.add_epoch(
             replace(written, reason=f"{written.reason} (finished after a coordinator restart)")
             if written is not None
-            else EpochRow(
-                epoch=epoch,
-                at=time.time(),
-                reason=reason,
-                boundaries=new.boundaries,
-                stage_ids=new.stage_ids,
-                kind=str(record.get("kind")),
-                job_id=new.job_id,
-                stage_names=tuple(cluster.names(new.stage_ids)),
+            else history_row(
+                cluster,
+                new,
+                str(record.get("kind")),
+                reason,
                 restored_step=new.restored_step if new.restore_epoch == epoch else 0,
             )
         )
         return
     log.warning("epoch_change_rolled_back", epoch=epoch, kind=record.get("kind"))
     abort(cluster, epoch, involved, "the coordinator restarted before the commit point")
-    cluster.store.add_epoch(
-        EpochRow(
-            epoch=epoch,
-            at=time.time(),
-            reason=f"{record.get('kind')} abandoned: the coordinator restarted mid-change "
-            f"({record.get('reason')})",
-            boundaries=new.boundaries,
-            stage_ids=new.stage_ids,
-            kind="abandoned",
-            job_id=new.job_id,
-            stage_names=tuple(cluster.names(new.stage_ids)),
-        )
+    reason = (
+        f"{record.get('kind')} abandoned: the coordinator restarted mid-change "
+        f"({record.get('reason')})"
     )
+    cluster.store.add_epoch(history_row(cluster, new, "abandoned", reason))
 
 
 def outcome(cluster: Cluster, epoch: int) -> str:

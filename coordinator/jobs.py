@@ -183,17 +183,8 @@ class Jobs(Leases):
         reason = f"client {holder} attached at step {step}: snapshot"
 
         def history(result: epochs.MoveResult) -> EpochRow:
-            return EpochRow(
-                epoch=new.epoch,
-                at=time.time(),
-                reason=reason,
-                boundaries=new.boundaries,
-                stage_ids=new.stage_ids,
-                pause_s=result.pause_s,
-                kind="attach",
-                job_id=new.job_id,
-                stage_names=tuple(self.c.names(new.stage_ids)),
-                restored_step=step,
+            return epochs.history_row(
+                self.c, new, "attach", reason, moved=result, restored_step=step
             )
 
         try:
@@ -312,18 +303,8 @@ class Jobs(Leases):
             try:
                 self.c.pool.all(assign, "Assign", STAGE_CALL_TIMEOUT_S)
             except ElasticPipeError as exc:
-                self.c.store.add_epoch(
-                    EpochRow(
-                        epoch=epoch,
-                        at=time.time(),
-                        reason=f"job {job.job_id} not started: {str(exc)[:300]}",
-                        boundaries=partition.boundaries,
-                        stage_ids=partition.stage_ids,
-                        kind="abandoned",
-                        job_id=job.job_id,
-                        stage_names=tuple(self.c.names(partition.stage_ids)),
-                    )
-                )
+                reason = f"job {job.job_id} not started: {str(exc)[:300]}"
+                self.c.store.add_epoch(epochs.history_row(self.c, partition, "abandoned", reason))
                 raise
             store = self.c.store
             store.put("job", dict(vars(job)))
@@ -334,25 +315,14 @@ class Jobs(Leases):
             if profile:
                 store.put("profile", profile.to_store())
             self.c.job, self.c.param_bytes, self.c.failure = job, param_bytes, ""
-            self.c.install(
-                partition,
-                EpochRow(
-                    epoch=epoch,
-                    at=time.time(),
-                    reason=f"job {job.job_id} started: "
-                    + (
-                        "layers built empty, their initial weights (init_state) are streamed "
-                        "by the client next, as a restore of step 0"
-                        if job.external_weights
-                        else f"initial weights from seed {job.seed}"
-                    ),
-                    boundaries=partition.boundaries,
-                    stage_ids=partition.stage_ids,
-                    kind="start",
-                    job_id=job.job_id,
-                    stage_names=tuple(self.c.names(partition.stage_ids)),
-                ),
+            weights = (
+                "layers built empty, their initial weights (init_state) are streamed "
+                "by the client next, as a restore of step 0"
+                if job.external_weights
+                else f"initial weights from seed {job.seed}"
             )
+            reason = f"job {job.job_id} started: {weights}"
+            self.c.install(partition, epochs.history_row(self.c, partition, "start", reason))
             for member in chosen:
                 member.timings, member.speed = {}, None
             self.c.last_move = time.monotonic()
@@ -515,18 +485,18 @@ class Jobs(Leases):
                     if initial
                     else f"checkpoint of step {step} loaded"
                 )
-                row = EpochRow(
-                    epoch=epoch,
-                    at=time.time(),
-                    reason=f"{what}: {new.num_layers} layers, {received} bytes streamed by "
-                    "the client",
-                    boundaries=new.boundaries,
-                    stage_ids=new.stage_ids,
+                loaded = epochs.MoveResult(
                     layers_moved=new.num_layers,
                     bytes_moved=received,
-                    kind="restore",
-                    job_id=new.job_id,
-                    stage_names=tuple(self.c.names(new.stage_ids)),
+                    pause_s=0.0,
+                    committed_step=step,
+                )
+                row = epochs.history_row(
+                    self.c,
+                    new,
+                    "restore",
+                    f"{what}: {new.num_layers} layers, {received} bytes streamed by the client",
+                    moved=loaded,
                     restored_step=step,
                 )
                 self.c.store.commit_change(new, change.record("committed"), row)

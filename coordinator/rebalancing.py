@@ -251,23 +251,18 @@ class Rebalancer:
             names = tuple(self.c.names(new.stage_ids))
 
             def history(result: MoveResult) -> EpochRow:
-                return EpochRow(
-                    epoch=new.epoch,
-                    at=time.time(),
-                    reason=reason,
-                    boundaries=new.boundaries,
-                    stage_ids=new.stage_ids,
-                    layers_moved=result.layers_moved,
-                    bytes_moved=result.bytes_moved,
-                    pause_s=result.pause_s,
+                return epochs.history_row(
+                    self.c,
+                    new,
+                    kind,
+                    reason,
+                    names=names,
+                    moved=result,
                     extra={
                         "committed_step": result.committed_step,
                         "wait_s": result.wait_s,
                         "transfer_s": result.transfer_s,
                     },
-                    kind=kind,
-                    job_id=new.job_id,
-                    stage_names=names,
                 )
 
             result: MoveResult = epochs.change_epoch(

@@ -261,18 +261,13 @@ class Recovery:
 
         def history(result: epochs.MoveResult) -> EpochRow:
             lost = max((s - step for s in result.cut_steps), default=0)
-            return EpochRow(
-                epoch=epoch,
-                at=time.time(),
-                reason=reason,
-                boundaries=new.boundaries,
-                stage_ids=new.stage_ids,
-                layers_moved=result.layers_moved,
-                bytes_moved=result.bytes_moved,
-                pause_s=result.pause_s,
-                kind="recovery",
-                job_id=new.job_id,
-                stage_names=names,
+            return epochs.history_row(
+                self.c,
+                new,
+                "recovery",
+                reason,
+                names=names,
+                moved=result,
                 restored_step=step,
                 lost_steps=max(lost, 0),
                 detected_at=detected,

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from types import TracebackType
-
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.service import CoordinatorServicer
 from elasticpipe.coordinator.store import Store
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
-from elasticpipe.transport.serving import RunningServer, metrics_host, start_server
+from elasticpipe.transport.serving import (
+    RunningServer,
+    ServerLifecycle,
+    metrics_bind_host,
+    start_server,
+)
 from elasticpipe.v1 import coordinator_pb2
 
 log = get_logger(__name__)
 
 
-class CoordinatorServer:
+class CoordinatorServer(ServerLifecycle):
     """Serves a ``Coordinator`` (a context manager)."""
 
     def __init__(self, config: CoordinatorConfig | None = None):
@@ -25,19 +28,11 @@ class CoordinatorServer:
         self._server: RunningServer | None = None
         self.metrics: MetricsEndpoint | None = None
 
-    @property
-    def address(self) -> str:
-        """Where the CoordinatorService listens."""
-        assert self._server is not None, "server not started"
-        return self._server.address
-
     def start(self) -> CoordinatorServer:
         """Opens the state file, binds the port and starts the policy loop."""
         config = self.config
-        metrics_on = (
-            metrics_host(config.listen, config.metrics_listen, config.insecure)
-            if config.metrics_port is not None
-            else ""
+        metrics_on = metrics_bind_host(
+            config.listen, config.metrics_port, config.metrics_listen, config.insecure
         )
         self.coordinator = Coordinator(Store(config.state), config)
         self._server = start_server(
@@ -75,16 +70,3 @@ class CoordinatorServer:
         if self.coordinator is not None:
             self.coordinator.close()
             self.coordinator.store.close()
-
-    def wait(self) -> None:
-        """Blocks until the server stops."""
-        assert self._server is not None
-        self._server.server.wait_for_termination()
-
-    def __enter__(self) -> CoordinatorServer:
-        return self.start()
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

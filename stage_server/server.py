@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable
-from types import TracebackType
 
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NameInUse, NotReady
 from elasticpipe.logs import get_logger
@@ -23,8 +22,9 @@ from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.transport import rpc
 from elasticpipe.transport.serving import (
     RunningServer,
+    ServerLifecycle,
     check_dial_address,
-    metrics_host,
+    metrics_bind_host,
     start_server,
 )
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
@@ -38,7 +38,7 @@ QUESTION_TIMEOUT_S = 60.0
 GRANT_TIMEOUT_S = 5.0  # asked on a request's path: short
 
 
-class StageServer:
+class StageServer(ServerLifecycle):
     """Serves a ``Stage`` and keeps it registered with the coordinator (a context manager)."""
 
     def __init__(
@@ -62,19 +62,11 @@ class StageServer:
         self.refused: NameInUse | None = None  # the coordinator refused this stage's name
         self._on_refused = on_refused
 
-    @property
-    def address(self) -> str:
-        """The address the StageService is reachable at."""
-        assert self._server is not None, "server not started"
-        return self._server.address
-
     def start(self) -> StageServer:
         """Binds the port and starts registering in the background."""
         config = self._config
-        metrics_on = (
-            metrics_host(self._listen, config.metrics_listen, config.insecure)
-            if config.metrics_port is not None
-            else ""
+        metrics_on = metrics_bind_host(
+            self._listen, config.metrics_port, config.metrics_listen, config.insecure
         )
         servicer = StageServicer(Stage(self._config))
         self._servicer = servicer
@@ -155,19 +147,6 @@ class StageServer:
             self.metrics.close()
         if self.stage is not None:
             self.stage.close()
-
-    def wait(self) -> None:
-        """Blocks until the server stops."""
-        assert self._server is not None
-        self._server.server.wait_for_termination()
-
-    def __enter__(self) -> StageServer:
-        return self.start()
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # ---- membership --------------------------------------------------------------------
 

@@ -30,7 +30,11 @@ _SCHEDULES = {
     stage_pb2.ONE_F_ONE_B: "1f1b",
     stage_pb2.ZB_H1: "zb-h1",
 }
-_SLOTS = {stage_pb2.INPUT: Slot.INPUT, stage_pb2.GRAD: Slot.GRAD, stage_pb2.TARGET: Slot.TARGET}
+_SLOTS: dict[int, Slot] = {
+    stage_pb2.INPUT: Slot.INPUT,
+    stage_pb2.GRAD: Slot.GRAD,
+    stage_pb2.TARGET: Slot.TARGET,
+}
 MAX_STEP_TIMEOUT_S = bounds.MAX_TIMEOUT_S
 
 
@@ -88,6 +92,18 @@ def holdings_to_proto(holdings: list[Holding]) -> list[stage_pb2.SnapshotHolding
     ]
 
 
+def _slot(value: int) -> Slot:
+    """A data message's slot from the wire.
+
+    Raises:
+        InvalidRequest: a slot that is not INPUT, GRAD or TARGET.
+    """
+    slot = _SLOTS.get(value)
+    if slot is None:
+        raise InvalidRequest(f"unknown slot {value} (expected INPUT, GRAD or TARGET)")
+    return slot
+
+
 def _lease(value: float, what: str) -> float:
     if not 0 < value <= MAX_STEP_TIMEOUT_S:
         raise InvalidRequest(f"{what} must be in (0, {MAX_STEP_TIMEOUT_S}] seconds (got {value})")
@@ -119,24 +135,21 @@ class StageServicer:
 
     def admit_data(self, slot: int, header: stage_pb2.DataHeader) -> tuple[Slot, Admitted]:
         """``_admit`` for a bulk message: its slot checked too; the room reserved."""
-        kind = _SLOTS.get(slot)  # type: ignore[call-overload]
-        if kind is None:
-            raise InvalidRequest(f"unknown slot {slot} (expected INPUT, GRAD or TARGET)")
-        return kind, self._admit(header)[1]
+        return _slot(slot), self._admit(header)[1]
 
-    def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
-        first = next(chunks, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise InvalidRequest("a data stream must start with a DataHeader")
-        header = first.header
-        assembler, admitted = self._admit(header)
+    def _receive(
+        self,
+        slot: Slot,
+        header: stage_pb2.DataHeader,
+        nbytes: int | None,
+        parts: Iterator[bytes],
+    ) -> stage_pb2.Ack:
+        """Admits ``header`` (``_admit``), assembles its tensor from ``parts`` and delivers it
+        to ``slot``; the room reserved is given back if the bytes do not make the tensor."""
+        assembler, admitted = self._admit(header, nbytes)
         try:
-            for chunk in chunks:
-                if chunk.WhichOneof("part") != "data":
-                    raise InvalidRequest(
-                        f"second DataHeader in the stream of micro-batch {header.micro_batch}"
-                    )
-                assembler.add(chunk.data)
+            for part in parts:
+                assembler.add(part)
             tensor = assembler.finish()
         except BaseException:
             admitted.mailbox.release(admitted.reservation)
@@ -151,6 +164,22 @@ class StageServicer:
             secret=header.secret,
         )
         return stage_pb2.Ack()
+
+    def _deliver(self, slot: Slot, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
+        first = next(chunks, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidRequest("a data stream must start with a DataHeader")
+        header = first.header
+
+        def data() -> Iterator[bytes]:
+            for chunk in chunks:
+                if chunk.WhichOneof("part") != "data":
+                    raise InvalidRequest(
+                        f"second DataHeader in the stream of micro-batch {header.micro_batch}"
+                    )
+                yield chunk.data
+
+        return self._receive(slot, header, None, data())
 
     # ---- data path -------------------------------------------------------------------
 
@@ -170,32 +199,13 @@ class StageServicer:
         return self._deliver(Slot.TARGET, chunks)
 
     def Deliver(self, msg: stage_pb2.DataMessage, ctx: grpc.ServicerContext) -> stage_pb2.Ack:
-        slot = _SLOTS.get(msg.slot)
-        if slot is None:
-            raise InvalidRequest(f"unknown slot {msg.slot} (expected INPUT, GRAD or TARGET)")
-        header = msg.header
-        declared = bundle.declared_bytes(header, self.stage.config.max_tensor_bytes)
+        slot = _slot(msg.slot)
+        declared = bundle.declared_bytes(msg.header, self.stage.config.max_tensor_bytes)
         if len(msg.data) != declared:
             raise InvalidRequest(
                 f"received {len(msg.data)} bytes for a tensor declared as {declared} bytes"
             )
-        assembler, admitted = self._admit(header, declared)
-        try:
-            assembler.add(msg.data)
-            tensor = assembler.finish()
-        except BaseException:
-            admitted.mailbox.release(admitted.reservation)
-            raise
-        self.stage.deliver(
-            admitted,
-            slot,
-            header.run,
-            header.micro_batch,
-            tensor,
-            header.loss_scale,
-            secret=header.secret,
-        )
-        return stage_pb2.Ack()
+        return self._receive(slot, msg.header, declared, iter((msg.data,)))
 
     def OpenBulk(
         self, req: stage_pb2.OpenBulkRequest, ctx: grpc.ServicerContext

@@ -242,9 +242,7 @@ def _instance(
     prefix = np.concatenate(([0.0], np.cumsum(costs)))
 
     link = act = bandwidths = None
-    if (activation_bytes is None) != (link_bandwidths is None):
-        given = "activation_bytes" if link_bandwidths is None else "link_bandwidths"
-        raise PlanError(f"activation_bytes and link_bandwidths go together (got {given} only)")
+    _together("activation_bytes", activation_bytes, "link_bandwidths", link_bandwidths)
     if activation_bytes is not None and link_bandwidths is not None:
         act = _floats(
             "activation_bytes", activation_bytes, n_layers, per="layer", positive=False, finite=True
@@ -265,9 +263,7 @@ def _instance(
     lo_mem: _Ints = np.zeros((1, n_layers + 1), dtype=np.int64)
     hi_mem: _Ints = np.full((1, n_layers + 1), n_layers, dtype=np.int64)
     mem_row: _Ints = np.zeros(n_stages, dtype=np.int64)
-    if (layer_memory is None) != (stage_memory is None):
-        given = "layer_memory" if stage_memory is None else "stage_memory"
-        raise PlanError(f"layer_memory and stage_memory go together (got {given} only)")
+    _together("layer_memory", layer_memory, "stage_memory", stage_memory)
     if layer_memory is not None and stage_memory is not None:
         memory = _floats(
             "layer_memory", layer_memory, n_layers, per="layer", positive=False, finite=True
@@ -298,6 +294,18 @@ def _instance(
         caps.tolist(),
     )
     return inst, inputs
+
+
+def _together(first: str, a: Numbers | None, second: str, b: Numbers | None) -> None:
+    """Checks that two optional inputs that only mean something together are both given or
+    both left out.
+
+    Raises:
+        PlanError: only one of them is given (named).
+    """
+    if (a is None) != (b is None):
+        given = first if b is None else second
+        raise PlanError(f"{first} and {second} go together (got {given} only)")
 
 
 def _floats(

@@ -235,14 +235,7 @@ class LocalPipeline:
         sq_norm = layers.finish_backward()  # fp16: unscales the gradients first
         if sq_norm is not None:  # one stage's share is the whole model's here
             norm, clip = clipping.decide([sq_norm], self._job.max_grad_norm or None)
-        if clip.skip:
-            log.warning(
-                "step_skipped",
-                step=step,
-                grad_norm=norm,
-                why="non-finite gradient norm",
-                loss_scale=loss_scale if layers.scales else None,
-            )
+        clipping.warn_if_skipped(log, step, norm, clip, loss_scale if layers.scales else None)
         layers.step(clip)
         self._step = step
         total = float(sum(losses))

@@ -26,8 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elasticpipe.v1 import stage_pb2
+
+if TYPE_CHECKING:
+    import structlog
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -82,3 +86,30 @@ def decide(sq_norms: Sequence[float], max_norm: float | None) -> tuple[float, Gr
     if max_norm is None:
         return norm, NO_CLIP
     return norm, GradClip(coef=min(1.0, max_norm / (norm + EPS)))
+
+
+def warn_if_skipped(
+    log: structlog.stdlib.BoundLogger,
+    step: int,
+    norm: float | None,
+    clip: GradClip,
+    loss_scale: float | None,
+) -> None:
+    """Logs ``step_skipped`` (a warning, on the caller's logger) when ``clip`` skips the
+    optimizer step: the event ``Pipeline`` and ``LocalPipeline`` both log for it.
+
+    Args:
+        log: the pipeline's logger.
+        step: the step skipped.
+        norm: the global gradient norm decided (None: none was).
+        clip: the decision (``decide``'s).
+        loss_scale: fp16's loss scale of the step; None for other precisions.
+    """
+    if clip.skip:
+        log.warning(
+            "step_skipped",
+            step=step,
+            grad_norm=norm,
+            why="non-finite gradient norm",
+            loss_scale=loss_scale,
+        )

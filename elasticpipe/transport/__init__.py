@@ -6,7 +6,8 @@
   ``elasticpipe.wire.bundle``) to a stage: a unary ``Deliver`` for a small one, the bulk channel
   (``elasticpipe.transport.bulk``) for a large one, or the header-then-chunks stream of
   Forward/Backward/Targets where the peer has no bulk channel.
-* ``serving``: Starting a gRPC server of the project: addresses, TLS, limits, health service.
+* ``serving``: Starting a gRPC server of the project: addresses, TLS, limits, health service,
+  lifecycle.
 """
 
 from elasticpipe.transport.sending import Outgoing, Sender

@@ -1,4 +1,4 @@
-"""Starting a gRPC server of the project: addresses, TLS, limits, health service.
+"""Starting a gRPC server of the project: addresses, TLS, limits, health service, lifecycle.
 
 A server binds ``listen`` and tells peers to use its *advertised* address: ``--advertise``
 if given, else the listen address, and for a wildcard listen (``0.0.0.0``, ``[::]``) the
@@ -8,6 +8,9 @@ go in brackets (``[fd00::5]:7200``).
 Secure by default: a server that listens beyond loopback refuses to start without TLS
 unless ``--insecure`` says that its network is trusted. Loopback-only servers (tests, the
 demo) need no certificates.
+
+``ServerLifecycle`` is what the coordinator's and the stage's servers share: ``address``,
+``wait`` and the ``with`` block around their own ``start`` and ``stop``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -45,6 +49,44 @@ class RunningServer:
         """Stops serving, letting calls in flight finish for ``grace`` seconds."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait(grace + 1.0)
+
+
+_Lifecycle = TypeVar("_Lifecycle", bound="ServerLifecycle")
+
+
+class ServerLifecycle:
+    """What a process's server (``CoordinatorServer``, ``StageServer``) shares: ``start``
+    binds its ``RunningServer`` and returns it, ``stop`` ends it, ``wait`` blocks until it
+    stops, and a ``with`` block starts and stops it."""
+
+    _server: RunningServer | None = None
+
+    @property
+    def address(self) -> str:
+        """The address peers reach the service at (the advertised one)."""
+        assert self._server is not None, "server not started"
+        return self._server.address
+
+    def start(self: _Lifecycle) -> _Lifecycle:
+        """Binds the port and starts serving; returns the started server."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stops serving and releases what ``start`` acquired."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Blocks until the server stops."""
+        assert self._server is not None
+        self._server.server.wait_for_termination()
+
+    def __enter__(self: _Lifecycle) -> _Lifecycle:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -246,6 +288,18 @@ def advertised(listen: str, port: int, advertise: str | None) -> str:
     if host in WILDCARDS:
         host = primary_address(ipv6=":" in listen.rpartition(":")[0])
     return join_address(host, port)
+
+
+def metrics_bind_host(
+    listen: str, metrics_port: int | None, metrics_listen: str, insecure: bool
+) -> str:
+    """``metrics_host`` for a server with a metrics endpoint (``metrics_port`` set), so that
+    a refused host stops it before anything binds; "" for a server without one.
+
+    Raises:
+        InvalidRequest: as ``metrics_host``.
+    """
+    return metrics_host(listen, metrics_listen, insecure) if metrics_port is not None else ""
 
 
 def metrics_host(listen: str, metrics_listen: str = "", insecure: bool = False) -> str:

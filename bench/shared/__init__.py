@@ -1,0 +1,9 @@
+"""Code several benches share, imported as ``shared.<module>`` (``bench/`` is the script's folder).
+
+A package rather than a module beside the benches: ``tests/integration/test_benches.py`` runs
+every ``bench/*.py`` as a bench.
+
+* ``steps``: ``--steps`` with ``--quick``: the fewest steps a bench can measure with.
+"""
+
+__all__: list[str] = []
