@@ -121,8 +121,8 @@ from scale_parts import (  # bench/scale_parts.py, next to this script
     process_threads,
     quantile,
     shifted,
-    timed,
 )
+from shared.timing import median_seconds  # bench/shared/timing.py, beside this script
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
@@ -233,13 +233,13 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
                 out["layers"] = num_layers
                 costs = [layer_cost(i) for i in range(num_layers)]
                 speeds = [stage_speed(i) for i in range(stages)]
-                out["plan_ms"] = 1000 * timed(lambda: plan(costs, speeds), 5)
-                out["order_hosts_ms"] = 1000 * timed(lambda: order_hosts(costs, speeds), 1)
+                out["plan_ms"] = 1000 * median_seconds(lambda: plan(costs, speeds), 5)
+                out["order_hosts_ms"] = 1000 * median_seconds(lambda: order_hosts(costs, speeds), 1)
                 spare = stage_speed(stages)
                 now = plan(costs, speeds)
                 out["scale_out_eval_ms"] = (
                     1000
-                    * timed(  # as Rebalancer.scale_out does
+                    * median_seconds(  # as Rebalancer.scale_out does
                         lambda: [
                             plan(costs, [*speeds[:p], spare, *speeds[p:]])
                             for p in spare_positions(now.stage_times)
@@ -291,7 +291,7 @@ def run_size(stages: int, args: argparse.Namespace, out: dict[str, Any]) -> None
                 f"{out['fakes_cpu_ms']:.0f} ms, coordinator {out['coordinator_cpu_ms']:.0f} ms)",
                 flush=True,
             )
-            out["plan_rpc_ms"] = 1000 * timed(admin.plan, 3)
+            out["plan_rpc_ms"] = 1000 * median_seconds(admin.plan, 3)
 
             with phase("policy loop on, 1 spare"):
                 kinds_before = Counter(r.kind for r in admin.status().history)

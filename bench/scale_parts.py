@@ -10,7 +10,6 @@ import math
 import multiprocessing as mp
 import os
 import re
-import statistics
 import sys
 import threading
 import time
@@ -34,10 +33,6 @@ from fake_stage import (  # bench/fake_stage.py, next to this script
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
-
-STAGE_COUNTS = (64, 128, 256)
-SUPERLINEAR = 1.3  # growth exponent above which a figure is flagged
-FAKES_PER_PROCESS = 64
 
 
 def model_kwargs(stages: int) -> dict[str, Any]:
@@ -211,16 +206,6 @@ def coordinator_log_events(path: Path) -> Counter[str]:
             if m:
                 events[f"{m.group(1)}: {m.group(2)}"] += 1
     return events
-
-
-def timed(fn: Any, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls of ``fn``."""
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 class Probe:

@@ -85,9 +85,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -106,21 +105,13 @@ from datapaths import (  # bench/datapaths.py, next to this script
     make_schedule,
     page_fault_us,
 )
+from shared.timing import median_seconds  # bench/shared/timing.py, beside this script
 
 from elasticpipe.transport import rpc, sending
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import codec
 
 # ---- where the data path's time goes ---------------------------------------------------
-
-
-def _median_of(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def breakdown(size: int, repeats: int = 5) -> tuple[float, float]:
@@ -160,7 +151,7 @@ def breakdown(size: int, repeats: int = 5) -> tuple[float, float]:
         return assembler.finish()
 
     assert torch.equal(receive(), payload)
-    return _median_of(serialize, repeats), _median_of(receive, repeats)
+    return median_seconds(serialize, repeats), median_seconds(receive, repeats)
 
 
 # ---- report ---------------------------------------------------------------------------

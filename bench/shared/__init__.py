@@ -3,7 +3,8 @@
 A package rather than a module beside the benches: ``tests/integration/test_benches.py`` runs
 every ``bench/*.py`` as a bench.
 
-* ``steps``: ``--steps`` with ``--quick``: the fewest steps a bench can measure with.
+* ``steps``: ``--steps`` with ``--quick``: the fewest steps a bench can measure with;
+* ``timing``: the median wall-clock seconds of a call.
 """
 
 __all__: list[str] = []
