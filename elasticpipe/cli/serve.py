@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
@@ -108,14 +108,22 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         link_bandwidth=args.link_bandwidth,
         pause_at=args.pause_at,
         freeze_lease_s=args.freeze_lease,
-        tls=TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
-        insecure=args.insecure,
-        advertise=args.advertise,
-        metrics_port=args.metrics_port,
-        metrics_listen=args.metrics_listen,
+        **_serving(args),
     )
     server = CoordinatorServer(config).start()
     return _serve_until_signalled(server, args.ready_file)
+
+
+def _serving(args: argparse.Namespace) -> dict[str, Any]:
+    """The options every server takes from ``_network_options``' flags, by config field:
+    its TLS material, ``--insecure``, ``--advertise`` and where it serves metrics."""
+    return {
+        "tls": TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+        "insecure": args.insecure,
+        "advertise": args.advertise,
+        "metrics_port": args.metrics_port,
+        "metrics_listen": args.metrics_listen,
+    }
 
 
 def _memory_size(text: str) -> int:
@@ -151,13 +159,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
         transfer_chunk_bytes=args.transfer_chunk_bytes,
         commit_lease_s=args.commit_lease,
         enable_fault_injection=args.enable_fault_injection,
-        tls=TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
-        insecure=args.insecure,
-        advertise=args.advertise,
-        metrics_port=args.metrics_port,
         memory_bytes=args.memory,
-        metrics_listen=args.metrics_listen,
         bulk_port=None if args.no_bulk else args.bulk_port,
+        **_serving(args),
     )
     memory.keep_freed_memory()  # received tensors reuse freed pages (memory.py)
     refused = threading.Event()  # another live stage holds the name: exit, non-zero

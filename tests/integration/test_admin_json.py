@@ -37,21 +37,6 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def _admin(cluster: LocalCluster, *args: str, coordinator: str = "") -> Any:
-    run = cli.elasticpipe(
-        "admin",
-        "--json",
-        "--coordinator",
-        coordinator or cluster.coordinator,
-        "--timeout",
-        "60",
-        *args,
-    )
-    out = json.loads(run.stdout)
-    assert run.returncode == (2 if "error" in out else 0), run.stdout + run.stderr
-    return out
-
-
 def _check(command: str, output: Any) -> Any:
     jsonschema.validate(output, command_schema(command))
     return output
@@ -66,7 +51,7 @@ def test_every_admin_command_prints_json_that_matches_its_schema(
 
     def check(command: str, *args: str) -> Any:
         seen.add(command)
-        return _check(command, _admin(cluster, command, *args))
+        return _check(command, cli.admin_json(cluster, command, *args))
 
     with Pipeline(
         coordinator=cluster.coordinator,
@@ -110,7 +95,7 @@ def test_every_admin_command_prints_json_that_matches_its_schema(
         bad = check("set-partition", "0:2,3:5")
         assert bad["error"]["code"] == "INVALID_ARGUMENT" and "'3:5'" in bad["error"]["message"]
     assert seen == set(COMMANDS)
-    down = _check("status", _admin(cluster, "status", coordinator="127.0.0.1:1"))
+    down = _check("status", cli.admin_json(cluster, "status", coordinator="127.0.0.1:1"))
     assert down["error"]["code"] == "UNAVAILABLE"
 
 
@@ -168,7 +153,7 @@ def test_status_watch_ends_cleanly_on_ctrl_c(cluster: LocalCluster) -> None:
 
 def test_watch_rejects_a_bad_interval_naming_it(cluster: LocalCluster) -> None:
     """--interval 0 is an error naming the value, as JSON with --json."""
-    out = _admin(cluster, "status", "--watch", "--interval", "0")
+    out = cli.admin_json(cluster, "status", "--watch", "--interval", "0")
     assert out["error"]["code"] == "INVALID_ARGUMENT" and "0.0" in out["error"]["message"]
 
 

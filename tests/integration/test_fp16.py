@@ -19,7 +19,8 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import stage_pb2
-from tests.support.clusters import set_partition
+from tests.support.clusters import quiet, revive, set_partition
+from tests.support.faults import FaultPlan
 from tests.support.fp16_reference import Fp16Reference
 from tests.support.scenario import arm
 
@@ -45,12 +46,7 @@ RTOL = 1e-6
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Three stages that accept injected faults; layers move only when told."""
-    with LocalCluster(
-        stages=3,
-        fault_injection=True,
-        state=":memory:",
-        auto_rebalance=False,
-    ) as c:
+    with quiet(3, fault_injection=True) as c:
         yield c
 
 
@@ -256,22 +252,13 @@ def test_a_recovery_rolls_the_scale_back_and_replays_it(cluster: LocalCluster) -
     the chain rolls back to the last snapshot (scale included), the client replays, and
     every step still skips and scales as GradScaler does (this test kills a stage: it
     runs last and revives it)."""
-    import threading
-
     reference = Fp16Reference("mlp", KWARGS, 4, ADAM, 3, SCALER)
-    victim, recovered = "", 0
+    plan = FaultPlan().at(step=7).pause(stage=1, point="commit").then_kill()
+    recovered = 0
     with _pipeline(cluster) as pipe:
+        before = plan.hook(cluster, pipe)
         for step in range(1, 10):
-            if step == 7:
-                address = pipe.partition.addresses[1]
-                victim = cluster.name_of(address)
-                arm(address, stage_pb2.PAUSE_AT, "commit")
-
-                def kill(name: str = victim) -> None:
-                    cluster.wait_for_log(name, "paused_at", timeout=60)
-                    cluster.kill(name)
-
-                threading.Thread(target=kill, daemon=True).start()
+            before(step)
             x, y = _batch(step)
             got = pipe.train_step(x, y)
             want, scale, skip, _ = reference.step(x, y)
@@ -283,4 +270,4 @@ def test_a_recovery_rolls_the_scale_back_and_replays_it(cluster: LocalCluster) -
         state = pipe.state_dict()
     for key, value in reference.model.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
-    cluster.add_stage(victim)
+    revive(cluster, *plan.killed)

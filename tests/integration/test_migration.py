@@ -15,6 +15,7 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest, TransferError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support.clusters import quiet
 from tests.support.reference import Lockstep
 
 MODELS = {
@@ -22,17 +23,13 @@ MODELS = {
     "gpt": {"vocab_size": 17, "d_model": 16, "n_heads": 2, "n_layers": 5, "max_seq_len": 8},
 }
 ADAM = {"lr": 1e-2}
+EAGER_POLICY = ["--policy-interval", "0.3", "--rebalance-cooldown", "1"]  # auto moves, soon
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Four stages that accept injected faults; rebalancing only on request."""
-    with LocalCluster(
-        stages=4,
-        fault_injection=True,
-        state=":memory:",
-        auto_rebalance=False,
-    ) as c:
+    with quiet(4, fault_injection=True) as c:
         yield c
 
 
@@ -231,16 +228,9 @@ def test_auto_rebalance_moves_layers_off_a_straggler_and_stays_exact() -> None:
     with (
         LocalCluster(
             stages=3,
-            coordinator_args=[
-                "--state",
-                ":memory:",
-                "--heartbeat-interval",
-                "0.3",
-                "--policy-interval",
-                "0.3",
-                "--rebalance-cooldown",
-                "1",
-            ],
+            state=":memory:",
+            heartbeat_s=0.3,
+            coordinator_args=EAGER_POLICY,
         ) as cluster,
         Lockstep(
             cluster,
@@ -338,16 +328,8 @@ def test_a_spare_that_joins_is_added_when_the_planner_predicts_a_gain() -> None:
         LocalCluster(
             stages=2,
             slowdowns=[3.0, 3.0],
-            coordinator_args=[
-                "--heartbeat-interval",
-                "0.3",
-                "--policy-interval",
-                "0.3",
-                "--rebalance-cooldown",
-                "1",
-                "--rebalance-horizon",
-                "1000",
-            ],
+            heartbeat_s=0.3,
+            coordinator_args=[*EAGER_POLICY, "--rebalance-horizon", "1000"],
         ) as cluster,
         Lockstep(
             cluster,

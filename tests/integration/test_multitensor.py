@@ -22,6 +22,7 @@ from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import bundle, codec, compress, structure
 from tests.support.clusters import fast, set_partition
 from tests.support.numerics import reference_step, stage_threads
+from tests.support.reference import assert_exact
 
 ALLOWED = "tests.support.custom_models"
 MASKED = f"{ALLOWED}:masked"  # 6 layers: embedding, (attention, mlp) x 2, head
@@ -51,37 +52,20 @@ def _batches(n: int = STEPS, as_dict: bool = False) -> list[tuple[Any, torch.Ten
     return out
 
 
+def _job(kwargs: dict[str, Any], schedule: str) -> dict[str, Any]:
+    """What the pipeline and its LocalPipeline share."""
+    options = {"model": MASKED, "model_kwargs": kwargs, "seed": 2, "optimizer": "sgd"}
+    return {**options, "optimizer_kwargs": SGD, "micro_batches": 3, "schedule": schedule}
+
+
 def _local(kwargs: dict[str, Any], schedule: str = "1f1b") -> LocalPipeline:
-    return LocalPipeline(
-        model=MASKED,
-        model_kwargs=kwargs,
-        seed=2,
-        optimizer="sgd",
-        optimizer_kwargs=SGD,
-        micro_batches=3,
-        schedule=schedule,
-        allow=[ALLOWED],
-    )
+    return LocalPipeline(**_job(kwargs, schedule), allow=[ALLOWED])
 
 
-def _pipeline(cluster: LocalCluster, kwargs: dict[str, Any], schedule: str = "1f1b") -> Pipeline:
-    return Pipeline(
-        coordinator=cluster.coordinator,
-        model=MASKED,
-        model_kwargs=kwargs,
-        seed=2,
-        optimizer="sgd",
-        optimizer_kwargs=SGD,
-        micro_batches=3,
-        schedule=schedule,
-        stages=3,
-    )
-
-
-def _exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"{key}, {what}")
+def _pipeline(
+    cluster: LocalCluster, kwargs: dict[str, Any], schedule: str = "1f1b", **extra: Any
+) -> Pipeline:
+    return Pipeline(coordinator=cluster.coordinator, **_job(kwargs, schedule), stages=3, **extra)
 
 
 def _train_with_a_migration(pipe: Pipeline, cluster: LocalCluster, as_dict: bool) -> list[float]:
@@ -123,7 +107,7 @@ def test_hidden_and_mask_train_through_3_stages_like_pytorch_across_a_migration(
         x, _ = _batches(1)[0]
         predicted = pipe.predict(x)
     assert losses == local_losses
-    _exact(state, local_state, f"{schedule}, 3 stages")
+    assert_exact(state, local_state, f"{schedule}, 3 stages")
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
     reference.eval()
@@ -143,7 +127,7 @@ def test_dict_layers_train_through_3_stages_like_locally(cluster: LocalCluster) 
         local_state = local.state_dict()
     with _pipeline(cluster, kwargs) as pipe:
         losses = _train_with_a_migration(pipe, cluster, as_dict=True)
-        _exact(pipe.state_dict(), local_state, "dict, 3 stages")
+        assert_exact(pipe.state_dict(), local_state, "dict, 3 stages")
     assert losses == local_losses
 
 
@@ -164,7 +148,7 @@ def test_a_cut_carrying_only_integers_sends_an_empty_gradient(cluster: LocalClus
                 # after the profile's own partition
                 assert set_partition(cluster, [0, 1, 4, 7]).changed
         assert list(pipe.partition.boundaries) == [0, 1, 4, 7]
-        _exact(pipe.state_dict(), local_state, "integers at the first cut")
+        assert_exact(pipe.state_dict(), local_state, "integers at the first cut")
     assert losses == local_losses
 
 
@@ -339,18 +323,7 @@ def test_bf16_wire_and_recompute_with_several_tensors_equal_the_local_cast(
     weights equal a local model rounding at the same cuts."""
     kwargs = {"as_dict": as_dict}
     batches = _batches(3, as_dict=as_dict)
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model=MASKED,
-        model_kwargs=kwargs,
-        seed=2,
-        optimizer="sgd",
-        optimizer_kwargs=SGD,
-        micro_batches=3,
-        stages=3,
-        wire_dtype="bf16",
-        recompute=True,
-    ) as pipe:
+    with _pipeline(cluster, kwargs, wire_dtype="bf16", recompute=True) as pipe:
         pipe.train_step(*batches[0])
         boundaries = list(pipe.partition.boundaries)
         for x, y in batches[1:]:

@@ -4,7 +4,6 @@ the stages' allow-list."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -14,10 +13,10 @@ from elasticpipe import LocalPipeline, models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import InvalidRequest, PermissionDenied
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import stage_pb2
-from tests.support.clusters import failing, set_partition
+from tests.support.clusters import failing, revive, set_partition
+from tests.support.faults import FaultPlan
 from tests.support.numerics import reference_step, stage_threads
-from tests.support.scenario import arm
+from tests.support.reference import assert_exact
 
 ALLOWED = "tests.support.custom_models"
 DROPOUT = f"{ALLOWED}:dropout"
@@ -65,9 +64,7 @@ def _assert_same(
     torch.testing.assert_close(
         torch.tensor(got[0]), torch.tensor(want[0]), rtol=0, atol=0, msg=f"losses, {what}"
     )
-    assert got[1].keys() == want[1].keys()
-    for key, value in want[1].items():
-        torch.testing.assert_close(got[1][key], value, rtol=0, atol=0, msg=f"{key}, {what}")
+    assert_exact(got[1], want[1], what)
 
 
 @pytest.mark.numerics
@@ -224,22 +221,14 @@ def test_dropout_replayed_after_a_stage_is_killed_is_the_same(cluster: LocalClus
         coordinator=cluster.coordinator, model=DROPOUT, seed=5, optimizer="adam",
         optimizer_kwargs=ADAM, micro_batches=3, stages=3, snapshot_every=2, lease_s=3.0,
     ) as pipe:  # fmt: skip
+        plan = FaultPlan().at(step=STEPS).pause(stage=1, point="awaiting_commit").then_kill()
+        before = plan.hook(cluster, pipe)
         losses, replayed = [], 0
         for step, (x, y) in enumerate(_batches(), start=1):
-            if step == STEPS:
-                victim = cluster.name_of(pipe.partition.addresses[1])
-                arm(pipe.partition.addresses[1], stage_pb2.PAUSE_AT, "awaiting_commit")
-                killer = threading.Thread(target=_kill_when_paused, args=(cluster, victim))
-                killer.start()
+            before(step)
             losses.append(pipe.train_step(x, y))
             replayed += pipe.last_step.replayed
-        killer.join(timeout=60)
         assert replayed >= 1, "nothing was replayed: the kill did not happen"
-        assert victim not in {cluster.name_of(a) for a in pipe.partition.addresses}
+        assert plan.killed[0] not in {cluster.name_of(a) for a in pipe.partition.addresses}
         _assert_same((losses, pipe.state_dict()), reference, "after a replay")
-    cluster.add_stage(victim)
-
-
-def _kill_when_paused(cluster: LocalCluster, name: str) -> None:
-    cluster.wait_for_log(name, "paused_at", timeout=60)
-    cluster.kill(name)
+    revive(cluster, *plan.killed)

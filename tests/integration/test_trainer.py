@@ -20,7 +20,8 @@ from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import loss_fn, make_optimizer
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import compress
-from tests.support.clusters import set_partition
+from tests.support.clusters import quiet, revive, set_partition
+from tests.support.faults import FaultPlan
 from tests.support.numerics import stage_threads
 from tests.support.scenario import arm
 
@@ -34,13 +35,7 @@ WARMUP = 3
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Three stages that accept injected faults; layers move only when told."""
-    with LocalCluster(
-        stages=3,
-        fault_injection=True,
-        state=":memory:",
-        auto_rebalance=False,
-        metrics=True,
-    ) as c:
+    with quiet(3, fault_injection=True, metrics=True) as c:
         yield c
 
 
@@ -377,22 +372,13 @@ def test_a_recovery_replays_the_same_clip(cluster: LocalCluster) -> None:
     """The middle stage dies inside its commit of a clipped step: the chain rolls back to
     the last snapshot, the client replays, and every replayed step clips exactly as
     clip_grad_norm_ does (this test kills a stage: it runs last and revives it)."""
-    import threading
-
     reference = Reference(None)
-    victim, recovered = "", 0
+    plan = FaultPlan().at(step=5).pause(stage=1, point="commit").then_kill()
+    recovered = 0
     with _pipeline(cluster, max_grad_norm=MAX_NORM) as pipe:
+        before = plan.hook(cluster, pipe)
         for step in range(1, 7):
-            if step == 5:
-                address = pipe.partition.addresses[1]
-                victim = cluster.name_of(address)
-                arm(address, stage_pb2.PAUSE_AT, "commit")
-
-                def kill(name: str = victim) -> None:
-                    cluster.wait_for_log(name, "paused_at", timeout=60)
-                    cluster.kill(name)
-
-                threading.Thread(target=kill, daemon=True).start()
+            before(step)
             x, y = _batch(step)
             pipe.train_step(x, y)
             _, norm, _ = reference.step(x, y)
@@ -404,4 +390,4 @@ def test_a_recovery_replays_the_same_clip(cluster: LocalCluster) -> None:
         state = pipe.state_dict()
     for key, value in reference.model.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=f"parameter {key}")
-    cluster.add_stage(victim)
+    revive(cluster, *plan.killed)

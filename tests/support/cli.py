@@ -3,9 +3,11 @@ test, and ``as_at_a_terminal`` for commands a test stops with Ctrl-C."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from elasticpipe.local.cluster import LocalCluster
 
@@ -32,6 +34,15 @@ def admin(
     coordinator = ["--coordinator", cluster.coordinator]
     command = [*args, *coordinator] if after else [*coordinator, *args]
     return elasticpipe("admin", *command, timeout=timeout)
+
+
+def admin_json(cluster: LocalCluster, *args: str, coordinator: str = "") -> Any:
+    """``elasticpipe admin --json ARGS`` against ``cluster`` (or ``coordinator``), parsed;
+    asserts the exit code the contract gives (2 with an ``error`` object, else 0)."""
+    run = elasticpipe("admin", "--json", "--coordinator", coordinator or cluster.coordinator, *args)
+    out = json.loads(run.stdout)
+    assert run.returncode == (2 if "error" in out else 0), run.stdout + run.stderr
+    return out
 
 
 def as_at_a_terminal(command: list[str]) -> list[str]:

@@ -6,7 +6,6 @@ bit, across moves and failures alike."""
 from __future__ import annotations
 
 import inspect
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -60,7 +59,5 @@ class Lockstep:
     def __enter__(self) -> Lockstep:
         return self
 
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
