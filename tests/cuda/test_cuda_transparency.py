@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from elasticpipe import models
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer, reference_step
+from tests.support import clusters, jobs
 
 pytestmark = [
     pytest.mark.cuda,
@@ -27,12 +27,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}  # GPU kernels sum micro-batches in other ord
 @pytest.fixture(scope="module")
 def gpu_cluster() -> Iterator[LocalCluster]:
     """Three stage processes on the GPU and a coordinator."""
-    with LocalCluster(
-        stages=3,
-        state=":memory:",
-        auto_rebalance=False,
-        stage_args=["--device", "cuda"],
-    ) as cluster:
+    with clusters.quiet(3, stage_args=["--device", "cuda"]) as cluster:
         yield cluster
 
 
@@ -47,10 +42,9 @@ def test_cuda_pipeline_matches_plain_pytorch_on_the_gpu(
     reference = models.build("mlp", seed=5, **KWARGS).cuda()
     ref_opt = make_optimizer(OPTIMIZER[0], reference.parameters(), OPTIMIZER[1])
     g = torch.Generator().manual_seed(stages)
-    with Pipeline(
-        coordinator=gpu_cluster.coordinator,
-        model="mlp",
-        model_kwargs=KWARGS,
+    with jobs.mlp(
+        gpu_cluster.coordinator,
+        **KWARGS,
         seed=5,
         optimizer=OPTIMIZER[0],
         optimizer_kwargs=OPTIMIZER[1],

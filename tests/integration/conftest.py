@@ -12,7 +12,7 @@ from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from tests.support import clusters
+from tests.support import clusters, servers
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +44,9 @@ def coordinator_server() -> Iterator[CoordinatorServer]:
 @pytest.fixture
 def stage_servers(coordinator_server: CoordinatorServer) -> Iterator[list[StageServer]]:
     """Two in-process stage servers registered with ``coordinator_server``."""
-    servers = [
-        StageServer(
-            StageConfig(name=f"s{i}", max_tensor_bytes=1 << 20, enable_fault_injection=True),
-            coordinator_server.address,
-        ).start()
+    configs = [
+        StageConfig(name=f"s{i}", max_tensor_bytes=1 << 20, enable_fault_injection=True)
         for i in range(2)
     ]
-    for server in servers:
-        assert server.registered.wait(10), "stage did not register"
-    yield servers
-    for server in servers:
-        server.stop()
+    with servers.stage_servers(coordinator_server.address, configs) as started:
+        yield started

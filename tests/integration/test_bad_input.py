@@ -16,6 +16,7 @@ from elasticpipe.security import bounds
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from elasticpipe.wire import codec
+from tests.support import jobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,13 +30,7 @@ def trained(
     coordinator_server: CoordinatorServer, stage_servers: list[StageServer]
 ) -> Iterator[tuple[Pipeline, StageServer]]:
     """A 2-stage mlp job that has run one step, and its first stage."""
-    with Pipeline(
-        coordinator=coordinator_server.address,
-        model="mlp",
-        model_kwargs=KWARGS,
-        micro_batches=2,
-        stages=2,
-    ) as pipe:
+    with jobs.mlp(coordinator_server.address, **KWARGS, micro_batches=2, stages=2) as pipe:
         pipe.train_step(torch.randn(4, 12), torch.randint(0, 6, (4,)))
         first = next(s for s in stage_servers if s.address == pipe.partition.addresses[0])
         yield pipe, first
@@ -174,9 +169,7 @@ def test_model_outside_allowed_prefixes_is_permission_denied(
         pytest.raises(PermissionDenied, match="subprocess:getoutput"),
     ):
         evil.train_step(torch.zeros(2, 3), torch.zeros(2))
-    with Pipeline(
-        coordinator=coordinator_server.address, model="mlp", model_kwargs=KWARGS, stages=2
-    ) as again:
+    with jobs.mlp(coordinator_server.address, **KWARGS, stages=2) as again:
         _assert_still_serving(again, server)
 
 

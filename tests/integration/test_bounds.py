@@ -10,7 +10,6 @@ import grpc
 import pytest
 import torch
 
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.security import bounds
 from elasticpipe.stage_server.server import StageServer
@@ -20,19 +19,19 @@ from elasticpipe.v1 import (
     stage_pb2,
     stage_pb2_grpc,
 )
+from tests.support import jobs
 
 pytestmark = pytest.mark.timeout(120)
 NAN, INF = math.nan, math.inf
+Job = tuple[
+    coordinator_pb2_grpc.CoordinatorServiceStub, StageServer
+]  # a coordinator stub, a stage of the job
 
 
 @pytest.fixture
-def job(
-    coordinator_server: CoordinatorServer, stage_servers: list[StageServer]
-) -> Iterator[tuple[coordinator_pb2_grpc.CoordinatorServiceStub, StageServer]]:
+def job(coordinator_server: CoordinatorServer, stage_servers: list[StageServer]) -> Iterator[Job]:
     """A coordinator stub and a stage of a job that ran one step."""
-    with Pipeline(
-        coordinator=coordinator_server.address, model="mlp", model_kwargs={"sizes": [4, 4, 4]}
-    ) as pipe:
+    with jobs.mlp(coordinator_server.address, sizes=[4, 4, 4]) as pipe:
         pipe.train_step(torch.randn(2, 4), torch.randint(0, 4, (2,)))
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(
             grpc.insecure_channel(coordinator_server.address)
@@ -66,7 +65,7 @@ HEARTBEATS = [
 
 @pytest.mark.parametrize(("fields", "field", "value"), HEARTBEATS)
 def test_heartbeat_fields_out_of_bounds_are_refused(
-    job: tuple[coordinator_pb2_grpc.CoordinatorServiceStub, StageServer],
+    job: Job,
     fields: dict[str, object],
     field: str,
     value: str,
@@ -89,7 +88,7 @@ def test_heartbeat_fields_out_of_bounds_are_refused(
 
 
 def test_a_well_formed_heartbeat_still_passes(
-    job: tuple[coordinator_pb2_grpc.CoordinatorServiceStub, StageServer],
+    job: Job,
 ) -> None:
     """Figures inside their bounds (and an unreported slowdown of 0) are accepted."""
     stub, stage = job
@@ -116,10 +115,7 @@ COORDINATOR_CALLS = [
 
 @pytest.mark.parametrize(("method", "request_", "field"), COORDINATOR_CALLS)
 def test_coordinator_steps_runs_epochs_and_clients_are_bounded(
-    job: tuple[coordinator_pb2_grpc.CoordinatorServiceStub, StageServer],
-    method: str,
-    request_: object,
-    field: str,
+    job: Job, method: str, request_: object, field: str
 ) -> None:
     """Steps, runs, epochs and client generations past their bounds are refused naming
     the field and the bound."""
@@ -142,10 +138,7 @@ STAGE_CALLS = [
 
 @pytest.mark.parametrize(("method", "request_", "field"), STAGE_CALLS)
 def test_stage_steps_runs_epochs_and_micro_batches_are_bounded(
-    job: tuple[coordinator_pb2_grpc.CoordinatorServiceStub, StageServer],
-    method: str,
-    request_: object,
-    field: str,
+    job: Job, method: str, request_: object, field: str
 ) -> None:
     """A stage refuses out-of-range steps, runs, epochs, micro-batch indices and profile
     repeats (repeats before it decodes the sample) naming the field."""

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from elasticpipe import models
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import StaleEpoch, TooLarge
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
@@ -20,7 +19,7 @@ from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from elasticpipe.wire import codec
-from tests.support import bulk_stage
+from tests.support import bulk_stage, jobs
 from tests.support.bulk_stage import EPOCH, connect_bulk, open_bulk
 from tests.support.numerics import reference_step
 from tests.support.prometheus import scrape, value
@@ -46,10 +45,9 @@ def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
     opt = make_optimizer("sgd", reference.parameters(), {"lr": 0.05})
     g = torch.Generator().manual_seed(0)
     with LocalCluster(stages=2, metrics=True, auto_rebalance=False) as c:
-        with Pipeline(
-            coordinator=c.coordinator,
-            model="mlp",
-            model_kwargs=kwargs,
+        with jobs.mlp(
+            c.coordinator,
+            **kwargs,
             optimizer="sgd",
             optimizer_kwargs={"lr": 0.05},
             stages=2,

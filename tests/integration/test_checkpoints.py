@@ -19,12 +19,13 @@ from elasticpipe.coordinator.planning.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest, ModelError
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training import objectives
 from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.support import jobs
 from tests.support.numerics import assert_losses_close, reference_step
+from tests.support.servers import stage_servers
 
 MLP = {"sizes": [6, 12, 12, 3]}
 ADAM = {"lr": 1e-2}
@@ -229,41 +230,27 @@ def test_a_layer_larger_than_the_tensor_limit_saves_loads_and_migrates(tmp_path:
     with CoordinatorServer(
         CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
     ) as c:
-        stages = [
-            StageServer(StageConfig(name=f"s{i}", max_tensor_bytes=limit), c.address).start()
-            for i in range(2)
-        ]
-        try:
-            for s in stages:
-                assert s.registered.wait(10)
-            with Pipeline(
-                coordinator=c.address,
-                model="mlp",
-                model_kwargs=wide,
-                optimizer="adam",
-                optimizer_kwargs=ADAM,
-                micro_batches=1,
-                stages=2,
-            ) as pipe:
-                losses = [pipe.train_step(*batches[0])]
-                pipe.save(tmp_path / "big")
-                layer2 = load_file(str(tmp_path / "big" / "optimizer-00002.safetensors"))
-                assert sum(t.numel() * t.element_size() for t in layer2.values()) > limit
-                pipe.load(tmp_path / "big")
-                losses.append(pipe.train_step(*batches[1]))
-                before = pipe.partition.boundaries
-                target = [0, 3, 5] if before[1] == 2 else [0, 2, 5]
-                with grpc.insecure_channel(c.address) as channel:
-                    coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPartition(
-                        coordinator_pb2.SetPartitionRequest(boundaries=target), timeout=60
-                    )
-                losses.append(pipe.train_step(*batches[2]))
-                assert list(pipe.partition.boundaries) == target
-                assert_losses_close(losses, expected)
-                torch.testing.assert_close(pipe.state_dict(), reference.state_dict())
-        finally:
-            for s in stages:
-                s.stop()
+        configs = [StageConfig(name=f"s{i}", max_tensor_bytes=limit) for i in range(2)]
+        with (
+            stage_servers(c.address, configs),
+            jobs.mlp(c.address, **wide, optimizer_kwargs=ADAM, micro_batches=1, stages=2) as pipe,
+        ):
+            losses = [pipe.train_step(*batches[0])]
+            pipe.save(tmp_path / "big")
+            layer2 = load_file(str(tmp_path / "big" / "optimizer-00002.safetensors"))
+            assert sum(t.numel() * t.element_size() for t in layer2.values()) > limit
+            pipe.load(tmp_path / "big")
+            losses.append(pipe.train_step(*batches[1]))
+            before = pipe.partition.boundaries
+            target = [0, 3, 5] if before[1] == 2 else [0, 2, 5]
+            with grpc.insecure_channel(c.address) as channel:
+                coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPartition(
+                    coordinator_pb2.SetPartitionRequest(boundaries=target), timeout=60
+                )
+            losses.append(pipe.train_step(*batches[2]))
+            assert list(pipe.partition.boundaries) == target
+            assert_losses_close(losses, expected)
+            torch.testing.assert_close(pipe.state_dict(), reference.state_dict())
 
 
 @pytest.mark.timeout(180)

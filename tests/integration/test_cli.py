@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
-from tests.support import cli
+from tests.support import cli, jobs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,13 +16,8 @@ pytestmark = pytest.mark.timeout(240)
 def test_admin_commands_inspect_and_move_a_running_job(cluster4: LocalCluster) -> None:
     """status lists every stage with its layers and the epoch history; plan is a dry run;
     set-partition, drain, undrain and slowdown act; bad ranges exit 2 naming the range."""
-    kwargs = {"sizes": [8, 16, 16, 16, 4]}
-    with Pipeline(
-        coordinator=cluster4.coordinator,
-        model="mlp",
-        model_kwargs=kwargs,
-        micro_batches=2,
-        stages=3,
+    with jobs.mlp(
+        cluster4.coordinator, sizes=[8, 16, 16, 16, 4], micro_batches=2, stages=3
     ) as pipe:
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
         status = cli.admin(cluster4, "status")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -20,6 +21,9 @@ from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.support import jobs
+from tests.support.numerics import assert_steps_match
+from tests.support.servers import stage_servers
 
 pytestmark = pytest.mark.timeout(120)
 CUSTOM = "tests.support.custom_models:tiny"
@@ -31,17 +35,9 @@ def cluster() -> Iterator[tuple[CoordinatorServer, list[StageServer]]]:
     with CoordinatorServer(
         CoordinatorConfig(policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
     ) as c:
-        stages = [
-            StageServer(
-                StageConfig(name=f"s{i}", allow_models=("tests.support",)), c.address
-            ).start()
-            for i in range(2)
-        ]
-        for s in stages:
-            assert s.registered.wait(10)
-        yield c, stages
-        for s in stages:
-            s.stop()
+        configs = [StageConfig(name=f"s{i}", allow_models=("tests.support",)) for i in range(2)]
+        with stage_servers(c.address, configs) as stages:
+            yield c, stages
 
 
 def test_user_factory_under_an_allowed_prefix_trains_exactly(
@@ -52,6 +48,9 @@ def test_user_factory_under_an_allowed_prefix_trains_exactly(
     reference = models.build(CUSTOM, seed=2, allow=("tests.support",), width=8)
     optimizer = make_optimizer("adamw", reference.parameters(), {"lr": 0.01})
     g = torch.Generator().manual_seed(0)
+    batches = (
+        (torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)
+    )
     with Pipeline(
         coordinator=coordinator.address,
         model=CUSTOM,
@@ -62,11 +61,9 @@ def test_user_factory_under_an_allowed_prefix_trains_exactly(
         micro_batches=2,
         stages=2,
     ) as pipe:
-        for _ in range(3):
-            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
-            got = pipe.train_step(x, y)
-            want = reference_step(reference, optimizer, "cross_entropy", x, y)
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+        assert_steps_match(
+            pipe, batches, partial(reference_step, reference, optimizer, "cross_entropy")
+        )
         state = pipe.state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value)
@@ -77,13 +74,7 @@ def test_watch_partition_streams_every_new_epoch(
 ) -> None:
     """WatchPartition sends the current partition, then each new epoch as it is committed."""
     coordinator, _ = cluster
-    with Pipeline(
-        coordinator=coordinator.address,
-        model="mlp",
-        model_kwargs={"sizes": [4, 8, 8, 2]},
-        micro_batches=2,
-        stages=2,
-    ) as pipe:
+    with jobs.mlp(coordinator.address, sizes=[4, 8, 8, 2], micro_batches=2, stages=2) as pipe:
         pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
         first = pipe.partition
         channel = grpc.insecure_channel(coordinator.address)
@@ -117,27 +108,17 @@ def test_slow_links_make_the_planner_cut_where_activations_are_small() -> None:
             policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2, link_bandwidth=1e4
         )
     ) as coordinator:
-        stages = [
-            StageServer(StageConfig(name=f"s{i}"), coordinator.address).start() for i in range(2)
-        ]
-        try:
-            for s in stages:
-                assert s.registered.wait(10)
-            # Two heavy 512x512 layers (2 and 4): compute alone would cut between them (3-5),
-            # where activations are 512 wide; only the cuts at 7 and 8 are 4 wide.
-            with Pipeline(
-                coordinator=coordinator.address,
-                model="mlp",
-                model_kwargs={"sizes": [4, 512, 512, 512, 4, 4]},
-                loss="mse",
-                micro_batches=2,
-                stages=2,
-            ) as pipe:
-                pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
-                assert pipe.partition.boundaries[1] in (7, 8), pipe.partition.boundaries
-        finally:
-            for s in stages:
-                s.stop()
+        # Two heavy 512x512 layers (2 and 4): compute alone would cut between them (3-5),
+        # where activations are 512 wide; only the cuts at 7 and 8 are 4 wide.
+        sizes = [4, 512, 512, 512, 4, 4]
+        with (
+            stage_servers(coordinator.address, [StageConfig(name=f"s{i}") for i in range(2)]),
+            jobs.mlp(
+                coordinator.address, sizes=sizes, loss="mse", micro_batches=2, stages=2
+            ) as pipe,
+        ):
+            pipe.train_step(torch.randn(8, 4), torch.randn(8, 4))
+            assert pipe.partition.boundaries[1] in (7, 8), pipe.partition.boundaries
 
 
 def test_a_checkpoint_resumes_training_exactly_on_another_partition(
@@ -147,7 +128,7 @@ def test_a_checkpoint_resumes_training_exactly_on_another_partition(
     """save() after 3 Adam steps, then load() into a fresh 1-stage job: the next 2 steps give
     the same losses and weights as continuing the original 2-stage job."""
     coordinator, _ = cluster
-    kwargs = {"sizes": [6, 16, 16, 3]}
+    sizes = [6, 16, 16, 3]
     g = torch.Generator().manual_seed(4)
     batches = [
         (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(5)
@@ -155,10 +136,9 @@ def test_a_checkpoint_resumes_training_exactly_on_another_partition(
     path = tmp_path / "ckpt.msgpack"
 
     def pipeline(stages: int) -> Pipeline:
-        return Pipeline(
-            coordinator=coordinator.address,
-            model="mlp",
-            model_kwargs=kwargs,
+        return jobs.mlp(
+            coordinator.address,
+            sizes=sizes,
             seed=9,
             optimizer="adam",
             optimizer_kwargs={"lr": 0.01},
@@ -190,20 +170,13 @@ def test_loading_a_foreign_or_corrupt_checkpoint_is_refused(
     coordinator, _ = cluster
     junk = tmp_path / "junk"
     junk.write_bytes(b"\x93\x01\x02garbage")
-    with Pipeline(
-        coordinator=coordinator.address, model="mlp", model_kwargs={"sizes": [4, 8, 2]}, stages=2
-    ) as pipe:
+    with jobs.mlp(coordinator.address, sizes=[4, 8, 2], stages=2) as pipe:
         pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
         with pytest.raises(InvalidRequest):
             pipe.load(junk)
         pipe.save(tmp_path / "small.msgpack")
     with (
-        Pipeline(
-            coordinator=coordinator.address,
-            model="mlp",
-            model_kwargs={"sizes": [4, 16, 2]},
-            stages=2,
-        ) as other,
+        jobs.mlp(coordinator.address, sizes=[4, 16, 2], stages=2) as other,
         pytest.raises(InvalidRequest, match="sizes"),
     ):
         other.load(tmp_path / "small.msgpack")

@@ -8,19 +8,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 
 from elasticpipe import models
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.stage_server.devicepath import PlainPath, Sink
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.wire import structure
 from elasticpipe.wire.structure import Value
+from tests.support import jobs
+from tests.support.numerics import assert_steps_match
 
 KWARGS = {"sizes": [12, 16, 16, 6]}
 DELAY_S = 0.005  # each send waits this long on the sender thread: a copy in flight
@@ -83,25 +85,27 @@ def test_an_asynchronous_path_trains_exactly_as_one_process(
         server.stage.path = DelayedPath()
         paths.append(server.stage.path)
     reference = models.build("mlp", seed=2, **KWARGS)
-    ref_opt = make_optimizer("sgd", reference.parameters(), {"lr": 0.1, "momentum": 0.9})
+    sgd = {"lr": 0.1, "momentum": 0.9}
+    ref_opt = make_optimizer("sgd", reference.parameters(), sgd)
     g = torch.Generator().manual_seed(0)
-    with Pipeline(
-        coordinator=coordinator_server.address,
-        model="mlp",
-        model_kwargs=KWARGS,
+    with jobs.mlp(
+        coordinator_server.address,
+        **KWARGS,
         seed=2,
         optimizer="sgd",
-        optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
+        optimizer_kwargs=sgd,
         loss="cross_entropy",
         micro_batches=4,
         schedule=schedule,
         stages=2,
     ) as pipe:
-        for _ in range(3):
-            x, y = torch.randn(10, 12, generator=g), torch.randint(0, 6, (10,), generator=g)
-            got = pipe.train_step(x, y)
-            want = reference_step(reference, ref_opt, "cross_entropy", x, y)
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+        batches = (
+            (torch.randn(10, 12, generator=g), torch.randint(0, 6, (10,), generator=g))
+            for _ in range(3)
+        )
+        assert_steps_match(
+            pipe, batches, partial(reference_step, reference, ref_opt, "cross_entropy")
+        )
         x = torch.randn(5, 12, generator=g)
         predicted = pipe.predict(x)
         state = pipe.state_dict()

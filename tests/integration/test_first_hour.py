@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jsonschema
@@ -180,23 +181,14 @@ def test_too_few_stages_are_waited_for_then_named(cluster: LocalCluster) -> None
 
 def test_too_few_layers_say_which_stages_would_do(cluster: LocalCluster) -> None:
     """A model of 3 layers on 3+ stages asked for 4: refused, saying stages=3 would do."""
-    with (
-        Pipeline(
-            coordinator=cluster.coordinator,
-            model="mlp",
-            model_kwargs={"sizes": [8, 16, 4]},
-            stages=3,
-        ) as ok,
-    ):
+    three = {"sizes": [8, 16, 4]}  # Linear, ReLU, Linear
+    with Pipeline(coordinator=cluster.coordinator, model="mlp", model_kwargs=three, stages=3) as ok:
         assert ok.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,))) > 0
     cluster.add_stage("extra")
     try:
         with (
             Pipeline(
-                coordinator=cluster.coordinator,
-                model="mlp",
-                model_kwargs={"sizes": [8, 16, 4]},
-                stages=4,
+                coordinator=cluster.coordinator, model="mlp", model_kwargs=three, stages=4
             ) as pipe,
             pytest.raises(ElasticPipeError, match="too few layers") as info,
         ):
@@ -538,24 +530,21 @@ def test_load_can_override_the_learning_rate(cluster: LocalCluster, tmp_path: Pa
     data = [
         (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)
     ]
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model="mlp",
-        model_kwargs=MLP,
-        optimizer_kwargs={"lr": 1e-2},
-    ) as pipe:
+    # The same job twice: the second loads what the first saved.
+    job: dict[str, Any] = {
+        "coordinator": cluster.coordinator,
+        "model": "mlp",
+        "model_kwargs": MLP,
+        "optimizer_kwargs": {"lr": 1e-2},
+    }
+    with Pipeline(**job) as pipe:
         for x, y in data[:2]:
             pipe.train_step(x, y)
             reference_step(reference, opt, "cross_entropy", x, y)
         pipe.save(path)
     for group in opt.param_groups:
         group["lr"] = 1e-4
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model="mlp",
-        model_kwargs=MLP,
-        optimizer_kwargs={"lr": 1e-2},
-    ) as pipe:
+    with Pipeline(**job) as pipe:
         pipe.load(path, optimizer_kwargs={"lr": 1e-4})
         for x, y in data[2:]:
             got = pipe.train_step(x, y)

@@ -37,11 +37,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.security import authz, tls
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import coordinator_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from tests.support import jobs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -269,10 +269,9 @@ def _train(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The job: the same seed, data and chain every time, so runs agree bit for bit;
     ``started`` is called once the job is set up, before its first step."""
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model="mlp",
-        model_kwargs=KWARGS,
+    with jobs.mlp(
+        cluster.coordinator,
+        **KWARGS,
         optimizer_kwargs={"lr": 1e-2},
         micro_batches=2,
         stages=2,

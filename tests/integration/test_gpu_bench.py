@@ -11,16 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import benches
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
-KEYS = {
-    "transparent",
-    "max_abs_diff",
-    "overhead_ratio_1stage",
-    "outside_ms_2stage",
-    "hop_gbps_4mib",
-    "hop_gbps_32mib",
-    "pcie_gbps_4mib",
-}
+KEYS = benches.KEYS["gpu.py"]
 
 
 def _run(*args: str, timeout: float) -> tuple[int, dict[str, object], str]:

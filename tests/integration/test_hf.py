@@ -17,6 +17,7 @@ from elasticpipe.errors import ModelError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.local.reference import LocalPipeline
 from elasticpipe.models import hf
+from tests.support import hf_configs
 from tests.support.numerics import assert_losses_close, stage_threads
 
 transformers = pytest.importorskip("transformers")
@@ -25,34 +26,25 @@ MODEL = "elasticpipe.models.hf:causal_lm"
 VOCAB = 37
 # Tiny configs, dropout off; untied heads so that both sides train the same parameters.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "gpt2": {
-        "model_type": "gpt2",
-        "n_layer": 2,
-        "n_embd": 16,
-        "n_head": 2,
-        "n_positions": 16,
-        "vocab_size": VOCAB,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "tie_word_embeddings": False,
-    },
-    "llama": {
-        "model_type": "llama",
-        "num_hidden_layers": 2,
-        "hidden_size": 16,
-        "intermediate_size": 24,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 16,
-        "vocab_size": VOCAB,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-    },
+    "gpt2": hf_configs.tiny("gpt2", VOCAB, tie_word_embeddings=False),
+    "llama": hf_configs.tiny("llama", VOCAB, attention_dropout=0.0),
 }
 # SGD, not Adam: a key bias gets a gradient of exactly zero in exact arithmetic (softmax
 # ignores a constant per row), and Adam would blow the rounding noise up to a full step.
 SGD = {"lr": 0.5, "momentum": 0.9}
+
+
+def _job(directory: Path) -> dict[str, Any]:
+    """The job (model and training) of the save_pretrained ``directory``: its weights, SGD,
+    two micro-batches; a ``Pipeline`` adds the coordinator and stages."""
+    return {
+        "model": MODEL,
+        "model_kwargs": hf.model_kwargs(str(directory)),
+        "init_state": directory,
+        "optimizer": "sgd",
+        "optimizer_kwargs": SGD,
+        "micro_batches": 2,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +92,7 @@ def test_training_through_three_stages_equals_the_hugging_face_model(
             loss.backward()
             optimizer.step()
             expected.append(float(loss.detach()))
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model=MODEL,
-        model_kwargs=hf.model_kwargs(str(tmp_path)),
-        init_state=tmp_path,
-        optimizer="sgd",
-        optimizer_kwargs=SGD,
-        micro_batches=2,
-        stages=3,
-    ) as pipe:
+    with Pipeline(coordinator=cluster.coordinator, **_job(tmp_path), stages=3) as pipe:
         assert pipe.partition.num_stages == 3
         losses = [pipe.train_step(ids[:, :-1], ids[:, 1:]) for ids in batches]
         assert_losses_close(losses, expected)
@@ -120,14 +103,7 @@ def test_training_through_three_stages_equals_the_hugging_face_model(
     torch.testing.assert_close(got, dict(want))
     with (
         stage_threads(),
-        LocalPipeline(
-            model=MODEL,
-            model_kwargs=hf.model_kwargs(str(tmp_path)),
-            init_state=tmp_path,
-            optimizer="sgd",
-            optimizer_kwargs=SGD,
-            micro_batches=2,
-        ) as local,
+        LocalPipeline(**_job(tmp_path)) as local,
     ):
         local_losses = [local.train_step(ids[:, :-1], ids[:, 1:]) for ids in batches]
         assert_losses_close(local_losses, losses)
@@ -179,16 +155,7 @@ def test_a_model_trained_on_two_stages_exports_to_transformers_and_predicts_the_
     g = torch.Generator().manual_seed(3)
     with (
         pytest.warns(UserWarning, match="tied"),
-        Pipeline(
-            coordinator=cluster.coordinator,
-            model=MODEL,
-            model_kwargs=hf.model_kwargs(str(tmp_path / "src")),
-            init_state=tmp_path / "src",
-            optimizer="sgd",
-            optimizer_kwargs=SGD,
-            micro_batches=2,
-            stages=2,
-        ) as pipe,
+        Pipeline(coordinator=cluster.coordinator, **_job(tmp_path / "src"), stages=2) as pipe,
     ):
         assert pipe.partition.num_stages == 2
         for _ in range(3):

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from elasticpipe import models
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.planning.policy import PolicyConfig
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training.objectives import make_optimizer, reference_step
 from elasticpipe.transport import serving
+from tests.support import jobs
+from tests.support.servers import stage_servers
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -44,21 +44,16 @@ def test_a_cluster_on_ipv6_loopback_trains() -> None:
         CoordinatorConfig("[::1]:0", policy=PolicyConfig(enabled=False), heartbeat_interval_s=0.2)
     ) as coordinator:
         assert coordinator.address.startswith("[::1]:")
-        stages = [
-            StageServer(StageConfig(name=f"v6-{i}"), coordinator.address, "[::1]:0").start()
-            for i in range(2)
-        ]
-        try:
+        configs = [StageConfig(name=f"v6-{i}") for i in range(2)]
+        with stage_servers(coordinator.address, configs, listen="[::1]:0") as stages:
             for stage in stages:
-                assert stage.registered.wait(10), "stage did not register"
                 assert stage.address.startswith("[::1]:")
             reference = models.build("mlp", seed=0, **KWARGS)
             opt = make_optimizer("adam", reference.parameters(), {"lr": 1e-2})
             x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
-            with Pipeline(
-                coordinator=coordinator.address,
-                model="mlp",
-                model_kwargs=KWARGS,
+            with jobs.mlp(
+                coordinator.address,
+                **KWARGS,
                 optimizer_kwargs={"lr": 1e-2},
                 micro_batches=1,
                 stages=2,
@@ -69,9 +64,6 @@ def test_a_cluster_on_ipv6_loopback_trains() -> None:
                 torch.tensor(got),
                 torch.tensor(reference_step(reference, opt, "cross_entropy", x, y)),
             )
-        finally:
-            for stage in stages:
-                stage.stop()
 
 
 def test_plaintext_on_the_ipv6_wildcard_is_refused_without_insecure() -> None:

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from elasticpipe import models
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.support import jobs
 from tests.support.numerics import assert_losses_close, reference_step
 
 WIDE = {"sizes": [6, 96, 64, 3]}  # layer 2: a 24 KiB weight, 72 KiB with its Adam moments
@@ -39,16 +39,10 @@ def test_a_layer_over_the_limit_in_tiny_chunks_moves_saves_loads_and_recovers_ex
     expected = [reference_step(reference, opt, "cross_entropy", x, y) for x, y in batches]
     limits = ["--max-tensor-bytes", str(LIMIT), "--transfer-chunk-bytes", str(CHUNK)]
     with (
-        LocalCluster(
-            stages=3,
-            stage_args=limits,
-            auto_rebalance=False,
-            heartbeat_s=0.2,
-        ) as cluster,
-        Pipeline(
-            coordinator=cluster.coordinator,
-            model="mlp",
-            model_kwargs=WIDE,
+        LocalCluster(stages=3, stage_args=limits, auto_rebalance=False, heartbeat_s=0.2) as cluster,
+        jobs.mlp(
+            cluster.coordinator,
+            **WIDE,
             optimizer="adam",
             optimizer_kwargs=ADAM,
             micro_batches=2,

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from elasticpipe import models
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
-from tests.support import cli
+from tests.support import cli, clusters, jobs
 from tests.support.numerics import reference_step
 
 # Layers: Linear(64, 256) 66.5 kB, ReLU, Linear(256, 256) 263 kB, ReLU, Linear(256, 256),
@@ -28,12 +27,7 @@ BAD = ["--memory", "12Q"]  # stage-0 holds layers 0-1 at most; stage-1 the rest
 @pytest.fixture(scope="module")
 def capped() -> Iterator[LocalCluster]:
     """Two stages, the first offering 400 KiB and the second 2 MiB."""
-    with LocalCluster(
-        stages=2,
-        state=":memory:",
-        auto_rebalance=False,
-        per_stage_args=[["--memory", cap] for cap in CAPS],
-    ) as cluster:
+    with clusters.quiet(2, per_stage_args=[["--memory", cap] for cap in CAPS]) as cluster:
         yield cluster
 
 
@@ -48,10 +42,9 @@ def test_small_caps_force_an_uneven_partition_and_training_stays_exact(
     reference = models.build("mlp", seed=1, sizes=SIZES)
     ref_opt = make_optimizer("sgd", reference.parameters(), SGD)
     g = torch.Generator().manual_seed(0)
-    with Pipeline(
-        coordinator=capped.coordinator,
-        model="mlp",
-        model_kwargs={"sizes": SIZES},
+    with jobs.mlp(
+        capped.coordinator,
+        sizes=SIZES,
         seed=1,
         optimizer="sgd",
         optimizer_kwargs=SGD,
@@ -107,12 +100,8 @@ def test_a_model_too_big_for_every_stage_fails_clearly_at_setup(capped: LocalClu
     what each stage offers."""
     with (
         pytest.raises(ElasticPipeError) as info,
-        Pipeline(
-            coordinator=capped.coordinator,
-            model="mlp",
-            model_kwargs={"sizes": [64, 1024, 1024, 8]},
-            optimizer="sgd",
-            optimizer_kwargs=SGD,
+        jobs.mlp(
+            capped.coordinator, sizes=[64, 1024, 1024, 8], optimizer="sgd", optimizer_kwargs=SGD
         ) as pipe,
     ):
         pipe.train_step(torch.randn(4, 64), torch.randint(0, 8, (4,)))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -47,6 +46,30 @@ def incarnations(cluster: LocalCluster, name: str) -> list[coordinator_pb2.Stage
     )
 
 
+def _second_stage(
+    cluster: LocalCluster, holder: coordinator_pb2.StageInfo, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``elasticpipe stage`` under the live ``holder``'s name on a new port (``args`` added),
+    run to its end within 60 s."""
+    return cli.elasticpipe(
+        "stage",
+        *("--coordinator", cluster.coordinator, "--name", holder.name, "--listen", "127.0.0.1:0"),
+        *args,
+        timeout=60,
+    )
+
+
+def _assert_refusal_names(
+    second: subprocess.CompletedProcess[str], holder: coordinator_pb2.StageInfo
+) -> None:
+    """The refused stage's last line says its name is in use, naming the holder's name, id,
+    address and last heartbeat."""
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage name"), second.stderr[-2000:]
+    for named in (holder.name, holder.stage_id, holder.address, "last heartbeat"):
+        assert named in last, last
+
+
 def test_a_second_stage_under_a_name_in_use_is_refused_and_the_holder_is_untouched(
     cluster: LocalCluster,
 ) -> None:
@@ -58,29 +81,10 @@ def test_a_second_stage_under_a_name_in_use_is_refused_and_the_holder_is_untouch
         holder = cluster.status().stages[1]
         assert holder.state == "chain", holder
         epoch = pipe.partition.epoch
-        second = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "elasticpipe",
-                "stage",
-                "--coordinator",
-                cluster.coordinator,
-                "--name",
-                holder.name,
-                "--listen",
-                "127.0.0.1:0",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,  # it used to run on, knocking the holder out again and again
-            check=False,
-        )
+        # Within 60 s: it used to run on, knocking the holder out again and again.
+        second = _second_stage(cluster, holder)
         assert second.returncode != 0, second.stderr[-2000:]
-        last = second.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: stage name"), second.stderr[-2000:]
-        for named in (holder.name, holder.stage_id, holder.address, "last heartbeat"):
-            assert named in last, last
+        _assert_refusal_names(second, holder)
         pipe.train_step(*batch(2))
         assert pipe.step == 2 and pipe.partition.epoch == epoch
         (still,) = incarnations(cluster, holder.name)
@@ -99,31 +103,10 @@ def test_a_second_stage_advertising_the_holders_address_is_refused(
     with code 2 naming it, and the holder stays the one live incarnation of its name."""
     holder = cluster.status().stages[1]
     assert holder.alive, holder
-    second = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elasticpipe",
-            "stage",
-            "--coordinator",
-            cluster.coordinator,
-            "--name",
-            holder.name,
-            "--listen",
-            "127.0.0.1:0",
-            "--advertise",
-            holder.address,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,  # it used to run on, the two knocking each other out
-        check=False,
-    )
+    # Within 60 s: it used to run on, the two knocking each other out.
+    second = _second_stage(cluster, holder, "--advertise", holder.address)
     assert second.returncode == 2, second.stderr[-2000:]
-    last = second.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: stage name"), second.stderr[-2000:]
-    for named in (holder.name, holder.stage_id, holder.address, "last heartbeat"):
-        assert named in last, last
+    _assert_refusal_names(second, holder)
     (still,) = incarnations(cluster, holder.name)
     assert (still.stage_id, still.alive) == (holder.stage_id, True)
     assert "recovery" not in [r.kind for r in cluster.status().history]

@@ -20,6 +20,7 @@ from elasticpipe.stage_server.mailbox import EARLY_RUNS
 from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import codec
+from tests.support import clusters, jobs
 from tests.support.prometheus import scrape, value
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,12 +37,7 @@ STRANGER = bytes(16)  # a stranger's guess at a run's secret (16 bytes, as every
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Three plaintext stages on loopback, with metrics (the drop counter)."""
-    with LocalCluster(
-        stages=3,
-        state=":memory:",
-        auto_rebalance=False,
-        metrics=True,
-    ) as c:
+    with clusters.quiet(3, metrics=True) as c:
         yield c
 
 
@@ -102,10 +98,9 @@ def _flood(address: str) -> int:
 
 def _pipeline(cluster: LocalCluster) -> Pipeline:
     """The job every test here trains: a 3-stage MLP."""
-    return Pipeline(
-        coordinator=cluster.coordinator,
-        model="mlp",
-        model_kwargs=KWARGS,
+    return jobs.mlp(
+        cluster.coordinator,
+        **KWARGS,
         optimizer_kwargs={"lr": 1e-2},
         micro_batches=MICRO_BATCHES,
         stages=3,

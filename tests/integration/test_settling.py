@@ -16,19 +16,13 @@ from elasticpipe.errors import Fenced
 from elasticpipe.security import bounds
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support import jobs
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _pipeline(coordinator: CoordinatorServer) -> Pipeline:
-    return Pipeline(
-        coordinator=coordinator.address,
-        model="mlp",
-        model_kwargs={"sizes": [12, 16, 6]},
-        micro_batches=2,
-        stages=2,
-        lease_s=30.0,
-    )
+    return jobs.mlp(coordinator.address, sizes=[12, 16, 6], micro_batches=2, stages=2, lease_s=30.0)
 
 
 def test_a_run_is_settled_once_and_a_live_client_is_never_fenced(

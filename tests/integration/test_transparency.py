@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,14 @@ MODELS = {
     ),
 }
 OPTIMIZERS = {"sgd": {"lr": 0.1, "momentum": 0.9}, "adam": {"lr": 1e-2}}
+
+
+def _pipeline(cluster: LocalCluster, model: str, **options: Any) -> Pipeline:
+    """A job of ``model`` (its ``MODELS`` arguments) on ``cluster``; ``options`` are the
+    Pipeline's other arguments."""
+    return Pipeline(
+        coordinator=cluster.coordinator, model=model, model_kwargs=MODELS[model][0], **options
+    )
 
 
 def _batch(model: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +69,9 @@ def test_pipeline_matches_single_process(
             reference = models.build(model, seed=3, **kwargs)
             ref_opt = make_optimizer(optimizer, reference.parameters(), OPTIMIZERS[optimizer])
             g = torch.Generator().manual_seed(stages * 100 + micro_batches)
-            with Pipeline(
-                coordinator=cluster4.coordinator,
-                model=model,
-                model_kwargs=kwargs,
+            with _pipeline(
+                cluster4,
+                model,
                 seed=3,
                 optimizer=optimizer,
                 optimizer_kwargs=OPTIMIZERS[optimizer],
@@ -100,13 +108,7 @@ def test_predict_matches_local_forward_and_changes_nothing(cluster4: LocalCluste
     kwargs, _ = MODELS["gpt"]
     reference = models.build("gpt", seed=0, **kwargs)
     x, _ = _batch("gpt", 7, torch.Generator().manual_seed(0))
-    with Pipeline(
-        coordinator=cluster4.coordinator,
-        model="gpt",
-        model_kwargs=kwargs,
-        micro_batches=3,
-        stages=3,
-    ) as pipe:
+    with _pipeline(cluster4, "gpt", micro_batches=3, stages=3) as pipe:
         before = pipe.state_dict()
         out = pipe.predict(x)
         with stage_threads():
@@ -119,18 +121,12 @@ def test_predict_matches_local_forward_and_changes_nothing(cluster4: LocalCluste
 @pytest.mark.timeout(300)
 def test_1f1b_keeps_at_most_s_minus_s_micro_batches_alive(cluster4: LocalCluster) -> None:
     """With 1F1B stage s holds at most S - s micro-batches of activations; GPipe holds m."""
-    kwargs, loss = MODELS["mlp"]
+    _, loss = MODELS["mlp"]
     x, y = _batch("mlp", 16, torch.Generator().manual_seed(0))
     held_bytes = {}
     for schedule, expected in (("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])):
-        with Pipeline(
-            coordinator=cluster4.coordinator,
-            model="mlp",
-            model_kwargs=kwargs,
-            loss=loss,
-            micro_batches=8,
-            schedule=schedule,
-            stages=4,
+        with _pipeline(
+            cluster4, "mlp", loss=loss, micro_batches=8, schedule=schedule, stages=4
         ) as pipe:
             pipe.train_step(x, y)
             peaks = [report.peak_stashed for report in pipe.last_step.reports]

@@ -5,6 +5,11 @@
   training loop with a hook before each step, and the job as a script a test can kill;
 - ``faults``: a declarative fault plan (``FaultPlan().at(step=5).pause(...).then_kill()``);
 - ``cli``: running ``elasticpipe`` (and ``elasticpipe admin``) as a user does;
+- ``jobs``: the MLP job as a ``Pipeline`` (or ``LocalPipeline``) of given layer widths;
+- ``servers``: in-process stage servers, started, registered and stopped;
+- ``numerics``: like-with-like references (thread counts, float32 tolerances, step checks);
+- ``hf_configs``: tiny Hugging Face configs of the families the tests build;
+- ``benches``: the JSON keys every bench promises;
 - ``custom_models``, ``custom_losses``: user code importable by path (``--allow-models``);
 - ``zb_models``: odd layers for the zero-bubble schedule;
 - ``fp16_reference``: plain PyTorch fp16 training, what ``precision="fp16"`` must equal;

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training import objectives
 from elasticpipe.wire.structure import split_batch
@@ -100,3 +101,21 @@ def assert_losses_close(
         atol=0.0 if exact else None,
         msg=msg,
     )
+
+
+def assert_steps_match(
+    pipe: Pipeline,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    reference: Callable[[torch.Tensor, torch.Tensor], float],
+) -> None:
+    """Trains ``pipe`` one step per batch and compares each loss with ``reference(x, y)``'s,
+    the reference's step on the same batch taken after the pipeline's, at float32's default
+    tolerance: ``reference`` is a ``reference_step`` with its model, optimizer and loss bound
+    (``functools.partial``), this module's for a ``LocalCluster``, ``objectives``' for stage
+    servers in the test process."""
+    for step, (x, y) in enumerate(batches):
+        got = pipe.train_step(x, y)
+        want = reference(x, y)
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor(want), msg=lambda m, step=step: f"step {step}: {m}"
+        )

@@ -13,35 +13,14 @@ import torch
 from elasticpipe import models
 from elasticpipe.errors import InvalidRequest, ModelError
 from elasticpipe.models import hf, weights
+from tests.support import hf_configs
 
 transformers = pytest.importorskip("transformers")
 
 MODEL = "elasticpipe.models.hf:causal_lm"
-LLAMA_LIKE = {
-    "num_hidden_layers": 2,
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 16,
-    "vocab_size": 29,
-    "tie_word_embeddings": False,
-}
+# gpt2 with its default tied head; the llama-like families untied.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "gpt2": {
-        "model_type": "gpt2",
-        "n_layer": 2,
-        "n_embd": 16,
-        "n_head": 2,
-        "n_positions": 16,
-        "vocab_size": 29,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    },
-    "llama": {"model_type": "llama", **LLAMA_LIKE},
-    "mistral": {"model_type": "mistral", **LLAMA_LIKE},
-    "qwen2": {"model_type": "qwen2", **LLAMA_LIKE},
+    family: hf_configs.tiny(family, 29) for family in ("gpt2", "llama", "mistral", "qwen2")
 }
 
 

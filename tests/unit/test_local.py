@@ -9,6 +9,7 @@ import torch
 from elasticpipe import LocalPipeline, models
 from elasticpipe.errors import InvalidRequest, PermissionDenied, PipelineClosed
 from elasticpipe.training.objectives import make_optimizer, reference_step
+from tests.support import jobs
 
 STEPS = 4
 DROPOUT = "tests.support.custom_models:dropout"
@@ -20,17 +21,13 @@ def test_local_pipeline_equals_plain_pytorch_without_randomness() -> None:
     """An MLP (no dropout) through LocalPipeline equals ordinary PyTorch training: bit for bit
     with one micro-batch, to 1e-6 with four."""
     kwargs = {"sizes": [12, 24, 24, 6]}
+    sgd = {"lr": 0.1, "momentum": 0.9}
     for micro_batches, tolerance in ((1, 0.0), (4, 1e-6)):
         reference = models.build("mlp", seed=3, **kwargs)
-        optimizer = make_optimizer("sgd", reference.parameters(), {"lr": 0.1, "momentum": 0.9})
+        optimizer = make_optimizer("sgd", reference.parameters(), sgd)
         g = torch.Generator().manual_seed(1)
-        with LocalPipeline(
-            model="mlp",
-            model_kwargs=kwargs,
-            seed=3,
-            optimizer="sgd",
-            optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
-            micro_batches=micro_batches,
+        with jobs.local_mlp(
+            **kwargs, seed=3, optimizer="sgd", optimizer_kwargs=sgd, micro_batches=micro_batches
         ) as pipe:
             for _ in range(STEPS):
                 x, y = torch.randn(10, 12, generator=g), torch.randint(0, 6, (10,), generator=g)
@@ -143,9 +140,8 @@ def test_schedules_clipping_and_recompute_equal_plain_pytorch() -> None:
         milestones=[warmup],
     )
     g = torch.Generator().manual_seed(2)
-    with LocalPipeline(
-        model="mlp",
-        model_kwargs=kwargs,
+    with jobs.local_mlp(
+        **kwargs,
         seed=5,
         optimizer="sgd",
         optimizer_kwargs={"lr": 0.5},

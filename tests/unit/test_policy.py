@@ -7,11 +7,7 @@ import pytest
 from elasticpipe.coordinator.planning.policy import PolicyConfig, decide
 
 BASE = PolicyConfig(
-    threshold=0.10,
-    horizon_steps=20,
-    cooldown_s=5.0,
-    bandwidth_bytes_per_s=400e6,
-    fixed_pause_s=0.3,
+    threshold=0.10, horizon_steps=20, cooldown_s=5.0, bandwidth_bytes_per_s=400e6, fixed_pause_s=0.3
 )
 OFF = PolicyConfig(**{**BASE.__dict__, "enabled": False})
 MB = 1_000_000

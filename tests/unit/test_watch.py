@@ -25,32 +25,19 @@ def _status(step: int, job: str = "job-1", history: int = 2) -> pb.StatusRespons
         partition=pb.Partition(epoch=history, boundaries=[0, 3, 8]),
         stages=[
             pb.StageInfo(name="spare-9", state="spare", index=-1, slowdown=1.0),
-            pb.StageInfo(
-                name="right",
-                state="chain",
-                index=1,
-                layer_lo=3,
-                layer_hi=8,
-                speed=0.9,
-                slowdown=3.0,
-                committed_step=step,
-            ),
-            pb.StageInfo(
-                name="left",
-                state="chain",
-                index=0,
-                layer_lo=0,
-                layer_hi=3,
-                speed=1.4,
-                slowdown=1.0,
-                committed_step=step,
-            ),
+            _chain("right", 1, 3, 8, speed=0.9, slowdown=3.0, committed_step=step),
+            _chain("left", 0, 0, 3, speed=1.4, slowdown=1.0, committed_step=step),
         ],
         history=[
             pb.EpochRecord(epoch=e, kind="move", boundaries=[0, e, 8], reason=f"decision-{e}")
             for e in range(1, history + 1)
         ],
     )
+
+
+def _chain(name: str, index: int, lo: int, hi: int, **fields: float) -> pb.StageInfo:
+    """A chain stage's row: its place, its layers ``[lo, hi)``, and its other ``fields``."""
+    return pb.StageInfo(name=name, state="chain", index=index, layer_lo=lo, layer_hi=hi, **fields)
 
 
 def _text(

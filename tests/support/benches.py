@@ -1,0 +1,66 @@
+"""What the benches promise: every bench's JSON keys, shared by the test that runs each bench's
+quick mode and the CPU dry run of ``bench/gpu.py``."""
+
+from __future__ import annotations
+
+# Every bench's JSON keys (a subset: a bench may print more).
+KEYS: dict[str, set[str]] = {
+    "ab.py": {"a", "b", "ratio_b_over_a"},
+    "anatomy.py": {"step_ms", "busiest_busy_ms", "bubble_ms", "overhead_ms", "commit_ms"},
+    "faults.py": {
+        "identical",
+        "losses_identical",
+        "max_abs_diff",
+        "recoveries",
+        "snapshot_overhead",
+        "failure_free_steps_per_s",
+        "with_failures_steps_per_s",
+    },
+    "gpu.py": {
+        "transparent",
+        "max_abs_diff",
+        "overhead_ratio_1stage",
+        "outside_ms_2stage",
+        "hop_gbps_4mib",
+        "hop_gbps_32mib",
+        "pcie_gbps_4mib",
+    },
+    "memory.py": {
+        "gpipe",
+        "1f1b+recompute",
+        "gpipe_recompute_stash_saving",
+        "1f1b_recompute_stash_saving",
+        "bf16_wire_ratio",
+        "fp16_wire_ratio",
+    },
+    "memory_plan.py": {"fp32", "bf16", "cap", "step_s"},
+    "order_hosts.py": {"8", "16"},
+    "overhead.py": {
+        "plain_steps_per_s",
+        "one_stage_ratio",
+        "two_stage_ratio",
+        "zb_vs_1f1b",
+        "two_stage_outside_compute_ms",
+        "losses_agree",
+        "mtls_overhead_median",
+    },
+    "planner.py": {"ours_worst_over_optimum", "over_optimum", "plan_ms"},
+    "rng_overhead.py": {
+        "forward_seed_us",
+        "seeded_ms_per_step",
+        "unseeded_ms_per_step",
+        "overhead_ms_per_step",
+    },
+    "scale.py": {"max_stages", "plan_ms", "migration_s", "step_fanout_s", "exponents", "sizes"},
+    "snapshot_cost.py": {"crc+sha_1mib_total_ms", "sha-once_1mib_total_ms"},
+    "straggler.py": {
+        "before_steps_per_s",
+        "static_steps_per_s",
+        "elastic_steps_per_s",
+        "recovered_steps_per_s",
+        "rebalance_steps",
+        "elastic_vs_static",
+    },
+    "timeline.py": {"client_efficiency", "trace_efficiency", "trace_measured_ms", "png"},
+    "transfer.py": {"gloo_ratio_4mib", "tcp_ratio_4mib", "table", "data_path_time_shares"},
+}

@@ -1,0 +1,30 @@
+"""In-process stage servers for the tests that run a ``CoordinatorServer`` in the test process:
+started, registered with the coordinator, and stopped, spelled once."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
+
+
+@contextlib.contextmanager
+def stage_servers(
+    coordinator: str,
+    configs: Iterable[StageConfig],
+    listen: str = "127.0.0.1:0",
+    register_s: float = 10.0,
+) -> Iterator[list[StageServer]]:
+    """One ``StageServer`` per config, listening on ``listen`` and registered with
+    ``coordinator`` (each within ``register_s``, or the test fails); all are stopped when the
+    block ends, whether it fails or not."""
+    servers = [StageServer(config, coordinator, listen).start() for config in configs]
+    try:
+        for server in servers:
+            assert server.registered.wait(register_s), "stage did not register"
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
