@@ -15,13 +15,14 @@ the message's order (``document(answer)`` is what ``elasticpipe admin ... --json
 repeated fields are tuples, and an optional field that is not set (a step time
 before profiling) is None. Failures raise the SDK's errors (``elasticpipe.errors``): an
 unreachable coordinator is ``CoordinatorUnavailable``, a refused request ``InvalidRequest``
-or ``FailedPrecondition``, naming the bad value. TLS goes through the same ``TLS`` as the
+(or ``NotReady``: no job yet), naming the bad value. TLS goes through the same ``TLS`` as the
 ``Pipeline``, with a certificate of the ``admin`` role.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -60,11 +61,19 @@ T = TypeVar("T")
 def from_proto(cls: type[T], message: Message) -> T:
     """The dataclass ``cls`` with the fields of ``message`` (nested messages, repeated
     fields and unset optional scalars converted as the class's annotations say)."""
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        values[f.name] = _field(hints[f.name], message, f.name)
+    values = {name: _field(hint, message, name) for name, hint in _fields(cls)}
     return cls(**values)
+
+
+_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, resolved annotation) of each field of a dataclass, resolved once per class."""
+    if cls not in _FIELDS:
+        hints = typing.get_type_hints(cls)
+        _FIELDS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+    return _FIELDS[cls]
 
 
 def _field(hint: Any, message: Message, name: str) -> Any:
@@ -303,7 +312,8 @@ class Admin:
 
     def _call(self, method: str, request: Message, timeout: float | None = None, **kw: Any) -> Any:
         try:
-            return getattr(self._stub, method)(request, timeout=timeout or self.timeout, **kw)
+            deadline = self.timeout if timeout is None else timeout
+            return getattr(self._stub, method)(request, timeout=deadline, **kw)
         except grpc.RpcError as exc:
             raise rpc.translate(exc, self.coordinator, CoordinatorUnavailable) from exc
 
@@ -346,9 +356,18 @@ class Admin:
     def set_partition(self, boundaries: Sequence[int], stages: Iterable[str] = ()) -> Move:
         """Moves to ``boundaries`` (``S + 1`` cuts, ``0`` to the layer count), optionally
         with a new chain order (``stages``: names or ids)."""
-        cuts = [int(b) for b in boundaries]
-        if any(b < 0 for b in cuts):
-            raise InvalidRequest(f"boundaries must be non-negative layer numbers, got {cuts}")
+        if isinstance(stages, str):
+            raise InvalidRequest(
+                f"stages must be a list of names or ids, got the string {stages!r}"
+            )
+        try:
+            cuts = [operator.index(b) for b in boundaries]
+        except TypeError:
+            cuts = []
+        if not cuts or len(cuts) != len(boundaries) or any(b < 0 for b in cuts):
+            raise InvalidRequest(
+                f"boundaries must be non-negative layer numbers, got {list(boundaries)!r}"
+            )
         request = pb.SetPartitionRequest(boundaries=cuts, stage_ids=list(stages))
         return from_proto(Move, self._call("SetPartition", request))
 

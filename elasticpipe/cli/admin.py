@@ -30,6 +30,7 @@ from elasticpipe.client.admin import (
 )
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
 from elasticpipe.security.tls import TLS
+from elasticpipe.transport import serving
 
 STATUS_HELP = """\
 step (in the first line) is the job's committed step. A step is committed on every stage
@@ -112,7 +113,9 @@ def _value(field: Any, value: Any) -> Any:
 
 def to_json(message: Message) -> dict[str, Any]:
     """Every field of a message, zeros included; integers stay numbers; an ``optional``
-    scalar that is not set (unknown, such as a step time before profiling) is None."""
+    scalar that is not set (unknown, such as a step time before profiling) is None. The
+    JSON form of the wire message itself: what ``Admin``'s ``document`` of its typed answer
+    must equal (``tests/unit/test_admin_client.py``), and what the schemas are checked on."""
     out: dict[str, Any] = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
@@ -307,6 +310,10 @@ def _auto(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _trace(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    from elasticpipe.observe.traces import MAX_STEPS
+
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise InvalidRequest(f"--steps must be in [1, {MAX_STEPS}] (got {args.steps})")
     trace = admin.trace(args.steps)
     with open(args.out, "w") as f:
         json.dump(trace.chrome(), f)
@@ -397,6 +404,9 @@ def run_admin(args: argparse.Namespace) -> int:
     """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
     address = args.coordinator
     try:
+        serving.check_dial_address(address, "coordinator address")
+        if args.timeout <= 0:
+            raise InvalidRequest(f"--timeout must be positive, got {args.timeout}")
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
         with Admin(address, tls, timeout=args.timeout) as admin:
             if args.admin_command == "status" and getattr(args, "watch", False):

@@ -1,6 +1,7 @@
 """JSON Schemas of what ``elasticpipe admin COMMAND --json`` prints: the contract for scripts.
 
-Each command prints the JSON form of one protobuf message (``admin.to_json``: every field
+Each command prints the JSON form of one protobuf message (``client.admin.document`` of
+``Admin``'s answer, equal to ``cli.admin.to_json`` of the message: every field
 present, zeros too, 64-bit integers as numbers, enums by name, bytes as hex, null for an
 ``optional`` number that is unknown) or, on any
 error, ``{"error": {"code": "<gRPC status name>", "message": "..."}}``; ``admin trace``

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from elasticpipe.client.admin import Admin, Status
+from elasticpipe.client.admin import ADMIN_TIMEOUT_S, Admin, Status
 from elasticpipe.errors import CoordinatorUnavailable, DeadlineExceeded, StageUnavailable
 from elasticpipe.security.tls import TLS, init_ca, issue
 
@@ -321,7 +321,7 @@ class LocalCluster:
         """The process name of a stage address."""
         return f"stage-{self.stage_addresses.index(address)}"
 
-    def admin(self, timeout: float = 60.0) -> Admin:
+    def admin(self, timeout: float = ADMIN_TIMEOUT_S) -> Admin:
         """A typed admin client of this cluster's coordinator (with the admin's certificate
         under TLS); close it, or use ``with``."""
         return Admin(self.coordinator, self.admin_tls, timeout=timeout)

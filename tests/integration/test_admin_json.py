@@ -171,3 +171,23 @@ def test_usage_errors_are_json_with_json(args: list[str], named: str) -> None:
     assert run.returncode == 2, run.stdout + run.stderr
     out = _check(args[0], json.loads(run.stdout))
     assert out["error"]["code"] == "INVALID_ARGUMENT" and named in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--timeout", "0", "status"], "--timeout must be positive, got 0.0"),
+        (["trace", "--steps", "99", "--out", "t.json"], "--steps must be in [1, 16] (got 99)"),
+        (["--coordinator", "nowhere", "--tls-cert", "x", "status"], "'nowhere'"),
+    ],
+    ids=["timeout", "trace-steps", "address-before-tls"],
+)
+def test_bad_values_are_refused_before_any_call_naming_the_flag(
+    cluster: LocalCluster, args: list[str], named: str
+) -> None:
+    """A non-positive --timeout, a --steps out of range, or a malformed address (checked
+    before the TLS flags) is INVALID_ARGUMENT naming the flag and the value, exit 2."""
+    run = cli.elasticpipe("admin", "--json", "--coordinator", cluster.coordinator, *args)
+    assert run.returncode == 2, run.stdout + run.stderr
+    out = json.loads(run.stdout)
+    assert out["error"]["code"] == "INVALID_ARGUMENT" and named in out["error"]["message"], out

@@ -10,19 +10,17 @@ import time
 import pytest
 import torch
 
-from elasticpipe import models
 from elasticpipe.errors import StaleEpoch, TooLarge
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-from elasticpipe.training.objectives import make_optimizer
 from elasticpipe.transport import bulk, rpc, sending
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from elasticpipe.wire import codec
-from tests.support import bulk_stage, jobs
+from tests.support import bulk_stage
 from tests.support.bulk_stage import EPOCH, connect_bulk, open_bulk
-from tests.support.numerics import reference_step
 from tests.support.prometheus import scrape, value
+from tests.support.reference import Lockstep
 
 stage = bulk_stage.stage  # the fixture: one in-process stage holding a job
 
@@ -36,43 +34,33 @@ STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header c
 
 def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
     """Two stage processes whose inputs, activations and gradients (1.3 MB per
-    micro-batch) all travel over the bulk channel: losses and weights equal plain
-    PyTorch's, and the stages' metrics count every one of those bytes as received in bulk
+    micro-batch) all travel over the bulk channel: losses and weights equal LocalPipeline's
+    bit for bit, and the stages' metrics count every one of those bytes as received in bulk
     (stage 0: the client's inputs and stage 1's gradients; stage 1: the activations)."""
     kwargs = {"sizes": [640, 640, 640, 8]}
     rows, micro_batches, steps = 1024, 2, 3
-    reference = models_build(kwargs)
-    opt = make_optimizer("sgd", reference.parameters(), {"lr": 0.05})
     g = torch.Generator().manual_seed(0)
     with LocalCluster(stages=2, metrics=True, auto_rebalance=False) as c:
-        with jobs.mlp(
-            c.coordinator,
-            **kwargs,
+        with Lockstep(
+            c,
+            model="mlp",
+            model_kwargs=kwargs,
             optimizer="sgd",
             optimizer_kwargs={"lr": 0.05},
             stages=2,
             micro_batches=micro_batches,
-        ) as pipe:
+        ) as both:
             for _ in range(steps):
                 x = torch.randn(rows, 640, generator=g)
-                y = torch.randint(0, 8, (rows,), generator=g)
-                got = pipe.train_step(x, y)
-                want = reference_step(reference, opt, "cross_entropy", x, y)
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
-            state = pipe.state_dict()
-            addresses = list(pipe.partition.addresses)
+                both.train_step(x, torch.randint(0, 8, (rows,), generator=g))
+            both.assert_same_weights()
+            addresses = list(both.pipe.partition.addresses)
         per_message = rows // micro_batches * 640 * 4
         assert per_message > bulk.MIN_BULK_BYTES
         for address, messages in zip(addresses, (2, 1), strict=True):
             samples = scrape(c.metrics_url(c.name_of(address)))
             got_bulk = value(samples, "elasticpipe_stage_bulk_received_bytes_total")
             assert got_bulk == messages * steps * micro_batches * per_message, address
-    for key, tensor in reference.state_dict().items():
-        torch.testing.assert_close(state[key], tensor)
-
-
-def models_build(kwargs: dict[str, list[int]]) -> torch.nn.Module:
-    return models.build("mlp", seed=0, **kwargs)
 
 
 # ---- one in-process stage holding a job, spoken to directly ------------------------------

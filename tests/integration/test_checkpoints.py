@@ -7,12 +7,11 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from elasticpipe import models
+from elasticpipe import Admin, LocalPipeline, models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.planning.policy import PolicyConfig
@@ -22,9 +21,9 @@ from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training import objectives
 from elasticpipe.training.objectives import make_optimizer
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.support import jobs
-from tests.support.numerics import assert_losses_close, reference_step
+from tests.support.numerics import assert_losses_close, stage_threads
+from tests.support.reference import assert_exact
 from tests.support.servers import stage_servers
 
 MLP = {"sizes": [6, 12, 12, 3]}
@@ -54,11 +53,10 @@ def _batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _reference(
     weights: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = models.build("mlp", seed=0, **MLP)
-    model.load_state_dict(weights)
-    opt = make_optimizer("adam", model.parameters(), ADAM)
-    losses = [reference_step(model, opt, "cross_entropy", x, y) for x, y in batches]
-    return losses, model.state_dict()
+    """LocalPipeline's losses and final weights for ``_pipe``'s job from ``weights``."""
+    job = {"optimizer": "adam", "optimizer_kwargs": ADAM, "micro_batches": 2}
+    with stage_threads(), jobs.local_mlp(**MLP, **job, init_state=weights) as local:
+        return [local.train_step(x, y) for x, y in batches], local.state_dict()
 
 
 def _pipe(cluster: LocalCluster, stages: int, **kwargs: object) -> Pipeline:
@@ -101,8 +99,8 @@ def test_init_state_starts_training_from_the_users_weights(
         assert pipe.state_dict().keys() == weights.keys()
         torch.testing.assert_close(pipe.state_dict(), weights)
         losses = [pipe.train_step(x, y) for x, y in batches]
-        assert_losses_close(losses, expected_losses)
-        torch.testing.assert_close(pipe.state_dict(), expected_state)
+        assert losses == expected_losses
+        assert_exact(pipe.state_dict(), expected_state, "from init_state")
 
 
 @pytest.mark.timeout(60)
@@ -135,13 +133,18 @@ def test_layers_without_reset_parameters_train_from_init_state(cluster: LocalClu
         for p in reference.parameters():
             p.copy_(torch.randn_like(p))
     weights = {k: v.clone() for k, v in reference.state_dict().items()}
-    opt = make_optimizer("adam", reference.parameters(), ADAM)
     batches = _batches(2)
-    expected = [reference_step(reference, opt, "cross_entropy", x, y) for x, y in batches]
+    job = {"optimizer": "adam", "optimizer_kwargs": ADAM, "micro_batches": 2}
+    with (
+        stage_threads(),
+        LocalPipeline(model=NO_RESET, **job, init_state=weights, allow=["tests"]) as local,
+    ):
+        expected = [local.train_step(x, y) for x, y in batches]
+        want = local.state_dict()
     with _pipe(cluster, 2, model=NO_RESET, model_kwargs={}, init_state=weights) as pipe:
         losses = [pipe.train_step(x, y) for x, y in batches]
-        assert_losses_close(losses, expected)
-        torch.testing.assert_close(pipe.state_dict(), reference.state_dict())
+        assert losses == expected
+        assert_exact(pipe.state_dict(), want, "from init_state")
 
 
 @pytest.mark.timeout(180)
@@ -178,16 +181,16 @@ def test_a_checkpoint_moves_from_two_stages_to_three_and_resumes_exactly(
         assert pipe.step == 3
         assert pipe.partition.num_stages == 3
         losses += [pipe.train_step(x, y) for x, y in batches[3:]]
-        assert_losses_close(losses, expected_losses)
-        torch.testing.assert_close(pipe.state_dict(), expected_state)
+        assert losses == expected_losses
+        assert_exact(pipe.state_dict(), expected_state, "saved on two stages, loaded on three")
 
     # init_state=DIR of a checkpoint: its weights, a fresh optimizer, step 0.
     fresh_losses, fresh_state = _reference(saved_state, batches[3:])
     with _pipe(cluster, 3, init_state=ckpt) as pipe:
         assert pipe.step == 0
         got = [pipe.train_step(x, y) for x, y in batches[3:]]
-        assert_losses_close(got, fresh_losses)
-        torch.testing.assert_close(pipe.state_dict(), fresh_state)
+        assert got == fresh_losses
+        assert_exact(pipe.state_dict(), fresh_state, "resumed on three stages")
 
 
 @pytest.mark.timeout(120)
@@ -243,10 +246,8 @@ def test_a_layer_larger_than_the_tensor_limit_saves_loads_and_migrates(tmp_path:
             losses.append(pipe.train_step(*batches[1]))
             before = pipe.partition.boundaries
             target = [0, 3, 5] if before[1] == 2 else [0, 2, 5]
-            with grpc.insecure_channel(c.address) as channel:
-                coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPartition(
-                    coordinator_pb2.SetPartitionRequest(boundaries=target), timeout=60
-                )
+            with Admin(c.address, timeout=60) as admin:
+                assert admin.set_partition(target).changed
             losses.append(pipe.train_step(*batches[2]))
             assert list(pipe.partition.boundaries) == target
             assert_losses_close(losses, expected)
@@ -270,5 +271,5 @@ def test_recovery_after_a_crash_rolls_back_to_the_users_weights_not_the_seeds() 
         losses += [pipe.train_step(x, y) for x, y in batches[2:]]
         dead = {s.name for s in cluster.status().stages if s.state == "dead"}
         assert victim in dead  # recovered: rolled back to step 0 and replayed
-        assert_losses_close(losses, expected_losses)
-        torch.testing.assert_close(pipe.state_dict(), expected_state)
+        assert losses == expected_losses
+        assert_exact(pipe.state_dict(), expected_state, "recovered from a crash")

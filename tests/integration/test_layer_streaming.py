@@ -1,22 +1,21 @@
 """Layer state larger than any one tensor limit, sent in many small chunks, through real
 stage processes: initial weights, save, load, a migration, and a recovery from snapshots
-all give exactly single-process PyTorch's result."""
+all give exactly LocalPipeline's result, bit for bit."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from elasticpipe import models
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import make_optimizer
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.support import jobs
-from tests.support.numerics import assert_losses_close, reference_step
+from tests.support.clusters import set_partition
+from tests.support.numerics import stage_threads
+from tests.support.reference import assert_exact
 
 WIDE = {"sizes": [6, 96, 64, 3]}  # layer 2: a 24 KiB weight, 72 KiB with its Adam moments
 LIMIT = 32 << 10  # per tensor, on every stage
@@ -33,23 +32,14 @@ def test_a_layer_over_the_limit_in_tiny_chunks_moves_saves_loads_and_recovers_ex
     batches = [
         (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)
     ]
-    reference = models.build("mlp", seed=0, **WIDE)
-    reference.load_state_dict(weights)
-    opt = make_optimizer("adam", reference.parameters(), ADAM)
-    expected = [reference_step(reference, opt, "cross_entropy", x, y) for x, y in batches]
+    job = {"optimizer": "adam", "optimizer_kwargs": ADAM, "micro_batches": 2, "init_state": weights}
+    with stage_threads(), jobs.local_mlp(**WIDE, **job) as local:
+        expected = [local.train_step(x, y) for x, y in batches]
+        want = local.state_dict()
     limits = ["--max-tensor-bytes", str(LIMIT), "--transfer-chunk-bytes", str(CHUNK)]
     with (
         LocalCluster(stages=3, stage_args=limits, auto_rebalance=False, heartbeat_s=0.2) as cluster,
-        jobs.mlp(
-            cluster.coordinator,
-            **WIDE,
-            optimizer="adam",
-            optimizer_kwargs=ADAM,
-            micro_batches=2,
-            stages=2,
-            init_state=weights,
-            snapshot_every=2,
-        ) as pipe,
+        jobs.mlp(cluster.coordinator, **WIDE, **job, stages=2, snapshot_every=2) as pipe,
     ):
         losses = [pipe.train_step(x, y) for x, y in batches[:2]]
         pipe.save(tmp_path / "ckpt")
@@ -58,10 +48,7 @@ def test_a_layer_over_the_limit_in_tiny_chunks_moves_saves_loads_and_recovers_ex
         pipe.load(tmp_path / "ckpt")
         before = list(pipe.partition.boundaries)
         target = [0, 3, 5] if before[1] == 2 else [0, 2, 5]  # layer 2 changes hands
-        with grpc.insecure_channel(cluster.coordinator) as channel:
-            coordinator_pb2_grpc.CoordinatorServiceStub(channel).SetPartition(
-                coordinator_pb2.SetPartitionRequest(boundaries=target), timeout=60
-            )
+        assert set_partition(cluster, target).changed
         losses += [pipe.train_step(x, y) for x, y in batches[2:4]]
         assert list(pipe.partition.boundaries) == target
         victim = cluster.name_of(pipe.partition.addresses[-1])
@@ -69,5 +56,5 @@ def test_a_layer_over_the_limit_in_tiny_chunks_moves_saves_loads_and_recovers_ex
         losses += [pipe.train_step(x, y) for x, y in batches[4:]]
         assert victim in {s.name for s in cluster.status().stages if s.state == "dead"}
         assert victim not in {cluster.name_of(a) for a in pipe.partition.addresses}
-        assert_losses_close(losses, expected)
-        torch.testing.assert_close(pipe.state_dict(), reference.state_dict())
+        assert losses == expected  # LocalPipeline's, bit for bit
+        assert_exact(pipe.state_dict(), want, "after a move, a save, a load and a recovery")

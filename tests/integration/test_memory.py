@@ -8,12 +8,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from elasticpipe import models
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.training.objectives import make_optimizer
 from tests.support import cli, clusters, jobs
-from tests.support.numerics import reference_step
+from tests.support.reference import Lockstep
 
 # Layers: Linear(64, 256) 66.5 kB, ReLU, Linear(256, 256) 263 kB, ReLU, Linear(256, 256),
 # ReLU, Linear(256, 8). With SGD a layer needs its weights and gradients (2x), plus the
@@ -38,23 +36,23 @@ def test_small_caps_force_an_uneven_partition_and_training_stays_exact(
     """Stage-0's 400K cap leaves it two small layers at most (uncapped, about half);
     training on that partition equals single-process training; a set-partition or a drain
     that would overflow stage-0 is refused naming the shortfall and changes nothing; a forced
-    rebalance towards stage-0 (stage-1 made 4x slower) stays within the cap."""
-    reference = models.build("mlp", seed=1, sizes=SIZES)
-    ref_opt = make_optimizer("sgd", reference.parameters(), SGD)
+    rebalance towards stage-0 (stage-1 made 4x slower) stays within the cap; losses and
+    weights equal LocalPipeline's bit for bit."""
     g = torch.Generator().manual_seed(0)
-    with jobs.mlp(
-        capped.coordinator,
-        sizes=SIZES,
+    with Lockstep(
+        capped,
+        model="mlp",
+        model_kwargs={"sizes": SIZES},
         seed=1,
         optimizer="sgd",
         optimizer_kwargs=SGD,
         micro_batches=2,
-    ) as pipe:
+    ) as both:
+        pipe = both.pipe
         for step in range(4):
-            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 8, (16,), generator=g)
-            got = pipe.train_step(x, y)
-            want = reference_step(reference, ref_opt, "cross_entropy", x, y)
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), msg=f"step {step}")
+            both.train_step(
+                torch.randn(16, 64, generator=g), torch.randint(0, 8, (16,), generator=g)
+            )
             if step == 0:
                 # The planner may put either stage first; stage-0 holds at most the small
                 # layers at one end (0-1 or 5-6), never a 256x256 Linear (2 or 4).
@@ -89,9 +87,7 @@ def test_small_caps_force_an_uneven_partition_and_training_stays_exact(
                 assert moved.returncode == 0, moved.stderr
                 assert capped.status().partition.epoch == epoch
                 assert pipe.partition == before
-        state = pipe.state_dict()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=key)
+        both.assert_same_weights()
 
 
 @pytest.mark.timeout(120)

@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 
 from elasticpipe.cli.schemas import command_schema
+from elasticpipe.client.admin import StageInfo
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import coordinator_pb2
 from tests.support import cli
 from tests.support.scenario import batch, pipeline
 
@@ -39,7 +39,7 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def incarnations(cluster: LocalCluster, name: str) -> list[coordinator_pb2.StageInfo]:
+def incarnations(cluster: LocalCluster, name: str) -> list[StageInfo]:
     """Every incarnation of ``name`` in the status, oldest first."""
     return sorted(
         (s for s in cluster.status().stages if s.name == name), key=lambda s: s.incarnation
@@ -47,7 +47,7 @@ def incarnations(cluster: LocalCluster, name: str) -> list[coordinator_pb2.Stage
 
 
 def _second_stage(
-    cluster: LocalCluster, holder: coordinator_pb2.StageInfo, *args: str
+    cluster: LocalCluster, holder: StageInfo, *args: str
 ) -> subprocess.CompletedProcess[str]:
     """``elasticpipe stage`` under the live ``holder``'s name on a new port (``args`` added),
     run to its end within 60 s."""
@@ -59,9 +59,7 @@ def _second_stage(
     )
 
 
-def _assert_refusal_names(
-    second: subprocess.CompletedProcess[str], holder: coordinator_pb2.StageInfo
-) -> None:
+def _assert_refusal_names(second: subprocess.CompletedProcess[str], holder: StageInfo) -> None:
     """The refused stage's last line says its name is in use, naming the holder's name, id,
     address and last heartbeat."""
     last = second.stderr.strip().splitlines()[-1]

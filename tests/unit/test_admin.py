@@ -71,6 +71,7 @@ def test_parse_ranges_rejects_negative_layers() -> None:
 def test_status_columns_widen_for_long_names_and_addresses() -> None:
     """A StatefulSet's pod names and DNS addresses stay in their columns."""
     from elasticpipe.cli.admin import format_status
+    from elasticpipe.client.admin import Status, from_proto
     from elasticpipe.v1 import coordinator_pb2
 
     long_name = "elasticpipe-stage-0spare"
@@ -79,7 +80,7 @@ def test_status_columns_widen_for_long_names_and_addresses() -> None:
     status.partition.boundaries.extend([0, 2, 4])
     for i, (name, address) in enumerate([(long_name, long_address), ("s1", "10.0.0.2:7200")]):
         status.stages.add(name=name, address=address, state="chain", index=i, layer_hi=2 * i + 2)
-    table = format_status(status).splitlines()
+    table = format_status(from_proto(Status, status)).splitlines()
     header = next(line for line in table if line.startswith("name"))
     rows = [line for line in table if line.startswith((long_name, "s1 "))]
     assert len(rows) == 2
@@ -94,6 +95,7 @@ def test_status_lists_live_stages_first_with_ids_and_the_gone_ones_apart() -> No
     which heartbeats report at different moments); dead and left incarnations follow in
     their own section, with the step each had committed when last heard from."""
     from elasticpipe.cli.admin import format_status
+    from elasticpipe.client.admin import Status, from_proto
     from elasticpipe.v1 import coordinator_pb2
 
     status = coordinator_pb2.StatusResponse(num_layers=4, committed_step=7)
@@ -109,7 +111,7 @@ def test_status_lists_live_stages_first_with_ids_and_the_gone_ones_apart() -> No
         status.stages.add(
             name=name, stage_id=sid, state=state, index=index, speed=speed, committed_step=step
         )
-    lines = format_status(status).splitlines()
+    lines = format_status(from_proto(Status, status)).splitlines()
     assert "step: 7" in lines[0]
     order = [line.split()[0] for line in lines if line.split()[:1] and "st-" in line]
     assert order == ["a", "b", "spare", "old-b", "gone"]

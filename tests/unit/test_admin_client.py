@@ -11,7 +11,7 @@ from google.protobuf.message import Message
 from elasticpipe import Admin
 from elasticpipe.cli.admin import to_json
 from elasticpipe.client import admin as typed
-from elasticpipe.errors import CoordinatorUnavailable, InvalidRequest
+from elasticpipe.errors import InvalidRequest
 from elasticpipe.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
@@ -167,10 +167,15 @@ def test_bad_arguments_are_refused_naming_the_value() -> None:
         Admin("127.0.0.1:1", timeout=-1)
 
 
-def test_an_unreachable_coordinator_is_coordinator_unavailable() -> None:
-    """The SDK's error, naming the address."""
-    with (
-        Admin("127.0.0.1:1", timeout=2) as admin,
-        pytest.raises(CoordinatorUnavailable, match=r"127\.0\.0\.1:1"),
-    ):
-        admin.status()
+@pytest.mark.parametrize(
+    ("boundaries", "stages"),
+    [([0, -1, 4], ()), ([0, 1.5, 4], ()), ([], ()), ([0, 2, 4], "ab")],
+    ids=["negative", "fraction", "empty", "stages-as-a-string"],
+)
+def test_set_partition_refuses_what_is_not_cuts_and_names_before_any_call(
+    boundaries: list[object], stages: object
+) -> None:
+    """Malformed cuts or a string of stage names are InvalidRequest naming the value; the
+    coordinator (none listens here) is never called."""
+    with Admin("127.0.0.1:1", timeout=2) as admin, pytest.raises(InvalidRequest, match="got"):
+        admin.set_partition(boundaries, stages)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import Callable, Iterator
@@ -10,14 +11,16 @@ import pytest
 from rich.console import Console
 
 from elasticpipe.cli.watch import efficiency, render, step_rate, watch
+from elasticpipe.client.admin import Status, from_proto
 from elasticpipe.errors import CoordinatorUnavailable
 from elasticpipe.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def _status(step: int, job: str = "job-1", history: int = 2) -> pb.StatusResponse:
-    return pb.StatusResponse(
+def _status(step: int, job: str = "job-1", history: int = 2) -> Status:
+    """A status as ``Admin.status`` returns it (typed, from the wire's message)."""
+    message = pb.StatusResponse(
         job_id=job,
         job_model="gpt",
         num_layers=8,
@@ -33,6 +36,11 @@ def _status(step: int, job: str = "job-1", history: int = 2) -> pb.StatusRespons
             for e in range(1, history + 1)
         ],
     )
+    return _typed(message)
+
+
+def _typed(message: pb.StatusResponse) -> Status:
+    return from_proto(Status, message)
 
 
 def _chain(name: str, index: int, lo: int, hi: int, **fields: float) -> pb.StageInfo:
@@ -40,9 +48,7 @@ def _chain(name: str, index: int, lo: int, hi: int, **fields: float) -> pb.Stage
     return pb.StageInfo(name=name, state="chain", index=index, layer_lo=lo, layer_hi=hi, **fields)
 
 
-def _text(
-    previous: pb.StatusResponse | None, current: pb.StatusResponse, elapsed: float, **kw: int
-) -> str:
+def _text(previous: Status | None, current: Status, elapsed: float, **kw: int) -> str:
     console = Console(record=True, width=160, file=io.StringIO())
     console.print(render(previous, current, elapsed, **kw))
     return console.export_text()
@@ -62,9 +68,7 @@ def test_step_rate_is_the_committed_step_delta_over_the_interval() -> None:
         (_status(30), _status(40), 5.0),
     ],
 )
-def test_step_rate_edges(
-    previous: pb.StatusResponse, current: pb.StatusResponse, expected: float | None
-) -> None:
+def test_step_rate_edges(previous: Status, current: Status, expected: float | None) -> None:
     """A rollback reads 0, a new job has no rate, otherwise delta over time."""
     assert step_rate(previous, current, 2.0) == expected
 
@@ -91,16 +95,15 @@ def test_efficiency_shows_once_the_client_reported_one() -> None:
     """No efficiency step: nothing shown; with one: the figure and its step."""
     assert efficiency(_status(1)) is None
     assert "efficiency" not in _text(None, _status(1), 0.0)
-    status = _status(12)
-    status.efficiency, status.efficiency_step = 0.73, 11
+    status = dataclasses.replace(_status(12), efficiency=0.73, efficiency_step=11)
     assert efficiency(status) == (pytest.approx(0.73), 11)
     assert "efficiency 73% (step 11)" in _text(None, status, 0.0)
 
 
-def _polls(*items: pb.StatusResponse | Exception) -> Callable[[], pb.StatusResponse]:
-    it: Iterator[pb.StatusResponse | Exception] = iter(items)
+def _polls(*items: Status | Exception) -> Callable[[], Status]:
+    it: Iterator[Status | Exception] = iter(items)
 
-    def fetch() -> pb.StatusResponse:
+    def fetch() -> Status:
         item = next(it)
         if isinstance(item, Exception):
             raise item
