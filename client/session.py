@@ -66,6 +66,11 @@ if TYPE_CHECKING:
 log = get_logger("elasticpipe.client.pipeline")
 
 RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
+# The first wait after a refused epoch; each further refusal of the same step doubles it, up
+# to RETRY_WAIT_S. A refusal often comes from a stage that has not yet committed the epoch
+# the client already holds (no newer one is coming): the step is tried again as soon as that
+# stage may have caught up, not after a whole wait for an epoch that will not come.
+FIRST_RETRY_WAIT_S = 0.02
 SETUP_POLL_S = 5.0  # how long the coordinator waits for stages before the client reports
 RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
 # Failures after which the step is retried once the job has recovered.
@@ -334,12 +339,15 @@ class Session:
     def _adopt(self, partition: Partition) -> None:
         self._partition = partition.validate()
 
-    def _refresh(self, deadline: float, since: float | None = None) -> Partition:
-        """Waits (until ``deadline``) for a partition newer than ours and adopts it."""
+    def _refresh(
+        self, deadline: float, since: float | None = None, wait: float = RETRY_WAIT_S
+    ) -> Partition:
+        """Waits (until ``deadline``, ``wait`` at most) for a partition newer than ours and
+        adopts it; keeps ours if none comes in that time."""
         old = self._partition
         assert old is not None
         started = time.monotonic()
-        wait = min(RETRY_WAIT_S, max(0.0, deadline - started))
+        wait = min(wait, RETRY_WAIT_S, max(0.0, deadline - started))
         reply = self._coordinator_call(
             "GetPartition",
             coordinator_pb2.GetPartitionRequest(newer_than=old.epoch, timeout_s=wait),

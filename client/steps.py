@@ -22,7 +22,14 @@ import time
 
 from elasticpipe.client import driver
 from elasticpipe.client.driver import CommitIncomplete
-from elasticpipe.client.session import RECOVERABLE, Session, _Batch, _RolledBack
+from elasticpipe.client.session import (
+    FIRST_RETRY_WAIT_S,
+    RECOVERABLE,
+    RETRY_WAIT_S,
+    Session,
+    _Batch,
+    _RolledBack,
+)
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, Rebalancing, StaleEpoch
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
@@ -57,6 +64,7 @@ class Steps(Session):
         partition = self._ensure_job(batch.xs[0])
         deadline = time.monotonic() + self._rebalance_timeout
         refused_at: float | None = None
+        refusals = 0
         for attempts in itertools.count(1):
             self._check_lease()
             run_id, secret = next(self._runs), driver.new_secret()
@@ -83,9 +91,11 @@ class Steps(Session):
                 if time.monotonic() > deadline:
                     raise
                 refused_at = refused_at or time.monotonic()
+                refusals += 1
                 log.info("step_retried", step=step, epoch=partition.epoch, reason=str(exc))
+                wait = min(RETRY_WAIT_S, FIRST_RETRY_WAIT_S * 2 ** min(refusals - 1, 8))
                 try:
-                    partition = self._refresh(deadline, refused_at)
+                    partition = self._refresh(deadline, refused_at, wait)
                 except CoordinatorUnavailable:
                     # The stages may be frozen by a coordinator that died: its restart (or
                     # their freeze lease) releases them; training needs no coordinator.
