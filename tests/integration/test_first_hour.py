@@ -108,7 +108,11 @@ def test_load_before_the_first_step_still_profiles(cluster: LocalCluster, tmp_pa
         pipe.train_step(torch.randn(8, 8), torch.randint(0, 4, (8,)))
         status = cluster.status()
         speeds = [s.speed for s in status.stages if s.state == "chain"]
-        assert all(0.2 < speed < 5.0 for speed in speeds), speeds  # not 1000s: profiled
+        # Profiled speeds are relative to the profile, about 1; unit-less estimates from
+        # parameter sizes were in the 1000s. A loaded host may slow one stage's timed layers
+        # several times (0.195 seen in a CI run beside other work), so the bounds sit two
+        # orders of magnitude apart from that failure, not at a few times 1.
+        assert all(0.05 < speed < 20.0 for speed in speeds), speeds
 
 
 def test_status_piped_into_head_ends_quietly(cluster: LocalCluster) -> None:

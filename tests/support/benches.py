@@ -63,4 +63,5 @@ KEYS: dict[str, set[str]] = {
     },
     "timeline.py": {"client_efficiency", "trace_efficiency", "trace_measured_ms", "png"},
     "transfer.py": {"gloo_ratio_4mib", "tcp_ratio_4mib", "table", "data_path_time_shares"},
+    "vs_torch.py": {"ratios", "worst_ratio", "configs"},
 }
