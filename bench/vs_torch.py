@@ -282,7 +282,7 @@ def main() -> int:
                 order = order[r % 3 :] + order[: r % 3]
                 for system in order:
                     if system == "elasticpipe":
-                        times, cpu, first = elasticpipe(cluster, config, data, args.warmup)
+                        times, cpu, first = elastic_pipe(cluster, config, data, args.warmup)
                     elif system == "torch":
                         port += 1
                         times, cpu, first = torch_pipelining(config, data, args.warmup, port)

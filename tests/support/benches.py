@@ -1,7 +1,29 @@
 """What the benches promise: every bench's JSON keys, shared by the test that runs each bench's
-quick mode and the CPU dry run of ``bench/gpu.py``."""
+quick mode and the CPU dry run of ``bench/gpu.py``; and ``imported``, a bench module as the
+benches import it, for the unit tests of bench code."""
 
 from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@contextlib.contextmanager
+def imported(name: str) -> Iterator[ModuleType]:
+    """The bench module ``name`` (``"fake_stage"``, ``"shared.steps"``) imported as the
+    benches import it: with ``bench/`` on ``sys.path`` for the block."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
 
 # Every bench's JSON keys (a subset: a bench may print more).
 KEYS: dict[str, set[str]] = {

@@ -4,25 +4,19 @@ refused with the bench's own usage error."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.support import benches
 
 
 @pytest.fixture(scope="module")
 def steps() -> Iterator[ModuleType]:
     """bench/shared/steps.py, imported as the benches import it (bench/ on sys.path)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("shared.steps")
-    finally:
-        sys.path.remove(str(BENCH))
+    with benches.imported("shared.steps") as module:
+        yield module
 
 
 def _parse(steps: ModuleType, argv: list[str], fewest: int, why: str = "") -> int:

@@ -3,28 +3,21 @@ service has an RPC it does not implement, naming it (so no bench can rot silentl
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.support import benches
 
 
 @pytest.fixture(scope="module")
 def fake_stage() -> Iterator[ModuleType]:
     """bench/fake_stage.py, imported as the benches import it (bench/ on sys.path)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("fake_stage")
-    finally:
-        sys.path.remove(str(BENCH))
+    with benches.imported("fake_stage") as module:
+        yield module
 
 
 def test_the_fake_serves_every_rpc_of_the_service(fake_stage: ModuleType) -> None:
