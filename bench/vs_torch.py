@@ -208,7 +208,7 @@ def torch_pipelining(
 # ---- ElasticPipe -----------------------------------------------------------------------------
 
 
-def elasticpipe(
+def elastic_pipe(
     cluster: LocalCluster, config: Config, data: list[Any], warmup: int
 ) -> tuple[list[float], float, float]:
     """(step seconds, CPU seconds per step of the client and every stage, first loss)."""
