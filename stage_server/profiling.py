@@ -8,7 +8,9 @@ a stage can profile a model far larger than its memory.
 
 What is measured per layer, for one micro-batch (the sample):
 
-* forward and backward seconds (medians of ``repeats``);
+* forward and backward seconds: the fastest of ``repeats`` (what delays a run, a page
+  fault, a neighbour's burst on a shared host, only ever adds time; the median of five
+  runs put some layers of a uniform MLP at 4x the others on a loaded host);
 * ``output_bytes``: the activation it sends on;
 * ``stash_bytes``: what a stage keeps for its backward while the micro-batch is in flight:
   its input and output and every tensor autograd saves, each storage counted once;
@@ -18,7 +20,6 @@ What is measured per layer, for one micro-batch (the sample):
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 from typing import Any
 
@@ -131,8 +132,8 @@ def profile_layers(
             optimizer.step()  # creates the optimizer's state; this copy is thrown away
         results.append(
             LayerTiming(
-                forward_s=statistics.median(r.forward_s for r in measured),
-                backward_s=statistics.median(r.backward_s for r in measured),
+                forward_s=min(r.forward_s for r in measured),
+                backward_s=min(r.backward_s for r in measured),
                 output_bytes=measured[-1].output_bytes,
                 samples=len(measured),
                 stash_bytes=stash_bytes,

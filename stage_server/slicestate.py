@@ -9,8 +9,10 @@ running them measured, per layer.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -28,12 +30,16 @@ from elasticpipe.training.objectives import make_optimizer
 __all__ = ["Built", "LayerTiming", "SliceState", "tensors_cloned"]
 
 
-EWMA_ALPHA = 0.3
+# The reported time of a layer is the median of its last WINDOW measurements: one slow
+# micro-batch (a page fault, a neighbour's burst, a first call's warm-up) does not move
+# it, as it moved an average; a real change of speed shows after WINDOW // 2 + 1 of them.
+WINDOW = 9
 
 
 @dataclass
 class LayerTiming:
-    """Smoothed measurements of one layer on this stage (slowdown included)."""
+    """Measurements of one layer on this stage (slowdown included): the median of the
+    recent ones (``observe``), or what profiling measured."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -41,18 +47,30 @@ class LayerTiming:
     samples: int = 0
     stash_bytes: int = 0  # profiling only (see profiling.py)
     state_bytes: int = 0  # profiling only
+    _forwards: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
+    _backwards: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
 
     def observe(self, forward_s: float | None, backward_s: float | None, out: int) -> None:
-        """Folds one measurement in (EWMA; the first sample is taken as is)."""
-        first = self.samples == 0
+        """Folds one micro-batch's measurement in."""
         if forward_s is not None:
-            a = 1.0 if first else EWMA_ALPHA
-            self.forward_s += a * (forward_s - self.forward_s)
+            self._forwards.append(forward_s)
+            self.forward_s = statistics.median(self._forwards)
             self.output_bytes = out
             self.samples += 1
         if backward_s is not None:
-            a = 1.0 if self.backward_s == 0.0 else EWMA_ALPHA
-            self.backward_s += a * (backward_s - self.backward_s)
+            self._backwards.append(backward_s)
+            self.backward_s = statistics.median(self._backwards)
+
+    def snapshot(self) -> LayerTiming:
+        """A copy of the reported figures (without the window: it goes on changing)."""
+        return LayerTiming(
+            self.forward_s,
+            self.backward_s,
+            self.output_bytes,
+            self.samples,
+            self.stash_bytes,
+            self.state_bytes,
+        )
 
 
 class Built(NamedTuple):

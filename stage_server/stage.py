@@ -520,7 +520,7 @@ class Stage(EpochChanges):
         with self._cond:
             if self.slice is None:
                 return {}
-            return {i: LayerTiming(**vars(t)) for i, t in self.slice.timings.items()}
+            return {i: t.snapshot() for i, t in self.slice.timings.items()}
 
     def _metrics_view(self) -> StageView:
         """What a scrape of the metrics reports about this stage's state."""
