@@ -144,6 +144,10 @@ def main() -> int:
         out["optimal_steps_per_s"] = 1.0 / view.optimal_step_s
         history = admin.status().history
         out["extra_moves"] = len(history) - moves_before
+        # What the move cost the training loop, as the client reported it (a lease renewal
+        # right after the step it resumed on): beside the stages' pause above.
+        out["loop_pause_s"] = next(r.loop_pause_s for r in history if r.epoch == move.epoch)
+        print(f"the move cost the training loop {out['loop_pause_s']:.2f}s", flush=True)
         print(
             f"elastic: {out['elastic_steps_per_s']:.3f} steps/s; planner's optimum "
             f"{out['optimal_steps_per_s']:.3f} steps/s",
@@ -169,9 +173,14 @@ def main() -> int:
         out["recovery_bytes_moved"] = move.bytes_moved
         bench.train(1)
         out["recovered_steps_per_s"] = bench.train(n)
+        history = admin.status().history
+        out["recovery_loop_pause_s"] = next(
+            r.loop_pause_s for r in history if r.epoch == move.epoch
+        )
         print(
             f"{victim} recovered: rebalanced after {steps} steps to "
-            f"{list(pipe.partition.boundaries)} (pause {move.pause_s:.2f}s); "
+            f"{list(pipe.partition.boundaries)} (pause {move.pause_s:.2f}s, the loop's "
+            f"{out['recovery_loop_pause_s']:.2f}s); "
             f"{out['recovered_steps_per_s']:.3f} steps/s",
             flush=True,
         )

@@ -152,7 +152,9 @@ class StageInfo:
 @dataclass(frozen=True)
 class EpochRecord:
     """One partition change of a job: its kind (start, move, scale-out, recovery, restore,
-    attach, abandoned), what moved, how long training paused, and why."""
+    attach, abandoned), what moved, how long training paused, and why. ``pause_s`` is the
+    stages' pause (frozen to committed); ``loop_pause_s`` what the training loop lost, as its
+    client reported (0 until it did, and for changes no step ran into)."""
 
     epoch: int
     at_unix: float
@@ -167,6 +169,7 @@ class EpochRecord:
     lost_steps: int
     job_id: str
     detected_unix: float
+    loop_pause_s: float
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from elasticpipe.errors import (
 )
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
+from elasticpipe.security import bounds
 from elasticpipe.security.tls import TLS
 from elasticpipe.training.job import JobConfig
 from elasticpipe.transport import rpc, serving
@@ -178,6 +179,11 @@ class Session:
         self._profiled = True
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        # What epoch changes cost the training loop (epoch -> seconds), until a lease
+        # renewal reports them; ``_renew_now`` sends them without waiting out the interval.
+        self._loop_pauses: dict[int, float] = {}
+        self._pauses_lock = threading.Lock()
+        self._renew_now = threading.Event()
         self._num_layers = 0
 
     def _check_open(self) -> None:
@@ -310,26 +316,52 @@ class Session:
         self._profiled = True
         self._adopt(Partition.from_proto(reply))
 
+    def _loop_paused(self, epoch: int, pause_s: float) -> None:
+        """The training loop stood still ``pause_s`` for the change to ``epoch``: tell the
+        coordinator (its epoch history and metrics) at once."""
+        with self._pauses_lock:
+            self._loop_pauses[epoch] = round(pause_s, 6)
+            while len(self._loop_pauses) > bounds.MAX_LOOP_PAUSES:  # the coordinator is away
+                del self._loop_pauses[min(self._loop_pauses)]
+        self._renew_now.set()
+
+    def _lease_request(
+        self, partition: Partition, release: bool
+    ) -> tuple[coordinator_pb2.LeaseRequest, list[int]]:
+        """A renewal (or the release) of the lease with what it reports, and the epochs of
+        the loop pauses it carries."""
+        with self._pauses_lock:
+            pauses = dict(self._loop_pauses)
+        request = coordinator_pb2.LeaseRequest(
+            job_id=partition.job_id,
+            client=self._client,
+            release=release,
+            last_step=self._last_step.step,
+            efficiency=self._last_step.efficiency,
+            loop_pauses=[coordinator_pb2.LoopPause(epoch=e, pause_s=p) for e, p in pauses.items()],
+        )
+        return request, list(pauses)
+
+    def _loop_pauses_sent(self, epochs: list[int]) -> None:
+        with self._pauses_lock:
+            for epoch in epochs:
+                self._loop_pauses.pop(epoch, None)
+
     def _renew_loop(self) -> None:
         interval = self._lease_s / 3
-        while not self._stop.wait(interval):
+        while not self._stop.is_set():
+            self._renew_now.wait(interval)
+            self._renew_now.clear()
             partition = self._partition
-            if partition is None:
+            if partition is None or self._stop.is_set():
                 continue
+            request, pauses = self._lease_request(partition, release=False)
             try:
-                reply = self._coordinator_call(
-                    "RenewLease",
-                    coordinator_pb2.LeaseRequest(
-                        job_id=partition.job_id,
-                        client=self._client,
-                        last_step=self._last_step.step,
-                        efficiency=self._last_step.efficiency,
-                    ),
-                    timeout=interval,
-                )
+                reply = self._coordinator_call("RenewLease", request, timeout=interval)
             except ElasticPipeError as exc:
                 log.debug("lease_not_renewed", error=str(exc))
                 continue
+            self._loop_pauses_sent(pauses)
             if not reply.held:
                 self._lease_lost = True
                 log.warning("lease_lost", job=partition.job_id)
@@ -402,17 +434,13 @@ class Session:
     def _release_lease(self) -> None:
         """Stops renewing the lease and gives it back (``close``)."""
         self._stop.set()
+        self._renew_now.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
         if self._partition is not None and not self._lease_lost:
+            request, _ = self._lease_request(self._partition, release=True)
             try:
-                self._coordinator_call(
-                    "RenewLease",
-                    coordinator_pb2.LeaseRequest(
-                        job_id=self._partition.job_id, client=self._client, release=True
-                    ),
-                    timeout=5.0,
-                )
+                self._coordinator_call("RenewLease", request, timeout=5.0)
             except ElasticPipeError as exc:
                 log.debug("lease_not_released", error=str(exc))
 

@@ -63,11 +63,13 @@ class Steps(Session):
         """
         partition = self._ensure_job(batch.xs[0])
         deadline = time.monotonic() + self._rebalance_timeout
-        refused_at: float | None = None
+        refused_at: float | None = None  # the start of the first attempt refused
+        refused_epoch = partition.epoch
         refusals = 0
         for attempts in itertools.count(1):
             self._check_lease()
             run_id, secret = next(self._runs), driver.new_secret()
+            attempt_at = time.monotonic()
             try:
                 reports = driver.run(
                     self._clients,
@@ -84,13 +86,16 @@ class Steps(Session):
                     secret=secret,
                 )
                 self._decisions.clear()  # every stage heard every earlier decision
+                if refused_at is not None and partition.epoch != refused_epoch:
+                    self._loop_paused(partition.epoch, attempt_at - refused_at)
                 return reports, partition, run_id, secret, attempts
             except (StaleEpoch, Rebalancing) as exc:
                 if train:
                     self._decided(run_id, step, commit=False)
                 if time.monotonic() > deadline:
                     raise
-                refused_at = refused_at or time.monotonic()
+                if refused_at is None:
+                    refused_at, refused_epoch = attempt_at, partition.epoch
                 refusals += 1
                 log.info("step_retried", step=step, epoch=partition.epoch, reason=str(exc))
                 wait = min(RETRY_WAIT_S, FIRST_RETRY_WAIT_S * 2 ** min(refusals - 1, 8))

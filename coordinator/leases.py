@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elasticpipe.coordinator import copies
@@ -107,10 +108,17 @@ class Leases:
         return client
 
     def renew(
-        self, job_id: str, client: int, release: bool, efficiency: tuple[int, float] = (0, 0.0)
+        self,
+        job_id: str,
+        client: int,
+        release: bool,
+        efficiency: tuple[int, float] = (0, 0.0),
+        loop_pauses: Sequence[tuple[int, float]] = (),
     ) -> tuple[bool, int]:
         """Renews (or releases) a client's lease; keeps the pipeline efficiency of the
-        client's last step (``efficiency``: step, figure; step 0 when none yet).
+        client's last step (``efficiency``: step, figure; step 0 when none yet) and what
+        epoch changes cost its training loop (``loop_pauses``: epoch, seconds) in their rows
+        of the epoch history.
 
         Returns:
             Whether the client still holds the job, and the newest safe snapshot step.
@@ -119,6 +127,9 @@ class Leases:
             lease = self._lease
             held = lease is not None and lease.job_id == job_id and lease.client == client
             if held and lease is not None:
+                for epoch, pause_s in loop_pauses:
+                    if self.c.store.set_loop_pause(job_id, epoch, pause_s):
+                        self.c.metrics.loop_paused(pause_s)
                 if release:
                     self._lease = None
                     self.c.store.delete("lease")

@@ -204,7 +204,17 @@ class CoordinatorServicer:
         figure = bounds.number(req.efficiency, "efficiency", 0.0, 1.0)
         bounds.client(req.client)
         bounds.step(req.last_step, "last_step")
-        held, safe = self.c.jobs.renew(req.job_id, req.client, req.release, (req.last_step, figure))
+        bounds.count(req.loop_pauses, "loop_pauses", bounds.MAX_LOOP_PAUSES)
+        pauses = [
+            (
+                bounds.integer(p.epoch, f"loop_pauses[{i}].epoch", 0, bounds.MAX_STEP),
+                bounds.number(p.pause_s, f"loop_pauses[{i}].pause_s", 0.0, bounds.MAX_TIMING_S),
+            )
+            for i, p in enumerate(req.loop_pauses)
+        ]
+        held, safe = self.c.jobs.renew(
+            req.job_id, req.client, req.release, (req.last_step, figure), pauses
+        )
         return coordinator_pb2.LeaseResponse(held=held, safe_step=safe)
 
     def ReportFailure(
@@ -329,6 +339,7 @@ class CoordinatorServicer:
                 lost_steps=r.lost_steps,
                 job_id=r.job_id,
                 detected_unix=r.detected_at,
+                loop_pause_s=r.loop_pause_s,
             )
             for r in cluster.store.epochs(job_id=job_id)
         ]

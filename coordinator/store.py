@@ -77,6 +77,7 @@ class EpochRow:
     restored_step: int = 0
     lost_steps: int = 0
     detected_at: float = 0.0  # recovery: when the failure was detected (unix time)
+    loop_pause_s: float = 0.0  # what the training loop lost to it, as its client saw (0: unknown)
 
 
 class Store:
@@ -233,6 +234,24 @@ class Store:
             "INSERT OR REPLACE INTO epochs (epoch, at, record) VALUES (?, ?, ?)",
             (row.epoch, row.at or time.time(), json.dumps(asdict(row))),
         )
+
+    def set_loop_pause(self, job_id: str, epoch: int, pause_s: float) -> bool:
+        """Records what ``job_id``'s training loop lost to the change to ``epoch``; False
+        (and nothing written) if that epoch is no change of that job."""
+        with self._lock:
+            found = self._db.execute(
+                "SELECT record FROM epochs WHERE epoch = ?", (epoch,)
+            ).fetchone()
+            if found is None:
+                return False
+            raw = json.loads(found[0])
+            if raw.get("job_id", "") != job_id or raw.get("kind") == "abandoned":
+                return False
+            raw["loop_pause_s"] = pause_s
+            self._db.execute(
+                "UPDATE epochs SET record = ? WHERE epoch = ?", (json.dumps(raw), epoch)
+            )
+            return True
 
     def epochs(self, limit: int = 100, job_id: str | None = None) -> list[EpochRow]:
         """The most recent epoch records (of one job, if given), oldest first."""

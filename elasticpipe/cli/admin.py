@@ -183,13 +183,14 @@ def format_status(s: Status) -> str:
             "",
             "epoch history:",
             f"{'epoch':>6}  {'when':<20}{'kind':<11}{'partition':<24}{'moved':>6}{'bytes':>12}"
-            f"{'pause':>8}  reason",
+            f"{'pause':>8}{'loop':>8}  reason",
         ]
         for r in s.history:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.at_unix))
+            loop = f"{r.loop_pause_s:>7.2f}s" if r.loop_pause_s else f"{'-':>8}"
             lines.append(
                 f"{r.epoch:>6}  {when:<20}{r.kind:<11}{_ranges(list(r.boundaries)):<24}"
-                f"{r.layers_moved:>6}{r.bytes_moved:>12}{r.pause_s:>7.2f}s  {r.reason}"
+                f"{r.layers_moved:>6}{r.bytes_moved:>12}{r.pause_s:>7.2f}s{loop}  {r.reason}"
             )
     return "\n".join(lines)
 

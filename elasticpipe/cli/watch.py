@@ -131,7 +131,7 @@ def _decisions(s: Status, shown: int) -> Table:
             r.kind,
             _ranges(list(r.boundaries)),
             f"{r.layers_moved} ({r.bytes_moved:,} B)",
-            f"{r.pause_s:.2f}s",
+            f"{r.pause_s:.2f}s" + (f" (loop {r.loop_pause_s:.2f}s)" if r.loop_pause_s else ""),
             r.reason,
         )
     return table

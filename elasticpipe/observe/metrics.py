@@ -352,6 +352,13 @@ class CoordinatorMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.loop_pause = Histogram(
+            "elasticpipe_coordinator_loop_pause_seconds",
+            "What an epoch change cost the training loop, as its client saw: from the first "
+            "attempt the stages refused to the first they accepted in the new epoch",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.migrations_aborted = Counter(
             "elasticpipe_coordinator_migrations_aborted",
             "Epoch changes abandoned (the old epoch stayed in force)",
@@ -390,6 +397,10 @@ class CoordinatorMetrics:
         with self._lock:
             self._predicted = None  # until the policy predicts the new partition again
             self._progress.clear()  # the pause is not a step time
+
+    def loop_paused(self, pause_s: float) -> None:
+        """The client reported what an epoch change cost its training loop."""
+        self.loop_pause.observe(pause_s)
 
     def epoch_change_aborted(self, kind: str) -> None:
         """An epoch change was abandoned."""

@@ -36,6 +36,8 @@ Heartbeat timings                           at most 65,536 entries; layer 0 .. 6
                                             seconds finite in [0, 1e6]; bytes and
                                             samples 0 .. 2**50
 Heartbeat slowdown                          0 (not reported) or [1, 1000]
+RenewLease loop_pauses                      at most 16; epochs 0 .. 2**53; seconds
+                                            finite in [0, 1e6]
 ==========================================  ==========================================
 """
 
@@ -53,6 +55,7 @@ MAX_TIMEOUT_S = 3600.0
 MAX_WAIT_S = 600.0
 MAX_LONG_POLL_S = 60.0
 MAX_DECISIONS = 16
+MAX_LOOP_PAUSES = 16  # epochs a client reports having paused for, per lease renewal
 MAX_GENERATIONS_AHEAD = 16
 MAX_EPOCHS_AHEAD = 1_000_000
 MAX_SLOWDOWN = 1000.0

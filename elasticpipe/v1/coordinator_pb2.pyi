@@ -394,6 +394,7 @@ class LeaseRequest(_message.Message):
     RELEASE_FIELD_NUMBER: _builtins.int
     LAST_STEP_FIELD_NUMBER: _builtins.int
     EFFICIENCY_FIELD_NUMBER: _builtins.int
+    LOOP_PAUSES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     client: _builtins.int
     release: _builtins.bool
@@ -402,6 +403,10 @@ class LeaseRequest(_message.Message):
     """the client's last completed step (0: none yet)"""
     efficiency: _builtins.float
     """its pipeline efficiency: ideal / measured step time"""
+    @_builtins.property
+    def loop_pauses(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoopPause]:
+        """epochs it paused for since its last renewal"""
+
     def __init__(
         self,
         *,
@@ -410,14 +415,41 @@ class LeaseRequest(_message.Message):
         release: _builtins.bool = ...,
         last_step: _builtins.int = ...,
         efficiency: _builtins.float = ...,
+        loop_pauses: _abc.Iterable[Global___LoopPause] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "efficiency", b"efficiency", "job_id", b"job_id", "last_step", b"last_step", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "efficiency", b"efficiency", "job_id", b"job_id", "last_step", b"last_step", "loop_pauses", b"loop_pauses", "release", b"release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LeaseRequest: _TypeAlias = LeaseRequest  # noqa: Y015
+
+@_typing.final
+class LoopPause(_message.Message):
+    """What an epoch change cost the training loop: from the start of the first attempt the
+    stages refused to the start of the first one they accepted in the new epoch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PAUSE_S_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    pause_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        pause_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "pause_s", b"pause_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoopPause: _TypeAlias = LoopPause  # noqa: Y015
 
 @_typing.final
 class LeaseResponse(_message.Message):
@@ -768,6 +800,7 @@ class EpochRecord(_message.Message):
     LOST_STEPS_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     DETECTED_UNIX_FIELD_NUMBER: _builtins.int
+    LOOP_PAUSE_S_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     at_unix: _builtins.float
     reason: _builtins.str
@@ -783,6 +816,8 @@ class EpochRecord(_message.Message):
     job_id: _builtins.str
     detected_unix: _builtins.float
     """recovery: when the failure was detected (a stage declared dead)"""
+    loop_pause_s: _builtins.float
+    """what the training loop lost (its client's LoopPause; 0: none yet)"""
     @_builtins.property
     def boundaries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -805,10 +840,11 @@ class EpochRecord(_message.Message):
         lost_steps: _builtins.int = ...,
         job_id: _builtins.str = ...,
         detected_unix: _builtins.float = ...,
+        loop_pause_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "boundaries", b"boundaries", "bytes_moved", b"bytes_moved", "detected_unix", b"detected_unix", "epoch", b"epoch", "job_id", b"job_id", "kind", b"kind", "layers_moved", b"layers_moved", "lost_steps", b"lost_steps", "pause_s", b"pause_s", "reason", b"reason", "restored_step", b"restored_step", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix", b"at_unix", "boundaries", b"boundaries", "bytes_moved", b"bytes_moved", "detected_unix", b"detected_unix", "epoch", b"epoch", "job_id", b"job_id", "kind", b"kind", "layers_moved", b"layers_moved", "loop_pause_s", b"loop_pause_s", "lost_steps", b"lost_steps", "pause_s", b"pause_s", "reason", b"reason", "restored_step", b"restored_step", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

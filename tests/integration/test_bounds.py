@@ -108,6 +108,16 @@ COORDINATOR_CALLS = [
     ("EndRestore", coordinator_pb2.RestoreEndRequest(epoch=2**50), "epoch"),
     ("EndRestore", coordinator_pb2.RestoreEndRequest(step=2**60), "step"),
     ("RenewLease", coordinator_pb2.LeaseRequest(client=2**60), "client"),
+    (
+        "RenewLease",
+        coordinator_pb2.LeaseRequest(loop_pauses=[coordinator_pb2.LoopPause(epoch=2**60)]),
+        "loop_pauses[0].epoch",
+    ),
+    (
+        "RenewLease",
+        coordinator_pb2.LeaseRequest(loop_pauses=[coordinator_pb2.LoopPause(pause_s=-1.0)]),
+        "loop_pauses[0].pause_s",
+    ),
     ("BeginRestore", coordinator_pb2.RestoreBeginRequest(client=2**60), "client"),
     ("ProfileJob", coordinator_pb2.ProfileJobRequest(client=2**60), "client"),
 ]
@@ -124,6 +134,23 @@ def test_coordinator_steps_runs_epochs_and_clients_are_bounded(
         getattr(stub, method)(request_, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(f"{field} must be in [0, ")
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_renewal_carries_at_most_16_loop_pauses(job: Job) -> None:
+    """More loop pauses than a client ever keeps are refused naming the field; one that
+    names no change of the job writes nothing and the renewal still answers."""
+    stub, _ = job
+    many = [coordinator_pb2.LoopPause(epoch=e, pause_s=0.1) for e in range(17)]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RenewLease(coordinator_pb2.LeaseRequest(loop_pauses=many), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "loop_pauses" in info.value.details()
+    reply = stub.RenewLease(
+        coordinator_pb2.LeaseRequest(loop_pauses=[coordinator_pb2.LoopPause(epoch=9999)]),
+        timeout=10,
+    )
+    assert not reply.held  # no such lease: nothing recorded
 
 
 STAGE_CALLS = [

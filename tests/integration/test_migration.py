@@ -409,3 +409,11 @@ def test_six_live_moves_cost_the_training_loop_only_their_pause(
     worst = max(r.pause_s for r in moves)
     around = {s: max(times[s - 2 : s + 1]) - median for s in moved_at}  # steps s-1, s, s+1
     assert all(extra <= 0.3 + worst for extra in around.values()), (around, median, worst)
+    # The pause each move's row reports is the one the loop saw: every move refused a step
+    # (the client learns of an epoch only so), the refused attempt's start to the accepted
+    # one's lies inside that step, and it explains the step's time beyond the median.
+    seen = [r.loop_pause_s for r in moves]
+    assert all(p > 0 for p in seen), seen
+    for (s, extra), pause in zip(around.items(), seen, strict=True):
+        assert pause <= max(times[s - 2 : s + 1]), (s, pause, times[s - 2 : s + 1])
+        assert extra <= pause + 0.3, (s, extra, pause)

@@ -82,6 +82,8 @@ KEYS: dict[str, set[str]] = {
         "recovered_steps_per_s",
         "rebalance_steps",
         "elastic_vs_static",
+        "loop_pause_s",
+        "recovery_loop_pause_s",
     },
     "timeline.py": {"client_efficiency", "trace_efficiency", "trace_measured_ms", "png"},
     "transfer.py": {"gloo_ratio_4mib", "tcp_ratio_4mib", "table", "data_path_time_shares"},

@@ -75,6 +75,7 @@ def _status() -> pb.StatusResponse:
         lost_steps=2,
         job_id="job-1",
         detected_unix=2e9,
+        loop_pause_s=0.75,
     )
     return pb.StatusResponse(
         stages=[gone, stage],

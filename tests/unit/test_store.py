@@ -169,6 +169,31 @@ def test_epochs_of_one_job_most_recent_oldest_first(store: Store) -> None:
     assert [r.epoch for r in store.epochs(job_id="j1")] == [1, 3, 5]
 
 
+def test_a_loop_pause_lands_only_on_a_change_of_its_job_and_survives_a_reopen(
+    store: Store,
+) -> None:
+    """set_loop_pause writes into the change's row of that job; another job's epoch, an
+    abandoned attempt and an unknown epoch are left alone (False)."""
+    store.add_epoch(EpochRow(1, 1.0, "start", (0, 2), job_id="j", kind="start"))
+    store.add_epoch(EpochRow(2, 2.0, "move", (0, 1, 2), job_id="j", pause_s=0.05))
+    store.add_epoch(EpochRow(3, 3.0, "gave up", (0, 1, 2), job_id="j", kind="abandoned"))
+    store.add_epoch(EpochRow(4, 4.0, "move", (0, 1, 2), job_id="other"))
+    assert store.set_loop_pause("j", 2, 0.08)
+    assert not store.set_loop_pause("j", 3, 0.5)
+    assert not store.set_loop_pause("j", 4, 0.5)
+    assert not store.set_loop_pause("j", 9, 0.5)
+    reopened = _reopen(store)
+    try:
+        assert [(r.epoch, r.pause_s, r.loop_pause_s) for r in reopened.epochs()] == [
+            (1, 0.0, 0.0),
+            (2, 0.05, 0.08),
+            (3, 0.0, 0.0),
+            (4, 0.0, 0.0),
+        ]
+    finally:
+        reopened.close()
+
+
 def test_memory_store_works_without_a_file() -> None:
     """The default ':memory:' store keeps values for its lifetime."""
     store = Store()
