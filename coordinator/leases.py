@@ -127,9 +127,7 @@ class Leases:
             lease = self._lease
             held = lease is not None and lease.job_id == job_id and lease.client == client
             if held and lease is not None:
-                for epoch, pause_s in loop_pauses:
-                    if self.c.store.set_loop_pause(job_id, epoch, pause_s):
-                        self.c.metrics.loop_paused(pause_s)
+                self._record_loop_pauses(job_id, loop_pauses)
                 if release:
                     self._lease = None
                     self.c.store.delete("lease")
@@ -140,6 +138,16 @@ class Leases:
                         self.efficiency = efficiency
                         self.c.metrics.efficiency_reported(*efficiency)
         return held, self.safe_step()
+
+    def _record_loop_pauses(self, job_id: str, pauses: Sequence[tuple[int, float]]) -> None:
+        """Writes the reported loop pauses into the history; a store that fails to take
+        them costs the figures, never the lease."""
+        for epoch, pause_s in pauses:
+            try:
+                if self.c.store.set_loop_pause(job_id, epoch, pause_s):
+                    self.c.metrics.loop_paused(pause_s)
+            except Exception as exc:  # sqlite3 errors: disk full, I/O
+                log.warning("loop_pause_not_recorded", epoch=epoch, error=str(exc))
 
     def safe_step(self) -> int:
         """The newest step whose snapshot survives any single failure (0 if none).

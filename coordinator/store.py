@@ -13,7 +13,7 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from elasticpipe.partition import Partition
@@ -230,6 +230,12 @@ class Store:
             self._add_epoch(row)
 
     def _add_epoch(self, row: EpochRow) -> None:
+        if not row.loop_pause_s:  # a row rewritten after its commit keeps what the loop saw
+            found = self._db.execute(
+                "SELECT record FROM epochs WHERE epoch = ?", (row.epoch,)
+            ).fetchone()
+            if found is not None and json.loads(found[0]).get("loop_pause_s"):
+                row = replace(row, loop_pause_s=json.loads(found[0])["loop_pause_s"])
         self._db.execute(
             "INSERT OR REPLACE INTO epochs (epoch, at, record) VALUES (?, ?, ?)",
             (row.epoch, row.at or time.time(), json.dumps(asdict(row))),
@@ -237,7 +243,7 @@ class Store:
 
     def set_loop_pause(self, job_id: str, epoch: int, pause_s: float) -> bool:
         """Records what ``job_id``'s training loop lost to the change to ``epoch``; False
-        (and nothing written) if that epoch is no change of that job."""
+        (and nothing written) if that epoch is no change of that job, or already says so."""
         with self._lock:
             found = self._db.execute(
                 "SELECT record FROM epochs WHERE epoch = ?", (epoch,)
@@ -246,6 +252,8 @@ class Store:
                 return False
             raw = json.loads(found[0])
             if raw.get("job_id", "") != job_id or raw.get("kind") == "abandoned":
+                return False
+            if raw.get("loop_pause_s") == pause_s:  # a renewal sent again: counted once
                 return False
             raw["loop_pause_s"] = pause_s
             self._db.execute(

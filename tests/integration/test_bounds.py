@@ -138,19 +138,14 @@ def test_coordinator_steps_runs_epochs_and_clients_are_bounded(
 
 @pytest.mark.timeout(60)
 def test_a_lease_renewal_carries_at_most_16_loop_pauses(job: Job) -> None:
-    """More loop pauses than a client ever keeps are refused naming the field; one that
-    names no change of the job writes nothing and the renewal still answers."""
+    """More loop pauses than a client ever keeps are refused naming the field (the
+    unknown epochs, jobs and abandoned rows the store leaves alone: test_store)."""
     stub, _ = job
     many = [coordinator_pb2.LoopPause(epoch=e, pause_s=0.1) for e in range(17)]
     with pytest.raises(grpc.RpcError) as info:
         stub.RenewLease(coordinator_pb2.LeaseRequest(loop_pauses=many), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "loop_pauses" in info.value.details()
-    reply = stub.RenewLease(
-        coordinator_pb2.LeaseRequest(loop_pauses=[coordinator_pb2.LoopPause(epoch=9999)]),
-        timeout=10,
-    )
-    assert not reply.held  # no such lease: nothing recorded
 
 
 STAGE_CALLS = [

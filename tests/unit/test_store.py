@@ -182,6 +182,10 @@ def test_a_loop_pause_lands_only_on_a_change_of_its_job_and_survives_a_reopen(
     assert not store.set_loop_pause("j", 3, 0.5)
     assert not store.set_loop_pause("j", 4, 0.5)
     assert not store.set_loop_pause("j", 9, 0.5)
+    assert not store.set_loop_pause("j", 2, 0.08)  # sent again: already recorded
+    # The change's row is written again after its commit reached every stage: the client's
+    # report, which may come first, is kept.
+    store.add_epoch(EpochRow(2, 2.5, "move", (0, 1, 2), job_id="j", pause_s=0.05))
     reopened = _reopen(store)
     try:
         assert [(r.epoch, r.pause_s, r.loop_pause_s) for r in reopened.epochs()] == [
