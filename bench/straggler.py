@@ -26,11 +26,12 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from elasticpipe.client.admin import Admin
+from elasticpipe.client.admin import Admin, EpochRecord
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 
@@ -146,7 +147,7 @@ def main() -> int:
         out["extra_moves"] = len(history) - moves_before
         # What the move cost the training loop, as the client reported it (a lease renewal
         # right after the step it resumed on): beside the stages' pause above.
-        out["loop_pause_s"] = next(r.loop_pause_s for r in history if r.epoch == move.epoch)
+        out["loop_pause_s"] = _loop_pause(history, move.epoch)
         print(f"the move cost the training loop {out['loop_pause_s']:.2f}s", flush=True)
         print(
             f"elastic: {out['elastic_steps_per_s']:.3f} steps/s; planner's optimum "
@@ -173,10 +174,7 @@ def main() -> int:
         out["recovery_bytes_moved"] = move.bytes_moved
         bench.train(1)
         out["recovered_steps_per_s"] = bench.train(n)
-        history = admin.status().history
-        out["recovery_loop_pause_s"] = next(
-            r.loop_pause_s for r in history if r.epoch == move.epoch
-        )
+        out["recovery_loop_pause_s"] = _loop_pause(admin.status().history, move.epoch)
         print(
             f"{victim} recovered: rebalanced after {steps} steps to "
             f"{list(pipe.partition.boundaries)} (pause {move.pause_s:.2f}s, the loop's "
@@ -207,6 +205,11 @@ def main() -> int:
     )
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
     return 0
+
+
+def _loop_pause(history: Sequence[EpochRecord], epoch: int) -> float:
+    """What the change to ``epoch`` cost the training loop (its row of the history)."""
+    return next(r.loop_pause_s for r in history if r.epoch == epoch)
 
 
 if __name__ == "__main__":

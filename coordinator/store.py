@@ -229,13 +229,16 @@ class Store:
         with self._lock:
             self._add_epoch(row)
 
+    def _epoch_record(self, epoch: int) -> dict[str, Any] | None:
+        """The stored record of ``epoch`` as written (a dict), or None."""
+        found = self._db.execute("SELECT record FROM epochs WHERE epoch = ?", (epoch,)).fetchone()
+        return None if found is None else dict(json.loads(found[0]))
+
     def _add_epoch(self, row: EpochRow) -> None:
         if not row.loop_pause_s:  # a row rewritten after its commit keeps what the loop saw
-            found = self._db.execute(
-                "SELECT record FROM epochs WHERE epoch = ?", (row.epoch,)
-            ).fetchone()
-            if found is not None and json.loads(found[0]).get("loop_pause_s"):
-                row = replace(row, loop_pause_s=json.loads(found[0])["loop_pause_s"])
+            old = self._epoch_record(row.epoch)
+            if old is not None and old.get("loop_pause_s"):
+                row = replace(row, loop_pause_s=old["loop_pause_s"])
         self._db.execute(
             "INSERT OR REPLACE INTO epochs (epoch, at, record) VALUES (?, ?, ?)",
             (row.epoch, row.at or time.time(), json.dumps(asdict(row))),
@@ -245,13 +248,8 @@ class Store:
         """Records what ``job_id``'s training loop lost to the change to ``epoch``; False
         (and nothing written) if that epoch is no change of that job, or already says so."""
         with self._lock:
-            found = self._db.execute(
-                "SELECT record FROM epochs WHERE epoch = ?", (epoch,)
-            ).fetchone()
-            if found is None:
-                return False
-            raw = json.loads(found[0])
-            if raw.get("job_id", "") != job_id or raw.get("kind") == "abandoned":
+            raw = self._epoch_record(epoch)
+            if raw is None or raw.get("job_id", "") != job_id or raw.get("kind") == "abandoned":
                 return False
             if raw.get("loop_pause_s") == pause_s:  # a renewal sent again: counted once
                 return False
