@@ -52,6 +52,7 @@ STRAGGLER_MODEL = {
     "n_layers": 16,
     "max_seq_len": 64,
 }
+VS_TORCH_GPT = {"vocab_size": 96, "d_model": 96, "n_heads": 4, "n_layers": 8, "max_seq_len": 64}
 SIZES = [1024] * 5
 BATCH, MICRO_BATCHES = 256, 4
 
@@ -66,9 +67,10 @@ def main() -> int:
     parser.add_argument(
         "--workload",
         default="overhead",
-        choices=["overhead", "straggler"],
-        help="bench/overhead.py's MLP, or bench/straggler.py's GPT on 4 emulated devices "
-        "(4x slower than a core) before its slowdown",
+        choices=["overhead", "straggler", "gpt"],
+        help="bench/overhead.py's MLP; bench/straggler.py's GPT on 4 emulated devices "
+        "(4x slower than a core) before its slowdown; or bench/vs_torch.py's GPT (8 small "
+        "micro-batches, where the per-micro-batch hand-offs weigh most)",
     )
     parser.add_argument("--snapshot-every", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="2 traced steps, 1 warm-up")
@@ -93,6 +95,16 @@ def main() -> int:
             "optimizer_kwargs": {"lr": 0.05},
             "loss": "mse",
             "micro_batches": MICRO_BATCHES,
+        }
+    elif args.workload == "gpt":
+        tokens = [torch.randint(0, 96, (16, 65), generator=gen) for _ in range(8)]
+        data = [(t[:, :-1], t[:, 1:]) for t in tokens]
+        job = {
+            "model": "gpt",
+            "model_kwargs": VS_TORCH_GPT,
+            "optimizer": "sgd",
+            "optimizer_kwargs": {"lr": 0.01},
+            "micro_batches": 8,
         }
     else:
         tokens = [torch.randint(0, 96, (64, 65), generator=gen) for _ in range(8)]

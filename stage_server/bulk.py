@@ -3,12 +3,14 @@
 One thread accepts connections on the bulk port; each connection gets its own thread,
 which checks the one-time token (and, with TLS, that the certificate names the caller the
 token was issued to), then takes one message at a time exactly as a gRPC data message is
-taken: ``StageServicer.admit_data`` checks and reserves before ``GO``, the bytes are read
-straight into the tensors, ``Stage.deliver`` puts them into the mailbox, and ``OK`` tells
-the sender. Bounded like the gRPC side: at most ``MAX_CONNECTIONS`` connections counted from
-accept, ``MAX_HANDSHAKES`` of them unauthenticated (each with a deadline), at most
-``MAX_PER_CALLER`` per caller and ``MAX_TOKENS_PER_CALLER`` tokens per caller, one deadline
-per message (only the wait for the next message is long), and ``close`` ends them all.
+taken: ``StageServicer.admit_data`` checks and reserves (before ``GO``, for a message that
+waits for it), the bytes are read straight into the tensors, ``Stage.deliver`` puts them
+into the mailbox, and ``OK`` tells the sender (a refused eager message's bytes are read
+and dropped first). Bounded like the gRPC side: at most ``MAX_CONNECTIONS`` connections
+counted from accept, ``MAX_HANDSHAKES`` of them unauthenticated (each with a deadline), at
+most ``MAX_PER_CALLER`` per caller and ``MAX_TOKENS_PER_CALLER`` tokens per caller, one
+deadline per message (only the wait for the next message is long), and ``close`` ends
+them all.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from elasticpipe.logs import get_logger
 from elasticpipe.security import authz
 from elasticpipe.security.tls import TLS, identity_of
 from elasticpipe.transport import bulk, serving
-from elasticpipe.wire import structure
+from elasticpipe.wire import bundle, structure
 
 if TYPE_CHECKING:
     from elasticpipe.stage_server.service import StageServicer
@@ -186,20 +188,36 @@ class BulkListener:
         if not first:
             return False
         deadline = time.monotonic() + READ_TIMEOUT_S
-        (n,) = bulk.U32.unpack(first + bulk.recv_bytes(conn, bulk.U32.size - 1, deadline))
+        prefix = first + bulk.recv_bytes(conn, bulk.FRAME.size - 1, deadline)
+        n, kind, nbytes = bulk.FRAME.unpack(prefix)
         if n > bulk.MAX_HEADER_BYTES:
             raise InvalidRequest(f"bulk header of {n} bytes (at most {bulk.MAX_HEADER_BYTES})")
+        if kind not in (bulk.EAGER, bulk.RENDEZVOUS):
+            raise InvalidRequest(f"bulk message of unknown kind {kind!r}")
+        eager = kind == bulk.EAGER
+        if eager and nbytes > bulk.EAGER_BYTES:
+            raise InvalidRequest(
+                f"eager bulk message of {nbytes} bytes (at most {bulk.EAGER_BYTES})"
+            )
         servicer = self._servicer
+        limit = servicer.stage.config.max_tensor_bytes
         try:
             msg = bulk.parse_header(bulk.recv_bytes(conn, n, deadline))
-            slot, admitted = servicer.admit_data(msg.slot, msg.header)
+            declared = bundle.declared_bytes(msg.header, limit)
+            if declared != nbytes:
+                raise InvalidRequest(
+                    f"bulk frame announces {nbytes} bytes but its header declares {declared}"
+                )
+            slot, admitted = servicer.admit_data(msg.slot, msg.header, declared)
         except ElasticPipeError as exc:
+            if eager:
+                bulk.drain(conn, nbytes, deadline)  # bounded by EAGER_BYTES; nothing kept
             bulk.send_error(conn, exc)  # nothing reserved, nothing more to read
             return True
         head = msg.header
         try:
-            conn.sendall(bulk.GO)
-            limit = servicer.stage.config.max_tensor_bytes
+            if not eager:
+                conn.sendall(bulk.GO)
             value = bulk.receive_value(conn, head, limit, deadline)
         except BaseException:
             admitted.mailbox.release(admitted.reservation)

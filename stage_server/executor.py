@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,35 @@ from elasticpipe.wire import compress, structure
 from elasticpipe.wire.structure import Value
 
 FLUSH_SLICE_S = 0.1
+STASH_COUNT_EVERY = 16  # runs of one kind between two counts of their stashed bytes
+
+
+class StashMeter:
+    """Which runs count the bytes their stashes hold, and the last count.
+
+    Counting costs a Python hook per tensor autograd saves (``LayerSlice.forward``'s
+    ``count``). What a run holds is a function of its *kind* -- the epoch's layers, the
+    ops, and the inputs' shapes and dtypes -- so the meter counts the first run of a kind
+    and one in ``STASH_COUNT_EVERY`` after (for layers whose saved tensors depend on the
+    data), and a run it does not count reports the last count of its kind.
+    """
+
+    def __init__(self) -> None:
+        self._kind: tuple[Any, ...] | None = None
+        self._since = 0  # runs of the kind since it was last counted
+        self.last_bytes = 0
+
+    def begins(self, kind: tuple[Any, ...]) -> bool:
+        """Whether the run of ``kind`` starting now counts."""
+        if kind != self._kind or self._since + 1 >= STASH_COUNT_EVERY:
+            self._kind, self._since = kind, 0
+            return True
+        self._since += 1
+        return False
+
+    def counted(self, nbytes: int) -> None:
+        """The peak bytes of the run that counted."""
+        self.last_bytes = nbytes
 
 
 @dataclass
@@ -68,6 +98,7 @@ class RunContext:
     deadline: float  # time.monotonic() value
     tracer: Tracer = field(default_factory=Tracer)
     path: DevicePath | None = None  # host <-> device copies; None: ``PlainPath``
+    stash_meter: StashMeter | None = None  # None: every run counts its stashed bytes
 
 
 def _loss(
@@ -131,6 +162,8 @@ def _run_ops(
     placement, mailbox, run = ctx.placement, ctx.mailbox, ctx.run
     first, last = placement.index == 0, placement.index == placement.num_stages - 1
     stashes: dict[int, Stash] = {}
+    held: dict[int, int] = {}  # bytes each live stash holds, counted once (``Stash.nbytes``)
+    count: bool | None = None  # whether this run counts them: decided at its first forward
     loss_grads: dict[int, torch.Tensor] = {}
     split = any(op.kind is OpKind.WEIGHT for op in ops)  # ZB-H1: B, then W
     wire_dtype = ctx.layers.job.wire_dtype
@@ -152,12 +185,16 @@ def _run_ops(
             target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
+            if count is None:
+                kind = (epoch, lo, hi, ctx.train, tuple(ops), structure.signature(x))
+                count = ctx.stash_meter is None or ctx.stash_meter.begins(kind)
             y, stash = ctx.layers.forward(
                 x,
                 ctx.train,
                 input_grad=not first,
                 micro_batch=i,
                 step=ctx.step,
+                count=count,
             )
             result.compute_s += (now() - t0) / 1e9
             if target is not None:
@@ -179,10 +216,12 @@ def _run_ops(
             if stash is not None:
                 stashes[i] = stash
                 result.peak_stashed = max(result.peak_stashed, len(stashes))
-                held = sum(s.nbytes() for s in stashes.values())
-                result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
+                if count:
+                    held[i] = stash.nbytes()
+                    result.peak_stashed_bytes = max(result.peak_stashed_bytes, sum(held.values()))
         elif op.kind is OpKind.WEIGHT:
             t0 = now()
+            held.pop(i, None)
             ctx.layers.backward_weights(stashes.pop(i), micro_batch=i)
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
@@ -201,6 +240,8 @@ def _run_ops(
             if not last:
                 span(SpanKind.RECV_WAIT, i, w0, t0)
             stash = stashes[i] if split else stashes.pop(i)
+            if not split:
+                held.pop(i, None)
             grad_in = ctx.layers.backward(stash, grad, micro_batch=i, split=split)
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
@@ -213,9 +254,14 @@ def _run_ops(
                     compress.encode_value(structure.detached(grad_in), wire_dtype),
                     _message("Backward", ctx, i),
                 )
-            if split:  # what W needs is held on: the gradients kept for it
-                held = sum(s.nbytes() for s in stashes.values())
-                result.peak_stashed_bytes = max(result.peak_stashed_bytes, held)
+            if split and count:  # what W needs is held on: the gradients kept for it
+                held[i] = stash.nbytes()
+                result.peak_stashed_bytes = max(result.peak_stashed_bytes, sum(held.values()))
+    if ctx.stash_meter is not None:
+        if count:
+            ctx.stash_meter.counted(result.peak_stashed_bytes)
+        elif count is not None:
+            result.peak_stashed_bytes = ctx.stash_meter.last_bytes
     path.drain(ctx.deadline)  # every device->host copy done and handed to its link
     for link in ctx.links.values():
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)

@@ -8,6 +8,7 @@ layers' state and optimizers, ``LayerSlice``'s base class).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -44,13 +45,14 @@ class Stash:
     shapes: dict[int, structure.Structure | None] = field(default_factory=dict)
 
     saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
+    counted: bool = True  # whether ``saved`` was noted (``LayerSlice.forward``'s ``count``)
     # ZB-H1: the weight gradients B left for W, in the order B met the layers
     weights: list[_WeightWork] = field(default_factory=list)
 
     def nbytes(self) -> int:
         """Bytes of activation memory held: every layer's inputs and outputs, what the
-        autograd graph still keeps for backward (parameters excluded), and after a ZB-H1 B
-        the gradients kept for W, each storage once."""
+        autograd graph still keeps for backward (parameters excluded; only if ``counted``),
+        and after a ZB-H1 B the gradients kept for W, each storage once."""
         alive = [t for ref in self.saved if (t := ref()) is not None]
         alive += [t for pair in self.pairs for ts in pair if ts is not None for t in ts]
         alive += [t for w in self.weights for t in (*w.grads, *w.split.tensors())]
@@ -168,6 +170,7 @@ class LayerSlice(SliceState):
         input_grad: bool = True,
         micro_batch: int = -1,
         step: int = 0,
+        count: bool = True,
     ) -> tuple[Value, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
 
@@ -184,6 +187,9 @@ class LayerSlice(SliceState):
             micro_batch: the micro-batch's index in its mini-batch (named in errors).
             step: the logical step (``elasticpipe.training.rng``: with ``micro_batch`` and the
                 layer's index it seeds the layer's random draws).
+            count: note what autograd saves for backward, so that ``Stash.nbytes`` counts
+                it (a Python hook per saved tensor: about 7% of a small GPT block's time,
+                so the executor counts only the runs it measures, ``StashMeter``).
 
         Raises:
             UserCodeError: a layer raised on the input it was given.
@@ -192,8 +198,9 @@ class LayerSlice(SliceState):
         """
         if not train:
             return self._infer(x, micro_batch, step), None
-        stash = Stash()
-        with torch.enable_grad(), rng.forked(self.device) as seed_layer, self._saving(stash):
+        stash = Stash(counted=count)
+        saving = self._saving(stash) if count else contextlib.nullcontext()
+        with torch.enable_grad(), rng.forked(self.device) as seed_layer, saving:
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 need = input_grad or n > 0
@@ -358,7 +365,8 @@ class LayerSlice(SliceState):
             again: float | Lap
             ys, again = kept, 0.0
             if ys is None:
-                with self._saving(stash):  # the rebuilt graph lives until W with ZB-H1
+                # the rebuilt graph lives until W with ZB-H1 (counted if the forward was)
+                with self._saving(stash) if stash.counted else contextlib.nullcontext():
                     ys, again = self._recompute(i, xs, stash, micro_batch)
             outs, gs, n = [], [], 0  # the floating outputs that need their gradient
             for y in ys:

@@ -133,9 +133,12 @@ class StageServicer:
         admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
         return bundle.assembler(header, limit), admitted
 
-    def admit_data(self, slot: int, header: stage_pb2.DataHeader) -> tuple[Slot, Admitted]:
-        """``_admit`` for a bulk message: its slot checked too; the room reserved."""
-        return _slot(slot), self._admit(header)[1]
+    def admit_data(
+        self, slot: int, header: stage_pb2.DataHeader, nbytes: int | None = None
+    ) -> tuple[Slot, Admitted]:
+        """``_admit`` for a bulk message (``nbytes``: its declared bytes, already checked):
+        its slot checked too; the room reserved."""
+        return _slot(slot), self._admit(header, nbytes)[1]
 
     def _receive(
         self,

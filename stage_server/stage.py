@@ -35,7 +35,7 @@ from elasticpipe.stage_server import devicepath, devicetime, memory, transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.config import StageConfig
 from elasticpipe.stage_server.epochs import EpochChanges
-from elasticpipe.stage_server.executor import RunContext, StepResult, execute
+from elasticpipe.stage_server.executor import RunContext, StashMeter, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.stage_server.links import Link
@@ -109,6 +109,7 @@ class Stage(EpochChanges):
         self.slice: LayerSlice | None = None
         self.placement: Placement | None = None
         self.last_peak = (0, 0)
+        self._stash_meter = StashMeter()  # which runs count their stashed bytes
         self.asker: Asker | None = None  # set by the server: asks the coordinator
         self.poisoned = ""  # why this incarnation must be replaced (then re-registers)
         self._cond = threading.Condition(threading.RLock())
@@ -364,6 +365,7 @@ class Stage(EpochChanges):
                 deadline=time.monotonic() + timeout,
                 tracer=self.tracer,
                 path=self.path,
+                stash_meter=self._stash_meter,
             )
         self.faults.point("run_started")
         placement = ctx.placement

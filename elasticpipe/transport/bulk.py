@@ -16,30 +16,41 @@ The channel is negotiated over gRPC and keeps gRPC's checks:
 2. The sender connects to that port on the host it dialled for gRPC -- with TLS, a mutual
    TLS handshake with the same certificates (the receiver checks that the certificate names
    the caller the token was issued to) -- and sends ``MAGIC`` and the token.
-3. Then, per message, one exchange at a time::
+3. Then, per message, one exchange at a time. A message of at most ``EAGER_BYTES`` (every
+   activation of a usual micro-batch) is *eager*: it costs one round trip::
 
-       sender:   u32 length, DataMessage (slot + DataHeader, no data)
+       sender:   u32 length, b"E", u64 n, DataMessage (slot + DataHeader, no data),
+                 then the n declared bytes at once, tensor after tensor
+       receiver: OK -- or an error frame (after reading the n bytes into a scratch buffer)
+
+   A larger one waits for the receiver's go-ahead (*rendezvous*, as MPI calls the two)::
+
+       sender:   u32 length, b"R", u64 n, DataMessage
        receiver: GO -- or an error frame, and the message ends there
-       sender:   exactly the declared bytes, tensor after tensor
+       sender:   exactly the n declared bytes
        receiver: OK -- or an error frame
 
    The receiver checks the header as it checks a gRPC data message (dtypes, shapes, byte
-   counts against its limit, the caller, the epoch, the room in the mailbox) and reserves
-   the room *before* it answers GO, so it never reads a byte it did not agree to hold; it
-   then reads the bytes straight into the tensor they become.
+   counts against its limit and against ``n``, the caller, the epoch, the room in the
+   mailbox) and reserves the room before it reads a byte into memory it keeps; it then
+   reads the bytes straight into the tensor they become. A refused eager message costs it
+   at most ``EAGER_BYTES`` read and dropped; a refused large one, nothing.
 
 An error frame is ``ERR``, a u32 length and JSON ``{"reason", "details"}``: the sender
 raises the same ``ElasticPipeError`` a gRPC call would have. Anything malformed closes the
-connection. Before GO nothing was delivered, so a sender that cannot open the channel (an
-older stage without ``OpenBulk``, a firewalled port, a full listener) or finds it broken
-sends that message over gRPC instead, and keeps to gRPC for that stage for
-``FALLBACK_S``; after GO a broken connection fails the message's run, as a broken gRPC
-stream does. One deadline covers the whole message on both ends.
+connection. A message whose bytes could not all be written was not delivered, so a sender
+that cannot open the channel (an older stage without ``OpenBulk``, a firewalled port, a
+full listener) or finds it broken sends that message over gRPC instead, and keeps to gRPC
+for that stage for ``FALLBACK_S``; once the whole message is written (or GO came), a broken
+connection fails the message's run, as a broken gRPC stream does. A connection the
+receiver closed while idle is noticed before the next message and reopened. One deadline
+covers the whole message on both ends.
 """
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import ssl
 import struct
@@ -64,13 +75,12 @@ TOKEN_BYTES = 32
 TOKEN_TTL_S = 30.0
 MAX_HEADER_BYTES = 1 << 20  # a DataHeader of a bundle of many tensors stays far below
 GO, OK, ERR = b"G", b"K", b"E"
+EAGER, RENDEZVOUS = b"E", b"R"  # a message's kind, in its frame
 MAX_ERROR_BYTES = 1 << 16
 U32 = struct.Struct("<I")
+FRAME = struct.Struct("<IcQ")  # header length, kind, payload bytes
+EAGER_BYTES = 4 << 20  # a message up to this sends its bytes without waiting for GO
 FALLBACK_S = 60.0  # after the channel could not be opened: gRPC only, this long
-
-# A tensor above this goes on the bulk channel (one gRPC chunk: below it a unary Deliver
-# is a single round trip already).
-MIN_BULK_BYTES = codec.DEFAULT_CHUNK_BYTES
 
 
 # ---- framing, shared by both ends -------------------------------------------------------
@@ -140,10 +150,52 @@ def raw_views(value: Value) -> Iterator[memoryview]:
             yield flat.numpy().data
 
 
-def header_frame(slot: int, head: stage_pb2.DataHeader) -> bytes:
-    """The length-prefixed header of one message."""
+def header_frame(
+    slot: int, head: stage_pb2.DataHeader, kind: bytes = RENDEZVOUS, nbytes: int | None = None
+) -> bytes:
+    """The framed header of one message (``kind``: ``EAGER``, its bytes follow at once;
+    ``RENDEZVOUS``, they follow GO). ``nbytes``: the bytes it announces; by default the
+    ones ``head`` declares, read as the receiver reads them (``bundle.declared``)."""
+    if nbytes is None:
+        nbytes = sum(int(m.nbytes) for m in (head.parts if head.structure else [head.meta]))
     body = stage_pb2.DataMessage(slot=slot, header=head).SerializeToString()  # type: ignore[arg-type]
-    return U32.pack(len(body)) + body
+    return FRAME.pack(len(body), kind, nbytes) + body
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview], deadline: float) -> None:
+    """Writes ``parts`` in order, by ``deadline``: in one ``sendmsg`` where the socket has
+    it (a plain TCP socket; a TLS socket writes them one by one)."""
+    if isinstance(sock, ssl.SSLSocket):
+        for part in parts:
+            send_all(sock, part, deadline)
+        return
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        _until(sock, deadline)
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection has something to read: the peer closed it (or broke the
+    protocol); either way it is of no more use."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
+def drain(sock: socket.socket, n: int, deadline: float) -> None:
+    """Reads and drops ``n`` bytes (a refused eager message's)."""
+    scratch = memoryview(bytearray(min(n, 1 << 16)))
+    while n:
+        view = scratch[: min(n, scratch.nbytes)]
+        recv_exactly(sock, view, deadline)
+        n -= view.nbytes
 
 
 def keepalive(sock: socket.socket) -> None:
@@ -240,37 +292,47 @@ class BulkSender:
 
     def send(self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float) -> bool:
         """Sends one declared value within ``timeout``; False when it must go over gRPC
-        instead (nothing was delivered: no channel now, or it broke before GO).
+        instead (nothing was delivered: no channel now, or it broke before the whole
+        message was written, or before GO).
 
         Raises:
             ElasticPipeError: the receiver refused it (as gRPC would have), or the
-                connection broke after the receiver accepted the header
+                connection broke after the whole message was written or accepted
                 (``StageUnavailable``).
         """
         if time.monotonic() < self._grpc_until:
             return False
         deadline = time.monotonic() + timeout
-        frame = header_frame(slot, head)
+        nbytes = structure.nbytes(value)
+        eager = nbytes <= EAGER_BYTES
+        frame = header_frame(slot, head, EAGER if eager else RENDEZVOUS, nbytes)
+        if self._sock is not None and closed_by_peer(self._sock):
+            self.close()  # the stage closed it while it idled
         try:
             fresh = self._sock is None
             sock = self._sock = self._sock or self._connect(deadline)
-            send_all(sock, frame, deadline)
-            answer = recv_bytes(sock, 1, deadline)
+            if eager:
+                send_parts(sock, [frame, *raw_views(value)], deadline)
+                answer = b""
+            else:
+                send_all(sock, frame, deadline)
+                answer = recv_bytes(sock, 1, deadline)
         except _NoChannel as exc:
             self._fall_back(str(exc))
             return False
         except ElasticPipeError:
             self.close()
             raise
-        except (OSError, ConnectionError) as exc:  # nothing delivered: gRPC takes it
+        except (OSError, ConnectionError) as exc:  # not all written: nothing delivered
             self.close()
             if fresh:
-                self._fall_back(f"bulk connection broke before GO: {exc}")
-            return False  # an idle connection the stage closed: reopened next time
+                self._fall_back(f"bulk connection broke before the message was sent: {exc}")
+            return False
         try:
             if answer == GO:
                 for view in raw_views(value):
                     send_all(sock, view, deadline)
+            if eager or answer == GO:
                 answer = recv_bytes(sock, 1, deadline)
             if answer == ERR:
                 raise read_error(sock, self.address, deadline)

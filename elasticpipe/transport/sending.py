@@ -13,7 +13,7 @@ import torch
 from elasticpipe.security.tls import TLS
 from elasticpipe.transport import bulk, rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
-from elasticpipe.wire import bundle, codec, structure
+from elasticpipe.wire import bundle, codec
 from elasticpipe.wire.structure import Value
 
 
@@ -100,8 +100,9 @@ def send(
 
 
 class Sender:
-    """Sends to one stage, one message at a time: a value larger than one chunk over the
-    bulk channel (when the stage has one and ``use_bulk``), anything else over gRPC."""
+    """Sends to one stage, one message at a time: over the bulk channel when the stage has
+    one and ``use_bulk`` (one round trip for a micro-batch's activations, no protobuf copy
+    of the bytes), else over gRPC."""
 
     def __init__(
         self,
@@ -116,7 +117,7 @@ class Sender:
 
     def send(self, msg: Outgoing, timeout: float) -> None:
         """Sends one message synchronously (see ``send``; the same errors)."""
-        if self._bulk is not None and structure.nbytes(msg.tensor) > bulk.MIN_BULK_BYTES:
+        if self._bulk is not None:
             head = header(msg, None)
             bundle.describe(head, msg.tensor)
             if self._bulk.send(_SLOTS[msg.method], head, msg.tensor, timeout):

@@ -202,6 +202,13 @@ def describe(value: Value) -> str:
     return "{" + ", ".join(f"{k!r}: {one(t)}" for k, t in value.items()) + "}"
 
 
+def signature(value: Value) -> tuple[Any, ...]:
+    """A hashable key of a value's form: its keys (a dict), and each tensor's shape and
+    dtype."""
+    keys = tuple(value) if isinstance(value, dict) else ()
+    return keys, tuple((tuple(t.shape), t.dtype) for t in tensors(value))
+
+
 def tensors(value: Value) -> list[torch.Tensor]:
     """The tensors of a value already known to be well formed, in order."""
     if isinstance(value, torch.Tensor):

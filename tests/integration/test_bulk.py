@@ -1,16 +1,15 @@
-"""The bulk channel (``elasticpipe.transport.bulk``): tensors over 1 MiB on a raw socket beside
-gRPC, behind the same checks -- training over it is exact, refusals are gRPC's, and no sequence
-of bytes a peer can send takes a stage down."""
+"""The bulk channel (``elasticpipe.transport.bulk``): every tensor on a raw socket beside gRPC,
+behind the same checks -- training over it is exact, refusals are gRPC's whether a message is
+eager or waits for GO, and no sequence of bytes a peer can send takes a stage down."""
 
 from __future__ import annotations
 
-import struct
 import time
 
 import pytest
 import torch
 
-from elasticpipe.errors import StaleEpoch, TooLarge
+from elasticpipe.errors import InvalidRequest, StaleEpoch, TooLarge
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
@@ -26,17 +25,18 @@ stage = bulk_stage.stage  # the fixture: one in-process stage holding a job
 
 pytestmark = pytest.mark.timeout(120)
 
-BIG = 2 << 20  # bytes: over one chunk, so it goes over the bulk channel
+BIG = 2 << 20  # bytes: eager (its bytes follow the header at once)
+HUGE = bulk.EAGER_BYTES + 4096  # bytes: waits for GO (rendezvous)
 SECRET = bytes(range(16))  # the test's runs' secret (RunStepRequest.secret)
 
 STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header carries one)
 
 
 def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
-    """Two stage processes whose inputs, activations and gradients (1.3 MB per
-    micro-batch) all travel over the bulk channel: losses and weights equal LocalPipeline's
-    bit for bit, and the stages' metrics count every one of those bytes as received in bulk
-    (stage 0: the client's inputs and stage 1's gradients; stage 1: the activations)."""
+    """Two stage processes whose inputs, activations, gradients and targets all travel
+    over the bulk channel: losses and weights equal LocalPipeline's bit for bit, and the
+    stages' metrics count every one of those bytes as received in bulk (stage 0: the
+    client's inputs and stage 1's gradients; stage 1: the activations and the targets)."""
     kwargs = {"sizes": [640, 640, 640, 8]}
     rows, micro_batches, steps = 1024, 2, 3
     g = torch.Generator().manual_seed(0)
@@ -56,11 +56,13 @@ def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
             both.assert_same_weights()
             addresses = list(both.pipe.partition.addresses)
         per_message = rows // micro_batches * 640 * 4
-        assert per_message > bulk.MIN_BULK_BYTES
-        for address, messages in zip(addresses, (2, 1), strict=True):
+        targets = rows // micro_batches * 8  # int64 class ids
+        for address, nbytes in zip(
+            addresses, (2 * per_message, per_message + targets), strict=True
+        ):
             samples = scrape(c.metrics_url(c.name_of(address)))
             got_bulk = value(samples, "elasticpipe_stage_bulk_received_bytes_total")
-            assert got_bulk == messages * steps * micro_batches * per_message, address
+            assert got_bulk == steps * micro_batches * nbytes, address
 
 
 # ---- one in-process stage holding a job, spoken to directly ------------------------------
@@ -98,9 +100,14 @@ def _forward(run: int, tensor: torch.Tensor, epoch: int = EPOCH) -> sending.Outg
     return sending.Outgoing("Forward", epoch, run, 0, 0, tensor, secret=SECRET)
 
 
-def test_a_refusal_is_grpcs_error_and_the_connection_goes_on(stage: StageServer) -> None:
+@pytest.mark.parametrize("nbytes", [BIG, HUGE], ids=["eager", "rendezvous"])
+def test_a_refusal_is_grpcs_error_and_the_connection_goes_on(
+    stage: StageServer, nbytes: int
+) -> None:
+    """A refused eager message's bytes are read and dropped, a refused large one's never
+    sent: either way the same connection carries the next message intact."""
     sender, stub = _sender(stage)
-    payload = torch.rand(BIG // 4)
+    payload = torch.rand(nbytes // 4)
     with pytest.raises(StaleEpoch):  # as over gRPC
         sender.send(_forward(1, payload, epoch=EPOCH - 1), timeout=10)
     with pytest.raises(StaleEpoch):
@@ -150,8 +157,15 @@ def test_garbage_and_stolen_tokens_never_take_the_stage_down(stage: StageServer)
     port, token = open_bulk(stub)
     sock = connect_bulk(port, token)
     assert sock.recv(1) == bulk.OK
-    sock.sendall(struct.pack("<I", bulk.MAX_HEADER_BYTES + 1))
+    sock.sendall(bulk.FRAME.pack(bulk.MAX_HEADER_BYTES + 1, bulk.RENDEZVOUS, 0))
     assert sock.recv(1) == b""  # dropped
+    sock.close()
+
+    port, token = open_bulk(stub)
+    sock = connect_bulk(port, token)
+    assert sock.recv(1) == bulk.OK
+    sock.sendall(bulk.FRAME.pack(10, bulk.EAGER, bulk.EAGER_BYTES + 1))
+    assert sock.recv(1) == b""  # an eager message over EAGER_BYTES: dropped, nothing read
     sock.close()
 
     held = stage.stage
@@ -165,6 +179,31 @@ def test_garbage_and_stolen_tokens_never_take_the_stage_down(stage: StageServer)
     sender.send(_forward(3, payload), timeout=10)
     _consume(stub, 3, payload)
     sender.close()
+
+
+def test_an_eager_message_that_misstates_its_bytes_is_refused_and_drained(
+    stage: StageServer,
+) -> None:
+    """An eager frame announcing 100 bytes for a header declaring 4096: refused (naming
+    both), its 100 bytes read and dropped, and the same connection then takes a
+    well-formed message intact."""
+    stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
+    port, token = open_bulk(stub)
+    sock = connect_bulk(port, token)
+    assert sock.recv(1) == bulk.OK
+    payload = torch.rand(1024)
+    head = stage_pb2.DataHeader(
+        secret=SECRET, epoch=EPOCH, run=4, step=0, micro_batch=0, meta=codec.tensor_meta(payload)
+    )
+    sock.sendall(bulk.header_frame(stage_pb2.INPUT, head, bulk.EAGER, nbytes=100) + bytes(100))
+    assert sock.recv(1) == bulk.ERR
+    error = bulk.read_error(sock, "stage")
+    assert isinstance(error, InvalidRequest) and "100" in str(error) and "4096" in str(error)
+    data = payload.numpy().tobytes()
+    sock.sendall(bulk.header_frame(stage_pb2.INPUT, head, bulk.EAGER) + data)
+    assert sock.recv(1) == bulk.OK
+    _consume(stub, 4, payload)
+    sock.close()
 
 
 def test_a_stage_without_a_bulk_channel_gets_everything_over_grpc() -> None:
