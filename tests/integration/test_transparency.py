@@ -11,6 +11,7 @@ import torch
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.stage_server.executor import STASH_COUNT_EVERY
 from elasticpipe.training.objectives import make_optimizer
 from tests.support.numerics import reference_step, stage_threads
 
@@ -137,3 +138,27 @@ def test_1f1b_keeps_at_most_s_minus_s_micro_batches_alive(cluster4: LocalCluster
             held_bytes[schedule] = sum(s.peak_stashed_bytes for s in stats)
     # GPipe holds all 8 micro-batches on every stage, 1F1B 4+3+2+1 of them in all.
     assert held_bytes["gpipe"] > 2 * held_bytes["1f1b"], held_bytes
+
+
+@pytest.mark.timeout(300)
+def test_runs_that_do_not_count_their_stash_report_the_count_of_their_kind(
+    cluster4: LocalCluster,
+) -> None:
+    """Only the first run of a kind and one in ``STASH_COUNT_EVERY`` count what autograd
+    saves (``StashMeter``); the runs between report that count. Over a counted run, the
+    uncounted ones after it, and the next counted one, every stage reports the same
+    bytes; a batch of another shape is counted at once, and holds less."""
+    _, loss = MODELS["mlp"]
+    g = torch.Generator().manual_seed(0)
+    x, y = _batch("mlp", 16, g)
+    with _pipeline(cluster4, "mlp", loss=loss, micro_batches=4, stages=2) as pipe:
+        peaks = []
+        for _ in range(STASH_COUNT_EVERY + 2):
+            pipe.train_step(x, y)
+            peaks.append([r.peak_stashed_bytes for r in pipe.last_step.reports])
+        assert all(p == peaks[0] for p in peaks), peaks
+        assert all(b > 0 for b in peaks[0])
+        small_x, small_y = _batch("mlp", 8, g)
+        pipe.train_step(small_x, small_y)
+        smaller = [r.peak_stashed_bytes for r in pipe.last_step.reports]
+        assert all(0 < s < b for s, b in zip(smaller, peaks[0], strict=True)), (smaller, peaks)
