@@ -1,8 +1,13 @@
-"""Links to the neighbouring stages: ordered, asynchronous sends of activations and gradients.
+"""Links to the neighbouring stages: asynchronous sends of activations and gradients.
 
-The executor never waits for the network: it queues a tensor and goes on computing; one
-sender thread per link streams the tensor in chunks with a deadline. A failed send fails
-the run it belonged to, naming the peer, so the step ends with an error instead of a hang.
+The executor never waits for the network. A micro-batch's tensor (up to
+``bulk.DIRECT_BYTES``) is written on the link's open bulk connection by the executor's own
+thread, at once, and the link's thread reads the answers in order: nothing waits for a
+thread to wake before the bytes leave. Anything else -- a large tensor, the first message,
+TLS, gRPC -- is queued for the link's thread, which sends one message at a time with a
+deadline (and no direct write overtakes a queued message on the connection). A failed
+send fails the run it belonged to, naming the peer, so the step ends with an error instead
+of a hang.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 
@@ -47,16 +53,27 @@ class Link:
         self._on_failure = on_failure
         self._timeout = timeout
         self._tracer = tracer
-        self._queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self._queue: queue.Queue[Outgoing | _Written | None] = queue.Queue()
         self._pending = 0
+        self._wire = threading.Lock()  # a direct write, and the count below
+        self._queued = 0  # queued messages the thread has not sent yet: no direct write
         self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._drain, name=f"link-{address}", daemon=True)
         self._thread.start()
 
     def put(self, msg: Outgoing) -> None:
-        """Queues a send; returns at once."""
+        """Sends ``msg``: written now when it can be (its answer read by the link's
+        thread), else queued; returns without waiting for the network either way."""
         with self._idle:
             self._pending += 1
+        with self._wire:
+            if not self._queued:
+                start = self._tracer.now_ns() if self._tracer is not None else 0
+                deadline = self._sender.write_now(msg, self._timeout)
+                if deadline is not None:
+                    self._queue.put(_Written(msg, start, deadline))
+                    return
+            self._queued += 1
         self._queue.put(msg)
 
     def flush(self, timeout: float) -> bool:
@@ -77,10 +94,16 @@ class Link:
             self._sender.close()
 
     def _send_all(self) -> None:
-        while (msg := self._queue.get()) is not None:
-            start = self._tracer.now_ns() if self._tracer is not None else 0
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, _Written):
+                msg, start = item.msg, item.start_ns
+            else:
+                msg, start = item, self._tracer.now_ns() if self._tracer is not None else 0
             try:
-                self._sender.send(msg, self._timeout)
+                if isinstance(item, _Written):
+                    self._sender.read_answer(item.deadline)
+                else:
+                    self._sender.send(msg, self._timeout)
                 if self._on_sent is not None:
                     self._on_sent(self.address, structure.nbytes(msg.tensor))
                 if self._tracer is not None:
@@ -110,6 +133,17 @@ class Link:
             except grpc.RpcError as exc:  # defensive: rpc.call translates these already
                 self._on_failure(msg.run, rpc.translate(exc, self.address))
             finally:
+                if not isinstance(item, _Written):
+                    with self._wire:
+                        self._queued -= 1
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+class _Written(NamedTuple):
+    """A message the executor's thread wrote (``Link.put``): its answer is still to read."""
+
+    msg: Outgoing
+    start_ns: int
+    deadline: float

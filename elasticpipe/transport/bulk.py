@@ -54,6 +54,7 @@ import select
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Iterator
 
@@ -80,6 +81,9 @@ MAX_ERROR_BYTES = 1 << 16
 U32 = struct.Struct("<I")
 FRAME = struct.Struct("<IcQ")  # header length, kind, payload bytes
 EAGER_BYTES = 4 << 20  # a message up to this sends its bytes without waiting for GO
+# A message up to this may be written by the thread that made it (``write_eager``): the
+# compute thread, which then goes on without waiting for a sender thread to wake.
+DIRECT_BYTES = 1 << 20
 FALLBACK_S = 60.0  # after the channel could not be opened: gRPC only, this long
 
 
@@ -249,6 +253,9 @@ class BulkSender:
         self.address = address
         self._tls = tls
         self._sock: socket.socket | None = None
+        self._broken = False  # a write on another thread failed: reopen before the next
+        self._unanswered = 0  # messages written (``write_eager``) whose answer is unread
+        self._count = threading.Lock()
         self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
 
     def _connect(self, deadline: float) -> socket.socket:
@@ -289,6 +296,7 @@ class BulkSender:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._broken = False
 
     def send(self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float) -> bool:
         """Sends one declared value within ``timeout``; False when it must go over gRPC
@@ -306,8 +314,8 @@ class BulkSender:
         nbytes = structure.nbytes(value)
         eager = nbytes <= EAGER_BYTES
         frame = header_frame(slot, head, EAGER if eager else RENDEZVOUS, nbytes)
-        if self._sock is not None and closed_by_peer(self._sock):
-            self.close()  # the stage closed it while it idled
+        if self._sock is not None and (self._broken or closed_by_peer(self._sock)):
+            self.close()  # the stage closed it while it idled, or a write broke it
         try:
             fresh = self._sock is None
             sock = self._sock = self._sock or self._connect(deadline)
@@ -345,6 +353,74 @@ class BulkSender:
             self.close()
             raise StageUnavailable(f"unexpected bulk answer {answer!r} from {self.address}")
         return True
+
+    def writable(self, nbytes: int) -> bool:
+        """Whether ``write_eager`` may take a message of ``nbytes`` now."""
+        sock = self._sock
+        return (
+            sock is not None
+            and not self._broken
+            and not isinstance(sock, ssl.SSLSocket)
+            and nbytes <= DIRECT_BYTES
+            and time.monotonic() >= self._grpc_until
+        )
+
+    def write_eager(
+        self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float
+    ) -> float | None:
+        """Writes one eager message on the open connection now, from the caller's thread,
+        without waiting for its answer; the thread that reads answers (``read_answer``,
+        in order) may be waiting for earlier ones meanwhile. A plain TCP socket only (a
+        TLS socket is not safe to write and read from two threads), at most
+        ``DIRECT_BYTES``, and never before the connection is open.
+
+        Returns:
+            The message's deadline, or None when it was not written whole (nothing was
+            delivered: send it with ``send``).
+        """
+        sock = self._sock
+        nbytes = structure.nbytes(value)
+        if sock is None or not self.writable(nbytes):
+            return None
+        with self._count:
+            if not self._unanswered and closed_by_peer(sock):
+                return None  # ``send`` reopens it
+            self._unanswered += 1
+        deadline = time.monotonic() + timeout
+        try:
+            send_parts(sock, [header_frame(slot, head, EAGER, nbytes), *raw_views(value)], deadline)
+        except (OSError, ConnectionError):
+            self._broken = True  # a message may be cut short in it: never written again
+            with self._count:
+                self._unanswered -= 1
+            return None
+        return deadline
+
+    def read_answer(self, deadline: float) -> None:
+        """Reads the answer to the oldest message ``write_eager`` wrote.
+
+        Raises:
+            ElasticPipeError: the receiver refused it (the connection is fine), or the
+                connection broke (``StageUnavailable``).
+        """
+        sock = self._sock
+        try:
+            if sock is None:
+                raise ConnectionError("the connection was closed")
+            answer = recv_bytes(sock, 1, deadline)
+            if answer == ERR:
+                raise read_error(sock, self.address, deadline)
+            if answer != OK:
+                self._broken = True
+                raise StageUnavailable(f"unexpected bulk answer {answer!r} from {self.address}")
+        except (OSError, ConnectionError) as exc:
+            if isinstance(exc, ElasticPipeError):
+                raise
+            self._broken = True
+            raise StageUnavailable(f"bulk channel to {self.address}: {exc}") from exc
+        finally:
+            with self._count:
+                self._unanswered -= 1
 
     def _fall_back(self, why: str) -> None:
         self.close()

@@ -13,7 +13,7 @@ import torch
 from elasticpipe.security.tls import TLS
 from elasticpipe.transport import bulk, rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
-from elasticpipe.wire import bundle, codec
+from elasticpipe.wire import bundle, codec, structure
 from elasticpipe.wire.structure import Value
 
 
@@ -123,6 +123,21 @@ class Sender:
             if self._bulk.send(_SLOTS[msg.method], head, msg.tensor, timeout):
                 return
         send(self.stub, self.address, msg, timeout)
+
+    def write_now(self, msg: Outgoing, timeout: float) -> float | None:
+        """Writes ``msg`` on the open bulk connection from this thread, its answer left for
+        ``read_answer`` (``bulk.BulkSender.write_eager``): the deadline, or None when it
+        must go by ``send``."""
+        if self._bulk is None or not self._bulk.writable(structure.nbytes(msg.tensor)):
+            return None
+        head = header(msg, None)
+        bundle.describe(head, msg.tensor)
+        return self._bulk.write_eager(_SLOTS[msg.method], head, msg.tensor, timeout)
+
+    def read_answer(self, deadline: float) -> None:
+        """The answer to the oldest message ``write_now`` wrote (its errors, as ``send``'s)."""
+        assert self._bulk is not None
+        self._bulk.read_answer(deadline)
 
     def close(self) -> None:
         """Closes the bulk connection, if any (the gRPC channel is the caller's)."""

@@ -11,6 +11,7 @@ import torch
 
 from elasticpipe.errors import InvalidRequest, StaleEpoch, TooLarge
 from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.transport import bulk, rpc, sending
@@ -204,6 +205,45 @@ def test_an_eager_message_that_misstates_its_bytes_is_refused_and_drained(
     assert sock.recv(1) == bulk.OK
     _consume(stub, 4, payload)
     sock.close()
+
+
+def test_a_links_direct_writes_arrive_whatever_is_queued_between_them(
+    stage: StageServer,
+) -> None:
+    """A ``Link`` writes small tensors from the caller's thread once its connection is
+    open, and queues the first (it opens the connection) and a large one: every tensor
+    arrives intact, the direct writes were taken, and a refusal of a direct write reaches
+    the run's failure handler as gRPC's error would."""
+    failures: list[tuple[int, Exception]] = []
+    link = Link(stage.address, lambda run, exc: failures.append((run, exc)), timeout=10)
+    direct = []
+    write_now = link._sender.write_now
+
+    def counted(msg: sending.Outgoing, timeout: float) -> float | None:
+        deadline = write_now(msg, timeout)
+        direct.append(deadline is not None)
+        return deadline
+
+    link._sender.write_now = counted  # type: ignore[method-assign]
+    sent = {}
+    for run, nbytes in enumerate([4096, 4096, 4096, HUGE, 4096, 4096], start=1):
+        sent[run] = torch.rand(nbytes // 4)
+        link.put(_forward(run, sent[run]))
+        if run == 1:
+            assert link.flush(10)  # the connection is open from now on
+    assert link.flush(30) and not failures
+    assert direct[0] is False and direct[1] is True and direct[2] is True, direct
+    stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
+    for run, tensor in sent.items():
+        _consume(stub, run, tensor)
+    link.put(_forward(7, torch.rand(64), epoch=EPOCH - 1))
+    assert link.flush(10)
+    assert direct[-1] is True
+    assert len(failures) == 1 and failures[0][0] == 7 and isinstance(failures[0][1], StaleEpoch)
+    link.put(_forward(8, sent[1]))  # the connection goes on
+    assert link.flush(10) and len(failures) == 1
+    _consume(stub, 8, sent[1])
+    link.close()
 
 
 def test_a_stage_without_a_bulk_channel_gets_everything_over_grpc() -> None:
