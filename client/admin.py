@@ -225,6 +225,8 @@ class PlanReport:
     layer_costs: tuple[float, ...]
     bytes_to_move: int
     stage_names: tuple[str, ...]
+    # per stage: (max - min) / median of its live speed over its last heartbeats
+    stage_speed_spreads: tuple[float, ...] = ()
 
     @property
     def gain(self) -> float | None:

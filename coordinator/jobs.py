@@ -324,7 +324,8 @@ class Jobs(Leases):
             reason = f"job {job.job_id} started: {weights}"
             self.c.install(partition, epochs.history_row(self.c, partition, "start", reason))
             for member in chosen:
-                member.timings, member.speed = {}, None
+                member.remeasure()
+                member.speed = None
             self.c.last_move = time.monotonic()
             laps.lap("assign")
             self.wait_for_copies(partition, job, 0)

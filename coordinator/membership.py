@@ -15,9 +15,11 @@ off first) has ``left``: it is gone as a dead one is, but nothing failed.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -25,6 +27,8 @@ from enum import Enum
 from elasticpipe.coordinator.planning.estimates import Timing
 from elasticpipe.coordinator.store import StageRow, Store
 from elasticpipe.v1 import stage_pb2
+
+SPEED_WINDOW = 9  # live speed estimates a member keeps (``Member.speed_spread``)
 
 RESTART_GRACE_S = 10.0
 LEFT_REASON = "left: shut down on purpose, after its layers moved off"
@@ -80,11 +84,36 @@ class Member:
     committed_step: int = 0
     slowdown: float = 1.0
     speed: float | None = None  # last live estimate
+    beats: int = 0  # heartbeats heard from this incarnation
+    # The live speeds estimated from its last heartbeats (one per heartbeat, since its
+    # layers last changed): their spread is how far the planner's input swings.
+    recent_speeds: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOW))
+    speed_beat: int = -1  # the heartbeat the newest of them came from
     state: stage_pb2.RunState = field(default_factory=stage_pb2.RunState)
     snapshots: list[stage_pb2.SnapshotHolding] = field(default_factory=list)
     dead_reason: str = ""
     dead_at: float = 0.0  # unix time it was declared dead
     memory_bytes: int = 0  # what it offers its job (registration, heartbeats); 0: unknown
+
+    def remeasure(self) -> None:
+        """Forgets its layer timings and the speeds estimated from them: its layers
+        changed, so both are measured again from now."""
+        self.timings = {}
+        self.recent_speeds.clear()
+
+    def observe_speed(self, speed: float) -> None:
+        """Notes the live speed estimated from its latest heartbeat (once per heartbeat)."""
+        if self.speed_beat != self.beats:
+            self.speed_beat = self.beats
+            self.recent_speeds.append(speed)
+
+    def speed_spread(self) -> float:
+        """How far its recent live speeds swing: (max - min) / median, 0 with fewer than
+        two of them."""
+        if len(self.recent_speeds) < 2:
+            return 0.0
+        middle = statistics.median(self.recent_speeds)
+        return (max(self.recent_speeds) - min(self.recent_speeds)) / middle if middle else 0.0
 
 
 class Membership:
@@ -157,6 +186,7 @@ class Membership:
             member.last_seen, member.last_seen_unix = self._clock(), time.time()
             member.epoch, member.committed_step, member.slowdown = epoch, committed_step, slowdown
             member.timings = timings
+            member.beats += 1
             if state is not None:
                 member.state = state
             if snapshots is not None:

@@ -58,6 +58,7 @@ class PlanView:
     bytes_to_move: int
     layers_to_move: int
     in_seconds: bool = True
+    speed_spreads: tuple[float, ...] = ()  # per stage: (max - min) / median, recent speeds
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class Rebalancer:
             bytes_to_move=self.c.bytes_to_move(current, target),
             layers_to_move=len(current.moves_to(target)),
             in_seconds=self.c.in_seconds(current.stage_ids),
+            speed_spreads=tuple(self.c.speed_spreads(current.stage_ids)),
         )
 
     def rebalance(self, dry_run: bool, reason: str, force: bool = True) -> MoveOutcome:
@@ -276,7 +278,7 @@ class Rebalancer:
             for sid in new.stage_ids:  # speeds of moved-into stages are re-measured from now
                 member = self.c.members.by_id(sid)
                 if member is not None:
-                    member.timings = {}
+                    member.remeasure()
         log.info(
             "layers_migrated",
             epoch=new.epoch,

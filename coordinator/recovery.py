@@ -280,7 +280,7 @@ class Recovery:
         for ref in new.stages:
             member = self.c.members.by_id(ref.stage_id)
             if member is not None:
-                member.timings = {}
+                member.remeasure()
         log.warning(
             "job_recovered",
             epoch=epoch,

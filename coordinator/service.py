@@ -380,6 +380,7 @@ class CoordinatorServicer:
             layer_costs=list(view.costs),
             bytes_to_move=view.bytes_to_move,
             stage_names=self.c.cluster.names(view.current.stage_ids),
+            stage_speed_spreads=view.speed_spreads,
         )
 
     def Rebalance(

@@ -188,6 +188,7 @@ class Cluster:
         live = estimates.live_speed(costs, owned)
         if live is not None:
             member.speed = live
+            member.observe_speed(live)
             return live
         if member.speed is not None:
             return member.speed
@@ -204,6 +205,12 @@ class Cluster:
             return True
         members = [self.members.by_id(sid) for sid in stage_ids]
         return any(m is not None and self.speed_of(m) is not None for m in members)
+
+    def speed_spreads(self, stage_ids: Sequence[str]) -> list[float]:
+        """How far each stage's live speed swung over its last heartbeats
+        (``Member.speed_spread``; 0 for an unknown stage)."""
+        members = [self.members.by_id(sid) for sid in stage_ids]
+        return [m.speed_spread() if m is not None else 0.0 for m in members]
 
     def speeds(self, stage_ids: Sequence[str]) -> list[float]:
         """Current speeds of stages, unknown ones filled in."""

@@ -213,10 +213,12 @@ def format_plan(p: PlanReport) -> str:
     optimal = list(p.optimal_boundaries)
     names = list(p.stage_names) or [str(s) for s in range(len(p.stage_speeds))]
     nw = _width(names, 14)
-    lines = [f"{'stage':<{nw}}{'speed':>8}{'current':>12}{'optimal':>12}"]
+    spreads = list(p.stage_speed_spreads) or [0.0] * len(p.stage_speeds)
+    lines = [f"{'stage':<{nw}}{'speed':>8}{'spread':>8}{'current':>12}{'optimal':>12}"]
     for s, (name, speed) in enumerate(zip(names, p.stage_speeds, strict=False)):
+        spread = f"{spreads[s]:.0%}" if s < len(spreads) else "-"
         lines.append(
-            f"{name:<{nw}}{speed:>8.3f}{current[s]:>5}:{current[s + 1]:<6}"
+            f"{name:<{nw}}{speed:>8.3f}{spread:>8}{current[s]:>5}:{current[s + 1]:<6}"
             f"{optimal[s]:>5}:{optimal[s + 1]:<6}"
         )
     gain = p.gain

@@ -963,6 +963,7 @@ class PlanResponse(_message.Message):
     LAYER_COSTS_FIELD_NUMBER: _builtins.int
     BYTES_TO_MOVE_FIELD_NUMBER: _builtins.int
     STAGE_NAMES_FIELD_NUMBER: _builtins.int
+    STAGE_SPEED_SPREADS_FIELD_NUMBER: _builtins.int
     current_step_s: _builtins.float
     """seconds per step (unset: unknown, not profiled)"""
     optimal_step_s: _builtins.float
@@ -979,6 +980,12 @@ class PlanResponse(_message.Message):
     def stage_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """chain order"""
 
+    @_builtins.property
+    def stage_speed_spreads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per stage, how far its live speed swung over its last heartbeats (up to 9, since its
+        layers last changed): (max - min) / median; 0 with fewer than two.
+        """
+
     def __init__(
         self,
         *,
@@ -990,10 +997,11 @@ class PlanResponse(_message.Message):
         layer_costs: _abc.Iterable[_builtins.float] | None = ...,
         bytes_to_move: _builtins.int = ...,
         stage_names: _abc.Iterable[_builtins.str] | None = ...,
+        stage_speed_spreads: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "current", b"current", "current_step_s", b"current_step_s", "optimal_step_s", b"optimal_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speeds", b"stage_speeds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__current_step_s: _TypeAlias = _typing.Literal["current_step_s"]  # noqa: Y015
     _WhichOneofArgType__current_step_s: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s"]  # noqa: Y015

@@ -75,6 +75,10 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
     # The view describes the partition the client runs, and the planner fed the live
     # reports finds nothing more than 25% faster.
     assert tuple(view.current.boundaries) == tuple(boundaries), (view.current, boundaries)
+    # Each stage's speed swung by its spread over its last heartbeats: shown, and small
+    # enough on a quiet cluster to plan by.
+    assert len(view.stage_speed_spreads) == 2, view
+    assert all(0.0 <= s < 1.0 for s in view.stage_speed_spreads), view.stage_speed_spreads
     best = plan(costs, list(view.stage_speeds))
     assert view.current_step_s <= view.optimal_step_s * 1.25, (
         f"current {boundaries} {view.current_step_s:.4f}s vs optimal {best.boundaries} "

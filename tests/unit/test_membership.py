@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from elasticpipe.coordinator.membership import Heard, Membership, Probe, holder_alive
+from elasticpipe.coordinator.membership import (
+    SPEED_WINDOW,
+    Heard,
+    Membership,
+    Probe,
+    holder_alive,
+)
 from elasticpipe.coordinator.store import Store
 from elasticpipe.v1 import stage_pb2
 
@@ -247,3 +253,28 @@ def test_an_incarnation_that_left_is_left_not_dead_also_after_a_restart(
     again, _ = restarted.register("host-a", "a:1", "cpu")
     assert not restarted.by_id(again).row.drained  # type: ignore[union-attr]
     assert restarted.state(restarted.by_id(spare), in_chain=True) == "chain"  # type: ignore[arg-type]
+
+
+def test_the_speed_spread_counts_one_estimate_per_heartbeat(members: Membership) -> None:
+    """``admin plan``'s spread: (max - min) / median of the live speeds of the last
+    ``SPEED_WINDOW`` heartbeats, one per heartbeat however often the planner asks, and
+    forgotten when the stage's layers change."""
+    sid, _ = members.register("host-a", "a:1", "cpu")
+    member = members.by_id(sid)
+    assert member is not None and member.speed_spread() == 0.0
+    for speed in (1.0, 1.2, 0.8):
+        members.heartbeat(sid, 1, {}, 0, 1.0)
+        member.observe_speed(speed)
+        member.observe_speed(5.0)  # asked again before the next heartbeat: not counted
+    assert member.speed_spread() == pytest.approx((1.2 - 0.8) / 1.0)
+    for _ in range(SPEED_WINDOW):
+        members.heartbeat(sid, 1, {}, 0, 1.0)
+        member.observe_speed(2.0)
+    assert member.speed_spread() == 0.0  # the old estimates left the window
+    member.observe_speed(3.0)  # no new heartbeat: not counted
+    assert member.speed_spread() == 0.0
+    members.heartbeat(sid, 1, {}, 0, 1.0)
+    member.observe_speed(3.0)
+    assert member.speed_spread() == pytest.approx(0.5)
+    member.remeasure()
+    assert member.speed_spread() == 0.0 and member.timings == {}
