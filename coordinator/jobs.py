@@ -414,6 +414,8 @@ class Jobs(Leases):
         with self.c.move_lock:
             self.c.profile = profile
             self.c.store.put("profile", profile.to_store())
+            for member in members:  # speeds so far were in fallback units of work
+                member.forget_speeds()
             # The partition's step time was unknown (costs without a unit): now it is not.
             current = self.c.partition
             if current is not None and current.job_id == job.job_id:

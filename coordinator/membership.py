@@ -72,6 +72,9 @@ class Heard(Enum):
     DEAD = "dead"  # declared dead: drop the job, re-register
 
 
+_SPEEDS = threading.Lock()  # every member's ``recent_speeds`` (a few appends a second)
+
+
 @dataclass
 class Member:
     """A registered stage incarnation and what its last heartbeat said."""
@@ -99,21 +102,30 @@ class Member:
         """Forgets its layer timings and the speeds estimated from them: its layers
         changed, so both are measured again from now."""
         self.timings = {}
-        self.recent_speeds.clear()
+        self.forget_speeds()
+
+    def forget_speeds(self) -> None:
+        """Forgets the speeds estimated so far (their unit of work changed: a profile)."""
+        with _SPEEDS:
+            self.recent_speeds.clear()
 
     def observe_speed(self, speed: float) -> None:
-        """Notes the live speed estimated from its latest heartbeat (once per heartbeat)."""
-        if self.speed_beat != self.beats:
-            self.speed_beat = self.beats
-            self.recent_speeds.append(speed)
+        """Notes the live speed estimated from its latest heartbeat (once per heartbeat,
+        whichever of the threads that estimate speeds comes first)."""
+        with _SPEEDS:
+            if self.speed_beat != self.beats:
+                self.speed_beat = self.beats
+                self.recent_speeds.append(speed)
 
     def speed_spread(self) -> float:
         """How far its recent live speeds swing: (max - min) / median, 0 with fewer than
         two of them."""
-        if len(self.recent_speeds) < 2:
+        with _SPEEDS:
+            speeds = list(self.recent_speeds)
+        if len(speeds) < 2:
             return 0.0
-        middle = statistics.median(self.recent_speeds)
-        return (max(self.recent_speeds) - min(self.recent_speeds)) / middle if middle else 0.0
+        middle = statistics.median(speeds)
+        return (max(speeds) - min(speeds)) / middle if middle else 0.0
 
 
 class Membership:

@@ -45,21 +45,26 @@ class StashMeter:
     """
 
     def __init__(self) -> None:
-        self._kind: tuple[Any, ...] | None = None
+        self._kind: tuple[Any, ...] | None = None  # of the last run that counted
         self._since = 0  # runs of the kind since it was last counted
         self.last_bytes = 0
 
     def begins(self, kind: tuple[Any, ...]) -> bool:
-        """Whether the run of ``kind`` starting now counts."""
+        """Whether the run of ``kind`` starting now counts (``counted`` then says what it
+        found; a counted run that fails leaves the next run of its kind to count)."""
         if kind != self._kind or self._since + 1 >= STASH_COUNT_EVERY:
-            self._kind, self._since = kind, 0
             return True
         self._since += 1
         return False
 
-    def counted(self, nbytes: int) -> None:
-        """The peak bytes of the run that counted."""
-        self.last_bytes = nbytes
+    def counted(self, kind: tuple[Any, ...], nbytes: int) -> None:
+        """The peak bytes of the run of ``kind`` that counted, to the end."""
+        self._kind, self._since, self.last_bytes = kind, 0, nbytes
+
+    def forget(self) -> None:
+        """The next run counts, whatever its kind: a run that did not count met inputs
+        of other shapes than its kind's first (a smaller last micro-batch)."""
+        self._kind = None
 
 
 @dataclass
@@ -164,6 +169,9 @@ def _run_ops(
     stashes: dict[int, Stash] = {}
     held: dict[int, int] = {}  # bytes each live stash holds, counted once (``Stash.nbytes``)
     count: bool | None = None  # whether this run counts them: decided at its first forward
+    kind: tuple[Any, ...] = ()
+    signature: Any = None  # of micro-batch 0's input, part of the run's kind
+    mixed = False  # an uncounted run's inputs differ in shape from micro-batch 0's
     loss_grads: dict[int, torch.Tensor] = {}
     split = any(op.kind is OpKind.WEIGHT for op in ops)  # ZB-H1: B, then W
     wire_dtype = ctx.layers.job.wire_dtype
@@ -186,8 +194,11 @@ def _run_ops(
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
             if count is None:
-                kind = (epoch, lo, hi, ctx.train, tuple(ops), structure.signature(x))
+                signature = structure.signature(x)
+                kind = (epoch, lo, hi, ctx.train, tuple(ops), signature)
                 count = ctx.stash_meter is None or ctx.stash_meter.begins(kind)
+            elif not count and not mixed:
+                mixed = structure.signature(x) != signature
             y, stash = ctx.layers.forward(
                 x,
                 ctx.train,
@@ -259,9 +270,11 @@ def _run_ops(
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, sum(held.values()))
     if ctx.stash_meter is not None:
         if count:
-            ctx.stash_meter.counted(result.peak_stashed_bytes)
+            ctx.stash_meter.counted(kind, result.peak_stashed_bytes)
         elif count is not None:
             result.peak_stashed_bytes = ctx.stash_meter.last_bytes
+            if mixed:  # the count is of inputs of other shapes: the next run counts
+                ctx.stash_meter.forget()
     path.drain(ctx.deadline)  # every device->host copy done and handed to its link
     for link in ctx.links.values():
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)

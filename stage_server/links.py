@@ -2,8 +2,9 @@
 
 The executor never waits for the network. A micro-batch's tensor (up to
 ``bulk.DIRECT_BYTES``) is written on the link's open bulk connection by the executor's own
-thread, at once, and the link's thread reads the answers in order: nothing waits for a
-thread to wake before the bytes leave. Anything else -- a large tensor, the first message,
+thread, as far as the socket's buffer takes it at once (the link's thread writes the rest),
+and the link's thread reads the answers in order: nothing waits for a thread to wake before
+the bytes leave. Anything else -- a large tensor, the first message,
 TLS, gRPC -- is queued for the link's thread, which sends one message at a time with a
 deadline (and no direct write overtakes a queued message on the connection). A failed
 send fails the run it belonged to, naming the peer, so the step ends with an error instead
@@ -69,9 +70,12 @@ class Link:
         with self._wire:
             if not self._queued:
                 start = self._tracer.now_ns() if self._tracer is not None else 0
-                deadline = self._sender.write_now(msg, self._timeout)
-                if deadline is not None:
-                    self._queue.put(_Written(msg, start, deadline))
+                try:
+                    written = self._sender.write_now(msg, self._timeout)
+                except ElasticPipeError:
+                    written = None  # e.g. a dtype the wire cannot carry: ``send`` says so
+                if written is not None:
+                    self._queue.put(_Written(msg, start, *written))
                     return
             self._queued += 1
         self._queue.put(msg)
@@ -101,6 +105,8 @@ class Link:
                 msg, start = item, self._tracer.now_ns() if self._tracer is not None else 0
             try:
                 if isinstance(item, _Written):
+                    if item.partial:
+                        self._sender.finish(item.deadline)
                     self._sender.read_answer(item.deadline)
                 else:
                     self._sender.send(msg, self._timeout)
@@ -147,3 +153,4 @@ class _Written(NamedTuple):
     msg: Outgoing
     start_ns: int
     deadline: float
+    partial: bool  # the socket took only part of it: the link's thread writes the rest

@@ -3,9 +3,8 @@
 grpcio moves a tensor through four Python-level copies and HTTP/2 framing, each copy into
 fresh memory, which tops out near 1 GB/s on loopback; a socket that sends straight from the
 tensor's memory and receives straight into the new tensor's runs at the transport's speed
-(``bench/transfer.py`` measures both against gloo and raw TCP). So a tensor larger than one
-gRPC chunk travels here, and everything else -- small tensors, control, errors -- stays on
-gRPC.
+(``bench/transfer.py`` measures both against gloo and raw TCP). So every tensor of the data
+path travels here, and control and errors stay on gRPC.
 
 The channel is negotiated over gRPC and keeps gRPC's checks:
 
@@ -50,13 +49,14 @@ covers the whole message on both ends.
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 import torch
@@ -71,7 +71,7 @@ from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
 
-MAGIC = b"EPBULK1\n"
+MAGIC = b"EPBULK2\n"  # 2: the framed protocol (an older stage closes: gRPC then)
 TOKEN_BYTES = 32
 TOKEN_TTL_S = 30.0
 MAX_HEADER_BYTES = 1 << 20  # a DataHeader of a bundle of many tensors stays far below
@@ -84,7 +84,11 @@ EAGER_BYTES = 4 << 20  # a message up to this sends its bytes without waiting fo
 # A message up to this may be written by the thread that made it (``write_eager``): the
 # compute thread, which then goes on without waiting for a sender thread to wake.
 DIRECT_BYTES = 1 << 20
+IOV_MAX = 1024  # buffers per writev (Linux's limit)
 FALLBACK_S = 60.0  # after the channel could not be opened: gRPC only, this long
+# On a TLS socket every write is a record (encrypted, and one syscall): parts up to this
+# many bytes in all are joined into one write.
+TLS_JOIN_BYTES = 64 << 10
 
 
 # ---- framing, shared by both ends -------------------------------------------------------
@@ -166,22 +170,45 @@ def header_frame(
     return FRAME.pack(len(body), kind, nbytes) + body
 
 
-def send_parts(sock: socket.socket, parts: list[bytes | memoryview], deadline: float) -> None:
+def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadline: float) -> None:
     """Writes ``parts`` in order, by ``deadline``: in one ``sendmsg`` where the socket has
-    it (a plain TCP socket; a TLS socket writes them one by one)."""
+    it (a plain TCP socket). A TLS socket writes small parts joined (``TLS_JOIN_BYTES``),
+    larger ones one by one."""
     if isinstance(sock, ssl.SSLSocket):
+        if sum(len(p) for p in parts) <= TLS_JOIN_BYTES:
+            parts = [b"".join(parts)]
         for part in parts:
             send_all(sock, part, deadline)
         return
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
         _until(sock, deadline)
-        sent = sock.sendmsg(views)
+        sent = sock.sendmsg(views[:IOV_MAX])
         while views and sent >= views[0].nbytes:
             sent -= views[0].nbytes
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+
+
+def write_some(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """Writes what the socket's send buffer takes of ``parts`` now, without waiting (a
+    plain TCP socket with a timeout, whose descriptor is non-blocking); returns what is
+    left. ``os.writev`` on the descriptor, because the socket object's own calls wait out
+    its timeout when the buffer is full."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    fd = sock.fileno()
+    while views:
+        try:
+            sent = os.writev(fd, views[:IOV_MAX])
+        except BlockingIOError:
+            break
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+    return views
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -245,8 +272,10 @@ class _NoChannel(Exception):
 
 
 class BulkSender:
-    """One sender's bulk connection to one stage, opened on first use (one send at a time:
-    a ``Link``'s thread, or ``StageClients`` under its lock)."""
+    """One sender's bulk connection to one stage, opened on first use. ``send`` is called
+    one at a time (a ``Link``'s thread, or ``StageClients`` under its lock); a ``Link`` also
+    writes from its executor's thread (``write_eager``) while its own thread reads the
+    answers (``read_answer``), never at the same time as a ``send``."""
 
     def __init__(self, stub: stage_pb2_grpc.StageServiceStub, address: str, tls: TLS | None):
         self._stub = stub
@@ -254,6 +283,8 @@ class BulkSender:
         self._tls = tls
         self._sock: socket.socket | None = None
         self._broken = False  # a write on another thread failed: reopen before the next
+        self._lost = False  # an answer could not be read: the later ones cannot be trusted
+        self._partial: list[memoryview] = []  # the rest of a direct write, for ``finish``
         self._unanswered = 0  # messages written (``write_eager``) whose answer is unread
         self._count = threading.Lock()
         self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
@@ -296,7 +327,7 @@ class BulkSender:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._broken = False
+        self._broken = self._lost = False
 
     def send(self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float) -> bool:
         """Sends one declared value within ``timeout``; False when it must go over gRPC
@@ -361,62 +392,91 @@ class BulkSender:
             sock is not None
             and not self._broken
             and not isinstance(sock, ssl.SSLSocket)
+            and not self._partial
             and nbytes <= DIRECT_BYTES
             and time.monotonic() >= self._grpc_until
         )
 
     def write_eager(
         self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float
-    ) -> float | None:
+    ) -> tuple[float, bool] | None:
         """Writes one eager message on the open connection now, from the caller's thread,
-        without waiting for its answer; the thread that reads answers (``read_answer``,
-        in order) may be waiting for earlier ones meanwhile. A plain TCP socket only (a
-        TLS socket is not safe to write and read from two threads), at most
-        ``DIRECT_BYTES``, and never before the connection is open.
+        without waiting for the network: what the socket's buffer does not take now is
+        left for ``finish``, on the thread that reads the answers (``read_answer``, in
+        order). A plain TCP socket only (a TLS socket is not safe to write and read from
+        two threads), at most ``DIRECT_BYTES``, and never before the connection is open.
 
         Returns:
-            The message's deadline, or None when it was not written whole (nothing was
-            delivered: send it with ``send``).
+            The message's deadline, and whether part of it is left for ``finish``; None
+            when none of it was written (send it with ``send``).
         """
         sock = self._sock
         nbytes = structure.nbytes(value)
         if sock is None or not self.writable(nbytes):
             return None
+        parts: list[bytes | memoryview] = [header_frame(slot, head, EAGER, nbytes)]
+        parts += raw_views(value)
         with self._count:
             if not self._unanswered and closed_by_peer(sock):
                 return None  # ``send`` reopens it
             self._unanswered += 1
-        deadline = time.monotonic() + timeout
+        written = False
         try:
-            send_parts(sock, [header_frame(slot, head, EAGER, nbytes), *raw_views(value)], deadline)
-        except (OSError, ConnectionError):
+            rest = write_some(sock, parts)
+            written = True
+        except OSError:
             self._broken = True  # a message may be cut short in it: never written again
+        finally:
+            if not written:
+                with self._count:
+                    self._unanswered -= 1
+        if not written:
+            return None
+        self._partial = rest
+        return time.monotonic() + timeout, bool(rest)
+
+    def finish(self, deadline: float) -> None:
+        """Writes what ``write_eager`` left of its message (the answer-reading thread).
+
+        Raises:
+            StageUnavailable: the connection broke (its answer is then not read).
+        """
+        rest, sock = self._partial, self._sock
+        try:
+            if sock is None:
+                raise ConnectionError("the connection was closed")
+            send_parts(sock, rest, deadline)
+        except (OSError, ConnectionError) as exc:
+            self._broken = self._lost = True
             with self._count:
                 self._unanswered -= 1
-            return None
-        return deadline
+            raise StageUnavailable(f"bulk channel to {self.address}: {exc}") from exc
+        finally:
+            self._partial = []
 
     def read_answer(self, deadline: float) -> None:
         """Reads the answer to the oldest message ``write_eager`` wrote.
 
         Raises:
             ElasticPipeError: the receiver refused it (the connection is fine), or the
-                connection broke (``StageUnavailable``).
+                connection broke, or an earlier answer could not be read, so that this
+                one cannot be told apart (``StageUnavailable``).
         """
         sock = self._sock
         try:
             if sock is None:
                 raise ConnectionError("the connection was closed")
+            if self._lost:
+                raise ConnectionError("an earlier answer on it could not be read")
             answer = recv_bytes(sock, 1, deadline)
             if answer == ERR:
                 raise read_error(sock, self.address, deadline)
             if answer != OK:
-                self._broken = True
-                raise StageUnavailable(f"unexpected bulk answer {answer!r} from {self.address}")
+                raise ConnectionError(f"unexpected bulk answer {answer!r}")
         except (OSError, ConnectionError) as exc:
             if isinstance(exc, ElasticPipeError):
                 raise
-            self._broken = True
+            self._broken = self._lost = True
             raise StageUnavailable(f"bulk channel to {self.address}: {exc}") from exc
         finally:
             with self._count:

@@ -1,7 +1,7 @@
 """Sending one tensor (or a tuple or flat dict of tensors, ``elasticpipe.wire.bundle``) to a
-stage: a unary ``Deliver`` for a small one, the bulk channel (``elasticpipe.transport.bulk``) for a
-large one, or the header-then-chunks stream of Forward/Backward/Targets where the peer has
-no bulk channel."""
+stage: over the bulk channel (``elasticpipe.transport.bulk``); where the peer has none, a
+unary ``Deliver`` for a small one or the header-then-chunks stream of
+Forward/Backward/Targets for a large one."""
 
 from __future__ import annotations
 
@@ -124,15 +124,20 @@ class Sender:
                 return
         send(self.stub, self.address, msg, timeout)
 
-    def write_now(self, msg: Outgoing, timeout: float) -> float | None:
-        """Writes ``msg`` on the open bulk connection from this thread, its answer left for
-        ``read_answer`` (``bulk.BulkSender.write_eager``): the deadline, or None when it
-        must go by ``send``."""
+    def write_now(self, msg: Outgoing, timeout: float) -> tuple[float, bool] | None:
+        """Writes ``msg`` on the open bulk connection from this thread without waiting,
+        its answer left for ``read_answer`` (``bulk.BulkSender.write_eager``): the deadline
+        and whether ``finish`` must write the rest; None when it must go by ``send``."""
         if self._bulk is None or not self._bulk.writable(structure.nbytes(msg.tensor)):
             return None
         head = header(msg, None)
         bundle.describe(head, msg.tensor)
         return self._bulk.write_eager(_SLOTS[msg.method], head, msg.tensor, timeout)
+
+    def finish(self, deadline: float) -> None:
+        """Writes the rest of the message ``write_now`` began (``bulk.BulkSender.finish``)."""
+        assert self._bulk is not None
+        self._bulk.finish(deadline)
 
     def read_answer(self, deadline: float) -> None:
         """The answer to the oldest message ``write_now`` wrote (its errors, as ``send``'s)."""

@@ -212,17 +212,18 @@ def test_a_links_direct_writes_arrive_whatever_is_queued_between_them(
 ) -> None:
     """A ``Link`` writes small tensors from the caller's thread once its connection is
     open, and queues the first (it opens the connection) and a large one: every tensor
-    arrives intact, the direct writes were taken, and a refusal of a direct write reaches
-    the run's failure handler as gRPC's error would."""
+    arrives intact, the direct writes were taken, and a refusal of a direct write, or a
+    tensor the wire cannot carry, reaches the run's failure handler as gRPC's error would,
+    the link going on."""
     failures: list[tuple[int, Exception]] = []
     link = Link(stage.address, lambda run, exc: failures.append((run, exc)), timeout=10)
     direct = []
     write_now = link._sender.write_now
 
-    def counted(msg: sending.Outgoing, timeout: float) -> float | None:
-        deadline = write_now(msg, timeout)
-        direct.append(deadline is not None)
-        return deadline
+    def counted(msg: sending.Outgoing, timeout: float) -> tuple[float, bool] | None:
+        written = write_now(msg, timeout)
+        direct.append(written is not None)
+        return written
 
     link._sender.write_now = counted  # type: ignore[method-assign]
     sent = {}
@@ -243,6 +244,13 @@ def test_a_links_direct_writes_arrive_whatever_is_queued_between_them(
     link.put(_forward(8, sent[1]))  # the connection goes on
     assert link.flush(10) and len(failures) == 1
     _consume(stub, 8, sent[1])
+    link.put(_forward(9, torch.zeros(4, dtype=torch.complex64)))  # no wire dtype for it
+    assert link.flush(10) and len(failures) == 2  # failed, and nothing left pending
+    assert failures[1][0] == 9 and isinstance(failures[1][1], InvalidRequest)
+    assert "complex" in str(failures[1][1])
+    link.put(_forward(10, sent[1]))
+    assert link.flush(10) and len(failures) == 2
+    _consume(stub, 10, sent[1])
     link.close()
 
 
