@@ -24,7 +24,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# Byte-compiled first: the suite starts hundreds of processes, and where the environment
+# sets PYTHONDONTWRITEBYTECODE each would compile the project's modules again (~0.5 s each).
 test: lint
+	$(PY) -m compileall -q elasticpipe stage_server client coordinator tests bench > /dev/null
 	$(VENV)/bin/pytest -q
 
 # The tests marked `numerics` (comparisons with a reference: precision, fp16/bf16, Hugging
@@ -37,6 +40,7 @@ test: lint
 NUMERICS_RUNS ?= default:1 avx2:2 own:1
 
 test-numerics: setup
+	$(PY) -m compileall -q elasticpipe stage_server client coordinator tests > /dev/null
 	@set -e; for run in $(NUMERICS_RUNS); do \
 	  cap=$${run%%:*}; threads=$${run##*:}; \
 	  echo "test-numerics: ATEN_CPU_CAPABILITY=$$cap OMP_NUM_THREADS=$$threads"; \

@@ -9,7 +9,28 @@
 * ``initial``: ``init_state``, checked against the model before a job starts.
 """
 
-from elasticpipe.client.admin import Admin
-from elasticpipe.client.pipeline import Pipeline, StageStep, StepStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elasticpipe.client.admin import Admin
+    from elasticpipe.client.pipeline import Pipeline, StageStep, StepStats
 
 __all__ = ["Admin", "Pipeline", "StageStep", "StepStats"]
+
+# Imported on first use, so that ``elasticpipe admin`` (which needs only ``admin``) starts
+# without importing torch.
+_HOMES = {
+    "Admin": "admin",
+    "Pipeline": "pipeline",
+    "StageStep": "pipeline",
+    "StepStats": "pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.logs import get_logger
 from elasticpipe.security.tls import TLS
-from elasticpipe.stage_server import memory
 
 ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
 ENV_COORDINATOR = "ELASTICPIPE_COORDINATOR"
@@ -141,6 +140,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     """Runs a stage server until SIGTERM/SIGINT."""
     import torch
 
+    from elasticpipe.stage_server import memory
     from elasticpipe.stage_server.server import StageServer
     from elasticpipe.stage_server.stage import StageConfig
 

@@ -17,9 +17,26 @@ optimizers, learning rates, precision, loss scaling, clipping and randomness.
   step.
 """
 
-from elasticpipe.training.clipping import GradClip
-from elasticpipe.training.job import JobConfig
-from elasticpipe.training.loss_scaling import LossScale
-from elasticpipe.training.schedule import SCHEDULES, Op, OpKind
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elasticpipe.training.clipping import GradClip
+    from elasticpipe.training.job import JobConfig
+    from elasticpipe.training.loss_scaling import LossScale
+    from elasticpipe.training.schedule import SCHEDULES, Op, OpKind
 
 __all__ = ["SCHEDULES", "GradClip", "JobConfig", "LossScale", "Op", "OpKind"]
+
+# Imported on first use, so that what needs only ``schedule`` (``elasticpipe admin``, by way
+# of the traces' efficiency) starts without importing torch.
+_HOMES = {"GradClip": "clipping", "JobConfig": "job", "LossScale": "loss_scaling"}
+_HOMES |= {name: "schedule" for name in ("SCHEDULES", "Op", "OpKind")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
