@@ -380,6 +380,7 @@ class Jobs(Leases):
         profiles: dict[str, list[Timing]] = {}
         needs: dict[str, list[tuple[int, int]]] = {}
         request = stage_pb2.ProfileRequest(job=spec, repeats=PROFILE_REPEATS)
+        started = time.monotonic()
         replies = concurrency.by_host(
             [m.row.address for m in chosen],
             lambda address: self.c.pool.call(address, "Profile", request, STAGE_CALL_TIMEOUT_S),
@@ -394,6 +395,7 @@ class Jobs(Leases):
         log.info(
             "stages_profiled",
             speeds={self.c.name(s): round(v, 3) for s, v in profile.speeds.items()},
+            seconds=round(time.monotonic() - started, 3),
         )
         return profile
 

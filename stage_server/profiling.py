@@ -1,7 +1,7 @@
 """The profiling pass, one layer at a time: time, activation and state bytes of every layer.
 
 Only one layer of the model exists on the device at any moment: layer ``l`` is built, run
-forward and backward (one warm-up pass, then ``repeats`` timed ones) on the output of layer
+forward and backward (one warm-up pass, then up to ``repeats`` timed ones) on the output of layer
 ``l - 1``, stepped once by its optimizer so that the optimizer's state exists, measured, and
 freed before layer ``l + 1`` is built. The peak is one layer's state plus its activations, so
 a stage can profile a model far larger than its memory.
@@ -10,7 +10,11 @@ What is measured per layer, for one micro-batch (the sample):
 
 * forward and backward seconds: the fastest of ``repeats`` (what delays a run, a page
   fault, a neighbour's burst on a shared host, only ever adds time; the median of five
-  runs put some layers of a uniform MLP at 4x the others on a loaded host);
+  runs put some layers of a uniform MLP at 4x the others on a loaded host). A layer whose
+  runs take long stops sooner: after two timed runs once its timed runs took
+  ``LAYER_BUDGET_S`` of real time, after one when its warm-up alone took ``LONG_RUN_S``
+  (a GPT-2-sized head, about a second a run on one core). Such a layer's delays are small
+  next to it, and profiling a model stays a small share of its first step;
 * ``output_bytes``: the activation it sends on;
 * ``stash_bytes``: what a stage keeps for its backward while the micro-batch is in flight:
   its input and output and every tensor autograd saves, each storage counted once;
@@ -20,6 +24,7 @@ What is measured per layer, for one micro-batch (the sample):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +37,9 @@ from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.training.job import JobConfig
 from elasticpipe.wire import structure
 from elasticpipe.wire.structure import Value
+
+LAYER_BUDGET_S = 0.25  # real seconds of timed runs per layer, after which two runs do
+LONG_RUN_S = 1.0  # a warm-up this long: one timed run does
 
 __all__ = ["profile_layers", "tensor_bytes"]
 
@@ -68,6 +76,12 @@ def _state_bytes(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> i
     return tensor_bytes(tensors)
 
 
+def _enough(timed: int, warm_up_s: float, timed_s: float) -> bool:
+    """Whether a layer's ``timed`` runs so far (real seconds: ``timed_s``, after a warm-up
+    of ``warm_up_s``) measure it well enough: see the module's docstring."""
+    return (timed >= 2 and timed_s >= LAYER_BUDGET_S) or (timed >= 1 and warm_up_s >= LONG_RUN_S)
+
+
 def profile_layers(
     job: JobConfig,
     sample: Value,
@@ -84,7 +98,8 @@ def profile_layers(
         device: where to run.
         slowdown: the stage's emulated slowdown (its times are reported).
         allow: the stage's allowed model prefixes.
-        repeats: timed passes per layer (after one warm-up).
+        repeats: timed passes per layer at most (after one warm-up; fewer for a layer
+            whose passes take long, see ``LAYER_BUDGET_S``).
 
     Returns:
         One ``LayerTiming`` per layer, with ``stash_bytes`` and ``state_bytes`` set.
@@ -110,7 +125,11 @@ def profile_layers(
         }
         runs: list[LayerTiming] = []
         out, stash_bytes = x, 0
-        for _ in range(max(1, repeats) + 1):
+        warm_up_s = timed_s = 0.0
+        for run in range(max(1, repeats) + 1):
+            if run > 0 and _enough(run - 1, warm_up_s, timed_s):
+                break
+            started = time.perf_counter()
             probe.timings = {index: LayerTiming()}
             saved.clear()
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
@@ -127,6 +146,10 @@ def profile_layers(
             probe.backward(stash, structure.grads_value(ones))
             probe.settle_timings()  # CUDA events: read now (off the hot path)
             runs.append(probe.timings[index])
+            if run == 0:
+                warm_up_s = time.perf_counter() - started
+            else:
+                timed_s += time.perf_counter() - started
         measured = runs[1:]
         for optimizer in probe.optimizers.values():
             optimizer.step()  # creates the optimizer's state; this copy is thrown away

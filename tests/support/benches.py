@@ -38,6 +38,16 @@ KEYS: dict[str, set[str]] = {
         "failure_free_steps_per_s",
         "with_failures_steps_per_s",
     },
+    "first_step.py": {
+        "first_step_s",
+        "setup_s",
+        "profile_s",
+        "init_state_s",
+        "steady_step_s",
+        "data_path_gbps",
+        "init_state_vs_data_path",
+        "first_step_vs_goal",
+    },
     "gpu.py": {
         "transparent",
         "max_abs_diff",

@@ -82,3 +82,32 @@ def test_the_profile_keeps_each_layers_fastest_run() -> None:
     assert slowdown.calls == 3 * 6 * 2  # the pattern above holds
     for t in timings:
         assert 0 < t.forward_s < 0.5 and 0 < t.backward_s < 0.5, t
+
+
+class _RealWork(Slowdown):
+    """Every forward and backward takes ``seconds`` of real time more (a sleep): layers
+    whose passes take long."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(1.0, time.thread_time)
+        self.seconds = seconds
+
+    def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, Any]:
+        time.sleep(self.seconds)
+        return super().timed(fn, sync)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("sleep_s", "samples"),
+    [(0.0, 5), (0.07, 2), (0.6, 1)],
+    ids=["fast: every repeat", "over the budget: two", "a long warm-up: one"],
+)
+def test_a_layer_whose_runs_take_long_is_timed_fewer_times(sleep_s: float, samples: int) -> None:
+    """Five repeats for quick layers; two once the timed runs took ``LAYER_BUDGET_S`` of
+    real time (2 x 0.14 s); one after a warm-up of ``LONG_RUN_S`` (1.2 s)."""
+    job = JobConfig(model="mlp", model_kwargs={"sizes": [8, 8]}, optimizer="sgd", loss="mse")
+    timings = profile_layers(
+        job, torch.randn(4, 8), torch.device("cpu"), _RealWork(sleep_s), ("mlp",), 5
+    )
+    assert [t.samples for t in timings] == [samples] * len(timings)
