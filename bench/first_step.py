@@ -192,7 +192,7 @@ def main() -> int:
         "weight_bytes": weight_bytes,
         "first_step_s": round(first_s, 3),
         "setup_s": round(spent["setup_s"], 3),
-        "profile_s": round(profile_s, 3),
+        "profile_s": round(profile_s, 3) if profile_s == profile_s else None,  # NaN: no line
         "init_state_s": round(spent["init_state_s"], 3),
         "step_part_s": round(step_s, 3),
         "steady_step_s": round(steady_s, 3),
