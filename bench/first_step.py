@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import re
 import statistics
 import sys
@@ -192,7 +193,7 @@ def main() -> int:
         "weight_bytes": weight_bytes,
         "first_step_s": round(first_s, 3),
         "setup_s": round(spent["setup_s"], 3),
-        "profile_s": round(profile_s, 3) if profile_s == profile_s else None,  # NaN: no line
+        "profile_s": None if math.isnan(profile_s) else round(profile_s, 3),  # NaN: no line
         "init_state_s": round(spent["init_state_s"], 3),
         "step_part_s": round(step_s, 3),
         "steady_step_s": round(steady_s, 3),
