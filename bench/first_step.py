@@ -1,7 +1,7 @@
 """A real-size job's first step, broken down: a GPT-2-small-sized model on 4 stages.
 
 The model is the built-in ``gpt`` at GPT-2 small's size: 12 blocks of width 768 with 12
-heads, a vocabulary of 50,257 and an untied head, 163M parameters (650 MB in float32).
+heads, a vocabulary of 50,257 and an untied head, 162.3M parameters (649 MB in float32).
 The job starts from ``init_state`` (weights made here from another seed, as a user's
 pretrained weights would be), trains with AdamW on 2 micro-batches of 4 sequences of 63
 tokens, on a ``LocalCluster`` of 4 stage processes.

@@ -48,6 +48,7 @@ class StashMeter:
         self._kind: tuple[Any, ...] | None = None  # of the last run that counted
         self._since = 0  # runs of the kind since it was last counted
         self.last_bytes = 0
+        self.inputs: dict[int, Any] = {}  # that run's input signatures, by micro-batch
 
     def begins(self, kind: tuple[Any, ...]) -> bool:
         """Whether the run of ``kind`` starting now counts (``counted`` then says what it
@@ -57,13 +58,14 @@ class StashMeter:
         self._since += 1
         return False
 
-    def counted(self, kind: tuple[Any, ...], nbytes: int) -> None:
-        """The peak bytes of the run of ``kind`` that counted, to the end."""
-        self._kind, self._since, self.last_bytes = kind, 0, nbytes
+    def counted(self, kind: tuple[Any, ...], nbytes: int, inputs: dict[int, Any]) -> None:
+        """The peak bytes of the run of ``kind`` that counted, to the end, and the
+        signatures of its inputs by micro-batch."""
+        self._kind, self._since, self.last_bytes, self.inputs = kind, 0, nbytes, inputs
 
     def forget(self) -> None:
         """The next run counts, whatever its kind: a run that did not count met inputs
-        of other shapes than its kind's first (a smaller last micro-batch)."""
+        of other shapes than the counted run (a batch split otherwise after micro-batch 0)."""
         self._kind = None
 
 
@@ -170,8 +172,8 @@ def _run_ops(
     held: dict[int, int] = {}  # bytes each live stash holds, counted once (``Stash.nbytes``)
     count: bool | None = None  # whether this run counts them: decided at its first forward
     kind: tuple[Any, ...] = ()
-    signature: Any = None  # of micro-batch 0's input, part of the run's kind
-    mixed = False  # an uncounted run's inputs differ in shape from micro-batch 0's
+    inputs: dict[int, Any] = {}  # each forward's input signature, by micro-batch
+    mixed = False  # an uncounted run's inputs differ in shape from the counted run's
     loss_grads: dict[int, torch.Tensor] = {}
     split = any(op.kind is OpKind.WEIGHT for op in ops)  # ZB-H1: B, then W
     wire_dtype = ctx.layers.job.wire_dtype
@@ -193,12 +195,13 @@ def _run_ops(
             target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
+            if ctx.stash_meter is not None:
+                inputs[i] = structure.signature(x)
             if count is None:
-                signature = structure.signature(x)
-                kind = (epoch, lo, hi, ctx.train, tuple(ops), signature)
+                kind = (epoch, lo, hi, ctx.train, tuple(ops), inputs.get(i))
                 count = ctx.stash_meter is None or ctx.stash_meter.begins(kind)
-            elif not count and not mixed:
-                mixed = structure.signature(x) != signature
+            if not count and not mixed and ctx.stash_meter is not None:
+                mixed = ctx.stash_meter.inputs.get(i) != inputs[i]
             y, stash = ctx.layers.forward(
                 x,
                 ctx.train,
@@ -270,7 +273,7 @@ def _run_ops(
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, sum(held.values()))
     if ctx.stash_meter is not None:
         if count:
-            ctx.stash_meter.counted(kind, result.peak_stashed_bytes)
+            ctx.stash_meter.counted(kind, result.peak_stashed_bytes, inputs)
         elif count is not None:
             result.peak_stashed_bytes = ctx.stash_meter.last_bytes
             if mixed:  # the count is of inputs of other shapes: the next run counts

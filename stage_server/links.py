@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import grpc
 
-from elasticpipe.errors import ElasticPipeError
+from elasticpipe.errors import ElasticPipeError, StageUnavailable
 from elasticpipe.logs import get_logger
 from elasticpipe.security.tls import TLS
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
@@ -72,8 +72,8 @@ class Link:
                 start = self._tracer.now_ns() if self._tracer is not None else 0
                 try:
                     written = self._sender.write_now(msg, self._timeout)
-                except ElasticPipeError:
-                    written = None  # e.g. a dtype the wire cannot carry: ``send`` says so
+                except Exception:  # e.g. a dtype the wire cannot carry: ``send`` says so
+                    written = None
                 if written is not None:
                     self._queue.put(_Written(msg, start, *written))
                     return
@@ -105,9 +105,10 @@ class Link:
                 msg, start = item, self._tracer.now_ns() if self._tracer is not None else 0
             try:
                 if isinstance(item, _Written):
-                    if item.partial:
-                        self._sender.finish(item.deadline)
-                    self._sender.read_answer(item.deadline)
+                    if item.partial and not self._finished(item):
+                        self._sender.send(msg, self._timeout)  # cut short: delivered nowhere
+                    else:
+                        self._sender.read_answer(item.deadline)
                 else:
                     self._sender.send(msg, self._timeout)
                 if self._on_sent is not None:
@@ -145,6 +146,15 @@ class Link:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _finished(self, item: _Written) -> bool:
+        """Writes the rest of a direct write; False when the connection broke first."""
+        try:
+            self._sender.finish(item.deadline)
+        except StageUnavailable as exc:
+            log.info("direct_write_resent", peer=self.address, run=item.msg.run, error=str(exc))
+            return False
+        return True
 
 
 class _Written(NamedTuple):

@@ -11,10 +11,11 @@ What is measured per layer, for one micro-batch (the sample):
 * forward and backward seconds: the fastest of ``repeats`` (what delays a run, a page
   fault, a neighbour's burst on a shared host, only ever adds time; the median of five
   runs put some layers of a uniform MLP at 4x the others on a loaded host). A layer whose
-  runs take long stops sooner: after two timed runs once its timed runs took
-  ``LAYER_BUDGET_S`` of real time, after one when its warm-up alone took ``LONG_RUN_S``
-  (a GPT-2-sized head, about a second a run on one core). Such a layer's delays are small
-  next to it, and profiling a model stays a small share of its first step;
+  runs take long stops sooner: after two timed runs when the two took ``LAYER_BUDGET_S``
+  of real time, after one when it alone took ``LONG_RUN_S`` (a GPT-2-sized head, about a
+  second a run on one core; the warm-up, which carries one-time costs, never decides).
+  Such a layer's delays are small next to it, and profiling a model stays a small share
+  of its first step;
 * ``output_bytes``: the activation it sends on;
 * ``stash_bytes``: what a stage keeps for its backward while the micro-batch is in flight:
   its input and output and every tensor autograd saves, each storage counted once;
@@ -38,8 +39,8 @@ from elasticpipe.training.job import JobConfig
 from elasticpipe.wire import structure
 from elasticpipe.wire.structure import Value
 
-LAYER_BUDGET_S = 0.25  # real seconds of timed runs per layer, after which two runs do
-LONG_RUN_S = 1.0  # a warm-up this long: one timed run does
+LAYER_BUDGET_S = 0.25  # two timed runs that took this long in all: they do
+LONG_RUN_S = 1.0  # a first timed run this long: it does
 
 __all__ = ["profile_layers", "tensor_bytes"]
 
@@ -76,10 +77,10 @@ def _state_bytes(layer: nn.Module, optimizer: torch.optim.Optimizer | None) -> i
     return tensor_bytes(tensors)
 
 
-def _enough(timed: int, warm_up_s: float, timed_s: float) -> bool:
-    """Whether a layer's ``timed`` runs so far (real seconds: ``timed_s``, after a warm-up
-    of ``warm_up_s``) measure it well enough: see the module's docstring."""
-    return (timed >= 2 and timed_s >= LAYER_BUDGET_S) or (timed >= 1 and warm_up_s >= LONG_RUN_S)
+def _enough(timed: int, timed_s: float) -> bool:
+    """Whether a layer's first ``timed`` runs (real seconds: ``timed_s``) measure it well
+    enough: see the module's docstring."""
+    return (timed == 1 and timed_s >= LONG_RUN_S) or (timed == 2 and timed_s >= LAYER_BUDGET_S)
 
 
 def profile_layers(
@@ -125,9 +126,9 @@ def profile_layers(
         }
         runs: list[LayerTiming] = []
         out, stash_bytes = x, 0
-        warm_up_s = timed_s = 0.0
+        timed_s = 0.0
         for run in range(max(1, repeats) + 1):
-            if run > 0 and _enough(run - 1, warm_up_s, timed_s):
+            if run > 1 and _enough(run - 1, timed_s):
                 break
             started = time.perf_counter()
             probe.timings = {index: LayerTiming()}
@@ -146,9 +147,7 @@ def profile_layers(
             probe.backward(stash, structure.grads_value(ones))
             probe.settle_timings()  # CUDA events: read now (off the hot path)
             runs.append(probe.timings[index])
-            if run == 0:
-                warm_up_s = time.perf_counter() - started
-            else:
+            if run > 0:
                 timed_s += time.perf_counter() - started
         measured = runs[1:]
         for optimizer in probe.optimizers.values():

@@ -15,7 +15,9 @@ The channel is negotiated over gRPC and keeps gRPC's checks:
 2. The sender connects to that port on the host it dialled for gRPC -- with TLS, a mutual
    TLS handshake with the same certificates (the receiver checks that the certificate names
    the caller the token was issued to) -- and sends ``MAGIC`` and the token.
-3. Then, per message, one exchange at a time. A message of at most ``EAGER_BYTES`` (every
+3. Then the messages, answered in order (``write_eager`` writes small ones without waiting
+   for the answers of earlier ones; anything else is one exchange at a time after them).
+   A message of at most ``EAGER_BYTES`` (every
    activation of a usual micro-batch) is *eager*: it costs one round trip::
 
        sender:   u32 length, b"E", u64 n, DataMessage (slot + DataHeader, no data),
@@ -203,6 +205,8 @@ def write_some(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> list
             sent = os.writev(fd, views[:IOV_MAX])
         except BlockingIOError:
             break
+        if not sent:
+            break
         while views and sent >= views[0].nbytes:
             sent -= views[0].nbytes
             views.pop(0)
@@ -287,6 +291,9 @@ class BulkSender:
         self._partial: list[memoryview] = []  # the rest of a direct write, for ``finish``
         self._unanswered = 0  # messages written (``write_eager``) whose answer is unread
         self._count = threading.Lock()
+        # A direct write and ``close``: a closed descriptor's number, reused by a new
+        # socket, is never written to.
+        self._fd = threading.Lock()
         self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
 
     def _connect(self, deadline: float) -> socket.socket:
@@ -324,10 +331,12 @@ class BulkSender:
 
     def close(self) -> None:
         """Closes the connection (the next send opens another)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._broken = self._lost = False
+        with self._fd:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self._broken = self._lost = False
+            self._partial = []
 
     def send(self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float) -> bool:
         """Sends one declared value within ``timeout``; False when it must go over gRPC
@@ -422,7 +431,10 @@ class BulkSender:
             self._unanswered += 1
         written = False
         try:
-            rest = write_some(sock, parts)
+            with self._fd:
+                if self._sock is not sock:
+                    raise ConnectionError("the connection was closed")
+                rest = write_some(sock, parts)
             written = True
         except OSError:
             self._broken = True  # a message may be cut short in it: never written again
@@ -439,12 +451,15 @@ class BulkSender:
         """Writes what ``write_eager`` left of its message (the answer-reading thread).
 
         Raises:
-            StageUnavailable: the connection broke (its answer is then not read).
+            StageUnavailable: the connection broke (its answer is then not read, and the
+                message, delivered nowhere, may go again by ``send``).
         """
         rest, sock = self._partial, self._sock
         try:
             if sock is None:
                 raise ConnectionError("the connection was closed")
+            if self._broken or self._lost:
+                raise ConnectionError("the connection broke before the rest was written")
             send_parts(sock, rest, deadline)
         except (OSError, ConnectionError) as exc:
             self._broken = self._lost = True

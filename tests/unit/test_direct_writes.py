@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(20)
 def pair() -> Iterator[tuple[bulk.BulkSender, socket.socket]]:
     """A sender whose connection is open, and the peer's end of it."""
     listener = socket.create_server(("127.0.0.1", 0))
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # the peer's, too
     mine = socket.create_connection(listener.getsockname(), timeout=10)
     peer, _ = listener.accept()
     listener.close()

@@ -101,11 +101,11 @@ class _RealWork(Slowdown):
 @pytest.mark.parametrize(
     ("sleep_s", "samples"),
     [(0.0, 5), (0.07, 2), (0.6, 1)],
-    ids=["fast: every repeat", "over the budget: two", "a long warm-up: one"],
+    ids=["fast: every repeat", "over the budget: two", "a long run: one"],
 )
 def test_a_layer_whose_runs_take_long_is_timed_fewer_times(sleep_s: float, samples: int) -> None:
-    """Five repeats for quick layers; two once the timed runs took ``LAYER_BUDGET_S`` of
-    real time (2 x 0.14 s); one after a warm-up of ``LONG_RUN_S`` (1.2 s)."""
+    """Five repeats for quick layers; two when the two timed runs took ``LAYER_BUDGET_S`` of
+    real time (2 x 0.14 s); one when the first took ``LONG_RUN_S`` (1.2 s)."""
     job = JobConfig(model="mlp", model_kwargs={"sizes": [8, 8]}, optimizer="sgd", loss="mse")
     timings = profile_layers(
         job, torch.randn(4, 8), torch.device("cpu"), _RealWork(sleep_s), ("mlp",), 5
