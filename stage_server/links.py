@@ -106,7 +106,7 @@ class Link:
             try:
                 if isinstance(item, _Written):
                     if item.partial and not self._finished(item):
-                        self._sender.send(msg, self._timeout)  # cut short: delivered nowhere
+                        self._resend(msg)
                     else:
                         self._sender.read_answer(item.deadline)
                 else:
@@ -146,6 +146,17 @@ class Link:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _resend(self, msg: Outgoing) -> None:
+        """Sends a direct write that a broken connection cut short (it was delivered
+        nowhere) on a new one, counted as queued so that no direct write shares it."""
+        with self._wire:
+            self._queued += 1
+        try:
+            self._sender.send(msg, self._timeout)
+        finally:
+            with self._wire:
+                self._queued -= 1
 
     def _finished(self, item: _Written) -> bool:
         """Writes the rest of a direct write; False when the connection broke first."""
