@@ -173,7 +173,6 @@ def _run_ops(
     count: bool | None = None  # whether this run counts them: decided at its first forward
     kind: tuple[Any, ...] = ()
     inputs: dict[int, Any] = {}  # each forward's input signature, by micro-batch
-    mixed = False  # an uncounted run's inputs differ in shape from the counted run's
     loss_grads: dict[int, torch.Tensor] = {}
     split = any(op.kind is OpKind.WEIGHT for op in ops)  # ZB-H1: B, then W
     wire_dtype = ctx.layers.job.wire_dtype
@@ -200,8 +199,6 @@ def _run_ops(
             if count is None:
                 kind = (epoch, lo, hi, ctx.train, tuple(ops), inputs.get(i))
                 count = ctx.stash_meter is None or ctx.stash_meter.begins(kind)
-            if not count and not mixed and ctx.stash_meter is not None:
-                mixed = ctx.stash_meter.inputs.get(i) != inputs[i]
             y, stash = ctx.layers.forward(
                 x,
                 ctx.train,
@@ -276,7 +273,7 @@ def _run_ops(
             ctx.stash_meter.counted(kind, result.peak_stashed_bytes, inputs)
         elif count is not None:
             result.peak_stashed_bytes = ctx.stash_meter.last_bytes
-            if mixed:  # the count is of inputs of other shapes: the next run counts
+            if inputs != ctx.stash_meter.inputs:  # a count of other shapes: the next counts
                 ctx.stash_meter.forget()
     path.drain(ctx.deadline)  # every device->host copy done and handed to its link
     for link in ctx.links.values():

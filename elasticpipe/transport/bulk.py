@@ -185,12 +185,7 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadlin
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
         _until(sock, deadline)
-        sent = sock.sendmsg(views[:IOV_MAX])
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if sent:
-            views[0] = views[0][sent:]
+        _advance(views, sock.sendmsg(views[:IOV_MAX]))
 
 
 def write_some(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> list[memoryview]:
@@ -207,12 +202,17 @@ def write_some(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> list
             break
         if not sent:
             break
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if sent:
-            views[0] = views[0][sent:]
+        _advance(views, sent)
     return views
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drops the first ``sent`` bytes of ``views`` (what one vectored write took)."""
+    while views and sent >= views[0].nbytes:
+        sent -= views[0].nbytes
+        views.pop(0)
+    if sent:
+        views[0] = views[0][sent:]
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -407,7 +407,12 @@ class BulkSender:
         )
 
     def write_eager(
-        self, slot: int, head: stage_pb2.DataHeader, value: Value, timeout: float
+        self,
+        slot: int,
+        head: stage_pb2.DataHeader,
+        value: Value,
+        timeout: float,
+        nbytes: int | None = None,
     ) -> tuple[float, bool] | None:
         """Writes one eager message on the open connection now, from the caller's thread,
         without waiting for the network: what the socket's buffer does not take now is
@@ -417,10 +422,11 @@ class BulkSender:
 
         Returns:
             The message's deadline, and whether part of it is left for ``finish``; None
-            when none of it was written (send it with ``send``).
+            when none of it was written (send it with ``send``). ``nbytes``: the value's,
+            if the caller has them.
         """
         sock = self._sock
-        nbytes = structure.nbytes(value)
+        nbytes = structure.nbytes(value) if nbytes is None else nbytes
         if sock is None or not self.writable(nbytes):
             return None
         parts: list[bytes | memoryview] = [header_frame(slot, head, EAGER, nbytes)]

@@ -128,11 +128,12 @@ class Sender:
         """Writes ``msg`` on the open bulk connection from this thread without waiting,
         its answer left for ``read_answer`` (``bulk.BulkSender.write_eager``): the deadline
         and whether ``finish`` must write the rest; None when it must go by ``send``."""
-        if self._bulk is None or not self._bulk.writable(structure.nbytes(msg.tensor)):
+        nbytes = structure.nbytes(msg.tensor)
+        if self._bulk is None or not self._bulk.writable(nbytes):
             return None
         head = header(msg, None)
         bundle.describe(head, msg.tensor)
-        return self._bulk.write_eager(_SLOTS[msg.method], head, msg.tensor, timeout)
+        return self._bulk.write_eager(_SLOTS[msg.method], head, msg.tensor, timeout, nbytes)
 
     def finish(self, deadline: float) -> None:
         """Writes the rest of the message ``write_now`` began (``bulk.BulkSender.finish``)."""
