@@ -21,7 +21,7 @@ class CoordinatorConfig:
     """The coordinator's settings (``elasticpipe coordinator --help`` describes each flag)."""
 
     listen: str = "127.0.0.1:0"
-    state: str = ":memory:"  # the SQLite file of the control state (":memory:": none)
+    state: str = ":memory:"  # the store URL (sqlite:PATH, a bare path, etcd://...; see --store)
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # automatic rebalancing
     dead_after_s: float = 5.0  # a stage silent this long is dead
     heartbeat_interval_s: float = 1.0  # what stages are told to beat at

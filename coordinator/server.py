@@ -5,7 +5,7 @@ from __future__ import annotations
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.service import CoordinatorServicer
-from elasticpipe.coordinator.store import Store
+from elasticpipe.coordinator.store import open_store
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
 from elasticpipe.transport.serving import (
@@ -34,7 +34,7 @@ class CoordinatorServer(ServerLifecycle):
         metrics_on = metrics_bind_host(
             config.listen, config.metrics_port, config.metrics_listen, config.insecure
         )
-        self.coordinator = Coordinator(Store(config.state), config)
+        self.coordinator = Coordinator(open_store(config.state), config)
         self._server = start_server(
             config.listen,
             [

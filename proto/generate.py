@@ -1,7 +1,9 @@
 """Generates the Python modules of the contract from ``proto/`` (run after editing a .proto).
 
 Usage: ``python proto/generate.py [OUT_DIR]`` -- writes ``OUT_DIR/elasticpipe/v1/*_pb2*.py``
-(default: the repository root, next to the hand-written ``elasticpipe`` package). The
+(the contract) and ``OUT_DIR/elasticpipe/etcdpb/*_pb2*.py`` (the part of etcd's v3 API the
+coordinator's etcd store speaks), by default into the repository root, next to the
+hand-written ``elasticpipe`` package. The
 generated files are committed; ``tests/unit/test_proto_generated.py`` fails when they are
 stale, so never edit them by hand.
 """
@@ -16,6 +18,7 @@ from grpc_tools import protoc
 
 PROTO_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_ROOT.parent
+PACKAGES = ("elasticpipe/v1", "elasticpipe/etcdpb")  # where the generated modules go
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -37,7 +40,7 @@ def generate(out_dir: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit(f"protoc failed on {sources}")
-    return sorted((out_dir / "elasticpipe" / "v1").glob("*_pb2*"))
+    return sorted(p for package in PACKAGES for p in (out_dir / package).glob("*_pb2*"))
 
 
 if __name__ == "__main__":

@@ -235,9 +235,13 @@ def coordinator_arguments(co: argparse.ArgumentParser) -> None:
     """The flags of ``elasticpipe coordinator``; it runs ``cmd_coordinator``."""
     co.add_argument("--listen", default="127.0.0.1:7100", help="HOST:PORT (port 0: any)")
     co.add_argument(
+        "--store",
         "--state",
+        dest="state",
+        metavar="URL",
         default="elasticpipe-coordinator.sqlite",
-        help="SQLite file holding stages, job, partition and history (':memory:' for none)",
+        help="where stages, job, partition and history are kept: sqlite:PATH (a bare PATH "
+        "too; ':memory:' for none) or etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
     )
     co.add_argument(
         "--auto-rebalance",

@@ -91,9 +91,9 @@ class LocalCluster:
                 predicts a gain (False: only on request, ``Admin.rebalance``).
             heartbeat_s: seconds between the stages' heartbeats (None: the default, 1 s).
             dead_after_s: seconds of silence before a stage is declared dead (None: 5 s).
-            state: the coordinator's SQLite file; ``":memory:"`` keeps nothing (None: a
-                file in the cluster's temporary folder, so that ``restart_coordinator``
-                finds it).
+            state: the coordinator's store (``--store``: a SQLite file or ``etcd://...``);
+                ``":memory:"`` keeps nothing (None: a file in the cluster's temporary
+                folder, so that ``restart_coordinator`` finds it).
             fault_injection: the stages accept injected faults (``tests``, ``bench``).
             commit_lease_s: how long a stage holds a step's commit for its client.
             allow_models: module prefixes every stage may import model factories from.

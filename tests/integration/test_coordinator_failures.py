@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from elasticpipe.local.cluster import LocalCluster
+from tests.support.etcd import start_etcd
 from tests.support.scenario import (
     FAST,
     STEPS,
@@ -27,11 +30,25 @@ LEASE = ["--freeze-lease", "4"]
 
 
 @contextlib.contextmanager
-def cluster_pausing_at(point: str) -> Iterator[LocalCluster]:
-    """Three stages and a coordinator that blocks at ``point`` of its next epoch change."""
+def cluster_pausing_at(point: str, store: str = "") -> Iterator[LocalCluster]:
+    """Three stages and a coordinator that blocks at ``point`` of its next epoch change
+    (its state in ``store``: default, a SQLite file of the cluster's)."""
     args = [*FAST, *LEASE, *(["--pause-at", point] if point else [])]
-    with LocalCluster(stages=3, coordinator_args=args) as cluster:
+    with LocalCluster(stages=3, coordinator_args=args, state=store or None) as cluster:
         yield cluster
+
+
+@contextlib.contextmanager
+def store_of(kind: str, tmp_path: Path) -> Iterator[str]:
+    """The coordinator's store: "" (the cluster's SQLite file) or a real etcd member's URL."""
+    if kind == "sqlite":
+        yield ""
+        return
+    member = start_etcd(tmp_path / "etcd")
+    try:
+        yield f"etcd://{member.endpoint}/job-{uuid.uuid4().hex[:8]}"
+    finally:
+        member.stop()
 
 
 def test_training_goes_on_while_the_coordinator_is_down() -> None:
@@ -57,16 +74,23 @@ def test_training_goes_on_while_the_coordinator_is_down() -> None:
         ]
 
 
+@pytest.mark.parametrize("store", ["sqlite", "etcd"])
 @pytest.mark.parametrize(
     ("point", "kind"),
     [("before_commit_point", "abandoned"), ("after_commit_point", "move")],
     ids=["rolled-back", "rolled-forward"],
 )
-def test_a_coordinator_killed_mid_migration_finishes_or_undoes_it(point: str, kind: str) -> None:
+def test_a_coordinator_killed_mid_migration_finishes_or_undoes_it(
+    point: str, kind: str, store: str, tmp_path: Path
+) -> None:
     """Killed after every stage prepared a move but before the commit point, the restarted
     coordinator undoes the move; killed after the commit point, it finishes it. Either way
-    training, which waits meanwhile, ends exact."""
-    with cluster_pausing_at(point) as cluster, pipeline(cluster) as pipe:
+    training, which waits meanwhile, ends exact; on SQLite and on a real etcd alike."""
+    with (
+        store_of(store, tmp_path) as url,
+        cluster_pausing_at(point, url) as cluster,
+        pipeline(cluster) as pipe,
+    ):
         moved: dict[str, object] = {}
 
         def before(step: int) -> None:

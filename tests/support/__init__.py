@@ -17,5 +17,6 @@
 - ``prometheus``: reading a metrics endpoint;
 - ``fake_cuda``: CUDA events on the host clock;
 - ``multihost_client``: the client host of the multi-host test (run as a script);
-- ``deploy``: the deployment files' checks.
+- ``deploy``: the deployment files' checks;
+- ``etcd``: real etcd members on loopback (the store tests).
 """

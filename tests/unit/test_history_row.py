@@ -7,12 +7,12 @@ import time
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.state import Cluster
-from elasticpipe.coordinator.store import Store
+from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.partition import Partition, StageRef
 
 
 def _cluster_and_partition() -> tuple[Cluster, Partition, list[str]]:
-    cluster = Cluster(Store(":memory:"), CoordinatorConfig())
+    cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig())
     ids = [cluster.members.register(n, f"127.0.0.1:{p}", "cpu")[0] for n, p in (("a", 1), ("b", 2))]
     partition = Partition(
         epoch=7,

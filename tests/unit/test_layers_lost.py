@@ -6,7 +6,7 @@ from __future__ import annotations
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster
-from elasticpipe.coordinator.store import Store
+from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.partition import Partition, StageRef
 from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import stage_pb2
@@ -20,7 +20,7 @@ def test_layers_lost_names_the_dead_owner_and_a_former_holder_of_the_copy() -> N
     """Chain a (layers 0-1), b (2-3); c, which left the chain, held the only copy of a's
     snapshot and is gone too. a dies: layers 0 and 1 have no live copy, and the error
     names a (the owner) and c (the copy's holder), not b."""
-    cluster = Cluster(Store(":memory:"), CoordinatorConfig(dead_after_s=60.0))
+    cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig(dead_after_s=60.0))
     members = cluster.members
     ids = {}
     # Unreachable addresses: the live-holdings probe fails at once and falls back to
@@ -62,7 +62,7 @@ def test_a_lost_job_says_how_to_continue_from_the_last_save() -> None:
 
     from elasticpipe.client.pipeline import Pipeline
 
-    cluster = Cluster(Store(":memory:"), CoordinatorConfig(dead_after_s=60.0))
+    cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig(dead_after_s=60.0))
     stage_id, _ = cluster.members.register("a", "127.0.0.1:1", "cpu")
     cluster.members.declare_dead(stage_id, "killed")
     cluster.job = JobConfig(model="mlp", job_id="j1", snapshot_every=3)

@@ -14,7 +14,7 @@ from elasticpipe.coordinator.membership import (
     Probe,
     holder_alive,
 )
-from elasticpipe.coordinator.store import Store
+from elasticpipe.coordinator.store import SqliteStore, Store
 from elasticpipe.v1 import stage_pb2
 
 
@@ -35,7 +35,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(str(tmp_path / "c.db"))
+    s = SqliteStore(str(tmp_path / "c.db"))
     yield s
     s.close()
 

@@ -11,7 +11,7 @@ import pytest
 
 from elasticpipe.coordinator import Coordinator
 from elasticpipe.coordinator.membership import Member, Probe
-from elasticpipe.coordinator.store import Store
+from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import NameInUse, NotReady
 
 HOLDER = "10.0.0.1:7202"
@@ -20,7 +20,7 @@ HOLDER = "10.0.0.1:7202"
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
     """A coordinator (no loops started) on a fresh store."""
-    store = Store(str(tmp_path / "c.db"))
+    store = SqliteStore(str(tmp_path / "c.db"))
     yield Coordinator(store)
     store.close()
 

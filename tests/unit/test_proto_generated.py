@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-COMMITTED = REPO / "elasticpipe" / "v1"
+PACKAGES = ("elasticpipe/v1", "elasticpipe/etcdpb")  # as in proto/generate.py
 
 
 def _generator() -> ModuleType:
@@ -34,19 +34,23 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
         paths = _generator().generate(tmp_path_factory.mktemp("proto"))
     finally:
         os.environ["PATH"] = old_path
-    return {p.name: p.read_bytes() for p in paths}
+    root = paths[0].parents[2]  # OUT_DIR: the generated files are OUT_DIR/elasticpipe/<pkg>/
+    return {str(p.relative_to(root)): p.read_bytes() for p in paths}
 
 
 def test_generator_covers_every_proto(generated: dict[str, bytes]) -> None:
     """Every .proto under proto/ yields its message and service modules and stubs."""
     for proto in (REPO / "proto").rglob("*.proto"):
+        stem = str(proto.relative_to(REPO / "proto").with_suffix(""))
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi"):
-            assert proto.stem + suffix in generated
+            assert stem + suffix in generated
 
 
 def test_committed_files_are_exactly_the_generated_ones(generated: dict[str, bytes]) -> None:
-    """No generated module is missing from elasticpipe/v1, and none there lacks a source."""
-    committed = {p.name for p in COMMITTED.glob("*_pb2*")}
+    """No generated module is missing from its package, and none there lacks a source."""
+    committed = {
+        str(p.relative_to(REPO)) for package in PACKAGES for p in (REPO / package).glob("*_pb2*")
+    }
     assert committed == set(generated)
 
 
@@ -55,6 +59,6 @@ def test_committed_files_are_byte_identical(generated: dict[str, bytes]) -> None
     stale = [
         name
         for name, content in sorted(generated.items())
-        if not (COMMITTED / name).is_file() or (COMMITTED / name).read_bytes() != content
+        if not (REPO / name).is_file() or (REPO / name).read_bytes() != content
     ]
     assert not stale, f"regenerate with `python proto/generate.py`: stale {stale}"

@@ -1,14 +1,28 @@
-"""Tests of the durable store: what survives a reopen, incarnations, the commit point."""
+"""Tests of the durable stores: what survives a reopen, incarnations, the commit point.
+
+Every test runs on both stores: SQLite in a file, and etcd (one real member on loopback,
+each test under its own key prefix).
+"""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from elasticpipe.coordinator.store import EpochRow, StageRow, Store
+from elasticpipe.coordinator.store import (
+    EpochRow,
+    EtcdStore,
+    SqliteStore,
+    StageRow,
+    Store,
+    open_store,
+)
+from elasticpipe.errors import InvalidRequest, Unavailable
 from elasticpipe.partition import Partition, StageRef
+from tests.support.etcd import EtcdMember, start_etcd
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -41,26 +55,40 @@ EPOCHS = [
 ]
 
 
-@pytest.fixture
-def path(tmp_path: Path) -> str:
-    return str(tmp_path / "coordinator.db")
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdMember]:
+    member = start_etcd(tmp_path_factory.mktemp("etcd"))
+    yield member
+    member.stop()
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The store's URL: a fresh SQLite file, or a fresh prefix in the real etcd."""
+    if request.param == "sqlite":
+        return f"sqlite:{tmp_path / 'coordinator.db'}"
+    member: EtcdMember = request.getfixturevalue("etcd")
+    return f"etcd://{member.endpoint}/test-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture
 def store(path: str) -> Iterator[Store]:
-    s = Store(path)
+    s = open_store(path)
+    s.url = path  # type: ignore[attr-defined]
     yield s
     s.close()
 
 
 def _reopen(store: Store) -> Store:
     store.close()
-    return Store(store.path)
+    reopened = open_store(store.url)  # type: ignore[attr-defined]
+    reopened.url = store.url  # type: ignore[attr-defined]
+    return reopened
 
 
 def test_everything_survives_a_reopen(path: str) -> None:
     """Stages, key-values, the partition, epoch history and max_epoch survive a restart."""
-    first = Store(path)
+    first = open_store(path)
     first.add_stage(A)
     first.add_stage(B)
     first.put("job", {"model": "mlp", "kwargs": {"sizes": [1, 2]}})
@@ -69,7 +97,7 @@ def test_everything_survives_a_reopen(path: str) -> None:
         first.add_epoch(row)
     first.close()
 
-    second = Store(path)
+    second = open_store(path)
     try:
         assert second.stages() == [A, B]
         assert second.get("job") == {"model": "mlp", "kwargs": {"sizes": [1, 2]}}
@@ -200,9 +228,49 @@ def test_a_loop_pause_lands_only_on_a_change_of_its_job_and_survives_a_reopen(
 
 def test_memory_store_works_without_a_file() -> None:
     """The default ':memory:' store keeps values for its lifetime."""
-    store = Store()
+    store = SqliteStore()
     try:
         store.add_stage(A)
         assert store.stages() == [A]
+    finally:
+        store.close()
+
+
+def test_store_urls_pick_the_backend_and_bad_ones_name_the_bad_part(tmp_path: Path) -> None:
+    """sqlite:PATH and a bare path are SQLite; etcd:// lists members and a prefix."""
+    for url in (f"sqlite:{tmp_path / 'a.db'}", str(tmp_path / "b.db")):
+        opened = open_store(url)
+        assert isinstance(opened, SqliteStore)
+        opened.close()
+    etcd = open_store("etcd://10.0.0.1:2379,10.0.0.2:2379/jobs/a")
+    assert isinstance(etcd, EtcdStore)
+    assert etcd.endpoints == ["10.0.0.1:2379", "10.0.0.2:2379"]
+    assert etcd.prefix == "/jobs/a"
+    etcd.close()
+    default = open_store("etcd://h:2379")
+    assert isinstance(default, EtcdStore) and default.prefix == "/elasticpipe"
+    default.close()
+    for bad, named in (("etcd://", "names no"), ("etcd://h:x", "'h:x'"), ("etcd://h:0", "'h:0'")):
+        with pytest.raises(InvalidRequest, match=named):
+            open_store(bad)
+
+
+def test_etcd_store_goes_on_when_the_first_member_listed_is_down(etcd: EtcdMember) -> None:
+    """A member that does not answer is skipped: the next one listed serves the call."""
+    url = f"etcd://127.0.0.1:1,{etcd.endpoint}/test-{uuid.uuid4().hex[:8]}"
+    store = open_store(url)
+    try:
+        store.put("job", {"a": 1})
+        assert store.get("job") == {"a": 1}
+    finally:
+        store.close()
+
+
+def test_an_etcd_store_with_no_member_answering_says_which_members_it_tried() -> None:
+    """Every member down: a clear Unavailable naming them, not a raw gRPC error."""
+    store = open_store("etcd://127.0.0.1:1,127.0.0.1:2")
+    try:
+        with pytest.raises(Unavailable, match=r"127\.0\.0\.1:1,127\.0\.0\.1:2"):
+            store.get("job")
     finally:
         store.close()

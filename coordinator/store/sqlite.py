@@ -1,10 +1,8 @@
-"""The coordinator's durable state in an embedded SQLite file: stages, job, partition, history.
+"""The coordinator's durable state in an embedded SQLite file (``--store sqlite:PATH``).
 
-A restarted coordinator reloads all of it: stage incarnations keep their ids (their
-heartbeats go on without re-registering), the job, the partition with its epoch, the
-epoch history, the client's lease, the auto-rebalance switch, and any epoch change that
-was in flight (which it then rolls forward or back). ``:memory:`` keeps everything in
-memory (tests).
+One host's default: stages, job, partition and history in one WAL-mode file, which a
+restarted coordinator on the same host reloads. ``:memory:`` keeps everything in memory
+(tests).
 """
 
 from __future__ import annotations
@@ -13,9 +11,11 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any
 
+from elasticpipe.coordinator.store.base import STAGE_FLAGS, Store
+from elasticpipe.coordinator.store.rows import EpochRow, StageRow, latest_epochs
 from elasticpipe.partition import Partition
 
 _SCHEMA = """
@@ -42,45 +42,7 @@ CREATE TABLE IF NOT EXISTS epochs (
 """
 
 
-@dataclass(frozen=True)
-class StageRow:
-    """A registered stage incarnation as stored."""
-
-    stage_id: str
-    name: str
-    address: str
-    device: str
-    registered_at: float
-    drained: bool = False
-    incarnation: int = 1
-    dead: bool = False
-    leaving: bool = False  # drained by its own shutdown (SIGTERM), not by an operator
-    left: bool = False  # its shutdown finished: nothing of the job left on it, it exits
-
-
-@dataclass(frozen=True)
-class EpochRow:
-    """Why and how the partition changed to an epoch (or why an attempt was abandoned)."""
-
-    epoch: int
-    at: float
-    reason: str
-    boundaries: tuple[int, ...]
-    stage_ids: tuple[str, ...] = ()
-    layers_moved: int = 0
-    bytes_moved: int = 0
-    pause_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-    kind: str = "move"  # start, move, recovery, restore, abandoned
-    job_id: str = ""
-    stage_names: tuple[str, ...] = ()
-    restored_step: int = 0
-    lost_steps: int = 0
-    detected_at: float = 0.0  # recovery: when the failure was detected (unix time)
-    loop_pause_s: float = 0.0  # what the training loop lost to it, as its client saw (0: unknown)
-
-
-class Store:
+class SqliteStore(Store):
     """Thread-safe access to the SQLite file."""
 
     def __init__(self, path: str = ":memory:"):
@@ -130,7 +92,7 @@ class Store:
         """Sets ``drained``, ``leaving``, ``left``, ``dead`` or ``forgotten`` of an
         incarnation."""
         for name, value in flags.items():
-            if name not in ("drained", "dead", "forgotten", "leaving", "left"):
+            if name not in STAGE_FLAGS:
                 raise ValueError(f"unknown stage flag {name!r}")
             column = "left_cleanly" if name == "left" else name  # LEFT is an SQL keyword
             with self._lock:
@@ -196,10 +158,6 @@ class Store:
         with self._lock:
             self._db.execute("DELETE FROM kv WHERE key=?", (key,))
 
-    def put_partition(self, partition: Partition) -> None:
-        """Makes ``partition`` the durable current partition."""
-        self.put("partition", partition.to_json())
-
     def commit_change(
         self, partition: Partition, change: dict[str, Any], row: EpochRow | None = None
     ) -> None:
@@ -216,11 +174,6 @@ class Store:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-
-    def partition(self) -> Partition | None:
-        """The current partition, if any."""
-        raw = self.get("partition")
-        return None if raw is None else Partition.from_json(raw)
 
     # ---- history -----------------------------------------------------------------------
 
@@ -263,17 +216,7 @@ class Store:
         """The most recent epoch records (of one job, if given), oldest first."""
         with self._lock:
             rows = self._db.execute("SELECT record FROM epochs ORDER BY epoch DESC").fetchall()
-        out = []
-        for (record,) in rows:
-            raw = json.loads(record)
-            if job_id is not None and raw.get("job_id", "") != job_id:
-                continue
-            for key in ("boundaries", "stage_ids", "stage_names"):
-                raw[key] = tuple(raw.get(key, ()))
-            out.append(EpochRow(**raw))
-            if len(out) >= limit:
-                break
-        return list(reversed(out))
+        return latest_epochs((record for (record,) in rows), limit, job_id)
 
     def max_epoch(self) -> int:
         """The highest epoch ever used (epochs never repeat, across jobs too)."""
@@ -282,16 +225,3 @@ class Store:
         stored = self.partition()
         attempted = self.get("epoch_attempted") or 0
         return max(row[0] or 0, stored.epoch if stored else 0, attempted)
-
-    def reserve_epoch(self) -> int:
-        """A fresh epoch number, never handed out again (even if its change is abandoned,
-        so that a late message of an abandoned attempt can never match a new one)."""
-        epoch = self.max_epoch() + 1
-        self.put("epoch_attempted", epoch)
-        return epoch
-
-    def next_client(self) -> int:
-        """A fresh client generation (fences every earlier client)."""
-        generation = int(self.get("client_generation") or 0) + 1
-        self.put("client_generation", generation)
-        return generation

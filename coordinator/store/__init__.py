@@ -1,0 +1,25 @@
+"""The coordinator's durable state behind one interface, and where it lives.
+
+- ``base``: ``Store``, the interface: stage incarnations, named values, the partition and its
+  commit point, the epoch history.
+- ``rows``: ``StageRow`` and ``EpochRow``, what every store keeps.
+- ``sqlite``: ``SqliteStore``, one embedded file (``--store sqlite:PATH``, the default).
+- ``etcd``: ``EtcdStore``, an etcd v3 cluster (``--store etcd://HOST:PORT,...[/PREFIX]``).
+
+``open_store(url)`` picks one from its URL; a bare path (``--state PATH``) is SQLite.
+"""
+
+from elasticpipe.coordinator.store.base import Store
+from elasticpipe.coordinator.store.etcd import EtcdStore
+from elasticpipe.coordinator.store.rows import EpochRow, StageRow
+from elasticpipe.coordinator.store.sqlite import SqliteStore
+
+__all__ = ["EpochRow", "EtcdStore", "SqliteStore", "StageRow", "Store", "open_store"]
+
+
+def open_store(url: str) -> Store:
+    """The store named by ``url``: ``sqlite:PATH``, ``etcd://HOST:PORT[,...][/PREFIX]``,
+    or a bare SQLite path (``:memory:``: nothing kept)."""
+    if url.startswith("etcd://"):
+        return EtcdStore.from_url(url)
+    return SqliteStore(url.removeprefix("sqlite:"))

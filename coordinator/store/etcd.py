@@ -1,0 +1,289 @@
+"""The coordinator's durable state in an etcd v3 cluster (``--store etcd://HOST:PORT,...``).
+
+Keys under one prefix (default ``/elasticpipe``), values JSON:
+
+    PREFIX/stage/<stage_id>     a StageRow and its ``forgotten`` flag
+    PREFIX/kv/<name>            a named value (job, lease, partition, epoch_change, ...)
+    PREFIX/epoch/<epoch:016d>   an EpochRow (zero-padded: key order is epoch order)
+
+The commit point of an epoch change is one etcd ``Txn``. A read-modify-write (a stage's
+flags, a loop pause) is a ``Txn`` conditioned on the key's ``mod_revision``, retried when
+another writer came first. The client speaks etcd's own gRPC API through stubs generated
+from etcd's protos (``elasticpipe.etcdpb``); a call that finds a member unreachable goes
+to the next one, so that losing one member of three changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from typing import Any, TypeVar
+
+import grpc
+
+from elasticpipe.coordinator.store.base import STAGE_FLAGS, Store
+from elasticpipe.coordinator.store.rows import EpochRow, StageRow, latest_epochs
+from elasticpipe.errors import InvalidRequest, Unavailable
+from elasticpipe.etcdpb import rpc_pb2 as pb
+from elasticpipe.etcdpb import rpc_pb2_grpc as pb_grpc
+from elasticpipe.partition import Partition
+
+DEFAULT_PREFIX = "/elasticpipe"
+CALL_TIMEOUT_S = 5.0  # one etcd request, per member tried
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+T = TypeVar("T")
+
+
+def parse_etcd_url(url: str) -> tuple[list[str], str]:
+    """``etcd://h1:p1,h2:p2/prefix`` as (endpoints, prefix); the prefix defaults to
+    ``/elasticpipe``. Raises InvalidRequest naming the bad part."""
+    if not url.startswith("etcd://"):
+        raise InvalidRequest(
+            f"an etcd store is etcd://HOST:PORT[,HOST:PORT...][/PREFIX], not {url!r}"
+        )
+    rest = url[len("etcd://") :]
+    hosts, _, prefix = rest.partition("/")
+    endpoints = [h.strip() for h in hosts.split(",") if h.strip()]
+    if not endpoints:
+        raise InvalidRequest(f"etcd store {url!r} names no HOST:PORT")
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequest(f"etcd endpoint {endpoint!r} in {url!r} is not HOST:PORT")
+    prefix = "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX
+    return endpoints, prefix
+
+
+def _range_end(prefix: bytes) -> bytes:
+    """The end of etcd's range covering every key that starts with ``prefix``."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class EtcdStore(Store):
+    """Thread-safe access to the control state in etcd."""
+
+    def __init__(self, endpoints: Sequence[str], prefix: str = DEFAULT_PREFIX):
+        self.endpoints = list(endpoints)
+        self.prefix = prefix.rstrip("/")
+        self._lock = threading.Lock()
+        self._channels = [grpc.insecure_channel(e) for e in self.endpoints]
+        self._current = 0  # the member that answered last
+
+    @classmethod
+    def from_url(cls, url: str) -> EtcdStore:
+        """An EtcdStore for ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``."""
+        endpoints, prefix = parse_etcd_url(url)
+        return cls(endpoints, prefix)
+
+    def close(self) -> None:
+        """Closes the connections."""
+        for channel in self._channels:
+            channel.close()
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def _call(self, do: Callable[[grpc.Channel], T]) -> T:
+        """``do`` on the member that answered last, then on each other one in turn;
+        Unavailable naming the members when none answers."""
+        first = self._current
+        error: grpc.RpcError | None = None
+        for step in range(len(self._channels)):
+            index = (first + step) % len(self._channels)
+            try:
+                result = do(self._channels[index])
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRIED:
+                    raise
+                error = exc
+                continue
+            self._current = index
+            return result
+        assert error is not None
+        raise Unavailable(
+            f"etcd store: no member of {','.join(self.endpoints)} answered "
+            f"({error.code().name}: {error.details()})"
+        ) from error
+
+    def _range(self, key: bytes, prefix: bool = False, **options: Any) -> pb.RangeResponse:
+        request = pb.RangeRequest(key=key, range_end=_range_end(key) if prefix else b"", **options)
+        return self._call(lambda ch: pb_grpc.KVStub(ch).Range(request, timeout=CALL_TIMEOUT_S))
+
+    def _txn(self, request: pb.TxnRequest) -> pb.TxnResponse:
+        return self._call(lambda ch: pb_grpc.KVStub(ch).Txn(request, timeout=CALL_TIMEOUT_S))
+
+    def _get_json(self, key: bytes) -> tuple[Any, int]:
+        """The value at ``key`` and its mod_revision (None, 0 if absent)."""
+        found = self._range(key).kvs
+        return (json.loads(found[0].value), found[0].mod_revision) if found else (None, 0)
+
+    def _update(self, key: bytes, change: Callable[[Any], Any]) -> Any:
+        """Writes ``change(old)`` at ``key`` unless another writer changed it in between
+        (then reads again); a None from ``change`` writes nothing. Returns what it wrote."""
+        while True:
+            old, revision = self._get_json(key)
+            new = change(old)
+            if new is None:
+                return None
+            guard = pb.Compare(
+                key=key, target=pb.Compare.MOD, result=pb.Compare.EQUAL, mod_revision=revision
+            )
+            request = pb.TxnRequest(compare=[guard], success=[_put_op(key, new)])
+            if self._txn(request).succeeded:
+                return new
+
+    # ---- keys --------------------------------------------------------------------------
+
+    def _stage_key(self, stage_id: str) -> bytes:
+        return f"{self.prefix}/stage/{stage_id}".encode()
+
+    def _kv_key(self, name: str) -> bytes:
+        return f"{self.prefix}/kv/{name}".encode()
+
+    def _epoch_key(self, epoch: int) -> bytes:
+        return f"{self.prefix}/epoch/{epoch:016d}".encode()
+
+    # ---- stages --------------------------------------------------------------------
+
+    def _stage_records(self) -> list[dict[str, Any]]:
+        found = self._range(f"{self.prefix}/stage/".encode(), prefix=True).kvs
+        return [json.loads(kv.value) for kv in found]
+
+    def add_stage(self, row: StageRow) -> None:
+        """Records a new incarnation."""
+        with self._lock:
+            if any(
+                r["name"] == row.name and r["incarnation"] == row.incarnation
+                for r in self._stage_records()
+            ):
+                raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
+            key = self._stage_key(row.stage_id)
+            new = pb.Compare(
+                key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=0
+            )
+            record = {**asdict(row), "forgotten": False}
+            if not self._txn(
+                pb.TxnRequest(compare=[new], success=[_put_op(key, record)])
+            ).succeeded:
+                raise ValueError(f"stage id {row.stage_id!r} exists")
+
+    def set_stage(self, stage_id: str, **flags: bool) -> None:
+        """Sets ``drained``, ``leaving``, ``left``, ``dead`` or ``forgotten`` of an
+        incarnation (an unknown id: nothing)."""
+        for name in flags:
+            if name not in STAGE_FLAGS:
+                raise ValueError(f"unknown stage flag {name!r}")
+
+        def change(old: Any) -> Any:
+            return None if old is None else {**old, **{k: bool(v) for k, v in flags.items()}}
+
+        with self._lock:
+            self._update(self._stage_key(stage_id), change)
+
+    def stages(self) -> list[StageRow]:
+        """Every incarnation not forgotten, in registration order."""
+        with self._lock:
+            records = [r for r in self._stage_records() if not r.pop("forgotten", False)]
+        rows = [StageRow(**r) for r in records]
+        return sorted(rows, key=lambda r: (r.registered_at, r.name))
+
+    def max_incarnation(self, name: str) -> int:
+        """The latest incarnation number of a stage name (0: never registered)."""
+        with self._lock:
+            numbers = [r["incarnation"] for r in self._stage_records() if r["name"] == name]
+        return max(numbers, default=0)
+
+    # ---- named values ------------------------------------------------------------------
+
+    def put(self, key: str, value: Any) -> None:
+        """Stores a JSON-able value."""
+        with self._lock:
+            self._txn(pb.TxnRequest(success=[_put_op(self._kv_key(key), value)]))
+
+    def get(self, key: str) -> Any:
+        """A stored value, or None."""
+        with self._lock:
+            return self._get_json(self._kv_key(key))[0]
+
+    def delete(self, key: str) -> None:
+        """Removes a stored value."""
+        op = pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=self._kv_key(key)))
+        with self._lock:
+            self._txn(pb.TxnRequest(success=[op]))
+
+    def commit_change(
+        self, partition: Partition, change: dict[str, Any], row: EpochRow | None = None
+    ) -> None:
+        """The commit point of an epoch change: the new partition, the change's
+        "committed" record and its history row, written in one etcd transaction."""
+        with self._lock:
+            ops = [
+                _put_op(self._kv_key("partition"), partition.to_json()),
+                _put_op(self._kv_key("epoch_change"), {**change, "phase": "committed"}),
+            ]
+            if row is not None:
+                ops.append(self._epoch_op(row))
+            self._txn(pb.TxnRequest(success=ops))
+
+    # ---- history -----------------------------------------------------------------------
+
+    def _epoch_op(self, row: EpochRow) -> pb.RequestOp:
+        if not row.loop_pause_s:  # a row rewritten after its commit keeps what the loop saw
+            old = self._get_json(self._epoch_key(row.epoch))[0]
+            if old is not None and old.get("loop_pause_s"):
+                row = replace(row, loop_pause_s=old["loop_pause_s"])
+        if not row.at:
+            row = replace(row, at=time.time())
+        return _put_op(self._epoch_key(row.epoch), asdict(row))
+
+    def add_epoch(self, row: EpochRow) -> None:
+        """Records an epoch change."""
+        with self._lock:
+            self._txn(pb.TxnRequest(success=[self._epoch_op(row)]))
+
+    def set_loop_pause(self, job_id: str, epoch: int, pause_s: float) -> bool:
+        """Records what ``job_id``'s training loop lost to the change to ``epoch``; False
+        (and nothing written) if that epoch is no change of that job, or already says so."""
+
+        def change(raw: Any) -> Any:
+            if raw is None or raw.get("job_id", "") != job_id or raw.get("kind") == "abandoned":
+                return None
+            if raw.get("loop_pause_s") == pause_s:  # a renewal sent again: counted once
+                return None
+            return {**raw, "loop_pause_s": pause_s}
+
+        with self._lock:
+            return self._update(self._epoch_key(epoch), change) is not None
+
+    def epochs(self, limit: int = 100, job_id: str | None = None) -> list[EpochRow]:
+        """The most recent epoch records (of one job, if given), oldest first."""
+        with self._lock:
+            found = self._range(
+                f"{self.prefix}/epoch/".encode(),
+                prefix=True,
+                sort_order=pb.RangeRequest.DESCEND,
+                sort_target=pb.RangeRequest.KEY,
+            ).kvs
+        return latest_epochs((kv.value for kv in found), limit, job_id)
+
+    def max_epoch(self) -> int:
+        """The highest epoch ever used (epochs never repeat, across jobs too)."""
+        with self._lock:
+            last = self._range(
+                f"{self.prefix}/epoch/".encode(),
+                prefix=True,
+                limit=1,
+                keys_only=True,
+                sort_order=pb.RangeRequest.DESCEND,
+                sort_target=pb.RangeRequest.KEY,
+            ).kvs
+        recorded = int(last[0].key.rsplit(b"/", 1)[1]) if last else 0
+        stored = self.partition()
+        attempted = self.get("epoch_attempted") or 0
+        return max(recorded, stored.epoch if stored else 0, attempted)
+
+
+def _put_op(key: bytes, value: Any) -> pb.RequestOp:
+    return pb.RequestOp(request_put=pb.PutRequest(key=key, value=json.dumps(value).encode()))
