@@ -30,6 +30,7 @@ from elasticpipe.errors import InvalidRequest, Unavailable
 from elasticpipe.etcdpb import rpc_pb2 as pb
 from elasticpipe.etcdpb import rpc_pb2_grpc as pb_grpc
 from elasticpipe.partition import Partition
+from elasticpipe.transport.serving import check_dial_address
 
 DEFAULT_PREFIX = "/elasticpipe"
 CALL_TIMEOUT_S = 5.0  # one etcd request, per member tried
@@ -50,9 +51,7 @@ def parse_etcd_url(url: str) -> tuple[list[str], str]:
     if not endpoints:
         raise InvalidRequest(f"etcd store {url!r} names no HOST:PORT")
     for endpoint in endpoints:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidRequest(f"etcd endpoint {endpoint!r} in {url!r} is not HOST:PORT")
+        check_dial_address(endpoint, "etcd endpoint")
     prefix = "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX
     return endpoints, prefix
 

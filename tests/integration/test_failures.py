@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -19,19 +18,14 @@ from elasticpipe.errors import LayersLost
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.servers import free_port
 
 
 @pytest.mark.timeout(120)
 def test_stage_retries_an_unreachable_coordinator_with_backoff(tmp_path: Path) -> None:
     """A stage whose coordinator is down logs each retry with a growing delay, then registers
     as soon as the coordinator comes up."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "stage.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(

