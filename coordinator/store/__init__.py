@@ -4,17 +4,30 @@
   commit point, the epoch history.
 - ``rows``: ``StageRow`` and ``EpochRow``, what every store keeps.
 - ``sqlite``: ``SqliteStore``, one embedded file (``--store sqlite:PATH``, the default).
-- ``etcd``: ``EtcdStore``, an etcd v3 cluster (``--store etcd://HOST:PORT,...[/PREFIX]``).
+- ``etcd``: ``EtcdStore``, an etcd v3 cluster (``--store etcd://HOST:PORT,...[/PREFIX]``),
+  whose writes can be fenced with a leadership (``NotLeader`` once it ended).
+- ``election``: ``Election``, one coordinator leads an etcd store, the others stand by.
 
 ``open_store(url)`` picks one from its URL; a bare path (``--state PATH``) is SQLite.
 """
 
 from elasticpipe.coordinator.store.base import Store
-from elasticpipe.coordinator.store.etcd import EtcdStore
+from elasticpipe.coordinator.store.election import Election, Leader
+from elasticpipe.coordinator.store.etcd import EtcdStore, NotLeader
 from elasticpipe.coordinator.store.rows import EpochRow, StageRow
 from elasticpipe.coordinator.store.sqlite import SqliteStore
 
-__all__ = ["EpochRow", "EtcdStore", "SqliteStore", "StageRow", "Store", "open_store"]
+__all__ = [
+    "Election",
+    "EpochRow",
+    "EtcdStore",
+    "Leader",
+    "NotLeader",
+    "SqliteStore",
+    "StageRow",
+    "Store",
+    "open_store",
+]
 
 
 def open_store(url: str) -> Store:

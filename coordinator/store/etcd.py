@@ -20,13 +20,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from elasticpipe.coordinator.store.base import STAGE_FLAGS, Store
 from elasticpipe.coordinator.store.rows import EpochRow, StageRow, latest_epochs
-from elasticpipe.errors import InvalidRequest, Unavailable
+from elasticpipe.errors import ElasticPipeError, InvalidRequest, Unavailable
 from elasticpipe.etcdpb import rpc_pb2 as pb
 from elasticpipe.etcdpb import rpc_pb2_grpc as pb_grpc
 from elasticpipe.partition import Partition
@@ -34,8 +34,25 @@ from elasticpipe.transport.serving import check_dial_address
 
 DEFAULT_PREFIX = "/elasticpipe"
 CALL_TIMEOUT_S = 5.0  # one etcd request, per member tried
+RETRY_FOR_S = 10.0  # passes over the members before a call gives up
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 T = TypeVar("T")
+
+
+class NotLeader(ElasticPipeError):
+    """A write of a coordinator that no longer leads its store (nothing was written)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Leadership(Protocol):
+    """What a fenced store needs of a won election (``election.Election``)."""
+
+    address: str
+    key: bytes
+    term: int  # 0: not leading
+
+    def guard(self) -> pb.Compare: ...
 
 
 def parse_etcd_url(url: str) -> tuple[list[str], str]:
@@ -70,6 +87,7 @@ class EtcdStore(Store):
         self._lock = threading.Lock()
         self._channels = [grpc.insecure_channel(e) for e in self.endpoints]
         self._current = 0  # the member that answered last
+        self._leadership: Leadership | None = None  # writes conditioned on it (fence_with)
 
     @classmethod
     def from_url(cls, url: str) -> EtcdStore:
@@ -84,27 +102,40 @@ class EtcdStore(Store):
 
     # ---- calls -------------------------------------------------------------------------
 
-    def _call(self, do: Callable[[grpc.Channel], T]) -> T:
-        """``do`` on the member that answered last, then on each other one in turn;
-        Unavailable naming the members when none answers."""
+    def _call(self, do: Callable[[grpc.Channel], T], retry_for_s: float | None = None) -> T:
+        """``do`` on the member that answered last, then on each other one in turn, in
+        passes with a growing pause until ``retry_for_s`` (default ``RETRY_FOR_S``) has
+        gone by: an etcd leader election leaves every member unavailable for a moment.
+        Unavailable naming the members when none answered; an error etcd gives for the
+        request itself is an ElasticPipeError naming etcd's status."""
+        retry_for_s = RETRY_FOR_S if retry_for_s is None else retry_for_s
         first = self._current
-        error: grpc.RpcError | None = None
-        for step in range(len(self._channels)):
-            index = (first + step) % len(self._channels)
-            try:
-                result = do(self._channels[index])
-            except grpc.RpcError as exc:
-                if exc.code() not in _RETRIED:
-                    raise
-                error = exc
-                continue
-            self._current = index
-            return result
-        assert error is not None
-        raise Unavailable(
-            f"etcd store: no member of {','.join(self.endpoints)} answered "
-            f"({error.code().name}: {error.details()})"
-        ) from error
+        deadline = time.monotonic() + retry_for_s
+        pause = 0.05
+        while True:
+            error: grpc.RpcError | None = None
+            for step in range(len(self._channels)):
+                index = (first + step) % len(self._channels)
+                try:
+                    result = do(self._channels[index])
+                except grpc.RpcError as exc:
+                    if exc.code() not in _RETRIED:
+                        raise ElasticPipeError(
+                            f"etcd store at {self.endpoints[index]} refused a request "
+                            f"({exc.code().name}: {exc.details()})"
+                        ) from exc
+                    error = exc
+                    continue
+                self._current = index
+                return result
+            assert error is not None
+            if time.monotonic() + pause >= deadline:
+                raise Unavailable(
+                    f"etcd store: no member of {','.join(self.endpoints)} answered "
+                    f"within {retry_for_s:g} s ({error.code().name}: {error.details()})"
+                ) from error
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def _range(self, key: bytes, prefix: bool = False, **options: Any) -> pb.RangeResponse:
         request = pb.RangeRequest(key=key, range_end=_range_end(key) if prefix else b"", **options)
@@ -112,6 +143,29 @@ class EtcdStore(Store):
 
     def _txn(self, request: pb.TxnRequest) -> pb.TxnResponse:
         return self._call(lambda ch: pb_grpc.KVStub(ch).Txn(request, timeout=CALL_TIMEOUT_S))
+
+    def fence_with(self, leadership: Leadership | None) -> None:
+        """Conditions every later write on ``leadership`` (a won ``Election``): a write
+        after it ended raises NotLeader and changes nothing."""
+        self._leadership = leadership
+
+    def _write(self, request: pb.TxnRequest) -> pb.TxnResponse:
+        """A write, conditioned on this store's leadership if it is fenced with one."""
+        lead = self._leadership
+        if lead is None:
+            return self._txn(request)
+        term = lead.term
+        if term == 0:
+            raise NotLeader(f"{lead.address} no longer leads {self.prefix}: nothing written")
+        request.compare.append(lead.guard())
+        answer = self._txn(request)
+        if not answer.succeeded:
+            found = self._range(lead.key).kvs
+            if not found or found[0].create_revision != term:
+                raise NotLeader(
+                    f"{lead.address} (term {term}) was deposed at {self.prefix}: nothing written"
+                )
+        return answer
 
     def _get_json(self, key: bytes) -> tuple[Any, int]:
         """The value at ``key`` and its mod_revision (None, 0 if absent)."""
@@ -130,7 +184,7 @@ class EtcdStore(Store):
                 key=key, target=pb.Compare.MOD, result=pb.Compare.EQUAL, mod_revision=revision
             )
             request = pb.TxnRequest(compare=[guard], success=[_put_op(key, new)])
-            if self._txn(request).succeeded:
+            if self._write(request).succeeded:
                 return new
 
     # ---- keys --------------------------------------------------------------------------
@@ -163,7 +217,7 @@ class EtcdStore(Store):
                 key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=0
             )
             record = {**asdict(row), "forgotten": False}
-            if not self._txn(
+            if not self._write(
                 pb.TxnRequest(compare=[new], success=[_put_op(key, record)])
             ).succeeded:
                 raise ValueError(f"stage id {row.stage_id!r} exists")
@@ -199,7 +253,7 @@ class EtcdStore(Store):
     def put(self, key: str, value: Any) -> None:
         """Stores a JSON-able value."""
         with self._lock:
-            self._txn(pb.TxnRequest(success=[_put_op(self._kv_key(key), value)]))
+            self._write(pb.TxnRequest(success=[_put_op(self._kv_key(key), value)]))
 
     def get(self, key: str) -> Any:
         """A stored value, or None."""
@@ -210,7 +264,7 @@ class EtcdStore(Store):
         """Removes a stored value."""
         op = pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=self._kv_key(key)))
         with self._lock:
-            self._txn(pb.TxnRequest(success=[op]))
+            self._write(pb.TxnRequest(success=[op]))
 
     def commit_change(
         self, partition: Partition, change: dict[str, Any], row: EpochRow | None = None
@@ -224,7 +278,7 @@ class EtcdStore(Store):
             ]
             if row is not None:
                 ops.append(self._epoch_op(row))
-            self._txn(pb.TxnRequest(success=ops))
+            self._write(pb.TxnRequest(success=ops))
 
     # ---- history -----------------------------------------------------------------------
 
@@ -240,7 +294,7 @@ class EtcdStore(Store):
     def add_epoch(self, row: EpochRow) -> None:
         """Records an epoch change."""
         with self._lock:
-            self._txn(pb.TxnRequest(success=[self._epoch_op(row)]))
+            self._write(pb.TxnRequest(success=[self._epoch_op(row)]))
 
     def set_loop_pause(self, job_id: str, epoch: int, pause_s: float) -> bool:
         """Records what ``job_id``'s training loop lost to the change to ``epoch``; False
