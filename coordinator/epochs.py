@@ -31,7 +31,7 @@ from typing import Any
 from elasticpipe.coordinator import copies
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
-from elasticpipe.errors import ElasticPipeError, NotReady, TransferError
+from elasticpipe.errors import CommitOutcomeUnknown, ElasticPipeError, NotReady, TransferError
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.training.job import JobConfig
@@ -329,6 +329,10 @@ def change_epoch(
         cluster.store.commit_change(
             change.new, change.record("committed"), history(result) if history else None
         )
+    except CommitOutcomeUnknown as exc:  # perhaps committed: undoing could split the stages
+        log.error("epoch_change_outcome_unknown", epoch=change.new.epoch, error=str(exc))
+        cluster.metrics.epoch_change_aborted(change.kind)
+        raise
     except BaseException as exc:  # whatever went wrong, before the commit point: undo
         log.warning(
             "epoch_change_aborted", epoch=change.new.epoch, kept=change.old.epoch, error=str(exc)

@@ -13,11 +13,13 @@
     │   ├── StaleEpoch                 FAILED_PRECONDITION  request of another epoch (retryable)
     │   ├── Fenced                     FAILED_PRECONDITION  a newer client holds the job
     │   ├── JobInUse                   FAILED_PRECONDITION  a live client holds the job's lease
+    │   ├── NotLeader                  FAILED_PRECONDITION  a deposed coordinator's store write
     │   ├── StagesMissing              FAILED_PRECONDITION  fewer live stages than the job needs
     │   └── PipelineClosed             FAILED_PRECONDITION  a method of a closed pipeline was called
     ├── Unavailable                    UNAVAILABLE          a peer cannot be reached
     │   ├── StageUnavailable           UNAVAILABLE          a stage cannot be reached or died
     │   ├── CoordinatorUnavailable     UNAVAILABLE          the coordinator cannot be reached
+    │   ├── CommitOutcomeUnknown       UNAVAILABLE          a commit's reply lost, unreadable
     │   └── Rebalancing                UNAVAILABLE          layers are moving; retry shortly
     ├── StepAborted                    ABORTED              the step was discarded everywhere
     ├── TransferError                  DATA_LOSS            a moved layer failed its checksum
@@ -100,6 +102,10 @@ class JobInUse(NotReady):
     """Another live client holds the job's lease (use ``resume=True`` to attach instead)."""
 
 
+class NotLeader(NotReady):
+    """A store write of a coordinator that no longer leads (nothing was written)."""
+
+
 class StagesMissing(NotReady):
     """Fewer live stages than the job asked for (so far)."""
 
@@ -121,6 +127,12 @@ class StageUnavailable(Unavailable):
 
 class CoordinatorUnavailable(Unavailable):
     """The coordinator could not be reached."""
+
+
+class CommitOutcomeUnknown(Unavailable):
+    """A commit whose reply was lost and that could not be read back: the epoch change
+    is neither committed nor undone by its coordinator; a restarted or new leader settles
+    it from the store."""
 
 
 class Rebalancing(Unavailable):

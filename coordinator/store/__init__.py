@@ -13,9 +13,10 @@
 
 from elasticpipe.coordinator.store.base import Store
 from elasticpipe.coordinator.store.election import Election, Leader
-from elasticpipe.coordinator.store.etcd import EtcdStore, NotLeader
+from elasticpipe.coordinator.store.etcd import EtcdStore
 from elasticpipe.coordinator.store.rows import EpochRow, StageRow
 from elasticpipe.coordinator.store.sqlite import SqliteStore
+from elasticpipe.errors import NotLeader
 
 __all__ = [
     "Election",

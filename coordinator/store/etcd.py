@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, replace
 from typing import Any, Protocol, TypeVar
 
@@ -26,7 +26,13 @@ import grpc
 
 from elasticpipe.coordinator.store.base import STAGE_FLAGS, Store
 from elasticpipe.coordinator.store.rows import EpochRow, StageRow, latest_epochs
-from elasticpipe.errors import ElasticPipeError, InvalidRequest, Unavailable
+from elasticpipe.errors import (
+    CommitOutcomeUnknown,
+    ElasticPipeError,
+    InvalidRequest,
+    NotLeader,
+    Unavailable,
+)
 from elasticpipe.etcdpb import rpc_pb2 as pb
 from elasticpipe.etcdpb import rpc_pb2_grpc as pb_grpc
 from elasticpipe.partition import Partition
@@ -35,14 +41,11 @@ from elasticpipe.transport.serving import check_dial_address
 DEFAULT_PREFIX = "/elasticpipe"
 CALL_TIMEOUT_S = 5.0  # one etcd request, per member tried
 RETRY_FOR_S = 10.0  # passes over the members before a call gives up
+MIN_ATTEMPT_S = 0.2  # the shortest timeout a try gets, however little time is left
+COMMIT_READBACK_S = 120.0  # reading back a commit whose reply was lost
+EPOCH_PAGE = 500  # history rows per Range
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 T = TypeVar("T")
-
-
-class NotLeader(ElasticPipeError):
-    """A write of a coordinator that no longer leads its store (nothing was written)."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class Leadership(Protocol):
@@ -52,7 +55,12 @@ class Leadership(Protocol):
     key: bytes
     term: int  # 0: not leading
 
-    def guard(self) -> pb.Compare: ...
+
+def held_by(key: bytes, term: int) -> pb.Compare:
+    """The condition that ``key`` (a leader key) is the one created at revision ``term``."""
+    return pb.Compare(
+        key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=term
+    )
 
 
 def parse_etcd_url(url: str) -> tuple[list[str], str]:
@@ -102,12 +110,19 @@ class EtcdStore(Store):
 
     # ---- calls -------------------------------------------------------------------------
 
-    def _call(self, do: Callable[[grpc.Channel], T], retry_for_s: float | None = None) -> T:
-        """``do`` on the member that answered last, then on each other one in turn, in
-        passes with a growing pause until ``retry_for_s`` (default ``RETRY_FOR_S``) has
-        gone by: an etcd leader election leaves every member unavailable for a moment.
-        Unavailable naming the members when none answered; an error etcd gives for the
-        request itself is an ElasticPipeError naming etcd's status."""
+    def call(
+        self,
+        do: Callable[[grpc.Channel, float], T],
+        retry_for_s: float | None = None,
+        attempt_s: float = CALL_TIMEOUT_S,
+    ) -> T:
+        """``do(channel, timeout)`` on the member that answered last, then on each other
+        one in turn, in passes with a growing pause until ``retry_for_s`` (default
+        ``RETRY_FOR_S``) has gone by: an etcd leader election leaves every member
+        unavailable for a moment. Each try's timeout is ``attempt_s``, cut to the time
+        left. Unavailable naming the members when none answered; an error etcd gives for
+        the request itself is an ElasticPipeError naming etcd's status (the gRPC error is
+        its ``__cause__``)."""
         retry_for_s = RETRY_FOR_S if retry_for_s is None else retry_for_s
         first = self._current
         deadline = time.monotonic() + retry_for_s
@@ -116,8 +131,9 @@ class EtcdStore(Store):
             error: grpc.RpcError | None = None
             for step in range(len(self._channels)):
                 index = (first + step) % len(self._channels)
+                timeout = min(attempt_s, max(MIN_ATTEMPT_S, deadline - time.monotonic()))
                 try:
-                    result = do(self._channels[index])
+                    result = do(self._channels[index], timeout)
                 except grpc.RpcError as exc:
                     if exc.code() not in _RETRIED:
                         raise ElasticPipeError(
@@ -129,20 +145,24 @@ class EtcdStore(Store):
                 self._current = index
                 return result
             assert error is not None
-            if time.monotonic() + pause >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise Unavailable(
                     f"etcd store: no member of {','.join(self.endpoints)} answered "
                     f"within {retry_for_s:g} s ({error.code().name}: {error.details()})"
                 ) from error
-            time.sleep(pause)
+            time.sleep(min(pause, left))
             pause = min(pause * 2, 1.0)
 
-    def _range(self, key: bytes, prefix: bool = False, **options: Any) -> pb.RangeResponse:
-        request = pb.RangeRequest(key=key, range_end=_range_end(key) if prefix else b"", **options)
-        return self._call(lambda ch: pb_grpc.KVStub(ch).Range(request, timeout=CALL_TIMEOUT_S))
+    def range(self, key: bytes, prefix: bool = False, **options: Any) -> pb.RangeResponse:
+        """etcd's Range of ``key`` (every key under it if ``prefix``), retried by ``call``."""
+        options.setdefault("range_end", _range_end(key) if prefix else b"")
+        request = pb.RangeRequest(key=key, **options)
+        return self.call(lambda ch, timeout: pb_grpc.KVStub(ch).Range(request, timeout=timeout))
 
-    def _txn(self, request: pb.TxnRequest) -> pb.TxnResponse:
-        return self._call(lambda ch: pb_grpc.KVStub(ch).Txn(request, timeout=CALL_TIMEOUT_S))
+    def txn(self, request: pb.TxnRequest) -> pb.TxnResponse:
+        """etcd's Txn, unfenced (``_write`` fences), retried by ``call``."""
+        return self.call(lambda ch, timeout: pb_grpc.KVStub(ch).Txn(request, timeout=timeout))
 
     def fence_with(self, leadership: Leadership | None) -> None:
         """Conditions every later write on ``leadership`` (a won ``Election``): a write
@@ -153,14 +173,14 @@ class EtcdStore(Store):
         """A write, conditioned on this store's leadership if it is fenced with one."""
         lead = self._leadership
         if lead is None:
-            return self._txn(request)
-        term = lead.term
+            return self.txn(request)
+        term = lead.term  # read once: the renewer may set it to 0 meanwhile
         if term == 0:
             raise NotLeader(f"{lead.address} no longer leads {self.prefix}: nothing written")
-        request.compare.append(lead.guard())
-        answer = self._txn(request)
+        request.compare.append(held_by(lead.key, term))
+        answer = self.txn(request)
         if not answer.succeeded:
-            found = self._range(lead.key).kvs
+            found = self.range(lead.key).kvs
             if not found or found[0].create_revision != term:
                 raise NotLeader(
                     f"{lead.address} (term {term}) was deposed at {self.prefix}: nothing written"
@@ -169,7 +189,7 @@ class EtcdStore(Store):
 
     def _get_json(self, key: bytes) -> tuple[Any, int]:
         """The value at ``key`` and its mod_revision (None, 0 if absent)."""
-        found = self._range(key).kvs
+        found = self.range(key).kvs
         return (json.loads(found[0].value), found[0].mod_revision) if found else (None, 0)
 
     def _update(self, key: bytes, change: Callable[[Any], Any]) -> Any:
@@ -201,7 +221,7 @@ class EtcdStore(Store):
     # ---- stages --------------------------------------------------------------------
 
     def _stage_records(self) -> list[dict[str, Any]]:
-        found = self._range(f"{self.prefix}/stage/".encode(), prefix=True).kvs
+        found = self.range(f"{self.prefix}/stage/".encode(), prefix=True).kvs
         return [json.loads(kv.value) for kv in found]
 
     def add_stage(self, row: StageRow) -> None:
@@ -217,9 +237,13 @@ class EtcdStore(Store):
                 key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=0
             )
             record = {**asdict(row), "forgotten": False}
-            if not self._write(
-                pb.TxnRequest(compare=[new], success=[_put_op(key, record)])
-            ).succeeded:
+            if (
+                not self._write(
+                    pb.TxnRequest(compare=[new], success=[_put_op(key, record)])
+                ).succeeded
+                and self._get_json(key)[0] != record
+            ):
+                # (the same record found: a retried Txn whose first try was applied)
                 raise ValueError(f"stage id {row.stage_id!r} exists")
 
     def set_stage(self, stage_id: str, **flags: bool) -> None:
@@ -278,7 +302,35 @@ class EtcdStore(Store):
             ]
             if row is not None:
                 ops.append(self._epoch_op(row))
-            self._write(pb.TxnRequest(success=ops))
+            try:
+                self._write(pb.TxnRequest(success=ops))
+            except NotLeader:
+                raise  # nothing was written
+            except ElasticPipeError as exc:
+                # The Txn may have been applied although no answer came back: the store
+                # decides, not the lost reply. Raises CommitOutcomeUnknown if it cannot.
+                if not self._holds_commit(change["epoch"], exc):
+                    raise
+
+    def _holds_commit(self, epoch: int, error: ElasticPipeError) -> bool:
+        """Whether the store says the change to ``epoch`` is committed, after a commit
+        whose reply was lost. Reads until a member answers (the stages, prepared, wait for
+        this outcome anyway), for up to ``COMMIT_READBACK_S``; CommitOutcomeUnknown after."""
+        deadline = time.monotonic() + COMMIT_READBACK_S
+        while True:
+            try:
+                stored = self._get_json(self._kv_key("epoch_change"))[0]
+            except Unavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise CommitOutcomeUnknown(
+                        f"the commit of epoch {epoch} got no answer ({error}), and reading "
+                        f"it back failed for {COMMIT_READBACK_S:g} s ({exc}): the store may "
+                        "or may not hold it"
+                    ) from error
+                continue
+            return (
+                bool(stored) and stored.get("epoch") == epoch and stored.get("phase") == "committed"
+            )
 
     # ---- history -----------------------------------------------------------------------
 
@@ -313,18 +365,31 @@ class EtcdStore(Store):
     def epochs(self, limit: int = 100, job_id: str | None = None) -> list[EpochRow]:
         """The most recent epoch records (of one job, if given), oldest first."""
         with self._lock:
-            found = self._range(
-                f"{self.prefix}/epoch/".encode(),
-                prefix=True,
+            return latest_epochs(self._epoch_values_newest_first(), limit, job_id)
+
+    def _epoch_values_newest_first(self) -> Iterator[bytes]:
+        """The history's values, newest first, read ``EPOCH_PAGE`` keys at a time (so that
+        no reply nears gRPC's message limit however long the history grows)."""
+        start = f"{self.prefix}/epoch/".encode()
+        end = _range_end(start)
+        while True:
+            found = self.range(
+                start,
+                range_end=end,
+                limit=EPOCH_PAGE,
                 sort_order=pb.RangeRequest.DESCEND,
                 sort_target=pb.RangeRequest.KEY,
-            ).kvs
-        return latest_epochs((kv.value for kv in found), limit, job_id)
+            )
+            for kv in found.kvs:
+                yield kv.value
+            if not found.more or not found.kvs:
+                return
+            end = found.kvs[-1].key  # range_end is exclusive: the next page is older
 
     def max_epoch(self) -> int:
         """The highest epoch ever used (epochs never repeat, across jobs too)."""
         with self._lock:
-            last = self._range(
+            last = self.range(
                 f"{self.prefix}/epoch/".encode(),
                 prefix=True,
                 limit=1,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +24,8 @@ from elasticpipe.coordinator.store import (
     open_store,
 )
 from elasticpipe.coordinator.store import etcd as etcd_store
-from elasticpipe.errors import InvalidRequest, Unavailable
+from elasticpipe.errors import CommitOutcomeUnknown, InvalidRequest, Unavailable
+from elasticpipe.etcdpb import rpc_pb2 as pb
 from elasticpipe.partition import Partition, StageRef
 from tests.support.etcd import EtcdMember, start_etcd
 
@@ -281,5 +284,111 @@ def test_an_etcd_store_with_no_member_answering_says_which_members_it_tried(
         with pytest.raises(Unavailable, match=r"127\.0\.0\.1:1,127\.0\.0\.1:2.*within 1 s"):
             store.get("job")
         assert 0.5 <= time.monotonic() - started < 5.0  # it retried, and it gave up
+    finally:
+        store.close()
+
+
+def _etcd_store(etcd: EtcdMember) -> EtcdStore:
+    store = open_store(f"etcd://{etcd.endpoint}/test-{uuid.uuid4().hex[:8]}")
+    assert isinstance(store, EtcdStore)
+    return store
+
+
+def _lose_txn_replies(store: EtcdStore, monkeypatch: pytest.MonkeyPatch, apply: bool) -> None:
+    """Every Txn from now on gets no reply: etcd applies it first if ``apply``, else not,
+    and the store sees UNAVAILABLE from every member (as in a partition that began while
+    the request was in flight)."""
+
+    def txn(request: pb.TxnRequest) -> pb.TxnResponse:
+        if apply:
+            real(request)
+        raise Unavailable("etcd store: no member answered (test: the reply was lost)")
+
+    real = store.txn
+    monkeypatch.setattr(store, "txn", txn)
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_commit_whose_reply_is_lost_is_decided_by_what_the_store_holds(
+    etcd: EtcdMember, monkeypatch: pytest.MonkeyPatch, applied: bool
+) -> None:
+    """A commit Txn applied by etcd whose reply never came is a commit (the caller must not
+    undo a change the store says is committed); one that was not applied raises, with the
+    old partition kept."""
+    store = _etcd_store(etcd)
+    try:
+        store.put("epoch_change", {"epoch": 3, "phase": "preparing"})
+        _lose_txn_replies(store, monkeypatch, apply=applied)
+        if applied:
+            store.commit_change(PARTITION, {"epoch": 3, "phase": "preparing"})
+            assert store.get("epoch_change") == {"epoch": 3, "phase": "committed"}
+            assert store.partition() == PARTITION
+        else:
+            with pytest.raises(Unavailable, match="reply was lost") as raised:
+                store.commit_change(PARTITION, {"epoch": 3, "phase": "preparing"})
+            assert not isinstance(raised.value, CommitOutcomeUnknown)
+            assert store.get("epoch_change") == {"epoch": 3, "phase": "preparing"}
+            assert store.partition() is None
+    finally:
+        store.close()
+
+
+def test_a_commit_that_cannot_be_read_back_says_its_outcome_is_unknown(
+    etcd: EtcdMember, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No reply and no read either: CommitOutcomeUnknown, so that the coordinator does not
+    undo the stages' prepared change on a guess."""
+    store = _etcd_store(etcd)
+    try:
+        _lose_txn_replies(store, monkeypatch, apply=False)
+        monkeypatch.setattr(etcd_store, "COMMIT_READBACK_S", 0.0)
+
+        def unreadable(key: bytes) -> Any:
+            raise Unavailable("etcd store: no member answered (test: reads fail too)")
+
+        monkeypatch.setattr(store, "_get_json", unreadable)
+        with pytest.raises(CommitOutcomeUnknown, match=r"epoch 3 got no answer.*may or may not"):
+            store.commit_change(PARTITION, {"epoch": 3, "phase": "preparing"})
+    finally:
+        store.close()
+
+
+def test_a_new_stage_whose_txn_is_retried_after_it_applied_is_added_once(
+    etcd: EtcdMember, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The create Txn applied, its reply lost, and sent again (as ``call`` does on the next
+    member): the retry finds its own record, which is success, not "exists"; a different
+    record under the same id still is refused."""
+    store = _etcd_store(etcd)
+    real = store.txn
+
+    def twice(request: pb.TxnRequest) -> pb.TxnResponse:
+        real(request)
+        return real(request)
+
+    try:
+        monkeypatch.setattr(store, "txn", twice)
+        store.add_stage(A)
+        assert store.stages() == [A]
+        monkeypatch.setattr(store, "txn", real)
+        with pytest.raises(ValueError, match="stage id 'st-a' exists"):
+            store.add_stage(replace(A, name="other-host"))
+    finally:
+        store.close()
+
+
+def test_a_long_history_is_read_in_pages(etcd: EtcdMember, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``epochs`` reads the history a page at a time (here 3 rows a page, 10 rows, two jobs),
+    so no reply grows with the history, and still returns the newest rows of the job asked
+    for, oldest first."""
+    monkeypatch.setattr(etcd_store, "EPOCH_PAGE", 3)
+    store = _etcd_store(etcd)
+    try:
+        for epoch in range(1, 11):
+            job = "job1" if epoch % 2 else "job2"
+            store.add_epoch(EpochRow(epoch, float(epoch), "r", (0, 9), ("st-a",), job_id=job))
+        assert [r.epoch for r in store.epochs(limit=4, job_id="job1")] == [3, 5, 7, 9]
+        assert [r.epoch for r in store.epochs(limit=100)] == list(range(1, 11))
+        assert [r.epoch for r in store.epochs(limit=2)] == [9, 10]
     finally:
         store.close()
