@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from elasticpipe.coordinator.store.etcd import EtcdStore, held_by
+from elasticpipe.coordinator.store.etcd import EtcdStore, created_at
 from elasticpipe.errors import ElasticPipeError, NotLeader
 from elasticpipe.etcdpb import kv_pb2
 from elasticpipe.etcdpb import rpc_pb2 as pb
@@ -74,13 +74,6 @@ class Election:
             return None
         return Leader(json.loads(found[0].value)["address"], found[0].create_revision)
 
-    def guard(self) -> pb.Compare:
-        """The condition every write of this leader carries: its key has its term."""
-        term = self.term
-        if term == 0:
-            raise NotLeader(f"{self.address} does not lead {self.store.prefix}")
-        return held_by(self.key, term)
-
     # ---- campaign ----------------------------------------------------------------------
 
     def campaign(self, timeout_s: float | None = None) -> int:
@@ -90,7 +83,7 @@ class Election:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._stop.clear()
         value = json.dumps({"address": self.address, "at": time.time()}).encode()
-        absent = held_by(self.key, 0)
+        absent = created_at(self.key, 0)
         while True:
             self._check_not_stopped()
             # A lease that lapsed while this candidate stood by (etcd out of reach) would
@@ -153,8 +146,7 @@ class Election:
             if left is not None and left <= 0:
                 raise TimeoutError(f"{self.address} did not become leader in time")
             wait = min(self.ttl_s / 3, left) if left is not None else self.ttl_s / 3
-            if self._keep_alive_once() is False:  # it lapsed while etcd was out of reach
-                self._lease = self._grant()
+            self._keep_alive_once()  # campaign() takes a new lease if this one lapsed
             if self._deleted_since(start, wait):
                 return
 

@@ -56,10 +56,11 @@ class Leadership(Protocol):
     term: int  # 0: not leading
 
 
-def held_by(key: bytes, term: int) -> pb.Compare:
-    """The condition that ``key`` (a leader key) is the one created at revision ``term``."""
+def created_at(key: bytes, revision: int) -> pb.Compare:
+    """The condition that ``key`` is the one created at ``revision`` (0: it is absent). A
+    leader key created at a leader's term is that leader's."""
     return pb.Compare(
-        key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=term
+        key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=revision
     )
 
 
@@ -177,7 +178,7 @@ class EtcdStore(Store):
         term = lead.term  # read once: the renewer may set it to 0 meanwhile
         if term == 0:
             raise NotLeader(f"{lead.address} no longer leads {self.prefix}: nothing written")
-        request.compare.append(held_by(lead.key, term))
+        request.compare.append(created_at(lead.key, term))
         answer = self.txn(request)
         if not answer.succeeded:
             found = self.range(lead.key).kvs
@@ -233,9 +234,7 @@ class EtcdStore(Store):
             ):
                 raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
             key = self._stage_key(row.stage_id)
-            new = pb.Compare(
-                key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL, create_revision=0
-            )
+            new = created_at(key, 0)
             record = {**asdict(row), "forgotten": False}
             if (
                 not self._write(

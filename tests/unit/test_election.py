@@ -176,7 +176,10 @@ def test_resign_ends_a_campaign_waiting_in_another_thread(url: str) -> None:
     assert second.term == 0 and second.leader() is None
 
 
-def test_a_candidate_that_does_not_lead_has_no_guard(url: str) -> None:
-    election = Election(_store(url), "a:7100")
+def test_a_store_fenced_with_a_candidate_that_does_not_lead_writes_nothing(url: str) -> None:
+    store = _store(url)
+    election = Election(store, "a:7100")
+    store.fence_with(election)
     with pytest.raises(NotLeader, match="a:7100"):
-        election.guard()
+        store.put("job", {"by": "a"})
+    assert _store(url).get("job") is None
