@@ -29,15 +29,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 from google.protobuf.message import Message
 
-from elasticpipe.errors import CoordinatorUnavailable, InvalidRequest
+from elasticpipe.errors import InvalidRequest
 from elasticpipe.observe import traces
 from elasticpipe.security.tls import TLS
-from elasticpipe.transport import rpc, serving
+from elasticpipe.transport.coordinators import Coordinators
 from elasticpipe.v1 import coordinator_pb2 as pb
-from elasticpipe.v1 import coordinator_pb2_grpc
 
 __all__ = [
     "Ack",
@@ -190,6 +188,8 @@ class Status:
     factory_sha256: str
     efficiency: float
     efficiency_step: int
+    leader: str  # the coordinator that answered: the leader
+    term: int  # its term (0: no election, a SQLite store)
 
     @property
     def chain(self) -> list[StageInfo]:
@@ -288,26 +288,28 @@ class Admin:
     """A connection to a coordinator's admin RPCs; close it (or use ``with``) when done.
 
     Args:
-        coordinator: HOST:PORT of the coordinator.
+        coordinator: HOST:PORT of the coordinator; with standby coordinators every one's
+            (``"a:7100,b:7100"`` or a list): calls follow the one that leads.
         tls: mutual TLS material with a certificate of the ``admin`` role (None: plaintext).
         timeout: seconds each call may take (a move waits for its layers to be copied).
     """
 
     def __init__(
-        self, coordinator: str, tls: TLS | None = None, timeout: float = ADMIN_TIMEOUT_S
+        self,
+        coordinator: str | Sequence[str],
+        tls: TLS | None = None,
+        timeout: float = ADMIN_TIMEOUT_S,
     ) -> None:
-        serving.check_dial_address(coordinator, "coordinator address")
         if timeout <= 0:
             raise InvalidRequest(f"timeout must be positive, got {timeout}")
-        self.coordinator = coordinator
+        self._coordinators = Coordinators(coordinator, tls)
+        self.coordinator = str(self._coordinators)  # every address given, comma-separated
         self.tls = tls
         self.timeout = timeout
-        self._channel = rpc.channel(coordinator, tls)
-        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def close(self) -> None:
-        """Closes the channel."""
-        self._channel.close()
+        """Closes the channels."""
+        self._coordinators.close()
 
     def __enter__(self) -> Admin:
         return self
@@ -316,11 +318,9 @@ class Admin:
         self.close()
 
     def _call(self, method: str, request: Message, timeout: float | None = None, **kw: Any) -> Any:
-        try:
-            deadline = self.timeout if timeout is None else timeout
-            return getattr(self._stub, method)(request, timeout=deadline, **kw)
-        except grpc.RpcError as exc:
-            raise rpc.translate(exc, self.coordinator, CoordinatorUnavailable) from exc
+        deadline = self.timeout if timeout is None else timeout
+        once = method not in ("Status", "Plan")  # a command: never sent twice
+        return self._coordinators.call(method, request, deadline, once=once, **kw)
 
     # ---- views ---------------------------------------------------------------------
 

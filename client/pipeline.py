@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -134,7 +134,7 @@ class Pipeline(Steps):
 
     def __init__(
         self,
-        coordinator: str,
+        coordinator: str | Sequence[str],
         model: str,
         model_kwargs: dict[str, Any] | None = None,
         seed: int = 0,
@@ -166,7 +166,8 @@ class Pipeline(Steps):
 
         Args:
             coordinator: "host:port" of the coordinator ("[addr]:port" for IPv6), no
-                scheme (checked here).
+                scheme (checked here); with standby coordinators, every one's address
+                ("a:7100,b:7100,c:7100" or a list): calls follow the one that leads.
             model: built-in name ("mlp", "gpt", "cnn") or "package.module:function".
             model_kwargs: JSON-able arguments of the model factory.
             seed: layer i's initial weights depend only on (seed, i).
@@ -297,7 +298,7 @@ class Pipeline(Steps):
         if self._init is not None:
             self._init.close()
         self._clients.close()
-        self._channel.close()
+        self._coordinators.close()
 
     @property
     def step(self) -> int:

@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +56,9 @@ from elasticpipe.partition import Partition
 from elasticpipe.security import bounds
 from elasticpipe.security.tls import TLS
 from elasticpipe.training.job import JobConfig
-from elasticpipe.transport import rpc, serving
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.transport import rpc
+from elasticpipe.transport.coordinators import Coordinators
+from elasticpipe.v1 import coordinator_pb2, stage_pb2
 from elasticpipe.wire import bundle, layer_state
 from elasticpipe.wire.structure import Value
 
@@ -156,13 +157,12 @@ class Session:
     _last_step: StepStats
     _closed: bool
 
-    def _open(self, coordinator: str, tls: TLS | None) -> None:
+    def _open(self, coordinator: str | Sequence[str], tls: TLS | None) -> None:
         """Checks the coordinator's address and opens the channels; no job yet."""
-        self.coordinator = serving.check_dial_address(coordinator, "coordinator address")
         self._repeats = _Repeats()
         self._tls = tls or TLS.from_env()
-        self._channel = rpc.channel(coordinator, self._tls)
-        self._coord = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._coordinators = Coordinators(coordinator, self._tls)
+        self.coordinator = str(self._coordinators)  # every address given, comma-separated
         self._clients = StageClients(tls=self._tls)
         self._partition: Partition | None = None
         self._client = 0
@@ -197,13 +197,7 @@ class Session:
             )
 
     def _coordinator_call(self, method: str, request: Any, timeout: float) -> Any:
-        return rpc.call(
-            self.coordinator,
-            getattr(self._coord, method),
-            request,
-            timeout=timeout,
-            unavailable=CoordinatorUnavailable,
-        )
+        return self._coordinators.call(method, request, timeout)
 
     # ---- job, lease and partition --------------------------------------------------------
 

@@ -33,12 +33,18 @@ class CoordinatorConfig:
     advertise: str = ""  # the address others use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
     metrics_listen: str = ""  # the metrics' host (default: the listen host)
+    leader_lease_s: int = 3  # on etcd: the leader's lease; a standby leads this soon after
 
     def __post_init__(self) -> None:
         for name in ("dead_after_s", "heartbeat_interval_s", "freeze_lease_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise InvalidRequest(f"coordinator {name} must be positive, got {value!r}")
+        if not isinstance(self.leader_lease_s, int) or self.leader_lease_s < 2:
+            raise InvalidRequest(
+                f"coordinator leader_lease_s must be a whole number of seconds >= 2, got "
+                f"{self.leader_lease_s!r}"
+            )
         if self.link_bandwidth < 0:
             raise InvalidRequest(
                 f"coordinator link_bandwidth must be >= 0, got {self.link_bandwidth!r}"

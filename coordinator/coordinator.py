@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.config import CoordinatorConfig
@@ -43,13 +44,20 @@ HOLDER_PROBE_S = 2.0  # a registration waits this long at most for the name's ho
 class Coordinator:
     """The control plane of one cluster."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig | None = None):
+    def __init__(
+        self,
+        store: Store,
+        config: CoordinatorConfig | None = None,
+        term: Callable[[], int] | None = None,
+        address: str = "",
+    ):
+        """``term`` and ``address``: see ``Cluster``."""
         config = config or CoordinatorConfig()
         if config.pause_at and config.pause_at not in PAUSE_POINTS:
             raise InvalidRequest(
                 f"unknown pause point {config.pause_at!r} (choose from {list(PAUSE_POINTS)})"
             )
-        self.cluster = Cluster(store, config)
+        self.cluster = Cluster(store, config, term, address)
         self._pause_at = config.pause_at
         self._released = threading.Event()
         self.jobs = Jobs(self.cluster, self._pause)

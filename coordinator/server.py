@@ -1,11 +1,36 @@
-"""A running coordinator: state store, domain object, gRPC service, policy loop."""
+"""A running coordinator: state store, domain object, gRPC service, policy loop.
+
+On SQLite the coordinator leads from the start. On etcd it is one of any number of
+candidates (``store.election``): it serves at once, but as a **standby** whose every answer
+is ``StandingBy`` naming the leader, until it wins; then it loads the state from the store,
+finishes or undoes the epoch change a previous leader left in flight (what a restarted
+coordinator does) and leads: heartbeats, the policy and recovery. If it loses the
+leadership (etcd out of reach for ``ttl - margin``), it stops commanding stages at once,
+stands by again and campaigns for the next term.
+
+::
+
+    start ──► serving as standby ──campaign won──► load state, finish pending ──► leading
+                     ▲                                                             │
+                     └──────────── lost: stop loops, refuse commands ◄─────────────┘
+"""
 
 from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.service import CoordinatorServicer
-from elasticpipe.coordinator.store import open_store
+from elasticpipe.coordinator.store import Election, EtcdStore, Store, open_store
+from elasticpipe.errors import ElasticPipeError, NotLeader, StandingBy
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
 from elasticpipe.transport.serving import (
@@ -18,55 +43,189 @@ from elasticpipe.v1 import coordinator_pb2
 
 log = get_logger(__name__)
 
+LEADER_CACHE_S = 0.5  # how long a standby trusts the leader it last read from the store
+RECAMPAIGN_PAUSE_S = 1.0  # after a campaign failed for want of etcd
+
+
+class _Gate:
+    """The service a candidate serves: its ``CoordinatorServicer`` while it leads, else a
+    ``StandingBy`` naming the leader, for every method."""
+
+    def __init__(self, address: Callable[[], str], leader: Callable[[], str]):
+        self.servicer: CoordinatorServicer | None = None
+        self._address = address
+        self._leader = leader
+
+    def __getattr__(self, method: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def serve(request: Any, context: grpc.ServicerContext) -> Any:
+            servicer = self.servicer
+            if servicer is None:
+                leader = self._leader()
+                who = f"the leader is {leader}" if leader else "no coordinator leads yet"
+                raise StandingBy(f"coordinator {self._address()} stands by: {who}", leader)
+            return getattr(servicer, method)(request, context)
+
+        serve.__name__ = method
+        return serve
+
+
+class _Metered(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """The leading coordinator's RPC error counter (none while standing by)."""
+
+    def __init__(self, server: CoordinatorServer):
+        self._server = server
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        coordinator = self._server.coordinator
+        if coordinator is None:
+            return continuation(details)
+        return coordinator.cluster.metrics.interceptor().intercept_service(continuation, details)
+
+
+class _LeaderMetrics:
+    """A Prometheus collector: the leading coordinator's metrics, and whether it leads."""
+
+    def __init__(self, server: CoordinatorServer):
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        coordinator = self._server.coordinator
+        yield GaugeMetricFamily(
+            "elasticpipe_coordinator_leading",
+            "1 while this coordinator leads, 0 while it stands by",
+            value=1 if coordinator is not None else 0,
+        )
+        if coordinator is not None:
+            yield from coordinator.cluster.metrics.registry.collect()
+
 
 class CoordinatorServer(ServerLifecycle):
     """Serves a ``Coordinator`` (a context manager)."""
 
     def __init__(self, config: CoordinatorConfig | None = None):
         self.config = config or CoordinatorConfig()
-        self.coordinator: Coordinator | None = None
+        self.coordinator: Coordinator | None = None  # None while standing by
+        self.store: Store | None = None
+        self.election: Election | None = None
+        self.leading = threading.Event()
         self._server: RunningServer | None = None
         self.metrics: MetricsEndpoint | None = None
+        self._gate = _Gate(lambda: self.address, self._leader_address)
+        self._stop = threading.Event()
+        self._candidate: threading.Thread | None = None
+        self._leader_cache: tuple[float, str] = (0.0, "")
 
     def start(self) -> CoordinatorServer:
-        """Opens the state file, binds the port and starts the policy loop."""
+        """Opens the store and binds the port; leads at once on SQLite, and campaigns in
+        the background on etcd (``wait_leading`` blocks until it leads)."""
         config = self.config
         metrics_on = metrics_bind_host(
             config.listen, config.metrics_port, config.metrics_listen, config.insecure
         )
-        self.coordinator = Coordinator(open_store(config.state), config)
+        self.store = store = open_store(config.state)
         self._server = start_server(
             config.listen,
-            [
-                (
-                    coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"],
-                    CoordinatorServicer(self.coordinator),
-                )
-            ],
+            [(coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"], self._gate)],
             tls=config.tls,
             insecure=config.insecure,
             advertise=config.advertise or None,
-            interceptors=[self.coordinator.cluster.metrics.interceptor()],
+            interceptors=[_Metered(self)],
         )
         if config.metrics_port is not None:
-            self.metrics = MetricsEndpoint(
-                self.coordinator.cluster.metrics.registry, metrics_on, config.metrics_port
-            )
-        self.coordinator.start()
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_LeaderMetrics(self))
+            self.metrics = MetricsEndpoint(registry, metrics_on, config.metrics_port)
+        if isinstance(store, EtcdStore):
+            self.election = Election(store, self.address, ttl_s=config.leader_lease_s)
+            store.fence_with(self.election)
+            log.info("coordinator_standing_by", address=self.address, state=config.state)
+            self._candidate = threading.Thread(target=self._campaign, name="campaign", daemon=True)
+            self._candidate.start()
+        else:
+            self._lead(None)
+        return self
+
+    def wait_leading(self, timeout: float) -> bool:
+        """Whether this coordinator leads within ``timeout`` seconds."""
+        return self.leading.wait(timeout)
+
+    # ---- leading ---------------------------------------------------------------------
+
+    def _lead(self, term: Callable[[], int] | None) -> None:
+        """Loads the state, finishes what a previous leader left in flight, and serves."""
+        assert self.store is not None
+        coordinator = Coordinator(self.store, self.config, term, self.address)
+        coordinator.start()
+        self.coordinator = coordinator
+        self._gate.servicer = CoordinatorServicer(coordinator)
+        self.leading.set()
         log.info(
             "coordinator_listening",
             address=self.address,
-            state=config.state,
-            auto_rebalance=self.coordinator.rebalancer.policy.enabled,
+            state=self.config.state,
+            term=self.election.term if self.election else None,
+            auto_rebalance=coordinator.rebalancer.policy.enabled,
         )
-        return self
+
+    def _step_down(self) -> None:
+        """Stops serving as leader: no more answers, loops or commands to stages."""
+        self._gate.servicer = None
+        self.leading.clear()
+        coordinator, self.coordinator = self.coordinator, None
+        if coordinator is not None:
+            coordinator.close()
+
+    def _campaign(self) -> None:
+        """Campaigns, leads until the leadership is lost, and campaigns again."""
+        election = self.election
+        assert election is not None
+        while not self._stop.is_set():
+            try:
+                election.campaign()
+            except NotLeader:  # resigned: the server stops
+                return
+            except ElasticPipeError as exc:  # etcd out of reach: try again
+                log.warning("coordinator_campaign_failed", error=str(exc))
+                self._stop.wait(RECAMPAIGN_PAUSE_S)
+                continue
+            try:
+                self._lead(election.current_term)
+            except ElasticPipeError as exc:  # deposed while loading: stand by again
+                log.warning("coordinator_lead_failed", error=str(exc))
+                self._step_down()
+                election.resign()
+                continue
+            while not self._stop.is_set() and not election.lost.wait(0.2):
+                pass
+            if self._stop.is_set():
+                return
+            log.warning("coordinator_stepped_down", address=self.address)
+            self._step_down()
+
+    def _leader_address(self) -> str:
+        """The leader's address as the store says (cached for ``LEADER_CACHE_S``)."""
+        at, leader = self._leader_cache
+        if time.monotonic() - at < LEADER_CACHE_S or self.election is None:
+            return leader
+        try:
+            found = self.election.leader()
+        except ElasticPipeError:
+            found = None
+        leader = found.address if found is not None else ""
+        self._leader_cache = (time.monotonic(), leader)
+        return leader
 
     def stop(self) -> None:
-        """Stops the server and closes the state file."""
+        """Stops the server, resigns any leadership and closes the store."""
+        self._stop.set()
+        self._step_down()
+        if self.election is not None:
+            self.election.resign()
+        if self._candidate is not None:
+            self._candidate.join(timeout=10)
         if self._server is not None:
             self._server.stop()
         if self.metrics is not None:
             self.metrics.close()
-        if self.coordinator is not None:
-            self.coordinator.close()
-            self.coordinator.store.close()
+        if self.store is not None:
+            self.store.close()

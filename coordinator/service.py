@@ -365,6 +365,8 @@ class CoordinatorServicer:
             efficiency=self.c.jobs.efficiency[1],
             efficiency_step=self.c.jobs.efficiency[0],
             factory_sha256=factory[1],
+            leader=cluster.address,
+            term=cluster.term(),
         )
 
     def Plan(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from elasticpipe.coordinator.config import CoordinatorConfig
@@ -18,12 +18,13 @@ from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
-from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotReady
+from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotLeader, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import CoordinatorMetrics, CoordinatorView
 from elasticpipe.partition import Partition
 from elasticpipe.training.job import JobConfig
 from elasticpipe.transport import rpc
+from elasticpipe.transport.terms import TermStamp
 
 log = get_logger(__name__)
 
@@ -38,13 +39,25 @@ class LinkTerms(NamedTuple):
 class Cluster:
     """The coordinator's shared state (loaded from the store at start)."""
 
-    def __init__(self, store: Store, config: CoordinatorConfig | None = None):
+    def __init__(
+        self,
+        store: Store,
+        config: CoordinatorConfig | None = None,
+        term: Callable[[], int] | None = None,
+        address: str = "",
+    ):
+        """``term``: the elected leader's term, stamped on every command to a stage
+        (``transport.terms``); it raises NotLeader once this coordinator no longer leads.
+        ``address``: where this coordinator serves (what Status reports as the leader)."""
         config = config or CoordinatorConfig()
         self.store = store
+        self.address = address
+        self._term = term
         self.config = config
         self.freeze_lease_s = config.freeze_lease_s  # how long a frozen stage waits for news
         self.members = Membership(store, config.dead_after_s)
-        self.pool = rpc.StagePool(tls=config.tls)
+        stamp = [TermStamp(term)] if term is not None else []
+        self.pool = rpc.StagePool(tls=config.tls, interceptors=stamp)
         self.heartbeat_interval_s = config.heartbeat_interval_s
         self.link_bandwidth = config.link_bandwidth
         self.cond = threading.Condition()
@@ -70,6 +83,15 @@ class Cluster:
         self.last_move = time.monotonic()
         self.last_pause: float | None = None
         self.metrics = CoordinatorMetrics(self._metrics_view)
+
+    def term(self) -> int:
+        """This leader's term (0: no election, or no longer leading)."""
+        if self._term is None:
+            return 0
+        try:
+            return self._term()
+        except NotLeader:
+            return 0
 
     # ---- the job and its partition ---------------------------------------------------
 

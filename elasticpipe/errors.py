@@ -13,12 +13,13 @@
     │   ├── StaleEpoch                 FAILED_PRECONDITION  request of another epoch (retryable)
     │   ├── Fenced                     FAILED_PRECONDITION  a newer client holds the job
     │   ├── JobInUse                   FAILED_PRECONDITION  a live client holds the job's lease
-    │   ├── NotLeader                  FAILED_PRECONDITION  a deposed coordinator's store write
+    │   ├── NotLeader                  FAILED_PRECONDITION  a deposed coordinator's write or command
     │   ├── StagesMissing              FAILED_PRECONDITION  fewer live stages than the job needs
     │   └── PipelineClosed             FAILED_PRECONDITION  a method of a closed pipeline was called
     ├── Unavailable                    UNAVAILABLE          a peer cannot be reached
     │   ├── StageUnavailable           UNAVAILABLE          a stage cannot be reached or died
     │   ├── CoordinatorUnavailable     UNAVAILABLE          the coordinator cannot be reached
+    │   │   └── StandingBy             UNAVAILABLE          a standby coordinator: ask its leader
     │   ├── CommitOutcomeUnknown       UNAVAILABLE          a commit's reply lost, unreadable
     │   └── Rebalancing                UNAVAILABLE          layers are moving; retry shortly
     ├── StepAborted                    ABORTED              the step was discarded everywhere
@@ -27,7 +28,8 @@
     └── DeadlineExceeded(TimeoutError) DEADLINE_EXCEEDED    a wait ran past its deadline
 
 The error's kind travels in the gRPC status details (a ``google.rpc.ErrorInfo`` whose
-``reason`` names the class), so a receiver rebuilds the precise class without reading the
+``reason`` names the class, and whose ``metadata`` carries a kind's fields, such as a
+standby's ``leader``), so a receiver rebuilds the precise class without reading the
 message. Remote errors are translated into this tree in exactly one place,
 ``elasticpipe.transport.rpc``; a servicer raises these and the adapter turns them into a status,
 never a traceback.
@@ -48,6 +50,15 @@ class ElasticPipeError(Exception):
     def reason(cls) -> str:
         """The kind's name on the wire (the class name)."""
         return cls.__name__
+
+    def metadata(self) -> dict[str, str]:
+        """The fields this kind sends along (``ErrorInfo.metadata``); none by default."""
+        return {}
+
+    @classmethod
+    def from_wire(cls, details: str, metadata: dict[str, str]) -> ElasticPipeError:
+        """Rebuilds the error a peer sent (``metadata`` as ``metadata()`` gave it)."""
+        return cls(details)
 
 
 class InvalidRequest(ElasticPipeError, ValueError):
@@ -103,7 +114,8 @@ class JobInUse(NotReady):
 
 
 class NotLeader(NotReady):
-    """A store write of a coordinator that no longer leads (nothing was written)."""
+    """A coordinator that no longer leads tried to write to the store or to command a stage
+    (nothing was written or done)."""
 
 
 class StagesMissing(NotReady):
@@ -127,6 +139,22 @@ class StageUnavailable(Unavailable):
 
 class CoordinatorUnavailable(Unavailable):
     """The coordinator could not be reached."""
+
+
+class StandingBy(CoordinatorUnavailable):
+    """The coordinator called stands by: another leads (``leader``, its address, or ""
+    while nobody does). A caller given every coordinator's address goes to the leader."""
+
+    def __init__(self, message: str, leader: str = ""):
+        super().__init__(message)
+        self.leader = leader
+
+    def metadata(self) -> dict[str, str]:
+        return {"leader": self.leader}
+
+    @classmethod
+    def from_wire(cls, details: str, metadata: dict[str, str]) -> ElasticPipeError:
+        return cls(details, metadata.get("leader", ""))
 
 
 class CommitOutcomeUnknown(Unavailable):
@@ -196,17 +224,23 @@ _BY_CODE: dict[grpc.StatusCode, type[ElasticPipeError]] = {
 }
 
 
-def from_status(code: grpc.StatusCode, details: str, reason: str = "") -> ElasticPipeError:
+def from_status(
+    code: grpc.StatusCode,
+    details: str,
+    reason: str = "",
+    metadata: dict[str, str] | None = None,
+) -> ElasticPipeError:
     """Builds the domain error for a status received from a peer.
 
     Args:
         code: the status code.
         details: the status message.
         reason: the kind from the status details, if the peer sent one.
+        metadata: the kind's fields from the status details.
     """
     kind = BY_REASON.get(reason)
     if kind is not None and kind.code == code:
-        return kind(details)
+        return kind.from_wire(details, metadata or {})
     return _BY_CODE.get(code, ElasticPipeError)(details + _tls_hint(details))
 
 

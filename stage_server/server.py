@@ -6,7 +6,7 @@ import random
 import threading
 from collections.abc import Callable
 
-from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, NameInUse, NotReady
+from elasticpipe.errors import ElasticPipeError, NameInUse, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
 from elasticpipe.stage_server.bulk import BulkListener, listen_host
@@ -19,15 +19,15 @@ from elasticpipe.stage_server.service import (
     timings_to_proto,
 )
 from elasticpipe.stage_server.stage import Stage, StageConfig
-from elasticpipe.transport import rpc
+from elasticpipe.transport.coordinators import Coordinators
 from elasticpipe.transport.serving import (
     RunningServer,
     ServerLifecycle,
-    check_dial_address,
     metrics_bind_host,
     start_server,
 )
-from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from elasticpipe.transport.terms import TermFence
+from elasticpipe.v1 import coordinator_pb2, stage_pb2
 
 log = get_logger(__name__)
 
@@ -48,7 +48,9 @@ class StageServer(ServerLifecycle):
         listen: str = "127.0.0.1:0",
         on_refused: Callable[[NameInUse], None] | None = None,
     ):
-        self.coordinator = check_dial_address(coordinator, "coordinator address")
+        self.coordinators = Coordinators(coordinator, config.tls)
+        self.coordinator = str(self.coordinators)  # every address given, comma-separated
+        self.terms = TermFence()  # the highest coordinator term obeyed
         self._listen = listen
         self._config = config
         self.stage: Stage | None = None
@@ -76,7 +78,7 @@ class StageServer(ServerLifecycle):
             tls=config.tls,
             insecure=config.insecure,
             advertise=config.advertise or None,
-            interceptors=[servicer.stage.metrics.interceptor()],
+            interceptors=[self.terms, servicer.stage.metrics.interceptor()],
         )
         if config.metrics_port is not None:
             self.metrics = MetricsEndpoint(
@@ -121,15 +123,11 @@ class StageServer(ServerLifecycle):
             return  # no time to move layers off: it dies, and recovery replaces it
         log.info("stage_leaving", stage_id=self.stage_id, timeout_s=timeout)
         try:
-            with rpc.channel(self.coordinator, self._config.tls) as chan:
-                stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
-                reply = rpc.call(
-                    self.coordinator,
-                    stub.Leave,
-                    coordinator_pb2.LeaveRequest(stage_id=self.stage_id, timeout_s=timeout),
-                    timeout=timeout + 5.0,
-                    unavailable=CoordinatorUnavailable,
-                )
+            reply = self.coordinators.call(
+                "Leave",
+                coordinator_pb2.LeaveRequest(stage_id=self.stage_id, timeout_s=timeout),
+                timeout=timeout + 5.0,
+            )
             log.info("stage_left", decision=reply.decision, epoch=reply.partition.epoch)
         except ElasticPipeError as exc:
             log.warning("stage_leave_failed", error=str(exc))
@@ -147,47 +145,45 @@ class StageServer(ServerLifecycle):
             self.metrics.close()
         if self.stage is not None:
             self.stage.close()
+        self.coordinators.close()
 
     # ---- membership --------------------------------------------------------------------
 
     def _membership_loop(self) -> None:
         backoff, interval = BACKOFF_START_S, 1.0
-        with rpc.channel(self.coordinator, self._config.tls) as chan:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
-            attempt = 0
-            while not self._stop.is_set():
-                try:
-                    if not self.stage_id:
-                        interval = self._register(stub)
-                        backoff, attempt = BACKOFF_START_S, 0
-                    else:
-                        self._heartbeat(stub, interval)
-                    self._stop.wait(interval)
-                except NameInUse as exc:  # retrying would not help: an operator must act
-                    log.error("stage_refused", name=self._config.name, error=str(exc))
-                    self.refused = exc
-                    if self._on_refused is not None:
-                        self._on_refused(exc)
-                    return
-                except ElasticPipeError as exc:  # a name's holder not yet decided: NotReady
-                    attempt += 1
-                    delay = backoff * (0.5 + random.random())
-                    held = not self.stage_id and isinstance(exc, NotReady)
-                    log.warning(
-                        "stage_name_held" if held else "coordinator_unreachable",
-                        coordinator=self.coordinator,
-                        attempt=attempt,
-                        retry_in_s=round(delay, 2),
-                        error=str(exc),
-                    )
-                    self._stop.wait(delay)
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                if not self.stage_id:
+                    interval = self._register()
+                    backoff, attempt = BACKOFF_START_S, 0
+                else:
+                    self._heartbeat(interval)
+                self._stop.wait(interval)
+            except NameInUse as exc:  # retrying would not help: an operator must act
+                log.error("stage_refused", name=self._config.name, error=str(exc))
+                self.refused = exc
+                if self._on_refused is not None:
+                    self._on_refused(exc)
+                return
+            except ElasticPipeError as exc:  # a name's holder not yet decided: NotReady
+                attempt += 1
+                delay = backoff * (0.5 + random.random())
+                held = not self.stage_id and isinstance(exc, NotReady)
+                log.warning(
+                    "stage_name_held" if held else "coordinator_unreachable",
+                    coordinator=self.coordinators.leader,
+                    attempt=attempt,
+                    retry_in_s=round(delay, 2),
+                    error=str(exc),
+                )
+                self._stop.wait(delay)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    def _register(self, stub: coordinator_pb2_grpc.CoordinatorServiceStub) -> float:
+    def _register(self) -> float:
         assert self.stage is not None
-        reply = rpc.call(
-            self.coordinator,
-            stub.Register,
+        reply = self.coordinators.call(
+            "Register",
             coordinator_pb2.RegisterRequest(
                 name=self._config.name,
                 address=self.address,
@@ -195,22 +191,18 @@ class StageServer(ServerLifecycle):
                 memory_bytes=self.stage.memory_bytes,
             ),
             timeout=REGISTER_TIMEOUT_S,
-            unavailable=CoordinatorUnavailable,
         )
         self.stage_id = reply.stage_id
         self.stage.stage_id = reply.stage_id
         self.registered.set()
-        log.info("stage_registered", stage_id=self.stage_id, coordinator=self.coordinator)
+        log.info("stage_registered", stage_id=self.stage_id, coordinator=self.coordinators.leader)
         return reply.heartbeat_interval_s or 1.0
 
-    def _heartbeat(
-        self, stub: coordinator_pb2_grpc.CoordinatorServiceStub, interval: float
-    ) -> None:
+    def _heartbeat(self, interval: float) -> None:
         assert self.stage is not None
         stage = self.stage
-        reply = rpc.call(
-            self.coordinator,
-            stub.Heartbeat,
+        reply = self.coordinators.call(
+            "Heartbeat",
             coordinator_pb2.HeartbeatRequest(
                 stage_id=self.stage_id,
                 epoch=stage.epoch,
@@ -222,7 +214,6 @@ class StageServer(ServerLifecycle):
                 memory_bytes=stage.memory_bytes,
             ),
             timeout=max(1.0, interval * 2),
-            unavailable=CoordinatorUnavailable,
         )
         stage.keep_from(reply.safe_step)
         if reply.dead:
@@ -239,14 +230,11 @@ class StageServer(ServerLifecycle):
 
     def _ask_grant(self) -> Grant:
         """Asks the coordinator which client drives the job (a missed Fence)."""
-        with rpc.channel(self.coordinator, self._config.tls) as chan:
-            reply = rpc.call(
-                self.coordinator,
-                coordinator_pb2_grpc.CoordinatorServiceStub(chan).JobClient,
-                coordinator_pb2.JobClientRequest(stage_id=self.stage_id),
-                timeout=GRANT_TIMEOUT_S,
-                unavailable=CoordinatorUnavailable,
-            )
+        reply = self.coordinators.call(
+            "JobClient",
+            coordinator_pb2.JobClientRequest(stage_id=self.stage_id),
+            timeout=GRANT_TIMEOUT_S,
+        )
         log.info("job_client_learned", client=reply.client, holder=reply.holder)
         return Grant(reply.job_id, reply.client, reply.holder)
 
@@ -254,37 +242,31 @@ class StageServer(ServerLifecycle):
         """Asks the coordinator what a lease that ran out left undecided, and applies it."""
         stage = self.stage
         assert stage is not None
-        with rpc.channel(self.coordinator, self._config.tls) as chan:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(chan)
-            if question.do is Do.RESOLVE_RUN:
-                reply = rpc.call(
-                    self.coordinator,
-                    stub.ResolveRun,
-                    coordinator_pb2.ResolveRunRequest(
-                        stage_id=self.stage_id, run=question.run, step=question.step
-                    ),
-                    timeout=QUESTION_TIMEOUT_S,
-                    unavailable=CoordinatorUnavailable,
-                )
-                log.info("run_resolution", run=question.run, decision=reply.decision)
-                fence = stage.state().fence
-                try:
-                    if reply.decision == "commit":
-                        stage.commit_step(stage.epoch, question.run, question.step, fence)
-                    elif reply.decision == "abort":
-                        stage.abort_step(question.run, "resolved by the coordinator", fence)
-                except NotReady:
-                    pass  # the coordinator's own call settled it already
-            elif question.do is Do.ASK_EPOCH:
-                outcome = rpc.call(
-                    self.coordinator,
-                    stub.EpochOutcome,
-                    coordinator_pb2.EpochOutcomeRequest(epoch=question.epoch),
-                    timeout=QUESTION_TIMEOUT_S,
-                    unavailable=CoordinatorUnavailable,
-                ).outcome
-                log.info("epoch_outcome", epoch=question.epoch, outcome=outcome)
-                if outcome == "committed":
-                    stage.commit_epoch(question.epoch)
-                elif outcome == "aborted":
-                    stage.abort_epoch(question.epoch)
+        if question.do is Do.RESOLVE_RUN:
+            reply = self.coordinators.call(
+                "ResolveRun",
+                coordinator_pb2.ResolveRunRequest(
+                    stage_id=self.stage_id, run=question.run, step=question.step
+                ),
+                timeout=QUESTION_TIMEOUT_S,
+            )
+            log.info("run_resolution", run=question.run, decision=reply.decision)
+            fence = stage.state().fence
+            try:
+                if reply.decision == "commit":
+                    stage.commit_step(stage.epoch, question.run, question.step, fence)
+                elif reply.decision == "abort":
+                    stage.abort_step(question.run, "resolved by the coordinator", fence)
+            except NotReady:
+                pass  # the coordinator's own call settled it already
+        elif question.do is Do.ASK_EPOCH:
+            outcome = self.coordinators.call(
+                "EpochOutcome",
+                coordinator_pb2.EpochOutcomeRequest(epoch=question.epoch),
+                timeout=QUESTION_TIMEOUT_S,
+            ).outcome
+            log.info("epoch_outcome", epoch=question.epoch, outcome=outcome)
+            if outcome == "committed":
+                stage.commit_epoch(question.epoch)
+            elif outcome == "aborted":
+                stage.abort_epoch(question.epoch)

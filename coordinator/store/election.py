@@ -74,6 +74,17 @@ class Election:
             return None
         return Leader(json.loads(found[0].value)["address"], found[0].create_revision)
 
+    def current_term(self) -> int:
+        """This candidate's term while it leads.
+
+        Raises:
+            NotLeader: it does not lead (never did, stepped down or resigned).
+        """
+        term = self.term
+        if term == 0:
+            raise NotLeader(f"coordinator {self.address} does not lead {self.store.prefix}")
+        return term
+
     # ---- campaign ----------------------------------------------------------------------
 
     def campaign(self, timeout_s: float | None = None) -> int:

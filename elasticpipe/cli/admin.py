@@ -30,7 +30,7 @@ from elasticpipe.client.admin import (
 )
 from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, InvalidRequest
 from elasticpipe.security.tls import TLS
-from elasticpipe.transport import serving
+from elasticpipe.transport.coordinators import parse_coordinators
 
 STATUS_HELP = """\
 step (in the first line) is the job's committed step. A step is committed on every stage
@@ -142,9 +142,8 @@ def format_status(s: Status) -> str:
         f"efficiency: "
         + (f"{s.efficiency:.0%} (step {s.efficiency_step})" if s.efficiency_step else "-"),
         f"client: {s.client or 'none (the job is free)'}"
-        + (
-            f"   factory: {s.factory_file} sha256 {s.factory_sha256[:12]}" if s.factory_file else ""
-        ),
+        + (f"   factory: {s.factory_file} sha256 {s.factory_sha256[:12]}" if s.factory_file else "")
+        + (f"   leader: {s.leader} (term {s.term})" if s.term else ""),
     ]
     if s.job_failure:
         lines.append(f"JOB FAILED: {s.job_failure}")
@@ -407,7 +406,7 @@ def run_admin(args: argparse.Namespace) -> int:
     """Executes ``elasticpipe admin ...`` and prints the answer; returns the exit code."""
     address = args.coordinator
     try:
-        serving.check_dial_address(address, "coordinator address")
+        parse_coordinators(address)
         if args.timeout <= 0:
             raise InvalidRequest(f"--timeout must be positive, got {args.timeout}")
         tls = TLS.from_flags(args.tls_cert, args.tls_key, args.tls_ca)

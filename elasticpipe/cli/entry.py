@@ -119,8 +119,9 @@ def _admin_options(defaults: bool) -> AdminParser:
     kw = (lambda d: {"default": d}) if defaults else (lambda d: {"default": argparse.SUPPRESS})
     common.add_argument(
         "--coordinator",
-        metavar="HOST:PORT",  # checked by run_admin: its errors are JSON with --json
-        help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",
+        metavar="HOST:PORT[,HOST:PORT...]",  # checked by run_admin: errors are JSON with --json
+        help=f"HOST:PORT of the coordinator, or of every coordinator of an HA setup: "
+        f"commands go to the one that leads (or ${ENV_COORDINATOR})",
         **kw(os.environ.get(ENV_COORDINATOR, "127.0.0.1:7100")),
     )
     common.add_argument(

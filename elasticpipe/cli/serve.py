@@ -107,6 +107,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         link_bandwidth=args.link_bandwidth,
         pause_at=args.pause_at,
         freeze_lease_s=args.freeze_lease,
+        leader_lease_s=args.leader_lease,
         **_serving(args),
     )
     server = CoordinatorServer(config).start()
@@ -222,11 +223,12 @@ def _tls_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _coordinator_address(text: str) -> str:
-    """The type of ``--coordinator``: HOST:PORT, checked before anything dials it."""
-    from elasticpipe.transport.serving import check_dial_address
+    """The type of ``--coordinator``: HOST:PORT[,HOST:PORT...], each checked before
+    anything dials it."""
+    from elasticpipe.transport.coordinators import parse_coordinators
 
     try:
-        return check_dial_address(text, "coordinator address")
+        return ",".join(parse_coordinators(text))
     except ElasticPipeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -299,6 +301,14 @@ def coordinator_arguments(co: argparse.ArgumentParser) -> None:
         help="seconds a stage frozen for an epoch change waits for news from the coordinator "
         "before it abandons the change (or, prepared, asks for its outcome)",
     )
+    co.add_argument(
+        "--leader-lease",
+        type=int,
+        default=3,
+        metavar="SECONDS",
+        help="with an etcd store: the leader's lease; when the leader dies a standby "
+        "coordinator leads within about this long (at least 2)",
+    )
     _network_options(co, 7100)
     co.add_argument("--ready-file", help=argparse.SUPPRESS)
     co.add_argument("--pause-at", default="", help=argparse.SUPPRESS)  # tests: block there
@@ -310,10 +320,11 @@ def stage_arguments(st: argparse.ArgumentParser) -> None:
     st.add_argument(
         "--coordinator",
         type=_coordinator_address,
-        metavar="HOST:PORT",
+        metavar="HOST:PORT[,HOST:PORT...]",
         default=os.environ.get(ENV_COORDINATOR),
         required=ENV_COORDINATOR not in os.environ,
-        help=f"HOST:PORT of the coordinator (or ${ENV_COORDINATOR})",
+        help=f"HOST:PORT of the coordinator; with standby coordinators, every one's, "
+        f"comma-separated: the stage follows the one that leads (or ${ENV_COORDINATOR})",
     )
     st.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
     st.add_argument("--device", default="cpu", help="cpu or cuda:N")

@@ -69,6 +69,7 @@ class LocalCluster:
         fault_injection: bool = False,
         commit_lease_s: float | None = None,
         allow_models: Sequence[str] = (),
+        coordinators: int = 1,
     ):
         """Describes the cluster; ``start`` (or ``with``) launches it.
 
@@ -97,7 +98,16 @@ class LocalCluster:
             fault_injection: the stages accept injected faults (``tests``, ``bench``).
             commit_lease_s: how long a stage holds a step's commit for its client.
             allow_models: module prefixes every stage may import model factories from.
+            coordinators: coordinator processes on the one store (more than one needs an
+                etcd ``state``: one leads, the others stand by). They are named
+                "coordinator", "coordinator-1", ...; ``coordinator`` lists every address.
         """
+        if coordinators > 1 and not (state or "").startswith("etcd://"):
+            raise ValueError(f"{coordinators} coordinators need an etcd:// state, not {state!r}")
+        self.coordinator_names = [
+            "coordinator",
+            *(f"coordinator-{i}" for i in range(1, coordinators)),
+        ]
         self.num_stages = stages
         self.slowdowns = list(slowdowns or [1.0] * stages)
         if len(self.slowdowns) != stages:
@@ -124,7 +134,8 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._threads = threads_per_stage
-        self.coordinator = ""
+        self.coordinator = ""  # every coordinator's address, comma-separated
+        self.coordinator_addresses: dict[str, str] = {}  # process name -> address
         self.stage_addresses: list[str] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.certs: Path | None = None
@@ -217,7 +228,8 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Starts every process and waits until all stages have registered."""
         try:
-            self._start_coordinator("127.0.0.1:0")
+            for name in self.coordinator_names:
+                self._start_coordinator(name, "127.0.0.1:0")
             pending = [
                 (f"stage-{i}", self._spawn_stage(f"stage-{i}", i)) for i in range(self.num_stages)
             ]
@@ -228,18 +240,19 @@ class LocalCluster:
             raise
         return self
 
-    def _start_coordinator(self, listen: str) -> None:
+    def _start_coordinator(self, name: str, listen: str) -> None:
         spawned = self._spawn(
-            "coordinator",
+            name,
             [
                 "coordinator",
                 "--listen",
                 listen,
-                *self._tls_flags("coordinator", "coordinator"),
+                *self._tls_flags(name, "coordinator"),
                 *self._coordinator_args,
             ],
         )
-        self.coordinator = self._ready("coordinator", spawned)
+        self.coordinator_addresses[name] = self._ready(name, spawned)
+        self.coordinator = ",".join(self.coordinator_addresses.values())
 
     def _spawn_stage(
         self,
@@ -291,13 +304,16 @@ class LocalCluster:
             self.stage_addresses[int(name[6:])] = address
         return address
 
-    def restart_coordinator(self, args: Sequence[str] | None = None) -> None:
-        """Starts the coordinator again on its old address, from its state file (with
-        ``args`` instead of the original flags, if given)."""
+    def restart_coordinator(
+        self, args: Sequence[str] | None = None, name: str = "coordinator"
+    ) -> None:
+        """Starts coordinator ``name`` again on its old address, from its state (with
+        ``args`` instead of the original flags, if given); returns once a coordinator
+        answers as leader."""
         if args is not None:
             state = self._coordinator_args[self._coordinator_args.index("--state") + 1]
             self._coordinator_args = [*args, "--state", state]
-        self._start_coordinator(self.coordinator)
+        self._start_coordinator(name, self.coordinator_addresses[name])
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # answering (channels to the old one may still be backing off)
             try:
@@ -320,6 +336,14 @@ class LocalCluster:
     def name_of(self, address: str) -> str:
         """The process name of a stage address."""
         return f"stage-{self.stage_addresses.index(address)}"
+
+    def leader(self, timeout: float = 10.0) -> str:
+        """The process name of the coordinator that leads (waiting up to ``timeout``)."""
+        address = self.status(timeout=timeout).leader
+        for name, known in self.coordinator_addresses.items():
+            if known == address:
+                return name
+        raise KeyError(f"the leader {address!r} is none of {self.coordinator_addresses}")
 
     def admin(self, timeout: float = ADMIN_TIMEOUT_S) -> Admin:
         """A typed admin client of this cluster's coordinator (with the admin's certificate
@@ -364,15 +388,16 @@ class LocalCluster:
     def stop(self, grace: float = 5.0) -> None:
         """Stops every process: SIGTERM, then SIGKILL after ``grace`` seconds.
 
-        The coordinator goes first, so that stages shutting down do not wait for their
+        The coordinators go first, so that stages shutting down do not wait for their
         layers to be moved off (the whole cluster is going away).
         """
-        ordered = sorted(self.procs.items(), key=lambda item: item[0] != "coordinator")
+        coordinators = self.coordinator_names
+        ordered = sorted(self.procs.items(), key=lambda item: item[0] not in coordinators)
         for name, proc in ordered:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-            if name == "coordinator":
+            if name in coordinators:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=grace)
         deadline = time.monotonic() + grace

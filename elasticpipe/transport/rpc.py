@@ -98,7 +98,10 @@ class StagePool:
         self,
         unavailable: type[errors.ElasticPipeError] = errors.StageUnavailable,
         tls: TLS | None = None,
+        interceptors: Sequence[Any] = (),
     ):
+        """``interceptors`` wrap every channel (the coordinator's ``TermStamp``)."""
+        self._interceptors = list(interceptors)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageServiceStub] = {}
         self._lock = threading.Lock()
@@ -113,7 +116,10 @@ class StagePool:
             cached = self._stubs.get(address)
             if cached is None:
                 if address not in self._channels:
-                    self._channels[address] = channel(address, self.tls)
+                    opened = channel(address, self.tls)
+                    if self._interceptors:
+                        opened = grpc.intercept_channel(opened, *self._interceptors)
+                    self._channels[address] = opened
                 cached = self._stubs[address] = stage_pb2_grpc.StageServiceStub(
                     self._channels[address]
                 )
@@ -191,17 +197,17 @@ class StagePool:
             self._stubs.clear()
 
 
-def _reason(exc: grpc.RpcError) -> str:
-    """The error kind a peer of ours put in the status details, if any."""
+def _reason(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    """The error kind a peer of ours put in the status details, and its fields, if any."""
     try:
         status = rpc_status.from_call(exc)  # type: ignore[arg-type]
     except ValueError:  # details that contradict the status line: ignore them
-        return ""
+        return "", {}
     for detail in status.details if status is not None else ():
         info = ErrorInfo()
         if detail.Unpack(info) and info.domain == ERROR_DOMAIN:
-            return str(info.reason)
-    return ""
+            return str(info.reason), dict(info.metadata)
+    return "", {}
 
 
 def translate(
@@ -218,13 +224,13 @@ def translate(
     """
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    reason = _reason(exc) if isinstance(exc, grpc.Call) else ""
+    reason, metadata = _reason(exc) if isinstance(exc, grpc.Call) else ("", dict[str, str]())
     if not reason and code == grpc.StatusCode.UNAVAILABLE:
         reason = unavailable.reason()
         code = unavailable.code
     if "(from " not in details and not reason.startswith(("StaleEpoch", "Rebalancing")):
         details = f"{details} (from {peer}, {code.name})"  # name the peer once
-    return errors.from_status(code, details, reason)
+    return errors.from_status(code, details, reason, metadata)
 
 
 def call(
@@ -251,7 +257,7 @@ def status_of(exc: errors.ElasticPipeError) -> grpc.Status:
     if len(message) > MAX_STATUS_MESSAGE:
         message = message[: MAX_STATUS_MESSAGE - 15] + "... (truncated)"
     detail = any_pb2.Any()
-    detail.Pack(ErrorInfo(reason=exc.reason(), domain=ERROR_DOMAIN))
+    detail.Pack(ErrorInfo(reason=exc.reason(), domain=ERROR_DOMAIN, metadata=exc.metadata()))
     return rpc_status.to_status(Status(code=exc.code.value[0], message=message, details=[detail]))
 
 

@@ -888,6 +888,8 @@ class StatusResponse(_message.Message):
     FACTORY_SHA256_FIELD_NUMBER: _builtins.int
     EFFICIENCY_FIELD_NUMBER: _builtins.int
     EFFICIENCY_STEP_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     job_model: _builtins.str
     num_layers: _builtins.int
     auto_rebalance: _builtins.bool
@@ -904,6 +906,10 @@ class StatusResponse(_message.Message):
     efficiency: _builtins.float
     """pipeline efficiency of step ``efficiency_step`` (client's lease)"""
     efficiency_step: _builtins.int
+    leader: _builtins.str
+    """the answering (leading) coordinator's address"""
+    term: _builtins.int
+    """its term on etcd (0: a store without election, SQLite)"""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageInfo]: ...
     @_builtins.property
@@ -927,10 +933,12 @@ class StatusResponse(_message.Message):
         factory_sha256: _builtins.str = ...,
         efficiency: _builtins.float = ...,
         efficiency_step: _builtins.int = ...,
+        leader: _builtins.str = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "client", b"client", "committed_step", b"committed_step", "efficiency", b"efficiency", "efficiency_step", b"efficiency_step", "factory_file", b"factory_file", "factory_sha256", b"factory_sha256", "history", b"history", "job_failure", b"job_failure", "job_id", b"job_id", "job_model", b"job_model", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_rebalance", b"auto_rebalance", "client", b"client", "committed_step", b"committed_step", "efficiency", b"efficiency", "efficiency_step", b"efficiency_step", "factory_file", b"factory_file", "factory_sha256", b"factory_sha256", "history", b"history", "job_failure", b"job_failure", "job_id", b"job_id", "job_model", b"job_model", "leader", b"leader", "num_layers", b"num_layers", "partition", b"partition", "stages", b"stages", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,175 @@
+"""Standby coordinators on a real etcd: the leader killed with SIGKILL at any moment is
+replaced by a standby within 5 s, the epoch change it left in flight is finished or
+undone, a stage that dies meanwhile is recovered, and training equals the failure-free
+run; a deposed leader commands no stage."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticpipe.local.cluster import LocalCluster
+from tests.support.etcd import start_etcd
+from tests.support.scenario import FAST, STEPS, Trainer, check, move_on_a_thread, pipeline
+
+pytestmark = pytest.mark.timeout(240)
+
+FAILOVER_S = 5.0  # the goal: a standby leads within this long of the leader's kill
+LEASE = ["--freeze-lease", "8"]
+
+
+@contextlib.contextmanager
+def ha_cluster(tmp_path: Path, point: str = "", stages: int = 3) -> Iterator[LocalCluster]:
+    """Three stages and two coordinators on one etcd member; the coordinators block at
+    ``point`` of an epoch change (none: "")."""
+    member = start_etcd(tmp_path / "etcd")
+    url = f"etcd://{member.endpoint}/ha-{uuid.uuid4().hex[:8]}"
+    args = [*FAST, *LEASE, *(["--pause-at", point] if point else [])]
+    try:
+        with LocalCluster(
+            stages=stages, coordinators=2, coordinator_args=args, state=url
+        ) as cluster:
+            yield cluster
+    finally:
+        member.stop()
+
+
+def kill_leader(cluster: LocalCluster) -> tuple[str, int, float]:
+    """Kills the leading coordinator; returns its name, its term and when it died."""
+    status = cluster.status()
+    name = cluster.leader()
+    cluster.kill(name)
+    return name, status.term, time.monotonic()
+
+
+def wait_for_new_leader(cluster: LocalCluster, old: str, old_term: int) -> tuple[str, float]:
+    """Waits until another coordinator leads with a higher term; its name and when."""
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(Exception):
+            status = cluster.status(timeout=1.0)
+            if status.term > old_term and status.leader != cluster.coordinator_addresses[old]:
+                return cluster.leader(), time.monotonic()
+        assert time.monotonic() < deadline, "no standby took over within 30 s"
+        time.sleep(0.05)
+
+
+def test_a_standby_leads_within_5_s_of_the_leaders_kill_and_training_is_exact(
+    tmp_path: Path,
+) -> None:
+    """The leader killed between steps: a standby leads within 5 s, with a higher term,
+    reporting the job, the stages and the partition; training, which never needed a
+    coordinator, ends equal to the failure-free run, and a move works afterwards."""
+    with ha_cluster(tmp_path) as cluster, pipeline(cluster) as pipe:
+        took: dict[str, float] = {}
+
+        def before(step: int) -> None:
+            if step == 4:
+                old, term, killed = kill_leader(cluster)
+                new, leading = wait_for_new_leader(cluster, old, term)
+                took["failover_s"] = leading - killed
+                took["new"] = float(cluster.coordinator_names.index(new))
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        assert took["failover_s"] < FAILOVER_S, took
+        status = cluster.status()
+        assert status.job_id == pipe.partition.job_id
+        assert sorted(s.state for s in status.stages) == ["chain"] * 3
+        part = pipe.partition
+        with cluster.admin(timeout=120) as admin:
+            moved = admin.set_partition([0, part.boundaries[1] + 1, *part.boundaries[2:]])
+        assert moved.changed, moved
+
+
+@pytest.mark.parametrize(
+    ("point", "kind"),
+    [("before_commit_point", "abandoned"), ("after_commit_point", "move")],
+    ids=["rolled-back", "rolled-forward"],
+)
+def test_a_leader_killed_mid_migration_is_replaced_and_the_move_settled(
+    tmp_path: Path, point: str, kind: str
+) -> None:
+    """The leader killed once every stage prepared a move (before or after its commit
+    point): the standby leads within 5 s, undoes or finishes the move from the store, and
+    training, frozen meanwhile, ends exact."""
+    with ha_cluster(tmp_path, point) as cluster, pipeline(cluster) as pipe:
+        took: dict[str, float] = {}
+        target: list[int] = []
+
+        def before(step: int) -> None:
+            if step != 4:
+                return
+            part = pipe.partition
+            target.extend([0, part.boundaries[1] + 1, *part.boundaries[2:]])
+            leader = cluster.leader()
+            move_on_a_thread(cluster, target)
+            cluster.wait_for_log(leader, "paused_at", timeout=60)
+            old, term, killed = kill_leader(cluster)
+            assert old == leader
+            _, leading = wait_for_new_leader(cluster, old, term)
+            took["failover_s"] = leading - killed
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        assert took["failover_s"] < FAILOVER_S, took
+        records = list(cluster.status().history)
+        assert records[-1].kind == kind, records
+        assert (list(pipe.partition.boundaries) == target) == (kind == "move")
+
+
+def test_a_stage_killed_while_no_coordinator_leads_is_recovered_by_the_new_leader(
+    tmp_path: Path,
+) -> None:
+    """The leader killed, then a stage killed before the standby leads: the new leader
+    replaces the stage from a spare well before the client's recovery timeout, and
+    training ends exact."""
+    with ha_cluster(tmp_path, stages=4) as cluster, pipeline(cluster, stages=3) as pipe:
+        took: dict[str, float] = {}
+
+        def before(step: int) -> None:
+            if step != 4:
+                return
+            chain = cluster.status().chain
+            old, term, killed = kill_leader(cluster)
+            cluster.kill(cluster.name_of(chain[1].address))
+            wait_for_new_leader(cluster, old, term)
+            took["killed"] = killed
+
+        started = time.monotonic()
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        assert time.monotonic() - started < 60, "recovery waited out a long timeout"
+        history = list(cluster.status().history)
+        assert any(r.kind == "recovery" for r in history), history
+        assert pipe.step == STEPS
+
+
+def test_a_deposed_leaders_commands_are_refused_by_the_stages(tmp_path: Path) -> None:
+    """A stage that obeyed term T refuses a command stamped with an older term."""
+    import grpc
+
+    from elasticpipe.errors import NotLeader
+    from elasticpipe.transport import rpc
+    from elasticpipe.transport.terms import TERM_KEY
+    from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+
+    with ha_cluster(tmp_path, stages=2) as cluster:
+        term = cluster.status().term
+        assert term > 0
+        address = cluster.stage_addresses[0]
+        with grpc.insecure_channel(address) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            newer = [(TERM_KEY, str(term + 1000))]
+            stub.GetStats(stage_pb2.StatsRequest(), timeout=5, metadata=newer)
+            with pytest.raises(grpc.RpcError) as refused:
+                older = [(TERM_KEY, str(term))]
+                stub.GetStats(stage_pb2.StatsRequest(), timeout=5, metadata=older)
+        error = rpc.translate(refused.value, address)
+        assert isinstance(error, NotLeader), error
+        assert f"term {term}," in str(error), error
