@@ -19,7 +19,10 @@ from typing import Any, NamedTuple
 import grpc
 
 from elasticpipe.errors import NotLeader
+from elasticpipe.logs import get_logger
 from elasticpipe.transport.rpc import status_of
+
+log = get_logger(__name__)
 
 TERM_KEY = "elasticpipe-term"
 
@@ -95,6 +98,7 @@ class TermFence(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 self.highest = term
                 return None
             highest = self.highest
+        log.warning("command_refused", term=term, highest=highest)
         return NotLeader(
             f"a command of coordinator term {term}, older than term {highest} that this "
             "stage already obeys: its coordinator was deposed; nothing was done"

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from elasticpipe.security import tls
+from tests.support.netns import Hosts, hosts, wait_for_log
+
+__all__ = ["hosts"]  # the fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,100 +32,6 @@ SUBNET = "10.77.0"
 COORDINATOR_IP = f"{SUBNET}.1"
 STAGE_IPS = [f"{SUBNET}.11", f"{SUBNET}.12", f"{SUBNET}.13"]
 CLIENT_IP = f"{SUBNET}.100"
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _netns_unavailable() -> str | None:
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
-    probe = f"epprobe{os.getpid()}"
-    try:
-        _ip("netns", "add", probe)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        stderr = getattr(exc, "stderr", b"") or b""
-        return f"cannot create a network namespace (root needed): {stderr.decode().strip()}"
-    _ip("netns", "del", probe)
-    return None
-
-
-@dataclass
-class Hosts:
-    """Network namespaces on one bridge; each is a host with one address."""
-
-    tag: str = field(default_factory=lambda: f"ep{os.getpid() % 100000}")
-    names: list[str] = field(default_factory=list)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    @property
-    def bridge(self) -> str:
-        return f"{self.tag}br"
-
-    def up(self) -> None:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("link", "set", self.bridge, "up")
-
-    def add(self, host: str, address: str, default_route: bool = False) -> str:
-        """A namespace ``TAG-host`` holding ``address``/24 on a veth to the bridge."""
-        ns, outer, inner = f"{self.tag}-{host}", f"{self.tag}{host}o", f"{self.tag}{host}i"
-        _ip("netns", "add", ns)
-        self.names.append(ns)
-        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-        _ip("link", "set", outer, "master", self.bridge)
-        _ip("link", "set", outer, "up")
-        _ip("link", "set", inner, "netns", ns)
-        _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inner)
-        _ip("-n", ns, "link", "set", inner, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        if default_route:
-            _ip("-n", ns, "route", "add", "default", "dev", inner)
-        return ns
-
-    def spawn(self, ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "elasticpipe", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "ELASTICPIPE_TORCH_THREADS": "1"},
-            )
-        self.procs.append(proc)
-        return proc
-
-    def down(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait(10)
-        for ns in self.names:
-            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
-        subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)
-
-
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    why = _netns_unavailable()
-    if why is not None:
-        pytest.skip(why)
-    net = Hosts()
-    try:
-        net.up()
-        yield net
-    finally:
-        net.down()
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        content = log.read_text(errors="replace") if log.exists() else ""
-        for line in content.splitlines():
-            if text in line:
-                return line
-        assert proc.poll() is None, f"exited {proc.returncode}:\n{content[-3000:]}"
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not in {log} after {timeout}s:\n{content[-3000:]}")
 
 
 def test_training_across_namespaced_hosts_with_a_live_migration(
@@ -171,7 +76,7 @@ def test_training_across_namespaced_hosts_with_a_live_migration(
         ],
         log,
     )
-    listening = _wait_for(log, "coordinator_listening", proc)
+    listening = wait_for_log(log, "coordinator_listening", proc)
     assert f"address={coordinator}" in listening, listening  # the interface's, not loopback
 
     advertise = [["--advertise", f"{STAGE_IPS[0]}:7200"], [], []]
@@ -196,8 +101,8 @@ def test_training_across_namespaced_hosts_with_a_live_migration(
         )
         stage_logs.append((log, proc))
     for i, (log, proc) in enumerate(stage_logs):
-        _wait_for(log, "stage_registered", proc)
-        listening = _wait_for(log, "stage_listening", proc)
+        wait_for_log(log, "stage_registered", proc)
+        listening = wait_for_log(log, "stage_listening", proc)
         assert f"address={STAGE_IPS[i]}:7200" in listening, listening
 
     ns = hosts.add("client", CLIENT_IP)

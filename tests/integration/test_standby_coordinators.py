@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticpipe.local.cluster import LocalCluster
-from tests.support.etcd import start_etcd
+from tests.support.etcd import EtcdCluster, start_etcd_cluster
 from tests.support.scenario import FAST, STEPS, Trainer, check, move_on_a_thread, pipeline
 
 pytestmark = pytest.mark.timeout(240)
@@ -24,11 +24,14 @@ LEASE = ["--freeze-lease", "8"]
 
 
 @contextlib.contextmanager
-def ha_cluster(tmp_path: Path, point: str = "", stages: int = 3) -> Iterator[LocalCluster]:
-    """Three stages and two coordinators on one etcd member; the coordinators block at
-    ``point`` of an epoch change (none: "")."""
-    member = start_etcd(tmp_path / "etcd")
-    url = f"etcd://{member.endpoint}/ha-{uuid.uuid4().hex[:8]}"
+def ha_cluster(
+    tmp_path: Path, point: str = "", stages: int = 3, etcd: EtcdCluster | None = None
+) -> Iterator[LocalCluster]:
+    """``stages`` stages and two coordinators on ``etcd`` (default: one member of its
+    own); the coordinators block at ``point`` of an epoch change (none: "")."""
+    own = etcd is None
+    etcd = etcd or start_etcd_cluster(tmp_path / "etcd", 1)
+    url = f"etcd://{etcd.endpoints}/ha-{uuid.uuid4().hex[:8]}"
     args = [*FAST, *LEASE, *(["--pause-at", point] if point else [])]
     try:
         with LocalCluster(
@@ -36,7 +39,8 @@ def ha_cluster(tmp_path: Path, point: str = "", stages: int = 3) -> Iterator[Loc
         ) as cluster:
             yield cluster
     finally:
-        member.stop()
+        if own:
+            etcd.stop()
 
 
 def kill_leader(cluster: LocalCluster) -> tuple[str, int, float]:
@@ -173,3 +177,29 @@ def test_a_deposed_leaders_commands_are_refused_by_the_stages(tmp_path: Path) ->
         error = rpc.translate(refused.value, address)
         assert isinstance(error, NotLeader), error
         assert f"term {term}," in str(error), error
+
+
+def test_one_of_three_etcd_members_killed_changes_nothing(tmp_path: Path) -> None:
+    """A three-member etcd, the member every coordinator dials first killed mid-training:
+    the same coordinator leads in the same term, training ends exact, and an epoch change
+    commits on the two members left."""
+    etcd = start_etcd_cluster(tmp_path / "etcd", 3)
+    try:
+        with ha_cluster(tmp_path, etcd=etcd) as cluster, pipeline(cluster) as pipe:
+            before_kill = cluster.status()
+
+            def before(step: int) -> None:
+                if step == 4:
+                    etcd.members[0].stop()
+
+            trainer = Trainer(pipe, before).start()
+            check(trainer.losses, trainer.finish())
+            part = pipe.partition
+            with cluster.admin(timeout=120) as admin:
+                moved = admin.set_partition([0, part.boundaries[1] + 1, *part.boundaries[2:]])
+            assert moved.changed, moved
+            after = cluster.status()
+            assert (after.leader, after.term) == (before_kill.leader, before_kill.term)
+            assert after.history[-1].kind == "move", after.history
+    finally:
+        etcd.stop()

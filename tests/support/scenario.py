@@ -47,6 +47,11 @@ REFERENCE = _reference(STEPS)
 
 def pipeline(cluster: LocalCluster, **kwargs: object) -> Pipeline:
     """The scenario's Pipeline on ``cluster`` (``kwargs`` override its arguments)."""
+    return pipeline_at(cluster.coordinator, **kwargs)
+
+
+def pipeline_at(coordinator: str, **kwargs: object) -> Pipeline:
+    """The scenario's Pipeline on the coordinator(s) at ``coordinator``."""
     options: dict[str, object] = {
         "model": "mlp",
         "model_kwargs": KWARGS,
@@ -59,7 +64,7 @@ def pipeline(cluster: LocalCluster, **kwargs: object) -> Pipeline:
         "lease_s": 3.0,
     }
     options.update(kwargs)
-    return Pipeline(coordinator=cluster.coordinator, **options)  # type: ignore[arg-type]
+    return Pipeline(coordinator=coordinator, **options)  # type: ignore[arg-type]
 
 
 def check(losses: dict[int, float], state: dict[str, torch.Tensor], upto: int = STEPS) -> None:
