@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elasticpipe.coordinator.planning.policy import PolicyConfig
+from elasticpipe.coordinator.store.etcd import EtcdTLS
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.security.tls import TLS
 
@@ -34,6 +35,7 @@ class CoordinatorConfig:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
     metrics_listen: str = ""  # the metrics' host (default: the listen host)
     leader_lease_s: int = 3  # on etcd: the leader's lease; a standby leads this soon after
+    etcd_tls: EtcdTLS | None = None  # TLS to etcd (None: plaintext)
 
     def __post_init__(self) -> None:
         for name in ("dead_after_s", "heartbeat_interval_s", "freeze_lease_s"):

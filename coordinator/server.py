@@ -122,7 +122,7 @@ class CoordinatorServer(ServerLifecycle):
         metrics_on = metrics_bind_host(
             config.listen, config.metrics_port, config.metrics_listen, config.insecure
         )
-        self.store = store = open_store(config.state)
+        self.store = store = open_store(config.state, config.etcd_tls)
         self._server = start_server(
             config.listen,
             [(coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"], self._gate)],

@@ -13,15 +13,16 @@
 
 from elasticpipe.coordinator.store.base import Store
 from elasticpipe.coordinator.store.election import Election, Leader
-from elasticpipe.coordinator.store.etcd import EtcdStore
+from elasticpipe.coordinator.store.etcd import EtcdStore, EtcdTLS
 from elasticpipe.coordinator.store.rows import EpochRow, StageRow
 from elasticpipe.coordinator.store.sqlite import SqliteStore
-from elasticpipe.errors import NotLeader
+from elasticpipe.errors import InvalidRequest, NotLeader
 
 __all__ = [
     "Election",
     "EpochRow",
     "EtcdStore",
+    "EtcdTLS",
     "Leader",
     "NotLeader",
     "SqliteStore",
@@ -31,9 +32,11 @@ __all__ = [
 ]
 
 
-def open_store(url: str) -> Store:
-    """The store named by ``url``: ``sqlite:PATH``, ``etcd://HOST:PORT[,...][/PREFIX]``,
-    or a bare SQLite path (``:memory:``: nothing kept)."""
+def open_store(url: str, etcd_tls: EtcdTLS | None = None) -> Store:
+    """The store named by ``url``: ``sqlite:PATH``, ``etcd://HOST:PORT[,...][/PREFIX]``
+    (over TLS with ``etcd_tls``), or a bare SQLite path (``:memory:``: nothing kept)."""
     if url.startswith("etcd://"):
-        return EtcdStore.from_url(url)
+        return EtcdStore.from_url(url, etcd_tls)
+    if etcd_tls is not None:
+        raise InvalidRequest(f"TLS to etcd was given, but the store {url!r} is not etcd://")
     return SqliteStore(url.removeprefix("sqlite:"))

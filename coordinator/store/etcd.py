@@ -19,7 +19,8 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -64,6 +65,42 @@ def created_at(key: bytes, revision: int) -> pb.Compare:
     )
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """TLS to etcd: the CA that signed the members' certificates, and this client's
+    certificate and key where the members ask for one (``--client-cert-auth``)."""
+
+    ca: str
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise InvalidRequest(
+                f"TLS to etcd takes a client certificate and its key together (got cert "
+                f"{self.cert!r}, key {self.key!r})"
+            )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The channel credentials (the files read now).
+
+        Raises:
+            InvalidRequest: a file that cannot be read (named).
+        """
+
+        def read(path: str, what: str) -> bytes:
+            try:
+                return Path(path).read_bytes()
+            except OSError as exc:
+                raise InvalidRequest(f"cannot read the etcd {what} {path!r}: {exc}") from exc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca, "CA certificate"),
+            private_key=read(self.key, "client key") if self.key else None,
+            certificate_chain=read(self.cert, "client certificate") if self.cert else None,
+        )
+
+
 def parse_etcd_url(url: str) -> tuple[list[str], str]:
     """``etcd://h1:p1,h2:p2/prefix`` as (endpoints, prefix); the prefix defaults to
     ``/elasticpipe``. Raises InvalidRequest naming the bad part."""
@@ -90,19 +127,26 @@ def _range_end(prefix: bytes) -> bytes:
 class EtcdStore(Store):
     """Thread-safe access to the control state in etcd."""
 
-    def __init__(self, endpoints: Sequence[str], prefix: str = DEFAULT_PREFIX):
+    def __init__(
+        self, endpoints: Sequence[str], prefix: str = DEFAULT_PREFIX, tls: EtcdTLS | None = None
+    ):
         self.endpoints = list(endpoints)
         self.prefix = prefix.rstrip("/")
         self._lock = threading.Lock()
-        self._channels = [grpc.insecure_channel(e) for e in self.endpoints]
+        if tls is None:
+            self._channels = [grpc.insecure_channel(e) for e in self.endpoints]
+        else:
+            credentials = tls.credentials()
+            self._channels = [grpc.secure_channel(e, credentials) for e in self.endpoints]
         self._current = 0  # the member that answered last
         self._leadership: Leadership | None = None  # writes conditioned on it (fence_with)
 
     @classmethod
-    def from_url(cls, url: str) -> EtcdStore:
-        """An EtcdStore for ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``."""
+    def from_url(cls, url: str, tls: EtcdTLS | None = None) -> EtcdStore:
+        """An EtcdStore for ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`` (over TLS with
+        ``tls``)."""
         endpoints, prefix = parse_etcd_url(url)
-        return cls(endpoints, prefix)
+        return cls(endpoints, prefix, tls)
 
     def close(self) -> None:
         """Closes the connections."""

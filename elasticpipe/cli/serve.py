@@ -108,10 +108,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         pause_at=args.pause_at,
         freeze_lease_s=args.freeze_lease,
         leader_lease_s=args.leader_lease,
+        etcd_tls=_etcd_tls(args),
         **_serving(args),
     )
     server = CoordinatorServer(config).start()
     return _serve_until_signalled(server, args.ready_file)
+
+
+def _etcd_tls(args: argparse.Namespace) -> Any:
+    """``--etcd-ca/--etcd-cert/--etcd-key`` as an ``EtcdTLS`` (None without a CA)."""
+    from elasticpipe.coordinator.store.etcd import EtcdTLS
+    from elasticpipe.errors import InvalidRequest
+
+    if not args.etcd_ca:
+        if args.etcd_cert or args.etcd_key:
+            raise InvalidRequest("--etcd-cert and --etcd-key need --etcd-ca (TLS to etcd)")
+        return None
+    return EtcdTLS(args.etcd_ca, args.etcd_cert or "", args.etcd_key or "")
 
 
 def _serving(args: argparse.Namespace) -> dict[str, Any]:
@@ -309,6 +322,17 @@ def coordinator_arguments(co: argparse.ArgumentParser) -> None:
         help="with an etcd store: the leader's lease; when the leader dies a standby "
         "coordinator leads within about this long (at least 2)",
     )
+    for flag, what, env in (
+        ("--etcd-ca", "the CA certificate of the etcd members (PEM): TLS to etcd", "CA"),
+        ("--etcd-cert", "this coordinator's client certificate for etcd (PEM)", "CERT"),
+        ("--etcd-key", "its private key (PEM)", "KEY"),
+    ):
+        co.add_argument(
+            flag,
+            default=os.environ.get(f"ELASTICPIPE_ETCD_{env}"),
+            metavar="FILE",
+            help=f"{what}; or $ELASTICPIPE_ETCD_{env}",
+        )
     _network_options(co, 7100)
     co.add_argument("--ready-file", help=argparse.SUPPRESS)
     co.add_argument("--pause-at", default="", help=argparse.SUPPRESS)  # tests: block there

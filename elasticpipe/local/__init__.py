@@ -5,6 +5,8 @@ single-process reference).
   loopback.
 * ``reference``: ``LocalPipeline``: the single-process reference, with the semantics of
   ``Pipeline``.
+* ``etcd``: ``LocalEtcd``: etcd members on loopback (a store for standby coordinators).
+* ``ports``: ``free_port``.
 """
 
 from elasticpipe.local.cluster import LocalCluster

@@ -38,6 +38,15 @@ KEYS: dict[str, set[str]] = {
         "failure_free_steps_per_s",
         "with_failures_steps_per_s",
     },
+    "failover.py": {
+        "failover_s",
+        "epoch_change_possible_s",
+        "steps_per_s_before",
+        "steps_per_s_during",
+        "identical",
+        "cpu_ms_per_heartbeat_etcd",
+        "cpu_ms_per_heartbeat_sqlite",
+    },
     "first_step.py": {
         "first_step_s",
         "setup_s",

@@ -4,11 +4,13 @@ started, registered with the coordinator, and stopped, spelled once."""
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterable, Iterator
 
+from elasticpipe.local.ports import free_port
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
+
+__all__ = ["free_port", "stage_servers"]
 
 
 @contextlib.contextmanager
@@ -29,10 +31,3 @@ def stage_servers(
     finally:
         for server in servers:
             server.stop()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (for a process started next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

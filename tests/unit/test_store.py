@@ -24,10 +24,13 @@ from elasticpipe.coordinator.store import (
     open_store,
 )
 from elasticpipe.coordinator.store import etcd as etcd_store
-from elasticpipe.errors import CommitOutcomeUnknown, InvalidRequest, Unavailable
+from elasticpipe.coordinator.store.etcd import EtcdTLS
+from elasticpipe.errors import CommitOutcomeUnknown, ElasticPipeError, InvalidRequest, Unavailable
+from elasticpipe.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elasticpipe.etcdpb import rpc_pb2 as pb
 from elasticpipe.partition import Partition, StageRef
-from tests.support.etcd import EtcdMember, start_etcd
+from elasticpipe.security import tls
+from tests.support.etcd import EtcdMember, start_etcd, start_etcd_cluster
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -392,3 +395,48 @@ def test_a_long_history_is_read_in_pages(etcd: EtcdMember, monkeypatch: pytest.M
         assert [r.epoch for r in store.epochs(limit=2)] == [9, 10]
     finally:
         store.close()
+
+
+def test_tls_to_etcd_with_client_certificates(tmp_path: Path) -> None:
+    """A member that serves TLS and asks for client certificates: the store with the CA
+    and a client certificate of that CA reads and writes; without TLS, or with a
+    certificate of another CA, nothing is read (the error names the member); an
+    unreadable CA file is named before anything is dialled."""
+    certs, other = tmp_path / "certs", tmp_path / "other"
+    tls.init_ca(certs)
+    tls.issue(certs, "etcd", "coordinator", hosts=("127.0.0.1",))
+    tls.issue(certs, "coordinator", "coordinator")
+    tls.init_ca(other)
+    tls.issue(other, "coordinator", "coordinator")
+    served = EtcdTLS(str(certs / "ca.pem"), str(certs / "etcd.pem"), str(certs / "etcd.key"))
+    cluster = start_etcd_cluster(tmp_path / "etcd", 1, tls=served)
+    try:
+        url = f"etcd://{cluster.endpoints}/tls"
+        client = EtcdTLS(
+            str(certs / "ca.pem"), str(certs / "coordinator.pem"), str(certs / "coordinator.key")
+        )
+        store = open_store(url, client)
+        store.put("job", {"over": "tls"})
+        assert open_store(url, client).get("job") == {"over": "tls"}
+        store.close()
+        strangers = EtcdTLS(
+            str(certs / "ca.pem"), str(other / "coordinator.pem"), str(other / "coordinator.key")
+        )
+        for wrong in (None, strangers):
+            refused = EtcdStore.from_url(url, wrong)
+            with pytest.raises(ElasticPipeError, match=cluster.members[0].endpoint):
+                refused.call(
+                    lambda ch, timeout: rpc_pb2_grpc.KVStub(ch).Range(
+                        rpc_pb2.RangeRequest(key=b"/tls/kv/job"), timeout=timeout
+                    ),
+                    retry_for_s=0,
+                )
+            refused.close()
+    finally:
+        cluster.stop()
+    with pytest.raises(InvalidRequest, match=r"missing\.pem"):
+        open_store(url, EtcdTLS(str(tmp_path / "missing.pem")))
+    with pytest.raises(InvalidRequest, match="together"):
+        EtcdTLS(str(certs / "ca.pem"), cert=str(certs / "coordinator.pem"))
+    with pytest.raises(InvalidRequest, match="not etcd://"):
+        open_store(str(tmp_path / "s.sqlite"), client)
