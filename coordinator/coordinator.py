@@ -331,9 +331,13 @@ class Coordinator:
                 log.warning("recovery_loop_failed", error=str(exc))
 
     def close(self) -> None:
-        """Stops the loops and closes channels."""
+        """Closes the channels to the stages (calls in flight end), wakes whoever waits
+        for a newer partition, and stops the loops."""
         self._stop.set()
+        self.cluster.pool.close()
+        with self.cluster.cond:
+            self.cluster.cond.notify_all()
         self.recovery.wake()
         for thread in self._threads:
             thread.join(timeout=5)
-        self.cluster.pool.close()
+        self.cluster.pool.close()  # one a loop opened again meanwhile (it sends nothing)

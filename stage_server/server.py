@@ -78,7 +78,8 @@ class StageServer(ServerLifecycle):
             tls=config.tls,
             insecure=config.insecure,
             advertise=config.advertise or None,
-            interceptors=[self.terms, servicer.stage.metrics.interceptor()],
+            interceptors=[servicer.stage.metrics.interceptor()],
+            check=self.terms.check,
         )
         if config.metrics_port is not None:
             self.metrics = MetricsEndpoint(

@@ -35,6 +35,8 @@ from elasticpipe.logs import get_logger
 
 log = get_logger(__name__)
 
+QUICK_READ_S = 0.3  # a quick read of who leads: one try per member
+
 
 @dataclass(frozen=True)
 class Leader:
@@ -63,13 +65,19 @@ class Election:
         self._lease = 0
         self._lease_from = 0.0  # when the request that last granted or renewed it was sent
         self._stop = threading.Event()
+        self._closed = False  # close(): no campaign ever again
         self._renewer: threading.Thread | None = None
 
     # ---- who leads ---------------------------------------------------------------------
 
-    def leader(self) -> Leader | None:
-        """The current leader, or None while nobody leads."""
-        found = self.store.range(self.key).kvs
+    def leader(self, quick: bool = False) -> Leader | None:
+        """The current leader, or None while nobody leads. ``quick``: one pass over the
+        members, 0.3 s each (a standby naming the leader must not wait out an outage)."""
+        request = pb.RangeRequest(key=self.key)
+        found = self.store.call(
+            lambda ch, timeout: pb_grpc.KVStub(ch).Range(request, timeout=timeout),
+            **({"retry_for_s": 0.0, "attempt_s": QUICK_READ_S} if quick else {}),
+        ).kvs
         if not found:
             return None
         return Leader(json.loads(found[0].value)["address"], found[0].create_revision)
@@ -131,7 +139,7 @@ class Election:
         return 0
 
     def _check_not_stopped(self) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() or self._closed:
             raise NotLeader(f"{self.address} resigned while campaigning")
 
     def _grant(self) -> int:
@@ -226,6 +234,11 @@ class Election:
         log.warning("coordinator_leadership_lost", address=self.address, term=self.term)
         self.term = 0
         self.lost.set()
+
+    def close(self) -> None:
+        """Resigns for good: a campaign running or started later raises NotLeader."""
+        self._closed = True
+        self.resign()
 
     def resign(self) -> None:
         """Gives up leading (or campaigning, in another thread): revokes the lease, which

@@ -52,9 +52,14 @@ T = TypeVar("T")
 class Leadership(Protocol):
     """What a fenced store needs of a won election (``election.Election``)."""
 
-    address: str
-    key: bytes
-    term: int  # 0: not leading
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def term(self) -> int: ...  # 0: not leading
 
 
 def created_at(key: bytes, revision: int) -> pb.Compare:

@@ -391,15 +391,17 @@ class LocalCluster:
         The coordinators go first, so that stages shutting down do not wait for their
         layers to be moved off (the whole cluster is going away).
         """
-        coordinators = self.coordinator_names
-        ordered = sorted(self.procs.items(), key=lambda item: item[0] not in coordinators)
-        for name, proc in ordered:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-            if name in coordinators:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=grace)
+        coordinators = [p for n, p in self.procs.items() if n in self.coordinator_names]
+        stages = [p for n, p in self.procs.items() if n not in self.coordinator_names]
+        for group in (coordinators, stages):  # every coordinator at once: no takeover
+            for proc in group:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)
+            if group is coordinators:
+                for proc in group:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=grace)
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             try:

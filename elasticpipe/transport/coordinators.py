@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticpipe import errors
 from elasticpipe.logs import get_logger
@@ -30,6 +31,7 @@ log = get_logger(__name__)
 PAUSE_START_S = 0.05  # between two passes over the list; doubles up to PAUSE_MAX_S
 PAUSE_MAX_S = 0.5
 LAST_TRY_S = 0.05  # the least time left worth one more pass
+CONNECT_S = 1.0  # with several addresses: how long one may take to answer a health check
 
 
 def parse_coordinators(addresses: str | Sequence[str]) -> list[str]:
@@ -66,6 +68,8 @@ class Coordinators:
         self._current = self.addresses[0]
         self._stubs: dict[str, coordinator_pb2_grpc.CoordinatorServiceStub] = {}
         self._channels: list[grpc.Channel] = []
+        self._by_address: dict[str, grpc.Channel] = {}
+        self._answered: set[str] = set()  # addresses that answered since they last failed
 
     def __str__(self) -> str:
         return ",".join(self.addresses)
@@ -81,8 +85,26 @@ class Coordinators:
             if stub is None:
                 channel = rpc.channel(address, self._tls)
                 self._channels.append(channel)
+                self._by_address[address] = channel
                 stub = self._stubs[address] = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             return stub
+
+    def _answers(self, address: str, wait_s: float) -> bool:
+        """Whether the process at ``address`` answers: it did before, or it answers a
+        health check within ``wait_s`` (a frozen process accepts the connection and never
+        answers; one that refuses it fails at once)."""
+        if address in self._answered:
+            return True
+        self._stub(address)
+        with self._lock:
+            channel = self._by_address[address]
+        check = health_pb2_grpc.HealthStub(channel).Check
+        try:
+            check(health_pb2.HealthCheckRequest(), timeout=max(wait_s, 0.001))
+        except grpc.RpcError:
+            return False
+        self._answered.add(address)
+        return True
 
     def _follow(self, address: str) -> None:
         with self._lock:
@@ -103,8 +125,10 @@ class Coordinators:
 
         ``once``: a command that must not run twice (a move): a standby's refusal is still
         followed to the leader (the standby did nothing), and so is an address that
-        refused the connection; but a coordinator lost in the middle of the call may have
-        acted: that error is raised at once, and the next call starts at the next address.
+        refused the connection; but a coordinator lost in the middle of the call, or one
+        that did not answer in time, may have acted: that error is raised at once (a
+        ``DeadlineExceeded`` as itself), and the next call starts at the next address.
+        Without ``once``, a leader's ``NotLeader`` (it just lost etcd) is followed too.
 
         Raises:
             CoordinatorUnavailable: no coordinator answered as leader in time (the last
@@ -122,40 +146,61 @@ class Coordinators:
         last: errors.ElasticPipeError | None = None
         while True:
             left = deadline - time.monotonic()
-            try:
-                reply = rpc.call(
-                    address,
-                    getattr(self._stub(address), method),
-                    request,
-                    timeout=max(left, 0.001),
-                    unavailable=errors.CoordinatorUnavailable,
-                    **kwargs,
+            wait = min(CONNECT_S, left / 2)
+            if len(self.addresses) > 1 and not self._answers(address, wait):
+                # Nothing answers there (a host gone silent, a process frozen): the call
+                # was not sent; the others are tried, and this one again next pass.
+                tried.add(address)
+                last = errors.CoordinatorUnavailable(
+                    f"coordinator {address} did not answer a health check within {wait:.1f}s"
                 )
-            except errors.StandingBy as exc:
-                if len(self.addresses) == 1 and not exc.leader:
-                    raise
-                tried.add(address)
-                hinted = exc.leader and exc.leader not in tried
-                address = exc.leader if hinted else self._after(address)
-                last = exc
-            except errors.CoordinatorUnavailable as exc:
-                if len(self.addresses) == 1:
-                    raise
-                if once and not _never_sent(exc):
-                    self._follow(self._after(address))
-                    raise
-                tried.add(address)
                 address = self._after(address)
-                last = exc
-            except errors.DeadlineExceeded:
-                if len(self.addresses) > 1:  # a silent leader: the next call tries another
-                    self._follow(self._after(address))
-                if last is not None:  # what the coordinators said is the better answer
-                    raise last from None
-                raise
             else:
-                self._follow(address)
-                return reply
+                try:
+                    reply = rpc.call(
+                        address,
+                        getattr(self._stub(address), method),
+                        request,
+                        timeout=max(left, 0.001),
+                        unavailable=errors.CoordinatorUnavailable,
+                        **kwargs,
+                    )
+                except errors.NotLeader as exc:
+                    # A leader that lost etcd a moment ago: it steps down within the second.
+                    if once or len(self.addresses) == 1:
+                        raise
+                    tried.add(address)
+                    address = self._after(address)
+                    last = exc
+                except errors.StandingBy as exc:
+                    if len(self.addresses) == 1 and not exc.leader:
+                        raise
+                    tried.add(address)
+                    hinted = exc.leader and exc.leader not in tried
+                    address = exc.leader if hinted else self._after(address)
+                    last = exc
+                except errors.CoordinatorUnavailable as exc:
+                    self._answered.discard(address)
+                    if len(self.addresses) == 1:
+                        raise
+                    if once and not _never_sent(exc):
+                        self._follow(self._after(address))
+                        raise
+                    tried.add(address)
+                    address = self._after(address)
+                    last = exc
+                except errors.DeadlineExceeded:
+                    self._answered.discard(address)  # probe it again before the next call
+                    if once:  # it may have reached a leader that acted: say nothing else
+                        raise
+                    if len(self.addresses) > 1:  # a silent leader: the next call tries another
+                        self._follow(self._after(address))
+                    if last is not None:  # what the coordinators said is the better answer
+                        raise last from None
+                    raise
+                else:
+                    self._follow(address)
+                    return reply
             if time.monotonic() >= deadline:
                 assert last is not None
                 raise last
@@ -173,4 +218,5 @@ class Coordinators:
             for channel in self._channels:
                 channel.close()
             self._channels.clear()
+            self._by_address.clear()
             self._stubs.clear()

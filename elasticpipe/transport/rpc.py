@@ -289,6 +289,7 @@ def _handler(
     impl: Callable[..., Any],
     authorize: bool,
     guard: admission.Guard | None = None,
+    check: Callable[[grpc.ServicerContext], None] | None = None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     req_cls = GetMessageClass(method.input_type)
     name = method.full_name
@@ -296,8 +297,11 @@ def _handler(
     serialize = GetMessageClass(method.output_type).SerializeToString
 
     def admit(context: grpc.ServicerContext) -> contextlib.AbstractContextManager[None]:
-        # Who calls, before the request is even parsed; then the caller's place (its cap).
+        # Who calls, before the request is even parsed; then what the server checks of an
+        # authorized call (a coordinator's term); then the caller's place (its cap).
         identity = authz.authorize(row, context) if authorize else None
+        if check is not None:
+            check(context)
         return guard.hold(context, identity, row) if guard else contextlib.nullcontext()
 
     def parse(arg: Any, context: grpc.ServicerContext) -> Any:
@@ -341,12 +345,15 @@ def add_service(
     servicer: object,
     authorize: bool = False,
     guard: admission.Guard | None = None,
+    check: Callable[[grpc.ServicerContext], None] | None = None,
 ) -> None:
     """Registers ``servicer`` (methods named as in the .proto) for ``service`` on ``server``.
 
     Args:
         authorize: check each caller's role against ``elasticpipe.security.authz`` (mutual TLS).
         guard: cap each peer's calls and time out idle client streams (``admission``).
+        check: called with each call's context once it is authorized (it raises to refuse
+            the call: a stage's ``TermFence``).
 
     Raises:
         TypeError: the servicer lacks a method of the service.
@@ -356,7 +363,7 @@ def add_service(
         impl = getattr(servicer, method.name, None)
         if impl is None:
             raise TypeError(f"{type(servicer).__name__} does not implement {method.full_name}")
-        handlers[method.name] = _handler(method, impl, authorize, guard)
+        handlers[method.name] = _handler(method, impl, authorize, guard, check)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -332,6 +332,7 @@ def start_server(
     advertise: str | None = None,
     interceptors: Sequence[grpc.ServerInterceptor[Any, Any]] = (),
     limits: Limits | None = None,
+    check: Callable[[grpc.ServicerContext], None] | None = None,
 ) -> RunningServer:
     """Starts a server on ``listen`` ("host:port"; port 0 picks a free one).
 
@@ -340,6 +341,8 @@ def start_server(
         insecure: allow plaintext beyond loopback (a trusted network).
         advertise: the address peers use (default: see the module's docstring).
         interceptors: wrap every call (the metrics' RPC error counter).
+        check: called with each authorized call's context, raising to refuse it (a
+            stage's ``TermFence``).
         limits: per-peer cap and stream timeouts (default: ``Limits.from_env()``);
             heartbeats and other quick control calls get workers of their own
             (``elasticpipe.security.admission``).
@@ -362,7 +365,9 @@ def start_server(
     )
     guard = Guard(limits or Limits.from_env())
     for descriptor, servicer in services:
-        rpc.add_service(server, descriptor, servicer, authorize=tls is not None, guard=guard)
+        rpc.add_service(
+            server, descriptor, servicer, authorize=tls is not None, guard=guard, check=check
+        )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection: grpcurl and other generic tools list and call the services unaided.

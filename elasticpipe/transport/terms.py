@@ -4,23 +4,24 @@ A coordinator elected on etcd leads for one **term** (``coordinator.store.electi
 only grow). ``TermStamp`` is the client interceptor on the coordinator's channels to its
 stages: it adds the term to every call's metadata, and refuses to send at all once the
 coordinator no longer leads (its ``term`` callable raises ``NotLeader``). ``TermFence`` is
-the stage's server interceptor: it remembers the highest term it has obeyed and refuses a
-call with a lower one -- a deposed leader that has not noticed yet cannot command a stage a
-newer leader has reached. Calls without a term (a client's steps, a coordinator on SQLite,
-which has no election) pass as before.
+the stage's check of every authorized call: it remembers the highest term it has obeyed
+and refuses a call with a lower one -- a deposed leader that has not noticed yet cannot
+command a stage a newer leader has reached. Calls without a term (a client's steps, a
+coordinator on SQLite, which has no election) pass as before.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
 
-from elasticpipe.errors import NotLeader
+from elasticpipe.errors import InvalidRequest, NotLeader, PermissionDenied
 from elasticpipe.logs import get_logger
-from elasticpipe.transport.rpc import status_of
+from elasticpipe.security import authz
 
 log = get_logger(__name__)
 
@@ -75,60 +76,71 @@ class TermStamp(
         return continuation(self._stamped(details), requests)
 
 
+_TERM = re.compile(r"[1-9][0-9]{0,18}")  # etcd revisions are int64
+
+
 def term_of(metadata: Any) -> int | None:
-    """The term a call carries, or None (no term, or one that is not a whole number > 0)."""
+    """The term a call carries (None: none).
+
+    Raises:
+        InvalidRequest: a term that is not a whole number from 1 to 2**63 - 1 (named).
+    """
     for key, value in metadata or ():
         if key == TERM_KEY:
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            return int(text) if text.isdigit() and int(text) > 0 else None
+            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            if not _TERM.fullmatch(text) or int(text) >= 1 << 63:
+                raise InvalidRequest(
+                    f"the {TERM_KEY} metadata must be a whole number from 1 to 2**63 - 1, "
+                    f"not {text[:40]!r}"
+                )
+            return int(text)
     return None
 
 
-class TermFence(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Refuses calls whose term is lower than the highest this server has let through."""
+class TermFence:
+    """Refuses calls whose term is lower than the highest this server has obeyed.
+
+    ``check`` runs on every call once it is authorized (``start_server(check=...)``), so
+    under mutual TLS only a caller with the coordinator role moves the highest term: a
+    term from any other caller is refused, and cannot lock a stage out of its leader.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.highest = 0
 
-    def admit(self, term: int) -> NotLeader | None:
-        """Records ``term``; the error to answer with if it is older than one already seen."""
+    def admit(self, term: int) -> None:
+        """Records ``term``.
+
+        Raises:
+            NotLeader: it is older than a term already obeyed.
+        """
         with self._lock:
             if term >= self.highest:
                 self.highest = term
-                return None
+                return
             highest = self.highest
         log.warning("command_refused", term=term, highest=highest)
-        return NotLeader(
+        raise NotLeader(
             f"a command of coordinator term {term}, older than term {highest} that this "
             "stage already obeys: its coordinator was deposed; nothing was done"
         )
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = continuation(details)
-        term = term_of(details.invocation_metadata)
-        if handler is None or term is None:
-            return handler
-        refused = self.admit(term)
-        if refused is None:
-            return handler
-        return _refusing(handler, refused)
+    def check(self, context: grpc.ServicerContext) -> None:
+        """The term of an authorized call, if it carries one, admitted or refused.
 
-
-def _refusing(handler: Any, error: NotLeader) -> Any:
-    """A handler of ``handler``'s kind that answers every call with ``error``."""
-
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort_with_status(status_of(error))
-
-    factory = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return factory(
-        refuse,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+        Raises:
+            InvalidRequest: a malformed term.
+            PermissionDenied: a term from a caller whose certificate is not a coordinator's.
+            NotLeader: an older term than one already obeyed.
+        """
+        term = term_of(context.invocation_metadata())
+        if term is None:
+            return
+        identity = authz.caller()
+        if identity is not None and identity[1] != "coordinator":
+            raise PermissionDenied(
+                f"{identity[0]} (role {identity[1]}) sent a coordinator term: only a "
+                "coordinator's certificate may"
+            )
+        self.admit(term)

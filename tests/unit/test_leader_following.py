@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,15 +16,19 @@ import pytest
 from elasticpipe.coordinator.server import _Gate
 from elasticpipe.errors import (
     CoordinatorUnavailable,
+    DeadlineExceeded,
     InvalidRequest,
     NotLeader,
+    PermissionDenied,
     StandingBy,
 )
+from elasticpipe.security import tls
+from elasticpipe.security.tls import TLS
 from elasticpipe.transport import rpc
 from elasticpipe.transport.coordinators import Coordinators, parse_coordinators
 from elasticpipe.transport.serving import RunningServer, start_server
 from elasticpipe.transport.terms import TERM_KEY, TermFence, TermStamp, term_of
-from elasticpipe.v1 import coordinator_pb2, stage_pb2
+from elasticpipe.v1 import coordinator_pb2, stage_pb2, stage_pb2_grpc
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,6 +42,14 @@ class Leading:
     def __init__(self, name: str):
         self.name = name
         self.calls: list[str] = []
+        self.slow_s = 0.0
+        self.deposed = False
+
+    def Plan(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.calls.append("Plan")
+        if self.deposed:
+            raise NotLeader(f"coordinator {self.name} no longer leads (term 3)")
+        return coordinator_pb2.PlanResponse()
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.calls.append("Status")
@@ -44,6 +57,7 @@ class Leading:
 
     def Rebalance(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.calls.append("Rebalance")
+        time.sleep(self.slow_s)
         return coordinator_pb2.RebalanceResponse(decision=f"moved by {self.name}")
 
     def __getattr__(self, method: str) -> Any:
@@ -143,6 +157,39 @@ def test_an_address_that_refuses_connections_sends_the_call_on(
     coordinators.close()
 
 
+def test_a_command_that_reached_a_slow_leader_is_not_reported_as_refused(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    """A once-only command that times out at the leader raises DeadlineExceeded (it may
+    have run), not the standby's refusal that came before it; it ran once."""
+    standby, leader = pair
+    leading = leader.lead()
+    leading.slow_s = 2.0
+    coordinators = Coordinators([standby.address, leader.address])
+    with pytest.raises(DeadlineExceeded):
+        coordinators.call("Rebalance", coordinator_pb2.RebalanceRequest(), 1.0, once=True)
+    time.sleep(1.5)
+    assert leading.calls == ["Rebalance"]
+    coordinators.close()
+
+
+def test_a_leader_that_just_lost_etcd_sends_queries_on_but_not_commands(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    standby, leader = pair
+    old = standby.lead()  # the "standby" was the leader until a moment ago
+    old.deposed = True
+    new = leader.lead()
+    coordinators = Coordinators([standby.address, leader.address])
+    coordinators.call("Plan", coordinator_pb2.PlanRequest(), 5.0)
+    assert old.calls == ["Plan"] and new.calls == ["Plan"]
+    fresh = Coordinators([standby.address, leader.address])
+    with pytest.raises(NotLeader):
+        fresh.call("Plan", coordinator_pb2.PlanRequest(), 5.0, once=True)
+    coordinators.close()
+    fresh.close()
+
+
 def test_with_no_leader_a_call_waits_out_its_timeout_then_raises_standing_by() -> None:
     lonely = Candidate()  # stands by; nobody leads
     other = Candidate()
@@ -175,20 +222,21 @@ def test_one_address_that_cannot_be_reached_raises_at_once() -> None:
 
 def test_a_fence_lets_equal_and_newer_terms_through_and_refuses_older_ones() -> None:
     fence = TermFence()
-    assert fence.admit(5) is None
-    assert fence.admit(5) is None
-    assert fence.admit(9) is None
-    refused = fence.admit(5)
-    assert isinstance(refused, NotLeader)
-    assert "term 5" in str(refused) and "term 9" in str(refused)
+    fence.admit(5)
+    fence.admit(5)
+    fence.admit(9)
+    with pytest.raises(NotLeader, match="term 5, older than term 9"):
+        fence.admit(5)
     assert fence.highest == 9
 
 
-def test_only_a_positive_whole_term_counts() -> None:
+def test_a_term_is_a_whole_number_in_int64_and_a_bad_one_is_named() -> None:
     assert term_of([(TERM_KEY, "12")]) == 12
     assert term_of([("other", "1")]) is None
-    for bad in ("0", "-3", "x", "1.5", ""):
-        assert term_of([(TERM_KEY, bad)]) is None, bad
+    assert term_of([(TERM_KEY, str((1 << 63) - 1))]) == (1 << 63) - 1
+    for bad in ("0", "-3", "x", "1.5", "", "٣", str(1 << 63), "9" * 5000):
+        with pytest.raises(InvalidRequest, match="whole number"):
+            term_of([(TERM_KEY, bad)])
 
 
 class Stats:
@@ -206,17 +254,23 @@ class Stats:
         return absent
 
 
-def test_a_stamped_channel_carries_the_term_and_a_deposed_coordinator_sends_nothing() -> None:
-    """Through a real server with a TermFence: the current term's calls pass, a lower
-    term's are refused before the servicer runs, and a stamp whose term callable raises
-    NotLeader sends nothing at all."""
+def _stage(fence: TermFence, tls: TLS | None = None) -> tuple[Stats, RunningServer]:
     servicer = Stats()
-    fence = TermFence()
     server = start_server(
         "127.0.0.1:0",
         [(stage_pb2.DESCRIPTOR.services_by_name["StageService"], servicer)],
-        interceptors=[fence],
+        tls=tls,
+        check=fence.check,
     )
+    return servicer, server
+
+
+def test_a_stamped_channel_carries_the_term_and_a_deposed_coordinator_sends_nothing() -> None:
+    """Through a real server checking terms: the current term's calls pass, a lower
+    term's are refused before the servicer runs, and a stamp whose term callable raises
+    NotLeader sends nothing at all; a malformed term is refused, naming it."""
+    fence = TermFence()
+    servicer, server = _stage(fence)
     term = {"now": 4}
 
     def current() -> int:
@@ -235,7 +289,41 @@ def test_a_stamped_channel_carries_the_term_and_a_deposed_coordinator_sends_noth
         term["now"] = 0  # this coordinator stepped down
         with pytest.raises(NotLeader, match="does not lead"):
             pool.call(server.address, "GetStats", stage_pb2.StatsRequest(), 5.0)
-        assert servicer.calls == 1
+        with grpc.insecure_channel(server.address) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as bad:
+                stub.GetStats(stage_pb2.StatsRequest(), timeout=5, metadata=[(TERM_KEY, "7x")])
+        assert isinstance(rpc.translate(bad.value, server.address), InvalidRequest)
+        assert "'7x'" in str(bad.value.details())
+        assert servicer.calls == 1 and fence.highest == 6
     finally:
         pool.close()
+        server.stop()
+
+
+def test_under_tls_only_a_coordinator_certificate_moves_the_term(tmp_path: Path) -> None:
+    """A client (allowed to call GetStats) that sends a huge term is refused, and the
+    stage still obeys its coordinator's current term afterwards."""
+    certs = tmp_path / "certs"
+    tls.init_ca(certs)
+    tls.issue(certs, "stage-0", "stage", hosts=("127.0.0.1",))
+    tls.issue(certs, "coordinator", "coordinator")
+    tls.issue(certs, "client", "client")
+
+    def material(name: str) -> TLS:
+        return TLS(str(certs / f"{name}.pem"), str(certs / f"{name}.key"), str(certs / "ca.pem"))
+
+    fence = TermFence()
+    servicer, server = _stage(fence, material("stage-0"))
+    client = rpc.StagePool(tls=material("client"), interceptors=[TermStamp(lambda: 10**15)])
+    coordinator = rpc.StagePool(tls=material("coordinator"), interceptors=[TermStamp(lambda: 3)])
+    try:
+        with pytest.raises(PermissionDenied, match="client"):
+            client.call(server.address, "GetStats", stage_pb2.StatsRequest(), 5.0)
+        assert fence.highest == 0
+        coordinator.call(server.address, "GetStats", stage_pb2.StatsRequest(), 5.0)
+        assert fence.highest == 3 and servicer.calls == 1
+    finally:
+        client.close()
+        coordinator.close()
         server.stop()
