@@ -336,6 +336,7 @@ class Coordinator:
         self._stop.set()
         self.cluster.pool.close()
         with self.cluster.cond:
+            self.cluster.closed = True
             self.cluster.cond.notify_all()
         self.recovery.wake()
         for thread in self._threads:

@@ -18,7 +18,7 @@ from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
-from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotLeader, NotReady
+from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotLeader, NotReady, StandingBy
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import CoordinatorMetrics, CoordinatorView
 from elasticpipe.partition import Partition
@@ -61,6 +61,7 @@ class Cluster:
         self.heartbeat_interval_s = config.heartbeat_interval_s
         self.link_bandwidth = config.link_bandwidth
         self.cond = threading.Condition()
+        self.closed = False  # this coordinator stopped leading: waits end
         self.move_lock = threading.RLock()
         self.partition = store.partition()
         raw_job = store.get("job")
@@ -138,12 +139,15 @@ class Cluster:
         Raises:
             NotReady: no job has been set up.
             LayersLost: the job failed beyond recovery.
+            StandingBy: this coordinator stopped leading meanwhile (ask the leader).
         """
         deadline = time.monotonic() + max(0.0, timeout)
         with self.cond:
             while (
                 self.partition is None or self.partition.epoch <= newer_than
             ) and not self.failure:
+                if self.closed:
+                    raise StandingBy(f"coordinator {self.address or '-'} stopped leading")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
