@@ -28,6 +28,7 @@ from elasticpipe.errors import (
     ElasticPipeError,
     InvalidRequest,
     NameInUse,
+    NotLeader,
     NotReady,
     Unavailable,
 )
@@ -268,6 +269,8 @@ class Coordinator:
         while True:
             try:
                 outcome = self.rebalancer.drain(stage_id, f"{member.row.name} is leaving")
+            except NotLeader:  # this coordinator was deposed: the stage asks the leader
+                raise
             except NotReady:
                 if time.monotonic() >= deadline:
                     raise
@@ -330,15 +333,17 @@ class Coordinator:
             except Exception as exc:  # the loop must outlive any one failed attempt
                 log.warning("recovery_loop_failed", error=str(exc))
 
-    def close(self) -> None:
-        """Closes the channels to the stages (calls in flight end), wakes whoever waits
-        for a newer partition, and stops the loops."""
+    def close(self, cancel: bool = False) -> None:
+        """Stops the loops, wakes whoever waits for a newer partition, and closes the
+        channels to the stages. ``cancel``: close them first, cutting calls in flight
+        short (a leadership that ended: the next leader settles what they were doing)."""
         self._stop.set()
-        self.cluster.pool.close()
+        if cancel:
+            self.cluster.pool.close()
         with self.cluster.cond:
             self.cluster.closed = True
             self.cluster.cond.notify_all()
         self.recovery.wake()
         for thread in self._threads:
             thread.join(timeout=5)
-        self.cluster.pool.close()  # one a loop opened again meanwhile (it sends nothing)
+        self.cluster.pool.close()

@@ -17,6 +17,7 @@ stands by again and campaigns for the next term.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -219,8 +220,8 @@ class CoordinatorServer(ServerLifecycle):
             NotLeader: the leadership ended (or the server stopped) meanwhile.
         """
         assert self.store is not None and isinstance(self.store, EtcdStore)
-        self.store.fence_with(won)
-        coordinator = Coordinator(self.store, self.config, won.current, self.address)
+        fenced = self.store.fenced(won)  # this leadership's writes, and no other's
+        coordinator = Coordinator(fenced, self.config, won.current, self.address)
         try:
             coordinator.start()
             with self._lock:
@@ -235,13 +236,14 @@ class CoordinatorServer(ServerLifecycle):
         self._listening()
 
     def _step_down(self) -> None:
-        """Stops serving as leader: no more answers, loops or commands to stages."""
+        """Stops serving as leader: no more answers, loops or commands to stages (its
+        calls in flight to them are cancelled: the leadership is over)."""
         with self._lock:
             self._gate.servicer = None
             self.leading.clear()
             coordinator, self.coordinator = self.coordinator, None
         if coordinator is not None:
-            coordinator.close()
+            coordinator.close(cancel=True)
 
     def _campaign(self) -> None:
         """Campaigns, leads until the leadership is lost, and campaigns again; whatever
@@ -253,7 +255,7 @@ class CoordinatorServer(ServerLifecycle):
         try:
             while not self._stop.is_set():
                 try:
-                    election.campaign()
+                    term = election.campaign()
                 except NotLeader:  # closed: the server stops
                     return
                 except Exception as exc:  # etcd out of reach, or worse: try again
@@ -262,24 +264,25 @@ class CoordinatorServer(ServerLifecycle):
                     pause = min(pause * 2, RECAMPAIGN_PAUSE_MAX_S)
                     continue
                 try:
-                    self._lead(_Won(election, election.term))
+                    self._lead(_Won(election, term))
+                    pause = RECAMPAIGN_PAUSE_S
+                    while not self._stop.is_set() and not election.lost.wait(0.2):
+                        pass
+                    if self._stop.is_set():
+                        return
+                    log.warning("coordinator_stepped_down", address=self.address, term=term)
+                    self._step_down()
                 except Exception as exc:  # deposed while loading, or a failure: stand by
                     log.warning("coordinator_lead_failed", error=str(exc), exc_info=exc)
-                    self._step_down()
-                    election.resign()
+                    with contextlib.suppress(Exception):
+                        self._step_down()
+                        election.resign()
                     self._stop.wait(pause)
                     pause = min(pause * 2, RECAMPAIGN_PAUSE_MAX_S)
-                    continue
-                pause = RECAMPAIGN_PAUSE_S
-                while not self._stop.is_set() and not election.lost.wait(0.2):
-                    pass
-                if self._stop.is_set():
-                    return
-                log.warning("coordinator_stepped_down", address=self.address)
-                self._step_down()
         finally:
-            if self._stop.is_set() or not self.leading.is_set():
-                election.close()
+            if not self._stop.is_set():
+                log.error("coordinator_campaign_ended", address=self.address)
+            election.close()
 
     def _leader_address(self) -> str:
         """The leader's address as the store says: the last one read (refreshed by one
@@ -300,17 +303,24 @@ class CoordinatorServer(ServerLifecycle):
         return leader
 
     def stop(self) -> None:
-        """Stops the server, resigns any leadership and closes the store."""
+        """Stops the server, resigns any leadership and closes the store.
+
+        On etcd the leadership goes first (a standby takes over; what this one was doing
+        is settled by the next leader); on SQLite the server lets calls in flight finish,
+        then the coordinator stops, as it always did."""
         self._stop.set()
-        self._step_down()
         if self.election is not None:
             self.election.close()
-        if self._candidate is not None:
-            self._candidate.join(timeout=10)
+            self._step_down()
+            if self._candidate is not None:
+                self._candidate.join(timeout=10)
+            self._step_down()  # one that a campaign finished meanwhile
         if self._server is not None:
             self._server.stop()
         if self.metrics is not None:
             self.metrics.close()
-        self._step_down()  # one that a campaign finished meanwhile
+        if self.election is None and self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
         if self.store is not None:
             self.store.close()

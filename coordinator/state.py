@@ -147,7 +147,8 @@ class Cluster:
                 self.partition is None or self.partition.epoch <= newer_than
             ) and not self.failure:
                 if self.closed:
-                    raise StandingBy(f"coordinator {self.address or '-'} stopped leading")
+                    what = "stopped leading" if self._term is not None else "is stopping"
+                    raise StandingBy(f"coordinator {self.address or '-'} {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

@@ -72,7 +72,8 @@ class Election:
 
     def leader(self, quick: bool = False) -> Leader | None:
         """The current leader, or None while nobody leads. ``quick``: one pass over the
-        members, 0.3 s each (a standby naming the leader must not wait out an outage)."""
+        members, a short try each (a standby naming the leader must not wait out an
+        outage)."""
         request = pb.RangeRequest(key=self.key)
         found = self.store.call(
             lambda ch, timeout: pb_grpc.KVStub(ch).Range(request, timeout=timeout),
@@ -233,7 +234,22 @@ class Election:
                 return
         log.warning("coordinator_leadership_lost", address=self.address, term=self.term)
         self.term = 0
+        # A later campaign takes a new lease, so that it can only win a new key under a
+        # higher term, never this one again (whose leftovers must stay fenced out).
+        lease, self._lease = self._lease, 0
+        self._revoke(lease)
         self.lost.set()
+
+    def _revoke(self, lease: int) -> None:
+        """Revokes ``lease`` (deleting the key it holds), one quick try: it expires anyway."""
+        if not lease:
+            return
+        request = pb.LeaseRevokeRequest(ID=lease)
+        with contextlib.suppress(ElasticPipeError):
+            self.store.call(
+                lambda ch, timeout: pb_grpc.LeaseStub(ch).LeaseRevoke(request, timeout=timeout),
+                retry_for_s=0,
+            )
 
     def close(self) -> None:
         """Resigns for good: a campaign running or started later raises NotLeader."""
@@ -247,11 +263,5 @@ class Election:
         self.term = 0
         if self._renewer is not None:
             self._renewer.join(timeout=self.ttl_s)
-        if self._lease:
-            request = pb.LeaseRevokeRequest(ID=self._lease)
-            with contextlib.suppress(ElasticPipeError):  # it expires anyway
-                self.store.call(
-                    lambda ch, timeout: pb_grpc.LeaseStub(ch).LeaseRevoke(request, timeout=timeout),
-                    retry_for_s=0,
-                )
-        self._lease = 0
+        lease, self._lease = self._lease, 0
+        self._revoke(lease)

@@ -15,6 +15,7 @@ to the next one, so that losing one member of three changes nothing.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -213,6 +214,14 @@ class EtcdStore(Store):
     def txn(self, request: pb.TxnRequest) -> pb.TxnResponse:
         """etcd's Txn, unfenced (``_write`` fences), retried by ``call``."""
         return self.call(lambda ch, timeout: pb_grpc.KVStub(ch).Txn(request, timeout=timeout))
+
+    def fenced(self, leadership: Leadership) -> EtcdStore:
+        """A view of this store (the same connections) whose writes are conditioned on
+        ``leadership``: each won leadership writes through a view of its own, so that
+        whatever is left of an earlier one can never write under a later one."""
+        view = copy.copy(self)
+        view._leadership = leadership
+        return view
 
     def fence_with(self, leadership: Leadership | None) -> None:
         """Conditions every later write on ``leadership`` (a won ``Election``): a write

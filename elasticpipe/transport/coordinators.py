@@ -52,6 +52,15 @@ def parse_coordinators(addresses: str | Sequence[str]) -> list[str]:
     return checked
 
 
+def _dialable(address: str) -> bool:
+    """Whether a standby's hint is an address this caller may dial."""
+    try:
+        check_dial_address(address, "leader address")
+    except errors.ElasticPipeError:
+        return False
+    return True
+
+
 def _never_sent(exc: errors.ElasticPipeError) -> bool:
     """Whether a call failed before it reached any coordinator (gRPC could not connect),
     so that sending it elsewhere cannot make it run twice."""
@@ -100,9 +109,11 @@ class Coordinators:
             channel = self._by_address[address]
         check = health_pb2_grpc.HealthStub(channel).Check
         try:
-            check(health_pb2.HealthCheckRequest(), timeout=max(wait_s, 0.001))
+            reply = check(health_pb2.HealthCheckRequest(), timeout=max(wait_s, 0.001))
         except grpc.RpcError:
             return False
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return False  # shutting down
         self._answered.add(address)
         return True
 
@@ -176,7 +187,7 @@ class Coordinators:
                     if len(self.addresses) == 1 and not exc.leader:
                         raise
                     tried.add(address)
-                    hinted = exc.leader and exc.leader not in tried
+                    hinted = exc.leader and exc.leader not in tried and _dialable(exc.leader)
                     address = exc.leader if hinted else self._after(address)
                     last = exc
                 except errors.CoordinatorUnavailable as exc:

@@ -183,3 +183,33 @@ def test_a_store_fenced_with_a_candidate_that_does_not_lead_writes_nothing(url: 
     with pytest.raises(NotLeader, match="a:7100"):
         store.put("job", {"by": "a"})
     assert _store(url).get("job") is None
+
+
+def test_a_leadership_lost_and_won_again_has_a_new_term(url: str) -> None:
+    """A leader whose lease etcd dropped steps down; its next win is a new key under a
+    higher term, so that whatever was left of the first leadership (its commands are
+    stamped, its writes fenced, with the first term) stays fenced out."""
+    store = _store(url)
+    election = Election(store, "a:7100", ttl_s=3, margin_s=1.0)
+    first = election.campaign(timeout_s=10)
+    lease = election._lease
+    store.call(
+        lambda ch, timeout: rpc_pb2_grpc.LeaseStub(ch).LeaseRevoke(
+            rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=timeout
+        )
+    )
+    assert election.lost.wait(timeout=10)
+    assert election.term == 0
+    second = election.campaign(timeout_s=10)
+    assert second > first
+    assert election._lease != lease
+    old = store.fenced(_Leadership(election.address, election.key, first))
+    with pytest.raises(NotLeader, match=f"term {first}"):
+        old.put("job", {"by": "the first leadership"})
+    assert store.get("job") is None
+    election.close()
+
+
+class _Leadership:
+    def __init__(self, address: str, key: bytes, term: int):
+        self.address, self.key, self.term = address, key, term
