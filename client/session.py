@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 import socket
 import threading
 import time
@@ -217,6 +218,8 @@ class Session:
             resume=self._resume,
             lease_s=self._lease_s,
             client_name=f"{socket.gethostname()}:{os.getpid()}",
+            # The same setup sent again after a failover gets what it set up, not JobInUse.
+            request_id=secrets.token_hex(8),
         )
         deadline = time.monotonic() + self._setup_timeout
         lease_wait = _Waiting("waiting_for_lease")

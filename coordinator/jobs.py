@@ -113,11 +113,15 @@ class Jobs(Leases):
         lease_s: float,
         holder: str,
         active: Callable[[], bool] = lambda: True,
+        request: str = "",
     ) -> Attached:
         """Starts a new job, or attaches to the running one (``resume``).
 
         ``active`` tells whether the caller still waits (a cancelled call stops waiting
-        for stages at once).
+        for stages at once). ``request`` names the call: the same request sent again
+        (its reply was lost with a coordinator that died) attaches to what the first
+        one set up, as it set it up (a new job stays ``resumed=False``), instead of
+        being refused with JobInUse.
 
         Raises:
             JobInUse: a live client holds the running job.
@@ -129,6 +133,10 @@ class Jobs(Leases):
         if not 0 < lease_s <= 3600:
             raise InvalidRequest(f"lease_s must be in (0, 3600] (got {lease_s})")
         current = self.c.job
+        replayed = self.replayed(request)
+        if replayed is not None and current is not None and self.c.partition is not None:
+            log.info("setup_resent", job=current.job_id, client=holder, request=request)
+            return self._attach(current, lease_s, holder, request, resumed=not replayed.created)
         self._check_free(current)
         if resume and current is not None and self.c.partition is not None:
             diff = differences(current, job)
@@ -140,25 +148,27 @@ class Jobs(Leases):
                 )
             if self.c.failure:
                 raise LayersLost(f"cannot resume job {current.job_id}: {self.c.failure}")
-            return self._attach(current, lease_s, holder)
-        return self._start(job, sample, num_stages, wait_s, lease_s, holder, active)
+            return self._attach(current, lease_s, holder, request)
+        return self._start(job, sample, num_stages, wait_s, lease_s, holder, active, request)
 
-    def _attach(self, job: JobConfig, lease_s: float, holder: str) -> Attached:
+    def _attach(
+        self, job: JobConfig, lease_s: float, holder: str, request: str = "", resumed: bool = True
+    ) -> Attached:
         with self.c.move_lock:
-            self._check_free(job)
+            self._check_free(job, request)
             self.abandon_stale_load()  # a load its dead client began: abort it first
             partition = self.c.require_job()[1]
             client = self._issue(holder)
             step = self.settle(partition, client, holder)  # fences every older client
             partition, safe = self._snapshot_at(job, partition, step, holder)
-            self._grant(job.job_id, lease_s, holder, client)
+            self._grant(job.job_id, lease_s, holder, client, request, created=not resumed)
         log.info("client_attached", job=job.job_id, client=holder, step=step)
         return Attached(
             partition,
             self.c.num_layers,
             client,
             step,
-            True,
+            resumed,
             step if safe else self.safe_step(),
             self.c.profile is not None,
         )
@@ -236,11 +246,12 @@ class Jobs(Leases):
         lease_s: float,
         holder: str,
         active: Callable[[], bool],
+        request: str = "",
     ) -> Attached:
         chosen = self._wait_for_stages(num_stages, wait_s, active)
         job = job.with_id()
         try:
-            return self._assign(job, sample, chosen, lease_s, holder)
+            return self._assign(job, sample, chosen, lease_s, holder, request)
         except ElasticPipeError as exc:
             log.error("job_setup_failed", model=job.model, error=str(exc))
             raise
@@ -252,6 +263,7 @@ class Jobs(Leases):
         chosen: list[Member],
         lease_s: float,
         holder: str,
+        request: str = "",
     ) -> Attached:
         laps = Laps()
         with self.c.move_lock:
@@ -332,7 +344,7 @@ class Jobs(Leases):
             laps.lap("copies")
             client = self._issue(holder)
             self.settle(partition, client, holder)  # the stages follow the new client only
-            self._grant(job.job_id, lease_s, holder, client)
+            self._grant(job.job_id, lease_s, holder, client, request, created=True)
             laps.lap("settle")
         log.info(
             "job_started",

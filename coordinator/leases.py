@@ -44,6 +44,8 @@ class Lease:
     holder: str
     lease_s: float
     expires: float  # time.monotonic()
+    request: str = ""  # the SetupJob request that was granted it ("": none named)
+    created: bool = False  # that request started the job (it did not attach)
 
 
 class Leases:
@@ -67,6 +69,8 @@ class Leases:
                 str(raw["holder"]),
                 float(raw["lease_s"]),
                 time.monotonic() + float(raw["lease_s"]),  # a restart grants a grace period
+                str(raw.get("request", "")),
+                bool(raw.get("created", False)),
             )
             if raw
             else None
@@ -80,10 +84,17 @@ class Leases:
             return None
         return lease
 
-    def _check_free(self, current: JobConfig | None) -> None:
-        """Raises JobInUse while a live client holds the running job."""
+    def replayed(self, request: str) -> Lease | None:
+        """The live lease that SetupJob ``request`` was granted, if it is a resend (its
+        reply was lost with the coordinator that sent it: the caller asks again)."""
         lease = self.lease()
-        if current is not None and lease is not None:
+        return lease if request and lease is not None and lease.request == request else None
+
+    def _check_free(self, current: JobConfig | None, request: str = "") -> None:
+        """Raises JobInUse while a live client holds the running job (unless ``request``
+        is the one that was granted it)."""
+        lease = self.lease()
+        if current is not None and lease is not None and not self.replayed(request):
             raise JobInUse(
                 f"job {current.job_id} ({current.model}) is held by client {lease.holder!r}: "
                 "close that pipeline first, or wait until its lease runs out "
@@ -97,14 +108,22 @@ class Leases:
             self._issued = (client, holder)
         return client
 
-    def _grant(self, job_id: str, lease_s: float, holder: str, client: int = 0) -> int:
+    def _grant(
+        self,
+        job_id: str,
+        lease_s: float,
+        holder: str,
+        client: int = 0,
+        request: str = "",
+        created: bool = False,
+    ) -> int:
         client = client or self._issue(holder)
         with self._lock:
-            self._lease = Lease(job_id, client, holder, lease_s, time.monotonic() + lease_s)
+            expires = time.monotonic() + lease_s
+            self._lease = Lease(job_id, client, holder, lease_s, expires, request, created)
             self.efficiency = (0, 0.0)  # the new holder reports its own
-            self.c.store.put(
-                "lease", {"job_id": job_id, "client": client, "holder": holder, "lease_s": lease_s}
-            )
+            record = {"job_id": job_id, "client": client, "holder": holder, "lease_s": lease_s}
+            self.c.store.put("lease", {**record, "request": request, "created": created})
         return client
 
     def renew(

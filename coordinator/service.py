@@ -177,6 +177,7 @@ class CoordinatorServicer:
                 req.lease_s or DEFAULT_LEASE_S,
                 _holder(req.client_name[:200] or ctx.peer()),
                 ctx.is_active,  # a cancelled call gives its place back at once
+                bounds.text(req.request_id, "request_id", 64),
             )
         return coordinator_pb2.SetupJobResponse(
             partition=partition_to_proto(attached.partition),

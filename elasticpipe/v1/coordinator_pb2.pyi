@@ -277,6 +277,7 @@ class SetupJobRequest(_message.Message):
     RESUME_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     num_stages: _builtins.int
     """0: every live stage"""
     wait_s: _builtins.float
@@ -287,6 +288,10 @@ class SetupJobRequest(_message.Message):
     """how long the client's lease lasts without renewal"""
     client_name: _builtins.str
     """shown in status and in refusals (host:pid)"""
+    request_id: _builtins.str
+    """Names this setup: the same request sent again (its reply lost with a coordinator that
+    died) gets what the first one set up instead of JobInUse. Empty: no such check.
+    """
     @_builtins.property
     def job(self) -> _job_pb2.JobSpec: ...
     def __init__(
@@ -298,10 +303,11 @@ class SetupJobRequest(_message.Message):
         resume: _builtins.bool = ...,
         lease_s: _builtins.float = ...,
         client_name: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "job", b"job", "lease_s", b"lease_s", "num_stages", b"num_stages", "resume", b"resume", "wait_s", b"wait_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "job", b"job", "lease_s", b"lease_s", "num_stages", b"num_stages", "request_id", b"request_id", "resume", b"resume", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
