@@ -96,15 +96,19 @@ def test_a_standby_leads_within_5_s_of_the_leaders_kill_and_training_is_exact(
 
 @pytest.mark.parametrize(
     ("point", "kind"),
-    [("before_commit_point", "abandoned"), ("after_commit_point", "move")],
-    ids=["rolled-back", "rolled-forward"],
+    [
+        ("after_freeze", "abandoned"),
+        ("before_commit_point", "abandoned"),
+        ("after_commit_point", "move"),
+    ],
+    ids=["frozen", "rolled-back", "rolled-forward"],
 )
 def test_a_leader_killed_mid_migration_is_replaced_and_the_move_settled(
     tmp_path: Path, point: str, kind: str
 ) -> None:
-    """The leader killed once every stage prepared a move (before or after its commit
-    point): the standby leads within 5 s, undoes or finishes the move from the store, and
-    training, frozen meanwhile, ends exact."""
+    """The leader killed once every stage froze for a move, or prepared it (before or
+    after its commit point): the standby leads within 5 s, undoes or finishes the move
+    from the store, and training, frozen meanwhile, ends exact."""
     with ha_cluster(tmp_path, point) as cluster, pipeline(cluster) as pipe:
         took: dict[str, float] = {}
         target: list[int] = []
