@@ -76,8 +76,7 @@ class Coordinators:
         self._lock = threading.Lock()
         self._current = self.addresses[0]
         self._stubs: dict[str, coordinator_pb2_grpc.CoordinatorServiceStub] = {}
-        self._channels: list[grpc.Channel] = []
-        self._by_address: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, grpc.Channel] = {}
         self._answered: set[str] = set()  # addresses that answered since they last failed
 
     def __str__(self) -> str:
@@ -92,9 +91,7 @@ class Coordinators:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                channel = rpc.channel(address, self._tls)
-                self._channels.append(channel)
-                self._by_address[address] = channel
+                channel = self._channels[address] = rpc.channel(address, self._tls)
                 stub = self._stubs[address] = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             return stub
 
@@ -106,7 +103,7 @@ class Coordinators:
             return True
         self._stub(address)
         with self._lock:
-            channel = self._by_address[address]
+            channel = self._channels[address]
         check = health_pb2_grpc.HealthStub(channel).Check
         try:
             reply = check(health_pb2.HealthCheckRequest(), timeout=max(wait_s, 0.001))
@@ -226,8 +223,7 @@ class Coordinators:
     def close(self) -> None:
         """Closes every channel."""
         with self._lock:
-            for channel in self._channels:
+            for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
-            self._by_address.clear()
             self._stubs.clear()
