@@ -44,6 +44,7 @@ from elasticpipe.errors import (
     InvalidRequest,
     JobInUse,
     LayersLost,
+    LoadForgotten,
     NotReady,
     PipelineClosed,
     Rebalancing,
@@ -75,9 +76,20 @@ RETRY_WAIT_S = 2.0  # how long one wait for a newer partition may take
 # stage may have caught up, not after a whole wait for an epoch that will not come.
 FIRST_RETRY_WAIT_S = 0.02
 SETUP_POLL_S = 5.0  # how long the coordinator waits for stages before the client reports
+RESTORE_ATTEMPTS = 3  # loads streamed at most this often when coordinators forget them
 RUN_ID_BITS = 40  # run ids are (client generation << 40) + n: they grow across clients
 # Failures after which the step is retried once the job has recovered.
 RECOVERABLE = (StageUnavailable, DeadlineExceeded, StepAborted, TransferError, NotReady)
+
+
+class _LoadLost(Exception):
+    """The coordinator no longer held load ``epoch`` (``forgotten``): ``_restore`` reads
+    how its successor settled it."""
+
+    def __init__(self, forgotten: LoadForgotten, epoch: int):
+        super().__init__(str(forgotten))
+        self.forgotten = forgotten
+        self.epoch = epoch
 
 
 @dataclass
@@ -153,6 +165,7 @@ class Session:
     _resume: bool
     _step_timeout: float
     _setup_timeout: float
+    _recovery_timeout: float
     _lease_s: float
     _init: InitialWeights | None
     _last_step: StepStats
@@ -490,7 +503,43 @@ class Session:
 
     def _restore(self, step: int, state_of: Callable[[int], Any], overrides_json: str) -> None:
         """Streams every layer's state (``state_of(layer)``, read one at a time) to its
-        owner and makes it take effect at ``step`` on every stage or on none."""
+        owner and makes it take effect at ``step`` on every stage or on none.
+
+        A load that its coordinator lost midway (a standby took over, or it restarted) was
+        settled by its successor from the store: kept if it reached its commit point, else
+        undone and streamed again (``RESTORE_ATTEMPTS`` in all)."""
+        for attempt in itertools.count(1):
+            try:
+                new = self._restore_once(step, state_of, overrides_json)
+                break
+            except _LoadLost as exc:
+                settled = Partition.from_proto(
+                    self._coordinator_call(
+                        "GetPartition", coordinator_pb2.GetPartitionRequest(), timeout=30.0
+                    )
+                )
+                if settled.restore_epoch == exc.epoch and settled.restored_step == step:
+                    log.info("load_settled_by_coordinator", epoch=exc.epoch, step=step)
+                    new = settled
+                    break
+                if attempt >= RESTORE_ATTEMPTS:
+                    raise exc.forgotten from None
+                log.warning("load_streamed_again", epoch=exc.epoch, attempt=attempt + 1)
+        self._adopt(new)
+        self._restore_epoch = new.restore_epoch
+        self._step = self._done = step
+        self._safe_step = step
+        self._decisions.clear()
+        self._replay.clear()
+
+    def _restore_once(
+        self, step: int, state_of: Callable[[int], Any], overrides_json: str
+    ) -> Partition:
+        """One load: ``BeginRestore``, the layers streamed to their owners, ``EndRestore``.
+
+        Raises:
+            _LoadLost: the coordinator no longer held the load (see ``_restore``).
+        """
         partition = self._partition
         assert partition is not None
         self._check_lease()
@@ -500,7 +549,7 @@ class Session:
             timeout=120.0,
         )
         owners = Partition.from_proto(begun.partition)
-        committed = False
+        ended = False
         try:
             for s, address in enumerate(owners.addresses):
 
@@ -524,30 +573,38 @@ class Session:
                     messages(),
                     timeout=self._step_timeout,
                 )
-            reply = self._coordinator_call(
-                "EndRestore",
-                coordinator_pb2.RestoreEndRequest(
-                    job_id=partition.job_id, epoch=begun.epoch, step=step, commit=True
-                ),
-                timeout=300.0,
-            )
-            committed = True
-        finally:
-            if not committed:
+            ended = True  # whatever EndRestore answers, the coordinator decided the load
+            reply = self._end_restore(partition.job_id, begun.epoch, step, commit=True)
+        except ElasticPipeError:
+            if not ended:  # streaming failed: abandon the load (unless it is gone already)
                 try:
-                    self._coordinator_call(
-                        "EndRestore",
-                        coordinator_pb2.RestoreEndRequest(
-                            job_id=partition.job_id, epoch=begun.epoch, step=step, commit=False
-                        ),
-                        timeout=60.0,
-                    )
+                    self._end_restore(partition.job_id, begun.epoch, step, commit=False)
+                except _LoadLost:
+                    raise
                 except ElasticPipeError as exc:
                     log.warning("load_not_abandoned", error=str(exc))
-        new = Partition.from_proto(reply)
-        self._adopt(new)
-        self._restore_epoch = new.restore_epoch
-        self._step = self._done = step
-        self._safe_step = step
-        self._decisions.clear()
-        self._replay.clear()
+            raise
+        return Partition.from_proto(reply)
+
+    def _end_restore(self, job_id: str, epoch: int, step: int, commit: bool) -> Any:
+        """Commits or abandons load ``epoch``; ``_LoadLost`` if the coordinator forgot it.
+
+        A commit whose coordinator went away mid-call is sent again until one answers
+        (within ``recovery_timeout``): the one that settled the load says it forgot it, and
+        the partition then tells whether the load took effect."""
+        request = coordinator_pb2.RestoreEndRequest(
+            job_id=job_id, epoch=epoch, step=step, commit=commit
+        )
+        deadline = time.monotonic() + self._recovery_timeout
+        while True:
+            try:
+                return self._coordinator_call(
+                    "EndRestore", request, timeout=300.0 if commit else 60.0
+                )
+            except LoadForgotten as exc:
+                raise _LoadLost(exc, epoch) from exc
+            except CoordinatorUnavailable as exc:
+                if not commit or time.monotonic() >= deadline:
+                    raise
+                log.warning("load_outcome_unknown", epoch=epoch, error=str(exc)[:200])
+                time.sleep(0.5)

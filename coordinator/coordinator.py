@@ -285,8 +285,12 @@ class Coordinator:
     def profile_job(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample, then moves to the partition the
         profile calls for if it is predicted faster (else the job keeps its epoch: no
-        move, and no epoch in its history, for nothing)."""
-        self.jobs.profile_later(job_id, client, sample)
+        move, and no epoch in its history, for nothing).
+
+        Sent again (to a new leader, after the first died mid-call), it profiles nothing
+        twice: the stored profile decides the move, which is then already made or made now.
+        """
+        profiled = self.jobs.profile_later(job_id, client, sample)
         view = self.rebalancer.plan_view()
         moved = False
         if view.optimal_step_s < view.current_step_s:
@@ -295,6 +299,7 @@ class Coordinator:
         log.info(
             "job_profiled",
             job=job_id,
+            again=not profiled,
             moved=moved,
             predicted_step_s=round(view.current_step_s, 6),
             optimal_step_s=round(view.optimal_step_s, 6),

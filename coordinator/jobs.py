@@ -29,10 +29,12 @@ from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import (
+    CommitOutcomeUnknown,
     DeadlineExceeded,
     ElasticPipeError,
     InvalidRequest,
     LayersLost,
+    LoadForgotten,
     ModelError,
     NotReady,
     StagesMissing,
@@ -326,6 +328,8 @@ class Jobs(Leases):
             store.delete("job_failure")
             if profile:
                 store.put("profile", profile.to_store())
+            else:  # an earlier job's profile must not outlive it (a restart would load it)
+                store.delete("profile")
             self.c.job, self.c.param_bytes, self.c.failure = job, param_bytes, ""
             weights = (
                 "layers built empty, their initial weights (init_state) are streamed "
@@ -416,13 +420,20 @@ class Jobs(Leases):
         ``epochs.wait_for_copies``)."""
         return epochs.wait_for_copies(self.c, partition, job, step)
 
-    def profile_later(self, job_id: str, client: int, sample: Value) -> None:
-        """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first).
+    def profile_later(self, job_id: str, client: int, sample: Value) -> bool:
+        """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first),
+        unless it is profiled already: the same request sent again after a failover then
+        profiles nothing twice.
+
+        Returns:
+            Whether this call profiled the job.
 
         Raises:
             Fenced: the caller does not hold the job.
         """
         job, partition = self._check_holder(job_id, client)
+        if self.c.profile is not None:
+            return False
         members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
         profile = self._profile(job, sample, members)
         with self.c.move_lock:
@@ -442,6 +453,7 @@ class Jobs(Leases):
                 )
                 self.c.store.put_partition(timed)
                 self.c.adopt(timed)
+        return True
 
     # ---- checkpoint loads ------------------------------------------------------------
     def begin_restore(self, job_id: str, client: int) -> tuple[int, Partition]:
@@ -476,13 +488,14 @@ class Jobs(Leases):
         """Makes a streamed checkpoint take effect on every stage, or on none.
 
         Raises:
-            NotReady: no load of ``epoch`` is in progress.
+            LoadForgotten: no load of ``epoch`` is in progress (another coordinator settled
+                it, or its lease ran out).
             ElasticPipeError: a stage did not hold every layer it owns (nothing changed).
         """
         with self.c.move_lock:
             restoring, self._restoring = self._restoring, None
             if restoring is None or restoring[0].new.epoch != epoch:
-                raise NotReady(f"no checkpoint load of epoch {epoch} is in progress")
+                raise LoadForgotten(f"no checkpoint load of epoch {epoch} is in progress")
             change = restoring[0]
             job, _ = self.c.require_job()
             if job.job_id != job_id:
@@ -516,11 +529,15 @@ class Jobs(Leases):
                     moved=loaded,
                     restored_step=step,
                 )
+                self._pause("before_commit_point")
                 self.c.store.commit_change(new, change.record("committed"), row)
+            except CommitOutcomeUnknown:  # perhaps committed: undoing could split the stages
+                raise
             except ElasticPipeError as exc:
                 epochs.abort(self.c, epoch, change.involved, str(exc))
                 epochs.record_abandoned(self.c, change, str(exc))
                 raise
+            self._pause("after_commit_point")
             self.c.adopt(new)
             epochs.commit(self.c, change)
             self.wait_for_copies(new, job, step)

@@ -14,6 +14,7 @@
     │   ├── Fenced                     FAILED_PRECONDITION  a newer client holds the job
     │   ├── JobInUse                   FAILED_PRECONDITION  a live client holds the job's lease
     │   ├── NotLeader                  FAILED_PRECONDITION  a deposed coordinator's write or command
+    │   ├── LoadForgotten              FAILED_PRECONDITION  the coordinator holds no such load
     │   ├── StagesMissing              FAILED_PRECONDITION  fewer live stages than the job needs
     │   └── PipelineClosed             FAILED_PRECONDITION  a method of a closed pipeline was called
     ├── Unavailable                    UNAVAILABLE          a peer cannot be reached
@@ -111,6 +112,12 @@ class Fenced(NotReady):
 
 class JobInUse(NotReady):
     """Another live client holds the job's lease (use ``resume=True`` to attach instead)."""
+
+
+class LoadForgotten(NotReady):
+    """The coordinator holds no checkpoint load of that epoch in progress: a new leader,
+    or a restarted coordinator, settled it from the store (finished if it reached its
+    commit point, else undone), or it outlived its lease. The partition says which."""
 
 
 class NotLeader(NotReady):

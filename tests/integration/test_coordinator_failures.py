@@ -136,3 +136,40 @@ def test_a_freeze_whose_coordinator_never_returns_ends_by_its_lease() -> None:
         cluster.restart_coordinator([*FAST, *LEASE])
         assert cluster.status().history[-1].kind == "abandoned"
         assert pipe.train_step(*batch(STEPS + 1)) > 0  # and the restarted one serves it
+
+
+@pytest.mark.parametrize(
+    ("point", "abandoned"),
+    [("before_commit_point", 1), ("after_commit_point", 0)],
+    ids=["rolled-back", "rolled-forward"],
+)
+def test_a_coordinator_killed_mid_load_settles_it_and_the_load_completes(
+    point: str, abandoned: int, tmp_path: Path
+) -> None:
+    """The coordinator killed while every stage holds a checkpoint load prepared, before or
+    after its commit point: the restarted coordinator undoes or finishes the load, and
+    ``load`` -- which the restart told it forgot the load -- reads how it was settled:
+    it streams the checkpoint again if it was undone, and returns if it was finished.
+    Training then ends exact (the checkpoint is of the same run's step 3)."""
+    ckpt = tmp_path / "ckpt"
+    with cluster_pausing_at(point) as cluster, pipeline(cluster) as pipe:
+
+        def kill_and_restart() -> None:
+            cluster.wait_for_log("coordinator", "paused_at", timeout=60)
+            cluster.kill("coordinator")
+            time.sleep(1.0)
+            cluster.restart_coordinator([*FAST, *LEASE])
+
+        def before(step: int) -> None:
+            if step == 4:
+                pipe.save(ckpt)
+                killer = threading.Thread(target=kill_and_restart, daemon=True)
+                killer.start()
+                pipe.load(ckpt)
+                killer.join(60)
+
+        trainer = Trainer(pipe, before).start()
+        check(trainer.losses, trainer.finish())
+        kinds = [r.kind for r in cluster.status().history]
+        assert kinds.count("restore") == 1, kinds  # the load took effect once
+        assert kinds.count("abandoned") == abandoned, kinds

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any
 
+import grpc
 import jsonschema
 import pytest
 import torch
@@ -20,6 +21,8 @@ from elasticpipe.client.admin import Admin, PlanReport, Status, document
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.server import CoordinatorServer
 from elasticpipe.stage_server.server import StageServer
+from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
+from elasticpipe.wire import bundle
 
 pytestmark = pytest.mark.timeout(120)
 KWARGS = {"sizes": [16, 64, 64, 4]}
@@ -86,6 +89,39 @@ def test_the_step_time_is_unknown_until_profiled_then_in_seconds(
         assert plan.current_step_s is not None and plan.current_step_s > 0
         assert "predicted step: current" in format_plan(plan)
         jsonschema.validate(document(plan), command_schema("plan"))
+
+
+def test_a_profile_request_sent_again_profiles_nothing(
+    coordinator_server: CoordinatorServer,
+    stage_servers: list[StageServer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``ProfileJob`` sent again for a job its first request profiled -- as a caller sends
+    it to a new leader when the old one died mid-call -- profiles no stage twice: the
+    stored profile stands, and the partition it chose stays in force."""
+    address = coordinator_server.address
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with (
+        caplog.at_level(logging.INFO, logger="elasticpipe"),
+        _pipeline(address, init_state=_init_state()) as pipe,
+    ):
+        pipe.train_step(x, y)  # profiles the stages first
+        assert len(_events(caplog, "stages_profiled")) == 1
+        epoch = pipe.partition.epoch
+        caplog.clear()
+        request = coordinator_pb2.ProfileJobRequest(
+            job_id=pipe.partition.job_id,
+            client=pipe._client,  # the holder's own resend
+        )
+        bundle.set_sample(request, x[:4])
+        with grpc.insecure_channel(address) as channel:
+            reply = coordinator_pb2_grpc.CoordinatorServiceStub(channel).ProfileJob(
+                request, timeout=30
+            )
+        assert reply.epoch == epoch
+        assert not _events(caplog, "stages_profiled")
+        assert [e["again"] for e in _events(caplog, "job_profiled")] == [True]
+        assert pipe.train_step(x, y) > 0
 
 
 def test_a_job_from_init_state_tells_its_two_epochs_truthfully(
