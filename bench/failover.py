@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shared.runs import gpt_pipeline, identical, token_batch  # bench/shared/, beside this script
 
 from elasticpipe.client.admin import Admin
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.local.etcd import LocalEtcd
@@ -59,9 +59,7 @@ class Run:
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return token_batch(step, MODEL["vocab_size"], BATCH, SEQ)
 
 
 def new_leader(cluster: LocalCluster, old_term: int, timeout: float = 60.0) -> float:
@@ -100,17 +98,7 @@ def train(cluster: LocalCluster, steps: int, failover: bool) -> Run:
     """Trains ``steps`` steps as a fresh job; kills the leader a third of the way in."""
     run = Run()
     mover: threading.Thread | None = None
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model="gpt",
-        model_kwargs=MODEL,
-        seed=0,
-        optimizer="adam",
-        optimizer_kwargs={"lr": 1e-3},
-        micro_batches=4,
-        stages=3,
-        snapshot_every=5,
-    ) as pipe:
+    with gpt_pipeline(cluster.coordinator, MODEL, 3, snapshot_every=5) as pipe:
         pipe.train_step(*batch(0))  # job setup and profiling, not timed
         run.events["started"] = time.monotonic()
         for step in range(1, steps + 1):
@@ -157,14 +145,7 @@ def cpu_ms_per_heartbeat(cluster: LocalCluster, seconds: float) -> float:
 
 def set_up_a_job(cluster: LocalCluster) -> None:
     """A job, so that heartbeats carry what they carry while training."""
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model="gpt",
-        model_kwargs=MODEL,
-        seed=0,
-        stages=3,
-        micro_batches=4,
-    ) as pipe:
+    with gpt_pipeline(cluster.coordinator, MODEL, 3) as pipe:
         pipe.train_step(*batch(0))
 
 
@@ -211,9 +192,7 @@ def main() -> None:
     before = rate(failed.done_at, ev["started"], ev["killed"])
     # while nobody leads, up to the new leader or the last step (the run may end first)
     during = rate(failed.done_at, ev["killed"], min(ev["leading"], failed.done_at[-1] + 1e-6))
-    same = reference.state.keys() == failed.state.keys() and all(
-        torch.equal(reference.state[k], failed.state[k]) for k in reference.state
-    )
+    same, _ = identical(reference.state, failed.state)
     same_losses = reference.losses == failed.losses
     ratios = [e / s for e, s in zip(etcd_cpu, sqlite_cpu, strict=True)]
     print(

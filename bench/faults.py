@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from shared.runs import gpt_pipeline, identical, token_batch  # bench/shared/, beside this script
 
-from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 
 MODEL = {"vocab_size": 96, "d_model": 96, "n_heads": 4, "n_layers": 8, "max_seq_len": 32}
@@ -59,9 +59,7 @@ class Run:
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return token_batch(step, MODEL["vocab_size"], BATCH, SEQ)
 
 
 def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool = False) -> Run:
@@ -71,17 +69,7 @@ def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool
     # the coordinator is back before the second stage is killed
     restart_at = max(steps // 2 + 1, min(steps // 2 + 5, 2 * steps // 3 - 1))
     restarting: threading.Thread | None = None
-    with Pipeline(
-        coordinator=cluster.coordinator,
-        model="gpt",
-        model_kwargs=MODEL,
-        seed=0,
-        optimizer="adam",
-        optimizer_kwargs={"lr": 1e-3},
-        micro_batches=4,
-        stages=4,
-        snapshot_every=snapshot_every,
-    ) as pipe:
+    with gpt_pipeline(cluster.coordinator, MODEL, 4, snapshot_every=snapshot_every) as pipe:
         pipe.train_step(*batch(0))  # job setup and profiling, not timed
         started = time.perf_counter()
         for step in range(1, steps + 1):
@@ -139,12 +127,6 @@ def recoveries(cluster: LocalCluster, run: Run, step_s: float) -> list[dict[str,
         if is_stage and record:
             records.remove(record)
     return out
-
-
-def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bool, float]:
-    """Whether two state dicts are bitwise equal, and their largest difference."""
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), worst
 
 
 def main() -> None:

@@ -330,8 +330,9 @@ def change_epoch(
             change.new, change.record("committed"), history(result) if history else None
         )
     except CommitOutcomeUnknown as exc:  # perhaps committed: undoing could split the stages
+        # Neither committed nor aborted (no metric counts it): the leader that next reads
+        # the store settles it, and records how in the epoch history.
         log.error("epoch_change_outcome_unknown", epoch=change.new.epoch, error=str(exc))
-        cluster.metrics.epoch_change_aborted(change.kind)
         raise
     except BaseException as exc:  # whatever went wrong, before the commit point: undo
         log.warning(
