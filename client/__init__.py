@@ -6,7 +6,8 @@
 * ``driver``: one run of a step through the chain of stages;
 * ``checkpoints``: the checkpoint formats (``save`` writes, ``load`` opens);
 * ``admin``: ``Admin``, the typed client of the coordinator's admin RPCs, and its answers;
-* ``initial``: ``init_state``, checked against the model before a job starts.
+* ``initial``: ``init_state``, checked against the model before a job starts;
+* ``repeats``: warnings and waits that recur during an outage, logged once, then now and then.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch
 
 from elasticpipe.client.driver import StageClients
 from elasticpipe.client.initial import InitialWeights
+from elasticpipe.client.repeats import Repeats, Waiting
 from elasticpipe.errors import (
     CONTINUE_FROM_SAVE,
     CoordinatorUnavailable,
@@ -99,59 +100,6 @@ class _Batch:
     scales: list[float]
 
 
-class _Repeats:
-    """Logs a warning the first time, then the same warning (same event and fields) at
-    most once every ``every`` seconds with how often it recurred: a job waiting out an
-    outage says so without a line per retry."""
-
-    def __init__(self, every: float = 10.0):
-        self._every = every
-        self._last: dict[str, tuple[str, float, int]] = {}  # event: (what, logged at, count)
-
-    def warn(self, event: str, error: str, **fields: Any) -> int:
-        """Logs ``event`` unless it just did; returns how often in a row it happened."""
-        what, now = f"{error}|{sorted(fields.items())!r}", time.monotonic()
-        last = self._last.get(event)
-        if last is not None and last[0] == what:
-            count = last[2] + 1
-            if now - last[1] < self._every:
-                self._last[event] = (what, last[1], count)
-                return count
-            log.warning(event, error=error, repeated=count, **fields)
-            self._last[event] = (what, now, count)
-            return count
-        log.warning(event, error=error, **fields)
-        self._last[event] = (what, now, 1)
-        return 1
-
-
-class _Waiting:
-    """Logs a wait at info once, when it begins, then at most every ``every`` seconds
-    with how long it has lasted: a client waiting out another's lease says so without a
-    line per retry."""
-
-    def __init__(
-        self, event: str, every: float = 10.0, clock: Callable[[], float] = time.monotonic
-    ):
-        self._event, self._every, self._clock = event, every, clock
-        self._began: float | None = None
-        self._logged = 0.0
-
-    def still(self, **fields: Any) -> bool:
-        """The wait goes on: logs it if it just began or ``every`` seconds passed since
-        the last line; returns whether it logged."""
-        now = self._clock()
-        if self._began is None:
-            self._began = self._logged = now
-            log.info(self._event, **fields)
-            return True
-        if now - self._logged < self._every:
-            return False
-        self._logged = now
-        log.info(self._event, waited_s=round(now - self._began, 1), **fields)
-        return True
-
-
 class _RolledBack(Exception):
     """The job was rolled back while a step waited: catch up from the step restored."""
 
@@ -173,7 +121,7 @@ class Session:
 
     def _open(self, coordinator: str | Sequence[str], tls: TLS | None) -> None:
         """Checks the coordinator's address and opens the channels; no job yet."""
-        self._repeats = _Repeats()
+        self._repeats = Repeats()
         self._tls = tls or TLS.from_env()
         self._coordinators = Coordinators(coordinator, self._tls)
         self.coordinator = str(self._coordinators)  # every address given, comma-separated
@@ -235,7 +183,7 @@ class Session:
             request_id=secrets.token_hex(8),
         )
         deadline = time.monotonic() + self._setup_timeout
-        lease_wait = _Waiting("waiting_for_lease")
+        lease_wait = Waiting("waiting_for_lease")
         while True:
             try:
                 reply = self._coordinator_call(

@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from elasticpipe.client.session import _Repeats, _Waiting
+from elasticpipe.client.repeats import Repeats, Waiting
 
 
 def test_a_repeated_warning_is_logged_once_then_with_its_count(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    repeats = _Repeats(every=3600.0)
+    repeats = Repeats(every=3600.0)
     with caplog.at_level(logging.WARNING):
         counts = [repeats.warn("step_failed", "refused", step=4, dead=[]) for _ in range(5)]
         counts.append(repeats.warn("step_failed", "refused", step=4, dead=["s2"]))  # news
@@ -25,7 +25,7 @@ def test_a_repeated_warning_is_logged_once_then_with_its_count(
 def test_a_long_outage_is_reported_again_with_how_often_it_recurred(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    repeats = _Repeats(every=0.0)
+    repeats = Repeats(every=0.0)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             repeats.warn("failure_not_reported", "connection refused")
@@ -39,7 +39,7 @@ def test_a_long_wait_is_logged_once_then_every_ten_seconds_with_its_length(
     """A client waiting out another's lease, retrying every second for 25 s, logs the
     wait when it begins and then at 10 s and 20 s, each with the seconds waited."""
     now = [100.0]
-    waiting = _Waiting("waiting_for_lease", every=10.0, clock=lambda: now[0])
+    waiting = Waiting("waiting_for_lease", every=10.0, clock=lambda: now[0])
     with caplog.at_level(logging.INFO, logger="elasticpipe"):
         for second in range(26):
             now[0] = 100.0 + second
