@@ -38,7 +38,12 @@ class Store(ABC):
 
     @abstractmethod
     def add_stage(self, row: StageRow) -> None:
-        """Records a new incarnation (its id, and its name with its number, are new)."""
+        """Records a new incarnation (its id, and its name with its number, are new).
+
+        Raises:
+            ValueError: the stage id, or the name with that incarnation number, exists
+                (nothing was written).
+        """
 
     @abstractmethod
     def set_stage(self, stage_id: str, **flags: bool) -> None:

@@ -3,6 +3,7 @@
 Keys under one prefix (default ``/elasticpipe``), values JSON:
 
     PREFIX/stage/<stage_id>     a StageRow and its ``forgotten`` flag
+    PREFIX/incarnation/<n>/<name>  the stage id of incarnation n of a name (unique)
     PREFIX/kv/<name>            a named value (job, lease, partition, epoch_change, ...)
     PREFIX/epoch/<epoch:016d>   an EpochRow (zero-padded: key order is epoch order)
 
@@ -284,24 +285,23 @@ class EtcdStore(Store):
         return [json.loads(kv.value) for kv in found]
 
     def add_stage(self, row: StageRow) -> None:
-        """Records a new incarnation."""
+        """Records a new incarnation: its record and its (name, incarnation) key, both
+        new, in one ``Txn``."""
+        key = self._stage_key(row.stage_id)
+        named = f"{self.prefix}/incarnation/{row.incarnation}/{row.name}".encode()
+        record = {**asdict(row), "forgotten": False}
         with self._lock:
-            if any(
-                r["name"] == row.name and r["incarnation"] == row.incarnation
-                for r in self._stage_records()
-            ):
+            written = self._write(
+                pb.TxnRequest(
+                    compare=[created_at(key, 0), created_at(named, 0)],
+                    success=[_put_op(key, record), _put_op(named, row.stage_id)],
+                )
+            )
+            if written.succeeded or self._get_json(key)[0] == record:
+                return  # (the same record found: a retried Txn whose first try was applied)
+            if self._get_json(named)[0] is not None:
                 raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
-            key = self._stage_key(row.stage_id)
-            new = created_at(key, 0)
-            record = {**asdict(row), "forgotten": False}
-            if (
-                not self._write(
-                    pb.TxnRequest(compare=[new], success=[_put_op(key, record)])
-                ).succeeded
-                and self._get_json(key)[0] != record
-            ):
-                # (the same record found: a retried Txn whose first try was applied)
-                raise ValueError(f"stage id {row.stage_id!r} exists")
+            raise ValueError(f"stage id {row.stage_id!r} exists")
 
     def set_stage(self, stage_id: str, **flags: bool) -> None:
         """Sets ``drained``, ``leaving``, ``left``, ``dead`` or ``forgotten`` of an

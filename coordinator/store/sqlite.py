@@ -70,6 +70,15 @@ class SqliteStore(Store):
     def add_stage(self, row: StageRow) -> None:
         """Records a new incarnation."""
         with self._lock:
+            taken = self._db.execute(
+                "SELECT stage_id FROM incarnations WHERE stage_id = ? OR (name = ? AND "
+                "incarnation = ?)",
+                (row.stage_id, row.name, row.incarnation),
+            ).fetchall()
+            if any(found != row.stage_id for (found,) in taken):
+                raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
+            if taken:
+                raise ValueError(f"stage id {row.stage_id!r} exists")
             self._db.execute(
                 "INSERT INTO incarnations (stage_id, name, incarnation, address, device, "
                 "registered_at, drained, dead, leaving, left_cleanly) "
@@ -192,9 +201,11 @@ class SqliteStore(Store):
             old = self._epoch_record(row.epoch)
             if old is not None and old.get("loop_pause_s"):
                 row = replace(row, loop_pause_s=old["loop_pause_s"])
+        if not row.at:  # stamped when written, as on etcd
+            row = replace(row, at=time.time())
         self._db.execute(
             "INSERT OR REPLACE INTO epochs (epoch, at, record) VALUES (?, ?, ?)",
-            (row.epoch, row.at or time.time(), json.dumps(asdict(row))),
+            (row.epoch, row.at, json.dumps(asdict(row))),
         )
 
     def set_loop_pause(self, job_id: str, epoch: int, pause_s: float) -> bool:

@@ -47,6 +47,18 @@ def _wait_ready(
     raise DeadlineExceeded(f"{what} did not start within {timeout:.0f}s (log: {log})")
 
 
+def _store_of(args: Sequence[str]) -> str | None:
+    """The store named in coordinator ``args`` (``--store`` or its alias ``--state``, as
+    ``--flag VALUE`` or ``--flag=VALUE``), or None."""
+    for i, arg in enumerate(args):
+        for flag in ("--store", "--state"):
+            if arg == flag and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
 class LocalCluster:
     """A coordinator plus ``stages`` stage servers, each its own process."""
 
@@ -129,7 +141,7 @@ class LocalCluster:
         if len(self._per_stage_args) != stages:
             raise ValueError(f"{len(self._per_stage_args)} per_stage_args for {stages} stages")
         self._tmp = tempfile.TemporaryDirectory(prefix="elasticpipe-")
-        if "--state" not in self._coordinator_args:  # a restarted coordinator finds its state
+        if _store_of(self._coordinator_args) is None:  # a restarted coordinator finds its state
             self._coordinator_args += ["--state", str(Path(self._tmp.name) / "coordinator.sqlite")]
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -311,8 +323,9 @@ class LocalCluster:
         ``args`` instead of the original flags, if given); returns once a coordinator
         answers as leader."""
         if args is not None:
-            state = self._coordinator_args[self._coordinator_args.index("--state") + 1]
-            self._coordinator_args = [*args, "--state", state]
+            state = _store_of(self._coordinator_args)
+            assert state is not None  # __init__ gives every cluster a store
+            self._coordinator_args = [*args, "--store", state]
         self._start_coordinator(name, self.coordinator_addresses[name])
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # answering (channels to the old one may still be backing off)

@@ -126,6 +126,27 @@ def test_incarnations_of_a_name_are_kept_apart(store: Store) -> None:
     assert store.max_incarnation("nobody") == 0
 
 
+def test_a_taken_stage_id_or_incarnation_is_refused_by_name(store: Store) -> None:
+    """Both stores refuse, with the same ValueError naming it, a stage id that exists and
+    a name's incarnation number that another id holds; nothing is written."""
+    store.add_stage(A)
+    with pytest.raises(ValueError, match=r"stage id 'st-a' exists"):
+        store.add_stage(replace(A, name="host-z", incarnation=5))
+    with pytest.raises(ValueError, match=r"stage 'host-a' incarnation 1 exists"):
+        store.add_stage(replace(A, stage_id="st-other"))
+    store = _reopen(store)
+    assert [(s.stage_id, s.name, s.incarnation) for s in store.stages()] == [("st-a", "host-a", 1)]
+    assert store.max_incarnation("host-z") == 0
+
+
+def test_an_epoch_row_without_a_time_is_stamped_when_written(store: Store) -> None:
+    """``at=0`` means "now" on both stores: the row read back carries the write's time."""
+    before = time.time()
+    store.add_epoch(replace(EPOCHS[0], at=0.0))
+    (row,) = _reopen(store).epochs()
+    assert before <= row.at <= time.time()
+
+
 def test_flags_survive_a_reopen_and_forgotten_stages_vanish(store: Store) -> None:
     """drained and dead are durable both ways; a forgotten stage is no longer listed."""
     store.add_stage(A)
