@@ -315,12 +315,12 @@ class FakeStage(EpochChange):
     def _holdings(self) -> list[stage_pb2.SnapshotHolding]:
         job = self.job.job_id if self.job else ""
         out = [
-            stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, replica=False)
+            stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, peer_copy=False)
             for step, layers in sorted(self.own.items())
         ]
         for held in self.copies.values():
             out += [
-                stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, replica=True)
+                stage_pb2.SnapshotHolding(job_id=job, step=step, layers=layers, peer_copy=True)
                 for step, layers in sorted(held.items())
             ]
         return out
@@ -352,7 +352,7 @@ class FakeStage(EpochChange):
         self.own[step] = tuple(placement.layers)
         for old in sorted(self.own)[:-KEEP_SNAPSHOTS]:
             del self.own[old]
-        peer = placement.replica
+        peer = placement.snapshot_peer
         if peer:
             args = (peer, job.job_id, step, tuple(placement.layers), self.stage_id)
             threading.Thread(target=self._push, args=args, daemon=True).start()

@@ -57,7 +57,7 @@ class Placement:
         return self.hi > self.lo
 
     @property
-    def replica(self) -> str:
+    def snapshot_peer(self) -> str:
         """Where this stage keeps the copy of its snapshots: the next stage, wrapping
         around (empty when the chain has one stage)."""
         if self.num_stages < 2 or not self.chain:

@@ -86,7 +86,7 @@ def holdings_to_proto(holdings: list[Holding]) -> list[stage_pb2.SnapshotHolding
     """Snapshot holdings in wire form."""
     return [
         stage_pb2.SnapshotHolding(
-            job_id=h.job_id, step=h.step, layers=list(h.layers), replica=h.replica
+            job_id=h.job_id, step=h.step, layers=list(h.layers), peer_copy=h.peer_copy
         )
         for h in holdings
     ]

@@ -55,7 +55,7 @@ class Holding:
     job_id: str
     step: int
     layers: tuple[int, ...]
-    replica: bool
+    peer_copy: bool  # a copy kept for the stage whose snapshot peer this is
 
 
 @dataclass

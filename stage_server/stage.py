@@ -463,7 +463,7 @@ class Stage(EpochChanges):
                 step=step,
                 source=self.stage_id,
                 states=states,
-                peer=self.placement.replica,
+                peer=self.placement.snapshot_peer,
                 generation=self.snapshots.generation,
             )
         )

@@ -1388,11 +1388,11 @@ class SnapshotHolding(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
-    REPLICA_FIELD_NUMBER: _builtins.int
+    PEER_COPY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     step: _builtins.int
-    replica: _builtins.bool
-    """a copy of another stage's snapshot"""
+    peer_copy: _builtins.bool
+    """a copy of another stage's snapshot (kept for its snapshot peer)"""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -1401,11 +1401,11 @@ class SnapshotHolding(_message.Message):
         job_id: _builtins.str = ...,
         step: _builtins.int = ...,
         layers: _abc.Iterable[_builtins.int] | None = ...,
-        replica: _builtins.bool = ...,
+        peer_copy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "replica", b"replica", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "peer_copy", b"peer_copy", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -204,7 +204,7 @@ def test_snapshot_copies_are_checked_before_a_layer_is_assembled(cluster: LocalC
         holdings = _stage(target.address, cluster.admin_tls).GetStats(
             stage_pb2.StatsRequest(), timeout=5
         )
-        assert any(h.replica for h in holdings.snapshots), "the chain's copies must arrive"
+        assert any(h.peer_copy for h in holdings.snapshots), "the chain's copies must arrive"
 
         evil = _stage(target.address, cluster.tls_of("evil", "stage"))
         blob = b"\x01" * (8 << 20)

@@ -79,11 +79,11 @@ def test_a_tls_cluster_trains_and_moves_layers_exactly(cluster: LocalCluster) ->
                 _stage(a, cluster.admin_tls).GetStats(stage_pb2.StatsRequest(), timeout=10)
                 for a in cluster.stage_addresses
             ]
-            if all(any(h.replica and h.step == 2 for h in s.snapshots) for s in stats):
+            if all(any(h.peer_copy and h.step == 2 for h in s.snapshots) for s in stats):
                 break
             time.sleep(0.2)
-        held = {s.name: [(h.step, list(h.layers), h.replica) for h in s.snapshots] for s in stats}
-        assert all(any(h.replica and h.step == 2 for h in s.snapshots) for s in stats), held
+        held = {s.name: [(h.step, list(h.layers), h.peer_copy) for h in s.snapshots] for s in stats}
+        assert all(any(h.peer_copy and h.step == 2 for h in s.snapshots) for s in stats), held
 
 
 @pytest.mark.parametrize(

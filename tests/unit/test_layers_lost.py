@@ -12,8 +12,8 @@ from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import stage_pb2
 
 
-def _holding(step: int, layers: list[int], replica: bool) -> stage_pb2.SnapshotHolding:
-    return stage_pb2.SnapshotHolding(job_id="j1", step=step, layers=layers, replica=replica)
+def _holding(step: int, layers: list[int], peer_copy: bool) -> stage_pb2.SnapshotHolding:
+    return stage_pb2.SnapshotHolding(job_id="j1", step=step, layers=layers, peer_copy=peer_copy)
 
 
 def test_layers_lost_names_the_dead_owner_and_a_former_holder_of_the_copy() -> None:

@@ -23,12 +23,12 @@ def test_owner_of_and_layers_of_follow_the_boundaries() -> None:
         P.owner_of(7)
 
 
-def test_assignment_names_neighbours_chain_and_replica() -> None:
+def test_assignment_names_neighbours_chain_and_snapshot_peer() -> None:
     """A stage's placement has its range, neighbours, the chain, and where its snapshot
     copy goes (the next stage, wrapping around)."""
     b = P.assignment("b")
     assert (b.index, b.lo, b.hi, b.prev, b.next) == (1, 2, 5, "h:1", "h:3")
-    assert b.replica == "h:3" and P.assignment("c").replica == "h:1"
+    assert b.snapshot_peer == "h:3" and P.assignment("c").snapshot_peer == "h:1"
     outsider = P.assignment("z")
     assert not outsider.in_chain and outsider.epoch == 4
     assert Placement.from_proto(b.to_proto()) == b

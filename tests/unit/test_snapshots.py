@@ -31,7 +31,7 @@ def test_the_last_two_complete_snapshots_are_kept() -> None:
     assert store.get("j", 10, 0) is None
     assert store.get("j", 30, 0) == b"own30" and store.get("j", 20, 1) == b"copy20"
     assert store.get("other-job", 30, 0) is None
-    assert sorted(store.holdings(), key=lambda h: (h.replica, h.step)) == [
+    assert sorted(store.holdings(), key=lambda h: (h.peer_copy, h.step)) == [
         Holding("j", 20, (0,), False),
         Holding("j", 30, (0,), False),
         Holding("j", 20, (1,), True),
