@@ -1,8 +1,11 @@
 """Training semantics that Pipeline and LocalPipeline share: the job, schedules, losses and
-optimizers, learning rates, precision, loss scaling, clipping and randomness.
+optimizers, learning rates, precision, loss scaling, clipping, randomness and the canonical
+gradient sum.
 
 * ``clipping``: Global-norm gradient clipping across stages: the decision and how a stage
   applies it.
+* ``gradsum``: The canonical sum of a step's micro-batch gradients: one fixed binary tree,
+  the same bits for any split among replicas and any order of arrival.
 * ``job``: A training job's description, parsed once from its protobuf form and validated.
 * ``loss_scaling``: Dynamic loss scaling for ``precision="fp16"``, with
   ``torch.amp.GradScaler``'s semantics.

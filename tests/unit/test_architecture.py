@@ -3,7 +3,7 @@
 The floors, bottom up (docs/contributing.md draws them):
 
 ====  ==========================================================================
-0     ``errors``, ``logs``, ``partition``, ``v1`` and ``etcdpb`` (generated): the root concepts
+0     ``errors``, ``logs``, ``partition``, ``layout``, ``v1``, ``etcdpb`` (generated): root concepts
 1     ``security``: who may do what, and how much
 2     ``training``: the job and its semantics
 3     ``wire`` (bytes), ``models``
@@ -39,6 +39,7 @@ FLOORS = {
     "errors": 0,
     "logs": 0,
     "partition": 0,
+    "layout": 0,
     "v1": 0,
     "etcdpb": 0,
     "security": 1,

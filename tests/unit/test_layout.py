@@ -1,0 +1,98 @@
+"""Tests of the layout: replicas of one epoch, their shares, and the reduction groups."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.layout import Layout
+from elasticpipe.partition import Partition, StageRef
+
+
+def _replica(boundaries: tuple[int, ...], names: str, epoch: int = 3) -> Partition:
+    stages = tuple(StageRef(f"st-{n}", f"h:{n}") for n in names)
+    return Partition(epoch=epoch, job_id="j1", boundaries=boundaries, stages=stages)
+
+
+EXAMPLE = Layout((_replica((0, 2, 5), "ab"), _replica((0, 1, 3, 5), "cde")), (5, 3))
+
+
+def test_groups_are_the_runs_of_layers_with_the_same_holders() -> None:
+    """Boundaries (0, 2, 5) and (0, 1, 3, 5) give the groups [0,1), [1,2), [2,3), [3,5)."""
+    groups = EXAMPLE.validate(num_layers=5, micro_batches=8).groups()
+    assert [(g.lo, g.hi) for g in groups] == [(0, 1), (1, 2), (2, 3), (3, 5)]
+    assert [tuple(h.stage_id[-1] for h in g.holders) for g in groups] == [
+        ("a", "c"),
+        ("a", "d"),
+        ("b", "d"),
+        ("b", "e"),
+    ]
+    assert [(g.lo, g.hi) for g in EXAMPLE.groups_of("st-b")] == [(2, 3), (3, 5)]
+
+
+def test_shares_are_contiguous_ranges_in_replica_order() -> None:
+    """Shares 5:3 of M = 8: replica 0 runs micro-batches 0-4, replica 1 runs 5-7."""
+    assert EXAMPLE.share_of(0) == range(0, 5) and EXAMPLE.share_of(1) == range(5, 8)
+    assert EXAMPLE.micro_batches == 8
+    assert EXAMPLE.replica_of_stage("st-d") == 1 and EXAMPLE.replica_of_stage("st-x") is None
+
+
+def test_one_replica_is_its_partition_with_one_holder_per_group() -> None:
+    """``Layout.single``: every stage its own group, holding its own range."""
+    partition = _replica((0, 2, 3, 7), "abc")
+    layout = Layout.single(partition, micro_batches=4).validate(7, 4)
+    assert [(g.lo, g.hi, len(g.holders)) for g in layout.groups()] == [
+        (0, 2, 1),
+        (2, 3, 1),
+        (3, 7, 1),
+    ]
+
+
+def test_the_json_form_round_trips() -> None:
+    """What the store keeps parses back to the same layout."""
+    assert Layout.from_json(EXAMPLE.to_json()) == EXAMPLE
+
+
+@pytest.mark.parametrize(
+    ("layout", "error"),
+    [
+        (Layout((), ()), "at least one replica"),
+        (
+            Layout((_replica((0, 5), "a"), _replica((0, 5), "b", epoch=4)), (1, 1)),
+            "replica 1 is of epoch 4",
+        ),
+        (Layout((_replica((0, 5), "a"), _replica((0, 4), "b")), (1, 1)), "replica 1: bound"),
+        (Layout((_replica((0, 2, 5), "ab"), _replica((0, 5), "b")), (1, 1)), "'st-b' serves"),
+        (Layout((_replica((0, 5), "a"), _replica((0, 5), "b")), (4,)), r"shares \[4\] must"),
+        (Layout((_replica((0, 5), "a"), _replica((0, 5), "b")), (4, -1)), "must be 2 counts"),
+        (Layout((_replica((0, 5), "a"), _replica((0, 5), "b")), (4, 3)), "up to 7, not the 8"),
+    ],
+)
+def test_a_bad_layout_is_refused_naming_what_is_wrong(layout: Layout, error: str) -> None:
+    """Mixed epochs, a bad replica, a stage in two replicas or wrong shares: each named."""
+    with pytest.raises(InvalidRequest, match=error):
+        layout.validate(num_layers=5, micro_batches=8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.data())
+def test_groups_tile_the_layers_and_have_constant_holders(layers: int, data: st.DataObject) -> None:
+    """For random replicas, the groups tile [0, L), every layer of a group has the group's
+    holders, neighbouring groups differ, and there are at most sum(S_r - 1) + 1."""
+    replicas = []
+    for r in range(data.draw(st.integers(1, 4))):
+        inner = (
+            sorted(data.draw(st.sets(st.integers(1, layers - 1), max_size=4))) if layers > 1 else []
+        )
+        cuts = (0, *inner, layers)
+        replicas.append(_replica(cuts, "".join(chr(97 + 5 * r + i) for i in range(len(cuts) - 1))))
+    layout = Layout(tuple(replicas), (1,) * len(replicas)).validate(layers)
+    groups = layout.groups()
+    assert groups[0].lo == 0 and groups[-1].hi == layers
+    assert all(a.hi == b.lo and a.holders != b.holders for a, b in itertools.pairwise(groups))
+    assert all(layout.holders(layer_) == g.holders for g in groups for layer_ in g.layers)
+    assert len(groups) <= sum(p.num_stages - 1 for p in replicas) + 1
