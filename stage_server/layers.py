@@ -408,13 +408,15 @@ class LayerSlice(SliceState):
         stash.pairs.clear()
         stash.seeds.clear()
         stash.shapes.clear()
+        if not split:  # with ZB-H1 the weight gradients come with W
+            self.took_grads(micro_batch)
         self.slowdown.pay()
         return structure.grads_value(grads) if grads is not None else None
 
     def backward_weights(self, stash: Stash, micro_batch: int = -1) -> None:
-        """ZB-H1's W: accumulates the weight gradients ``backward(split=True)`` left in
-        ``stash``, in the order B met the layers (the order a whole backward accumulates
-        them in), and frees the graphs.
+        """ZB-H1's W: computes the weight gradients ``backward(split=True)`` left in
+        ``stash``, in the order B met the layers (the order a whole backward computes them
+        in), adds them to the run's tree sums, and frees the graphs.
 
         Raises:
             UserCodeError: a layer's backward raised.
@@ -423,6 +425,7 @@ class LayerSlice(SliceState):
         for w in work:
             _, seconds = self._autograd(w.layer, micro_batch, w.grads, w.split.weights)
             self._observe(w.layer, None, w.b_seconds + seconds, 0)
+        self.took_grads(micro_batch)
         self.slowdown.pay()
 
     def _autograd(

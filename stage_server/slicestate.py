@@ -5,6 +5,12 @@ steps their optimizers, and hands any single layer's full state out (a migration
 snapshot, ``state_dict``) or takes one in (staged as ``Built``, then installed). It is the
 base class of ``layers.LayerSlice``, which runs the layers; ``LayerTiming`` holds what
 running them measured, per layer.
+
+Within a training run (``begin_grads`` .. ``finish_backward``) each layer's gradients are
+summed in the canonical tree over the step's micro-batches (``training.gradsum``), not
+accumulated into ``.grad`` in the order the backward passes end: the sum then has the same
+bits however the micro-batches are split among replicas, and ``LocalPipeline`` (which runs
+the same class) stays the reference.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from elasticpipe.security import allowlist
 from elasticpipe.stage_server import devicepath
 from elasticpipe.training import clipping, loss_scaling, lr
 from elasticpipe.training.clipping import GradClip
+from elasticpipe.training.gradsum import TreeSum
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import make_optimizer
 
@@ -96,6 +103,8 @@ class SliceState:
         # fp16: every layer's copy of the job's loss scale (all equal; loss_scaling.py)
         self.scales: dict[int, loss_scaling.LossScale] = {}
         self.timings: dict[int, LayerTiming] = {}
+        # in a training run: each layer's micro-batch gradients, summed in the canonical tree
+        self._grad_sums: dict[int, TreeSum[Grads]] | None = None
 
     # ---- building ---------------------------------------------------------------------
 
@@ -175,10 +184,43 @@ class SliceState:
             return 1.0
         return self.scales[min(self.scales)].scale
 
+    def begin_grads(self, micro_batches: int) -> None:
+        """Starts a training run of ``micro_batches``: drops any gradient left, and sums
+        every layer's micro-batch gradients in the canonical tree from now on
+        (``took_grads`` after each micro-batch's backward, ``finish_backward`` at the end)."""
+        self.zero_grad()
+        self._grad_sums = {i: TreeSum(micro_batches, _plus_grads) for i in self.optimizers}
+
+    def took_grads(self, micro_batch: int) -> None:
+        """After ``micro_batch``'s whole backward on this slice (its weight gradients
+        included): moves each layer's gradients out of ``.grad`` into its tree sum, so that
+        the next micro-batch's backward starts from none. Outside a run begun with
+        ``begin_grads`` (profiling), gradients stay in ``.grad``.
+
+        Raises:
+            ValueError: ``micro_batch`` was taken already in this run, or is outside it.
+        """
+        if self._grad_sums is None:
+            return
+        for i, acc in self._grad_sums.items():
+            params = list(self.layers[i].parameters())
+            acc.add(micro_batch, [p.grad for p in params])
+            for p in params:
+                p.grad = None
+
     def finish_backward(self) -> float | None:
-        """After a run's last backward: unscales the accumulated gradients (fp16, as
-        ``GradScaler.unscale_``) and returns their squared norm when the commit's decision
-        needs it (``JobConfig.reports_grad_norm``), else None."""
+        """After a run's last backward: puts each layer's tree sum into ``.grad``,
+        unscales the gradients (fp16, as ``GradScaler.unscale_``) and returns their squared
+        norm when the commit's decision needs it (``JobConfig.reports_grad_norm``), else
+        None.
+
+        Raises:
+            ValueError: a micro-batch of the run never finished its backward (naming it).
+        """
+        sums, self._grad_sums = self._grad_sums, None
+        for i, acc in (sums or {}).items():
+            for p, g in zip(self.layers[i].parameters(), acc.result(), strict=True):
+                p.grad = g
         if self.scales:
             loss_scaling.unscale_(
                 [
@@ -210,6 +252,7 @@ class SliceState:
 
     def zero_grad(self) -> None:
         """Discards accumulated gradients (an aborted step)."""
+        self._grad_sums = None
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
 
@@ -313,6 +356,17 @@ class SliceState:
         self.schedulers.pop(index, None)
         self.scales.pop(index, None)
         self.timings.pop(index, None)
+
+
+Grads = list[torch.Tensor | None]  # one layer's parameters' gradients, in order
+
+
+def _plus_grads(left: Grads, right: Grads) -> Grads:
+    """Two partial sums of a layer's gradients added (into ``left``'s memory: each partial
+    is added once); a parameter without a gradient in one of them adds nothing."""
+    return [
+        a if b is None else b if a is None else a.add_(b) for a, b in zip(left, right, strict=True)
+    ]
 
 
 def _scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:

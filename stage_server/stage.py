@@ -367,6 +367,8 @@ class Stage(EpochChanges):
                 path=self.path,
                 stash_meter=self._stash_meter,
             )
+            if train:
+                self.slice.begin_grads(micro_batches)
         self.faults.point("run_started")
         placement = ctx.placement
         ops = (

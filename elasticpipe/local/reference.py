@@ -10,7 +10,8 @@
 
 It runs the whole model through the code a stage runs (``LayerSlice``): the same
 micro-batches, each layer on its own with its input detached, the loss of micro-batch ``i``
-scaled by its share of the mini-batch, gradients accumulated in micro-batch order, one
+scaled by its share of the mini-batch, gradients summed in the canonical tree over the
+micro-batches (``training.gradsum``), one
 optimizer per layer stepped once per mini-batch, and every layer's forward seeded by
 (job seed, step, micro-batch, layer) (``elasticpipe.training.rng``). A model with dropout therefore
 trains exactly as it does on any number of stages, across migrations and replays; a model
@@ -78,8 +79,9 @@ class LocalPipeline:
             model, model_kwargs, seed, optimizer, optimizer_kwargs, loss, micro_batches:
                 as for ``Pipeline``.
             schedule: accepted for symmetry with ``Pipeline``; one process runs each
-                micro-batch's forward then backward, which accumulates gradients in the
-                same order as every schedule.
+                micro-batch's forward then backward; its gradients are summed in the same
+                canonical tree as every schedule's (the order backward passes end in does
+                not change the sum).
             device: where the layers live.
             allow: module prefixes allowed for ``"package.module:name"`` factories,
                 losses and optimizers (what ``--allow-models`` is to a stage); None (the
@@ -209,6 +211,7 @@ class LocalPipeline:
         layers = self._slice
         losses: list[float] = []
         loss_scale = layers.loss_scale()
+        layers.begin_grads(len(xs))
         try:
             for i, (x, y, scale) in enumerate(zip(xs, ys, scales, strict=True)):
                 out, stash = layers.forward(

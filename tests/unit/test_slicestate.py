@@ -1,0 +1,95 @@
+"""A slice's gradients in a training run: the canonical tree sum of its micro-batches'
+gradients, the same bits in any order of backward, whole or split (ZB-H1's B then W)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.training.gradsum import tree_sum
+from elasticpipe.training.job import JobConfig
+
+M = 8
+
+
+def _slice() -> LayerSlice:
+    job = JobConfig(model="mlp", model_kwargs={"sizes": [16, 64, 64, 4]}, micro_batches=M)
+    layers = LayerSlice(job, torch.device("cpu"), Slowdown())
+    layers.build(0, 5)  # Linear, ReLU, Linear, ReLU, Linear
+    return layers
+
+
+def _inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randn(3, 16, generator=g) * 10.0 ** (k % 4 - 2) for k in range(M)]
+
+
+def _grads(layers: LayerSlice) -> list[torch.Tensor]:
+    return [p.grad for i in layers.indices for p in layers.layers[i].parameters()]  # type: ignore[misc]
+
+
+def _run(layers: LayerSlice, order: list[int], split: bool = False) -> list[torch.Tensor]:
+    """One run: every micro-batch forward, then their backwards in ``order``."""
+    layers.begin_grads(M)
+    xs = _inputs()
+    outs = [layers.forward(xs[k], train=True, micro_batch=k) for k in range(M)]
+    for k in order:
+        y, stash = outs[k]
+        assert stash is not None
+        layers.backward(stash, torch.ones_like(y), micro_batch=k, split=split)
+        if split:
+            layers.backward_weights(stash, micro_batch=k)
+    layers.finish_backward()
+    return _grads(layers)
+
+
+def _each_micro_batch(layers: LayerSlice) -> list[list[torch.Tensor]]:
+    """Each micro-batch's own gradients (outside a run, one backward at a time)."""
+    xs, each = _inputs(), []
+    for k in range(M):
+        y, stash = layers.forward(xs[k], train=True, micro_batch=k)
+        assert stash is not None
+        layers.backward(stash, torch.ones_like(y), micro_batch=k)
+        each.append([g.clone() for g in _grads(layers)])
+        layers.zero_grad()
+    return each
+
+
+@pytest.mark.timeout(30)
+def test_a_runs_gradients_are_the_tree_sum_of_its_micro_batches() -> None:
+    """torch.equal to ``tree_sum`` of the micro-batches' own gradients; not the left fold
+    that accumulating into ``.grad`` gives (so the test tells the two apart)."""
+    each = _each_micro_batch(_slice())
+    got = _run(_slice(), list(range(M)))
+    tree = [tree_sum([e[j] for e in each], torch.add) for j in range(len(got))]
+    assert all(torch.equal(a, b) for a, b in zip(got, tree, strict=True))
+    left = [each[0][j].clone() for j in range(len(got))]
+    for e in each[1:]:
+        left = [a + b for a, b in zip(left, e, strict=True)]
+    assert not all(torch.equal(a, b) for a, b in zip(got, left, strict=True))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("split", [False, True])
+def test_any_order_of_backward_gives_the_same_bits(split: bool) -> None:
+    """Backwards in order, in reverse and shuffled, whole or split into B and W: equal."""
+    want = _run(_slice(), list(range(M)))
+    for order in ([*reversed(range(M))], [3, 0, 7, 5, 1, 6, 2, 4]):
+        got = _run(_slice(), order, split=split)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), order
+
+
+@pytest.mark.timeout(30)
+def test_a_micro_batch_missing_or_taken_twice_is_an_error_naming_it() -> None:
+    """A run whose micro-batch 5 never ran its backward cannot finish; one run twice is
+    refused."""
+    layers = _slice()
+    with pytest.raises(ValueError, match=r"incomplete: \[5\] missing"):
+        _run(layers, [k for k in range(M) if k != 5])
+    layers.begin_grads(M)
+    y, stash = layers.forward(_inputs()[0], train=True, micro_batch=0)
+    assert stash is not None
+    layers.backward(stash, torch.ones_like(y), micro_batch=0)
+    with pytest.raises(ValueError, match="0 overlaps"):
+        layers.took_grads(0)
