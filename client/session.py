@@ -38,6 +38,7 @@ from elasticpipe.client.initial import InitialWeights
 from elasticpipe.client.repeats import Repeats, Waiting
 from elasticpipe.errors import (
     CONTINUE_FROM_SAVE,
+    CommitOutcomeUnknown,
     CoordinatorUnavailable,
     DeadlineExceeded,
     ElasticPipeError,
@@ -500,35 +501,47 @@ class Session:
         ended = False
         try:
             for s, address in enumerate(owners.addresses):
+                unread: list[Exception] = []  # reading the state failed: gRPC hides why
 
                 def messages(
-                    owned: range = owners.layers_of(s),
+                    owned: range = owners.layers_of(s), unread: list[Exception] = unread
                 ) -> Iterator[stage_pb2.RestoreChunk]:
                     first = True
-                    for layer in owned:
-                        for chunk in layer_state.messages(layer, layer_state.pack(state_of(layer))):
-                            yield stage_pb2.RestoreChunk(
-                                epoch=begun.epoch if first else 0,
-                                committed_step=step if first else 0,
-                                chunk=chunk,
-                                optimizer_overrides_json=overrides_json if first else "",
-                            )
-                            first = False
+                    try:
+                        for layer in owned:
+                            state = layer_state.pack(state_of(layer))
+                            for chunk in layer_state.messages(layer, state):
+                                yield stage_pb2.RestoreChunk(
+                                    epoch=begun.epoch if first else 0,
+                                    committed_step=step if first else 0,
+                                    chunk=chunk,
+                                    optimizer_overrides_json=overrides_json if first else "",
+                                )
+                                first = False
+                    except Exception as exc:
+                        unread.append(exc)
+                        raise
 
-                rpc.call(
-                    address,
-                    self._clients.stub(address).RestoreLayers,
-                    messages(),
-                    timeout=self._step_timeout,
-                )
+                try:
+                    rpc.call(
+                        address,
+                        self._clients.stub(address).RestoreLayers,
+                        messages(),
+                        timeout=self._step_timeout,
+                    )
+                except ElasticPipeError:
+                    if unread:  # the cause, not gRPC's "Exception iterating requests!"
+                        raise unread[0] from None
+                    raise
             ended = True  # whatever EndRestore answers, the coordinator decided the load
             reply = self._end_restore(partition.job_id, begun.epoch, step, commit=True)
-        except ElasticPipeError:
+        except BaseException as failure:  # an interrupt too: the stages must not stay frozen
             if not ended:  # streaming failed: abandon the load (unless it is gone already)
                 try:
                     self._end_restore(partition.job_id, begun.epoch, step, commit=False)
                 except _LoadLost:
-                    raise
+                    if isinstance(failure, ElasticPipeError):
+                        raise  # settled by another coordinator: ``_restore`` reads how
                 except ElasticPipeError as exc:
                     log.warning("load_not_abandoned", error=str(exc))
             raise
@@ -551,7 +564,7 @@ class Session:
                 )
             except LoadForgotten as exc:
                 raise _LoadLost(exc, epoch) from exc
-            except CoordinatorUnavailable as exc:
+            except (CoordinatorUnavailable, CommitOutcomeUnknown) as exc:
                 if not commit or time.monotonic() >= deadline:
                     raise
                 log.warning("load_outcome_unknown", epoch=epoch, error=str(exc)[:200])

@@ -1,22 +1,23 @@
-"""Jobs: setup, attach and checkpoint loads, for the client that holds the job.
+"""Jobs: setup and attach, for the client that holds the job.
 
 ``setup`` starts a job on the live stages (describe the model, profile it, order the hosts
 and partition, assign) or attaches a client to the running one (settle, then snapshot at
-the attach point); ``begin_restore`` / ``end_restore`` stream a checkpoint in as one epoch
-change. Who holds the job, and what is done for a client that went away, is
-``leases.Leases``, which ``Jobs`` extends: every step here checks or grants that lease.
+the attach point). ``Jobs`` extends ``loads.Loads`` (a checkpoint streamed in as one epoch
+change), which extends ``leases.Leases`` (who holds the job, and what is done for a client
+that went away): every step here checks or grants that lease.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from elasticpipe.coordinator import concurrency, epochs
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.laps import Laps
-from elasticpipe.coordinator.leases import Leases
+from elasticpipe.coordinator.loads import Loads
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import (
     PlanError,
@@ -29,14 +30,11 @@ from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import (
-    CommitOutcomeUnknown,
     DeadlineExceeded,
     ElasticPipeError,
     InvalidRequest,
     LayersLost,
-    LoadForgotten,
     ModelError,
-    NotReady,
     StagesMissing,
 )
 from elasticpipe.logs import get_logger
@@ -53,7 +51,6 @@ PROFILE_REPEATS = 5
 # this many hosts at once.
 PROFILE_HOSTS_AT_ONCE = 16
 STAGE_CALL_TIMEOUT_S = 120.0
-RESTORE_LEASE_S = 600.0
 # What must match for a client to resume a job (everything but the id).
 RESUME_FIELDS = (
     "model",
@@ -95,13 +92,13 @@ def differences(a: JobConfig, b: JobConfig) -> list[str]:
     return [f for f in RESUME_FIELDS if getattr(a, f) != getattr(b, f)]
 
 
-class Jobs(Leases):
-    """Job setup and attach, and checkpoint loads (client leases and settling: ``Leases``)."""
+class Jobs(Loads):
+    """Job setup and attach (checkpoint loads: ``Loads``; client leases and settling:
+    ``Leases``)."""
 
     def __init__(self, cluster: Cluster, pause: epochs.Pause = epochs._no_pause):
-        super().__init__(cluster)
-        self._pause = pause
-        self._restoring: tuple[Change, float, int] | None = None  # change, deadline, client
+        super().__init__(cluster, pause)
+        self._profiling = threading.Lock()  # one profile at a time (a resend waits for it)
 
     # ---- setup and attach ------------------------------------------------------------
 
@@ -321,6 +318,9 @@ class Jobs(Leases):
                 self.c.store.add_epoch(epochs.history_row(self.c, partition, "abandoned", reason))
                 raise
             store = self.c.store
+            # An earlier job's profile must not outlive it (a restart would load it): gone
+            # before the new job is written, so that a crash between the two leaves none.
+            store.delete("profile")
             store.put("job", dict(vars(job)))
             store.put("num_layers", num_layers)
             store.put("param_bytes", param_bytes)
@@ -328,8 +328,6 @@ class Jobs(Leases):
             store.delete("job_failure")
             if profile:
                 store.put("profile", profile.to_store())
-            else:  # an earlier job's profile must not outlive it (a restart would load it)
-                store.delete("profile")
             self.c.job, self.c.param_bytes, self.c.failure = job, param_bytes, ""
             weights = (
                 "layers built empty, their initial weights (init_state) are streamed "
@@ -415,11 +413,6 @@ class Jobs(Leases):
         )
         return profile
 
-    def wait_for_copies(self, partition: Partition, job: JobConfig, step: int) -> bool:
-        """Waits until the snapshot of ``step`` has its copies everywhere (see
-        ``epochs.wait_for_copies``)."""
-        return epochs.wait_for_copies(self.c, partition, job, step)
-
     def profile_later(self, job_id: str, client: int, sample: Value) -> bool:
         """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first),
         unless it is profiled already: the same request sent again after a failover then
@@ -432,155 +425,33 @@ class Jobs(Leases):
             Fenced: the caller does not hold the job.
         """
         job, partition = self._check_holder(job_id, client)
-        if self.c.profile is not None:
-            return False
-        members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
-        profile = self._profile(job, sample, members)
-        with self.c.move_lock:
-            self.c.profile = profile
-            self.c.store.put("profile", profile.to_store())
-            for member in members:  # speeds so far were in fallback units of work
-                member.forget_speeds()
-            # The partition's step time was unknown (costs without a unit): now it is not.
-            current = self.c.partition
-            if current is not None and current.job_id == job.job_id:
-                speeds = self.c.speeds(current.stage_ids)
-                now = estimates.evaluate(
-                    current.boundaries, profile.costs, speeds, *self.c.links(len(speeds))
-                )
-                timed = current.evolve(
-                    predicted_step_s=predict_step_time(now, job.micro_batches, job.schedule)
-                )
-                self.c.store.put_partition(timed)
-                self.c.adopt(timed)
-        return True
-
-    # ---- checkpoint loads ------------------------------------------------------------
-    def begin_restore(self, job_id: str, client: int) -> tuple[int, Partition]:
-        """Freezes every stage for a checkpoint load; the client then streams the layers.
-
-        Returns:
-            The load's epoch, and the partition whose owners receive the layers.
-        """
-        with self.c.move_lock:
-            _, partition = self._check_holder(job_id, client)
-            epochs.check_no_change_in_progress(self.c)
-            epoch = self.c.store.reserve_epoch()
-            new = partition.evolve(epoch=epoch, restore_epoch=epoch)
-            change = Change(
-                "restore",
-                "checkpoint load",
-                partition,
-                new,
-                rollback_step=0,
-                restored_by_client=True,
-            )
-            try:
-                epochs.freeze(self.c, change, lease_s=RESTORE_LEASE_S)
-            except ElasticPipeError as exc:
-                epochs.abort(self.c, epoch, change.involved, str(exc))
-                epochs.record_abandoned(self.c, change, str(exc))
-                raise
-            self._restoring = (change, time.monotonic() + RESTORE_LEASE_S, client)
-        return epoch, partition
-
-    def end_restore(self, job_id: str, epoch: int, step: int, commit: bool) -> Partition:
-        """Makes a streamed checkpoint take effect on every stage, or on none.
-
-        Raises:
-            LoadForgotten: no load of ``epoch`` is in progress (another coordinator settled
-                it, or its lease ran out).
-            ElasticPipeError: a stage did not hold every layer it owns (nothing changed).
-        """
-        with self.c.move_lock:
-            restoring, self._restoring = self._restoring, None
-            if restoring is None or restoring[0].new.epoch != epoch:
-                raise LoadForgotten(f"no checkpoint load of epoch {epoch} is in progress")
-            change = restoring[0]
-            job, _ = self.c.require_job()
-            if job.job_id != job_id:
-                raise NotReady(f"job {job_id} is not the running job {job.job_id}")
-            if not commit:
-                epochs.abort(self.c, epoch, change.involved, "the client abandoned the load")
-                epochs.record_abandoned(self.c, change, "the client abandoned the load")
-                return change.old
-            new = change.new.evolve(restored_step=step)
-            # A job started from init_state loads it first, before any rollback or step.
-            initial = job.external_weights and change.old.restore_epoch == 0 and step == 0
-            change = replace(change, new=new, rollback_step=step)
-            try:
-                received = epochs.prepare(self.c, job, change, step)
-                what = (
-                    "initial weights (init_state) loaded"
-                    if initial
-                    else f"checkpoint of step {step} loaded"
-                )
-                loaded = epochs.MoveResult(
-                    layers_moved=new.num_layers,
-                    bytes_moved=received,
-                    pause_s=0.0,
-                    committed_step=step,
-                )
-                row = epochs.history_row(
-                    self.c,
-                    new,
-                    "restore",
-                    f"{what}: {new.num_layers} layers, {received} bytes streamed by the client",
-                    moved=loaded,
-                    restored_step=step,
-                )
-                self._pause("before_commit_point")
-                self.c.store.commit_change(new, change.record("committed"), row)
-            except CommitOutcomeUnknown:  # perhaps committed: undoing could split the stages
-                raise
-            except ElasticPipeError as exc:
-                epochs.abort(self.c, epoch, change.involved, str(exc))
-                epochs.record_abandoned(self.c, change, str(exc))
-                raise
-            self._pause("after_commit_point")
-            self.c.adopt(new)
-            epochs.commit(self.c, change)
-            self.wait_for_copies(new, job, step)
-        log.info(
-            "initial_weights_loaded" if initial else "checkpoint_loaded",
-            job=job_id,
-            step=step,
-            epoch=epoch,
-            bytes=received,
-        )
-        return new
-
-    def expire_restore(self) -> None:
-        """Abandons a load whose client went silent (its lease is gone) or that ran past
-        ``RESTORE_LEASE_S``."""
-        restoring = self._restoring
-        if restoring is None or not self._load_stale(restoring):
-            return
-        with self.c.move_lock:
-            if self._restoring is restoring:
-                self.abandon_stale_load()
-
-    def _load_stale(self, restoring: tuple[Change, float, int]) -> bool:
-        lease = self.lease()
-        client_gone = lease is None or lease.client != restoring[2]
-        return client_gone or time.monotonic() >= restoring[1]
-
-    def abandon_stale_load(self) -> bool:
-        """Aborts the checkpoint load in progress if its client no longer holds the job
-        (or it ran past its lease), and records it as abandoned. Call under ``move_lock``.
-
-        Returns:
-            Whether no load is in progress any more.
-        """
-        restoring = self._restoring
-        if restoring is None:
-            return True
-        if not self._load_stale(restoring):
-            return False
-        self._restoring = None
-        change = restoring[0]
-        why = "the client went silent during the load"
-        log.warning("checkpoint_load_abandoned", epoch=change.new.epoch, why=why)
-        epochs.abort(self.c, change.new.epoch, change.involved, why)
-        epochs.record_abandoned(self.c, change, why)
-        return True
+        with self._profiling:
+            profiled = self.c.profile is None
+            if profiled:
+                members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
+                measured = self._profile(job, sample, members)
+                with self.c.move_lock:
+                    self.c.profile = measured
+                    self.c.store.put("profile", measured.to_store())
+                    for member in members:  # speeds so far were in fallback units of work
+                        member.forget_speeds()
+            with self.c.move_lock:
+                # The partition's step time was unknown (costs without a unit): now it is
+                # not (also when a leader that died had stored the profile, not the time).
+                current, profile = self.c.partition, self.c.profile
+                if (
+                    current is not None
+                    and profile is not None
+                    and current.job_id == job.job_id
+                    and (profiled or current.predicted_step_s is None)
+                ):
+                    speeds = self.c.speeds(current.stage_ids)
+                    now = estimates.evaluate(
+                        current.boundaries, profile.costs, speeds, *self.c.links(len(speeds))
+                    )
+                    timed = current.evolve(
+                        predicted_step_s=predict_step_time(now, job.micro_batches, job.schedule)
+                    )
+                    self.c.store.put_partition(timed)
+                    self.c.adopt(timed)
+        return profiled

@@ -117,7 +117,8 @@ class JobInUse(NotReady):
 class LoadForgotten(NotReady):
     """The coordinator holds no checkpoint load of that epoch in progress: a new leader,
     or a restarted coordinator, settled it from the store (finished if it reached its
-    commit point, else undone), or it outlived its lease. The partition says which."""
+    commit point, else undone). The partition says which. (A load the coordinator itself
+    abandoned, past its lease, is a ``DeadlineExceeded`` that says so.)"""
 
 
 class NotLeader(NotReady):

@@ -3,7 +3,7 @@
 Keys under one prefix (default ``/elasticpipe``), values JSON:
 
     PREFIX/stage/<stage_id>     a StageRow and its ``forgotten`` flag
-    PREFIX/incarnation/<n>/<name>  the stage id of incarnation n of a name (unique)
+    PREFIX/incarnation/<name in hex>/<n:010d>  the stage id of incarnation n of a name
     PREFIX/kv/<name>            a named value (job, lease, partition, epoch_change, ...)
     PREFIX/epoch/<epoch:016d>   an EpochRow (zero-padded: key order is epoch order)
 
@@ -47,6 +47,7 @@ RETRY_FOR_S = 10.0  # passes over the members before a call gives up
 MIN_ATTEMPT_S = 0.2  # the shortest timeout a try gets, however little time is left
 COMMIT_READBACK_S = 120.0  # reading back a commit whose reply was lost
 EPOCH_PAGE = 500  # history rows per Range
+INCARNATION_DIGITS = 10  # an incarnation number in its index key, zero-padded
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 T = TypeVar("T")
 
@@ -269,6 +270,14 @@ class EtcdStore(Store):
 
     # ---- keys --------------------------------------------------------------------------
 
+    def _incarnation_key(self, name: str, incarnation: int) -> bytes:
+        """The (name, incarnation) index key: the name in hex (no '/' to blur a prefix),
+        the number zero-padded (key order is number order)."""
+        return (
+            f"{self.prefix}/incarnation/{name.encode().hex()}/"
+            f"{incarnation:0{INCARNATION_DIGITS}d}".encode()
+        )
+
     def _stage_key(self, stage_id: str) -> bytes:
         return f"{self.prefix}/stage/{stage_id}".encode()
 
@@ -286,9 +295,9 @@ class EtcdStore(Store):
 
     def add_stage(self, row: StageRow) -> None:
         """Records a new incarnation: its record and its (name, incarnation) key, both
-        new, in one ``Txn``."""
+        new, in one ``Txn`` (the same row again, a write retried: no change)."""
         key = self._stage_key(row.stage_id)
-        named = f"{self.prefix}/incarnation/{row.incarnation}/{row.name}".encode()
+        named = self._incarnation_key(row.name, row.incarnation)
         record = {**asdict(row), "forgotten": False}
         with self._lock:
             written = self._write(
@@ -297,11 +306,14 @@ class EtcdStore(Store):
                     success=[_put_op(key, record), _put_op(named, row.stage_id)],
                 )
             )
-            if written.succeeded or self._get_json(key)[0] == record:
-                return  # (the same record found: a retried Txn whose first try was applied)
-            if self._get_json(named)[0] is not None:
-                raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
-            raise ValueError(f"stage id {row.stage_id!r} exists")
+            if written.succeeded:
+                return
+            found = self._get_json(key)[0]
+            if found == record:
+                return  # a retried Txn whose first try was applied, or the same row again
+            if found is not None:
+                raise ValueError(f"stage id {row.stage_id!r} exists")
+            raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
 
     def set_stage(self, stage_id: str, **flags: bool) -> None:
         """Sets ``drained``, ``leaving``, ``left``, ``dead`` or ``forgotten`` of an
@@ -324,8 +336,20 @@ class EtcdStore(Store):
         return sorted(rows, key=lambda r: (r.registered_at, r.name))
 
     def max_incarnation(self, name: str) -> int:
-        """The latest incarnation number of a stage name (0: never registered)."""
+        """The latest incarnation number of a stage name (0: never registered): one read
+        of the name's newest index key; only a name without any (a new name, or stages
+        registered before the index existed) reads every record."""
+        start = self._incarnation_key(name, 0)[:-INCARNATION_DIGITS]
         with self._lock:
+            newest = self.range(
+                start,
+                prefix=True,
+                limit=1,
+                sort_order=pb.RangeRequest.DESCEND,
+                sort_target=pb.RangeRequest.KEY,
+            ).kvs
+            if newest:
+                return int(newest[0].key[-INCARNATION_DIGITS:])
             numbers = [r["incarnation"] for r in self._stage_records() if r["name"] == name]
         return max(numbers, default=0)
 

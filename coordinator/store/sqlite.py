@@ -68,17 +68,19 @@ class SqliteStore(Store):
     # ---- stages --------------------------------------------------------------------
 
     def add_stage(self, row: StageRow) -> None:
-        """Records a new incarnation."""
+        """Records a new incarnation (the same row again, a write retried: no change)."""
         with self._lock:
-            taken = self._db.execute(
-                "SELECT stage_id FROM incarnations WHERE stage_id = ? OR (name = ? AND "
-                "incarnation = ?)",
-                (row.stage_id, row.name, row.incarnation),
-            ).fetchall()
-            if any(found != row.stage_id for (found,) in taken):
-                raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
-            if taken:
+            if self._db.execute(
+                "SELECT 1 FROM incarnations WHERE stage_id = ?", (row.stage_id,)
+            ).fetchone():
+                if row in self._stage_rows("stage_id = ? AND forgotten = 0", (row.stage_id,)):
+                    return
                 raise ValueError(f"stage id {row.stage_id!r} exists")
+            if self._db.execute(
+                "SELECT 1 FROM incarnations WHERE name = ? AND incarnation = ?",
+                (row.name, row.incarnation),
+            ).fetchone():
+                raise ValueError(f"stage {row.name!r} incarnation {row.incarnation} exists")
             self._db.execute(
                 "INSERT INTO incarnations (stage_id, name, incarnation, address, device, "
                 "registered_at, drained, dead, leaving, left_cleanly) "
@@ -113,11 +115,16 @@ class SqliteStore(Store):
     def stages(self) -> list[StageRow]:
         """Every incarnation not forgotten, in registration order."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT stage_id, name, address, device, registered_at, drained, incarnation, "
-                "dead, leaving, left_cleanly FROM incarnations WHERE forgotten=0 "
-                "ORDER BY registered_at, name"
-            ).fetchall()
+            return self._stage_rows("forgotten = 0", ())
+
+    def _stage_rows(self, where: str, args: tuple[Any, ...]) -> list[StageRow]:
+        """The incarnations ``where`` says, in registration order (call under the lock)."""
+        rows = self._db.execute(
+            "SELECT stage_id, name, address, device, registered_at, drained, incarnation, "
+            f"dead, leaving, left_cleanly FROM incarnations WHERE {where} "
+            "ORDER BY registered_at, name",
+            args,
+        ).fetchall()
         return [
             StageRow(
                 r[0],

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,9 +19,12 @@ import torch
 from elasticpipe import models
 from elasticpipe.cli.admin import format_plan, format_status
 from elasticpipe.cli.schemas import command_schema
+from elasticpipe.client import session as session_module
 from elasticpipe.client.admin import Admin, PlanReport, Status, document
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator import loads
 from elasticpipe.coordinator.server import CoordinatorServer
+from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from elasticpipe.wire import bundle
@@ -227,3 +232,82 @@ def test_a_resume_waiting_for_a_dead_clients_lease_says_so_once(
     assert 2 < waited < 10, waited  # several retries, all within the first ten seconds
     assert len(lines) == 1, lines
     assert "held by client" in lines[0]["reason"]
+
+
+class _Interrupted(KeyboardInterrupt):
+    """A Ctrl-C in the training script while it streams a checkpoint."""
+
+
+@pytest.mark.parametrize("where", ["interrupt", "unreadable"])
+def test_a_load_cut_short_in_the_client_is_abandoned_at_once(
+    coordinator_server: CoordinatorServer,
+    stage_servers: list[StageServer],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    where: str,
+) -> None:
+    """A load cut short by the client's own side -- an interrupt while it streams, or the
+    checkpoint failing to read -- is abandoned at once: the caller gets that error (not
+    gRPC's "Exception iterating requests!"), no stage is left frozen, and the next step
+    runs at once, from the weights the load did not replace."""
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with _pipeline(coordinator_server.address) as pipe:
+        pipe.train_step(x, y)
+        pipe.save(tmp_path / "ckpt")
+        before = pipe.state_dict()
+        if where == "interrupt":
+            real_call = session_module.rpc.call
+
+            def call(address: str, method: Any, request: Any, **kwargs: Any) -> Any:
+                if inspect.isgenerator(request):  # RestoreLayers: the layers' stream
+                    raise _Interrupted()
+                return real_call(address, method, request, **kwargs)
+
+            monkeypatch.setattr(session_module.rpc, "call", call)
+            expected: type[BaseException] = _Interrupted
+        else:
+
+            def pack(state: Any) -> Any:
+                raise OSError(f"the checkpoint's disk is gone (reading {len(state)} keys)")
+
+            monkeypatch.setattr(session_module.layer_state, "pack", pack)
+            expected = OSError
+        with pytest.raises(expected) as raised:
+            pipe.load(tmp_path / "ckpt")
+        if where == "unreadable":
+            assert "disk is gone" in str(raised.value)
+        monkeypatch.undo()
+        assert _status(coordinator_server.address).history[-1].kind == "abandoned"
+        started = time.monotonic()
+        assert pipe.train_step(x, y) > 0
+        assert time.monotonic() - started < 10.0  # not a freeze's lease (600 s) later
+        assert pipe.step == 2 and before.keys() == pipe.state_dict().keys()
+
+
+def test_a_load_that_ran_past_its_lease_says_so(
+    coordinator_server: CoordinatorServer,
+    stage_servers: list[StageServer],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """A load whose commit comes after its lease ran out was abandoned by the coordinator:
+    ``load`` raises DeadlineExceeded saying so, instead of streaming it again, and
+    training goes on."""
+    monkeypatch.setattr(loads, "RESTORE_LEASE_S", 1.0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with _pipeline(coordinator_server.address) as pipe:
+        pipe.train_step(x, y)
+        pipe.save(tmp_path / "ckpt")
+        real_end = pipe._end_restore
+
+        def slow_end(job_id: str, epoch: int, step: int, commit: bool) -> Any:
+            if commit:
+                time.sleep(2.5)  # past the lease: the coordinator abandons the load
+            return real_end(job_id, epoch, step, commit)
+
+        monkeypatch.setattr(pipe, "_end_restore", slow_end)
+        with pytest.raises(DeadlineExceeded, match=r"abandoned: it ran past its 1 s lease"):
+            pipe.load(tmp_path / "ckpt")
+        kinds = [r.kind for r in _status(coordinator_server.address).history]
+        assert kinds.count("abandoned") == 1 and "restore" not in kinds
+        assert pipe.train_step(x, y) > 0

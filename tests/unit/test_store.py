@@ -127,16 +127,30 @@ def test_incarnations_of_a_name_are_kept_apart(store: Store) -> None:
 
 
 def test_a_taken_stage_id_or_incarnation_is_refused_by_name(store: Store) -> None:
-    """Both stores refuse, with the same ValueError naming it, a stage id that exists and
-    a name's incarnation number that another id holds; nothing is written."""
+    """Both stores refuse, with the same ValueError naming it, a stage id that exists
+    (whatever else the row says) and a name's incarnation number that another id holds;
+    the same row again (a retried write) changes nothing; nothing else is written."""
+    store.add_stage(A)
     store.add_stage(A)
     with pytest.raises(ValueError, match=r"stage id 'st-a' exists"):
         store.add_stage(replace(A, name="host-z", incarnation=5))
+    with pytest.raises(ValueError, match=r"stage id 'st-a' exists"):
+        store.add_stage(replace(A, address="elsewhere:1"))
     with pytest.raises(ValueError, match=r"stage 'host-a' incarnation 1 exists"):
         store.add_stage(replace(A, stage_id="st-other"))
     store = _reopen(store)
     assert [(s.stage_id, s.name, s.incarnation) for s in store.stages()] == [("st-a", "host-a", 1)]
     assert store.max_incarnation("host-z") == 0
+
+
+def test_the_latest_incarnation_is_per_exact_name(store: Store) -> None:
+    """Names that extend one another ('h', 'h/1', 'h1') keep their own numbers, and the
+    latest is the highest (10 after 9: numbers, not text)."""
+    for name, numbers in (("h", (1, 2, 9, 10)), ("h/1", (1, 11)), ("h1", (12,))):
+        for n in numbers:
+            store.add_stage(replace(A, stage_id=f"{name}-{n}", name=name, incarnation=n))
+    store = _reopen(store)
+    assert [store.max_incarnation(n) for n in ("h", "h/1", "h1", "h/", "")] == [10, 11, 12, 0, 0]
 
 
 def test_an_epoch_row_without_a_time_is_stamped_when_written(store: Store) -> None:
