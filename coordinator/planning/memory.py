@@ -2,13 +2,17 @@
 
 A layer ``l`` on a stage needs::
 
-    need[l] = state[l] + stash[l] * in_flight
+    need[l] = state[l] + grads[l] + stash[l] * in_flight
 
 * ``state[l]``: weights, buffers, gradients and optimizer state. Measured by the profiling
   pass (after one optimizer step, so any optimizer is covered); without a profile, estimated
   from the layer's parameter bytes ``p``: ``p`` (weights) + ``p`` (gradients) + ``k * p``
   (optimizer), with ``k`` = 0 for plain SGD, 1 for SGD with momentum, 2 for Adam/AdamW (3
   with ``amsgrad``), and a conservative 3 for any other optimizer.
+* ``grads[l]``: the partial sums of the canonical gradient sum (``training.gradsum``) held
+  beside the gradient being computed: ``peak_partials(m) - 1`` copies of the layer's
+  parameter bytes (0 for ``m <= 3``, 1 for 4 to 7 micro-batches, 2 for 8 to 15), beyond
+  the one gradient ``state[l]`` counts.
 * ``stash[l]``: what one micro-batch keeps for the layer's backward (its input, output and
   autograd's saved tensors), measured by the profiling pass; 0 without a profile (a job set
   up without a sample input is planned on its state alone, see docs/operations.md).
@@ -36,6 +40,7 @@ from typing import NamedTuple
 
 from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.estimates import Profile
+from elasticpipe.training.gradsum import peak_partials
 from elasticpipe.training.job import JobConfig
 
 __all__ = [
@@ -90,6 +95,7 @@ def layer_needs(
         and any(profile.state_bytes)
     )
     factor = 2.0 + optimizer_factor(job.optimizer, job.optimizer_kwargs)
+    partials = peak_partials(job.micro_batches) - 1
     needs = []
     for layer, size in enumerate(param_bytes):
         if profile is not None and profiled:
@@ -97,7 +103,7 @@ def layer_needs(
             stash = float(profile.stash_bytes[layer])
         else:
             state, stash = size * factor, 0.0
-        needs.append(state + stash * count)
+        needs.append(state + size * partials + stash * count)
     return needs
 
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticpipe.training.gradsum import Node, TreeSum, covering, tree_sum
+from elasticpipe.training.gradsum import Node, TreeSum, covering, peak_partials, tree_sum
 
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -110,14 +110,19 @@ def test_in_place_addition_gives_the_same_bits_as_new_tensors() -> None:
     assert torch.equal(in_place, tree_sum(leaves, _add))
 
 
-def test_pending_partials_stay_logarithmic_when_micro_batches_arrive_in_order() -> None:
-    """Summing 64 micro-batches in order never holds more than log2(64) + 1 partials."""
-    acc = TreeSum(64, _add)
+@pytest.mark.parametrize(
+    ("total", "peak"), [(1, 1), (2, 1), (3, 1), (4, 2), (7, 2), (8, 3), (15, 3), (64, 6)]
+)
+def test_partials_held_at_once_stay_logarithmic_in_order(total: int, peak: int) -> None:
+    """Micro-batches arriving in order (as every schedule runs them) hold at most about
+    log2(M) partials at once: what the memory planner adds for the gradients."""
+    assert peak_partials(total) == peak
+    acc = TreeSum(total, _add)
     most = 0
-    for k in range(64):
+    for k in range(total):
+        most = max(most, acc.pending)
         acc.add(k, torch.zeros(1))
-        most = max(most, len(acc._pending))
-    assert most <= 7 and acc.complete
+    assert max(most, acc.pending) == peak and acc.complete
 
 
 def test_bad_ranges_and_repeated_micro_batches_are_refused_by_name() -> None:
