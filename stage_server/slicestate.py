@@ -30,7 +30,7 @@ from elasticpipe.security import allowlist
 from elasticpipe.stage_server import devicepath
 from elasticpipe.training import clipping, loss_scaling, lr
 from elasticpipe.training.clipping import GradClip
-from elasticpipe.training.gradsum import TreeSum
+from elasticpipe.training.gradsum import Node, TreeSum
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import make_optimizer
 
@@ -184,12 +184,53 @@ class SliceState:
             return 1.0
         return self.scales[min(self.scales)].scale
 
-    def begin_grads(self, micro_batches: int) -> None:
-        """Starts a training run of ``micro_batches``: drops any gradient left, and sums
-        every layer's micro-batch gradients in the canonical tree from now on
-        (``took_grads`` after each micro-batch's backward, ``finish_backward`` at the end)."""
+    def begin_grads(self, micro_batches: int, share: range | None = None) -> None:
+        """Starts a training run of a step of ``micro_batches``, of which this slice runs
+        ``share`` (all of them by default; a replica's range of them otherwise): drops any
+        gradient left, and sums every layer's micro-batch gradients in the canonical tree
+        from now on (``took_grads`` after each micro-batch's backward; at the end
+        ``finish_backward``, or ``take_partials`` for a share to reduce with the others).
+
+        Raises:
+            ValueError: ``share`` is empty or not inside the step's micro-batches.
+        """
         self.zero_grad()
-        self._grad_sums = {i: TreeSum(micro_batches, _plus_grads) for i in self.optimizers}
+        share = range(micro_batches) if share is None else share
+        self._grad_sums = {
+            i: TreeSum(micro_batches, _plus_grads, share.start, share.stop) for i in self.optimizers
+        }
+
+    def take_partials(self) -> dict[int, list[tuple[Node, Grads]]]:
+        """After a run's last backward, for a share: each layer's partial sums, one per tree
+        node the share covers (``gradsum.covering``), for the reduction among the layer's
+        holders; the run's sums are handed over (``install_grads`` takes the result).
+
+        Raises:
+            ValueError: no run is begun, or a micro-batch of the share never finished its
+                backward (naming it).
+        """
+        sums, self._grad_sums = self._grad_sums, None
+        if sums is None:
+            raise ValueError("no training run is begun (begin_grads) on this slice")
+        return {i: acc.partials() for i, acc in sums.items()}
+
+    def install_grads(self, grads: dict[int, Grads]) -> None:
+        """Puts each layer's reduced gradients (its parameters' in order) into ``.grad``.
+
+        Raises:
+            ValueError: a layer is not held here, or gets another number of gradients
+                than it has parameters.
+        """
+        for i, layer_grads in grads.items():
+            if i not in self.layers:
+                raise ValueError(f"layer {i} is not held here (layers {self.indices})")
+            params = list(self.layers[i].parameters())
+            if len(params) != len(layer_grads):
+                raise ValueError(
+                    f"layer {i} has {len(params)} parameters, {len(layer_grads)} gradients came"
+                )
+            for param, g in zip(params, layer_grads, strict=True):
+                param.grad = g
 
     def took_grads(self, micro_batch: int) -> None:
         """After ``micro_batch``'s whole backward on this slice (its weight gradients
@@ -209,7 +250,8 @@ class SliceState:
                 p.grad = None
 
     def finish_backward(self) -> float | None:
-        """After a run's last backward: puts each layer's tree sum into ``.grad``,
+        """After a run's last backward: puts each layer's tree sum into ``.grad`` (unless
+        ``take_partials`` took them for a reduction, whose result is installed already),
         unscales the gradients (fp16, as ``GradScaler.unscale_``) and returns their squared
         norm when the commit's decision needs it (``JobConfig.reports_grad_norm``), else
         None.
@@ -218,9 +260,8 @@ class SliceState:
             ValueError: a micro-batch of the run never finished its backward (naming it).
         """
         sums, self._grad_sums = self._grad_sums, None
-        for i, acc in (sums or {}).items():
-            for p, g in zip(self.layers[i].parameters(), acc.result(), strict=True):
-                p.grad = g
+        if sums is not None:  # (a share's sums were taken and reduced: installed already)
+            self.install_grads({i: acc.result() for i, acc in sums.items()})
         if self.scales:
             loss_scaling.unscale_(
                 [

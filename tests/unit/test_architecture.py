@@ -59,7 +59,13 @@ FLOORS = {
 }
 
 # Pure logic: testable without sockets, threads or clocks.
-PURE = ("wire", "training", "coordinator/planning", "stage_server/protocol.py")
+PURE = (
+    "wire",
+    "training",
+    "coordinator/planning",
+    "stage_server/protocol.py",
+    "stage_server/reduction.py",
+)
 IMPURE_MODULES = {"grpc", "socket", "threading", "time"}
 # Each exception says why the module cannot be pure.
 IMPURE_ALLOWED = {

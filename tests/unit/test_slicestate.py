@@ -93,3 +93,26 @@ def test_a_micro_batch_missing_or_taken_twice_is_an_error_naming_it() -> None:
     layers.backward(stash, torch.ones_like(y), micro_batch=0)
     with pytest.raises(ValueError, match="0 overlaps"):
         layers.took_grads(0)
+
+
+@pytest.mark.timeout(30)
+def test_a_share_hands_over_its_partials_and_takes_the_reduced_sum() -> None:
+    """A slice running micro-batches 3-7 of 8 hands over one partial per tree node its
+    share covers (3 and [4,8)); gradients installed for a layer it does not hold, or of
+    another count than its parameters, are refused by name."""
+    layers = _slice()
+    layers.begin_grads(M, range(3, 8))
+    xs = _inputs()
+    for k in range(3, 8):
+        y, stash = layers.forward(xs[k], train=True, micro_batch=k)
+        assert stash is not None
+        layers.backward(stash, torch.ones_like(y), micro_batch=k)
+    partials = layers.take_partials()
+    assert sorted(partials) == [0, 2, 4]  # the Linear layers (the ReLUs hold nothing)
+    assert [str(node) for node, _ in partials[0]] == ["3", "[4,8)"]
+    with pytest.raises(ValueError, match="no training run is begun"):
+        layers.take_partials()
+    with pytest.raises(ValueError, match=r"layer 9 is not held here \(layers \[0, 1, 2, 3, 4\]\)"):
+        layers.install_grads({9: []})
+    with pytest.raises(ValueError, match="layer 0 has 2 parameters, 1 gradients came"):
+        layers.install_grads({0: [None]})
