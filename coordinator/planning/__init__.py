@@ -14,6 +14,8 @@ so each module is tested on numbers alone.
   costs and stage speeds (``Profile``).
 * ``memory``: what each layer needs where it lives and what each stage offers: the planner's
   memory terms.
+* ``layouts``: replicas="auto": how many replicas, which hosts form each, their partitions
+  and shares, with the reduction's time (``plan_layouts``).
 * ``shares``: how many micro-batches each replica runs (``assign_shares``, water-filling:
   the slowest replica as fast as it can be).
 * ``policy``: when to rebalance: a decision with hysteresis, payback and cool-down.

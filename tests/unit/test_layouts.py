@@ -1,0 +1,72 @@
+"""Tests of layout planning: the replica count, the hosts of each replica, the shares and
+the reduction's time, on numbers alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticpipe.coordinator.planning.cost import PlanError
+from elasticpipe.coordinator.planning.layouts import plan_layouts, reduce_seconds
+
+
+def test_the_worked_example_ranks_four_single_host_replicas_first() -> None:
+    """4 equal hosts, 4 layers of cost 1, M = 8, free reduction: R = 4 predicts 8, R = 2
+    predicts 10, R = 1 predicts 11 (the module's example)."""
+    found = plan_layouts([1.0] * 4, [1.0] * 4, micro_batches=8)
+    by_count = {len(p.replicas): p for p in found}
+    assert next(len(p.replicas) for p in found) == 4
+    assert by_count[4].step_s == pytest.approx(8.0) and by_count[4].shares == (2, 2, 2, 2)
+    assert by_count[2].step_s == pytest.approx(10.0)
+    assert by_count[1].step_s == pytest.approx(11.0)
+    assert sorted(h for hosts in by_count[2].replicas for h in hosts) == [0, 1, 2, 3]
+
+
+def test_memory_caps_rule_out_replicas_too_short_to_hold_the_model() -> None:
+    """Hosts that hold 2 of the 4 layers each: no single-host replica; 2 replicas of 2."""
+    found = plan_layouts([1.0] * 4, [1.0] * 4, 8, layer_memory=[10.0] * 4, host_memory=[25.0] * 4)
+    assert min(len(h) for p in found for h in p.replicas) >= 2
+    assert len(found[0].replicas) == 2 and found[0].step_s == pytest.approx(10.0)
+
+
+def test_a_slow_reduction_favours_one_pipeline() -> None:
+    """Gradients of 1 GB per layer over 1 GB/s: reducing costs more than the bubble saves."""
+    found = plan_layouts([1.0] * 4, [1.0] * 4, 8, param_bytes=[1e9] * 4, reduce_bandwidth=1e9)
+    assert len(found[0].replicas) == 1 and found[0].reduce_s == 0.0
+    two = next(p for p in found if len(p.replicas) == 2)
+    assert two.reduce_s == pytest.approx(2.0)  # each holder: 2 layers x 2(2-1)/2 x 1 GB
+
+
+def test_a_slow_host_gets_a_smaller_share() -> None:
+    """Two single-host replicas, one host 3x slower: the shares lean to the fast one."""
+    found = plan_layouts([1.0] * 2, [3.0, 1.0], 8, max_replicas=2)
+    two = next(p for p in found if len(p.replicas) == 2)
+    fast = two.replicas.index((0,))
+    assert two.shares[fast] > two.shares[1 - fast]
+
+
+def test_reduce_seconds_sums_each_holders_groups() -> None:
+    """Boundaries (0, 2, 5) and (0, 1, 3, 5), 1 byte per layer, 1 B/s: holder b of replica
+    0 holds groups [2,3) and [3,5): 3 bytes x 2(2-1)/2 = 3 s, the busiest."""
+    assert reduce_seconds([(0, 2, 5), (0, 1, 3, 5)], [1.0] * 5, 1.0) == pytest.approx(3.0)
+    assert reduce_seconds([(0, 5)], [1.0] * 5, 1.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"host_speeds": [1.0, 0.0]}, "host_speeds must be > 0"),
+        ({"param_bytes": [1.0] * 4}, "go together"),
+        ({"param_bytes": [1.0] * 4, "reduce_bandwidth": 0.0, "max_replicas": 2}, "must be > 0"),
+        ({"layer_memory": [10.0] * 4, "host_memory": [5.0] * 4}, "no layout fits: 1 replicas"),
+    ],
+)
+def test_bad_inputs_and_no_fit_are_refused_by_name(kwargs: dict[str, object], error: str) -> None:
+    """Zero speeds, half the reduction's inputs, a zero bandwidth, caps nothing fits."""
+    args: dict[str, object] = {
+        "layer_costs": [1.0] * 4,
+        "host_speeds": [1.0] * 4,
+        "micro_batches": 8,
+    }
+    args.update(kwargs)
+    with pytest.raises(PlanError, match=error):
+        plan_layouts(**args)  # type: ignore[arg-type]
