@@ -105,6 +105,7 @@ class SliceState:
         self.timings: dict[int, LayerTiming] = {}
         # in a training run: each layer's micro-batch gradients, summed in the canonical tree
         self._grad_sums: dict[int, TreeSum[Grads]] | None = None
+        self._grad_params: dict[int, list[nn.Parameter]] = {}
 
     # ---- building ---------------------------------------------------------------------
 
@@ -199,6 +200,8 @@ class SliceState:
         self._grad_sums = {
             i: TreeSum(micro_batches, _plus_grads, share.start, share.stop) for i in self.optimizers
         }
+        # each layer's parameters, listed once a run (not once a micro-batch)
+        self._grad_params = {i: list(self.layers[i].parameters()) for i in self._grad_sums}
 
     def take_partials(self) -> dict[int, list[tuple[Node, Grads]]]:
         """After a run's last backward, for a share: each layer's partial sums, one per tree
@@ -244,7 +247,7 @@ class SliceState:
         if self._grad_sums is None:
             return
         for i, acc in self._grad_sums.items():
-            params = list(self.layers[i].parameters())
+            params = self._grad_params[i]
             acc.add(micro_batch, [p.grad for p in params])
             for p in params:
                 p.grad = None
