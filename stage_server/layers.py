@@ -48,6 +48,10 @@ class Stash:
     counted: bool = True  # whether ``saved`` was noted (``LayerSlice.forward``'s ``count``)
     # ZB-H1: the weight gradients B left for W, in the order B met the layers
     weights: list[_WeightWork] = field(default_factory=list)
+    # ZB-H1: weight gradients B wrote itself (a layer whose backward cannot be split, as
+    # reentrant checkpointing): kept here until W, so that no other micro-batch's B adds
+    # to them in ``.grad`` before this one's gradients are taken
+    early: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def nbytes(self) -> int:
         """Bytes of activation memory held: every layer's inputs and outputs, what the
@@ -410,6 +414,8 @@ class LayerSlice(SliceState):
         stash.shapes.clear()
         if not split:  # with ZB-H1 the weight gradients come with W
             self.took_grads(micro_batch)
+        else:
+            stash.early = self.held_grads()
         self.slowdown.pay()
         return structure.grads_value(grads) if grads is not None else None
 
@@ -425,6 +431,9 @@ class LayerSlice(SliceState):
         for w in work:
             _, seconds = self._autograd(w.layer, micro_batch, w.grads, w.split.weights)
             self._observe(w.layer, None, w.b_seconds + seconds, 0)
+        early, stash.early = stash.early, []
+        for param, g in early:  # (a parameter's gradient comes from B or from W, not both)
+            param.grad = g
         self.took_grads(micro_batch)
         self.slowdown.pay()
 

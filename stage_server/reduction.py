@@ -31,14 +31,36 @@ import torch
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.training.gradsum import Node, TreeSum, covering
 
-__all__ = ["GroupReduction", "Piece", "Send", "chunk_bounds", "cut", "flatten", "unflatten"]
+__all__ = [
+    "GroupReduction",
+    "Partial",
+    "Piece",
+    "Send",
+    "chunk_bounds",
+    "cut",
+    "flatten",
+    "spanned",
+    "unflatten",
+]
 
-Tensors = list[torch.Tensor]  # one flat tensor per parameter of the group, in order
+Tensors = list[torch.Tensor]  # one flat tensor per trainable parameter, in order
+Partial = tuple[Tensors, list[bool]]  # the tensors, and which parameters have a gradient
 
 
 def chunk_bounds(elements: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous element ranges covering ``[0, elements)``, as equal as can be."""
     return [(c * elements // parts, (c + 1) * elements // parts) for c in range(parts)]
+
+
+def spanned(sizes: Sequence[int], lo: int, hi: int) -> list[int]:
+    """The indices of the tensors (of ``sizes`` elements, laid end to end) that elements
+    ``[lo, hi)`` meet."""
+    found, start = [], 0
+    for j, n in enumerate(sizes):
+        if start < hi and lo < start + n:
+            found.append(j)
+        start += n
+    return found
 
 
 def cut(flat: Sequence[torch.Tensor], lo: int, hi: int) -> Tensors:
@@ -55,29 +77,47 @@ def cut(flat: Sequence[torch.Tensor], lo: int, hi: int) -> Tensors:
 
 def flatten(
     grads: Sequence[Sequence[torch.Tensor | None]], params: Sequence[Sequence[torch.Tensor]]
-) -> Tensors:
-    """A group's gradients as the reduction carries them: per layer, per parameter, one
-    flat tensor (zeros for a parameter without a gradient)."""
-    return [
-        g.reshape(-1) if g is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-        for layer_grads, layer_params in zip(grads, params, strict=True)
-        for g, p in zip(layer_grads, layer_params, strict=True)
-    ]
+) -> Partial:
+    """A group's gradients as the reduction carries them: per trainable parameter of each
+    layer, in order, one flat tensor, and whether it has a gradient at all (one that no
+    micro-batch reached has none, as in ``.grad``: zeros would let weight decay or momentum
+    move it, and 0.0 + -0.0 is not -0.0). Frozen parameters are left out."""
+    tensors, present = [], []
+    for layer_grads, layer_params in zip(grads, params, strict=True):
+        for g, p in zip(layer_grads, layer_params, strict=True):
+            if p.requires_grad:
+                tensors.append(g.reshape(-1) if g is not None else p.new_zeros(p.numel()))
+                present.append(g is not None)
+    return tensors, present
 
 
 def unflatten(
-    flat: Sequence[torch.Tensor], params: Sequence[Sequence[torch.Tensor]]
+    reduced: Partial, params: Sequence[Sequence[torch.Tensor]]
 ) -> list[list[torch.Tensor | None]]:
-    """``flatten`` undone: per layer, its parameters' gradients in their shapes."""
+    """``flatten`` undone: per layer, its parameters' gradients in their shapes (None for a
+    frozen parameter, or one without a gradient)."""
+    tensors, present = iter(reduced[0]), iter(reduced[1])
     out: list[list[torch.Tensor | None]] = []
-    it = iter(flat)
     for layer_params in params:
-        out.append([next(it).reshape(p.shape) for p in layer_params])
+        grads: list[torch.Tensor | None] = []
+        for p in layer_params:
+            if p.requires_grad:
+                t, has = next(tensors), next(present)
+                grads.append(t.reshape(p.shape) if has else None)
+            else:
+                grads.append(None)
+        out.append(grads)
     return out
 
 
-def _plus(left: Tensors, right: Tensors) -> Tensors:
-    return [a.add_(b) for a, b in zip(left, right, strict=True)]  # left is owned
+def _plus(left: Partial, right: Partial) -> Partial:
+    """Two partials added: both present, added (into ``left``, which is owned); a
+    parameter without a gradient on one side adds nothing, as a ``.grad`` of None."""
+    tensors = [
+        a.add_(b) if has_a and has_b else (b if has_b else a)
+        for a, b, has_a, has_b in zip(left[0], right[0], left[1], right[1], strict=True)
+    ]
+    return tensors, [a or b for a, b in zip(left[1], right[1], strict=True)]
 
 
 @dataclass(frozen=True)
@@ -90,6 +130,7 @@ class Piece:
     sender: int  # the sender's replica
     node: Node | None
     tensors: tuple[torch.Tensor, ...]
+    present: tuple[bool, ...]  # per tensor: whether its parameter has a gradient there
 
 
 @dataclass(frozen=True)
@@ -108,8 +149,8 @@ class GroupReduction:
         me: this holder's replica.
         shares: every replica's micro-batches, in replica order.
         total: the step's micro-batch count ``M``.
-        like: this holder's gradients' form (one flat tensor per parameter, in order): the
-            sizes and dtypes every piece must have.
+        like: this holder's gradients' form (``flatten``'s tensors): the sizes, dtypes and
+            device every piece must have.
     """
 
     def __init__(
@@ -123,13 +164,12 @@ class GroupReduction:
         self.group, self.me, self.total = group, me, total
         self._shares = [range(s.start, s.stop) for s in shares]
         self._like = list(like)
-        self._bounds = chunk_bounds(sum(t.numel() for t in self._like), len(self._shares))
-        self._forms = [
-            [(p.numel(), p.dtype) for p in cut(self._like, lo, hi)] for lo, hi in self._bounds
-        ]
+        sizes = [t.numel() for t in self._like]
+        self._bounds = chunk_bounds(sum(sizes), len(self._shares))
+        self._spans = [spanned(sizes, lo, hi) for lo, hi in self._bounds]
         self._covers = [covering(s.start, s.stop, total) if s else [] for s in self._shares]
-        self._mine: TreeSum[Tensors] = TreeSum(total, _plus)
-        self._chunks: dict[int, Tensors] = {}
+        self._mine: TreeSum[Partial] = TreeSum(total, _plus)
+        self._chunks: dict[int, Partial] = {}
         self._started = False
 
     @property
@@ -137,9 +177,10 @@ class GroupReduction:
         """Whether every chunk is reduced here."""
         return len(self._chunks) == len(self._shares)
 
-    def start(self, partials: Sequence[tuple[Node, Sequence[torch.Tensor]]]) -> list[Send]:
-        """Hands this holder's partial sums over (one per node its share covers, in order):
-        returns the scatter's pieces (and the gather's, if that completes the chunk).
+    def start(self, partials: Sequence[tuple[Node, Partial]]) -> list[Send]:
+        """Hands this holder's partial sums over (one per node its share covers, in order,
+        as ``flatten`` makes them): returns the scatter's pieces (and the gather's, if that
+        completes this holder's chunk).
 
         Raises:
             InvalidRequest: the nodes are not the ones this holder's share covers, or a
@@ -156,25 +197,28 @@ class GroupReduction:
                 f"{[str(n) for n in self._covers[self.me]]}"
             )
         sends = []
-        for node, flat in partials:
-            self._check_form(self.me, node, list(flat), [(t.numel(), t.dtype) for t in self._like])
+        everything = list(range(len(self._like)))
+        for node, (flat, present) in partials:
+            self._check(self.me, node, list(flat), list(present), self._like, everything)
             for c, (lo, hi) in enumerate(self._bounds):
                 pieces = cut(list(flat), lo, hi)
+                has = [present[j] for j in self._spans[c]]
                 if c == self.me:  # folded here, in place: a copy, as the others are sent
-                    self._mine.add_node(node, [p.clone() for p in pieces])
+                    self._mine.add_node(node, ([t.clone() for t in pieces], has))
                 else:
-                    sends.append(Send(c, Piece(self.group, c, self.me, node, tuple(pieces))))
+                    piece = Piece(self.group, c, self.me, node, tuple(pieces), tuple(has))
+                    sends.append(Send(c, piece))
         return sends + self._gather_if_complete()
 
     def receive(self, piece: Piece) -> list[Send]:
-        """Takes a piece from another holder; returns the gather's pieces once this
-        holder's chunk is complete.
+        """Takes a piece from another holder (its tensors this reduction's to keep and
+        add into); returns the gather's pieces once this holder's chunk is complete.
 
         Raises:
             InvalidRequest: a piece of another group, from a stranger or this holder
                 itself, of a node the sender's share does not cover or that came already,
                 a reduced chunk not from its reducer or that came already, or tensors of
-                other sizes or dtypes than the chunk's (naming what is wrong).
+                other sizes, dtypes or device than the chunk's (naming what is wrong).
         """
         where = f"group {self.group}: a piece from replica {piece.sender}, chunk {piece.chunk}"
         replicas = len(self._shares)
@@ -184,25 +228,34 @@ class GroupReduction:
             raise InvalidRequest(f"{where}: no other holder is in replica {piece.sender}")
         if not 0 <= piece.chunk < replicas:
             raise InvalidRequest(f"{where}: there are {replicas} chunks")
-        tensors = list(piece.tensors)
-        self._check_form(piece.sender, piece.node, tensors, self._forms[piece.chunk])
+        lo, hi = self._bounds[piece.chunk]
+        tensors, present = list(piece.tensors), list(piece.present)
+        self._check(
+            piece.sender,
+            piece.node,
+            tensors,
+            present,
+            cut(self._like, lo, hi),
+            self._spans[piece.chunk],
+        )
         if piece.node is None:  # gather: chunk c comes reduced from holder c
             if piece.chunk != piece.sender or piece.chunk in self._chunks:
                 raise InvalidRequest(f"{where}: not its reducer's, or it came already")
-            self._chunks[piece.chunk] = tensors
+            self._chunks[piece.chunk] = (tensors, present)
             return []
         if piece.chunk != self.me:
             raise InvalidRequest(f"{where}: replica {self.me} reduces chunk {self.me}")
         if piece.node not in self._covers[piece.sender]:
             raise InvalidRequest(f"{where}: node {piece.node} is not of the sender's share")
         try:
-            self._mine.add_node(piece.node, tensors)
+            self._mine.add_node(piece.node, (tensors, present))
         except ValueError as exc:
             raise InvalidRequest(f"{where}: {exc}") from None
         return self._gather_if_complete()
 
-    def result(self) -> Tensors:
-        """The group's summed gradients, one flat tensor per parameter, in order.
+    def result(self) -> Partial:
+        """The group's summed gradients (``unflatten`` takes them), and which parameters
+        have one.
 
         Raises:
             InvalidRequest: chunks are still missing (naming them).
@@ -211,32 +264,36 @@ class GroupReduction:
         if missing:
             raise InvalidRequest(f"group {self.group}: chunks {missing} not reduced yet")
         out = [torch.empty_like(t) for t in self._like]
+        present = [False] * len(self._like)
         for c, (lo, hi) in enumerate(self._bounds):
-            for target, piece in zip(cut(out, lo, hi), self._chunks[c], strict=True):
+            tensors, has = self._chunks[c]
+            for target, piece in zip(cut(out, lo, hi), tensors, strict=True):
                 target.copy_(piece)
-        return out
+            for j, flag in zip(self._spans[c], has, strict=True):
+                present[j] = flag  # (a parameter cut in two: both chunks say the same)
+        return out, present
 
     def _gather_if_complete(self) -> list[Send]:
         if self.me in self._chunks or not self._mine.complete:
             return []
-        reduced = self._mine.result()
-        self._chunks[self.me] = reduced
-        return [
-            Send(r, Piece(self.group, self.me, self.me, None, tuple(reduced)))
-            for r in range(len(self._shares))
-            if r != self.me
-        ]
+        tensors, present = self._chunks[self.me] = self._mine.result()
+        piece = Piece(self.group, self.me, self.me, None, tuple(tensors), tuple(present))
+        return [Send(r, piece) for r in range(len(self._shares)) if r != self.me]
 
-    def _check_form(
+    def _check(
         self,
         sender: int,
         node: Node | None,
         tensors: list[torch.Tensor],
-        form: list[tuple[int, torch.dtype]],
+        present: list[bool],
+        like: list[torch.Tensor],
+        spans: list[int],
     ) -> None:
-        got = [(t.numel(), t.dtype) for t in tensors]
-        if got != form or any(t.dim() != 1 for t in tensors):
+        got = [(t.numel(), t.dtype, t.device) for t in tensors]
+        want = [(t.numel(), t.dtype, t.device) for t in like]
+        if got != want or any(t.dim() != 1 for t in tensors) or len(present) != len(spans):
             raise InvalidRequest(
-                f"group {self.group}: replica {sender}'s node {node} has tensors "
-                f"{[(n, str(d)) for n, d in got]}, expected flat {[(n, str(d)) for n, d in form]}"
+                f"group {self.group}: replica {sender}'s node {node} has {len(present)} "
+                f"flags and tensors {[(n, str(d), str(v)) for n, d, v in got]}, expected "
+                f"{len(spans)} flags and flat {[(n, str(d), str(v)) for n, d, v in want]}"
             )

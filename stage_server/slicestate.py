@@ -193,12 +193,14 @@ class SliceState:
         ``finish_backward``, or ``take_partials`` for a share to reduce with the others).
 
         Raises:
-            ValueError: ``share`` is empty or not inside the step's micro-batches.
+            ValueError: ``share`` is not inside the step's micro-batches.
         """
         self.zero_grad()
         share = range(micro_batches) if share is None else share
-        self._grad_sums = {
-            i: TreeSum(micro_batches, _plus_grads, share.start, share.stop) for i in self.optimizers
+        self._grad_sums = {  # (a replica without a share sums nothing: it only reduces)
+            i: TreeSum(micro_batches, _plus_grads, share.start, share.stop)
+            for i in self.optimizers
+            if share
         }
         # each layer's parameters, listed once a run (not once a micro-batch)
         self._grad_params = {i: list(self.layers[i].parameters()) for i in self._grad_sums}
@@ -215,7 +217,7 @@ class SliceState:
         sums, self._grad_sums = self._grad_sums, None
         if sums is None:
             raise ValueError("no training run is begun (begin_grads) on this slice")
-        return {i: acc.partials() for i, acc in sums.items()}
+        return {i: sums[i].partials() if i in sums else [] for i in self.optimizers}
 
     def install_grads(self, grads: dict[int, Grads]) -> None:
         """Puts each layer's reduced gradients (its parameters' in order) into ``.grad``.
@@ -251,6 +253,18 @@ class SliceState:
             acc.add(micro_batch, [p.grad for p in params])
             for p in params:
                 p.grad = None
+
+    def held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """In a training run, the gradients in ``.grad`` now, taken out of it (ZB-H1 keeps
+        those B wrote until W); none outside a run."""
+        held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self._grad_sums is not None:
+            for params in self._grad_params.values():
+                for param in params:
+                    if param.grad is not None:
+                        held.append((param, param.grad))
+                        param.grad = None
+        return held
 
     def finish_backward(self) -> float | None:
         """After a run's last backward: puts each layer's tree sum into ``.grad`` (unless

@@ -26,6 +26,7 @@ from elasticpipe.errors import (
     NotReady,
     PermissionDenied,
     StageUnavailable,
+    StepAborted,
 )
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import StageMetrics, StageView
@@ -386,14 +387,18 @@ class Stage(EpochChanges):
             raise
         with self._cond:
             try:
+                # the gradients first: a run whose sums cannot be finished is no run to commit
+                sq_norm = self.slice.finish_backward() if train else None
                 self._apply(self.machine.finish_run(run, time.monotonic()))
-            except ElasticPipeError:
+            except (ElasticPipeError, ValueError) as exc:
                 self._apply(self.machine.fail_run(run))
+                if isinstance(exc, ValueError):
+                    raise StepAborted(f"run {run}: its gradients are incomplete: {exc}") from exc
                 raise
             self.last_peak = (result.peak_stashed, result.peak_stashed_bytes)
             if train:
                 result.lr = self.slice.lr()
-                if (sq_norm := self.slice.finish_backward()) is not None:
+                if sq_norm is not None:
                     result.grad_sq_norm = sq_norm  # of the unscaled gradients (fp16)
                 if self.slice.scales:
                     result.loss_scale = self.slice.loss_scale()

@@ -10,9 +10,9 @@ A layer ``l`` on a stage needs::
   (optimizer), with ``k`` = 0 for plain SGD, 1 for SGD with momentum, 2 for Adam/AdamW (3
   with ``amsgrad``), and a conservative 3 for any other optimizer.
 * ``grads[l]``: the partial sums of the canonical gradient sum (``training.gradsum``) held
-  beside the gradient being computed: ``peak_partials(m) - 1`` copies of the layer's
-  parameter bytes (0 for ``m <= 3``, 1 for 4 to 7 micro-batches, 2 for 8 to 15), beyond
-  the one gradient ``state[l]`` counts.
+  while the next micro-batch's gradient is computed into a fresh ``.grad``: ``peak_partials(m)``
+  copies of the layer's parameter bytes (1 for ``m <= 3``, 2 for 4 to 7 micro-batches, 3
+  for 8 to 15), beyond the one gradient ``state[l]`` counts.
 * ``stash[l]``: what one micro-batch keeps for the layer's backward (its input, output and
   autograd's saved tensors), measured by the profiling pass; 0 without a profile (a job set
   up without a sample input is planned on its state alone, see docs/operations.md).
@@ -95,7 +95,7 @@ def layer_needs(
         and any(profile.state_bytes)
     )
     factor = 2.0 + optimizer_factor(job.optimizer, job.optimizer_kwargs)
-    partials = peak_partials(job.micro_batches) - 1
+    partials = peak_partials(job.micro_batches)
     needs = []
     for layer, size in enumerate(param_bytes):
         if profile is not None and profiled:

@@ -210,8 +210,8 @@ def tree_sum(values: Iterable[T], plus: Callable[[T, T], T]) -> T:
 def peak_partials(total: int) -> int:
     """The most partial sums held at once when ``total`` micro-batches arrive in order (as
     every schedule runs their backwards): what a step's gradients cost in memory, in
-    copies of the layers' gradients, besides the one being computed. At most about
-    ``log2(total)``: 1 for M <= 3, 2 for M = 4, 3 for M = 8.
+    copies of the layers' gradients, besides the one being computed (a fresh ``.grad``).
+    At most about ``log2(total)``: 1 for M <= 3, 2 for M = 4, 3 for M = 8.
 
     Raises:
         ValueError: ``total < 1``.

@@ -120,3 +120,36 @@ class Bias(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.p.expand(x.shape[0], -1) * 3
+
+
+class Reentrant(nn.Module):
+    """A linear layer under reentrant checkpointing (which refuses ``autograd.grad``: its
+    split backward runs whole in B)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+
+
+def checkpointed(width: int = 8, classes: int = 3) -> nn.Sequential:
+    """Linear, a reentrantly checkpointed Linear, ReLU, Linear."""
+    return nn.Sequential(
+        nn.Linear(width, width), Reentrant(width), nn.ReLU(), nn.Linear(width, classes)
+    )
+
+
+def unreached(width: int = 8, classes: int = 3) -> nn.Sequential:
+    """No batch norm, but a frozen weight, a parameter no input reaches, a Linear used twice
+    and a Dropout: Linear, Frozen, Unused, Dropout, Twice, ReLU, Linear."""
+    return nn.Sequential(
+        nn.Linear(width, width),
+        Frozen(width),
+        Unused(width),
+        nn.Dropout(0.2),
+        Twice(width),
+        nn.ReLU(),
+        nn.Linear(width, classes),
+    )

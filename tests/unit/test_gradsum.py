@@ -117,12 +117,6 @@ def test_partials_held_at_once_stay_logarithmic_in_order(total: int, peak: int) 
     """Micro-batches arriving in order (as every schedule runs them) hold at most about
     log2(M) partials at once: what the memory planner adds for the gradients."""
     assert peak_partials(total) == peak
-    acc = TreeSum(total, _add)
-    most = 0
-    for k in range(total):
-        most = max(most, acc.pending)
-        acc.add(k, torch.zeros(1))
-    assert max(most, acc.pending) == peak and acc.complete
 
 
 def test_bad_ranges_and_repeated_micro_batches_are_refused_by_name() -> None:

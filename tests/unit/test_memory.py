@@ -54,16 +54,16 @@ def test_optimizer_factor_per_optimizer(
 
 def test_layer_needs_use_the_profile_when_there_is_one() -> None:
     """Profiled state and stash x in-flight; without a profile, parameter bytes x factor;
-    either way, with 8 micro-batches, 2 more copies of the parameter bytes for the
-    canonical gradient sum's partials."""
+    either way, with 8 micro-batches, 3 more copies of the parameter bytes for the
+    canonical gradient sum's partials (1 with 2 micro-batches)."""
     job = _job(optimizer="adam", micro_batches=8, schedule="1f1b")
-    assert memory.layer_needs([100, 0], None, job, 2) == [600.0, 0.0]
+    assert memory.layer_needs([100, 0], None, job, 2) == [700.0, 0.0]
     profile = Profile((1.0, 1.0), {}, (), stash_bytes=(10, 20), state_bytes=(300, 0))
-    assert memory.layer_needs([100, 0], profile, job, 2) == [520.0, 40.0]
+    assert memory.layer_needs([100, 0], profile, job, 2) == [620.0, 40.0]
     gpipe = _job(optimizer="adam", micro_batches=8, schedule="gpipe")
-    assert memory.layer_needs([100, 0], profile, gpipe, 2) == [580.0, 160.0]
+    assert memory.layer_needs([100, 0], profile, gpipe, 2) == [680.0, 160.0]
     two = _job(optimizer="adam", micro_batches=2, schedule="gpipe")
-    assert memory.layer_needs([100, 0], profile, two, 2) == [320.0, 40.0]
+    assert memory.layer_needs([100, 0], profile, two, 2) == [420.0, 40.0]
 
 
 def test_terms_without_any_reported_capacity_put_no_cap() -> None:
@@ -72,15 +72,15 @@ def test_terms_without_any_reported_capacity_put_no_cap() -> None:
     job = _job()
     assert memory.terms([0, 0], [10, 10], None, job) == memory.MemoryTerms()
     needs, caps = memory.terms([0, 50], [10, 10], None, job)
-    assert caps == [math.inf, 50.0] and needs == [50.0, 50.0]  # 4 micro-batches: 1 partial
-    # A stage that holds the whole model (100 B) is never constrained.
-    assert memory.terms([100, 1 << 40], [10, 10], None, job) == memory.MemoryTerms()
+    assert caps == [math.inf, 50.0] and needs == [60.0, 60.0]  # 4 micro-batches: 2 partials
+    # A stage that holds the whole model (120 B) is never constrained.
+    assert memory.terms([120, 1 << 40], [10, 10], None, job) == memory.MemoryTerms()
 
 
 def test_caps_force_an_uneven_partition_through_the_planner() -> None:
     """Equal costs on equal stages split evenly, unless the first stage's memory is small."""
     job = _job(optimizer="sgd")
-    needs, caps = memory.terms([350, 0], [100] * 6, None, job)  # 300 B per layer
+    needs, caps = memory.terms([450, 0], [100] * 6, None, job)  # 400 B per layer
     assert plan([1.0] * 6, [1.0, 1.0]).boundaries == (0, 3, 6)
     assert plan([1.0] * 6, [1.0, 1.0], None, None, needs, caps).boundaries == (0, 1, 6)
 
