@@ -398,21 +398,20 @@ class FakeStage(EpochChange):
                 self.inbox.setdefault((header.run, slot), set()).add(header.micro_batch)
                 self.cond.notify_all()
 
-    def _stream(self, slot: int, chunks: Iterator[stage_pb2.DataChunk]) -> stage_pb2.Ack:
+    def _stream(
+        self, slot: int, chunks: Iterator[stage_pb2.DataChunk], ctx: Any = None
+    ) -> stage_pb2.Ack:
         first = next(chunks, None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidRequest("a data stream must start with a DataHeader")
         self._accept(slot, first.header, (c.data for c in chunks))
         return stage_pb2.Ack()
 
-    def Forward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
-        return self._stream(stage_pb2.INPUT, chunks)
-
-    def Backward(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
-        return self._stream(stage_pb2.GRAD, chunks)
-
-    def Targets(self, chunks: Iterator[stage_pb2.DataChunk], ctx: Any) -> stage_pb2.Ack:
-        return self._stream(stage_pb2.TARGET, chunks)
+    # the data streams, one per slot: (chunks, ctx) -> Ack
+    Forward = functools.partialmethod(_stream, stage_pb2.INPUT)
+    Backward = functools.partialmethod(_stream, stage_pb2.GRAD)
+    Targets = functools.partialmethod(_stream, stage_pb2.TARGET)
+    Reduce = functools.partialmethod(_stream, stage_pb2.REDUCE)
 
     def Deliver(self, msg: stage_pb2.DataMessage, ctx: Any) -> stage_pb2.Ack:
         self._accept(msg.slot, msg.header, iter([msg.data]))

@@ -107,11 +107,15 @@ def run(
     previous: Sequence[stage_pb2.StepDecision] = (),
     *,
     secret: bytes,
+    shares: Sequence[int] = (),
 ) -> list[stage_pb2.StepReport]:
     """Runs one step (``targets`` given) or inference pass (``targets`` None).
 
     ``secret`` (``new_secret``) goes to every stage with the RunStep and in every input
-    and target: the stages take only data that carries it.
+    and target: the stages take only data that carries it. With replicas, ``partition``
+    is one replica's chain, ``inputs`` its share of the step, and ``shares`` every
+    replica's: its stages then reduce their gradients with the other replicas' before
+    they report (each replica's run goes at once, with one run id and secret).
 
     Returns:
         One report per stage, in chain order.
@@ -134,6 +138,7 @@ def run(
         client=client,
         previous=previous,
         secret=secret,
+        shares=shares,
     )
     addresses = partition.addresses
     first, last = addresses[0], addresses[-1]

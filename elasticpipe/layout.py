@@ -20,31 +20,14 @@ layout is its partition: each stage is a group of one holder, and nothing is red
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.partition import Partition, StageRef
+from elasticpipe.partition import Group, Partition, Placement, StageRef
 
-__all__ = ["Group", "Layout"]
-
-
-@dataclass(frozen=True)
-class Group:
-    """Layers ``[lo, hi)`` that the same stages hold in every replica: they reduce together.
-
-    Attributes:
-        holders: the stage holding these layers in each replica, in replica order.
-    """
-
-    lo: int
-    hi: int
-    holders: tuple[StageRef, ...]
-
-    @property
-    def layers(self) -> range:
-        """The group's layers."""
-        return range(self.lo, self.hi)
+__all__ = ["Group", "Layout"]  # (Group lives in partition: a Placement carries it)
 
 
 @dataclass(frozen=True)
@@ -164,14 +147,32 @@ class Layout:
         for lo, hi in itertools.pairwise(cuts):
             holders = self.holders(lo)
             if groups and groups[-1].holders == holders:
-                groups[-1] = Group(groups[-1].lo, hi, holders)
+                groups[-1] = Group(len(groups) - 1, groups[-1].lo, hi, holders)
             else:
-                groups.append(Group(lo, hi, holders))
+                groups.append(Group(len(groups), lo, hi, holders))
         return tuple(groups)
 
     def groups_of(self, stage_id: str) -> tuple[Group, ...]:
         """The groups a stage holds layers of (none if it serves no replica)."""
         return tuple(g for g in self.groups() if any(h.stage_id == stage_id for h in g.holders))
+
+    def assignment(self, stage_id: str, names: Sequence[str] = ()) -> Placement:
+        """The placement of ``stage_id``: its place in its replica's chain, the replica,
+        and the groups it reduces with the other replicas (an empty range if it serves
+        none); ``names``: its chain's registered names, in chain order.
+
+        Raises:
+            InvalidRequest: the stage serves no replica (naming it).
+        """
+        r = self.replica_of_stage(stage_id)
+        if r is None:
+            raise InvalidRequest(f"stage {stage_id!r} serves no replica of epoch {self.epoch}")
+        placement = self.replicas[r].assignment(stage_id, names)
+        if len(self.replicas) == 1:
+            return placement
+        return replace(
+            placement, replica=r, num_replicas=len(self.replicas), groups=self.groups_of(stage_id)
+        )
 
     # ---- forms -----------------------------------------------------------------------
 

@@ -32,8 +32,57 @@ class StageRef:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Layers ``[lo, hi)`` that the same stages hold in every replica: they reduce together
+    (``elasticpipe.layout``).
+
+    Attributes:
+        index: the group's place among the layout's groups (in layer order).
+        holders: the stage holding these layers in each replica, in replica order.
+    """
+
+    index: int
+    lo: int
+    hi: int
+    holders: tuple[StageRef, ...]
+
+    @property
+    def layers(self) -> range:
+        """The group's layers."""
+        return range(self.lo, self.hi)
+
+    def to_proto(self) -> stage_pb2.ReduceGroup:
+        """The wire form (in ``Assignment.groups``)."""
+        return stage_pb2.ReduceGroup(
+            index=self.index,
+            layer_lo=self.lo,
+            layer_hi=self.hi,
+            holders=[stage_pb2.Peer(stage_id=h.stage_id, address=h.address) for h in self.holders],
+        )
+
+    @classmethod
+    def from_proto(cls, g: stage_pb2.ReduceGroup, replicas: int) -> Group:
+        """Parses a group of a layout of ``replicas`` replicas.
+
+        Raises:
+            InvalidRequest: an empty range, or not one holder per replica.
+        """
+        if g.layer_hi <= g.layer_lo or len(g.holders) != replicas:
+            raise InvalidRequest(
+                f"bad reduction group {g.index}: layers [{g.layer_lo}, {g.layer_hi}), "
+                f"{len(g.holders)} holders for {replicas} replicas"
+            )
+        holders = tuple(StageRef(h.stage_id, h.address) for h in g.holders)
+        return cls(g.index, g.layer_lo, g.layer_hi, holders)
+
+
+@dataclass(frozen=True)
 class Placement:
-    """One stage's place in one partition epoch (what the stage needs to run its layers)."""
+    """One stage's place in one partition epoch (what the stage needs to run its layers).
+
+    With data parallelism (``num_replicas`` > 1) the chain is this stage's replica's, and
+    ``groups`` are the reduction groups it holds layers of.
+    """
 
     epoch: int
     index: int
@@ -45,6 +94,9 @@ class Placement:
     chain: tuple[StageRef, ...] = ()
     names: tuple[str, ...] = ()  # the chain's registered names (empty if not given)
     ranges: tuple[tuple[int, int], ...] = ()  # the layers each stage of the chain owns
+    replica: int = 0
+    num_replicas: int = 1
+    groups: tuple[Group, ...] = ()
 
     @property
     def layers(self) -> range:
@@ -84,6 +136,9 @@ class Placement:
                 )
                 for i, s in enumerate(self.chain)
             ],
+            replica=self.replica,
+            num_replicas=self.num_replicas if self.num_replicas > 1 else 0,
+            groups=[g.to_proto() for g in self.groups],
         )
 
     @classmethod
@@ -103,12 +158,25 @@ class Placement:
             raise InvalidRequest(
                 f"bad assignment: a chain of {len(chain)} stages for num_stages {a.num_stages}"
             )
+        replicas = max(1, a.num_replicas)
+        if (
+            a.replica >= replicas
+            or (replicas == 1 and a.groups)
+            or len(a.groups) > a.layer_hi - a.layer_lo  # at most a group per layer held
+        ):
+            raise InvalidRequest(
+                f"bad assignment: replica {a.replica} of {replicas}, {len(a.groups)} groups "
+                f"for layers [{a.layer_lo}, {a.layer_hi})"
+            )
         return cls(
             epoch=a.epoch,
             index=a.index,
             num_stages=a.num_stages,
             lo=a.layer_lo,
             hi=a.layer_hi,
+            replica=a.replica,
+            num_replicas=replicas,
+            groups=tuple(Group.from_proto(g, replicas) for g in a.groups),
             prev=a.prev.address,
             next=a.next.address,
             chain=chain,

@@ -106,6 +106,7 @@ class RunContext:
     tracer: Tracer = field(default_factory=Tracer)
     path: DevicePath | None = None  # host <-> device copies; None: ``PlainPath``
     stash_meter: StashMeter | None = None  # None: every run counts its stashed bytes
+    first_micro_batch: int = 0  # the step's id of the run's micro-batch 0 (a replica's share)
 
 
 def _loss(
@@ -136,7 +137,10 @@ def _message(method: str, ctx: RunContext, micro_batch: int) -> Callable[[Value]
 
 
 def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
-    """Runs ``ops`` in order and waits for every send to leave.
+    """Runs ``ops`` in order and waits for every send to leave. The ops number their
+    micro-batches from 0 (the mailbox's and the messages' numbering); the layers see them
+    from ``ctx.first_micro_batch`` (a replica's share of the step: their random draws and
+    their place in the gradient sum follow the step's global micro-batch ids).
 
     Raises:
         ElasticPipeError: the run failed (a peer's failure recorded in the mailbox, a
@@ -203,7 +207,7 @@ def _run_ops(
                 x,
                 ctx.train,
                 input_grad=not first,
-                micro_batch=i,
+                micro_batch=ctx.first_micro_batch + i,
                 step=ctx.step,
                 count=count,
             )
@@ -233,7 +237,7 @@ def _run_ops(
         elif op.kind is OpKind.WEIGHT:
             t0 = now()
             held.pop(i, None)
-            ctx.layers.backward_weights(stashes.pop(i), micro_batch=i)
+            ctx.layers.backward_weights(stashes.pop(i), micro_batch=ctx.first_micro_batch + i)
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
             span(SpanKind.WEIGHT, i, t0, t1)
@@ -253,7 +257,9 @@ def _run_ops(
             stash = stashes[i] if split else stashes.pop(i)
             if not split:
                 held.pop(i, None)
-            grad_in = ctx.layers.backward(stash, grad, micro_batch=i, split=split)
+            grad_in = ctx.layers.backward(
+                stash, grad, micro_batch=ctx.first_micro_batch + i, split=split
+            )
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
             span(SpanKind.BACKWARD, i, t0, t1)

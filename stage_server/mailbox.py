@@ -55,6 +55,7 @@ class Slot(Enum):
     INPUT = "input"
     GRAD = "grad"
     TARGET = "target"
+    REDUCE = "reduce"  # a reduction piece: its key names (group, sender, node), not a micro-batch
 
 
 ENTRY_OVERHEAD = 512  # bytes counted per message beyond its tensor (objects, keys)

@@ -32,6 +32,7 @@ from elasticpipe.errors import InvalidRequest
 from elasticpipe.training.gradsum import Node, TreeSum, covering
 
 __all__ = [
+    "MAX_KEYS",
     "GroupReduction",
     "Partial",
     "Piece",
@@ -39,12 +40,36 @@ __all__ = [
     "chunk_bounds",
     "cut",
     "flatten",
+    "piece_key",
     "spanned",
     "unflatten",
 ]
 
+# A piece's key on the wire (``DataHeader.micro_batch`` of a REDUCE message): its group,
+# its sender, and which of the sender's nodes it is (a reduced chunk: the last slot).
+NODE_SLOTS = 32  # a share covers at most 2 log2(M) + 1 <= 25 nodes for M <= 4096
+MAX_KEYS = 1 << 24
+
 Tensors = list[torch.Tensor]  # one flat tensor per trainable parameter, in order
 Partial = tuple[Tensors, list[bool]]  # the tensors, and which parameters have a gradient
+
+
+def piece_key(group: int, sender: int, replicas: int, node: int | None) -> int:
+    """The key of a piece of ``group`` from replica ``sender``: of its ``node``-th covering
+    node (scatter), or of its reduced chunk (``node`` None).
+
+    Raises:
+        InvalidRequest: a key past ``MAX_KEYS`` (too many groups and replicas), or a node
+            index past ``NODE_SLOTS``.
+    """
+    slot = NODE_SLOTS - 1 if node is None else node
+    key = (group * replicas + sender) * NODE_SLOTS + slot
+    if not 0 <= slot < NODE_SLOTS or key >= MAX_KEYS:
+        raise InvalidRequest(
+            f"no key for group {group}, replica {sender} of {replicas}, node {node}: "
+            f"at most {MAX_KEYS // NODE_SLOTS} groups x replicas"
+        )
+    return key
 
 
 def chunk_bounds(elements: int, parts: int) -> list[tuple[int, int]]:
@@ -176,6 +201,31 @@ class GroupReduction:
     def done(self) -> bool:
         """Whether every chunk is reduced here."""
         return len(self._chunks) == len(self._shares)
+
+    def expected(self) -> list[tuple[int, int | None]]:
+        """Every piece this holder will receive, as (sender, node index or None for a
+        reduced chunk): the others' nodes of its own chunk first, then their chunks."""
+        scatter = [
+            (r, j)
+            for r in range(len(self._shares))
+            if r != self.me
+            for j in range(len(self._covers[r]))
+        ]
+        return scatter + [(r, None) for r in range(len(self._shares)) if r != self.me]
+
+    def node_index(self, sender: int, node: Node) -> int:
+        """Which of ``sender``'s covering nodes ``node`` is (its slot in ``piece_key``).
+
+        Raises:
+            InvalidRequest: ``node`` is none of them.
+        """
+        if node not in self._covers[sender]:
+            raise InvalidRequest(f"group {self.group}: node {node} is not of replica {sender}")
+        return self._covers[sender].index(node)
+
+    def node_of(self, sender: int, index: int) -> Node:
+        """``sender``'s ``index``-th covering node."""
+        return self._covers[sender][index]
 
     def start(self, partials: Sequence[tuple[Node, Partial]]) -> list[Send]:
         """Hands this holder's partial sums over (one per node its share covers, in order,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -34,6 +34,7 @@ _SLOTS: dict[int, Slot] = {
     stage_pb2.INPUT: Slot.INPUT,
     stage_pb2.GRAD: Slot.GRAD,
     stage_pb2.TARGET: Slot.TARGET,
+    stage_pb2.REDUCE: Slot.REDUCE,
 }
 MAX_STEP_TIMEOUT_S = bounds.MAX_TIMEOUT_S
 
@@ -92,15 +93,26 @@ def holdings_to_proto(holdings: list[Holding]) -> list[stage_pb2.SnapshotHolding
     ]
 
 
+def _shares(shares: Sequence[int]) -> list[int]:
+    """A RunStep's replicas' shares, bounded (their sum is a step's micro-batch count).
+
+    Raises:
+        InvalidRequest: too many, or a step of too many micro-batches.
+    """
+    bounds.count(shares, "shares", bounds.MAX_STAGES)
+    bounds.number(sum(shares), "the sum of shares", 0, bounds.MAX_MICRO_BATCHES)
+    return list(shares)
+
+
 def _slot(value: int) -> Slot:
     """A data message's slot from the wire.
 
     Raises:
-        InvalidRequest: a slot that is not INPUT, GRAD or TARGET.
+        InvalidRequest: a slot that is not INPUT, GRAD, TARGET or REDUCE.
     """
     slot = _SLOTS.get(value)
     if slot is None:
-        raise InvalidRequest(f"unknown slot {value} (expected INPUT, GRAD or TARGET)")
+        raise InvalidRequest(f"unknown slot {value} (expected INPUT, GRAD, TARGET or REDUCE)")
     return slot
 
 
@@ -119,7 +131,7 @@ class StageServicer:
         self.bulk: BulkListener | None = None  # the bulk channel's listener, if any
 
     def _admit(
-        self, header: stage_pb2.DataHeader, nbytes: int | None = None
+        self, header: stage_pb2.DataHeader, nbytes: int | None, slot: Slot
     ) -> tuple[bundle.Assembler, Admitted]:
         """Checks the declared tensor(s) (unless ``nbytes`` says it was done), the caller,
         the secret's length, the epoch, the run and the room left, and reserves the room,
@@ -130,7 +142,7 @@ class StageServicer:
             nbytes = bundle.declared_bytes(header, limit)
         self.gate.check(f"data of run {header.run}")
         bounds.run_secret(header.secret, "DataHeader.secret")  # held as a key: never unbounded
-        admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes)
+        admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes, slot)
         return bundle.assembler(header, limit), admitted
 
     def admit_data(
@@ -138,7 +150,8 @@ class StageServicer:
     ) -> tuple[Slot, Admitted]:
         """``_admit`` for a bulk message (``nbytes``: its declared bytes, already checked):
         its slot checked too; the room reserved."""
-        return _slot(slot), self._admit(header, nbytes)[1]
+        kind = _slot(slot)
+        return kind, self._admit(header, nbytes, kind)[1]
 
     def _receive(
         self,
@@ -149,7 +162,7 @@ class StageServicer:
     ) -> stage_pb2.Ack:
         """Admits ``header`` (``_admit``), assembles its tensor from ``parts`` and delivers it
         to ``slot``; the room reserved is given back if the bytes do not make the tensor."""
-        assembler, admitted = self._admit(header, nbytes)
+        assembler, admitted = self._admit(header, nbytes, slot)
         try:
             for part in parts:
                 assembler.add(part)
@@ -201,6 +214,11 @@ class StageServicer:
     ) -> stage_pb2.Ack:
         return self._deliver(Slot.TARGET, chunks)
 
+    def Reduce(
+        self, chunks: Iterator[stage_pb2.DataChunk], ctx: grpc.ServicerContext
+    ) -> stage_pb2.Ack:
+        return self._deliver(Slot.REDUCE, chunks)
+
     def Deliver(self, msg: stage_pb2.DataMessage, ctx: grpc.ServicerContext) -> stage_pb2.Ack:
         slot = _slot(msg.slot)
         declared = bundle.declared_bytes(msg.header, self.stage.config.max_tensor_bytes)
@@ -245,6 +263,7 @@ class StageServicer:
             req.client,
             previous,
             secret=req.secret,
+            shares=_shares(req.shares),
         )
         return stage_pb2.StepReport(
             run=result.run,

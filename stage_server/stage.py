@@ -6,7 +6,12 @@ installs, snapshots), runs the ops of a step (``executor``), and moves layer sta
 (``transfers``, ``snapshots``). A ticker thread drives the machine's leases and asks the
 coordinator whatever a lease that ran out leaves undecided. The epoch change and restore
 are its base class's (``epochs.EpochChanges``); its configuration is ``config.StageConfig``
-(importable from here too).
+(importable from here too). A replica's gradient reduction runs from ``run_step`` between
+the ops and the report (``reducing``).
+
+Longer than 600 lines: the run, the data it admits and the snapshot copies share the one
+lock and the machine; the next piece to leave is the snapshot copies (``_capture`` to
+``keep_from``), as ``epochs.EpochChanges`` left.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from elasticpipe.errors import (
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
-from elasticpipe.security import bounds
-from elasticpipe.stage_server import devicepath, devicetime, memory, transfers
+from elasticpipe.security import authz, bounds
+from elasticpipe.stage_server import devicepath, devicetime, memory, reducing, reduction, transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.config import StageConfig
 from elasticpipe.stage_server.epochs import EpochChanges
@@ -243,6 +248,9 @@ class Stage(EpochChanges):
     def _set_placement(self, placement: Placement) -> None:
         self.placement = placement
         wanted = {a for a in (placement.prev, placement.next) if a}
+        if placement.groups:  # the holders it reduces with, in the other replicas
+            own = placement.chain[placement.index].address if placement.chain else ""
+            wanted |= {h.address for g in placement.groups for h in g.holders} - {own}
         for address in list(self._links):
             if address not in wanted:
                 # Closing waits for the link's thread: not under the lock (heartbeats and
@@ -273,20 +281,28 @@ class Stage(EpochChanges):
 
     # ---- data path -------------------------------------------------------------------
 
-    def admit(self, epoch: int, run: int, micro_batch: int, nbytes: int) -> Admitted:
-        """Checks a data message's epoch, run and size, and reserves room for it, before
-        anything is allocated for it.
+    def admit(
+        self, epoch: int, run: int, micro_batch: int, nbytes: int, slot: Slot = Slot.INPUT
+    ) -> Admitted:
+        """Checks a data message's epoch, run and size (a reduction piece: its key, and that
+        a stage sent it), and reserves room for it, before anything is allocated for it.
 
         Raises:
             StaleEpoch / Rebalancing / NotReady: see ``StepMachine.check_epoch``.
-            InvalidRequest: a run id of an implausible client, or a micro-batch index
-                out of range.
+            InvalidRequest: a run id of an implausible client, or a micro-batch index (a
+                piece's key) out of range.
+            PermissionDenied: a reduction piece from a certificate that is not a stage's.
             TooLarge: no room (the mailbox's byte or message limit).
         """
-        if not 0 <= micro_batch < bounds.MAX_MICRO_BATCHES:
-            raise InvalidRequest(
-                f"micro_batch must be in [0, {bounds.MAX_MICRO_BATCHES}) (got {micro_batch})"
-            )
+        most = reduction.MAX_KEYS if slot is Slot.REDUCE else bounds.MAX_MICRO_BATCHES
+        if not 0 <= micro_batch < most:
+            raise InvalidRequest(f"micro_batch must be in [0, {most}) (got {micro_batch})")
+        if slot is Slot.REDUCE:
+            caller = authz.caller()
+            if caller is not None and caller[1] != authz.STAGE:
+                raise PermissionDenied(
+                    f"a reduction piece from {caller[0]!r} ({caller[1]}): only stages send them"
+                )
         with self._cond:
             self.machine.check_epoch(epoch)
             self.machine.check_run(run)
@@ -344,12 +360,21 @@ class Stage(EpochChanges):
         previous: Sequence[Decision] = (),
         *,
         secret: bytes,
+        shares: Sequence[int] = (),
     ) -> StepResult:
         """Runs this stage's ops of one step (or inference pass) and reports; it takes
-        only data that carries the run's ``secret``."""
+        only data that carries the run's ``secret``. With replicas, ``shares`` are every
+        replica's micro-batches: this one runs its share, then reduces its gradients with
+        the other replicas' holders (``reducing``)."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
         with self._cond:
+            replicated = train and self.placement is not None and self.placement.num_replicas > 1
+            share = (  # checked before the run begins: a refusal leaves nothing behind
+                reducing.share_of(self.placement, shares, micro_batches)  # type: ignore[arg-type]
+                if replicated
+                else range(micro_batches)
+            )
             self._apply(self.machine.begin_run(epoch, run, step, client, train, previous))
             assert self.slice is not None and self.placement is not None
             self._mailbox.expect(run, secret)  # drops (and counts) the data not the run's
@@ -367,9 +392,10 @@ class Stage(EpochChanges):
                 tracer=self.tracer,
                 path=self.path,
                 stash_meter=self._stash_meter,
+                first_micro_batch=share.start,
             )
             if train:
-                self.slice.begin_grads(micro_batches)
+                self.slice.begin_grads(sum(shares) if replicated else micro_batches, share)
         self.faults.point("run_started")
         placement = ctx.placement
         ops = (
@@ -379,6 +405,11 @@ class Stage(EpochChanges):
         )
         try:
             result = execute(ops, ctx)
+            if replicated:
+                ids = reducing.RunIds(placement.epoch, run, step, secret, ctx.deadline)
+                reducing.reduce_gradients(
+                    ctx.layers, placement, shares, ctx.links, ctx.mailbox, ids
+                )
         except BaseException as exc:
             with self._cond:
                 self._apply(self.machine.fail_run(run))

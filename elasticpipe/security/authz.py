@@ -81,7 +81,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     **_rows("StageService", ("ExportLayers",), STAGE, CLIENT),
     **_rows("StageService", ("RestoreLayers",), CLIENT),
-    **_rows("StageService", ("PushSnapshot",), STAGE),
+    **_rows("StageService", ("PushSnapshot", "Reduce"), STAGE),
     **_rows("StageService", ("GetStats",), CLIENT, COORDINATOR, ADMIN),
     **_rows("StageService", ("GetTrace",), ADMIN),
     **_rows("StageService", ("InjectFault",), ADMIN),

@@ -21,7 +21,7 @@ from elasticpipe.wire.structure import Value
 class Outgoing:
     """One tensor (or tuple or flat dict of tensors) to send to a peer."""
 
-    method: str  # "Forward", "Backward" or "Targets"
+    method: str  # "Forward", "Backward", "Targets" or "Reduce"
     epoch: int
     run: int
     step: int
@@ -63,7 +63,12 @@ def data_stream(
         yield stage_pb2.DataChunk(data=chunk)
 
 
-_SLOTS = {"Forward": stage_pb2.INPUT, "Backward": stage_pb2.GRAD, "Targets": stage_pb2.TARGET}
+_SLOTS = {
+    "Forward": stage_pb2.INPUT,
+    "Backward": stage_pb2.GRAD,
+    "Targets": stage_pb2.TARGET,
+    "Reduce": stage_pb2.REDUCE,
+}
 
 
 def send(

@@ -34,6 +34,8 @@ class _SlotEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Slot.ValueType],
     """gradient of this stage's output"""
     TARGET: _Slot.ValueType  # 3
     """targets, on the last stage"""
+    REDUCE: _Slot.ValueType  # 4
+    """a piece of a gradient reduction, from a holder in another replica"""
 
 class Slot(_Slot, metaclass=_SlotEnumTypeWrapper):
     """Which input of a micro-batch a message carries."""
@@ -45,6 +47,8 @@ GRAD: Slot.ValueType  # 2
 """gradient of this stage's output"""
 TARGET: Slot.ValueType  # 3
 """targets, on the last stage"""
+REDUCE: Slot.ValueType  # 4
+"""a piece of a gradient reduction, from a holder in another replica"""
 Global___Slot: _TypeAlias = Slot  # noqa: Y015
 
 class _Schedule:
@@ -413,6 +417,7 @@ class RunStepRequest(_message.Message):
     CLIENT_FIELD_NUMBER: _builtins.int
     PREVIOUS_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
@@ -433,6 +438,13 @@ class RunStepRequest(_message.Message):
         or abort): a stage still awaiting one of those runs applies its decision first.
         """
 
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With replicas: every replica's share of the step's micro-batches, in replica order
+        (this stage runs shares[replica] of them, micro_batches; their ids start at the sum
+        of the shares before it). Empty: one pipeline runs all micro_batches.
+        """
+
     def __init__(
         self,
         *,
@@ -446,10 +458,11 @@ class RunStepRequest(_message.Message):
         client: _builtins.int = ...,
         previous: _abc.Iterable[Global___StepDecision] | None = ...,
         secret: _builtins.bytes = ...,
+        shares: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "run", b"run", "schedule", b"schedule", "secret", b"secret", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "run", b"run", "schedule", b"schedule", "secret", b"secret", "shares", b"shares", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -802,6 +815,9 @@ class Assignment(_message.Message):
     PREV_FIELD_NUMBER: _builtins.int
     NEXT_FIELD_NUMBER: _builtins.int
     CHAIN_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    NUM_REPLICAS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     job_id: _builtins.str
     index: _builtins.int
@@ -810,6 +826,11 @@ class Assignment(_message.Message):
     layer_lo: _builtins.int
     """owns layers [layer_lo, layer_hi)"""
     layer_hi: _builtins.int
+    replica: _builtins.int
+    """Data parallelism (num_replicas > 1): this stage's replica, and the reduction groups it
+    holds layers of (elasticpipe.layout). 0 or 1 replicas: one pipeline.
+    """
+    num_replicas: _builtins.int
     @_builtins.property
     def prev(self) -> Global___Peer:
         """empty address on the first stage"""
@@ -822,6 +843,8 @@ class Assignment(_message.Message):
     def chain(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]:
         """every stage of the chain, in order"""
 
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReduceGroup]: ...
     def __init__(
         self,
         *,
@@ -834,14 +857,51 @@ class Assignment(_message.Message):
         prev: Global___Peer | None = ...,
         next: Global___Peer | None = ...,
         chain: _abc.Iterable[Global___Peer] | None = ...,
+        replica: _builtins.int = ...,
+        num_replicas: _builtins.int = ...,
+        groups: _abc.Iterable[Global___ReduceGroup] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["next", b"next", "prev", b"prev"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain", "epoch", b"epoch", "index", b"index", "job_id", b"job_id", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "next", b"next", "num_stages", b"num_stages", "prev", b"prev"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain", "epoch", b"epoch", "groups", b"groups", "index", b"index", "job_id", b"job_id", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "next", b"next", "num_replicas", b"num_replicas", "num_stages", b"num_stages", "prev", b"prev", "replica", b"replica"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Assignment: _TypeAlias = Assignment  # noqa: Y015
+
+@_typing.final
+class ReduceGroup(_message.Message):
+    """Layers [layer_lo, layer_hi) that one stage holds in every replica: they reduce together."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    LAYER_LO_FIELD_NUMBER: _builtins.int
+    LAYER_HI_FIELD_NUMBER: _builtins.int
+    HOLDERS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """the group's place among the layout's groups"""
+    layer_lo: _builtins.int
+    layer_hi: _builtins.int
+    @_builtins.property
+    def holders(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]:
+        """its holder in each replica, in replica order"""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        layer_lo: _builtins.int = ...,
+        layer_hi: _builtins.int = ...,
+        holders: _abc.Iterable[Global___Peer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holders", b"holders", "index", b"index", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReduceGroup: _TypeAlias = ReduceGroup  # noqa: Y015
 
 @_typing.final
 class AssignRequest(_message.Message):

@@ -49,6 +49,11 @@ class StageServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.DataChunk.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Reduce = channel.stream_unary(
+                '/elasticpipe.v1.StageService/Reduce',
+                request_serializer=elasticpipe_dot_v1_dot_stage__pb2.DataChunk.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
+                _registered_method=True)
         self.Deliver = channel.unary_unary(
                 '/elasticpipe.v1.StageService/Deliver',
                 request_serializer=elasticpipe_dot_v1_dot_stage__pb2.DataMessage.SerializeToString,
@@ -178,8 +183,15 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reduce(self, request_iterator, context):
+        """pieces of a gradient reduction
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Deliver(self, request, context):
-        """any of the three, for tensors of one chunk
+        """any of the four, for tensors of one chunk
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -327,6 +339,11 @@ def add_StageServiceServicer_to_server(servicer, server):
             ),
             'Targets': grpc.stream_unary_rpc_method_handler(
                     servicer.Targets,
+                    request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.DataChunk.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.SerializeToString,
+            ),
+            'Reduce': grpc.stream_unary_rpc_method_handler(
+                    servicer.Reduce,
                     request_deserializer=elasticpipe_dot_v1_dot_stage__pb2.DataChunk.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_stage__pb2.Ack.SerializeToString,
             ),
@@ -515,6 +532,33 @@ class StageService:
             request_iterator,
             target,
             '/elasticpipe.v1.StageService/Targets',
+            elasticpipe_dot_v1_dot_stage__pb2.DataChunk.SerializeToString,
+            elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reduce(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/elasticpipe.v1.StageService/Reduce',
             elasticpipe_dot_v1_dot_stage__pb2.DataChunk.SerializeToString,
             elasticpipe_dot_v1_dot_stage__pb2.Ack.FromString,
             options,

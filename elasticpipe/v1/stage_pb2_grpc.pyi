@@ -35,8 +35,10 @@ class StageServiceStub:
     """Data path."""
     Backward: _grpc.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]
     Targets: _grpc.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]
+    Reduce: _grpc.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]
+    """pieces of a gradient reduction"""
     Deliver: _grpc.UnaryUnaryMultiCallable[_stage_pb2.DataMessage, _stage_pb2.Ack]
-    """any of the three, for tensors of one chunk"""
+    """any of the four, for tensors of one chunk"""
     OpenBulk: _grpc.UnaryUnaryMultiCallable[_stage_pb2.OpenBulkRequest, _stage_pb2.OpenBulkReply]
     """a raw socket for large ones"""
     RunStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.RunStepRequest, _stage_pb2.StepReport]
@@ -72,8 +74,10 @@ class StageServiceAsyncStub(StageServiceStub):
     """Data path."""
     Backward: _aio.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]  # type: ignore[assignment]
     Targets: _aio.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]  # type: ignore[assignment]
+    Reduce: _aio.StreamUnaryMultiCallable[_stage_pb2.DataChunk, _stage_pb2.Ack]  # type: ignore[assignment]
+    """pieces of a gradient reduction"""
     Deliver: _aio.UnaryUnaryMultiCallable[_stage_pb2.DataMessage, _stage_pb2.Ack]  # type: ignore[assignment]
-    """any of the three, for tensors of one chunk"""
+    """any of the four, for tensors of one chunk"""
     OpenBulk: _aio.UnaryUnaryMultiCallable[_stage_pb2.OpenBulkRequest, _stage_pb2.OpenBulkReply]  # type: ignore[assignment]
     """a raw socket for large ones"""
     RunStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.RunStepRequest, _stage_pb2.StepReport]  # type: ignore[assignment]
@@ -126,12 +130,20 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]: ...
 
     @_abc_1.abstractmethod
+    def Reduce(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.DataChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]:
+        """pieces of a gradient reduction"""
+
+    @_abc_1.abstractmethod
     def Deliver(
         self,
         request: _stage_pb2.DataMessage,
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.Ack, _abc.Awaitable[_stage_pb2.Ack]]:
-        """any of the three, for tensors of one chunk"""
+        """any of the four, for tensors of one chunk"""
 
     @_abc_1.abstractmethod
     def OpenBulk(

@@ -294,3 +294,44 @@ def test_the_bulk_channel_is_mutual_tls_bound_to_the_token_holder(cluster: Local
         assert plain.recv(1) == b""
         raise ConnectionError("closed")
     raw.close()
+
+
+def test_reduction_pieces_are_taken_only_from_stages(cluster: LocalCluster) -> None:
+    """A gradient reduction's piece comes only from a stage's certificate: a client's
+    ``Reduce`` stream is refused by the role table, and the job holder's own REDUCE piece,
+    over the data path clients may use for their inputs (``Deliver``, the bulk channel),
+    is refused by the stage, naming why, before anything is admitted; a stage's goes on to
+    the epoch check."""
+    from elasticpipe import Pipeline
+    from elasticpipe.errors import NotReady, PermissionDenied
+    from elasticpipe.transport import sending
+
+    address = cluster.stage_addresses[0]
+    piece = (torch.zeros(3), torch.ones(1, dtype=torch.bool))
+    client = _stage(address, cluster.client_tls)
+    with pytest.raises(grpc.RpcError) as info:
+        client.Reduce(iter([stage_pb2.DataChunk()]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert "StageService/Reduce" in info.value.details()  # type: ignore[attr-defined]
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model="mlp",
+        model_kwargs=KWARGS,
+        stages=3,
+        tls=cluster.client_tls,
+    ) as pipe:  # the client certificate now holds the job: the gate lets its data in
+        pipe.train_step(torch.randn(8, 8), torch.randint(0, 4, (8,)))
+        epoch = pipe.partition.epoch
+        large = (torch.rand((2 << 20) // 4), torch.ones(1, dtype=torch.bool))  # bulk channel
+        for value, bulk_on in ((piece, False), (large, True)):
+            msg = sending.Outgoing("Reduce", epoch, 1 << 60, 0, 5, value, secret=STRANGER)
+            sender = sending.Sender(client, address, cluster.client_tls, use_bulk=bulk_on)
+            with pytest.raises(PermissionDenied, match="only stages send them"):
+                sender.send(msg, timeout=20)
+            sender.close()
+    peer = cluster.tls_of("reduce-peer", "stage")
+    assert peer is not None
+    sender = sending.Sender(_stage(address, peer), address, peer, use_bulk=False)
+    with pytest.raises(NotReady):  # a stale epoch: past the role check
+        sender.send(sending.Outgoing("Reduce", 0, 1, 0, 5, piece, secret=STRANGER), timeout=20)
+    sender.close()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.layout import Layout
-from elasticpipe.partition import Partition, StageRef
+from elasticpipe.partition import Partition, Placement, StageRef
 
 
 def _replica(boundaries: tuple[int, ...], names: str, epoch: int = 3) -> Partition:
@@ -96,3 +96,33 @@ def test_groups_tile_the_layers_and_have_constant_holders(layers: int, data: st.
     assert all(a.hi == b.lo and a.holders != b.holders for a, b in itertools.pairwise(groups))
     assert all(layout.holders(layer_) == g.holders for g in groups for layer_ in g.layers)
     assert len(groups) <= sum(p.num_stages - 1 for p in replicas) + 1
+
+
+def test_a_stages_placement_carries_its_replica_and_groups_over_the_wire() -> None:
+    """st-d (replica 1, layers 1-2) reduces groups 1 ([1,2)) and 2 ([2,3)) with a and b;
+    its placement says so and survives the wire; one replica's placement has no groups."""
+    placement = EXAMPLE.assignment("st-d")
+    assert (placement.replica, placement.num_replicas, placement.lo, placement.hi) == (1, 2, 1, 3)
+    assert [(g.index, g.lo, g.hi) for g in placement.groups] == [(1, 1, 2), (2, 2, 3)]
+    assert [h.stage_id for h in placement.groups[0].holders] == ["st-a", "st-d"]
+    assert Placement.from_proto(placement.to_proto()) == placement
+    single = Layout.single(_replica((0, 2, 5), "ab"), 4).assignment("st-b")
+    assert single.num_replicas == 1 and single.groups == ()
+    with pytest.raises(InvalidRequest, match="'st-x' serves no replica"):
+        EXAMPLE.assignment("st-x")
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"replica": 2}, "replica 2 of 2"),
+        ({"num_replicas": 0}, "replica 1 of 1, 2 groups"),
+    ],
+)
+def test_a_bad_replica_placement_is_refused_by_name(change: dict[str, int], error: str) -> None:
+    """A replica past the count, or groups without replicas: InvalidRequest naming them."""
+    wire = EXAMPLE.assignment("st-d").to_proto()
+    for field, value in change.items():
+        setattr(wire, field, value)
+    with pytest.raises(InvalidRequest, match=error):
+        Placement.from_proto(wire)

@@ -1,0 +1,158 @@
+"""Replicas over the network: real stage servers on loopback, assigned a layout of two
+replicas of different shapes by hand (the coordinator does not set up replicas yet), each
+run its share of the step and reduce their gradients with the other replica's holders over
+their data channels; the losses and every replica's weights equal ``LocalPipeline``'s bit
+for bit, whatever the shares."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from elasticpipe import LocalPipeline
+from elasticpipe.client import driver
+from elasticpipe.layout import Layout
+from elasticpipe.partition import Partition, StageRef
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
+from elasticpipe.training.job import JobConfig
+from elasticpipe.transport import rpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.wire.structure import split_batch
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tests.support.zb_models:unreached"  # a frozen weight, an unreached one, a Dropout
+ALLOW = ("tests.support",)
+M = 8
+STEPS = 3
+BOUNDARIES = [(0, 3, 7), (0, 2, 5, 7)]  # replica 0: 2 stages, replica 1: 3 stages
+JOB = {"model": MODEL, "seed": 5, "micro_batches": M, "optimizer": "adamw"}
+
+
+@pytest.fixture
+def servers() -> Iterator[list[StageServer]]:
+    """Five stage servers that no coordinator knows (each is assigned by hand)."""
+    started = []
+    try:
+        for n in range(5):
+            config = StageConfig(name=f"st{n}", allow_models=ALLOW)
+            started.append(StageServer(config, "127.0.0.1:1").start())
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _layout(servers: list[StageServer], shares: tuple[int, ...]) -> Layout:
+    refs = iter(StageRef(f"st-{n}", s.address) for n, s in enumerate(servers))
+    replicas = tuple(
+        Partition(epoch=1, job_id="j", boundaries=cuts, stages=tuple(next(refs) for _ in cuts[1:]))
+        for cuts in BOUNDARIES
+    )
+    return Layout(replicas, shares).validate(7, M)
+
+
+def _step(
+    clients: driver.StageClients, layout: Layout, step: int
+) -> list[list[stage_pb2.StepReport]]:
+    """One step: every replica's run at once (one run id and secret), each with its share;
+    their reports in replica order."""
+    xs, ys, scales = split_batch(*_batch(step), M, torch.device("cpu"))
+    secret = driver.new_secret()
+    reports: dict[int, list[stage_pb2.StepReport]] = {}
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        share = layout.share_of(r)
+        try:
+            reports[r] = driver.run(
+                clients,
+                layout.replicas[r],
+                step,
+                step,
+                [xs[k] for k in share],
+                [ys[k] for k in share],
+                [scales[k] for k in share],
+                "1f1b",
+                60.0,
+                secret=secret,
+                shares=layout.shares,
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(layout.replicas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    return [reports[r] for r in range(len(layout.replicas))]
+
+
+def _train(
+    servers: list[StageServer], shares: tuple[int, ...]
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    layout = _layout(servers, shares)
+    job = JobConfig(**JOB).with_id()  # type: ignore[arg-type]
+    for replica in layout.replicas:
+        for ref in replica.stages:
+            with rpc.channel(ref.address) as chan:
+                stage_pb2_grpc.StageServiceStub(chan).Assign(
+                    stage_pb2.AssignRequest(
+                        job=job.to_proto(),
+                        assignment=layout.assignment(ref.stage_id).to_proto(),
+                    ),
+                    timeout=30,
+                )
+    losses = []
+    with contextlib.closing(driver.StageClients()) as clients:
+        for step in range(1, STEPS + 1):
+            reports = _step(clients, layout, step)
+            for replica in layout.replicas:
+                driver.commit(clients, replica, step, step)
+            losses.append(sum(loss for replica in reports for loss in replica[-1].losses))
+    weights = []
+    by_address = {s.address: s for s in servers}
+    for replica in layout.replicas:
+        state = {}
+        for ref in replica.stages:
+            stage = by_address[ref.address].stage
+            assert stage is not None and stage.slice is not None
+            for i in stage.slice.indices:
+                for name, tensor in stage.slice.layers[i].state_dict().items():
+                    state[f"{i}.{name}"] = tensor.detach().clone()
+        weights.append(state)
+    return losses, weights
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("shares", [(4, 4), (5, 3), (1, 7)], ids=["4:4", "5:3", "1:7"])
+def test_two_replicas_reduce_over_their_data_channels_bit_for_bit(
+    servers: list[StageServer], shares: tuple[int, ...]
+) -> None:
+    """Replicas of 2 and 3 stage servers, shares 4:4, 5:3 and 1:7 of 8 micro-batches,
+    AdamW, dropout, a frozen weight and a parameter nothing reaches: the losses and both
+    replicas' weights and buffers equal LocalPipeline's, bit for bit."""
+    with LocalPipeline(allow=ALLOW, **JOB) as pipe:  # type: ignore[arg-type]
+        want_losses = [pipe.train_step(*_batch(step)) for step in range(1, STEPS + 1)]
+        want = pipe.state_dict()
+    losses, weights = _train(servers, shares)
+    assert losses == want_losses
+    for r, state in enumerate(weights):
+        assert state.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(_bits(state[key]), _bits(value)), (r, key)
