@@ -184,7 +184,7 @@ class Loads(Leases):
         why = (
             f"it ran past its {RESTORE_LEASE_S:.0f} s lease"
             if time.monotonic() >= restoring[1]
-            else "its client no longer holds the job's lease"
+            else "the client went silent during the load (it no longer holds the job)"
         )
         self._abandoned[change.new.epoch] = why
         while len(self._abandoned) > ABANDONED_KEPT:
