@@ -22,6 +22,8 @@ from typing import Any
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.v1 import coordinator_pb2, stage_pb2
 
+MAX_REPLICAS = 4096  # as many as stages (``security.bounds.MAX_STAGES``)
+
 
 @dataclass(frozen=True)
 class StageRef:
@@ -160,7 +162,8 @@ class Placement:
             )
         replicas = max(1, a.num_replicas)
         if (
-            a.replica >= replicas
+            replicas > MAX_REPLICAS
+            or a.replica >= replicas
             or (replicas == 1 and a.groups)
             or len(a.groups) > a.layer_hi - a.layer_lo  # at most a group per layer held
         ):
@@ -168,6 +171,8 @@ class Placement:
                 f"bad assignment: replica {a.replica} of {replicas}, {len(a.groups)} groups "
                 f"for layers [{a.layer_lo}, {a.layer_hi})"
             )
+        groups = tuple(Group.from_proto(g, replicas) for g in a.groups)
+        _check_groups(groups, a, chain)
         return cls(
             epoch=a.epoch,
             index=a.index,
@@ -176,7 +181,7 @@ class Placement:
             hi=a.layer_hi,
             replica=a.replica,
             num_replicas=replicas,
-            groups=tuple(Group.from_proto(g, replicas) for g in a.groups),
+            groups=groups,
             prev=a.prev.address,
             next=a.next.address,
             chain=chain,
@@ -186,6 +191,30 @@ class Placement:
                 if any(p.layer_hi for p in a.chain)
                 else ()
             ),
+        )
+
+
+def _check_groups(
+    groups: tuple[Group, ...], a: stage_pb2.Assignment, chain: tuple[StageRef, ...]
+) -> None:
+    """A replicated stage's groups tile its layers in order, and name it as their holder
+    in its replica (a layer left out would never get its reduced gradient).
+
+    Raises:
+        InvalidRequest: naming the groups and the layers.
+    """
+    if a.num_replicas <= 1:
+        return
+    cuts = [a.layer_lo, *(g.hi for g in groups)]
+    own = chain[a.index].address if chain and a.index < len(chain) else None
+    if (
+        [g.lo for g in groups] != cuts[:-1]
+        or cuts[-1] != a.layer_hi
+        or any(own is not None and g.holders[a.replica].address != own for g in groups)
+    ):
+        raise InvalidRequest(
+            f"bad assignment: groups {[(g.lo, g.hi) for g in groups]} do not tile layers "
+            f"[{a.layer_lo}, {a.layer_hi}) held by replica {a.replica}'s stage {own!r}"
         )
 
 

@@ -11,7 +11,7 @@ touches the step protocol: the caller owns the run's state.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,13 +282,23 @@ def _run_ops(
             if inputs != ctx.stash_meter.inputs:  # a count of other shapes: the next counts
                 ctx.stash_meter.forget()
     path.drain(ctx.deadline)  # every device->host copy done and handed to its link
-    for link in ctx.links.values():
+    flush(ctx.links.values(), mailbox, run, ctx.deadline)
+
+
+def flush(links: Iterable[Link], mailbox: Mailbox, run: int, deadline: float) -> None:
+    """Waits until every send of ``run`` on ``links`` has left.
+
+    Raises:
+        ElasticPipeError: the run failed meanwhile (an abort, a peer's failure, a send
+            that failed), or sends were still pending at ``deadline``.
+    """
+    for link in links:
         # Waits for the sends in slices, so that an abort (a recovery preempting the run)
         # or a peer's failure ends the wait at once.
-        while not link.flush(min(FLUSH_SLICE_S, max(0.0, ctx.deadline - time.monotonic()))):
+        while not link.flush(min(FLUSH_SLICE_S, max(0.0, deadline - time.monotonic()))):
             if (failure := mailbox.failure(run)) is not None:
                 raise failure
-            if time.monotonic() >= ctx.deadline:
+            if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
                     f"run {run}: sends to {link.address} still pending at the deadline"
                 )

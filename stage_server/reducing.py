@@ -4,15 +4,18 @@ replicas (``reduction.GroupReduction``), and the sums go into ``.grad``.
 
 The pieces travel as REDUCE data messages, through the links and the mailbox that carry
 activations, so they get every check activations get: the run's epoch and secret, bounds
-before allocation, the deadline, mutual TLS (only a stage's certificate may send one). A
-piece is a tuple of flat tensors (the chunk of each parameter it spans) ending with one
-bool tensor (which of them have a gradient); its key (``DataHeader.micro_batch``) names the
-group, the sender and the node (``reduction.piece_key``). Pieces are never cast to the
-job's wire dtype: the sum is exact.
+before allocation, the deadline, mutual TLS (only a stage's certificate may send one). On
+the wire a piece is its chunk's tensors joined into one flat tensor per run of parameters
+of one dtype (a message holds at most 64 tensors; a chunk may span hundreds of
+parameters), then one bool tensor: which parameters have a gradient. Both ends know the
+chunk's form, so the receiver cuts the runs back. The key (``DataHeader.micro_batch``)
+names the group, the sender and the node (``reduction.piece_key``). Pieces are never cast
+to the job's wire dtype: the sum is exact.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +23,7 @@ import torch
 
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Placement
+from elasticpipe.stage_server.executor import flush
 from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
@@ -54,10 +58,10 @@ def share_of(placement: Placement, shares: Sequence[int], micro_batches: int) ->
         InvalidRequest: shares that do not fit the placement or ``micro_batches``.
     """
     replicas = placement.num_replicas
-    if len(shares) != replicas or shares[placement.replica] != micro_batches:
+    if len(shares) != replicas or shares[placement.replica] != micro_batches or 0 in shares:
         raise InvalidRequest(
             f"shares {list(shares)} for replica {placement.replica} of {replicas}, which "
-            f"runs {micro_batches} micro-batches"
+            f"runs {micro_batches} micro-batches (every replica runs at least one)"
         )
     first = sum(shares[: placement.replica])
     return range(first, first + micro_batches)
@@ -102,12 +106,13 @@ def reduce_gradients(
             key = piece_key(reduction.group, sender, replicas, index)
             value = mailbox.take(ids.run, Slot.REDUCE, key, ids.deadline)
             node = None if index is None else reduction.node_of(sender, index)
-            piece = _piece(
-                value, reduction.group, me if index is not None else sender, sender, node
-            )
+            chunk = me if index is not None else sender
+            piece = _piece(value, reduction, chunk, sender, node)
             _send(reduction.receive(piece), reduction, addresses, replicas, links, ids)
     for reduction, owned, params, _ in work:
         layers.install_grads(dict(zip(owned, unflatten(reduction.result(), params), strict=True)))
+    peers = {a for _, _, _, addresses in work for a in addresses if a in links}
+    flush([links[a] for a in sorted(peers)], mailbox, ids.run, ids.deadline)
 
 
 def _send(
@@ -123,35 +128,67 @@ def _send(
         index = None if piece.node is None else reduction.node_index(piece.sender, piece.node)
         key = piece_key(piece.group, piece.sender, replicas, index)
         flags = torch.tensor(piece.present, dtype=torch.bool)
-        value = (*piece.tensors, flags)
+        value = (*_joined(piece.tensors), flags)
         links[addresses[send.to]].put(
             Outgoing("Reduce", ids.epoch, ids.run, ids.step, key, value, secret=ids.secret)
         )
 
 
-def _piece(value: object, group: int, chunk: int, sender: int, node: object) -> Piece:
-    """A received REDUCE message as a ``Piece`` (its tensors copied: this run adds into
-    them, and what the wire decoded may be read-only)."""
+def _joined(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The chunk's flat tensors joined, one per run of one dtype, on the host."""
+    runs: list[list[torch.Tensor]] = []
+    for t in tensors:
+        if runs and runs[-1][0].dtype == t.dtype:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return [torch.cat(run).cpu() if len(run) > 1 else run[0].cpu() for run in runs]
+
+
+def _piece(
+    value: object, reduction: GroupReduction, chunk: int, sender: int, node: object
+) -> Piece:
+    """A received REDUCE message as a ``Piece``: its runs cut back into the chunk's
+    parameters, on the parameters' device (copies: this run adds into them, and what the
+    wire decoded may be read-only).
+
+    Raises:
+        InvalidRequest: not the runs and flags of this chunk's form (naming them).
+    """
+    where = f"a reduction piece of group {reduction.group} from replica {sender}"
     if (
         not isinstance(value, tuple)
         or not value
         or not all(isinstance(t, torch.Tensor) for t in value)
     ):
         raise InvalidRequest(
-            f"a reduction piece of group {group} from replica {sender} is not a tuple of "
-            f"tensors ending with its flags (got {type(value).__name__})"
+            f"{where} is not a tuple of tensors ending with its flags (got {type(value).__name__})"
         )
-    *tensors, flags = value
+    *runs, flags = value
     if flags.dtype != torch.bool or flags.dim() != 1:
         raise InvalidRequest(
-            f"a reduction piece of group {group} from replica {sender}: its last tensor must "
-            f"be 1-d bool flags (got {flags.dtype}, {flags.dim()}-d)"
+            f"{where}: its last tensor must be 1-d bool flags (got {flags.dtype}, {flags.dim()}-d)"
         )
+    form = reduction.chunk_form(chunk)
+    want = _joined([torch.empty(n, dtype=d) for n, d, _ in form])
+    got = [(t.numel(), t.dtype, t.dim()) for t in runs]
+    if got != [(t.numel(), t.dtype, 1) for t in want]:
+        raise InvalidRequest(
+            f"{where}, chunk {chunk}: runs {[(n, str(d)) for n, d, _ in got]}, expected flat "
+            f"{[(t.numel(), str(t.dtype)) for t in want]}"
+        )
+    tensors = []
+    same_dtype = itertools.groupby(form, key=lambda f: f[1])  # the runs _joined made
+    for run, (_, entries) in zip(runs, same_dtype, strict=True):
+        start = 0
+        for n, _, device in entries:
+            tensors.append(run[start : start + n].to(device, copy=True))
+            start += n
     return Piece(
-        group,
+        reduction.group,
         chunk,
         sender,
         node,  # type: ignore[arg-type]
-        tuple(t.clone() for t in tensors),
+        tuple(tensors),
         tuple(bool(f) for f in flags.tolist()),
     )

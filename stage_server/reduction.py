@@ -223,6 +223,11 @@ class GroupReduction:
             raise InvalidRequest(f"group {self.group}: node {node} is not of replica {sender}")
         return self._covers[sender].index(node)
 
+    def chunk_form(self, chunk: int) -> list[tuple[int, torch.dtype, torch.device]]:
+        """The elements, dtype and device of each tensor of chunk ``chunk``'s pieces."""
+        lo, hi = self._bounds[chunk]
+        return [(t.numel(), t.dtype, t.device) for t in cut(self._like, lo, hi)]
+
     def node_of(self, sender: int, index: int) -> Node:
         """``sender``'s ``index``-th covering node."""
         return self._covers[sender][index]

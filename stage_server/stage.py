@@ -370,6 +370,12 @@ class Stage(EpochChanges):
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
         with self._cond:
             replicated = train and self.placement is not None and self.placement.num_replicas > 1
+            if train and (replicated or shares):
+                self.machine.check_epoch(epoch)  # a stale client gets the retryable refusal
+                if not replicated:
+                    raise InvalidRequest(
+                        f"shares {list(shares)} sent to a stage of one pipeline (no replicas)"
+                    )
             share = (  # checked before the run begins: a refusal leaves nothing behind
                 reducing.share_of(self.placement, shares, micro_batches)  # type: ignore[arg-type]
                 if replicated

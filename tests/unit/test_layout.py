@@ -126,3 +126,35 @@ def test_a_bad_replica_placement_is_refused_by_name(change: dict[str, int], erro
         setattr(wire, field, value)
     with pytest.raises(InvalidRequest, match=error):
         Placement.from_proto(wire)
+
+
+@pytest.mark.parametrize(
+    ("groups", "error"),
+    [
+        ([(1, 2)], r"groups \[\(1, 2\)\] do not tile layers \[1, 3\)"),
+        ([(1, 2), (2, 3), (3, 4)], r"3 groups for layers \[1, 3\)"),
+        ([], r"groups \[\] do not tile"),
+    ],
+)
+def test_groups_that_leave_a_layer_out_are_refused(
+    groups: list[tuple[int, int]], error: str
+) -> None:
+    """st-d holds layers 1-2: its groups must tile them (a layer left out would never get
+    its reduced gradient), each naming st-d as replica 1's holder."""
+    wire = EXAMPLE.assignment("st-d").to_proto()
+    template = wire.groups[0]
+    del wire.groups[:]
+    for lo, hi in groups:
+        g = wire.groups.add()
+        g.CopyFrom(template)
+        g.layer_lo, g.layer_hi = lo, hi
+    with pytest.raises(InvalidRequest, match=error):
+        Placement.from_proto(wire)
+
+
+def test_a_group_naming_another_holder_is_refused() -> None:
+    """A group whose replica-1 holder is not st-d itself is refused, naming the stage."""
+    wire = EXAMPLE.assignment("st-d").to_proto()
+    wire.groups[0].holders[1].address = "h:elsewhere"
+    with pytest.raises(InvalidRequest, match="replica 1's stage 'h:d'"):
+        Placement.from_proto(wire)

@@ -1,0 +1,72 @@
+"""The reduction's wire form: a chunk of any number of parameters travels as one tensor per
+run of one dtype plus its flags, and comes back as the chunk's parameters; anything else
+is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.partition import Group, Placement, StageRef
+from elasticpipe.stage_server.reducing import _joined, _piece, share_of
+from elasticpipe.stage_server.reduction import GroupReduction, cut
+from elasticpipe.training.gradsum import Node
+
+
+def _like() -> list[torch.Tensor]:
+    """150 parameters (more than a message's 64 tensors), one run of float64 among float32
+    ones, and an empty one."""
+    sizes = [3] * 70 + [0] + [2] * 80
+    dtypes = [torch.float32] * 70 + [torch.float32] + [torch.float64] * 5 + [torch.float32] * 75
+    return [torch.zeros(n, dtype=d) for n, d in zip(sizes, dtypes, strict=True)]
+
+
+def test_a_wide_mixed_chunk_goes_over_the_wire_in_runs_and_comes_back_whole() -> None:
+    """Chunk 1 of 2 holders (81 parameters, an empty one among them): joined into 3 runs
+    (float32, float64, float32) plus flags, then cut back into the same tensors, values
+    and flags."""
+    like = _like()
+    reduction = GroupReduction(4, 1, [range(0, 4), range(4, 8)], 8, like)
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(t.numel(), generator=g).to(t.dtype) for t in like]
+    total = sum(t.numel() for t in like)
+    lo, hi = total // 2, total
+    chunk = cut(values, lo, hi)
+    runs = _joined(chunk)
+    assert [t.dtype for t in runs] == [torch.float32, torch.float64, torch.float32]
+    present = tuple(j % 3 != 0 for j in range(len(chunk)))
+    wire = (*runs, torch.tensor(present, dtype=torch.bool))
+    piece = _piece(wire, reduction, 1, 0, Node(0, 4))
+    assert len(piece.tensors) == len(chunk) and piece.present == present
+    assert all(
+        torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(piece.tensors, chunk, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("wire", "error"),
+    [
+        ("not tensors", "not a tuple of tensors"),
+        ((torch.zeros(2),), "1-d bool flags"),
+        ((torch.zeros(3), torch.ones(1, dtype=torch.bool)), r"runs \[\(3, 'torch.float32'\)\]"),
+    ],
+)
+def test_a_piece_of_another_form_is_refused_by_name(wire: object, error: str) -> None:
+    """Not a tuple of tensors, no bool flags at the end, runs of other sizes: refused."""
+    reduction = GroupReduction(4, 1, [range(0, 4), range(4, 8)], 8, [torch.zeros(10)])
+    with pytest.raises(InvalidRequest, match=error):
+        _piece(wire, reduction, 1, 0, Node(0, 4))
+
+
+def test_shares_must_fit_the_replica_and_leave_none_empty() -> None:
+    """Replica 1 of 2 runs the second share: its ids start after the first's; shares that
+    disagree with the placement, or leave a replica without micro-batches, are refused."""
+    group = Group(0, 0, 2, (StageRef("a", "h:a"), StageRef("b", "h:b")))
+    placement = Placement(
+        epoch=1, index=0, num_stages=1, lo=0, hi=2, replica=1, num_replicas=2, groups=(group,)
+    )
+    assert share_of(placement, [5, 3], 3) == range(5, 8)
+    for shares, runs in (([5, 3], 4), ([8], 8), ([8, 0], 0)):
+        with pytest.raises(InvalidRequest, match="every replica runs at least one"):
+            share_of(placement, shares, runs)
