@@ -14,6 +14,7 @@ import queue
 import secrets
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,6 +28,7 @@ from elasticpipe.errors import (
     StageUnavailable,
     StepAborted,
 )
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.security import bounds
@@ -107,15 +109,11 @@ def run(
     previous: Sequence[stage_pb2.StepDecision] = (),
     *,
     secret: bytes,
-    shares: Sequence[int] = (),
 ) -> list[stage_pb2.StepReport]:
     """Runs one step (``targets`` given) or inference pass (``targets`` None).
 
     ``secret`` (``new_secret``) goes to every stage with the RunStep and in every input
-    and target: the stages take only data that carries it. With replicas, ``partition``
-    is one replica's chain, ``inputs`` its share of the step, and ``shares`` every
-    replica's: its stages then reduce their gradients with the other replicas' before
-    they report (each replica's run goes at once, with one run id and secret).
+    and target: the stages take only data that carries it.
 
     Returns:
         One report per stage, in chain order.
@@ -124,36 +122,92 @@ def run(
         ElasticPipeError: the first failure of any stage or send (the run is aborted on
             every stage before this returns).
     """
+    chain = Chain(partition, inputs, targets, scales)
+    reports = _run([chain], (), run_id, step, schedule, timeout, client, previous, clients, secret)
+    return reports[0]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One replica's chain in a run, and the micro-batches it runs (its share)."""
+
+    partition: Partition
+    inputs: Sequence[Value]
+    targets: Sequence[torch.Tensor] | None
+    scales: Sequence[float]
+
+
+def run_replicas(
+    clients: StageClients,
+    layout: Layout,
+    run_id: int,
+    step: int,
+    inputs: Sequence[Value],
+    targets: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    schedule: str,
+    timeout: float,
+    client: int = 0,
+    previous: Sequence[stage_pb2.StepDecision] = (),
+    *,
+    secret: bytes,
+) -> list[list[stage_pb2.StepReport]]:
+    """Runs one training step on every replica of ``layout`` at once: each replica's chain
+    its share of the step's micro-batches (``inputs``, ``targets`` and ``scales`` are the
+    whole step's), one run id and secret for all; the stages reduce their gradients with
+    the other replicas' before they report.
+
+    Returns:
+        Per replica, one report per stage in chain order.
+
+    Raises:
+        ElasticPipeError: the first failure of any stage or send, in any replica (the run
+            is aborted on every stage of every replica before this returns, so that no
+            holder waits out its deadline for a piece that will not come).
+    """
+    chains = [
+        Chain(
+            replica,
+            [inputs[k] for k in layout.share_of(r)],
+            [targets[k] for k in layout.share_of(r)],
+            [scales[k] for k in layout.share_of(r)],
+        )
+        for r, replica in enumerate(layout.replicas)
+    ]
+    shares = layout.shares
+    return _run(chains, shares, run_id, step, schedule, timeout, client, previous, clients, secret)
+
+
+def _run(
+    chains: Sequence[Chain],
+    shares: Sequence[int],
+    run_id: int,
+    step: int,
+    schedule: str,
+    timeout: float,
+    client: int,
+    previous: Sequence[stage_pb2.StepDecision],
+    clients: StageClients,
+    secret: bytes,
+) -> list[list[stage_pb2.StepReport]]:
+    """Starts every chain's RunSteps at once (gRPC futures), feeds each chain from a
+    thread of its own, and waits; the first failure aborts the run on every stage."""
     if schedule not in _SCHEDULE:
         raise InvalidRequest(f"unknown schedule {schedule!r}")
-    train = targets is not None
-    request = stage_pb2.RunStepRequest(
-        epoch=partition.epoch,
-        run=run_id,
-        step=step,
-        micro_batches=len(inputs),
-        schedule=_SCHEDULE[schedule],
-        mode=stage_pb2.TRAIN if train else stage_pb2.INFER,
-        timeout_s=timeout,
-        client=client,
-        previous=previous,
-        secret=secret,
-        shares=shares,
-    )
-    addresses = partition.addresses
-    first, last = addresses[0], addresses[-1]
     done: queue.Queue[tuple[str, Any]] = queue.Queue()
+    everyone = [a for chain in chains for a in chain.partition.addresses]
 
-    def feed() -> None:
+    def feed(chain: Chain) -> None:
+        partition, addresses = chain.partition, chain.partition.addresses
         try:
-            for i, x in enumerate(inputs):
+            for i, x in enumerate(chain.inputs):
                 epoch = partition.epoch
                 forward = Outgoing("Forward", epoch, run_id, step, i, x, secret=secret)
-                clients.send(first, forward, timeout)
-                if targets is not None:
-                    y, scale = targets[i], scales[i]
+                clients.send(addresses[0], forward, timeout)
+                if chain.targets is not None:
+                    y, scale = chain.targets[i], chain.scales[i]
                     target = Outgoing("Targets", epoch, run_id, step, i, y, scale, secret)
-                    clients.send(last, target, timeout)
+                    clients.send(addresses[-1], target, timeout)
         except ElasticPipeError as exc:
             done.put(("client", exc))
             return
@@ -162,14 +216,29 @@ def run(
     def on_done(address: str) -> Any:
         return lambda future: done.put((address, future))
 
-    for address in addresses:
-        future = clients.stub(address).RunStep.future(request, timeout=timeout + 5.0)
-        future.add_done_callback(on_done(address))
-    threading.Thread(target=feed, name=f"feed-{run_id}", daemon=True).start()
+    for chain in chains:
+        request = stage_pb2.RunStepRequest(
+            epoch=chain.partition.epoch,
+            run=run_id,
+            step=step,
+            micro_batches=len(chain.inputs),
+            schedule=_SCHEDULE[schedule],
+            mode=stage_pb2.TRAIN if chain.targets is not None else stage_pb2.INFER,
+            timeout_s=timeout,
+            client=client,
+            previous=previous,
+            secret=secret,
+            shares=shares,
+        )
+        for address in chain.partition.addresses:
+            future = clients.stub(address).RunStep.future(request, timeout=timeout + 5.0)
+            future.add_done_callback(on_done(address))
+    for chain in chains:
+        threading.Thread(target=feed, args=(chain,), name=f"feed-{run_id}", daemon=True).start()
 
     reports: dict[str, stage_pb2.StepReport] = {}
     errors: list[ElasticPipeError] = []
-    for _ in range(len(addresses) + 1):
+    for _ in range(len(everyone) + len(chains)):
         address, outcome = done.get()
         error: ElasticPipeError | None = None
         if address == "client":
@@ -181,12 +250,12 @@ def run(
                 error = rpc.translate(exc, address)
         if error is not None:
             if not errors:
-                abort(clients, addresses, run_id, f"{address} failed: {error}", client)
+                abort(clients, everyone, run_id, f"{address} failed: {error}", client)
             errors.append(error)
     if errors:
         root = [e for e in errors if not isinstance(e, StepAborted)] or errors
         raise root[0]
-    return [reports[a] for a in addresses]
+    return [[reports[a] for a in chain.partition.addresses] for chain in chains]
 
 
 def _all(

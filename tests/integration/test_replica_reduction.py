@@ -7,7 +7,7 @@ for bit, whatever the shares."""
 from __future__ import annotations
 
 import contextlib
-import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +15,7 @@ import torch
 
 from elasticpipe import LocalPipeline
 from elasticpipe.client import driver
+from elasticpipe.errors import UserCodeError
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
 from elasticpipe.stage_server.server import StageServer
@@ -62,48 +63,8 @@ def _layout(servers: list[StageServer], shares: tuple[int, ...]) -> Layout:
     return Layout(replicas, shares).validate(7, M)
 
 
-def _step(
-    clients: driver.StageClients, layout: Layout, step: int
-) -> list[list[stage_pb2.StepReport]]:
-    """One step: every replica's run at once (one run id and secret), each with its share;
-    their reports in replica order."""
-    xs, ys, scales = split_batch(*_batch(step), M, torch.device("cpu"))
-    secret = driver.new_secret()
-    reports: dict[int, list[stage_pb2.StepReport]] = {}
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        share = layout.share_of(r)
-        try:
-            reports[r] = driver.run(
-                clients,
-                layout.replicas[r],
-                step,
-                step,
-                [xs[k] for k in share],
-                [ys[k] for k in share],
-                [scales[k] for k in share],
-                "1f1b",
-                60.0,
-                secret=secret,
-                shares=layout.shares,
-            )
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(layout.replicas))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
-    return [reports[r] for r in range(len(layout.replicas))]
-
-
-def _train(
-    servers: list[StageServer], shares: tuple[int, ...]
-) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    layout = _layout(servers, shares)
+def _assign(layout: Layout) -> None:
+    """Assigns every stage its place in ``layout``, by hand (as the coordinator will)."""
     job = JobConfig(**JOB).with_id()  # type: ignore[arg-type]
     for replica in layout.replicas:
         for ref in replica.stages:
@@ -115,6 +76,25 @@ def _train(
                     ),
                     timeout=30,
                 )
+
+
+def _step(
+    clients: driver.StageClients, layout: Layout, step: int, run_id: int = 0
+) -> list[list[stage_pb2.StepReport]]:
+    """One step on every replica at once (``driver.run_replicas``); the reports by replica."""
+    xs, ys, scales = split_batch(*_batch(step), M, torch.device("cpu"))
+    run = run_id or step
+    secret = driver.new_secret()
+    return driver.run_replicas(
+        clients, layout, run, step, xs, ys, scales, "1f1b", 60.0, secret=secret
+    )
+
+
+def _train(
+    servers: list[StageServer], shares: tuple[int, ...]
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    layout = _layout(servers, shares)
+    _assign(layout)
     losses = []
     with contextlib.closing(driver.StageClients()) as clients:
         for step in range(1, STEPS + 1):
@@ -156,3 +136,24 @@ def test_two_replicas_reduce_over_their_data_channels_bit_for_bit(
         assert state.keys() == want.keys()
         for key, value in want.items():
             assert torch.equal(_bits(state[key]), _bits(value)), (r, key)
+
+
+def test_a_failure_in_one_replica_aborts_the_others_at_once(servers: list[StageServer]) -> None:
+    """A target out of range in replica 1's share fails its last stage: the run is aborted
+    on every stage of both replicas at once (replica 0's holders do not wait out the 60 s
+    deadline for pieces that will not come), the error names the cause, and the next step
+    trains."""
+    layout = _layout(servers, (5, 3))
+    _assign(layout)
+    xs, ys, scales = split_batch(*_batch(1), M, torch.device("cpu"))
+    bad = [y.clone() for y in ys]
+    bad[6][0] = 99  # replica 1 runs micro-batches 5-7
+    with contextlib.closing(driver.StageClients()) as clients:
+        started = time.monotonic()
+        with pytest.raises(UserCodeError, match="99"):
+            driver.run_replicas(
+                clients, layout, 1, 1, xs, bad, scales, "1f1b", 60.0, secret=driver.new_secret()
+            )
+        assert time.monotonic() - started < 20.0
+        reports = _step(clients, layout, 1, run_id=2)
+        assert len(reports) == 2 and all(r[-1].losses for r in reports)
