@@ -92,7 +92,7 @@ def reduce_gradients(
         if not owned:  # no parameters (an activation, a dropout): nothing to reduce
             continue
         params = [list(layers.layers[layer].parameters()) for layer in owned]
-        like = flatten([[None] * len(p) for p in params], params)[0]
+        like = [p.detach().new_empty(p.numel()) for ps in params for p in ps if p.requires_grad]
         reduction = GroupReduction(group.index, me, ranges, total, like)
         mine = [
             (node, flatten([partials[layer][j][1] for layer in owned], params))
