@@ -63,8 +63,13 @@ def share_of(placement: Placement, shares: Sequence[int], micro_batches: int) ->
             f"shares {list(shares)} for replica {placement.replica} of {replicas}, which "
             f"runs {micro_batches} micro-batches (every replica runs at least one)"
         )
-    first = sum(shares[: placement.replica])
-    return range(first, first + micro_batches)
+    return _ranges(shares)[placement.replica]
+
+
+def _ranges(shares: Sequence[int]) -> list[range]:
+    """Each replica's global micro-batch ids: its share, after the shares before it."""
+    starts = itertools.accumulate(shares, initial=0)
+    return [range(a, a + m) for a, m in zip(starts, shares, strict=False)]
 
 
 def reduce_gradients(
@@ -81,9 +86,7 @@ def reduce_gradients(
         ElasticPipeError: a peer's piece was wrong (InvalidRequest), the deadline passed
             (naming the piece that did not come), or the run failed meanwhile.
     """
-    total = sum(shares)
-    starts = [sum(shares[:r]) for r in range(len(shares))]
-    ranges = [range(a, a + m) for a, m in zip(starts, shares, strict=True)]
+    total, ranges = sum(shares), _ranges(shares)
     partials = layers.take_partials()
     me, replicas = placement.replica, placement.num_replicas
     work = []
