@@ -108,7 +108,9 @@ class PartitionInfo:
 
     Stage ``s`` of the chain (``stage_ids[s]`` at ``addresses[s]``) owns layers
     ``[boundaries[s], boundaries[s + 1])``; ``predicted_step_s`` is the planner's seconds
-    per step (None until the stages are profiled).
+    per step (None until the stages are profiled). A job of several replicas lists each
+    replica's partition in ``replicas`` and its share of the micro-batches in ``shares``;
+    the fields above are then replica 0's.
     """
 
     epoch: int
@@ -119,6 +121,8 @@ class PartitionInfo:
     predicted_step_s: float | None
     restored_step: int
     restore_epoch: int
+    replicas: tuple[PartitionInfo, ...]
+    shares: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,8 @@ class StageInfo:
 
     ``state`` is ``chain`` (holds layers ``layer_lo:layer_hi``, place ``index``), ``spare``,
     ``drained``, ``dead`` or ``left``; ``speed`` is relative to the job's profile (0 while
-    unknown); ``slowdown`` the emulated factor; ``memory_bytes`` what it offers (0: unknown).
+    unknown); ``slowdown`` the emulated factor; ``memory_bytes`` what it offers (0: unknown);
+    ``replica`` the replica whose chain it is in (-1: none).
     """
 
     stage_id: str
@@ -145,6 +150,7 @@ class StageInfo:
     state: str
     incarnation: int
     memory_bytes: int
+    replica: int
 
 
 @dataclass(frozen=True)
@@ -193,8 +199,9 @@ class Status:
 
     @property
     def chain(self) -> list[StageInfo]:
-        """The stages that hold layers, in chain order."""
-        return sorted((s for s in self.stages if s.state == "chain"), key=lambda s: s.index)
+        """The stages that hold layers, in chain order (replica after replica)."""
+        chain = (s for s in self.stages if s.state == "chain")
+        return sorted(chain, key=lambda s: (s.replica, s.index))
 
     @property
     def alive(self) -> list[StageInfo]:

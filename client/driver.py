@@ -279,13 +279,14 @@ def abort(
 
 def commit(
     clients: StageClients,
-    partition: Partition,
+    partition: Partition | Layout,
     run_id: int,
     step: int,
     client: int = 0,
     clip: GradClip = NO_CLIP,
 ) -> None:
-    """Commits a completed step on every stage (each applies its optimizer step).
+    """Commits a completed step on every stage (each applies its optimizer step): every
+    stage of every replica, given a layout.
 
     CommitStep is idempotent: a stage whose commit (or its reply) was lost is asked once
     more.

@@ -46,9 +46,11 @@ import torch
 
 from elasticpipe import models
 from elasticpipe.client import checkpoints, driver, initial
+from elasticpipe.client import replicas as replicas_
 from elasticpipe.client.session import RECOVERABLE, RETRY_WAIT_S, _Batch, _RolledBack
 from elasticpipe.client.steps import Steps
 from elasticpipe.errors import InvalidRequest, Rebalancing, StaleEpoch
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.models import weights
 from elasticpipe.observe import efficiency
@@ -143,7 +145,7 @@ class Pipeline(Steps):
         loss: str = "cross_entropy",
         micro_batches: int = 4,
         schedule: str = "1f1b",
-        stages: int | None = None,
+        stages: int | Sequence[int] | None = None,
         snapshot_every: int = 10,
         resume: bool = False,
         step_timeout: float = 120.0,
@@ -161,6 +163,7 @@ class Pipeline(Steps):
         max_grad_norm: float = 0.0,
         recompute: bool | list[int] | tuple[int, ...] = False,
         wire_dtype: str = "",
+        replicas: int | str | None = None,
     ):
         """Describes the job; nothing is contacted until first use.
 
@@ -183,7 +186,13 @@ class Pipeline(Steps):
             schedule: "1f1b" (bounded activation memory), "gpipe", or "zb-h1" (zero bubble:
                 1F1B's order with each backward split into input and weight gradients).
             stages: how many stages to use (default: every live stage); more live stages
-                are spares, which replace a stage that dies.
+                are spares, which replace a stage that dies. With replicas: each
+                replica's length, or one length per replica (``stages=(2, 3)``).
+            replicas: data parallelism over this many pipelines ("replicas"), each a chain
+                holding every layer and running its share of the micro-batches, with
+                results bitwise equal to one pipeline's; "auto": the coordinator chooses
+                them from the live stages. Default: one (or ``len(stages)``). See
+                docs/replicas.md.
             snapshot_every: committed steps between snapshots of every layer (kept in host
                 memory on two hosts); after a failure at most this many steps (plus the
                 snapshot in flight) are replayed. 0 turns snapshots off: then a dead stage
@@ -250,8 +259,7 @@ class Pipeline(Steps):
         )
         models.check_name(model)
         check_optimizer(optimizer, self._job.optimizer_kwargs)
-        if stages is not None and stages < 1:
-            raise InvalidRequest(f"stages must be >= 1 (got {stages})")
+        self._asked = replicas_.ask(replicas, stages)
         for what, seconds in (
             ("step_timeout", step_timeout),
             ("setup_timeout", setup_timeout),
@@ -261,7 +269,7 @@ class Pipeline(Steps):
             if not seconds > 0:
                 raise InvalidRequest(f"{what} must be > 0 (got {seconds})")
         self._open(coordinator, tls)  # the channels and the job's state (none yet)
-        self._num_stages = stages or 0
+        self._num_stages = self._asked.num_stages
         self._resume = resume
         self._step_timeout = step_timeout
         self._setup_timeout = setup_timeout
@@ -315,6 +323,16 @@ class Pipeline(Steps):
         if self._closed and self._partition is not None:
             return self._partition
         return self._ensure_job(None)
+
+    @property
+    def layout(self) -> Layout:
+        """The job's replicas: the epoch, and per replica its partition (stages and
+        boundaries) and share of the micro-batches (one replica: ``partition``, running
+        them all). Sets the job up if needed; after ``close``, the last one known."""
+        if not (self._closed and self._layout is not None):
+            self._ensure_job(None)
+        assert self._layout is not None
+        return self._layout
 
     @property
     def last_step(self) -> StepStats:
@@ -376,8 +394,9 @@ class Pipeline(Steps):
         for old in [s for s in self._replay if s <= min(self._safe_step, self._step)]:
             del self._replay[old]
         reports = self._last_reports
-        assert self._partition is not None
-        ideal_s, step_efficiency = efficiency.step_efficiency(self._job.schedule, reports)
+        assert self._partition is not None and self._layout is not None
+        first = self._replica_0(reports)  # with replicas: replica 0's (the others alike)
+        ideal_s, step_efficiency = efficiency.step_efficiency(self._job.schedule, first)
         self._last_step = StepStats(
             step=target,
             loss=loss,
@@ -385,8 +404,8 @@ class Pipeline(Steps):
             seconds=time.perf_counter() - started,
             attempts=attempts,
             replayed=replayed,
-            grad_norm=self._clip(reports)[0],
-            loss_scale=loss_scaling.reported(reports),
+            grad_norm=self._clip(first)[0],
+            loss_scale=loss_scaling.reported(first),
             stages=tuple(
                 StageStep(
                     address=address,
@@ -396,7 +415,7 @@ class Pipeline(Steps):
                     peak_stashed_bytes=r.peak_stashed_bytes,
                     lr=r.lr,
                 )
-                for address, r in zip(self._partition.addresses, reports, strict=False)
+                for address, r in zip(self._layout.addresses, reports, strict=False)
             ),
             ideal_s=ideal_s,
             efficiency=step_efficiency,

@@ -36,6 +36,7 @@ import torch
 from elasticpipe.client.driver import StageClients
 from elasticpipe.client.initial import InitialWeights
 from elasticpipe.client.repeats import Repeats, Waiting
+from elasticpipe.client.replicas import Asked
 from elasticpipe.errors import (
     CONTINUE_FROM_SAVE,
     CommitOutcomeUnknown,
@@ -55,6 +56,7 @@ from elasticpipe.errors import (
     StepAborted,
     TransferError,
 )
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.security import bounds
@@ -111,6 +113,7 @@ class Session:
     # Set by Pipeline: its arguments, its last step, close().
     _job: JobConfig
     _num_stages: int
+    _asked: Asked
     _resume: bool
     _step_timeout: float
     _setup_timeout: float
@@ -127,7 +130,8 @@ class Session:
         self._coordinators = Coordinators(coordinator, self._tls)
         self.coordinator = str(self._coordinators)  # every address given, comma-separated
         self._clients = StageClients(tls=self._tls)
-        self._partition: Partition | None = None
+        self._partition: Partition | None = None  # replica 0's, with replicas
+        self._layout: Layout | None = None  # every replica's (one: the partition)
         self._client = 0
         self._runs: Iterator[int] = itertools.count(1)
         self._step = 0  # committed on the stages (drops when the job is rolled back)
@@ -182,6 +186,8 @@ class Session:
             client_name=f"{socket.gethostname()}:{os.getpid()}",
             # The same setup sent again after a failover gets what it set up, not JobInUse.
             request_id=secrets.token_hex(8),
+            replica_stages=self._asked.replica_stages,
+            auto_replicas=self._asked.auto,
         )
         deadline = time.monotonic() + self._setup_timeout
         lease_wait = Waiting("waiting_for_lease")
@@ -226,7 +232,7 @@ class Session:
         self._step = self._done = reply.committed_step
         self._safe_step = reply.safe_step
         self._profiled = reply.profiled
-        self._adopt(Partition.from_proto(reply.partition))
+        self._adopt(reply.partition)
         partition = self._partition
         assert partition is not None
         self._restore_epoch = partition.restore_epoch
@@ -273,7 +279,7 @@ class Session:
         bundle.set_sample(request, sample)
         reply = self._coordinator_call("ProfileJob", request, timeout=self._setup_timeout + 120.0)
         self._profiled = True
-        self._adopt(Partition.from_proto(reply))
+        self._adopt(reply)
 
     def _loop_paused(self, epoch: int, pause_s: float) -> None:
         """The training loop stood still ``pause_s`` for the change to ``epoch``: tell the
@@ -327,8 +333,10 @@ class Session:
                 return
             self._safe_step = max(self._safe_step, reply.safe_step)
 
-    def _adopt(self, partition: Partition) -> None:
-        self._partition = partition.validate()
+    def _adopt(self, message: coordinator_pb2.Partition) -> None:
+        """Takes the coordinator's partition (with every replica, if several)."""
+        layout = Layout.from_proto(message, self._job.micro_batches)
+        self._partition, self._layout = layout.replicas[0].validate(), layout
 
     def _refresh(
         self, deadline: float, since: float | None = None, wait: float = RETRY_WAIT_S
@@ -344,7 +352,7 @@ class Session:
             coordinator_pb2.GetPartitionRequest(newer_than=old.epoch, timeout_s=wait),
             timeout=wait + 10.0,
         )
-        self._adopt(Partition.from_proto(reply))
+        self._adopt(reply)
         new = self._partition
         assert new is not None
         if new.epoch != old.epoch:
@@ -474,7 +482,7 @@ class Session:
                 if attempt >= RESTORE_ATTEMPTS:
                     raise exc.forgotten from None
                 log.warning("load_streamed_again", epoch=exc.epoch, attempt=attempt + 1)
-        self._adopt(new)
+        self._adopt(new.to_proto())  # (a job of several replicas loads nothing yet)
         self._restore_epoch = new.restore_epoch
         self._step = self._done = step
         self._safe_step = step

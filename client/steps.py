@@ -30,7 +30,14 @@ from elasticpipe.client.session import (
     _Batch,
     _RolledBack,
 )
-from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, Rebalancing, StaleEpoch
+from elasticpipe.errors import (
+    CoordinatorUnavailable,
+    ElasticPipeError,
+    InvalidRequest,
+    Rebalancing,
+    StaleEpoch,
+)
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.training import clipping, loss_scaling
@@ -54,12 +61,16 @@ class Steps(Session):
 
     def _run(
         self, step: int, batch: _Batch, train: bool
-    ) -> tuple[list[stage_pb2.StepReport], Partition, int, bytes, int]:
+    ) -> tuple[list[stage_pb2.StepReport], Partition | Layout, int, bytes, int]:
         """Runs one attempt after another until the stages accept the partition.
 
+        A training step of a job of several replicas runs on every replica at once (each
+        its share of the micro-batches); inference runs on replica 0.
+
         Returns:
-            Reports, the partition used, the run id and its secret, and the attempts it
-            took.
+            Reports (with replicas: every replica's, replica after replica, each in chain
+            order), the partition or layout run on, the run id and its secret, and the
+            attempts it took.
         """
         partition = self._ensure_job(batch.xs[0])
         deadline = time.monotonic() + self._rebalance_timeout
@@ -70,25 +81,54 @@ class Steps(Session):
             self._check_lease()
             run_id, secret = next(self._runs), driver.new_secret()
             attempt_at = time.monotonic()
+            layout = self._layout
+            ran: Partition | Layout = partition
             try:
-                reports = driver.run(
-                    self._clients,
-                    partition,
-                    run_id,
-                    step,
-                    batch.xs,
-                    batch.ys if train else None,
-                    batch.scales,
-                    self._job.schedule,
-                    self._step_timeout,
-                    self._client,
-                    list(self._decisions.values()),
-                    secret=secret,
-                )
+                if train and layout is not None and len(layout.replicas) > 1:
+                    ran = layout
+                    if len(batch.xs) != layout.micro_batches:
+                        raise InvalidRequest(
+                            f"a batch of {len(batch.xs)} micro-batches for a job of "
+                            f"{len(layout.replicas)} replicas sharing {layout.micro_batches}: "
+                            "give every step at least micro_batches samples"
+                        )
+                    reports = [
+                        r
+                        for chain in driver.run_replicas(
+                            self._clients,
+                            layout,
+                            run_id,
+                            step,
+                            batch.xs,
+                            batch.ys,
+                            batch.scales,
+                            self._job.schedule,
+                            self._step_timeout,
+                            self._client,
+                            list(self._decisions.values()),
+                            secret=secret,
+                        )
+                        for r in chain
+                    ]
+                else:
+                    reports = driver.run(
+                        self._clients,
+                        partition,
+                        run_id,
+                        step,
+                        batch.xs,
+                        batch.ys if train else None,
+                        batch.scales,
+                        self._job.schedule,
+                        self._step_timeout,
+                        self._client,
+                        list(self._decisions.values()),
+                        secret=secret,
+                    )
                 self._decisions.clear()  # every stage heard every earlier decision
                 if refused_at is not None and partition.epoch != refused_epoch:
                     self._loop_paused(partition.epoch, attempt_at - refused_at)
-                return reports, partition, run_id, secret, attempts
+                return reports, ran, run_id, secret, attempts
             except (StaleEpoch, Rebalancing) as exc:
                 if train:
                     self._decided(run_id, step, commit=False)
@@ -127,8 +167,9 @@ class Steps(Session):
         """Runs and commits one step; returns its loss, reports and attempts."""
         reports, partition, run_id, _, attempts = self._run(step, batch, train=True)
         self._test_pause("before_commit", step)
-        norm, clip = self._clip(reports)
-        clipping.warn_if_skipped(log, step, norm, clip, loss_scaling.reported(reports))
+        first = self._replica_0(reports)  # every replica holds the same reduced gradients
+        norm, clip = self._clip(first)
+        clipping.warn_if_skipped(log, step, norm, clip, loss_scaling.reported(first))
         self._decided(run_id, step, commit=True, clip=clip)
         try:
             driver.commit(self._clients, partition, run_id, step, self._client, clip)
@@ -139,10 +180,23 @@ class Steps(Session):
             self._step = step
             self._test_pause("after_commit", step)
             self._report_failure(exc)
-            return float(sum(reports[-1].losses)), reports, attempts
+            return self._loss(reports, partition), reports, attempts
         self._step = step
         self._test_pause("after_commit", step)
-        return float(sum(reports[-1].losses)), reports, attempts
+        return self._loss(reports, partition), reports, attempts
+
+    def _replica_0(self, reports: list[stage_pb2.StepReport]) -> list[stage_pb2.StepReport]:
+        """Replica 0's reports of a run's (all of them with one pipeline)."""
+        partition = self._partition
+        return reports[: partition.num_stages] if partition is not None else reports
+
+    @staticmethod
+    def _loss(reports: list[stage_pb2.StepReport], ran: Partition | Layout) -> float:
+        """The step's loss: every micro-batch's, in global micro-batch order (each
+        replica's last stage reports its share's), summed in that order."""
+        chains = ran.replicas if isinstance(ran, Layout) else (ran,)
+        ends = list(itertools.accumulate(p.num_stages for p in chains))
+        return float(sum(x for end in ends for x in reports[end - 1].losses))
 
     def _clip(self, reports: list[stage_pb2.StepReport]) -> tuple[float | None, clipping.GradClip]:
         """The global gradient norm of a run and the clipping its commit applies."""

@@ -239,8 +239,7 @@ class Coordinator:
                 f"stage {live.row.name} ({live.row.stage_id}) is alive: drain it, stop it, "
                 "then forget it"
             )
-        partition = self.cluster.partition
-        held = set(partition.stage_ids) if partition is not None else set()
+        held = set(self.cluster.job_stage_ids())
         forgettable = [m for m in gone if m.row.stage_id not in held]
         if not forgettable:
             raise InvalidRequest(
@@ -291,6 +290,9 @@ class Coordinator:
         twice: the stored profile decides the move, which is then already made or made now.
         """
         profiled = self.jobs.profile_later(job_id, client, sample)
+        if self.cluster.replicas > 1:  # replicas are not re-planned yet: no move
+            log.info("job_profiled", job=job_id, again=not profiled, moved=False)
+            return
         view = self.rebalancer.plan_view()
         moved = False
         if view.optimal_step_s < view.current_step_s:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elasticpipe.coordinator import concurrency, epochs
+from elasticpipe.coordinator import concurrency, epochs, replicas
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.laps import Laps
 from elasticpipe.coordinator.loads import Loads
@@ -27,6 +27,7 @@ from elasticpipe.coordinator.planning import (
     predict_step_time,
 )
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
+from elasticpipe.coordinator.replicas import ONE_PIPELINE, Shape
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import (
@@ -37,6 +38,7 @@ from elasticpipe.errors import (
     ModelError,
     StagesMissing,
 )
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
 from elasticpipe.training.job import JobConfig
@@ -113,8 +115,11 @@ class Jobs(Loads):
         holder: str,
         active: Callable[[], bool] = lambda: True,
         request: str = "",
+        shape: Shape = ONE_PIPELINE,
     ) -> Attached:
         """Starts a new job, or attaches to the running one (``resume``).
+
+        ``shape``: the replicas asked for (``replicas``; default one pipeline).
 
         ``active`` tells whether the caller still waits (a cancelled call stops waiting
         for stages at once). ``request`` names the call: the same request sent again
@@ -147,8 +152,24 @@ class Jobs(Loads):
                 )
             if self.c.failure:
                 raise LayersLost(f"cannot resume job {current.job_id}: {self.c.failure}")
+            if not shape.matches(self.c.layout):
+                running = [p.num_stages for p in (self.c.job_layout() or Layout((), ())).replicas]
+                raise InvalidRequest(
+                    f"cannot resume job {current.job_id} as replicas of {list(shape.sizes)} "
+                    f"stages: it runs replicas of {running}"
+                )
             return self._attach(current, lease_s, holder, request)
-        return self._start(job, sample, num_stages, wait_s, lease_s, holder, active, request)
+        return self._start(
+            job,
+            sample,
+            shape.stages_needed(num_stages),
+            wait_s,
+            lease_s,
+            holder,
+            active,
+            request,
+            shape,
+        )
 
     def _attach(
         self, job: JobConfig, lease_s: float, holder: str, request: str = "", resumed: bool = True
@@ -158,7 +179,8 @@ class Jobs(Loads):
             self.abandon_stale_load()  # a load its dead client began: abort it first
             partition = self.c.require_job()[1]
             client = self._issue(holder)
-            step = self.settle(partition, client, holder)  # fences every older client
+            # fences every older client, on every replica's stages
+            step = self.settle(self.c.job_layout() or partition, client, holder)
             partition, safe = self._snapshot_at(job, partition, step, holder)
             self._grant(job.job_id, lease_s, holder, client, request, created=not resumed)
         log.info("client_attached", job=job.job_id, client=holder, step=step)
@@ -178,12 +200,13 @@ class Jobs(Loads):
         """Snapshots every stage at ``step`` (the attach point) and waits for the copies:
         a new client holds no mini-batch before it, so a rollback must never go further
         back. Done as an epoch change to the same partition (every epoch starts with a
-        snapshot). Under ``move_lock``, with every stage settled and idle.
+        snapshot). Under ``move_lock``, with every stage settled and idle. Not for a job
+        of several replicas (no rollback of one is built yet).
 
         Returns:
             The partition in force, and whether the snapshot of ``step`` is safe.
         """
-        if not job.snapshot_every:
+        if not job.snapshot_every or self.c.replicas > 1:
             return partition, False
         # The job's history for this client starts here: no rollback goes further back,
         # and snapshots of stages that missed this epoch are of an older history.
@@ -246,11 +269,12 @@ class Jobs(Loads):
         holder: str,
         active: Callable[[], bool],
         request: str = "",
+        shape: Shape = ONE_PIPELINE,
     ) -> Attached:
         chosen = self._wait_for_stages(num_stages, wait_s, active)
         job = job.with_id()
         try:
-            return self._assign(job, sample, chosen, lease_s, holder, request)
+            return self._assign(job, sample, chosen, lease_s, holder, request, shape)
         except ElasticPipeError as exc:
             log.error("job_setup_failed", model=job.model, error=str(exc))
             raise
@@ -263,6 +287,7 @@ class Jobs(Loads):
         lease_s: float,
         holder: str,
         request: str = "",
+        shape: Shape = ONE_PIPELINE,
     ) -> Attached:
         laps = Laps()
         with self.c.move_lock:
@@ -273,7 +298,13 @@ class Jobs(Loads):
             described = self._describe(spec, chosen)
             laps.lap("describe")
             num_layers, param_bytes = described.num_layers, list(described.param_bytes)
-            if num_layers < len(chosen):
+            longest = max(shape.sizes) if len(shape.sizes) > 1 else len(chosen)
+            if num_layers < longest and not shape.auto:
+                if shape.replicated:
+                    raise PlanError(
+                        f"too few layers for a replica of {longest} stages (layers: "
+                        f"{num_layers}): every replica holds every layer"
+                    )
                 raise PlanError(
                     f"too few layers for the stages (layers: {num_layers}, stages: "
                     f"{len(chosen)}): pass stages={num_layers} or fewer"
@@ -284,32 +315,39 @@ class Jobs(Loads):
             speeds = [profile.speeds[m.row.stage_id] if profile else 1.0 for m in chosen]
             self.c.profile = profile
             self.c.num_layers = num_layers
-            links = self.c.links(len(speeds))
-            mem = memory.terms([m.memory_bytes for m in chosen], param_bytes, profile, job)
-            try:
-                order, best = order_hosts(costs, speeds, *links, *mem)
-            except PlanError as exc:
-                raise PlanError(
-                    f"{exc}; {memory.offers([m.row.name for m in chosen], mem)}"
-                ) from exc
+            layout: Layout | None = None
+            if shape.replicated:
+                epoch = self.c.store.reserve_epoch()
+                partition, layout, ordered = replicas.lay_out(
+                    self.c, job, chosen, costs, speeds, param_bytes, epoch, shape, bool(profile)
+                )
+                if len(layout.replicas) == 1:  # auto: one pipeline is fastest
+                    layout = None
+            else:
+                links = self.c.links(len(speeds))
+                mem = memory.terms([m.memory_bytes for m in chosen], param_bytes, profile, job)
+                try:
+                    order, best = order_hosts(costs, speeds, *links, *mem)
+                except PlanError as exc:
+                    raise PlanError(
+                        f"{exc}; {memory.offers([m.row.name for m in chosen], mem)}"
+                    ) from exc
+                ordered = [chosen[i] for i in order]
+                epoch = self.c.store.reserve_epoch()
+                partition = Partition(
+                    epoch=epoch,
+                    job_id=job.job_id,
+                    boundaries=best.boundaries,
+                    stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
+                    # Without a profile the costs have no unit: the step time is unknown.
+                    predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule)
+                    if profile is not None
+                    else None,
+                ).validate(num_layers)
             laps.lap("order_hosts")
-            ordered = [chosen[i] for i in order]
-            epoch = self.c.store.reserve_epoch()
-            partition = Partition(
-                epoch=epoch,
-                job_id=job.job_id,
-                boundaries=best.boundaries,
-                stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
-                # Without a profile the costs have no unit: the step time is unknown.
-                predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule)
-                if profile is not None
-                else None,
-            ).validate(num_layers)
-            names = self.c.names(partition.stage_ids)  # a copy's source is checked by name
-            wire = partition.assignments(names)
             assign = [
-                (ref.address, stage_pb2.AssignRequest(job=spec, assignment=wire[ref.stage_id]))
-                for ref in partition.stages
+                (ref.address, stage_pb2.AssignRequest(job=spec, assignment=a))
+                for ref, a in self._assignments(partition, layout)
             ]
             try:
                 self.c.pool.all(assign, "Assign", STAGE_CALL_TIMEOUT_S)
@@ -336,16 +374,21 @@ class Jobs(Loads):
                 else f"initial weights from seed {job.seed}"
             )
             reason = f"job {job.job_id} started: {weights}"
-            self.c.install(partition, epochs.history_row(self.c, partition, "start", reason))
+            row = epochs.history_row(
+                self.c, partition, "start", reason, extra=self._layout_extra(layout)
+            )
+            self.c.install(partition, row, layout)
             for member in chosen:
                 member.remeasure()
                 member.speed = None
             self.c.last_move = time.monotonic()
             laps.lap("assign")
-            self.wait_for_copies(partition, job, 0)
+            for chain in layout.replicas if layout is not None else (partition,):
+                self.wait_for_copies(chain, job, 0)
             laps.lap("copies")
             client = self._issue(holder)
-            self.settle(partition, client, holder)  # the stages follow the new client only
+            # the stages (of every replica) follow the new client only
+            self.settle(layout or partition, client, holder)
             self._grant(job.job_id, lease_s, holder, client, request, created=True)
             laps.lap("settle")
         log.info(
@@ -353,13 +396,43 @@ class Jobs(Loads):
             job=job.job_id,
             model=job.model,
             layers=num_layers,
-            boundaries=list(partition.boundaries),
+            boundaries=[list(p.boundaries) for p in layout.replicas]
+            if layout is not None
+            else list(partition.boundaries),
+            shares=list(layout.shares) if layout is not None else None,
             stages=[m.row.name for m in ordered],
             epoch=epoch,
             client=holder,
             phases_s=laps.seconds,
         )
         return Attached(partition, num_layers, client, 0, False, 0, profile is not None)
+
+    def _assignments(
+        self, partition: Partition, layout: Layout | None
+    ) -> list[tuple[StageRef, stage_pb2.Assignment]]:
+        """Every stage's assignment: in its replica's chain, with its reduction groups."""
+        if layout is None:
+            wire = partition.assignments(self.c.names(partition.stage_ids))
+            return [(ref, wire[ref.stage_id]) for ref in partition.stages]
+        out = []
+        for chain in layout.replicas:
+            names = self.c.names(chain.stage_ids)  # a copy's source is checked by name
+            out += [
+                (ref, layout.assignment(ref.stage_id, names).to_proto()) for ref in chain.stages
+            ]
+        return out
+
+    def _layout_extra(self, layout: Layout | None) -> dict[str, object] | None:
+        """A history row's record of the replicas (the row's own chain is replica 0)."""
+        if layout is None:
+            return None
+        return {
+            "replicas": [
+                {"boundaries": list(p.boundaries), "stages": self.c.names(p.stage_ids)}
+                for p in layout.replicas
+            ],
+            "shares": list(layout.shares),
+        }
 
     def _describe(self, spec: job_pb2.JobSpec, chosen: list[Member]) -> stage_pb2.DescribeResponse:
         """Every chosen stage's view of the model; they must agree on the factory's code.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from elasticpipe.coordinator import copies
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.errors import ElasticPipeError, Fenced, JobInUse, NotReady
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.security import bounds
@@ -197,10 +198,10 @@ class Leases:
 
     # ---- settling undecided runs -----------------------------------------------------
 
-    def settle(self, partition: Partition, client: int, holder: str = "") -> int:
-        """Makes every stage follow client generation ``client``, held by ``holder`` (the
-        certificate name of the client granted the job; empty: nobody), fencing out older
-        clients, and decides any undecided run.
+    def settle(self, partition: Partition | Layout, client: int, holder: str = "") -> int:
+        """Makes every stage (of every replica, given a layout) follow client generation
+        ``client``, held by ``holder`` (the certificate name of the client granted the job;
+        empty: nobody), fencing out older clients, and decides any undecided run.
 
         Returns:
             The step every stage has committed.
@@ -280,15 +281,17 @@ class Leases:
             lease = self.lease()
             if lease is not None:  # a client attached or started a job meanwhile
                 return "commit" if self._deliver_commit(run, step, lease.client) else "wait"
-            _, partition = self.c.require_job()
+            self.c.require_job()
+            everyone = self.c.job_layout()
+            assert everyone is not None
             issued = int(self.c.store.get("client_generation") or 0)
-            if stage_id not in partition.stage_ids or bounds.generation(run) > issued:
+            if stage_id not in everyone.stage_ids or bounds.generation(run) > issued:
                 # Not a run of the running job's chain (a stage moved out, an old job's
                 # run, a generation never issued): nothing to settle, the stage drops it.
                 log.info("run_resolved", stage=self.c.name(stage_id), run=run, decision="abort")
                 return "abort"
             client = self._issue("")  # fences whichever client ran it
-            committed = self.settle(partition, client)
+            committed = self.settle(everyone, client)
             with self._lock:  # the fenced client's lease is over
                 self._lease = None
                 self.c.store.delete("lease")
@@ -301,7 +304,7 @@ class Leases:
 
     def _deliver_commit(self, run: int, step: int, client: int) -> bool:
         """Commits ``run`` on the stages still awaiting it if some stage committed it."""
-        partition = self.c.partition
+        partition = self.c.job_layout()  # every stage of every replica
         if partition is None:
             return False
         probe = stage_pb2.StatsRequest()

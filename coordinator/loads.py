@@ -58,6 +58,7 @@ class Loads(Leases):
         """
         with self.c.move_lock:
             _, partition = self._check_holder(job_id, client)
+            self.c.refuse_replicated("loading a checkpoint")
             epochs.check_no_change_in_progress(self.c)
             epoch = self.c.store.reserve_epoch()
             new = partition.evolve(epoch=epoch, restore_epoch=epoch)

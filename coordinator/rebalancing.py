@@ -99,8 +99,13 @@ class Rebalancer:
     # ---- planning --------------------------------------------------------------------
 
     def plan_view(self) -> PlanView:
-        """The current partition and the optimal one for the live speeds (changes nothing)."""
+        """The current partition and the optimal one for the live speeds (changes nothing).
+
+        Raises:
+            InvalidRequest: the job runs several replicas (not planned here yet).
+        """
         job, current = self.c.require_job()
+        self.c.refuse_replicated("planning a move")
         costs = self.c.costs()
         speeds = self.c.speeds(current.stage_ids)
         links = self.c.links(len(speeds))
@@ -222,6 +227,7 @@ class Rebalancer:
             ElasticPipeError: the change was abandoned (the old epoch stays in force).
         """
         job, current = self.c.require_job()
+        self.c.refuse_replicated("moving layers")
         with self.c.move_lock:
             current = self.c.partition or current
             # evolve: the last rollback (restore_epoch, restored_step) stays on record.
@@ -377,6 +383,8 @@ class Rebalancer:
         """One pass of the policy loop."""
         partition = self.c.partition
         if not self.policy.enabled or self.c.job is None or partition is None or self.c.failure:
+            return
+        if self.c.replicas > 1:  # its policy (shares first, then moves) is not built yet
             return
         if not self._measured(partition.stage_ids):
             return

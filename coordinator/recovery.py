@@ -57,11 +57,8 @@ class Recovery:
 
     def dead_in_chain(self) -> list[Member]:
         """Chain stages declared dead or silent for too long."""
-        partition = self.c.partition
-        if partition is None:
-            return []
         out = []
-        for sid in partition.stage_ids:
+        for sid in self.c.job_stage_ids():  # of every replica
             member = self.c.members.by_id(sid)
             if member is not None and (member.row.dead or self.c.members.silent(member)):
                 out.append(member)
@@ -73,15 +70,18 @@ class Recovery:
         Returns:
             The names declared dead (recovery then runs in the background).
         """
-        partition = self.c.partition
-        if partition is None:
+        everyone = self.c.job_layout()  # every replica's stages
+        if everyone is None:
             return []
         probe = stage_pb2.StatsRequest()
         results = self.c.pool.each(
-            [(a, probe) for a in partition.addresses], "GetStats", PROBE_TIMEOUT_S
+            [(a, probe) for a in everyone.addresses], "GetStats", PROBE_TIMEOUT_S
         )
         dead = []
-        for ref, result in zip(partition.stages, results, strict=True):
+        stages = [
+            StageRef(i, a) for i, a in zip(everyone.stage_ids, everyone.addresses, strict=True)
+        ]
+        for ref, result in zip(stages, results, strict=True):
             if isinstance(result, StageUnavailable | DeadlineExceeded):
                 reason = f"unreachable after a client's report ({error[:200]})"
                 if self.c.members.declare_dead(ref.stage_id, reason):
@@ -132,6 +132,13 @@ class Recovery:
             # live client's load fails on the dead stage and aborts; a dead client's is
             # abandoned here so that recovery can go on.
             if self.c.store.get(epochs.CHANGE_KEY) is not None and not self._abandon_stale_load():
+                return
+            if self.c.replicas > 1:
+                names = ", ".join(m.row.name for m in dead)
+                self.c.fail_job(
+                    f"stage {names} of a job of {self.c.replicas} replicas died, and recovering "
+                    "a job of several replicas is not built yet"
+                )
                 return
             try:
                 self.recover(dead)

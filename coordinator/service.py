@@ -15,6 +15,7 @@ from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.leases import DEFAULT_LEASE_S
 from elasticpipe.coordinator.membership import Heard, Member
 from elasticpipe.coordinator.rebalancing import MoveOutcome
+from elasticpipe.coordinator.replicas import Shape
 from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.partition import Partition
 from elasticpipe.security import authz, bounds
@@ -165,6 +166,8 @@ class CoordinatorServicer:
     ) -> coordinator_pb2.SetupJobResponse:
         job = JobConfig.from_proto(req.job)
         bounds.number(req.num_stages, "num_stages", 0, bounds.MAX_STAGES)
+        shape = Shape.parse(req.replica_stages, req.auto_replicas, req.num_stages)
+        bounds.number(sum(shape.sizes), "the sum of replica_stages", 0, bounds.MAX_STAGES)
         sample = bundle.get_sample(req.job)
         wait_s = _within_deadline(_bounded(req.wait_s, "wait_s"), ctx)
         with self._long_poll("SetupJob"):  # it may wait for stages to register
@@ -178,9 +181,10 @@ class CoordinatorServicer:
                 _holder(req.client_name[:200] or ctx.peer()),
                 ctx.is_active,  # a cancelled call gives its place back at once
                 bounds.text(req.request_id, "request_id", 64),
+                shape,
             )
         return coordinator_pb2.SetupJobResponse(
-            partition=partition_to_proto(attached.partition),
+            partition=self._wire(attached.partition),
             num_layers=attached.num_layers,
             client=attached.client,
             committed_step=attached.committed_step,
@@ -197,7 +201,7 @@ class CoordinatorServicer:
         if sample is None:
             raise InvalidRequest("ProfileJob needs sample_input (one micro-batch of inputs)")
         self.c.profile_job(req.job_id, req.client, sample)
-        return partition_to_proto(self.c.cluster.partition)
+        return self._wire(self.c.cluster.partition)
 
     def RenewLease(
         self, req: coordinator_pb2.LeaseRequest, ctx: grpc.ServicerContext
@@ -253,9 +257,9 @@ class CoordinatorServicer:
         if remaining is not None:
             timeout = min(timeout, max(0.0, remaining - 0.1))
         if timeout <= 0:
-            return partition_to_proto(self.c.cluster.get_partition(req.newer_than, 0.0))
+            return self._wire(self.c.cluster.get_partition(req.newer_than, 0.0))
         with self._long_poll("GetPartition"):
-            return partition_to_proto(self.c.cluster.get_partition(req.newer_than, timeout))
+            return self._wire(self.c.cluster.get_partition(req.newer_than, timeout))
 
     def WatchPartition(
         self, req: coordinator_pb2.GetPartitionRequest, ctx: grpc.ServicerContext
@@ -267,7 +271,7 @@ class CoordinatorServicer:
                 partition = self.c.cluster.get_partition(seen, 1.0)
                 if partition.epoch > seen:
                     seen = partition.epoch
-                    yield partition_to_proto(partition)
+                    yield self._wire(partition)
 
     @contextlib.contextmanager
     def _long_poll(self, method: str) -> Iterator[None]:
@@ -291,9 +295,18 @@ class CoordinatorServicer:
 
     # ---- admin -----------------------------------------------------------------------
 
+    def _wire(self, p: Partition | None) -> coordinator_pb2.Partition:
+        """A partition's wire form: with every replica when it is the job's replica 0."""
+        layout = self.c.cluster.layout
+        if p is not None and layout is not None and layout.epoch == p.epoch:
+            return layout.to_proto()
+        return partition_to_proto(p)
+
     def _stage_info(self, m: Member) -> coordinator_pb2.StageInfo:
         cluster = self.c.cluster
-        p = cluster.partition
+        layout = cluster.job_layout()
+        replica = layout.replica_of_stage(m.row.stage_id) if layout is not None else None
+        p = layout.replicas[replica] if layout is not None and replica is not None else None
         index = p.index_of(m.row.stage_id) if p is not None else None
         lo = hi = 0
         if p is not None and index is not None:
@@ -317,6 +330,7 @@ class CoordinatorServicer:
             state=state,
             incarnation=m.row.incarnation,
             memory_bytes=m.memory_bytes,
+            replica=-1 if replica is None else replica,
         )
 
     def Status(
@@ -348,12 +362,12 @@ class CoordinatorServicer:
         factory = cluster.store.get("factory") or ["", ""]
         steps = [
             m.committed_step
-            for sid in (p.stage_ids if p is not None else ())
+            for sid in cluster.job_stage_ids()
             if (m := cluster.members.by_id(sid)) is not None
         ]
         return coordinator_pb2.StatusResponse(
             stages=[self._stage_info(m) for m in cluster.members.members()],
-            partition=partition_to_proto(p),
+            partition=self._wire(p),
             history=history,
             job_model=job.model if job else "",
             num_layers=cluster.num_layers,

@@ -18,7 +18,15 @@ from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
-from elasticpipe.errors import CONTINUE_FROM_SAVE, LayersLost, NotLeader, NotReady, StandingBy
+from elasticpipe.errors import (
+    CONTINUE_FROM_SAVE,
+    InvalidRequest,
+    LayersLost,
+    NotLeader,
+    NotReady,
+    StandingBy,
+)
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import CoordinatorMetrics, CoordinatorView
 from elasticpipe.partition import Partition
@@ -64,6 +72,14 @@ class Cluster:
         self.closed = False  # this coordinator stopped leading: waits end
         self.move_lock = threading.RLock()
         self.partition = store.partition()
+        raw_layout = store.get("layout")
+        # A job of several replicas: all of them (``partition`` is replica 0). One written
+        # for another epoch than the partition's is a change that did not finish: none.
+        self.layout: Layout | None = Layout.from_json(raw_layout) if raw_layout else None
+        if self.layout is not None and (
+            self.partition is None or self.layout.epoch != self.partition.epoch
+        ):
+            self.layout = None
         raw_job = store.get("job")
         self.job = JobConfig(**raw_job) if raw_job else None
         self.num_layers: int = store.get("num_layers") or 0
@@ -109,19 +125,57 @@ class Cluster:
             raise LayersLost(self.failure)
         return self.job, self.partition
 
-    def install(self, partition: Partition, record: EpochRow) -> None:
-        """Makes ``partition`` current (persisted) and records how it came to be."""
+    def install(self, partition: Partition, record: EpochRow, layout: Layout | None = None) -> None:
+        """Makes ``partition`` current (persisted) and records how it came to be; with
+        ``layout`` (a job of several replicas, ``partition`` its replica 0) that too."""
+        if layout is not None:
+            self.store.put("layout", layout.to_json())
+        else:
+            self.store.delete("layout")
         self.store.put_partition(partition)
         self.store.add_epoch(record)
         with self.cond:
-            self.partition = partition
+            self.partition, self.layout = partition, layout
             self.cond.notify_all()
 
     def adopt(self, partition: Partition) -> None:
-        """Makes an already persisted ``partition`` current in memory."""
+        """Makes an already persisted ``partition`` current in memory (a layout of another
+        epoch goes: epoch changes are of one-pipeline jobs)."""
         with self.cond:
             self.partition = partition
+            if self.layout is not None and self.layout.epoch != partition.epoch:
+                self.layout = None
             self.cond.notify_all()
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas the job runs (1: one pipeline)."""
+        return len(self.layout.replicas) if self.layout is not None else 1
+
+    def job_stage_ids(self) -> tuple[str, ...]:
+        """Every stage the job runs on: every replica's."""
+        if self.layout is not None:
+            return self.layout.stage_ids
+        return self.partition.stage_ids if self.partition is not None else ()
+
+    def job_layout(self) -> Layout | None:
+        """The job's layout: its replicas, or its one partition as a layout of one (None
+        without a job)."""
+        if self.layout is not None:
+            return self.layout
+        if self.partition is None:
+            return None
+        return Layout.single(self.partition, self.job.micro_batches if self.job else 1)
+
+    def refuse_replicated(self, what: str) -> None:
+        """Raises InvalidRequest, naming ``what``, while the job runs several replicas:
+        epoch changes (moves, recovery, loads) are built for one pipeline so far."""
+        if self.replicas > 1:
+            raise InvalidRequest(
+                f"{what}: job {self.partition.job_id if self.partition else '-'} runs "
+                f"{self.replicas} replicas, and changing a job of several replicas (moves, "
+                "recovery, checkpoint loads) is not built yet"
+            )
 
     def fail_job(self, message: str) -> None:
         """Marks the job as failed beyond recovery (clients waiting get the message, and
@@ -158,7 +212,7 @@ class Cluster:
     def _metrics_view(self) -> CoordinatorView:
         """What a scrape of the metrics reports: members by state, the partition."""
         partition = self.partition
-        chain = set(partition.stage_ids) if partition else set()
+        chain = set(self.job_stage_ids())
         members = dict.fromkeys(STATES, 0)
         for m in self.members.members():
             members[self.members.state(m, m.row.stage_id in chain)] += 1
@@ -186,7 +240,7 @@ class Cluster:
 
     def spares(self) -> list[Member]:
         """Live, undrained stages outside the chain."""
-        chain = set(self.partition.stage_ids) if self.partition else set()
+        chain = set(self.job_stage_ids())
         return [m for m in self.live_members() if m.row.stage_id not in chain]
 
     # ---- estimates -------------------------------------------------------------------

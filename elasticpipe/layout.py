@@ -26,6 +26,7 @@ from typing import Any
 
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Partition, Placement, StageRef
+from elasticpipe.v1 import coordinator_pb2
 
 __all__ = ["Group", "Layout"]  # (Group lives in partition: a Placement carries it)
 
@@ -68,6 +69,16 @@ class Layout:
     def micro_batches(self) -> int:
         """The step's global micro-batch count ``M``."""
         return sum(self.shares)
+
+    @property
+    def stage_ids(self) -> tuple[str, ...]:
+        """Every replica's stage ids, replica after replica, each in chain order."""
+        return tuple(sid for p in self.replicas for sid in p.stage_ids)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every replica's stage addresses, in ``stage_ids`` order."""
+        return tuple(a for p in self.replicas for a in p.addresses)
 
     def validate(self, num_layers: int | None = None, micro_batches: int | None = None) -> Layout:
         """Checks that every replica is a valid partition of the same model, epoch and job,
@@ -175,6 +186,29 @@ class Layout:
         )
 
     # ---- forms -----------------------------------------------------------------------
+
+    def to_proto(self) -> coordinator_pb2.Partition:
+        """The wire form: replica 0's partition, with every replica and the shares (one
+        replica: just its partition)."""
+        message = self.replicas[0].to_proto()
+        if len(self.replicas) > 1:
+            message.replicas.extend(p.to_proto() for p in self.replicas)
+            message.shares.extend(self.shares)
+        return message
+
+    @classmethod
+    def from_proto(cls, message: coordinator_pb2.Partition, micro_batches: int) -> Layout:
+        """Parses ``to_proto``'s form; one partition is a layout of one replica running
+        all ``micro_batches``.
+
+        Raises:
+            InvalidRequest: the replicas are not one valid layout (named).
+        """
+        if not message.replicas:
+            return cls.single(Partition.from_proto(message), micro_batches)
+        return cls(
+            tuple(Partition.from_proto(p) for p in message.replicas), tuple(message.shares)
+        ).validate(micro_batches=micro_batches)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able form (the coordinator's store)."""

@@ -37,7 +37,7 @@ from elasticpipe.stage_server.reduction import (
 )
 from elasticpipe.transport.sending import Outgoing
 
-__all__ = ["RunIds", "reduce_gradients", "share_of"]
+__all__ = ["RunIds", "reduce_gradients", "refuse_running_stats", "share_of"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,29 @@ def share_of(placement: Placement, shares: Sequence[int], micro_batches: int) ->
             f"runs {micro_batches} micro-batches (every replica runs at least one)"
         )
     return _ranges(shares)[placement.replica]
+
+
+def refuse_running_stats(layers: LayerSlice, lo: int, hi: int) -> None:
+    """Refuses layers that keep running statistics (BatchNorm's ``running_mean``): each
+    replica would update them from its share alone, so the replicas' statistics, and the
+    model's, would differ from one pipeline's. Combining them in micro-batch order is not
+    built.
+
+    Raises:
+        InvalidRequest: naming the first such layer and module.
+    """
+    for index in range(lo, hi):
+        for name, module in layers.layers[index].named_modules():
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase) and (
+                module.track_running_stats
+            ):
+                raise InvalidRequest(
+                    f"layer {index} ({type(module).__name__}"
+                    f"{f' at {name!r}' if name else ''}) keeps running statistics, which "
+                    "replicas would each update from their share alone: a job of several "
+                    "replicas cannot train it yet (use one pipeline, or a norm without "
+                    "running statistics such as LayerNorm or GroupNorm)"
+                )
 
 
 def _ranges(shares: Sequence[int]) -> list[range]:

@@ -212,6 +212,8 @@ class Stage(EpochChanges):
         """Starts a job on this stage: builds layers [lo, hi) fresh, at step 0."""
         new_slice = self._new_slice(job)
         new_slice.build(placement.lo, placement.hi)
+        if placement.num_replicas > 1:
+            reducing.refuse_running_stats(new_slice, placement.lo, placement.hi)
         with self._cond:
             self.job, self.slice = job, new_slice
             self._staged, self._restoring = None, None

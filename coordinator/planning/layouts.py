@@ -35,7 +35,7 @@ from elasticpipe.coordinator.planning.shares import (
     slowest,
 )
 
-__all__ = ["LayoutPlan", "plan_layouts", "reduce_seconds"]
+__all__ = ["LayoutPlan", "plan_fixed", "plan_layouts", "reduce_seconds"]
 
 
 @dataclass(frozen=True)
@@ -116,41 +116,109 @@ def plan_layouts(
         raise PlanError(f"host_speeds must be > 0, at least one (got {speeds})")
     if (param_bytes is None) != (reduce_bandwidth is None):
         raise PlanError("param_bytes and reduce_bandwidth go together (the reduction's time)")
+    if reduce_bandwidth is not None and not reduce_bandwidth > 0:
+        raise PlanError(f"reduce_bandwidth must be > 0 bytes/s (got {reduce_bandwidth})")
     top = min(len(speeds), micro_batches, max_replicas or len(speeds))
     found: list[LayoutPlan] = []
     errors: list[str] = []
     for count in range(1, top + 1):
-        groups = _deal(speeds, count)
         try:
-            ordered, plans = [], []
-            for hosts in groups:
-                caps = [host_memory[h] for h in hosts] if host_memory is not None else None
-                order, best = order_hosts(
+            found.append(
+                _plan(
+                    _deal(speeds, count),
                     layer_costs,
-                    [speeds[h] for h in hosts],
-                    layer_memory=layer_memory if caps is not None else None,
-                    stage_memory=caps,
+                    speeds,
+                    micro_batches,
+                    schedule,
+                    param_bytes,
+                    reduce_bandwidth,
+                    layer_memory,
+                    host_memory,
                 )
-                ordered.append(tuple(hosts[i] for i in order))
-                plans.append(best)
+            )
         except PlanError as exc:
             errors.append(f"{count} replicas: {exc}")
-            continue
-        times = planned_step_times(plans, schedule)
-        shares = assign_shares(times, micro_batches)
-        reduce_s = (
-            reduce_seconds([p.boundaries for p in plans], param_bytes, reduce_bandwidth)
-            if param_bytes is not None and reduce_bandwidth is not None
-            else 0.0
-        )
-        found.append(
-            LayoutPlan(
-                tuple(ordered), tuple(plans), shares, slowest(times, shares) + reduce_s, reduce_s
-            )
-        )
     if not found:
         raise PlanError("no layout fits: " + "; ".join(errors))
     return sorted(found, key=lambda p: (p.step_s, len(p.replicas)))
+
+
+def plan_fixed(
+    layer_costs: Numbers,
+    host_speeds: Numbers,
+    micro_batches: int,
+    sizes: Sequence[int],
+    schedule: str = "1f1b",
+    param_bytes: Numbers | None = None,
+    reduce_bandwidth: float | None = None,
+    layer_memory: Numbers | None = None,
+    host_memory: Numbers | None = None,
+) -> LayoutPlan:
+    """The layout of replicas of the given lengths: the hosts taken in the order given,
+    ``sizes[0]`` of them for replica 0, the next ``sizes[1]`` for replica 1, and so on;
+    each replica ordered and partitioned by ``order_hosts``, every replica given at least
+    one micro-batch. Arguments as ``plan_layouts``'s.
+
+    Raises:
+        PlanError: sizes that do not add up to the hosts, more replicas than micro-batches,
+            or a replica that fits no partition (named).
+    """
+    speeds = [float(s) for s in host_speeds]
+    if not sizes or any(n < 1 for n in sizes) or sum(sizes) != len(speeds):
+        raise PlanError(
+            f"replica lengths {list(sizes)} must be >= 1 each and add up to the "
+            f"{len(speeds)} stages"
+        )
+    if len(sizes) > micro_batches:
+        raise PlanError(
+            f"{len(sizes)} replicas need at least as many micro-batches (got {micro_batches}): "
+            "every replica runs at least one"
+        )
+    starts = list(itertools.accumulate(sizes, initial=0))
+    groups = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+    args = (schedule, param_bytes, reduce_bandwidth, layer_memory, host_memory)
+    return _plan(groups, layer_costs, speeds, micro_batches, *args, at_least=1)
+
+
+def _plan(
+    groups: list[list[int]],
+    layer_costs: Numbers,
+    speeds: list[float],
+    micro_batches: int,
+    schedule: str,
+    param_bytes: Numbers | None,
+    reduce_bandwidth: float | None,
+    layer_memory: Numbers | None,
+    host_memory: Numbers | None,
+    at_least: int = 0,
+) -> LayoutPlan:
+    """One layout of the hosts dealt into ``groups``: each ordered and partitioned, the
+    shares water-filled, the reduction added (``PlanError`` naming the replica that fits
+    no partition)."""
+    ordered, plans = [], []
+    for r, hosts in enumerate(groups):
+        caps = [host_memory[h] for h in hosts] if host_memory is not None else None
+        try:
+            order, best = order_hosts(
+                layer_costs,
+                [speeds[h] for h in hosts],
+                layer_memory=layer_memory if caps is not None else None,
+                stage_memory=caps,
+            )
+        except PlanError as exc:
+            raise PlanError(f"replica {r}: {exc}") from exc
+        ordered.append(tuple(hosts[i] for i in order))
+        plans.append(best)
+    times = planned_step_times(plans, schedule)
+    shares = assign_shares(times, micro_batches, at_least)
+    reduce_s = (
+        reduce_seconds([p.boundaries for p in plans], param_bytes, reduce_bandwidth)
+        if param_bytes is not None and reduce_bandwidth is not None
+        else 0.0
+    )
+    return LayoutPlan(
+        tuple(ordered), tuple(plans), shares, slowest(times, shares) + reduce_s, reduce_s
+    )
 
 
 def _deal(speeds: list[float], count: int) -> list[list[int]]:

@@ -32,26 +32,31 @@ __all__ = ["assign_shares", "planned_step_times", "slowest"]
 StepTime = Callable[[int], float]  # seconds of a replica's step for a share of m >= 1
 
 
-def assign_shares(step_times: Sequence[StepTime], micro_batches: int) -> tuple[int, ...]:
+def assign_shares(
+    step_times: Sequence[StepTime], micro_batches: int, at_least: int = 0
+) -> tuple[int, ...]:
     """The shares minimising the slowest replica's step time (exact for nondecreasing
     ``step_times``; ties go to the lower replica).
 
     Args:
         step_times: per replica, its predicted seconds for a share of ``m >= 1``.
         micro_batches: the step's global micro-batch count ``M``.
+        at_least: every replica's smallest share (1: every replica runs; the water-filling
+            then hands out the rest, and stays exact under that floor).
 
     Raises:
-        InvalidRequest: no replica, or ``micro_batches < 1`` (naming the values).
+        InvalidRequest: no replica, ``micro_batches < 1``, or too few micro-batches for
+            the floor (naming the values).
     """
-    if not step_times or micro_batches < 1:
+    if not step_times or micro_batches < max(1, at_least * len(step_times)):
         raise InvalidRequest(
             f"cannot share {micro_batches} micro-batches among {len(step_times)} replicas "
-            "(need at least one of each)"
+            f"(need at least one of each, and {at_least} per replica)"
         )
-    shares = [0] * len(step_times)
-    heap = [(t(1), r) for r, t in enumerate(step_times)]
+    shares = [at_least] * len(step_times)
+    heap = [(t(at_least + 1), r) for r, t in enumerate(step_times)]
     heapq.heapify(heap)
-    for _ in range(micro_batches):
+    for _ in range(micro_batches - at_least * len(step_times)):
         _, r = heapq.heappop(heap)
         shares[r] += 1
         heapq.heappush(heap, (step_times[r](shares[r] + 1), r))

@@ -134,10 +134,12 @@ def to_json(message: Message) -> dict[str, Any]:
 def format_status(s: Status) -> str:
     """The status as tables (stages, then the epoch history)."""
     job = s.job_id or "-"
+    replicas = s.partition.replicas
+    cut = f"{len(replicas)} replicas" if replicas else _ranges(list(s.partition.boundaries))
     lines = [
         f"job: {job}   model: {s.job_model or '-'}   layers: {s.num_layers}   "
         f"epoch: {s.partition.epoch}   step: {s.committed_step}   "
-        f"partition: {_ranges(list(s.partition.boundaries)) or '-'}   "
+        f"partition: {cut or '-'}   "
         f"auto-rebalance: {'on' if s.auto_rebalance else 'off'}   "
         f"efficiency: "
         + (f"{s.efficiency:.0%} (step {s.efficiency_step})" if s.efficiency_step else "-"),
@@ -147,6 +149,13 @@ def format_status(s: Status) -> str:
     ]
     if s.job_failure:
         lines.append(f"JOB FAILED: {s.job_failure}")
+    if replicas:
+        names = {st.stage_id: st.name for st in s.stages}
+        lines += ["", f"{'replica':>7}{'share':>7}{'predicted':>11}  partition (stages)"]
+        for i, (p, share) in enumerate(zip(replicas, s.partition.shares, strict=False)):
+            step = f"{p.predicted_step_s:.3f}s" if p.predicted_step_s else "-"
+            stages = ", ".join(names.get(sid, sid) for sid in p.stage_ids)
+            lines.append(f"{i:>7}{share:>7}{step:>11}  {_ranges(list(p.boundaries))} ({stages})")
     live, gone = ordered_stages(s.stages)
     nw = _width((st.name for st in s.stages), 14)  # long names and addresses widen
     iw = _width((st.stage_id for st in s.stages), 13)
@@ -158,6 +167,8 @@ def format_status(s: Status) -> str:
     ]
     for st in live:
         layers = f"{st.layer_lo}:{st.layer_hi}" if st.index >= 0 else "-"
+        if replicas and st.replica >= 0:
+            layers = f"r{st.replica} {layers}"
         speed = f"{st.speed:.3f}" if st.speed > 0 else "-"
         lines.append(
             f"{st.name:<{nw}}{st.stage_id:<{iw}}{st.state:<9}{st.incarnation:>4}  "

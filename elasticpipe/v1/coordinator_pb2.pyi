@@ -166,6 +166,7 @@ class StageInfo(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     name: _builtins.str
     address: _builtins.str
@@ -186,6 +187,8 @@ class StageInfo(_message.Message):
     """how many times a stage of this name registered"""
     memory_bytes: _builtins.int
     """what it offers its job (0: unknown)"""
+    replica: _builtins.int
+    """the replica it serves (0 in a job of one), -1 when none"""
     def __init__(
         self,
         *,
@@ -204,10 +207,11 @@ class StageInfo(_message.Message):
         state: _builtins.str = ...,
         incarnation: _builtins.int = ...,
         memory_bytes: _builtins.int = ...,
+        replica: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "memory_bytes", b"memory_bytes", "name", b"name", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "memory_bytes", b"memory_bytes", "name", b"name", "replica", b"replica", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -225,6 +229,8 @@ class Partition(_message.Message):
     PREDICTED_STEP_S_FIELD_NUMBER: _builtins.int
     RESTORED_STEP_FIELD_NUMBER: _builtins.int
     RESTORE_EPOCH_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     job_id: _builtins.str
     predicted_step_s: _builtins.float
@@ -245,6 +251,15 @@ class Partition(_message.Message):
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """chain order"""
 
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Partition]:
+        """A job of several replicas (data parallelism): each replica's partition, all of this
+        epoch, and how many of the step's micro-batches each runs (its share, in replica
+        order). The fields above are then replica 0's. Empty: a job of one pipeline.
+        """
+
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -256,10 +271,12 @@ class Partition(_message.Message):
         predicted_step_s: _builtins.float | None = ...,
         restored_step: _builtins.int = ...,
         restore_epoch: _builtins.int = ...,
+        replicas: _abc.Iterable[Global___Partition] | None = ...,
+        shares: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_predicted_step_s", b"_predicted_step_s", "predicted_step_s", b"predicted_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predicted_step_s", b"_predicted_step_s", "addresses", b"addresses", "boundaries", b"boundaries", "epoch", b"epoch", "job_id", b"job_id", "predicted_step_s", b"predicted_step_s", "restore_epoch", b"restore_epoch", "restored_step", b"restored_step", "stage_ids", b"stage_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_predicted_step_s", b"_predicted_step_s", "addresses", b"addresses", "boundaries", b"boundaries", "epoch", b"epoch", "job_id", b"job_id", "predicted_step_s", b"predicted_step_s", "replicas", b"replicas", "restore_epoch", b"restore_epoch", "restored_step", b"restored_step", "shares", b"shares", "stage_ids", b"stage_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__predicted_step_s: _TypeAlias = _typing.Literal["predicted_step_s"]  # noqa: Y015
     _WhichOneofArgType__predicted_step_s: _TypeAlias = _typing.Literal["_predicted_step_s", b"_predicted_step_s"]  # noqa: Y015
@@ -278,6 +295,8 @@ class SetupJobRequest(_message.Message):
     LEASE_S_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REPLICA_STAGES_FIELD_NUMBER: _builtins.int
+    AUTO_REPLICAS_FIELD_NUMBER: _builtins.int
     num_stages: _builtins.int
     """0: every live stage"""
     wait_s: _builtins.float
@@ -292,8 +311,18 @@ class SetupJobRequest(_message.Message):
     """Names this setup: the same request sent again (its reply lost with a coordinator that
     died) gets what the first one set up instead of JobInUse. Empty: no such check.
     """
+    auto_replicas: _builtins.bool
+    """The coordinator chooses the replicas and their lengths from the registered stages
+    (num_stages of them; 0: every live stage). Not with replica_stages.
+    """
     @_builtins.property
     def job(self) -> _job_pb2.JobSpec: ...
+    @_builtins.property
+    def replica_stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Replicas (data parallelism): each replica's stage count, e.g. [2, 3]; num_stages is
+        then their sum. Empty (or one count): one pipeline.
+        """
+
     def __init__(
         self,
         *,
@@ -304,10 +333,12 @@ class SetupJobRequest(_message.Message):
         lease_s: _builtins.float = ...,
         client_name: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        replica_stages: _abc.Iterable[_builtins.int] | None = ...,
+        auto_replicas: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "job", b"job", "lease_s", b"lease_s", "num_stages", b"num_stages", "request_id", b"request_id", "resume", b"resume", "wait_s", b"wait_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto_replicas", b"auto_replicas", "client_name", b"client_name", "job", b"job", "lease_s", b"lease_s", "num_stages", b"num_stages", "replica_stages", b"replica_stages", "request_id", b"request_id", "resume", b"resume", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

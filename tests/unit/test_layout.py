@@ -57,6 +57,21 @@ def test_the_json_form_round_trips() -> None:
     assert Layout.from_json(EXAMPLE.to_json()) == EXAMPLE
 
 
+def test_the_wire_form_round_trips_and_reads_as_replica_0_where_replicas_are_unknown() -> None:
+    """The coordinator's Partition message with every replica: replica 0's fields on top
+    (what an older client reads), the replicas and shares below; one replica is just its
+    partition, running every micro-batch."""
+    message = EXAMPLE.to_proto()
+    assert Layout.from_proto(message, 8) == EXAMPLE
+    assert Partition.from_proto(message) == EXAMPLE.replicas[0]
+    assert EXAMPLE.addresses == ("h:a", "h:b", "h:c", "h:d", "h:e")
+    one = EXAMPLE.replicas[1]
+    assert not Layout.single(one, 8).to_proto().replicas
+    assert Layout.from_proto(one.to_proto(), 8) == Layout.single(one, 8)
+    with pytest.raises(InvalidRequest, match="add up to 8, not the 6"):
+        Layout.from_proto(message, 6)
+
+
 @pytest.mark.parametrize(
     ("layout", "error"),
     [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elasticpipe.coordinator.planning.cost import PlanError
-from elasticpipe.coordinator.planning.layouts import plan_layouts, reduce_seconds
+from elasticpipe.coordinator.planning.layouts import plan_fixed, plan_layouts, reduce_seconds
 
 
 def test_the_worked_example_ranks_four_single_host_replicas_first() -> None:
@@ -70,3 +70,36 @@ def test_bad_inputs_and_no_fit_are_refused_by_name(kwargs: dict[str, object], er
     args.update(kwargs)
     with pytest.raises(PlanError, match=error):
         plan_layouts(**args)  # type: ignore[arg-type]
+
+
+def test_fixed_lengths_take_the_hosts_in_order_and_give_every_replica_a_share() -> None:
+    """Replicas of (2, 3) over 5 hosts: hosts 0-1 form replica 0, 2-4 replica 1; a replica
+    three times slower still runs at least one micro-batch."""
+    plan = plan_fixed([1.0] * 6, [1.0, 1.0, 1.0, 1.0, 1.0], 8, (2, 3))
+    assert sorted(plan.replicas[0]) == [0, 1] and sorted(plan.replicas[1]) == [2, 3, 4]
+    assert [p.boundaries[-1] for p in plan.plans] == [6, 6]
+    assert sum(plan.shares) == 8 and plan.shares[1] >= plan.shares[0]  # the longer is faster
+    slow = plan_fixed([1.0] * 2, [1.0, 1.0 / 30], 4, (1, 1))
+    assert slow.shares == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "hosts", "micro_batches", "error"),
+    [
+        ((2, 2), 5, 8, r"replica lengths \[2, 2\] must be >= 1 each and add up to the 5"),
+        ((2, 0), 2, 8, "must be >= 1"),
+        ((1, 1, 1), 3, 2, "3 replicas need at least as many micro-batches"),
+    ],
+)
+def test_bad_fixed_lengths_are_refused_by_name(
+    sizes: tuple[int, ...], hosts: int, micro_batches: int, error: str
+) -> None:
+    with pytest.raises(PlanError, match=error):
+        plan_fixed([1.0] * 4, [1.0] * hosts, micro_batches, sizes)
+
+
+def test_a_replica_that_fits_no_partition_is_named() -> None:
+    with pytest.raises(PlanError, match="replica 1"):
+        plan_fixed(
+            [1.0] * 4, [1.0] * 3, 4, (1, 2), layer_memory=[10.0] * 4, host_memory=[45.0, 15.0, 15.0]
+        )

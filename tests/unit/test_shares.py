@@ -68,3 +68,27 @@ def test_nothing_to_share_is_refused_naming_the_counts(replicas: int, total: int
         InvalidRequest, match=f"cannot share {total} micro-batches among {replicas}"
     ):
         assign_shares([float] * replicas, total)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.data())
+def test_a_floor_of_one_is_as_good_as_brute_force_over_splits_that_keep_it(
+    total: int, data: st.DataObject
+) -> None:
+    """With ``at_least=1`` (every replica runs), no split giving each replica at least one
+    micro-batch has a faster slowest replica than the one assigned."""
+    replicas = data.draw(st.integers(1, min(4, total)))
+    tables = []
+    for _ in range(replicas):
+        steps = data.draw(st.lists(st.floats(0.0, 5.0), min_size=total, max_size=total))
+        tables.append(list(itertools.accumulate([data.draw(st.floats(0.01, 5.0)), *steps])))
+    times = [lambda m, t=t: t[m - 1] for t in tables]
+    shares = assign_shares(times, total, at_least=1)
+    assert sum(shares) == total and min(shares) >= 1
+    best = min(slowest(times, c) for c in _compositions(total, replicas) if min(c) >= 1)
+    assert slowest(times, shares) == best
+
+
+def test_a_floor_the_micro_batches_cannot_meet_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="3 micro-batches among 4 replicas"):
+        assign_shares([float] * 4, 3, at_least=1)

@@ -1,0 +1,144 @@
+"""Replicas through the job API: ``Pipeline(replicas=..., stages=...)`` on real stage
+processes and a real coordinator. The coordinator lays the replicas out (each a chain
+holding every layer, with its share of the micro-batches), the client runs every replica
+at once and commits each step on every stage of every replica; the losses and the weights
+equal ``LocalPipeline``'s with the same micro-batches bit for bit (``torch.equal``), with
+dropout, whatever the shape. Status lists the replicas; what is not built for replicas yet
+is refused by name."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from elasticpipe import LocalPipeline, Pipeline
+from elasticpipe.errors import InvalidRequest, LayersLost
+from elasticpipe.local.cluster import LocalCluster
+from tests.support import cli, clusters
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = "tests.support.zb_models:unreached"  # a frozen weight, an unreached one, a Dropout
+M = 8
+STEPS = 3
+JOB = {"model": MODEL, "seed": 5, "micro_batches": M, "optimizer": "adamw"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Five stage processes (enough for replicas of (2, 3) and of (1, 2, 2))."""
+    with clusters.quiet(5, allow_models=("tests.support",)) as c:
+        yield c
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    local = LocalPipeline(**JOB)  # type: ignore[arg-type]
+    losses = [local.train_step(*_batch(step)) for step in range(STEPS)]
+    return losses, local.state_dict()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param({"replicas": 2, "stages": (2, 3)}, id="2-replicas-of-2-and-3"),
+        pytest.param({"stages": (1, 2, 2)}, id="3-replicas-of-1-2-2"),
+    ],
+)
+def test_replicas_train_bitwise_like_one_process(
+    cluster: LocalCluster, shape: dict[str, object]
+) -> None:
+    want_losses, want_state = _reference()
+    with Pipeline(cluster.coordinator, **JOB, **shape) as pipe:  # type: ignore[arg-type]
+        losses = [pipe.train_step(*_batch(step)) for step in range(STEPS)]
+        layout = pipe.layout
+        sizes = tuple(p.num_stages for p in layout.replicas)
+        assert sizes == tuple(shape["stages"])  # type: ignore[arg-type]
+        assert sum(layout.shares) == M and min(layout.shares) >= 1
+        assert pipe.partition == layout.replicas[0]
+        assert len(pipe.last_step.stages) == sum(sizes)  # every replica's stages reported
+        state = pipe.state_dict()
+        status = cli.admin_json(cluster, "status")
+        table = cli.admin(cluster, "status").stdout
+    assert losses == want_losses  # bitwise: the floats are equal, not close
+    assert state.keys() == want_state.keys()
+    for name, value in want_state.items():
+        assert torch.equal(state[name], value), name
+    wire = status["partition"]
+    assert [len(r["stage_ids"]) for r in wire["replicas"]] == list(sizes)
+    assert wire["shares"] == list(layout.shares)
+    serving = {s["stage_id"]: s["replica"] for s in status["stages"] if s["state"] == "chain"}
+    assert serving == {sid: r for r, p in enumerate(layout.replicas) for sid in p.stage_ids}
+    assert f"{len(sizes)} replicas" in table
+
+
+def test_what_is_not_built_for_replicas_is_refused_by_name(cluster: LocalCluster) -> None:
+    with Pipeline(cluster.coordinator, **JOB, replicas=2, stages=2) as pipe:  # type: ignore[arg-type]
+        pipe.train_step(*_batch(0))
+        refused = cli.admin_json(cluster, "set-partition", "0:3,3:7")
+        assert "runs 2 replicas" in refused["error"]["message"]
+        with pytest.raises(InvalidRequest, match="at least micro_batches samples"):
+            pipe.train_step(torch.randn(4, 8), torch.randint(0, 3, (4,)))
+        pipe.train_step(*_batch(1))  # and the job goes on
+
+
+@pytest.mark.parametrize(
+    ("shape", "error"),
+    [
+        ({"replicas": 2}, "replicas=2 needs stages"),
+        ({"replicas": 3, "stages": (2, 3)}, "gives 2 replica lengths"),
+        ({"stages": (2, 0)}, r"stages\[1\] must be an int >= 1"),
+        ({"replicas": "many"}, "replicas must be an int"),
+    ],
+)
+def test_bad_replica_arguments_are_refused_by_name(shape: dict[str, object], error: str) -> None:
+    with pytest.raises(InvalidRequest, match=error):
+        Pipeline("127.0.0.1:1", **JOB, **shape)  # type: ignore[arg-type]
+
+
+def test_a_layer_with_running_statistics_is_refused_naming_it(cluster: LocalCluster) -> None:
+    """BatchNorm's running mean would be each replica's share's alone: refused at setup."""
+    job = {**JOB, "model": "tests.support.custom_models:normed"}
+    pipe = Pipeline(cluster.coordinator, **job, stages=(2, 2))  # type: ignore[arg-type]
+    with pipe, pytest.raises(InvalidRequest, match=r"layer 1 \(BatchNorm1d\) keeps running"):
+        pipe.train_step(*_batch(0))
+
+
+def test_a_client_resumes_a_job_of_replicas_and_it_stays_exact(cluster: LocalCluster) -> None:
+    """Two steps, the client closes, a new one resumes (same shape) and trains the third:
+    still bitwise one process's; resuming as another shape is refused by name."""
+    want_losses, want_state = _reference()
+    with Pipeline(cluster.coordinator, **JOB, stages=(3, 2)) as pipe:  # type: ignore[arg-type]
+        losses = [pipe.train_step(*_batch(step)) for step in range(2)]
+    with pytest.raises(InvalidRequest, match=r"as replicas of \[2, 3\] stages: it runs"):
+        _ = Pipeline(cluster.coordinator, **JOB, stages=(2, 3), resume=True).step  # type: ignore[arg-type]
+    with Pipeline(cluster.coordinator, **JOB, stages=(3, 2), resume=True) as pipe:  # type: ignore[arg-type]
+        assert pipe.step == 2
+        losses.append(pipe.train_step(*_batch(2)))
+        state = pipe.state_dict()
+    assert losses == want_losses
+    for name, value in want_state.items():
+        assert torch.equal(state[name], value), name
+
+
+def test_a_dead_stage_ends_a_job_of_replicas_naming_it() -> None:
+    """Recovering a job of several replicas is not built: a SIGKILLed stage fails the job
+    within seconds, naming the stage and what is missing, and nothing hangs."""
+    with clusters.fast(4, allow_models=("tests.support",)) as c:
+        with Pipeline(c.coordinator, **JOB, stages=(2, 2), recovery_timeout=60) as pipe:  # type: ignore[arg-type]
+            pipe.train_step(*_batch(0))
+            victim = "stage-3"  # every stage serves a replica
+            c.kill(victim)
+            started = time.monotonic()
+            with pytest.raises(LayersLost, match=f"stage {victim} of a job of 2 replicas died"):
+                pipe.train_step(*_batch(1))
+            assert time.monotonic() - started < 30
+        status = cli.admin_json(c, "status")
+        assert "recovering a job of several replicas is not built yet" in status["job_failure"]
