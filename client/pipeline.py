@@ -260,6 +260,11 @@ class Pipeline(Steps):
         models.check_name(model)
         check_optimizer(optimizer, self._job.optimizer_kwargs)
         self._asked = replicas_.ask(replicas, stages)
+        if init_state is not None and (self._asked.replica_stages or self._asked.auto):
+            raise InvalidRequest(
+                "init_state with replicas: streaming weights into a job of several replicas "
+                "is not built yet (start one pipeline, or replicas from the seed)"
+            )
         for what, seconds in (
             ("step_timeout", step_timeout),
             ("setup_timeout", setup_timeout),
@@ -384,6 +389,7 @@ class Pipeline(Steps):
         xs, ys, scales = self._split(inputs, targets)
         batch = _Batch(xs, ys, scales)
         self._ensure_job(xs[0])
+        replicas_.check_batch(self._layout, len(xs))
         self._profile(xs[0])
         self._catch_up(self._done, None)  # a rollback since the last call: replay first
         target = self._done + 1

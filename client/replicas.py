@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.layout import Layout
 
-__all__ = ["Asked", "ask"]
+__all__ = ["Asked", "ask", "check_batch"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Asked:
 
 
 def _count(value: object, what: str) -> int:
+    """``value`` if it is an int >= 1 (InvalidRequest naming ``what`` if not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidRequest(f"{what} must be an int >= 1 (got {value!r})")
     return value
@@ -65,3 +67,18 @@ def ask(replicas: int | str | None, stages: int | Sequence[int] | None) -> Asked
     if len(sizes) == 1:
         return Asked(sizes[0])
     return Asked(sum(sizes), sizes)
+
+
+def check_batch(layout: Layout | None, micro_batches: int) -> None:
+    """Refuses a step split into fewer micro-batches than a job of several replicas
+    shares out (each replica runs at least one, so its batch needs that many samples).
+
+    Raises:
+        InvalidRequest: naming both counts.
+    """
+    if layout is not None and len(layout.replicas) > 1 and micro_batches != layout.micro_batches:
+        raise InvalidRequest(
+            f"a batch of {micro_batches} micro-batches for a job of {len(layout.replicas)} "
+            f"replicas sharing {layout.micro_batches}: give every step at least "
+            "micro_batches samples"
+        )

@@ -30,13 +30,7 @@ from elasticpipe.client.session import (
     _Batch,
     _RolledBack,
 )
-from elasticpipe.errors import (
-    CoordinatorUnavailable,
-    ElasticPipeError,
-    InvalidRequest,
-    Rebalancing,
-    StaleEpoch,
-)
+from elasticpipe.errors import CoordinatorUnavailable, ElasticPipeError, Rebalancing, StaleEpoch
 from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
@@ -86,12 +80,6 @@ class Steps(Session):
             try:
                 if train and layout is not None and len(layout.replicas) > 1:
                     ran = layout
-                    if len(batch.xs) != layout.micro_batches:
-                        raise InvalidRequest(
-                            f"a batch of {len(batch.xs)} micro-batches for a job of "
-                            f"{len(layout.replicas)} replicas sharing {layout.micro_batches}: "
-                            "give every step at least micro_batches samples"
-                        )
                     reports = [
                         r
                         for chain in driver.run_replicas(

@@ -497,11 +497,12 @@ class Jobs(Loads):
         Raises:
             Fenced: the caller does not hold the job.
         """
-        job, partition = self._check_holder(job_id, client)
+        job, _ = self._check_holder(job_id, client)
         with self._profiling:
             profiled = self.c.profile is None
             if profiled:
-                members = [m for sid in partition.stage_ids if (m := self.c.members.by_id(sid))]
+                every = self.c.job_stage_ids()  # of every replica
+                members = [m for sid in every if (m := self.c.members.by_id(sid))]
                 measured = self._profile(job, sample, members)
                 with self.c.move_lock:
                     self.c.profile = measured
@@ -514,6 +515,7 @@ class Jobs(Loads):
                 current, profile = self.c.partition, self.c.profile
                 if (
                     current is not None
+                    and self.c.replicas == 1  # replicas are not re-timed yet
                     and profile is not None
                     and current.job_id == job.job_id
                     and (profiled or current.predicted_step_s is None)

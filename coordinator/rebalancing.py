@@ -227,9 +227,10 @@ class Rebalancer:
             ElasticPipeError: the change was abandoned (the old epoch stays in force).
         """
         job, current = self.c.require_job()
-        self.c.refuse_replicated("moving layers")
         with self.c.move_lock:
             current = self.c.partition or current
+            # under the lock: a job of replicas set up meanwhile is not moved either
+            self.c.refuse_replicated("moving layers")
             # evolve: the last rollback (restore_epoch, restored_step) stays on record.
             target = current.evolve(
                 epoch=current.epoch + 1, boundaries=tuple(boundaries), stages=tuple(stages)
@@ -340,6 +341,7 @@ class Rebalancer:
         """Moves every layer off a stage and keeps it out of the chain."""
         member = self._member(key)
         _, current = self.c.require_job()
+        self.c.refuse_replicated(f"draining {member.row.name}")
         if member.row.stage_id not in current.stage_ids:
             self.c.members.set_drained(member.row.stage_id, True)
             return MoveOutcome(False, current, f"{member.row.name} holds no layers")
@@ -354,6 +356,7 @@ class Rebalancer:
         """Lets a drained stage back into the chain, at its registration-order place."""
         member = self._member(key)
         _, current = self.c.require_job()
+        self.c.refuse_replicated(f"undraining {member.row.name}")
         self.c.members.set_drained(member.row.stage_id, False)
         if member.row.stage_id in current.stage_ids:
             return MoveOutcome(False, current, f"{member.row.name} is already in the chain")

@@ -54,21 +54,22 @@ class Shape:
         sizes = tuple(int(n) for n in sizes)
         if auto and sizes:
             raise InvalidRequest(
-                f"auto_replicas chooses the replicas: do not also give replica_stages {list(sizes)}"
+                "auto_replicas chooses the replicas: do not also give replica_stages "
+                f"{list(sizes)[:8]}"
             )
         if len(sizes) > MAX_REPLICAS or any(n < 1 for n in sizes):
             raise InvalidRequest(
                 f"replica_stages {list(sizes)[:8]} must be at most {MAX_REPLICAS} counts >= 1"
             )
-        if len(sizes) > 1 and num_stages and num_stages != sum(sizes):
+        if sizes and num_stages and num_stages != sum(sizes):
             raise InvalidRequest(
-                f"num_stages {num_stages} is not the sum of replica_stages {list(sizes)}"
+                f"num_stages {num_stages} is not the sum of replica_stages {list(sizes)[:8]}"
             )
         return cls(sizes, auto)
 
     def stages_needed(self, num_stages: int) -> int:
         """How many live stages the job waits for (0: every live stage)."""
-        return sum(self.sizes) if len(self.sizes) > 1 else num_stages
+        return sum(self.sizes) if self.sizes else num_stages
 
     def matches(self, layout: Layout | None) -> bool:
         """Whether a running job is of this shape (a client resuming it): replicas of

@@ -17,7 +17,7 @@ from elasticpipe.coordinator.membership import Heard, Member
 from elasticpipe.coordinator.rebalancing import MoveOutcome
 from elasticpipe.coordinator.replicas import Shape
 from elasticpipe.errors import InvalidRequest, TooLarge
-from elasticpipe.partition import Partition
+from elasticpipe.partition import MAX_REPLICAS, Partition
 from elasticpipe.security import authz, bounds
 from elasticpipe.security.admission import Limits
 from elasticpipe.training.job import JobConfig
@@ -166,7 +166,13 @@ class CoordinatorServicer:
     ) -> coordinator_pb2.SetupJobResponse:
         job = JobConfig.from_proto(req.job)
         bounds.number(req.num_stages, "num_stages", 0, bounds.MAX_STAGES)
+        bounds.count(req.replica_stages, "replica_stages", MAX_REPLICAS)
         shape = Shape.parse(req.replica_stages, req.auto_replicas, req.num_stages)
+        if shape.replicated and job.external_weights:
+            raise InvalidRequest(
+                "init_state with replicas: streaming weights into a job of several replicas "
+                "is not built yet (start one pipeline, or replicas from the seed)"
+            )
         bounds.number(sum(shape.sizes), "the sum of replica_stages", 0, bounds.MAX_STAGES)
         sample = bundle.get_sample(req.job)
         wait_s = _within_deadline(_bounded(req.wait_s, "wait_s"), ctx)

@@ -213,7 +213,12 @@ def ordered_stages(
     every = list(stages)
     rank = {"chain": 0, "spare": 1, "drained": 2}
     live = [st for st in every if st.state not in GONE_STATES]
-    live.sort(key=lambda st: (rank.get(st.state, 3), st.index if st.state == "chain" else 0))
+    live.sort(
+        key=lambda st: (
+            rank.get(st.state, 3),
+            (st.replica, st.index) if st.state == "chain" else (0, 0),
+        )
+    )
     return live, [st for st in every if st.state in GONE_STATES]
 
 

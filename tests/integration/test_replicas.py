@@ -142,3 +142,23 @@ def test_a_dead_stage_ends_a_job_of_replicas_naming_it() -> None:
             assert time.monotonic() - started < 30
         status = cli.admin_json(c, "status")
         assert "recovering a job of several replicas is not built yet" in status["job_failure"]
+
+
+def test_draining_or_streaming_weights_into_replicas_is_refused_up_front(
+    cluster: LocalCluster,
+) -> None:
+    """A drain of any replica's stage, and init_state with replicas, are refused by name
+    before anything changes (a drain would keep a serving stage out of the next job)."""
+    with pytest.raises(InvalidRequest, match="init_state with replicas"):
+        Pipeline(cluster.coordinator, **JOB, stages=(2, 3), init_state={})  # type: ignore[arg-type]
+    with Pipeline(cluster.coordinator, **JOB, stages=(2, 3)) as pipe:  # type: ignore[arg-type]
+        pipe.train_step(*_batch(0))
+        last = pipe.layout.replicas[1].stage_ids[-1]
+        name = next(
+            s["name"] for s in cli.admin_json(cluster, "status")["stages"] if s["stage_id"] == last
+        )
+        refused = cli.admin_json(cluster, "drain", name)
+        assert f"draining {name}" in refused["error"]["message"]
+        status = cli.admin_json(cluster, "status")
+        assert {s["state"] for s in status["stages"] if s["stage_id"] == last} == {"chain"}
+        pipe.train_step(*_batch(1))

@@ -94,6 +94,13 @@ KEYS: dict[str, set[str]] = {
     },
     "scale.py": {"max_stages", "plan_ms", "migration_s", "step_fanout_s", "exponents", "sizes"},
     "snapshot_cost.py": {"crc+sha_1mib_total_ms", "sha-once_1mib_total_ms"},
+    "replicas.py": {
+        "speedup_best",
+        "auto_vs_best",
+        "straggler_vs_optimum",
+        "min_vs_predicted",
+        "layouts",
+    },
     "straggler.py": {
         "before_steps_per_s",
         "static_steps_per_s",

@@ -1,0 +1,171 @@
+"""Replicas: one pipeline of 6 stages against the same 6 stages as replicas of other shapes.
+
+Six stage processes train a GPT. Every stage emulates a device ``--base`` times slower than
+one core of this host (the stages' ``--slowdown``: each layer's time is stretched by sleeping,
+so the stages wait like accelerator hosts with idle CPUs instead of fighting for the two
+cores). In one run, one job after another on the same stages, each trained ``--steps``
+steps after a warm-up:
+
+    one pipeline of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4); ``replicas="auto"``
+
+Printed per layout: steps/s, the planner's prediction (the slowest replica's predicted step
+for its share; the reduction is counted only when the coordinator knows a link bandwidth,
+which it does not here), measured over predicted, and the speed-up over one pipeline of 6.
+The last line is JSON with ``speedup_best`` (the best fixed layout over one pipeline),
+``auto_vs_best`` (auto over the best fixed layout) and ``straggler_vs_optimum``.
+
+Not measured yet: the issue's straggler phase (one host 3x slower, the shares re-split while
+training) needs the coordinator to re-split the shares of a running job, which is not built:
+``straggler_vs_optimum`` is null and ``straggler`` says why.
+
+Usage: ``python bench/replicas.py [--steps N] [--base F] [--quick]``. ``--quick`` checks the
+script end to end: no emulated device (``--base 1``), a tiny model, 1 measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.local.cluster import LocalCluster
+
+MODEL = {"vocab_size": 96, "d_model": 128, "n_heads": 4, "n_layers": 12, "max_seq_len": 64}
+QUICK_MODEL = {"vocab_size": 32, "d_model": 16, "n_heads": 2, "n_layers": 4, "max_seq_len": 16}
+LAYOUTS: list[tuple[str, dict[str, Any]]] = [
+    ("1 x 6", {"stages": 6}),
+    ("2 x 3", {"replicas": 2, "stages": 3}),
+    ("3 x 2", {"replicas": 3, "stages": 2}),
+    ("(2, 4)", {"stages": (2, 4)}),
+    ("auto", {"replicas": "auto", "stages": 6}),
+]
+
+
+def run_layout(
+    cluster: LocalCluster, shape: dict[str, Any], args: argparse.Namespace, model: dict[str, int]
+) -> dict[str, Any]:
+    """One job of ``shape`` on the cluster: warm-up, then ``args.steps`` timed steps."""
+    gen = torch.Generator().manual_seed(0)
+    with Pipeline(
+        coordinator=cluster.coordinator,
+        model="gpt",
+        model_kwargs=model,
+        optimizer="adam",
+        optimizer_kwargs={"lr": 1e-3},
+        micro_batches=args.micro_batches,
+        snapshot_every=0,
+        **shape,
+    ) as pipe:
+
+        def train(steps: int) -> float:
+            start = time.perf_counter()
+            for _ in range(steps):
+                tokens = torch.randint(
+                    0, model["vocab_size"], (args.batch, args.seq + 1), generator=gen
+                )
+                pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+            return steps / (time.perf_counter() - start)
+
+        train(args.warmup)
+        measured = train(args.steps)
+        layout = pipe.layout
+        predicted = [p.predicted_step_s for p in layout.replicas]
+    step_s = max(s for s in predicted if s is not None) if all(predicted) else None
+    return {
+        "steps_per_s": measured,
+        "predicted_steps_per_s": 1.0 / step_s if step_s else None,
+        "replicas": [list(p.boundaries) for p in layout.replicas],
+        "lengths": [p.num_stages for p in layout.replicas],
+        "shares": list(layout.shares),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--base", type=float, default=4.0, help="slowdown of every stage")
+    parser.add_argument("--micro-batches", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=48)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 step per layout")
+    args = parser.parse_args()
+    model = MODEL
+    if args.quick:
+        args.steps, args.warmup, args.base, args.micro_batches = 1, 1, 1.0, 6
+        args.batch, args.seq, model = 6, 8, QUICK_MODEL
+    results: dict[str, dict[str, Any]] = {}
+    with LocalCluster(
+        stages=6,
+        slowdowns=[args.base] * 6,
+        coordinator_args=["--state", ":memory:", "--no-auto-rebalance"],
+    ) as cluster:
+        for name, shape in LAYOUTS:
+            results[name] = found = run_layout(cluster, shape, args, model)
+            print(
+                f"{name:<8} lengths {found['lengths']} shares {found['shares']}: "
+                f"{found['steps_per_s']:.3f} steps/s",
+                flush=True,
+            )
+    one = results["1 x 6"]["steps_per_s"]
+    fixed = [n for n, _ in LAYOUTS if n != "auto"]
+    best = max(fixed, key=lambda n: results[n]["steps_per_s"])
+    print()
+    print(
+        f"{'layout':<8}{'lengths':<14}{'shares':<14}{'steps/s':>9}{'predicted':>11}"
+        f"{'measured/pred':>15}{'speed-up':>10}"
+    )
+    for name, found in results.items():
+        pred = found["predicted_steps_per_s"]
+        found["vs_predicted"] = ratio = found["steps_per_s"] / pred if pred else None
+        found["speedup"] = found["steps_per_s"] / one
+        predicted = f"{pred:.3f}" if pred else "-"
+        vs = f"{ratio:.0%}" if ratio is not None else "-"
+        print(
+            f"{name:<8}{found['lengths']!s:<14}{found['shares']!s:<14}"
+            f"{found['steps_per_s']:>9.3f}{predicted:>11}{vs:>15}{found['speedup']:>9.2f}x"
+        )
+    out = {
+        "base": args.base,
+        "micro_batches": args.micro_batches,
+        "best_fixed": best,
+        "speedup_best": results[best]["steps_per_s"] / one,
+        "auto_vs_best": results["auto"]["steps_per_s"] / results[best]["steps_per_s"],
+        "auto_lengths": results["auto"]["lengths"],
+        "min_vs_predicted": min(
+            (f["vs_predicted"] for f in results.values() if f["vs_predicted"] is not None),
+            default=None,
+        ),
+        "straggler_vs_optimum": None,
+        "straggler": "not measured: re-splitting a running job's shares is not built",
+        "layouts": {
+            name: {k: f[k] for k in ("steps_per_s", "predicted_steps_per_s", "shares", "lengths")}
+            for name, f in results.items()
+        },
+    }
+    print(
+        f"best fixed layout {best}: {out['speedup_best']:.2f}x one pipeline of 6; "
+        f"auto ({out['auto_lengths']}) {out['auto_vs_best']:.0%} of it (goal >= 95%); "
+        f"lowest measured/predicted {out['min_vs_predicted'] or 0:.0%} (goal >= 90%)"
+    )
+    print(json.dumps(_rounded(out)))
+    return 0
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
