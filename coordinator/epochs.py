@@ -32,6 +32,7 @@ from elasticpipe.coordinator import copies
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import CommitOutcomeUnknown, ElasticPipeError, NotReady, TransferError
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.training.job import JobConfig
@@ -65,6 +66,10 @@ class Change:
         restored_by_client: restore: the layers were streamed by the client.
         abort_running: recovery: end the run in flight instead of waiting for it.
         gone: addresses of stages that are dead (not contacted).
+        old_layout, new_layout: a job of several replicas: every replica before and after
+            (``old`` and ``new`` are their replica 0); None: a job of one pipeline.
+        sources: with layouts, what each stage (by id) pulls: (layer, address of a live
+            holder at the cut, in any replica).
     """
 
     kind: str
@@ -76,12 +81,27 @@ class Change:
     restored_by_client: bool = False
     abort_running: bool = False
     gone: frozenset[str] = frozenset()
+    old_layout: Layout | None = None
+    new_layout: Layout | None = None
+    sources: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+
+    @property
+    def old_addresses(self) -> tuple[str, ...]:
+        """Every stage of the old epoch (every replica's)."""
+        return self.old_layout.addresses if self.old_layout else self.old.addresses
 
     @property
     def involved(self) -> list[str]:
-        """Every live stage of the old and new chains, old chain first."""
-        both = dict.fromkeys(self.old.addresses + self.new.addresses)
+        """Every live stage of the old and new chains (every replica's), old first."""
+        new = self.new_layout.addresses if self.new_layout else self.new.addresses
+        both = dict.fromkeys(self.old_addresses + new)
         return [a for a in both if a not in self.gone]
+
+    @property
+    def replicated(self) -> Layout | None:
+        """The new layout when it has several replicas (what the store keeps as such)."""
+        layout = self.new_layout
+        return layout if layout is not None and len(layout.replicas) > 1 else None
 
     def record(self, phase: str) -> dict[str, Any]:
         """The store's record of the change in progress."""
@@ -93,6 +113,7 @@ class Change:
             "involved": self.involved,
             "old_epoch": self.old.epoch,
             "partition": self.new.to_json(),
+            "layout": self.replicated.to_json() if self.replicated else None,
         }
 
 
@@ -184,23 +205,33 @@ def prepare(
     Returns:
         Bytes transferred.
     """
-    moved = change.old.moves_to(change.new)
     spec = job.to_proto()
     rollback = change.rollback_step is not None
     requests = []
     names = cluster.names(change.new.stage_ids)  # a copy's source is checked by name
     # Everything per stage looked up in maps built once: linear in the chain's length.
-    wire = change.new.assignments(names)
     outside = change.new.assignment("", names).to_proto()  # an empty range
     stage_at: dict[str, str] = {}
-    for ref in change.new.stages:
-        stage_at.setdefault(ref.address, ref.stage_id)
-    owners = {s.stage_id: s.address for s in change.old.stages}
     arriving: dict[str, list[stage_pb2.LayerSource]] = {}
-    for m in moved:
-        arriving.setdefault(m.target, []).append(
-            stage_pb2.LayerSource(layer=m.layer, address=owners[m.source])
-        )
+    if change.new_layout is not None:  # every replica, each stage placed in its own chain
+        wire = {}
+        for chain in change.new_layout.replicas:
+            chain_names = cluster.names(chain.stage_ids)
+            for ref in chain.stages:
+                placed = change.new_layout.assignment(ref.stage_id, chain_names)
+                wire[ref.stage_id] = placed.to_proto()
+                stage_at.setdefault(ref.address, ref.stage_id)
+        for stage_id, pulls in change.sources.items():
+            arriving[stage_id] = [stage_pb2.LayerSource(layer=i, address=a) for i, a in pulls]
+    else:
+        wire = change.new.assignments(names)
+        for ref in change.new.stages:
+            stage_at.setdefault(ref.address, ref.stage_id)
+        owners = {s.stage_id: s.address for s in change.old.stages}
+        for m in change.old.moves_to(change.new):
+            arriving.setdefault(m.target, []).append(
+                stage_pb2.LayerSource(layer=m.layer, address=owners[m.source])
+            )
     for address in change.involved:
         stage_id = stage_at.get(address, "")
         assignment = wire.get(stage_id, outside)
@@ -297,12 +328,18 @@ def change_epoch(
     """
     started = time.perf_counter()
     involved = change.involved
-    moved = change.old.moves_to(change.new)
+    moved = (
+        [layer for pulls in change.sources.values() for layer, _ in pulls]
+        if change.new_layout is not None
+        else change.old.moves_to(change.new)
+    )
     try:
         change.new.validate(cluster.num_layers or None)
+        if change.new_layout is not None:
+            change.new_layout.validate(cluster.num_layers or None, job.micro_batches)
         steps = freeze(cluster, change)
         pause("after_freeze")
-        old_chain = set(change.old.addresses)
+        old_chain = set(change.old_addresses)
         cut_steps = tuple(s for a, s in zip(involved, steps, strict=True) if a in old_chain)
         if change.rollback_step is not None:
             cut = change.rollback_step
@@ -343,7 +380,7 @@ def change_epoch(
         cluster.metrics.epoch_change_aborted(change.kind)
         raise
     pause("after_commit_point")
-    cluster.adopt(change.new)
+    cluster.adopt(change.new, change.replicated)
     commit(cluster, change)
     result = replace(result, pause_s=time.perf_counter() - frozen_at)
     if history is not None:
@@ -368,7 +405,7 @@ def finish_pending(cluster: Cluster) -> None:
     new = Partition.from_json(record["partition"])
     if record.get("phase") == "committed":
         log.warning("epoch_change_rolled_forward", epoch=epoch, kind=record.get("kind"))
-        cluster.adopt(new)
+        cluster.adopt(new, Layout.from_json(record["layout"]) if record.get("layout") else None)
         request = stage_pb2.EpochRequest(epoch=epoch)
         cluster.pool.each([(a, request) for a in involved], "CommitEpoch", 30.0)
         cluster.store.delete(CHANGE_KEY)

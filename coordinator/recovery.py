@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from elasticpipe.coordinator import copies, epochs
+from elasticpipe.coordinator import copies, epochs, replica_recovery
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import LEFT_REASON, Member
 from elasticpipe.coordinator.planning import plan, predict_step_time
@@ -133,14 +133,11 @@ class Recovery:
             # abandoned here so that recovery can go on.
             if self.c.store.get(epochs.CHANGE_KEY) is not None and not self._abandon_stale_load():
                 return
-            if self.c.replicas > 1:
-                names = ", ".join(m.row.name for m in dead)
-                self.c.fail_job(
-                    f"stage {names} of a job of {self.c.replicas} replicas died, and recovering "
-                    "a job of several replicas is not built yet"
-                )
-                return
             try:
+                if self.c.replicas > 1:  # the layers live on in the other replicas
+                    if replica_recovery.recover(self.c, dead, self._pause) is not None:
+                        self.recoveries += 1
+                    return
                 self.recover(dead)
             except ElasticPipeError as exc:
                 log.error("recovery_failed", error=str(exc))

@@ -138,13 +138,14 @@ class Cluster:
             self.partition, self.layout = partition, layout
             self.cond.notify_all()
 
-    def adopt(self, partition: Partition) -> None:
-        """Makes an already persisted ``partition`` current in memory (a layout of another
-        epoch goes: epoch changes are of one-pipeline jobs)."""
+    def adopt(self, partition: Partition, layout: Layout | None = None) -> None:
+        """Makes an already persisted ``partition`` current in memory, with ``layout`` (a
+        job of several replicas, ``partition`` its replica 0). The same epoch again (a
+        step time learned) keeps the layout in force."""
         with self.cond:
+            if layout is not None or partition.epoch != getattr(self.partition, "epoch", None):
+                self.layout = layout
             self.partition = partition
-            if self.layout is not None and self.layout.epoch != partition.epoch:
-                self.layout = None
             self.cond.notify_all()
 
     @property

@@ -26,6 +26,7 @@ log = get_logger(__name__)
 
 PAUSE_POINTS = (
     "run_started",
+    "reducing",
     "awaiting_commit",
     "commit",
     "prepare",

@@ -414,6 +414,7 @@ class Stage(EpochChanges):
         try:
             result = execute(ops, ctx)
             if replicated:
+                self.faults.point("reducing")  # tests: killed as its replicas reduce
                 ids = reducing.RunIds(placement.epoch, run, step, secret, ctx.deadline)
                 reducing.reduce_gradients(
                     ctx.layers, placement, shares, ctx.links, ctx.mailbox, ids

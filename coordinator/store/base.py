@@ -77,7 +77,9 @@ class Store(ABC):
         self, partition: Partition, change: dict[str, Any], row: EpochRow | None = None
     ) -> None:
         """The commit point of an epoch change: the new partition, the change's
-        "committed" record and its history row, written in one transaction."""
+        "committed" record and its history row, written in one transaction; with them the
+        record's ``layout`` under the key ``layout`` (a job of several replicas), or that
+        key deleted."""
 
     # ---- history -----------------------------------------------------------------------
 

@@ -377,8 +377,13 @@ class EtcdStore(Store):
         """The commit point of an epoch change: the new partition, the change's
         "committed" record and its history row, written in one etcd transaction."""
         with self._lock:
+            layout = self._kv_key("layout")
             ops = [
                 _put_op(self._kv_key("partition"), partition.to_json()),
+                # a job of several replicas: all of them, beside replica 0's partition
+                _put_op(layout, change["layout"])
+                if change.get("layout")
+                else pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=layout)),
                 _put_op(self._kv_key("epoch_change"), {**change, "phase": "committed"}),
             ]
             if row is not None:

@@ -183,6 +183,10 @@ class SqliteStore(Store):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._put("partition", partition.to_json())
+                if change.get("layout"):  # a job of several replicas: all of them
+                    self._put("layout", change["layout"])
+                else:
+                    self._db.execute("DELETE FROM kv WHERE key=?", ("layout",))
                 self._put("epoch_change", {**change, "phase": "committed"})
                 if row is not None:
                     self._add_epoch(row)

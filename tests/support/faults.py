@@ -102,9 +102,9 @@ class FaultPlan:
             name, point = step.paused
             killed.append(name)
             if point in EPOCH_POINTS:
-                _kill_when_paused(step.cluster, name)
+                kill_when_paused(step.cluster, name)
             else:
-                threading.Thread(target=_kill_when_paused, args=(step.cluster, name)).start()
+                threading.Thread(target=kill_when_paused, args=(step.cluster, name)).start()
 
         return self._add(run)
 
@@ -181,6 +181,6 @@ def _one_layer_to(boundaries: list[int], receiver: int) -> tuple[list[int], int,
     return target, receiver - 1, receiver
 
 
-def _kill_when_paused(cluster: LocalCluster, name: str) -> None:
+def kill_when_paused(cluster: LocalCluster, name: str) -> None:
     cluster.wait_for_log(name, "paused_at", timeout=60)
     cluster.kill(name)

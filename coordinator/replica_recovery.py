@@ -1,0 +1,189 @@
+"""Recovering a job of several replicas from dead stages, without a rollback.
+
+Every replica holds every layer, and at a committed step every holder of a layer holds the
+same bytes (the reduction gives each the same sums, and each applies the same optimizer
+step). So a dead stage's layers are still alive in the other replicas, at the step the
+survivors committed: nothing needs rolling back, and the client retries only the run that
+was interrupted (``last_step.replayed == 0``). For each replica that lost stages:
+
+1. **A spare takes each dead stage's place** (registration order), with the same layers:
+   it pulls them, weights and optimizer state, from a live holder in another replica.
+2. **With too few spares, the replica dissolves**: its survivors become spares, and the
+   other replicas share its micro-batches. A single replica left is a job of one pipeline.
+
+Either is one epoch change of the whole layout (``epochs.change_epoch`` with layouts): every
+survivor freezes at its step boundary -- a live client decides the interrupted run first,
+so that a step committed anywhere is committed everywhere -- and the shares are
+water-filled again for the new replicas. A layer with no live holder left in any replica
+fails the job with ``LayersLost`` naming it (snapshots of a job of several replicas are not
+restored from yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator.epochs import Change
+from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planning import estimates, predict_step_time
+from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.store import EpochRow
+from elasticpipe.layout import Layout
+from elasticpipe.logs import get_logger
+from elasticpipe.partition import Partition, StageRef
+
+log = get_logger(__name__)
+
+__all__ = ["recover"]
+
+
+def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Partition | None:
+    """Replaces the dead stages of a job of several replicas by spares, or dissolves their
+    replicas, at the survivors' committed step (no rollback).
+
+    Returns:
+        The new replica 0's partition, or None when the job failed (named).
+
+    Raises:
+        ElasticPipeError: the epoch change was abandoned (the old layout stays in force; the
+            coordinator's loop tries again).
+    """
+    job, _ = cluster.require_job()
+    layout = cluster.layout
+    assert layout is not None
+    dead_ids = {m.row.stage_id for m in dead}
+    live = {m.row.stage_id for m in cluster.members.members() if cluster.members.alive(m)}
+    live -= dead_ids
+    spares = [m for m in cluster.spares() if m.row.stage_id not in dead_ids]
+    kept: list[Partition] = []
+    sources: dict[str, list[tuple[int, str]]] = {}
+    said: list[str] = []
+    for r, chain in enumerate(layout.replicas):
+        lost = [s for s, ref in enumerate(chain.stages) if ref.stage_id in dead_ids]
+        if not lost:
+            kept.append(chain)
+            continue
+        lost_names = cluster.names([chain.stages[s].stage_id for s in lost])
+        if len(spares) < len(lost):
+            survivors = [ref.stage_id for ref in chain.stages if ref.stage_id in live]
+            said.append(
+                f"replica {r} lost {', '.join(lost_names)} and dissolved"
+                + (f" ({', '.join(cluster.names(survivors))} are spares now)" if survivors else "")
+            )
+            continue
+        stages = list(chain.stages)
+        for s in lost:
+            spare = spares.pop(0)
+            stages[s] = StageRef(spare.row.stage_id, spare.row.address)
+            pulls = []
+            for layer in chain.layers_of(s):
+                holder = _live_holder(layout, layer, r, live)
+                if holder is None:
+                    cluster.fail_job(
+                        f"layer {layer} has no live holder left: it was lost with "
+                        f"{', '.join(cluster.names(sorted(dead_ids)))} in every replica"
+                    )
+                    return None
+                pulls.append((layer, holder.address))
+            sources[spare.row.stage_id] = pulls
+        said.append(
+            f"replica {r}: {', '.join(cluster.names([stages[s].stage_id for s in lost]))} "
+            f"took the place of {', '.join(lost_names)}"
+        )
+        kept.append(chain.evolve(stages=tuple(stages)))
+    if not kept:
+        cluster.fail_job(f"every replica lost stages and no spare is left ({'; '.join(said)})")
+        return None
+    new_layout = _relaid(cluster, kept, cluster.store.reserve_epoch())
+    reason = (
+        f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}; no "
+        f"rollback, shares {list(new_layout.shares)}"
+    )
+    change = Change(
+        "recovery",
+        reason,
+        layout.replicas[0],
+        new_layout.replicas[0],
+        gone=frozenset(
+            a for sid, a in zip(layout.stage_ids, layout.addresses, strict=True) if sid in dead_ids
+        ),
+        old_layout=layout,
+        new_layout=new_layout,
+        sources=sources,
+    )
+    started = time.perf_counter()
+    detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)
+    extra = {
+        "replicas": [
+            {"boundaries": list(p.boundaries), "stages": cluster.names(p.stage_ids)}
+            for p in new_layout.replicas
+        ],
+        "shares": list(new_layout.shares),
+    }
+
+    def history(result: epochs.MoveResult) -> EpochRow:
+        return epochs.history_row(
+            cluster,
+            new_layout.replicas[0],
+            "recovery",
+            reason,
+            moved=result,
+            detected_at=detected,
+            extra={**extra, "recover_s": time.perf_counter() - started},
+        )
+
+    result = epochs.change_epoch(cluster, job, change, pause, history)
+    cluster.last_move = time.monotonic()
+    for sid in new_layout.stage_ids:
+        member = cluster.members.by_id(sid)
+        if member is not None:
+            member.remeasure()
+    log.warning(
+        "job_recovered",
+        epoch=new_layout.epoch,
+        how=said,
+        replicas=[cluster.names(p.stage_ids) for p in new_layout.replicas],
+        shares=list(new_layout.shares),
+        committed_step=result.committed_step,
+        bytes_pulled=result.bytes_moved,
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    return new_layout.replicas[0]
+
+
+def _live_holder(layout: Layout, layer: int, replica: int, live: set[str]) -> StageRef | None:
+    """A live stage holding ``layer`` in a replica other than ``replica`` (the lowest)."""
+    for r, chain in enumerate(layout.replicas):
+        holder = chain.owner_of(layer)
+        if r != replica and holder.stage_id in live:
+            return holder
+    return None
+
+
+def _relaid(cluster: Cluster, replicas: list[Partition], epoch: int) -> Layout:
+    """The kept replicas in a new epoch, their micro-batches water-filled again on the
+    planner's predictions for the live speeds (at least one each)."""
+    job = cluster.job
+    assert job is not None
+    costs = cluster.costs()
+    plans = [
+        estimates.evaluate(
+            p.boundaries, costs, cluster.speeds(p.stage_ids), *cluster.links(p.num_stages)
+        )
+        for p in replicas
+    ]
+    shares = assign_shares(planned_step_times(plans, job.schedule), job.micro_batches, 1)
+    timed = cluster.profile is not None
+    return Layout(
+        tuple(
+            p.evolve(
+                epoch=epoch,
+                predicted_step_s=predict_step_time(plan, share, job.schedule) if timed else None,
+            )
+            for p, plan, share in zip(replicas, plans, shares, strict=True)
+        ),
+        shares,
+    ).validate(cluster.num_layers or None, job.micro_batches)
