@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator import epochs, replica_changes
 from elasticpipe.coordinator.epochs import Change, MoveResult
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import (
@@ -387,7 +387,8 @@ class Rebalancer:
         partition = self.c.partition
         if not self.policy.enabled or self.c.job is None or partition is None or self.c.failure:
             return
-        if self.c.replicas > 1:  # its policy (shares first, then moves) is not built yet
+        if self.c.replicas > 1:  # shares first; moving layers of replicas is not built yet
+            self.retune_shares()
             return
         if not self._measured(partition.stage_ids):
             return
@@ -396,6 +397,44 @@ class Rebalancer:
         outcome = self.rebalance(dry_run=False, reason="auto", force=False)
         if not outcome.changed:
             self.scale_out()
+
+    def retune_shares(self) -> bool:
+        """Re-splits a job of several replicas' micro-batches when the live speeds predict a
+        faster split that the policy accepts (threshold, payback, cool-down), confirmed by
+        a later step's measurements as moves are. Returns whether the shares changed."""
+        layout = self.c.layout
+        if layout is None or self.c.store.get(epochs.CHANGE_KEY) is not None:
+            return False
+        if not all(self._measured(p.stage_ids) for p in layout.replicas):
+            return False
+        now_s, best_s, best = replica_changes.planned_shares(self.c, layout)
+        moved = sum(abs(a - b) for a, b in zip(best, layout.shares, strict=True)) // 2
+        decision = decide(
+            self.policy,
+            now_s,
+            best_s,
+            0,
+            time.monotonic() - self.c.last_move,
+            self.c.last_pause,
+            layers_to_move=moved,
+        )
+        if decision.move:
+            decision = self._confirmed("shares", decision, (best, ()), layout.stage_ids)
+        self._log_decision(decision, "auto shares", self.c.in_seconds(layout.stage_ids))
+        if not decision.move:
+            if moved == 0:
+                self._proposals.pop("shares", None)
+            return False
+        self._proposals.pop("shares", None)
+        with self.c.move_lock:
+            if self.c.layout is not layout:  # changed meanwhile: decide again next time
+                return False
+            reason = (
+                f"auto: shares {list(layout.shares)} -> {list(best)} (predicted step "
+                f"{now_s:.4g}s -> {best_s:.4g}s)"
+            )
+            replica_changes.reshare(self.c, best, reason, self._pause)
+        return True
 
     def scale_out(self) -> MoveOutcome | None:
         """Adds a spare to the chain when the planner predicts a gain the policy accepts.

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from elasticpipe.coordinator import copies, epochs, replica_recovery
+from elasticpipe.coordinator import copies, epochs, replica_changes
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import LEFT_REASON, Member
 from elasticpipe.coordinator.planning import plan, predict_step_time
@@ -135,7 +135,7 @@ class Recovery:
                 return
             try:
                 if self.c.replicas > 1:  # the layers live on in the other replicas
-                    if replica_recovery.recover(self.c, dead, self._pause) is not None:
+                    if replica_changes.recover(self.c, dead, self._pause) is not None:
                         self.recoveries += 1
                     return
                 self.recover(dead)

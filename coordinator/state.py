@@ -261,9 +261,12 @@ class Cluster:
         """
         costs = self.costs()
         owned: dict[int, Timing] = {}
-        s = self.partition.index_of(member.row.stage_id) if self.partition else None
-        if self.partition is not None and s is not None:
-            layers = self.partition.layers_of(s)
+        layout = self.job_layout()  # the stage's own replica's chain
+        r = layout.replica_of_stage(member.row.stage_id) if layout is not None else None
+        chain = layout.replicas[r] if layout is not None and r is not None else None
+        s = chain.index_of(member.row.stage_id) if chain is not None else None
+        if chain is not None and s is not None:
+            layers = chain.layers_of(s)
             owned = {i: t for i, t in member.timings.items() if i in layers and t[3] > 0}
             if len(owned) < len(layers):
                 owned = {}

@@ -126,6 +126,7 @@ STRING_VALUES: dict[tuple[str, str], list[str]] = {
         "start",
         "move",
         "scale-out",
+        "shares",
         "recovery",
         "restore",
         "attach",

@@ -222,3 +222,35 @@ def test_a_stage_killed_inside_a_step_costs_no_replay_and_no_bits(point: str) ->
     assert losses == want_losses
     for key, value in want_state.items():
         assert torch.equal(state[key], value), key
+
+
+def test_a_slowed_replica_gets_a_smaller_share_and_the_results_stay_exact() -> None:
+    """One stage of replica 1 slowed 30x: the coordinator's policy re-splits the
+    micro-batches toward replica 0 (one epoch change, no layer moved), within a few steps,
+    and every loss and weight still equals LocalPipeline's bit for bit."""
+    policy = ["--policy-interval", "0.3", "--rebalance-cooldown", "0"]
+    with (
+        LocalCluster(
+            stages=4,
+            allow_models=("tests.support",),
+            heartbeat_s=0.2,
+            coordinator_args=[*policy, "--rebalance-horizon", "100000"],
+        ) as c,
+        Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*_batch(0))]
+        before = pipe.layout.shares
+        slow = _name_of(c, pipe.layout.replicas[1].stage_ids[0])
+        cli.admin_json(c, "slowdown", slow, "30")
+        while pipe.layout.shares == before and len(losses) < 40:
+            losses.append(pipe.train_step(*_batch(len(losses))))
+        after = pipe.layout.shares
+        losses.append(pipe.train_step(*_batch(len(losses))))
+        state = pipe.state_dict()
+        history = cli.admin_json(c, "status")["history"]
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
+    assert any(r["kind"] == "shares" and r["layers_moved"] == 0 for r in history)
+    local = LocalPipeline(**JOB)  # type: ignore[arg-type]
+    assert [local.train_step(*_batch(step)) for step in range(len(losses))] == losses
+    for name, value in local.state_dict().items():
+        assert torch.equal(state[name], value), name

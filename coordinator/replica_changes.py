@@ -1,4 +1,12 @@
-"""Recovering a job of several replicas from dead stages, without a rollback.
+"""Changing a job of several replicas: re-splitting its shares (``reshare``), and recovering
+it from dead stages without a rollback (``recover``).
+
+**Shares.** Which micro-batches each replica runs moves no state: a re-split is an epoch
+change of the layout with new shares and nothing to pull, the stages freezing at their
+step boundary. The policy (``rebalancing``) proposes one when the live speeds predict a
+faster split, under the same threshold, payback, cool-down and confirmation as moves.
+
+**Recovery.**
 
 Every replica holds every layer, and at a committed step every holder of a layer holds the
 same bytes (the reduction gives each the same sums, and each applies the same optimizer
@@ -28,7 +36,8 @@ from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import estimates, predict_step_time
-from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times
+from elasticpipe.coordinator.planning.cost import Plan
+from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.layout import Layout
@@ -37,7 +46,7 @@ from elasticpipe.partition import Partition, StageRef
 
 log = get_logger(__name__)
 
-__all__ = ["recover"]
+__all__ = ["planned_shares", "recover", "reshare"]
 
 
 def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Partition | None:
@@ -154,6 +163,68 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
     return new_layout.replicas[0]
 
 
+def reshare(
+    cluster: Cluster, shares: Sequence[int], reason: str, pause: epochs.Pause
+) -> epochs.MoveResult:
+    """Moves the job to the same replicas with ``shares`` (one epoch change, no layer moves).
+
+    Raises:
+        InvalidRequest: shares that do not fit the layout (named).
+        ElasticPipeError: the change was abandoned (the old shares stay in force).
+    """
+    job, _ = cluster.require_job()
+    layout = cluster.layout
+    assert layout is not None
+    Layout(layout.replicas, tuple(shares)).validate(micro_batches=job.micro_batches)
+    new_layout = _relaid(cluster, list(layout.replicas), cluster.store.reserve_epoch(), shares)
+    change = Change(
+        "shares",
+        reason,
+        layout.replicas[0],
+        new_layout.replicas[0],
+        old_layout=layout,
+        new_layout=new_layout,
+    )
+    extra = {"shares": list(new_layout.shares), "old_shares": list(layout.shares)}
+
+    def history(result: epochs.MoveResult) -> EpochRow:
+        return epochs.history_row(
+            cluster, new_layout.replicas[0], "shares", reason, moved=result, extra=extra
+        )
+
+    result = epochs.change_epoch(cluster, job, change, pause, history)
+    cluster.last_move, cluster.last_pause = time.monotonic(), result.pause_s
+    log.info(
+        "shares_changed",
+        epoch=new_layout.epoch,
+        old=list(layout.shares),
+        new=list(new_layout.shares),
+        pause_s=round(result.pause_s, 3),
+    )
+    return result
+
+
+def planned_shares(cluster: Cluster, layout: Layout) -> tuple[float, float, tuple[int, ...]]:
+    """The predicted step of ``layout``'s shares and of the best shares for the live
+    speeds, and those shares."""
+    job = cluster.job
+    assert job is not None
+    times = planned_step_times(_plans(cluster, list(layout.replicas)), job.schedule)
+    best = assign_shares(times, job.micro_batches, 1)
+    return slowest(times, layout.shares), slowest(times, best), best
+
+
+def _plans(cluster: Cluster, replicas: list[Partition]) -> list[Plan]:
+    """Each replica's partition evaluated at its stages' live speeds."""
+    costs = cluster.costs()
+    return [
+        estimates.evaluate(
+            p.boundaries, costs, cluster.speeds(p.stage_ids), *cluster.links(p.num_stages)
+        )
+        for p in replicas
+    ]
+
+
 def _live_holder(layout: Layout, layer: int, replica: int, live: set[str]) -> StageRef | None:
     """A live stage holding ``layer`` in a replica other than ``replica`` (the lowest)."""
     for r, chain in enumerate(layout.replicas):
@@ -163,19 +234,20 @@ def _live_holder(layout: Layout, layer: int, replica: int, live: set[str]) -> St
     return None
 
 
-def _relaid(cluster: Cluster, replicas: list[Partition], epoch: int) -> Layout:
-    """The kept replicas in a new epoch, their micro-batches water-filled again on the
-    planner's predictions for the live speeds (at least one each)."""
+def _relaid(
+    cluster: Cluster,
+    replicas: list[Partition],
+    epoch: int,
+    shares: Sequence[int] | None = None,
+) -> Layout:
+    """The replicas in a new epoch with ``shares`` (default: water-filled again on the
+    planner's predictions for the live speeds, at least one each), each replica's step
+    time predicted for its share."""
     job = cluster.job
     assert job is not None
-    costs = cluster.costs()
-    plans = [
-        estimates.evaluate(
-            p.boundaries, costs, cluster.speeds(p.stage_ids), *cluster.links(p.num_stages)
-        )
-        for p in replicas
-    ]
-    shares = assign_shares(planned_step_times(plans, job.schedule), job.micro_batches, 1)
+    plans = _plans(cluster, replicas)
+    if shares is None:
+        shares = assign_shares(planned_step_times(plans, job.schedule), job.micro_batches, 1)
     timed = cluster.profile is not None
     return Layout(
         tuple(
@@ -185,5 +257,5 @@ def _relaid(cluster: Cluster, replicas: list[Partition], epoch: int) -> Layout:
             )
             for p, plan, share in zip(replicas, plans, shares, strict=True)
         ),
-        shares,
+        tuple(shares),
     ).validate(cluster.num_layers or None, job.micro_batches)
