@@ -383,6 +383,47 @@ class Admin:
         request = pb.SetPartitionRequest(boundaries=cuts, stage_ids=list(stages))
         return from_proto(Move, self._call("SetPartition", request))
 
+    def set_layout(
+        self,
+        replicas: Sequence[Sequence[int]],
+        stages: Sequence[Sequence[str]] = (),
+        shares: Sequence[int] = (),
+    ) -> Move:
+        """Moves the job to your own replicas: per replica its cuts (``[0, 3, 7]``) and,
+        optionally, its stages in chain order (names or ids; leave a replica's empty to
+        keep its stages), and optionally the shares (micro-batches per replica; default:
+        planned from the stages' speeds). One replica turns a job of several into one
+        pipeline; more replicas than now form new ones from the named stages."""
+        if isinstance(stages, str) or any(isinstance(s, str) for s in stages):
+            raise InvalidRequest(
+                f"stages must be one list of names or ids per replica, got {stages!r}"
+            )
+        if len(stages) > len(replicas):
+            raise InvalidRequest(
+                f"stages names {len(stages)} replicas, replicas gives {len(replicas)}"
+            )
+        specs = []
+        for r, cuts in enumerate(replicas):
+            try:
+                ints = [operator.index(b) for b in cuts]
+            except TypeError:
+                ints = []
+            if not ints or len(ints) != len(cuts) or any(b < 0 for b in ints):
+                raise InvalidRequest(
+                    f"replica {r}'s boundaries must be non-negative layer numbers, got "
+                    f"{list(cuts)!r}"
+                )
+            names = list(stages[r]) if r < len(stages) else []
+            specs.append(pb.ReplicaSpec(boundaries=ints, stage_ids=names))
+        try:
+            counts = [operator.index(m) for m in shares]
+        except TypeError:
+            counts = [-1]
+        if any(m < 0 for m in counts):
+            raise InvalidRequest(f"shares must be micro-batch counts >= 0, got {list(shares)!r}")
+        request = pb.SetLayoutRequest(replicas=specs, shares=counts)
+        return from_proto(Move, self._call("SetLayout", request))
+
     def drain(self, stage: str) -> Move:
         """Moves the layers off ``stage`` (a name or id) and keeps it out of the chain."""
         return from_proto(Move, self._call("Drain", pb.DrainRequest(stage=stage)))

@@ -32,6 +32,7 @@ from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, deci
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
 
@@ -66,12 +67,12 @@ class MoveOutcome:
     """What a rebalance request did (or, dry, would do)."""
 
     changed: bool
-    partition: Partition | None
+    partition: Partition | Layout | None  # a layout: a job of several replicas
     decision: str
     gain: float = 0.0
     bytes_moved: int = 0
     pause_s: float = 0.0
-    target: Partition | None = None  # the partition moved (or, dry, that would move) to
+    target: Partition | Layout | None = None  # moved (or, dry, that would move) to
 
 
 class Rebalancer:
@@ -336,6 +337,51 @@ class Rebalancer:
                 )
             refs = tuple(self._ref(self._member(s)) for s in stages)
         return self.move(refs, boundaries, reason, 0.0)
+
+    def set_layout(
+        self,
+        chains: Sequence[tuple[Sequence[int], Sequence[str]]],
+        shares: Sequence[int],
+        reason: str,
+    ) -> MoveOutcome:
+        """Moves the job to your own replicas: each one's cuts and stages (names or ids;
+        none: the stages of that replica now), and the shares (none: planned).
+
+        Raises:
+            InvalidRequest: no replica, a stage unknown, dead or listed twice, a replica
+                without stages, cuts that do not fit (named); nothing changes.
+        """
+        self.c.require_job()
+        if not chains:
+            raise InvalidRequest("set-layout needs at least one replica")
+        with self.c.move_lock:
+            current = self.c.job_layout()
+            assert current is not None
+            specs = []
+            for r, (cuts, keys) in enumerate(chains):
+                if keys:
+                    refs = tuple(self._ref(self._member(k)) for k in keys)
+                elif r < len(current.replicas):
+                    refs = current.replicas[r].stages
+                else:
+                    raise InvalidRequest(
+                        f"replica {r} is new: name its stages (the job runs "
+                        f"{len(current.replicas)} replicas)"
+                    )
+                specs.append((tuple(int(b) for b in cuts), refs))
+            self._check_alive([ref.stage_id for _, refs in specs for ref in refs])
+            for cuts, refs in specs:
+                stage_ids = [ref.stage_id for ref in refs]
+                if len(cuts) == len(refs) + 1:
+                    memory.check_fits(
+                        cuts, self.c.memory(stage_ids), self.c.names(stage_ids), "set-layout"
+                    )
+            new, result = replica_changes.set_layout(
+                self.c, specs, tuple(shares) or None, reason, self._pause
+            )
+        if result is None:
+            return MoveOutcome(False, current, "the layout is already that one")
+        return MoveOutcome(True, new, reason, 0.0, result.bytes_moved, result.pause_s, new)
 
     def drain(self, key: str, reason: str = "") -> MoveOutcome:
         """Moves every layer off a stage and keeps it out of the chain."""

@@ -40,13 +40,14 @@ from elasticpipe.coordinator.planning.cost import Plan
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
+from elasticpipe.errors import InvalidRequest
 from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
 
 log = get_logger(__name__)
 
-__all__ = ["planned_shares", "recover", "reshare"]
+__all__ = ["planned_shares", "recover", "reshare", "set_layout"]
 
 
 def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Partition | None:
@@ -202,6 +203,123 @@ def reshare(
         pause_s=round(result.pause_s, 3),
     )
     return result
+
+
+def set_layout(
+    cluster: Cluster,
+    specs: Sequence[tuple[tuple[int, ...], tuple[StageRef, ...]]],
+    shares: Sequence[int] | None,
+    reason: str,
+    pause: epochs.Pause,
+) -> tuple[Layout, epochs.MoveResult | None]:
+    """Moves the job (one pipeline or several replicas) to the replicas ``specs`` (each
+    one's cuts and chain) with ``shares`` (None: water-filled on the live speeds), in one
+    epoch change. A stage pulls each layer it does not hold yet from a live holder in the
+    old layout (the same replica's first); a stage left out drops its layers (a spare).
+
+    Returns:
+        The layout in force, and what the change did (None: it was that layout already).
+
+    Raises:
+        InvalidRequest: cuts, stages or shares that do not fit (named); nothing changes.
+        ElasticPipeError: the change was abandoned (the old layout stays in force).
+    """
+    job, _ = cluster.require_job()
+    old = cluster.job_layout()
+    assert old is not None
+    epochs.check_no_change_in_progress(cluster)
+    if len(specs) > job.micro_batches:
+        raise InvalidRequest(
+            f"{len(specs)} replicas need at least as many micro-batches (the job has "
+            f"{job.micro_batches}): every replica runs at least one"
+        )
+    last = old.replicas[0]
+    chains = []
+    for r, (cuts, refs) in enumerate(specs):
+        chain = last.evolve(boundaries=cuts, stages=refs, predicted_step_s=None)
+        try:
+            chains.append(chain.validate(cluster.num_layers or None))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"replica {r}: {exc}") from None
+    Layout(tuple(chains), (1,) * len(chains)).validate(cluster.num_layers or None)
+    if shares is not None:
+        Layout(tuple(chains), tuple(shares)).validate(micro_batches=job.micro_batches)
+    unchanged = [(p.boundaries, p.stages) for p in chains] == [
+        (p.boundaries, p.stages) for p in old.replicas
+    ]
+    if unchanged and (shares is None or tuple(shares) == old.shares):
+        return old, None
+    live = {m.row.stage_id for m in cluster.members.members() if cluster.members.alive(m)}
+    sources = _sources(old, chains, live)
+    new_layout = _relaid(cluster, chains, cluster.store.reserve_epoch(), shares)
+    change = Change(
+        "move",
+        reason,
+        old.replicas[0],
+        new_layout.replicas[0],
+        old_layout=old,
+        new_layout=new_layout,
+        sources=sources,
+    )
+    extra = {
+        "replicas": [
+            {"boundaries": list(p.boundaries), "stages": cluster.names(p.stage_ids)}
+            for p in new_layout.replicas
+        ],
+        "shares": list(new_layout.shares),
+    }
+
+    def history(result: epochs.MoveResult) -> EpochRow:
+        return epochs.history_row(
+            cluster, new_layout.replicas[0], "move", reason, moved=result, extra=extra
+        )
+
+    result = epochs.change_epoch(cluster, job, change, pause, history)
+    cluster.last_move, cluster.last_pause = time.monotonic(), result.pause_s
+    for sid in sources:  # stages whose layers changed are measured afresh
+        member = cluster.members.by_id(sid)
+        if member is not None:
+            member.remeasure()
+    log.info(
+        "layout_set",
+        epoch=new_layout.epoch,
+        replicas=[cluster.names(p.stage_ids) for p in new_layout.replicas],
+        boundaries=[list(p.boundaries) for p in new_layout.replicas],
+        shares=list(new_layout.shares),
+        layers_pulled=result.layers_moved,
+        pause_s=round(result.pause_s, 3),
+    )
+    return new_layout, result
+
+
+def _sources(
+    old: Layout, chains: Sequence[Partition], live: set[str]
+) -> dict[str, list[tuple[int, str]]]:
+    """What each stage of ``chains`` pulls: every layer of its range it does not hold in
+    ``old``, from a live holder there (in the same replica if it can).
+
+    Raises:
+        InvalidRequest: a layer no live stage of ``old`` holds.
+    """
+    held = {
+        ref.stage_id: set(p.layers_of(s)) for p in old.replicas for s, ref in enumerate(p.stages)
+    }
+    sources: dict[str, list[tuple[int, str]]] = {}
+    for r, chain in enumerate(chains):
+        for s, ref in enumerate(chain.stages):
+            for layer in chain.layers_of(s):
+                if layer in held.get(ref.stage_id, ()):
+                    continue
+                order = [r] if r < len(old.replicas) else []
+                order += [q for q in range(len(old.replicas)) if q != r]
+                holder = next(
+                    (h for q in order if (h := old.replicas[q].owner_of(layer)).stage_id in live),
+                    None,
+                )
+                if holder is None:
+                    raise InvalidRequest(f"layer {layer} has no live holder to be copied from")
+                sources.setdefault(ref.stage_id, []).append((layer, holder.address))
+    return sources
 
 
 def planned_shares(cluster: Cluster, layout: Layout) -> tuple[float, float, tuple[int, ...]]:

@@ -17,6 +17,7 @@ from elasticpipe.coordinator.membership import Heard, Member
 from elasticpipe.coordinator.rebalancing import MoveOutcome
 from elasticpipe.coordinator.replicas import Shape
 from elasticpipe.errors import InvalidRequest, TooLarge
+from elasticpipe.layout import Layout
 from elasticpipe.partition import MAX_REPLICAS, Partition
 from elasticpipe.security import authz, bounds
 from elasticpipe.security.admission import Limits
@@ -28,8 +29,8 @@ MAX_WAIT_S = bounds.MAX_WAIT_S
 MAX_LONG_POLLS = 8  # of the server's 32 workers
 
 
-def partition_to_proto(p: Partition | None) -> coordinator_pb2.Partition:
-    """Wire form of a partition (empty when there is none)."""
+def partition_to_proto(p: Partition | Layout | None) -> coordinator_pb2.Partition:
+    """Wire form of a partition or layout (empty when there is none)."""
     return coordinator_pb2.Partition() if p is None else p.to_proto()
 
 
@@ -423,6 +424,18 @@ class CoordinatorServicer:
                 list(req.boundaries), list(req.stage_ids), "admin set-partition"
             )
         )
+
+    def SetLayout(
+        self, req: coordinator_pb2.SetLayoutRequest, ctx: grpc.ServicerContext
+    ) -> coordinator_pb2.RebalanceResponse:
+        bounds.count(req.replicas, "replicas", MAX_REPLICAS)
+        bounds.count(req.shares, "shares", MAX_REPLICAS)
+        for r, spec in enumerate(req.replicas):
+            bounds.count(spec.boundaries, f"replicas[{r}].boundaries", bounds.MAX_LAYERS + 1)
+            bounds.count(spec.stage_ids, f"replicas[{r}].stage_ids", bounds.MAX_STAGES)
+        chains = [(list(s.boundaries), list(s.stage_ids)) for s in req.replicas]
+        outcome = self.c.rebalancer.set_layout(chains, list(req.shares), "admin set-layout")
+        return _outcome(outcome)
 
     def Drain(
         self, req: coordinator_pb2.DrainRequest, ctx: grpc.ServicerContext

@@ -30,7 +30,7 @@ from typing import Any
 from elasticpipe.errors import DeadlineExceeded, InvalidRequest, NotReady, TransferError
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Placement
-from elasticpipe.stage_server import transfers
+from elasticpipe.stage_server import reducing, transfers
 from elasticpipe.stage_server.config import StageConfig
 from elasticpipe.stage_server.faults import Faults
 from elasticpipe.stage_server.layers import LayerSlice
@@ -165,6 +165,9 @@ class EpochChanges:
                 f"epoch {new_epoch} gives stage {self.config.name} layers "
                 f"{missing} that it neither holds nor receives"
             )
+        if placement.num_replicas > 1:  # (kept layers first: a staged one replaces one)
+            kept = {i: keep.layers[i] for i in placement.layers if keep and i in keep.layers}
+            reducing.refuse_running_stats(kept | {i: b.module for i, b in staged.items()})
         self.faults.point("prepare")
         with self._cond:
             self._apply(

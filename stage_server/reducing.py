@@ -16,7 +16,7 @@ to the job's wire dtype: the sum is exact.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,17 +66,20 @@ def share_of(placement: Placement, shares: Sequence[int], micro_batches: int) ->
     return _ranges(shares)[placement.replica]
 
 
-def refuse_running_stats(layers: LayerSlice, lo: int, hi: int) -> None:
+def refuse_running_stats(modules: Mapping[int, torch.nn.Module]) -> None:
     """Refuses layers that keep running statistics (BatchNorm's ``running_mean``): each
     replica would update them from its share alone, so the replicas' statistics, and the
     model's, would differ from one pipeline's. Combining them in micro-batch order is not
     built.
 
+    Args:
+        modules: the stage's layers, by index.
+
     Raises:
         InvalidRequest: naming the first such layer and module.
     """
-    for index in range(lo, hi):
-        for name, module in layers.layers[index].named_modules():
+    for index in sorted(modules):
+        for name, module in modules[index].named_modules():
             if isinstance(module, torch.nn.modules.batchnorm._NormBase) and (
                 module.track_running_stats
             ):

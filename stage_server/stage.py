@@ -213,7 +213,7 @@ class Stage(EpochChanges):
         new_slice = self._new_slice(job)
         new_slice.build(placement.lo, placement.hi)
         if placement.num_replicas > 1:
-            reducing.refuse_running_stats(new_slice, placement.lo, placement.hi)
+            reducing.refuse_running_stats({i: new_slice.layers[i] for i in placement.layers})
         with self._cond:
             self.job, self.slice = job, new_slice
             self._staged, self._restoring = None, None

@@ -260,9 +260,18 @@ def format_move(r: Move, dry_run: bool = False) -> str:
             f"{r.bytes_moved} bytes to move); {r.decision}"
         )
     what = "moved" if r.changed else "unchanged"
+    replicas = r.partition.replicas
+    cut = (
+        " | ".join(
+            f"{_ranges(list(p.boundaries))} x{m}"
+            for p, m in zip(replicas, r.partition.shares, strict=False)
+        )
+        if replicas
+        else _ranges(list(r.partition.boundaries))
+    )
     return (
-        f"{what}: epoch {r.partition.epoch}, partition "
-        f"{_ranges(list(r.partition.boundaries))}; {r.decision}"
+        f"{what}: epoch {r.partition.epoch}, {'replicas' if replicas else 'partition'} "
+        f"{cut}; {r.decision}"
         + (f"; {r.bytes_moved} bytes in {r.pause_s:.2f}s" if r.changed else "")
     )
 
@@ -287,6 +296,17 @@ def _rebalance(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
 
 def _set_partition(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
     reply = admin.set_partition(parse_ranges(args.ranges), args.stages)
+    return reply, format_move(reply)
+
+
+def _set_layout(admin: Admin, args: argparse.Namespace) -> tuple[Any, str]:
+    stages = [[s for s in chain.split(",") if s] for chain in args.stages]
+    shares = []
+    for part in filter(None, args.shares.split(",")):
+        if not part.strip().isdecimal():
+            raise InvalidRequest(f"bad share {part!r} in {args.shares!r} (micro-batch counts)")
+        shares.append(int(part))
+    reply = admin.set_layout([parse_ranges(r) for r in args.replicas], stages, shares)
     return reply, format_move(reply)
 
 
@@ -369,6 +389,7 @@ COMMANDS: dict[str, Command] = {
     "plan": _plan,
     "rebalance": _rebalance,
     "set-partition": _set_partition,
+    "set-layout": _set_layout,
     "drain": _drain,
     "undrain": _undrain,
     "forget": _forget,

@@ -328,6 +328,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp = admin("set-partition", "move to your own partition, e.g. 0:6,6:12,12:18")
     sp.add_argument("ranges", help="LO:HI layer ranges in chain order, comma-separated")
     sp.add_argument("--stages", nargs="*", default=[], help="new chain order (names or ids)")
+    sl_ = admin(
+        "set-layout",
+        "move to your own replicas, e.g. 0:3,3:7 0:2,2:5,5:7 (one pipeline per argument)",
+        "docs/replicas.md",
+    )
+    sl_.add_argument("replicas", nargs="+", help="per replica: LO:HI ranges in chain order")
+    sl_.add_argument(
+        "--stages",
+        nargs="*",
+        default=[],
+        help="per replica: its stages, comma-separated (names or ids); default: as now",
+    )
+    sl_.add_argument(
+        "--shares", default="", help="micro-batches per replica, e.g. 5,3; default: planned"
+    )
     dr = admin("drain", "move every layer off a stage and keep it out")
     dr.add_argument("stage", help="name or id")
     ud = admin("undrain", "let a drained stage back into the chain")

@@ -34,6 +34,7 @@ COMMAND_MESSAGES: dict[str, Descriptor] = {
     "plan": coordinator_pb2.PlanResponse.DESCRIPTOR,
     "rebalance": coordinator_pb2.RebalanceResponse.DESCRIPTOR,
     "set-partition": coordinator_pb2.RebalanceResponse.DESCRIPTOR,
+    "set-layout": coordinator_pb2.RebalanceResponse.DESCRIPTOR,
     "drain": coordinator_pb2.RebalanceResponse.DESCRIPTOR,
     "undrain": coordinator_pb2.RebalanceResponse.DESCRIPTOR,
     "forget": coordinator_pb2.AdminAck.DESCRIPTOR,

@@ -111,6 +111,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "Plan",
             "Rebalance",
             "SetPartition",
+            "SetLayout",
             "Drain",
             "Undrain",
             "Slowdown",

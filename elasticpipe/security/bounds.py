@@ -22,6 +22,8 @@ SetupJob num_stages                         0 .. 4096
 JobSpec micro_batches / snapshot_every      1 .. 4096 / 0 .. 1,000,000
 names, addresses, reasons                   at most 256 characters (reasons: 500)
 SetPartition boundaries / stage ids         at most 65,537 / 4,096 entries
+SetLayout replicas / boundaries of each     at most 4,096 / 65,537 /
+  one / stage ids / shares                  4,096 / 4,096 entries
 ReportFailure suspects                      at most 4,096
 tensor shapes                               at most 32 dimensions
 steps (Heartbeat committed_step, CommitStep, 0 .. 2**53

@@ -1152,6 +1152,62 @@ class SetPartitionRequest(_message.Message):
 Global___SetPartitionRequest: _TypeAlias = SetPartitionRequest  # noqa: Y015
 
 @_typing.final
+class ReplicaSpec(_message.Message):
+    """One replica of ``SetLayout``: its cuts, and optionally its stages in chain order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOUNDARIES_FIELD_NUMBER: _builtins.int
+    STAGE_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def boundaries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """S+1 cuts, 0 to the layer count"""
+
+    @_builtins.property
+    def stage_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """names or ids; empty: the stages of this replica now"""
+
+    def __init__(
+        self,
+        *,
+        boundaries: _abc.Iterable[_builtins.int] | None = ...,
+        stage_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries", b"boundaries", "stage_ids", b"stage_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaSpec: _TypeAlias = ReplicaSpec  # noqa: Y015
+
+@_typing.final
+class SetLayoutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaSpec]: ...
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """micro-batches per replica; empty: planned from speeds"""
+
+    def __init__(
+        self,
+        *,
+        replicas: _abc.Iterable[Global___ReplicaSpec] | None = ...,
+        shares: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "shares", b"shares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetLayoutRequest: _TypeAlias = SetLayoutRequest  # noqa: Y015
+
+@_typing.final
 class DrainRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -124,6 +124,11 @@ class CoordinatorServiceStub:
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.SetPartitionRequest.SerializeToString,
                 response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
+        self.SetLayout = channel.unary_unary(
+                '/elasticpipe.v1.CoordinatorService/SetLayout',
+                request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.SetLayoutRequest.SerializeToString,
+                response_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/elasticpipe.v1.CoordinatorService/Drain',
                 request_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
@@ -264,6 +269,14 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLayout(self, request, context):
+        """Moves the job to your own replicas (one or more; from one pipeline, or back to one):
+        each replica's cuts and stages, and the shares.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -387,6 +400,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
             'SetPartition': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPartition,
                     request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.SetPartitionRequest.FromString,
+                    response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'SetLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLayout,
+                    request_deserializer=elasticpipe_dot_v1_dot_coordinator__pb2.SetLayoutRequest.FromString,
                     response_serializer=elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
@@ -900,6 +918,33 @@ class CoordinatorService:
             target,
             '/elasticpipe.v1.CoordinatorService/SetPartition',
             elasticpipe_dot_v1_dot_coordinator__pb2.SetPartitionRequest.SerializeToString,
+            elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticpipe.v1.CoordinatorService/SetLayout',
+            elasticpipe_dot_v1_dot_coordinator__pb2.SetLayoutRequest.SerializeToString,
             elasticpipe_dot_v1_dot_coordinator__pb2.RebalanceResponse.FromString,
             options,
             channel_credentials,

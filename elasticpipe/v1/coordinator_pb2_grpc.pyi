@@ -51,6 +51,10 @@ class CoordinatorServiceStub:
     Plan: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRequest, _coordinator_pb2.PlanResponse]
     Rebalance: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RebalanceRequest, _coordinator_pb2.RebalanceResponse]
     SetPartition: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetPartitionRequest, _coordinator_pb2.RebalanceResponse]
+    SetLayout: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetLayoutRequest, _coordinator_pb2.RebalanceResponse]
+    """Moves the job to your own replicas (one or more; from one pipeline, or back to one):
+    each replica's cuts and stages, and the shares.
+    """
     Drain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.RebalanceResponse]
     Undrain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.RebalanceResponse]
     """let a drained stage back in"""
@@ -82,6 +86,10 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     Plan: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRequest, _coordinator_pb2.PlanResponse]  # type: ignore[assignment]
     Rebalance: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RebalanceRequest, _coordinator_pb2.RebalanceResponse]  # type: ignore[assignment]
     SetPartition: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetPartitionRequest, _coordinator_pb2.RebalanceResponse]  # type: ignore[assignment]
+    SetLayout: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetLayoutRequest, _coordinator_pb2.RebalanceResponse]  # type: ignore[assignment]
+    """Moves the job to your own replicas (one or more; from one pipeline, or back to one):
+    each replica's cuts and stages, and the shares.
+    """
     Drain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.RebalanceResponse]  # type: ignore[assignment]
     Undrain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.RebalanceResponse]  # type: ignore[assignment]
     """let a drained stage back in"""
@@ -218,6 +226,16 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.SetPartitionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RebalanceResponse, _abc.Awaitable[_coordinator_pb2.RebalanceResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SetLayout(
+        self,
+        request: _coordinator_pb2.SetLayoutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RebalanceResponse, _abc.Awaitable[_coordinator_pb2.RebalanceResponse]]:
+        """Moves the job to your own replicas (one or more; from one pipeline, or back to one):
+        each replica's cuts and stages, and the shares.
+        """
 
     @_abc_1.abstractmethod
     def Drain(

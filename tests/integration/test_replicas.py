@@ -8,6 +8,7 @@ is refused by name."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 
@@ -42,9 +43,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     local = LocalPipeline(**JOB)  # type: ignore[arg-type]
-    losses = [local.train_step(*_batch(step)) for step in range(STEPS)]
+    losses = [local.train_step(*_batch(step)) for step in range(steps)]
     return losses, local.state_dict()
 
 
@@ -253,4 +254,42 @@ def test_a_slowed_replica_gets_a_smaller_share_and_the_results_stay_exact() -> N
     local = LocalPipeline(**JOB)  # type: ignore[arg-type]
     assert [local.train_step(*_batch(step)) for step in range(len(losses))] == losses
     for name, value in local.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+def test_set_layout_forms_moves_reshares_and_dissolves_replicas_exactly(
+    cluster: LocalCluster,
+) -> None:
+    """``admin set-layout`` on a live job: one pipeline of 3 stages gains a replica formed
+    from the 2 spares (shares 5:3), that replica's cut moves and the shares go 1:7, then the
+    job is one pipeline again. Each is one epoch change; every loss and weight equals
+    LocalPipeline's bit for bit."""
+    want_losses, want_state = _reference(steps=4)
+    with (
+        Pipeline(cluster.coordinator, **JOB, stages=3) as pipe,  # type: ignore[arg-type]
+        cluster.admin(timeout=120) as admin,
+    ):
+        losses = [pipe.train_step(*_batch(0))]
+        one = pipe.partition
+        spares = [s.stage_id for s in admin.status().stages if s.state == "spare"]
+        assert len(spares) == 2
+        first = list(one.boundaries)
+        moved = admin.set_layout([first, [0, 3, 7]], [list(one.stage_ids), spares], [5, 3])
+        assert moved.changed and list(moved.partition.shares) == [5, 3]
+        losses.append(pipe.train_step(*_batch(1)))
+        assert [p.num_stages for p in pipe.layout.replicas] == [3, 2]
+        admin.set_layout([first, [0, 2, 7]], shares=[1, 7])
+        losses.append(pipe.train_step(*_batch(2)))
+        assert pipe.layout.shares == (1, 7) and pipe.layout.replicas[1].boundaries == (0, 2, 7)
+        admin.set_layout([first])
+        losses.append(pipe.train_step(*_batch(3)))
+        assert len(pipe.layout.replicas) == 1 and pipe.layout.replicas[0] == pipe.partition
+        state = pipe.state_dict()
+        ranges = ",".join(f"{a}:{b}" for a, b in itertools.pairwise(first))
+        refused = cli.admin_json(cluster, "set-layout", ranges, "--shares", "9")
+        assert "add up to 9, not the 8" in refused["error"]["message"]
+        refused = cli.admin_json(cluster, "set-layout", ranges, "0:2,2:7")
+        assert "replica 1 is new: name its stages" in refused["error"]["message"]
+    assert losses == want_losses
+    for name, value in want_state.items():
         assert torch.equal(state[name], value), name
