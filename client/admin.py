@@ -221,6 +221,20 @@ class Status:
 
 
 @dataclass(frozen=True)
+class LayoutCandidate:
+    """A layout the planner considered for ``replicas="auto"`` (``PlanReport.layouts``):
+    each replica's cuts and stages (a proposal, epoch 0), the shares, and its predicted
+    step (the slowest replica's plus the reduction's ``reduce_s``; unit-less costs until the
+    stages are profiled, ``in_seconds`` false)."""
+
+    replicas: tuple[PartitionInfo, ...]
+    shares: tuple[int, ...]
+    step_s: float
+    reduce_s: float
+    in_seconds: bool
+
+
+@dataclass(frozen=True)
 class PlanReport:
     """The current partition beside the planner's optimum for the measured speeds."""
 
@@ -234,6 +248,8 @@ class PlanReport:
     stage_names: tuple[str, ...]
     # per stage: (max - min) / median of its live speed over its last heartbeats
     stage_speed_spreads: tuple[float, ...] = ()
+    # what replicas="auto" would choose over the job's stages and spares, fastest first
+    layouts: tuple[LayoutCandidate, ...] = ()
 
     @property
     def gain(self) -> float | None:

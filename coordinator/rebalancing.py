@@ -102,12 +102,28 @@ class Rebalancer:
     def plan_view(self) -> PlanView:
         """The current partition and the optimal one for the live speeds (changes nothing).
 
-        Raises:
-            InvalidRequest: the job runs several replicas (not planned here yet).
+        A job of several replicas: replica 0's partition, kept (layers of replicas are not
+        re-planned yet), and the step predicted with the current shares against the best
+        shares for the live speeds (what the policy re-splits to).
         """
         job, current = self.c.require_job()
-        self.c.refuse_replicated("planning a move")
         costs = self.c.costs()
+        layout = self.c.layout
+        if layout is not None:
+            now_s, best_s, _ = replica_changes.planned_shares(self.c, layout)
+            speeds = self.c.speeds(current.stage_ids)
+            return PlanView(
+                current=current,
+                optimal=estimates.evaluate(current.boundaries, costs, speeds),
+                current_step_s=now_s,
+                optimal_step_s=best_s,
+                speeds=speeds,
+                costs=costs,
+                bytes_to_move=0,
+                layers_to_move=0,
+                in_seconds=self.c.in_seconds(layout.stage_ids),
+                speed_spreads=tuple(self.c.speed_spreads(current.stage_ids)),
+            )
         speeds = self.c.speeds(current.stage_ids)
         links = self.c.links(len(speeds))
         now = estimates.evaluate(current.boundaries, costs, speeds, *links)
@@ -135,7 +151,11 @@ class Rebalancer:
             dry_run: only say what would happen (not logged as a move).
             reason: recorded in the epoch history.
             force: skip the policy's threshold/payback/cool-down (an operator asked).
+
+        Raises:
+            InvalidRequest: the job runs several replicas (``set-layout`` moves them).
         """
+        self.c.refuse_replicated("rebalancing (admin set-layout moves replicas)")
         view = self.plan_view()
         decision = decide(
             self.policy,

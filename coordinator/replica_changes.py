@@ -36,7 +36,8 @@ from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import estimates, predict_step_time
-from elasticpipe.coordinator.planning.cost import Plan
+from elasticpipe.coordinator.planning.cost import Plan, PlanError
+from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -47,7 +48,7 @@ from elasticpipe.partition import Partition, StageRef
 
 log = get_logger(__name__)
 
-__all__ = ["planned_shares", "recover", "reshare", "set_layout"]
+__all__ = ["layout_candidates", "planned_shares", "recover", "reshare", "set_layout"]
 
 
 def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Partition | None:
@@ -320,6 +321,30 @@ def _sources(
                     raise InvalidRequest(f"layer {layer} has no live holder to be copied from")
                 sources.setdefault(ref.stage_id, []).append((layer, holder.address))
     return sources
+
+
+def layout_candidates(cluster: Cluster) -> tuple[list[str], list[LayoutPlan]]:
+    """What ``replicas="auto"`` would choose over the job's stages and the spares: those
+    stages (the job's first, registration order), and the best layout per replica count,
+    the fastest first (``planning.layouts``; hosts are indices into the stages)."""
+    job, _ = cluster.require_job()
+    stage_ids = [*cluster.job_stage_ids(), *(m.row.stage_id for m in cluster.spares())]
+    mem = cluster.memory(stage_ids)
+    bandwidth = cluster.link_bandwidth or None
+    try:
+        return stage_ids, plan_layouts(
+            cluster.costs(),
+            cluster.speeds(stage_ids),
+            job.micro_batches,
+            job.schedule,
+            param_bytes=cluster.param_bytes if bandwidth else None,
+            reduce_bandwidth=bandwidth,
+            layer_memory=mem.layer_memory,
+            host_memory=mem.stage_memory,
+        )
+    except PlanError as exc:
+        log.info("layouts_unplanned", why=str(exc))
+        return stage_ids, []
 
 
 def planned_shares(cluster: Cluster, layout: Layout) -> tuple[float, float, tuple[int, ...]]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator import epochs, replica_changes
 from elasticpipe.coordinator.claims import Claims
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.leases import DEFAULT_LEASE_S
@@ -18,7 +18,7 @@ from elasticpipe.coordinator.rebalancing import MoveOutcome
 from elasticpipe.coordinator.replicas import Shape
 from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.layout import Layout
-from elasticpipe.partition import MAX_REPLICAS, Partition
+from elasticpipe.partition import MAX_REPLICAS, Partition, StageRef
 from elasticpipe.security import authz, bounds
 from elasticpipe.security.admission import Limits
 from elasticpipe.training.job import JobConfig
@@ -395,8 +395,30 @@ class CoordinatorServicer:
         self, req: coordinator_pb2.PlanRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.PlanResponse:
         view = self.c.rebalancer.plan_view()
+        cluster = self.c.cluster
+        stage_ids, candidates = replica_changes.layout_candidates(cluster)
+        refs = [
+            StageRef(sid, m.row.address if (m := cluster.members.by_id(sid)) else "")
+            for sid in stage_ids
+        ]
+        layouts = [
+            coordinator_pb2.LayoutCandidate(
+                replicas=[
+                    Partition(
+                        0, view.current.job_id, plan.boundaries, tuple(refs[h] for h in hosts)
+                    ).to_proto()
+                    for hosts, plan in zip(c.replicas, c.plans, strict=True)
+                ],
+                shares=list(c.shares),
+                step_s=c.step_s,
+                reduce_s=c.reduce_s,
+                in_seconds=view.in_seconds,
+            )
+            for c in candidates
+        ]
         return coordinator_pb2.PlanResponse(
-            current=partition_to_proto(view.current),
+            layouts=layouts,
+            current=self._wire(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
             current_step_s=view.current_step_s if view.in_seconds else None,
             optimal_step_s=view.optimal_step_s if view.in_seconds else None,

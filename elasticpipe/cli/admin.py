@@ -248,6 +248,21 @@ def format_plan(p: PlanReport) -> str:
             "step does it; until then layer costs are estimated from parameter sizes)"
         )
     lines += [f"{predicted}; {p.bytes_to_move} bytes to move"]
+    if p.current.replicas:
+        lines.append(
+            f"the job runs {len(p.current.replicas)} replicas, shares "
+            f"{list(p.current.shares)}: 'current' and 'optimal' are replica 0's cuts, and "
+            "the predicted steps those of its shares now and of the best shares"
+        )
+    if p.layouts:
+        lines += ["", "layouts (replicas='auto', over the job's stages and the spares):"]
+        for c in p.layouts:
+            step = f"{c.step_s * 1e3:.1f} ms" if c.in_seconds else f"{c.step_s:.3g} (no unit)"
+            chains = " | ".join(
+                f"{_ranges(list(r.boundaries))} x{m}"
+                for r, m in zip(c.replicas, c.shares, strict=False)
+            )
+            lines.append(f"  {len(c.replicas):>3} replicas  {step:>12}  {chains}")
     return "\n".join(lines)
 
 

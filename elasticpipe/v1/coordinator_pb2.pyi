@@ -1009,6 +1009,7 @@ class PlanResponse(_message.Message):
     BYTES_TO_MOVE_FIELD_NUMBER: _builtins.int
     STAGE_NAMES_FIELD_NUMBER: _builtins.int
     STAGE_SPEED_SPREADS_FIELD_NUMBER: _builtins.int
+    LAYOUTS_FIELD_NUMBER: _builtins.int
     current_step_s: _builtins.float
     """seconds per step (unset: unknown, not profiled)"""
     optimal_step_s: _builtins.float
@@ -1031,6 +1032,12 @@ class PlanResponse(_message.Message):
         layers last changed): (max - min) / median; 0 with fewer than two.
         """
 
+    @_builtins.property
+    def layouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayoutCandidate]:
+        """What replicas="auto" would choose over the job's stages and the spares: per replica
+        count, the best layout found, the fastest first (empty without a job).
+        """
+
     def __init__(
         self,
         *,
@@ -1043,10 +1050,11 @@ class PlanResponse(_message.Message):
         bytes_to_move: _builtins.int = ...,
         stage_names: _abc.Iterable[_builtins.str] | None = ...,
         stage_speed_spreads: _abc.Iterable[_builtins.float] | None = ...,
+        layouts: _abc.Iterable[Global___LayoutCandidate] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "current", b"current", "current_step_s", b"current_step_s", "optimal_step_s", b"optimal_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "layouts", b"layouts", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__current_step_s: _TypeAlias = _typing.Literal["current_step_s"]  # noqa: Y015
     _WhichOneofArgType__current_step_s: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s"]  # noqa: Y015
@@ -1058,6 +1066,44 @@ class PlanResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__optimal_step_s) -> _WhichOneofReturnType__optimal_step_s | None: ...
 
 Global___PlanResponse: _TypeAlias = PlanResponse  # noqa: Y015
+
+@_typing.final
+class LayoutCandidate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
+    STEP_S_FIELD_NUMBER: _builtins.int
+    REDUCE_S_FIELD_NUMBER: _builtins.int
+    IN_SECONDS_FIELD_NUMBER: _builtins.int
+    step_s: _builtins.float
+    """predicted step: the slowest replica's, plus reduce_s"""
+    reduce_s: _builtins.float
+    """the reduction (0 unless a link bandwidth is given)"""
+    in_seconds: _builtins.bool
+    """false: unit-less costs until the stages are profiled"""
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Partition]:
+        """each replica's cuts and stages (a proposal: epoch 0)"""
+
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        replicas: _abc.Iterable[Global___Partition] | None = ...,
+        shares: _abc.Iterable[_builtins.int] | None = ...,
+        step_s: _builtins.float = ...,
+        reduce_s: _builtins.float = ...,
+        in_seconds: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_seconds", b"in_seconds", "reduce_s", b"reduce_s", "replicas", b"replicas", "shares", b"shares", "step_s", b"step_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayoutCandidate: _TypeAlias = LayoutCandidate  # noqa: Y015
 
 @_typing.final
 class RebalanceRequest(_message.Message):

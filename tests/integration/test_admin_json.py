@@ -45,7 +45,7 @@ def _check(command: str, output: Any) -> Any:
 def test_every_admin_command_prints_json_that_matches_its_schema(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """status, plan, rebalance --dry-run, set-partition, trace, drain, undrain, slowdown, auto and
+    """status, plan, rebalance --dry-run, set-partition, set-layout, trace, drain, undrain, slowdown, auto and
     forget (refused for a live stage, done for a dead one) all validate; so do errors."""
     seen: set[str] = set()
 
@@ -72,6 +72,8 @@ def test_every_admin_command_prints_json_that_matches_its_schema(
         assert "target" in check("rebalance", "--dry-run")
         moved = check("set-partition", "0:1,1:2,2:5")
         assert moved["changed"] and moved["partition"]["boundaries"] == [0, 1, 2, 5]
+        laid = check("set-layout", "0:2,2:3,3:5")  # one replica: a move of the one pipeline
+        assert laid["changed"] and laid["partition"]["boundaries"] == [0, 2, 3, 5]
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
         trace = check("trace", "--steps", "1", "--out", str(tmp_path / "trace.json"))
         assert len(trace["stages"]) == 3 and trace["steps"], trace

@@ -71,6 +71,8 @@ def test_replicas_train_bitwise_like_one_process(
         state = pipe.state_dict()
         status = cli.admin_json(cluster, "status")
         table = cli.admin(cluster, "status").stdout
+        plan = cli.admin_json(cluster, "plan")
+        plan_table = cli.admin(cluster, "plan").stdout
     assert losses == want_losses  # bitwise: the floats are equal, not close
     assert state.keys() == want_state.keys()
     for name, value in want_state.items():
@@ -81,6 +83,12 @@ def test_replicas_train_bitwise_like_one_process(
     serving = {s["stage_id"]: s["replica"] for s in status["stages"] if s["state"] == "chain"}
     assert serving == {sid: r for r, p in enumerate(layout.replicas) for sid in p.stage_ids}
     assert f"{len(sizes)} replicas" in table
+    # admin plan: the shares' predicted step, and every replica count's best layout
+    assert [len(r["stage_ids"]) for r in plan["current"]["replicas"]] == list(sizes)
+    steps = [c["step_s"] for c in plan["layouts"]]
+    assert steps == sorted(steps) and {len(c["replicas"]) for c in plan["layouts"]} >= {1, 2}
+    assert all(sum(c["shares"]) == M for c in plan["layouts"])
+    assert "layouts (replicas='auto'" in plan_table and f"runs {len(sizes)} replicas" in plan_table
 
 
 def test_what_is_not_built_for_replicas_is_refused_by_name(cluster: LocalCluster) -> None:
