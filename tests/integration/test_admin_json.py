@@ -45,8 +45,9 @@ def _check(command: str, output: Any) -> Any:
 def test_every_admin_command_prints_json_that_matches_its_schema(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """status, plan, rebalance --dry-run, set-partition, set-layout, trace, drain, undrain, slowdown, auto and
-    forget (refused for a live stage, done for a dead one) all validate; so do errors."""
+    """status, plan, rebalance --dry-run, set-partition, set-layout, trace, drain, undrain,
+    slowdown, auto and forget (refused for a live stage, done for a dead one) all validate;
+    so do errors."""
     seen: set[str] = set()
 
     def check(command: str, *args: str) -> Any:
