@@ -98,6 +98,7 @@ KEYS: dict[str, set[str]] = {
         "speedup_best",
         "auto_vs_best",
         "straggler_vs_optimum",
+        "reshare_steps",
         "min_vs_predicted",
         "layouts",
     },
