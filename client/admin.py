@@ -132,7 +132,8 @@ class StageInfo:
     ``state`` is ``chain`` (holds layers ``layer_lo:layer_hi``, place ``index``), ``spare``,
     ``drained``, ``dead`` or ``left``; ``speed`` is relative to the job's profile (0 while
     unknown); ``slowdown`` the emulated factor; ``memory_bytes`` what it offers (0: unknown);
-    ``replica`` the replica whose chain it is in (-1: none).
+    ``replica`` the replica whose chain it is in (-1: none); ``pinned_replica`` the replica
+    name it is pinned to (``stage --replica``; "": none).
     """
 
     stage_id: str
@@ -151,6 +152,7 @@ class StageInfo:
     incarnation: int
     memory_bytes: int
     replica: int
+    pinned_replica: str
 
 
 @dataclass(frozen=True)

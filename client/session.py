@@ -130,6 +130,7 @@ class Session:
         self._coordinators = Coordinators(coordinator, self._tls)
         self.coordinator = str(self._coordinators)  # every address given, comma-separated
         self._clients = StageClients(tls=self._tls)
+        self._failure: LayersLost | None = None  # the job failed, as RenewLease said
         self._partition: Partition | None = None  # replica 0's, with replicas
         self._layout: Layout | None = None  # every replica's (one: the partition)
         self._client = 0
@@ -323,6 +324,10 @@ class Session:
             request, pauses = self._lease_request(partition, release=False)
             try:
                 reply = self._coordinator_call("RenewLease", request, timeout=interval)
+            except LayersLost as exc:  # the job failed (its stages may still run): stop
+                self._failure = exc
+                log.error("job_failed", job=partition.job_id, error=str(exc))
+                return
             except ElasticPipeError as exc:
                 log.debug("lease_not_renewed", error=str(exc))
                 continue
@@ -392,6 +397,8 @@ class Session:
         self._decisions.clear()
 
     def _check_lease(self) -> None:
+        if self._failure is not None:
+            raise self._failure
         if self._lease_lost:
             raise Fenced(
                 "this pipeline lost the job's lease (another client took the job over, or "

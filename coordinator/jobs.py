@@ -151,7 +151,7 @@ class Jobs(Loads):
                     f"yours: {[getattr(job, f) for f in diff]})"
                 )
             if self.c.failure:
-                raise LayersLost(f"cannot resume job {current.job_id}: {self.c.failure}")
+                raise self.c.failure_kind(f"cannot resume job {current.job_id}: {self.c.failure}")
             if not shape.matches(self.c.layout):
                 running = [p.num_stages for p in (self.c.job_layout() or Layout((), ())).replicas]
                 raise InvalidRequest(
@@ -364,9 +364,11 @@ class Jobs(Loads):
             store.put("param_bytes", param_bytes)
             store.put("factory", [described.factory_file, described.factory_sha256])
             store.delete("job_failure")
+            store.delete("job_failure_kind")
             if profile:
                 store.put("profile", profile.to_store())
             self.c.job, self.c.param_bytes, self.c.failure = job, param_bytes, ""
+            self.c.failure_kind = LayersLost
             weights = (
                 "layers built empty, their initial weights (init_state) are streamed "
                 "by the client next, as a restore of step 0"

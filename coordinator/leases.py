@@ -142,7 +142,13 @@ class Leases:
 
         Returns:
             Whether the client still holds the job, and the newest safe snapshot step.
+
+        Raises:
+            LayersLost: the job failed beyond recovery (``ReplicaDivergence`` among its
+                kinds): a client whose stages still run learns it here.
         """
+        if not release and self.c.failure:
+            raise self.c.failure_kind(self.c.failure)
         with self._lock:
             lease = self._lease
             held = lease is not None and lease.job_id == job_id and lease.client == client

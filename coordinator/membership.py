@@ -97,6 +97,7 @@ class Member:
     dead_reason: str = ""
     dead_at: float = 0.0  # unix time it was declared dead
     memory_bytes: int = 0  # what it offers its job (registration, heartbeats); 0: unknown
+    replica_pin: str = ""  # the replica it is pinned to (registration, heartbeats); "": any
 
     def remeasure(self) -> None:
         """Forgets its layer timings and the speeds estimated from them: its layers

@@ -119,6 +119,8 @@ class Recovery:
                 )
         if self.c.job is None or self.c.partition is None or self.c.failure:
             return
+        if self.c.replicas > 1 and replica_changes.check_divergence(self.c):
+            return
         dead = self.dead_in_chain()
         if not dead:
             return

@@ -41,14 +41,21 @@ from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
-from elasticpipe.errors import InvalidRequest
+from elasticpipe.errors import InvalidRequest, ReplicaDivergence
 from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
 
 log = get_logger(__name__)
 
-__all__ = ["layout_candidates", "planned_shares", "recover", "reshare", "set_layout"]
+__all__ = [
+    "check_divergence",
+    "layout_candidates",
+    "planned_shares",
+    "recover",
+    "reshare",
+    "set_layout",
+]
 
 
 def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Partition | None:
@@ -321,6 +328,46 @@ def _sources(
                     raise InvalidRequest(f"layer {layer} has no live holder to be copied from")
                 sources.setdefault(ref.stage_id, []).append((layer, holder.address))
     return sources
+
+
+def check_divergence(cluster: Cluster) -> bool:
+    """Compares the SHA-256 that every live holder of a layer reports for its own snapshot
+    of the same step; holders that differ fail the job with ``ReplicaDivergence``, naming
+    the layer, the step and the hosts on each side. Snapshots older than the job's last
+    rollback are of another history and left out.
+
+    Returns:
+        Whether the job was failed.
+    """
+    layout, job = cluster.layout, cluster.job
+    if layout is None or job is None or cluster.failure:
+        return False
+    since = layout.replicas[0].restore_epoch
+    seen: dict[tuple[int, int], dict[bytes, list[str]]] = {}
+    for sid in layout.stage_ids:
+        member = cluster.members.by_id(sid)
+        if member is None or not cluster.members.alive(member) or member.epoch < since:
+            continue
+        for held in member.snapshots:
+            if held.job_id != job.job_id or held.peer_copy or len(held.sha256) != len(held.layers):
+                continue
+            for layer, digest in zip(held.layers, held.sha256, strict=True):
+                names = seen.setdefault((held.step, layer), {}).setdefault(digest, [])
+                names.append(member.row.name)
+    for (step, layer), by_digest in sorted(seen.items()):
+        if len(by_digest) > 1:
+            sides = "; ".join(
+                f"{', '.join(names)}: sha256 {digest.hex()[:16]}"
+                for digest, names in by_digest.items()
+            )
+            cluster.fail_job(
+                f"layer {layer} differs between replicas at step {step} ({sides}): the "
+                "replicas no longer train one model (hosts computing different bits, or "
+                "state a layer keeps outside its gradients)",
+                ReplicaDivergence,
+            )
+            return True
+    return False
 
 
 def layout_candidates(cluster: Cluster) -> tuple[list[str], list[LayoutPlan]]:

@@ -8,6 +8,11 @@ water-filled over the replicas' predicted step times, at least one each
 (``planning.layouts.plan_fixed``). ``replicas="auto"`` lets the planner choose the
 replica count and which stages form each (``planning.layouts.plan_layouts``); when one
 pipeline is predicted fastest the job is one pipeline, as ``replicas=1`` is.
+
+**Pins.** ``elasticpipe stage --replica NAME`` pins a stage: with fixed lengths, the stages
+pinned to one name serve one replica (the names in sorted order take replicas 0, 1, ...;
+unpinned stages fill the places left, in registration order). ``auto`` does not honour pins
+yet and refuses them by name.
 """
 
 from __future__ import annotations
@@ -83,6 +88,39 @@ class Shape:
 ONE_PIPELINE = Shape()  # today's job
 
 
+def pinned_order(chosen: Sequence[Member], sizes: Sequence[int]) -> list[Member]:
+    """The stages in replica order for replicas of ``sizes``: each pin name's stages in the
+    replica that name takes (sorted names take replicas 0, 1, ...), the unpinned stages in
+    the places left, registration order kept within each.
+
+    Raises:
+        PlanError: more pin names than replicas, or more stages pinned to one name than
+            its replica's length (named).
+    """
+    names = sorted({m.replica_pin for m in chosen if m.replica_pin})
+    if len(names) > len(sizes):
+        raise PlanError(
+            f"stages are pinned to {len(names)} replicas {names[:8]}, the job has {len(sizes)}"
+        )
+    free = [m for m in chosen if not m.replica_pin]
+    ordered: list[Member] = []
+    for r, size in enumerate(sizes):
+        mine = [m for m in chosen if names[r : r + 1] == [m.replica_pin]]
+        if len(mine) > size:
+            raise PlanError(
+                f"{len(mine)} stages are pinned to replica {names[r]!r} "
+                f"({[m.row.name for m in mine][:8]}), which has {size}"
+            )
+        ordered += mine + [free.pop(0) for _ in range(size - len(mine))]
+    return ordered
+
+
+def _order_of(ordered: Sequence[Member], original: Sequence[Member]) -> list[int]:
+    """Where each of ``ordered`` was in ``original``."""
+    index = {id(m): i for i, m in enumerate(original)}
+    return [index[id(m)] for m in ordered]
+
+
 def lay_out(
     cluster: Cluster,
     job: JobConfig,
@@ -103,8 +141,21 @@ def lay_out(
         the stages of a replica with no share out: they stay spares).
 
     Raises:
-        PlanError: the shape does not fit the stages, the micro-batches or the memory.
+        PlanError: the shape does not fit the stages, the micro-batches or the memory, or
+            the pins (named).
     """
+    original = list(chosen)
+    if shape.auto:
+        pinned = sorted(m.row.name for m in chosen if m.replica_pin)
+        if pinned:
+            raise PlanError(
+                f"stages {pinned[:8]} are pinned to replicas (stage --replica): pins need "
+                "replicas of given lengths (stages=(...)); replicas='auto' does not honour "
+                "them yet"
+            )
+    else:
+        chosen = pinned_order(chosen, shape.sizes)
+        speeds = [speeds[i] for i in _order_of(chosen, original)]
     mem = memory.terms([m.memory_bytes for m in chosen], param_bytes, cluster.profile, job)
     reduce = (param_bytes, cluster.link_bandwidth) if cluster.link_bandwidth else (None, None)
     common = dict(

@@ -88,7 +88,10 @@ class CoordinatorServicer:
             bounds.text(value, what)
         authz.check_name(req.name)  # with TLS, a stage is its certificate's name
         self._claims.check_register(req.name)  # a family never takes over an individual
+        pin = bounds.text(req.replica, "replica", bounds.MAX_NAME)
         stage_id = self.c.register(req.name, req.address, req.device, req.memory_bytes)
+        if (member := self.c.members.by_id(stage_id)) is not None:
+            member.replica_pin = pin
         self._claims.spoke(stage_id)
         return coordinator_pb2.RegisterResponse(
             stage_id=stage_id, heartbeat_interval_s=self.c.heartbeat_interval_s
@@ -122,6 +125,7 @@ class CoordinatorServicer:
         )
         if heard is Heard.OK and (member := self.c.members.by_id(req.stage_id)) is not None:
             member.memory_bytes = req.memory_bytes
+            member.replica_pin = bounds.text(req.replica, "replica", bounds.MAX_NAME)
         return coordinator_pb2.HeartbeatResponse(
             reregister=heard is not Heard.OK,
             dead=heard is Heard.DEAD,
@@ -338,6 +342,7 @@ class CoordinatorServicer:
             incarnation=m.row.incarnation,
             memory_bytes=m.memory_bytes,
             replica=-1 if replica is None else replica,
+            pinned_replica=m.replica_pin,
         )
 
     def Status(

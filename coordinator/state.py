@@ -24,6 +24,7 @@ from elasticpipe.errors import (
     LayersLost,
     NotLeader,
     NotReady,
+    ReplicaDivergence,
     StandingBy,
 )
 from elasticpipe.layout import Layout
@@ -97,6 +98,11 @@ class Cluster:
             else None
         )
         self.failure: str = store.get("job_failure") or ""
+        self.failure_kind: type[LayersLost] = (  # what clients get: LayersLost or a kind of it
+            ReplicaDivergence
+            if store.get("job_failure_kind") == ReplicaDivergence.reason()
+            else LayersLost
+        )
         self.last_move = time.monotonic()
         self.last_pause: float | None = None
         self.metrics = CoordinatorMetrics(self._metrics_view)
@@ -122,7 +128,7 @@ class Cluster:
         if self.job is None or self.partition is None:
             raise NotReady("no job has been set up yet")
         if self.failure:
-            raise LayersLost(self.failure)
+            raise self.failure_kind(self.failure)
         return self.job, self.partition
 
     def install(self, partition: Partition, record: EpochRow, layout: Layout | None = None) -> None:
@@ -178,11 +184,12 @@ class Cluster:
                 "recovery, checkpoint loads) is not built yet"
             )
 
-    def fail_job(self, message: str) -> None:
-        """Marks the job as failed beyond recovery (clients waiting get the message, and
-        how to continue from a checkpoint)."""
+    def fail_job(self, message: str, kind: type[LayersLost] = LayersLost) -> None:
+        """Marks the job as failed beyond recovery (clients waiting get the message as a
+        ``kind``, and how to continue from a checkpoint)."""
         message = f"{message}; {CONTINUE_FROM_SAVE}"
-        self.failure = message
+        self.failure, self.failure_kind = message, kind
+        self.store.put("job_failure_kind", kind.reason())
         self.store.put("job_failure", message)
         log.error("job_failed", error=message)
         with self.cond:

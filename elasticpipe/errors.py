@@ -26,6 +26,7 @@
     ├── StepAborted                    ABORTED              the step was discarded everywhere
     ├── TransferError                  DATA_LOSS            a moved layer failed its checksum
     ├── LayersLost                     DATA_LOSS            every copy of some layers is gone
+    │   └── ReplicaDivergence          DATA_LOSS            replicas hold different bytes of a layer
     └── DeadlineExceeded(TimeoutError) DEADLINE_EXCEEDED    a wait ran past its deadline
 
 The error's kind travels in the gRPC status details (a ``google.rpc.ErrorInfo`` whose
@@ -193,6 +194,12 @@ class LayersLost(ElasticPipeError):
     """Every copy of some layers' state is gone: the job cannot recover by itself."""
 
     code = grpc.StatusCode.DATA_LOSS
+
+
+class ReplicaDivergence(LayersLost):
+    """Holders of a layer in different replicas hold different bytes at the same step
+    (mixed hardware computing different bits, or state a layer keeps outside its
+    gradients): the replicas no longer train one model, so the job stops."""
 
 
 # How a LayersLost job goes on (docs/checkpoints.md, docs/failures.md): a lost job cannot be

@@ -35,5 +35,6 @@ class StageConfig:
     advertise: str = ""  # the address peers use (default: derived from the listen address)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any port)
     memory_bytes: int = 0  # what this stage offers its job (0: measure, see memory.detect)
+    replica: str = ""  # the replica this stage is pinned to ("": any)
     metrics_listen: str = ""  # the metrics' host (default: the listen host, loopback only)
     bulk_port: int | None = 0  # the bulk channel's port (0: any free one; None: no channel)

@@ -190,6 +190,7 @@ class StageServer(ServerLifecycle):
                 address=self.address,
                 device=str(self.stage.device),
                 memory_bytes=self.stage.memory_bytes,
+                replica=self._config.replica,
             ),
             timeout=REGISTER_TIMEOUT_S,
         )
@@ -213,6 +214,7 @@ class StageServer(ServerLifecycle):
                 state=state_to_proto(stage.state()),
                 snapshots=holdings_to_proto(stage.holdings()),
                 memory_bytes=stage.memory_bytes,
+                replica=self._config.replica,
             ),
             timeout=max(1.0, interval * 2),
         )

@@ -87,7 +87,11 @@ def holdings_to_proto(holdings: list[Holding]) -> list[stage_pb2.SnapshotHolding
     """Snapshot holdings in wire form."""
     return [
         stage_pb2.SnapshotHolding(
-            job_id=h.job_id, step=h.step, layers=list(h.layers), peer_copy=h.peer_copy
+            job_id=h.job_id,
+            step=h.step,
+            layers=list(h.layers),
+            peer_copy=h.peer_copy,
+            sha256=list(h.sha256),
         )
         for h in holdings
     ]

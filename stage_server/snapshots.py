@@ -56,6 +56,7 @@ class Holding:
     step: int
     layers: tuple[int, ...]
     peer_copy: bool  # a copy kept for the stage whose snapshot peer this is
+    sha256: tuple[bytes, ...] = ()  # own snapshots: each layer's, in ``layers`` order
 
 
 @dataclass
@@ -126,7 +127,14 @@ class SnapshotStore:
         """Every complete snapshot held here."""
         with self._lock:
             own = [
-                Holding(s.job_id, s.step, tuple(sorted(s.blobs)), False) for s in self._own.values()
+                Holding(
+                    s.job_id,
+                    s.step,
+                    tuple(sorted(s.blobs)),
+                    False,
+                    tuple(s.blobs[i].sha256 for i in sorted(s.blobs)),
+                )
+                for s in self._own.values()
             ]
             copies = [
                 Holding(s.job_id, s.step, tuple(sorted(s.blobs)), True)

@@ -174,6 +174,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         commit_lease_s=args.commit_lease,
         enable_fault_injection=args.enable_fault_injection,
         memory_bytes=args.memory,
+        replica=args.replica,
         bulk_port=None if args.no_bulk else args.bulk_port,
         **_serving(args),
     )
@@ -399,6 +400,13 @@ def stage_arguments(st: argparse.ArgumentParser) -> None:
         help="memory this stage offers its job, e.g. 512M, 2G (default: CPU MemAvailable "
         "less 10%%; CUDA free memory less 10%% of the device); the coordinator never "
         "places more layers here than fit",
+    )
+    st.add_argument(
+        "--replica",
+        default="",
+        metavar="NAME",
+        help="pin this stage to the replica NAME in jobs of several replicas of given lengths: "
+        "stages of one name serve one replica (docs/replicas.md)",
     )
     st.add_argument(
         "--drain-timeout",

@@ -29,6 +29,7 @@ class RegisterRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """stable across restarts of the same host"""
     address: _builtins.str
@@ -36,6 +37,8 @@ class RegisterRequest(_message.Message):
     device: _builtins.str
     memory_bytes: _builtins.int
     """bytes this stage offers its job (0: unknown, no cap)"""
+    replica: _builtins.str
+    """the replica it is pinned to (``stage --replica``; "": none)"""
     def __init__(
         self,
         *,
@@ -43,10 +46,11 @@ class RegisterRequest(_message.Message):
         address: _builtins.str = ...,
         device: _builtins.str = ...,
         memory_bytes: _builtins.int = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "memory_bytes", b"memory_bytes", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "memory_bytes", b"memory_bytes", "name", b"name", "replica", b"replica"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -87,11 +91,14 @@ class HeartbeatRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     epoch: _builtins.int
     committed_step: _builtins.int
     slowdown: _builtins.float
     memory_bytes: _builtins.int
+    """as in RegisterRequest"""
+    replica: _builtins.str
     """as in RegisterRequest"""
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.LayerTiming]: ...
@@ -110,10 +117,11 @@ class HeartbeatRequest(_message.Message):
         state: _stage_pb2.RunState | None = ...,
         snapshots: _abc.Iterable[_stage_pb2.SnapshotHolding] | None = ...,
         memory_bytes: _builtins.int = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "replica", b"replica", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -167,6 +175,7 @@ class StageInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    PINNED_REPLICA_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     name: _builtins.str
     address: _builtins.str
@@ -189,6 +198,8 @@ class StageInfo(_message.Message):
     """what it offers its job (0: unknown)"""
     replica: _builtins.int
     """the replica it serves (0 in a job of one), -1 when none"""
+    pinned_replica: _builtins.str
+    """the replica name it is pinned to (``stage --replica``)"""
     def __init__(
         self,
         *,
@@ -208,10 +219,11 @@ class StageInfo(_message.Message):
         incarnation: _builtins.int = ...,
         memory_bytes: _builtins.int = ...,
         replica: _builtins.int = ...,
+        pinned_replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "memory_bytes", b"memory_bytes", "name", b"name", "replica", b"replica", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "committed_step", b"committed_step", "device", b"device", "incarnation", b"incarnation", "index", b"index", "last_heartbeat_unix", b"last_heartbeat_unix", "layer_hi", b"layer_hi", "layer_lo", b"layer_lo", "memory_bytes", b"memory_bytes", "name", b"name", "pinned_replica", b"pinned_replica", "replica", b"replica", "slowdown", b"slowdown", "speed", b"speed", "stage_id", b"stage_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1449,12 +1449,19 @@ class SnapshotHolding(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     PEER_COPY_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     step: _builtins.int
     peer_copy: _builtins.bool
     """a copy of another stage's snapshot (kept for its snapshot peer)"""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Own snapshots of a stage of several replicas: each layer's SHA-256 (in ``layers``
+        order), which the coordinator compares across the replicas holding the layer.
+        """
+
     def __init__(
         self,
         *,
@@ -1462,10 +1469,11 @@ class SnapshotHolding(_message.Message):
         step: _builtins.int = ...,
         layers: _abc.Iterable[_builtins.int] | None = ...,
         peer_copy: _builtins.bool = ...,
+        sha256: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "peer_copy", b"peer_copy", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "peer_copy", b"peer_copy", "sha256", b"sha256", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

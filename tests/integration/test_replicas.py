@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from elasticpipe import LocalPipeline, Pipeline
-from elasticpipe.errors import InvalidRequest
+from elasticpipe.errors import InvalidRequest, ReplicaDivergence
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import stage_pb2
 from tests.support import cli, clusters
@@ -118,7 +119,7 @@ def test_bad_replica_arguments_are_refused_by_name(shape: dict[str, object], err
 def test_a_layer_with_running_statistics_is_refused_naming_it(cluster: LocalCluster) -> None:
     """BatchNorm's running mean would be each replica's share's alone: refused at setup."""
     job = {**JOB, "model": "tests.support.custom_models:normed"}
-    pipe = Pipeline(cluster.coordinator, **job, stages=(2, 2))  # type: ignore[arg-type]
+    pipe = Pipeline(cluster.coordinator, **job, stages=(2, 2), lease_s=3)  # type: ignore[arg-type]
     with pipe, pytest.raises(InvalidRequest, match=r"layer 1 \(BatchNorm1d\) keeps running"):
         pipe.train_step(*_batch(0))
 
@@ -301,3 +302,52 @@ def test_set_layout_forms_moves_reshares_and_dissolves_replicas_exactly(
     assert losses == want_losses
     for name, value in want_state.items():
         assert torch.equal(state[name], value), name
+
+
+def test_holders_that_differ_at_a_snapshot_stop_the_job_with_replica_divergence(
+    cluster: LocalCluster,
+) -> None:
+    """Every snapshot step, the holders of each layer compare its SHA-256. A layer that
+    keeps state outside its gradients (a running sum of its inputs, which each replica
+    takes of its own micro-batches) makes them differ: the job stops with
+    ReplicaDivergence naming the layer and both sides. An exact job at the same snapshot
+    cadence does not."""
+    exact = Pipeline(cluster.coordinator, **JOB, stages=(2, 3), snapshot_every=1)  # type: ignore[arg-type]
+    with exact:
+        for step in range(4):
+            exact.train_step(*_batch(step))
+        time.sleep(1.5)  # a heartbeat or more of every stage's snapshots
+        exact.train_step(*_batch(4))
+        assert cli.admin_json(cluster, "status")["job_failure"] == ""
+    job = {**JOB, "model": "tests.support.custom_models:tallied", "snapshot_every": 1}
+    pipe = Pipeline(cluster.coordinator, **job, stages=(2, 2), lease_s=3)  # type: ignore[arg-type]
+    diverged = pytest.raises(ReplicaDivergence, match=r"layer 1 differs between replicas")
+    with pipe, diverged as err:
+        for step in range(40):
+            pipe.train_step(*_batch(step))
+            time.sleep(0.1)
+    assert err.value.__class__ is ReplicaDivergence and "sha256" in str(err.value)
+
+
+def test_stages_pinned_to_a_replica_serve_it() -> None:
+    """``elasticpipe stage --replica NAME``: stage-0 and stage-4 pinned to "b", stage-1 to
+    "a"; replicas of (2, 3) put "a" first (sorted), so stage-1 serves replica 0 and
+    stage-0 and stage-4 replica 1, whatever their registration order; status shows the
+    pins; and the job trains bitwise as LocalPipeline does."""
+    pins = [["--replica", "b"], ["--replica", "a"], [], [], ["--replica", "b"]]
+    want_losses, _ = _reference()
+    with (
+        LocalCluster(
+            stages=5, state=":memory:", allow_models=("tests.support",), per_stage_args=pins
+        ) as c,
+        Pipeline(c.coordinator, **JOB, stages=(2, 3)) as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*_batch(step)) for step in range(STEPS)]
+        stages = {s["name"]: s for s in cli.admin_json(c, "status")["stages"]}
+        layout = pipe.layout
+    assert losses == want_losses
+    serving = {name: s["replica"] for name, s in stages.items()}
+    assert serving["stage-1"] == 0 and serving["stage-0"] == serving["stage-4"] == 1
+    assert stages["stage-0"]["pinned_replica"] == "b" and stages["stage-2"]["pinned_replica"] == ""
+    names = {s["stage_id"]: name for name, s in stages.items()}
+    assert {"stage-0", "stage-4"} <= {names[sid] for sid in layout.replicas[1].stage_ids}

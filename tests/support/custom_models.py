@@ -229,3 +229,29 @@ class Scale(nn.Module):
 def no_reset(width: int = 6, classes: int = 3) -> nn.Sequential:
     """Linear, Scale (no reset_parameters), Tanh, Linear."""
     return nn.Sequential(nn.Linear(width, 12), Scale(12), nn.Tanh(), nn.Linear(12, classes))
+
+
+class _Tally(nn.Module):
+    """A Linear that also sums its training inputs into a buffer: state kept outside the
+    gradients, which each replica would update from its own micro-batches only."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def reset_parameters(self) -> None:
+        self.lin.reset_parameters()
+        self.seen.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += x.detach().sum()
+        return self.lin(x)
+
+
+def tallied(width: int = 8, classes: int = 3) -> nn.Sequential:
+    """Four layers, the second a ``_Tally``: Linear, _Tally, ReLU, Linear."""
+    return nn.Sequential(
+        nn.Linear(width, width), _Tally(width), nn.ReLU(), nn.Linear(width, classes)
+    )

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from elasticpipe.client.replicas import Asked, ask
-from elasticpipe.coordinator.replicas import Shape
+from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planning import PlanError
+from elasticpipe.coordinator.replicas import Shape, pinned_order
+from elasticpipe.coordinator.store import StageRow
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
@@ -75,3 +78,39 @@ def test_a_shape_waits_for_its_stages_and_resumes_only_its_own_layout() -> None:
     assert not Shape.parse((3, 2), False, 0).matches(running)
     assert not shape.matches(None)  # a job of one pipeline
     assert Shape().matches(running) and Shape(auto=True).matches(None)
+
+
+def _member(name: str, pin: str = "") -> Member:
+    member = Member(StageRow(f"id-{name}", name, f"h:{name}", "cpu", 0.0))
+    member.replica_pin = pin
+    return member
+
+
+def test_pinned_stages_serve_their_replica_and_the_rest_fill_in_order() -> None:
+    """Pins a (2 stages) and b (1): sorted names take replicas 0 and 1; s1 and s3, unpinned,
+    fill the places left in registration order."""
+    chosen = [
+        _member("s0", "b"),
+        _member("s1"),
+        _member("s2", "a"),
+        _member("s3"),
+        _member("s4", "a"),
+    ]
+    ordered = [m.row.name for m in pinned_order(chosen, (3, 2))]
+    assert ordered == ["s2", "s4", "s1", "s0", "s3"]
+    assert [m.row.name for m in pinned_order(chosen[1:4:2], (1, 1))] == ["s1", "s3"]
+
+
+@pytest.mark.parametrize(
+    ("pins", "sizes", "error"),
+    [
+        (["a", "b", "c"], (1, 1), r"pinned to 3 replicas \['a', 'b', 'c'\], the job has 2"),
+        (["a", "a", ""], (1, 2), r"2 stages are pinned to replica 'a' .*which has 1"),
+    ],
+)
+def test_pins_that_do_not_fit_are_refused_by_name(
+    pins: list[str], sizes: tuple[int, ...], error: str
+) -> None:
+    chosen = [_member(f"s{i}", pin) for i, pin in enumerate(pins)]
+    with pytest.raises(PlanError, match=error):
+        pinned_order(chosen, sizes)

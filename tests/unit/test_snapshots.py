@@ -17,26 +17,36 @@ from elasticpipe.stage_server.snapshots import (
     Snapshotter,
     check_copy,
 )
+from elasticpipe.wire import layer_state
 from elasticpipe.wire.layer_state import PackedLayer
 
 pytestmark = pytest.mark.timeout(20)
 
 
+def _sealed(state: bytes) -> PackedLayer:
+    return layer_state.seal(PackedLayer(state, ()))
+
+
 def test_the_last_two_complete_snapshots_are_kept() -> None:
-    """A third complete snapshot drops the oldest; copies are kept per source the same way."""
+    """A third complete snapshot drops the oldest; copies are kept per source the same way.
+    Own snapshots carry each layer's SHA-256 (compared across replicas), copies none."""
     store = SnapshotStore(keep=2)
     for step in (10, 20, 30):
-        assert store.add_own("j", step, {0: b"own%d" % step}, store.generation)
-        store.add_copy("b", "j", step, {1: b"copy%d" % step}, store.generation)
+        assert store.add_own("j", step, {0: _sealed(b"own%d" % step)}, store.generation)
+        store.add_copy("b", "j", step, {1: _sealed(b"copy%d" % step)}, store.generation)
     assert store.get("j", 10, 0) is None
-    assert store.get("j", 30, 0) == b"own30" and store.get("j", 20, 1) == b"copy20"
+    own30, copy20 = store.get("j", 30, 0), store.get("j", 20, 1)
+    assert own30 is not None and own30.state == b"own30"
+    assert copy20 is not None and copy20.state == b"copy20"
     assert store.get("other-job", 30, 0) is None
+    digest = {step: _sealed(b"own%d" % step).sha256 for step in (20, 30)}
     assert sorted(store.holdings(), key=lambda h: (h.peer_copy, h.step)) == [
-        Holding("j", 20, (0,), False),
-        Holding("j", 30, (0,), False),
+        Holding("j", 20, (0,), False, (digest[20],)),
+        Holding("j", 30, (0,), False, (digest[30],)),
         Holding("j", 20, (1,), True),
         Holding("j", 30, (1,), True),
     ]
+    assert len(digest[20]) == 32 and digest[20] != digest[30]
 
 
 def test_snapshots_from_the_safe_step_on_are_never_trimmed() -> None:
@@ -44,22 +54,22 @@ def test_snapshots_from_the_safe_step_on_are_never_trimmed() -> None:
     store = SnapshotStore(keep=2)
     store.keep_from(10)
     for step in (10, 20, 30, 40):
-        store.add_own("j", step, {0: b"x"}, store.generation)
+        store.add_own("j", step, {0: _sealed(b"x")}, store.generation)
     assert [h.step for h in store.holdings()] == [10, 20, 30, 40]
     store.keep_from(30)
-    store.add_own("j", 50, {0: b"x"}, store.generation)
+    store.add_own("j", 50, {0: _sealed(b"x")}, store.generation)
     assert [h.step for h in store.holdings()] == [30, 40, 50]
 
 
 def test_prune_after_a_rollback_and_captures_taken_before_it() -> None:
     """prune(k) drops steps after k; a capture taken before the prune is not kept."""
     store = SnapshotStore()
-    store.add_own("j", 10, {0: b"a"}, store.generation)
+    store.add_own("j", 10, {0: _sealed(b"a")}, store.generation)
     stale = store.generation
-    store.add_own("j", 20, {0: b"b"}, stale)
+    store.add_own("j", 20, {0: _sealed(b"b")}, stale)
     store.prune(10)
     assert [h.step for h in store.holdings()] == [10]
-    assert not store.add_own("j", 30, {0: b"c"}, stale)
+    assert not store.add_own("j", 30, {0: _sealed(b"c")}, stale)
     assert not store.add_copy("b", "j", 30, {1: b"c"}, stale)
     store.prune(None)
     assert store.holdings() == [] and store.nbytes() == 0
