@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from elasticpipe.client import driver
+from elasticpipe.client import driver, replicas
 from elasticpipe.client.driver import CommitIncomplete
 from elasticpipe.client.session import (
     FIRST_RETRY_WAIT_S,
@@ -80,6 +80,7 @@ class Steps(Session):
             try:
                 if train and layout is not None and len(layout.replicas) > 1:
                     ran = layout
+                    replicas.check_batch(layout, len(batch.xs))  # the layout may be new
                     reports = [
                         r
                         for chain in driver.run_replicas(

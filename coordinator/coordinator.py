@@ -63,7 +63,12 @@ class Coordinator:
         self._released = threading.Event()
         self.jobs = Jobs(self.cluster, self._pause)
         self.rebalancer = Rebalancer(self.cluster, config.policy, self._pause)
-        self.recovery = Recovery(self.cluster, self._pause, self.jobs.abandon_stale_load)
+        self.recovery = Recovery(
+            self.cluster,
+            self._pause,
+            self.jobs.abandon_stale_load,
+            self.jobs.settle_without_client,
+        )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from elasticpipe.coordinator import copies
 from elasticpipe.coordinator.state import Cluster
@@ -47,6 +48,13 @@ class Lease:
     expires: float  # time.monotonic()
     request: str = ""  # the SetupJob request that was granted it ("": none named)
     created: bool = False  # that request started the job (it did not attach)
+
+
+class Stages(NamedTuple):
+    """Stages to settle: their epoch and addresses (the live part of a job)."""
+
+    epoch: int
+    addresses: tuple[str, ...]
 
 
 class Leases:
@@ -147,7 +155,7 @@ class Leases:
             LayersLost: the job failed beyond recovery (``ReplicaDivergence`` among its
                 kinds): a client whose stages still run learns it here.
         """
-        if not release and self.c.failure:
+        if not release and self.c.failure and self.c.job and self.c.job.job_id == job_id:
             raise self.c.failure_kind(self.c.failure)
         with self._lock:
             lease = self._lease
@@ -204,7 +212,39 @@ class Leases:
 
     # ---- settling undecided runs -----------------------------------------------------
 
-    def settle(self, partition: Partition | Layout, client: int, holder: str = "") -> int:
+    def live_stages(self) -> Stages:
+        """The job's live stages (every replica's), to settle without the dead ones."""
+        everyone = self.c.job_layout()
+        if everyone is None:
+            return Stages(0, ())
+        alive = {m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)}
+        pairs = zip(everyone.stage_ids, everyone.addresses, strict=True)
+        return Stages(everyone.epoch, tuple(a for sid, a in pairs if sid in alive))
+
+    def settle_without_client(self) -> None:
+        """Before a recovery that rolls nothing back (a job of several replicas): the run
+        in flight must be decided on every live stage before they freeze. A live client
+        decides it within moments; while stages still await a decision and the client's
+        lease still runs (a client that died with the stage), this waits for the lease to
+        run out, then decides it on the live stages (a run committed on any is committed
+        on all, else aborted), fencing the client that left."""
+        with self.c.move_lock:
+            probe = stage_pb2.StatsRequest()
+            while (lease := self.lease()) is not None:
+                live = self.live_stages()
+                replies = self.c.pool.each([(a, probe) for a in live.addresses], "GetStats", 5.0)
+                if not any(
+                    not isinstance(r, ElasticPipeError) and r.state.phase == "awaiting_commit"
+                    for r in replies
+                ):
+                    return  # nothing undecided (or the client decided it meanwhile)
+                time.sleep(min(0.1, max(0.0, lease.expires - time.monotonic())))
+            self.settle(self.live_stages(), self._issue(""))
+            with self._lock:
+                self._lease = None
+                self.c.store.delete("lease")
+
+    def settle(self, partition: Partition | Layout | Stages, client: int, holder: str = "") -> int:
         """Makes every stage (of every replica, given a layout) follow client generation
         ``client``, held by ``holder`` (the certificate name of the client granted the job;
         empty: nobody), fencing out older clients, and decides any undecided run.
@@ -288,16 +328,14 @@ class Leases:
             if lease is not None:  # a client attached or started a job meanwhile
                 return "commit" if self._deliver_commit(run, step, lease.client) else "wait"
             self.c.require_job()
-            everyone = self.c.job_layout()
-            assert everyone is not None
             issued = int(self.c.store.get("client_generation") or 0)
-            if stage_id not in everyone.stage_ids or bounds.generation(run) > issued:
+            if stage_id not in self.c.job_stage_ids() or bounds.generation(run) > issued:
                 # Not a run of the running job's chain (a stage moved out, an old job's
                 # run, a generation never issued): nothing to settle, the stage drops it.
                 log.info("run_resolved", stage=self.c.name(stage_id), run=run, decision="abort")
                 return "abort"
             client = self._issue("")  # fences whichever client ran it
-            committed = self.settle(everyone, client)
+            committed = self.settle(self.live_stages(), client)  # a dead stage settles nothing
             with self._lock:  # the fenced client's lease is over
                 self._lease = None
                 self.c.store.delete("lease")

@@ -493,7 +493,9 @@ class Rebalancer:
             return False
         self._proposals.pop("shares", None)
         with self.c.move_lock:
-            if self.c.layout is not layout:  # changed meanwhile: decide again next time
+            if self.c.layout is not layout or not all(
+                self._measured(p.stage_ids) for p in layout.replicas
+            ):  # changed, or a stage died, meanwhile: decide again next time
                 return False
             reason = (
                 f"auto: shares {list(layout.shares)} -> {list(best)} (predicted step "

@@ -46,10 +46,12 @@ class Recovery:
         cluster: Cluster,
         pause: epochs.Pause = epochs._no_pause,
         abandon_stale_load: Callable[[], bool] = lambda: False,
+        settle_without_client: Callable[[], None] = lambda: None,
     ):
         self.c = cluster
         self._pause = pause
         self._abandon_stale_load = abandon_stale_load
+        self._settle_without_client = settle_without_client
         self._wake = threading.Event()
         self.recoveries = 0
 
@@ -137,6 +139,7 @@ class Recovery:
                 return
             try:
                 if self.c.replicas > 1:  # the layers live on in the other replicas
+                    self._settle_without_client()  # no rollback: decide the run in flight
                     if replica_changes.recover(self.c, dead, self._pause) is not None:
                         self.recoveries += 1
                     return

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planning import estimates, predict_step_time
+from elasticpipe.coordinator.planning import estimates, memory, predict_step_time
 from elasticpipe.coordinator.planning.cost import Plan, PlanError
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
@@ -85,16 +85,17 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
             kept.append(chain)
             continue
         lost_names = cluster.names([chain.stages[s].stage_id for s in lost])
-        if len(spares) < len(lost):
+        picked = _pick_spares(cluster, spares, chain, lost)
+        if picked is None:
             survivors = [ref.stage_id for ref in chain.stages if ref.stage_id in live]
             said.append(
-                f"replica {r} lost {', '.join(lost_names)} and dissolved"
-                + (f" ({', '.join(cluster.names(survivors))} are spares now)" if survivors else "")
+                f"replica {r} lost {', '.join(lost_names)} and dissolved (no spare fits)"
+                + (f"; {', '.join(cluster.names(survivors))} are spares now" if survivors else "")
             )
             continue
         stages = list(chain.stages)
-        for s in lost:
-            spare = spares.pop(0)
+        for s, spare in zip(lost, picked, strict=True):
+            spares.remove(spare)
             stages[s] = StageRef(spare.row.stage_id, spare.row.address)
             pulls = []
             for layer in chain.layers_of(s):
@@ -113,9 +114,12 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
         )
         kept.append(chain.evolve(stages=tuple(stages)))
     if not kept:
-        cluster.fail_job(f"every replica lost stages and no spare is left ({'; '.join(said)})")
+        cluster.fail_job(
+            f"every replica lost stages and no spare is left ({'; '.join(said)}): no replica "
+            "can run, and re-forming one from the survivors is not built yet"
+        )
         return None
-    new_layout = _relaid(cluster, kept, cluster.store.reserve_epoch())
+    new_layout = _at_epoch(_relaid(cluster, kept), cluster.store.reserve_epoch())
     reason = (
         f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}; no "
         f"rollback, shares {list(new_layout.shares)}"
@@ -185,7 +189,9 @@ def reshare(
     layout = cluster.layout
     assert layout is not None
     Layout(layout.replicas, tuple(shares)).validate(micro_batches=job.micro_batches)
-    new_layout = _relaid(cluster, list(layout.replicas), cluster.store.reserve_epoch(), shares)
+    new_layout = _at_epoch(
+        _relaid(cluster, list(layout.replicas), shares), cluster.store.reserve_epoch()
+    )
     change = Change(
         "shares",
         reason,
@@ -252,6 +258,10 @@ def set_layout(
     Layout(tuple(chains), (1,) * len(chains)).validate(cluster.num_layers or None)
     if shares is not None:
         Layout(tuple(chains), tuple(shares)).validate(micro_batches=job.micro_batches)
+        if 0 in shares:
+            raise InvalidRequest(
+                f"shares {list(shares)[:8]}: every replica runs at least one micro-batch"
+            )
     unchanged = [(p.boundaries, p.stages) for p in chains] == [
         (p.boundaries, p.stages) for p in old.replicas
     ]
@@ -259,7 +269,7 @@ def set_layout(
         return old, None
     live = {m.row.stage_id for m in cluster.members.members() if cluster.members.alive(m)}
     sources = _sources(old, chains, live)
-    new_layout = _relaid(cluster, chains, cluster.store.reserve_epoch(), shares)
+    new_layout = _at_epoch(_relaid(cluster, chains, shares), cluster.store.reserve_epoch())
     change = Change(
         "move",
         reason,
@@ -333,8 +343,8 @@ def _sources(
 def check_divergence(cluster: Cluster) -> bool:
     """Compares the SHA-256 that every live holder of a layer reports for its own snapshot
     of the same step; holders that differ fail the job with ``ReplicaDivergence``, naming
-    the layer, the step and the hosts on each side. Snapshots older than the job's last
-    rollback are of another history and left out.
+    the layer, the step and the hosts on each side. Snapshots taken before the job's last
+    rollback (its ``restore_epoch``) are of another history and left out.
 
     Returns:
         Whether the job was failed.
@@ -346,10 +356,12 @@ def check_divergence(cluster: Cluster) -> bool:
     seen: dict[tuple[int, int], dict[bytes, list[str]]] = {}
     for sid in layout.stage_ids:
         member = cluster.members.by_id(sid)
-        if member is None or not cluster.members.alive(member) or member.epoch < since:
+        if member is None or not cluster.members.alive(member):
             continue
         for held in member.snapshots:
-            if held.job_id != job.job_id or held.peer_copy or len(held.sha256) != len(held.layers):
+            if held.job_id != job.job_id or held.peer_copy or held.taken_epoch < since:
+                continue
+            if len(held.sha256) != len(held.layers):
                 continue
             for layer, digest in zip(held.layers, held.sha256, strict=True):
                 names = seen.setdefault((held.step, layer), {}).setdefault(digest, [])
@@ -415,6 +427,36 @@ def _plans(cluster: Cluster, replicas: list[Partition]) -> list[Plan]:
     ]
 
 
+def _pick_spares(
+    cluster: Cluster, spares: list[Member], chain: Partition, lost: list[int]
+) -> list[Member] | None:
+    """A spare for each lost place of ``chain`` that can hold its layers (memory), those
+    pinned like the stage they replace first, else registration order; None if some place
+    has none."""
+    left, picked = list(spares), []
+    stage_ids = list(chain.stage_ids)
+    for s in lost:
+        gone = cluster.members.by_id(chain.stages[s].stage_id)
+        pin = gone.replica_pin if gone is not None else ""
+        for spare in sorted(left, key=lambda m: m.replica_pin != pin):
+            stage_ids[s] = spare.row.stage_id
+            try:
+                memory.check_fits(
+                    chain.boundaries,
+                    cluster.memory(stage_ids),
+                    cluster.names(stage_ids),
+                    "recovery",
+                )
+            except PlanError:
+                continue
+            left.remove(spare)
+            picked.append(spare)
+            break
+        else:
+            return None
+    return picked
+
+
 def _live_holder(layout: Layout, layer: int, replica: int, live: set[str]) -> StageRef | None:
     """A live stage holding ``layer`` in a replica other than ``replica`` (the lowest)."""
     for r, chain in enumerate(layout.replicas):
@@ -424,15 +466,19 @@ def _live_holder(layout: Layout, layer: int, replica: int, live: set[str]) -> St
     return None
 
 
+def _at_epoch(layout: Layout, epoch: int) -> Layout:
+    """``layout`` in epoch ``epoch`` (reserved once it is known to be valid)."""
+    return Layout(tuple(p.evolve(epoch=epoch) for p in layout.replicas), layout.shares)
+
+
 def _relaid(
     cluster: Cluster,
     replicas: list[Partition],
-    epoch: int,
     shares: Sequence[int] | None = None,
 ) -> Layout:
-    """The replicas in a new epoch with ``shares`` (default: water-filled again on the
-    planner's predictions for the live speeds, at least one each), each replica's step
-    time predicted for its share."""
+    """The replicas with ``shares`` (default: water-filled again on the planner's
+    predictions for the live speeds, at least one each), each replica's step time
+    predicted for its share; in the replicas' epoch (``_at_epoch`` gives the new one)."""
     job = cluster.job
     assert job is not None
     plans = _plans(cluster, replicas)
@@ -442,8 +488,7 @@ def _relaid(
     return Layout(
         tuple(
             p.evolve(
-                epoch=epoch,
-                predicted_step_s=predict_step_time(plan, share, job.schedule) if timed else None,
+                predicted_step_s=predict_step_time(plan, share, job.schedule) if timed else None
             )
             for p, plan, share in zip(replicas, plans, shares, strict=True)
         ),

@@ -57,6 +57,7 @@ class Holding:
     layers: tuple[int, ...]
     peer_copy: bool  # a copy kept for the stage whose snapshot peer this is
     sha256: tuple[bytes, ...] = ()  # own snapshots: each layer's, in ``layers`` order
+    taken_epoch: int = 0  # own snapshots: the epoch they were taken in
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Snapshot:
     job_id: str
     step: int
     blobs: dict[int, PackedLayer] = field(default_factory=dict)
+    epoch: int = 0  # own snapshots: the epoch they were taken in
 
 
 class SnapshotStore:
@@ -80,14 +82,19 @@ class SnapshotStore:
         self._keep_from = 0  # the coordinator's newest safe step: kept whatever ``keep``
 
     def add_own(
-        self, job_id: str, step: int, blobs: Mapping[int, PackedLayer], generation: int
+        self,
+        job_id: str,
+        step: int,
+        blobs: Mapping[int, PackedLayer],
+        generation: int,
+        epoch: int = 0,
     ) -> bool:
-        """Records a complete snapshot of this stage's layers, unless a prune since its
-        capture voided it; returns whether it was kept."""
+        """Records a complete snapshot of this stage's layers, taken in ``epoch``, unless a
+        prune since its capture voided it; returns whether it was kept."""
         with self._lock:
             if generation != self.generation:
                 return False
-            self._own[step] = _Snapshot(job_id, step, dict(blobs))
+            self._own[step] = _Snapshot(job_id, step, dict(blobs), epoch)
             self._trim(self._own)
             return True
 
@@ -133,6 +140,7 @@ class SnapshotStore:
                     tuple(sorted(s.blobs)),
                     False,
                     tuple(s.blobs[i].sha256 for i in sorted(s.blobs)),
+                    s.epoch,
                 )
                 for s in self._own.values()
             ]
@@ -172,6 +180,7 @@ class Capture:
     states: dict[int, dict[str, Any]]
     peer: str  # where the copy goes ("" for none)
     generation: int  # the store's generation when captured
+    epoch: int = 0  # the epoch it was taken in
 
 
 Pusher = Callable[[str, Capture, Sequence[tuple[int, PackedLayer]]], None]
@@ -234,7 +243,9 @@ class Snapshotter:
                     i: layer_state.seal(layer_state.pack(state))
                     for i, state in capture.states.items()
                 }
-                kept = self._store.add_own(capture.job_id, capture.step, blobs, capture.generation)
+                kept = self._store.add_own(
+                    capture.job_id, capture.step, blobs, capture.generation, capture.epoch
+                )
                 self._before_push()
                 if kept and capture.peer:
                     self._push(capture.peer, capture, sorted(blobs.items()))

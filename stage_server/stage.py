@@ -512,6 +512,7 @@ class Stage(EpochChanges):
                 states=states,
                 peer=self.placement.snapshot_peer,
                 generation=self.snapshots.generation,
+                epoch=self.placement.epoch,
             )
         )
 

@@ -1450,10 +1450,13 @@ class SnapshotHolding(_message.Message):
     LAYERS_FIELD_NUMBER: _builtins.int
     PEER_COPY_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    TAKEN_EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     step: _builtins.int
     peer_copy: _builtins.bool
     """a copy of another stage's snapshot (kept for its snapshot peer)"""
+    taken_epoch: _builtins.int
+    """own snapshots: the epoch they were taken in"""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1470,10 +1473,11 @@ class SnapshotHolding(_message.Message):
         layers: _abc.Iterable[_builtins.int] | None = ...,
         peer_copy: _builtins.bool = ...,
         sha256: _abc.Iterable[_builtins.bytes] | None = ...,
+        taken_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "peer_copy", b"peer_copy", "sha256", b"sha256", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "peer_copy", b"peer_copy", "sha256", b"sha256", "step", b"step", "taken_epoch", b"taken_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,9 +9,11 @@ is refused by name."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,16 @@ from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.v1 import stage_pb2
 from tests.support import cli, clusters
 from tests.support.faults import kill_when_paused
-from tests.support.scenario import arm
+from tests.support.scenario import (
+    REFERENCE,
+    SCRIPT,
+    Trainer,
+    arm,
+    check,
+    kill_script_at,
+    pipeline,
+    script,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -351,3 +362,29 @@ def test_stages_pinned_to_a_replica_serve_it() -> None:
     assert stages["stage-0"]["pinned_replica"] == "b" and stages["stage-2"]["pinned_replica"] == ""
     names = {s["stage_id"]: name for name, s in stages.items()}
     assert {"stage-0", "stage-4"} <= {names[sid] for sid in layout.replicas[1].stage_ids}
+
+
+def test_a_client_and_a_stage_killed_together_are_settled_then_recovered(
+    tmp_path: Path,
+) -> None:
+    """The training script SIGKILLed between RunStep and CommitStep of step 4 (the stages
+    await its decision), and a stage of replica 1 SIGKILLed with it: once the script's
+    lease runs out the coordinator decides the run on the live stages (no stage committed
+    it: aborted), a spare takes the dead stage's place with no rollback, and a resumed
+    script goes on from step 3 to the failure-free run's losses and weights."""
+    with clusters.failing(4) as c:
+        code = script(c, SCRIPT.replace("pipeline(C)", "pipeline(C, stages=(1, 2))"))
+        env = {**os.environ, "ELASTICPIPE_TEST_PAUSE": "before_commit:4"}
+        kill_script_at(code, tmp_path / "script.log", env, "paused_at")
+        stages = cli.admin_json(c, "status")["stages"]
+        c.kill(next(s["name"] for s in stages if s["replica"] == 1))
+        with pipeline(c, stages=(1, 2), resume=True) as pipe:
+            assert pipe.step == 3
+            trainer = Trainer(pipe).start()
+            state = trainer.finish()
+            assert [p.num_stages for p in pipe.layout.replicas] == [1, 2]
+            assert pipe.last_step.replayed == 0
+    losses = dict(trainer.losses)
+    want = REFERENCE[0]
+    losses.update({s: want[s - 1] for s in range(1, 4)})
+    check(losses, state)
