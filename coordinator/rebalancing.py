@@ -29,6 +29,7 @@ from elasticpipe.coordinator.planning import (
     spare_positions,
 )
 from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
+from elasticpipe.coordinator.replica_policy import ReplicaPolicy
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import InvalidRequest
@@ -75,7 +76,7 @@ class MoveOutcome:
     target: Partition | Layout | None = None  # moved (or, dry, that would move) to
 
 
-class Rebalancer:
+class Rebalancer(ReplicaPolicy):
     """The planner's view, the rebalancing policy and the operator's levers."""
 
     def __init__(
@@ -453,8 +454,9 @@ class Rebalancer:
         partition = self.c.partition
         if not self.policy.enabled or self.c.job is None or partition is None or self.c.failure:
             return
-        if self.c.replicas > 1:  # shares first; moving layers of replicas is not built yet
-            self.retune_shares()
+        if self.c.replicas > 1:  # shares first, then a new replica from the spares
+            if not self.retune_shares():
+                self.grow_replicas()
             return
         if not self._measured(partition.stage_ids):
             return
@@ -463,46 +465,6 @@ class Rebalancer:
         outcome = self.rebalance(dry_run=False, reason="auto", force=False)
         if not outcome.changed:
             self.scale_out()
-
-    def retune_shares(self) -> bool:
-        """Re-splits a job of several replicas' micro-batches when the live speeds predict a
-        faster split that the policy accepts (threshold, payback, cool-down), confirmed by
-        a later step's measurements as moves are. Returns whether the shares changed."""
-        layout = self.c.layout
-        if layout is None or self.c.store.get(epochs.CHANGE_KEY) is not None:
-            return False
-        if not all(self._measured(p.stage_ids) for p in layout.replicas):
-            return False
-        now_s, best_s, best = replica_changes.planned_shares(self.c, layout)
-        moved = sum(abs(a - b) for a, b in zip(best, layout.shares, strict=True)) // 2
-        decision = decide(
-            self.policy,
-            now_s,
-            best_s,
-            0,
-            time.monotonic() - self.c.last_move,
-            self.c.last_pause,
-            layers_to_move=moved,
-        )
-        if decision.move:
-            decision = self._confirmed("shares", decision, (best, ()), layout.stage_ids)
-        self._log_decision(decision, "auto shares", self.c.in_seconds(layout.stage_ids))
-        if not decision.move:
-            if moved == 0:
-                self._proposals.pop("shares", None)
-            return False
-        self._proposals.pop("shares", None)
-        with self.c.move_lock:
-            if self.c.layout is not layout or not all(
-                self._measured(p.stage_ids) for p in layout.replicas
-            ):  # changed, or a stage died, meanwhile: decide again next time
-                return False
-            reason = (
-                f"auto: shares {list(layout.shares)} -> {list(best)} (predicted step "
-                f"{now_s:.4g}s -> {best_s:.4g}s)"
-            )
-            replica_changes.reshare(self.c, best, reason, self._pause)
-        return True
 
     def scale_out(self) -> MoveOutcome | None:
         """Adds a spare to the chain when the planner predicts a gain the policy accepts.

@@ -37,6 +37,7 @@ from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import estimates, memory, predict_step_time
 from elasticpipe.coordinator.planning.cost import Plan, PlanError
+from elasticpipe.coordinator.planning.hosts import order_hosts
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.state import Cluster
@@ -51,6 +52,7 @@ log = get_logger(__name__)
 __all__ = [
     "check_divergence",
     "layout_candidates",
+    "new_replica",
     "planned_shares",
     "recover",
     "reshare",
@@ -404,6 +406,32 @@ def layout_candidates(cluster: Cluster) -> tuple[list[str], list[LayoutPlan]]:
     except PlanError as exc:
         log.info("layouts_unplanned", why=str(exc))
         return stage_ids, []
+
+
+def new_replica(
+    cluster: Cluster, layout: Layout, spares: Sequence[Member]
+) -> tuple[Partition, float, float] | None:
+    """A replica of ``spares``, ordered and partitioned by the planner (under their memory),
+    with the predicted step of ``layout`` now and with it added (the shares water-filled
+    again); None when the spares cannot hold the model or the micro-batches are too few."""
+    job = cluster.job
+    assert job is not None
+    if len(layout.replicas) + 1 > job.micro_batches:
+        return None
+    stage_ids = [m.row.stage_id for m in spares]
+    speeds = cluster.speeds(stage_ids)
+    try:
+        order, plan = order_hosts(
+            cluster.costs(), speeds, *cluster.links(len(speeds)), *cluster.memory(stage_ids)
+        )
+    except PlanError:
+        return None
+    refs = tuple(StageRef(spares[i].row.stage_id, spares[i].row.address) for i in order)
+    chain = layout.replicas[0].evolve(boundaries=plan.boundaries, stages=refs)
+    now_s = planned_shares(cluster, layout)[0]
+    times = planned_step_times([*_plans(cluster, list(layout.replicas)), plan], job.schedule)
+    new_s = slowest(times, assign_shares(times, job.micro_batches, 1))
+    return chain, now_s, new_s
 
 
 def planned_shares(cluster: Cluster, layout: Layout) -> tuple[float, float, tuple[int, ...]]:

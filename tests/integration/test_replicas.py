@@ -164,10 +164,12 @@ def _name_of(cluster: LocalCluster, stage_id: str) -> str:
         pytest.param(6, (1, 1), (2, 3), id="a-spare-takes-its-place"),
         # 5 stages, no spare: replica 0 dissolves, replica 1 runs every micro-batch
         pytest.param(5, (0, 1), (3,), id="its-replica-dissolves"),
+        # both stages of replica 0 at once: fewer replicas
+        pytest.param(5, (0, None), (3,), id="both-stages-of-a-replica"),
     ],
 )
 def test_a_killed_stage_costs_no_replay_and_no_bits(
-    stages: int, victim: tuple[int, int], after: tuple[int, ...]
+    stages: int, victim: tuple[int, int | None], after: tuple[int, ...]
 ) -> None:
     """SIGKILL of one stage of a job of replicas (2, 3) between steps: its layers live on in
     the other replica at the committed step, so the next step runs after one epoch change
@@ -180,8 +182,9 @@ def test_a_killed_stage_costs_no_replay_and_no_bits(
     ):
         losses = [pipe.train_step(*_batch(0))]
         replica, index = victim
-        killed = pipe.layout.replicas[replica].stage_ids[index]
-        c.kill(_name_of(c, killed))
+        chain = pipe.layout.replicas[replica].stage_ids
+        for killed in chain if index is None else [chain[index]]:
+            c.kill(_name_of(c, killed))
         losses.append(pipe.train_step(*_batch(1)))
         assert pipe.last_step.replayed == 0
         losses.append(pipe.train_step(*_batch(2)))
@@ -388,3 +391,30 @@ def test_a_client_and_a_stage_killed_together_are_settled_then_recovered(
     want = REFERENCE[0]
     losses.update({s: want[s - 1] for s in range(1, 4)})
     check(losses, state)
+
+
+def test_spares_form_a_new_replica_when_the_planner_predicts_a_gain() -> None:
+    """Replicas of (2, 2) and one spare: the policy forms a third replica of the spare (it
+    holds every layer), the shares spread over three, and the results stay bitwise
+    LocalPipeline's."""
+    policy = ["--policy-interval", "0.3", "--rebalance-cooldown", "0"]
+    with (
+        LocalCluster(
+            stages=5,
+            allow_models=("tests.support",),
+            heartbeat_s=0.2,
+            coordinator_args=[*policy, "--rebalance-horizon", "100000"],
+        ) as c,
+        Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*_batch(0))]
+        while len(pipe.layout.replicas) < 3 and len(losses) < 40:
+            losses.append(pipe.train_step(*_batch(len(losses))))
+        grown = [p.num_stages for p in pipe.layout.replicas]
+        losses.append(pipe.train_step(*_batch(len(losses))))
+        state = pipe.state_dict()
+    assert grown == [2, 2, 1], grown
+    local = LocalPipeline(**JOB)  # type: ignore[arg-type]
+    assert [local.train_step(*_batch(step)) for step in range(len(losses))] == losses
+    for name, value in local.state_dict().items():
+        assert torch.equal(state[name], value), name

@@ -1,0 +1,127 @@
+"""The rebalancing policy's levers for a job of several replicas (``Rebalancer`` mixes them
+in): re-splitting the shares when the live speeds call for it, and forming a new replica
+from the spares when the planner predicts a gain. Each is decided as a move is (threshold,
+payback, cool-down, confirmed by a later step's measurements) and carried out as one epoch
+change (``replica_changes``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from elasticpipe.coordinator import epochs, replica_changes
+from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
+from elasticpipe.coordinator.state import Cluster
+
+__all__ = ["ReplicaPolicy"]
+
+Proposal = tuple[tuple[int, ...], tuple[str, ...]]
+
+
+class _Rebalancer(Protocol):
+    """What the levers use of the ``Rebalancer`` they are mixed into."""
+
+    c: Cluster
+    policy: PolicyConfig
+    _pause: epochs.Pause
+    _proposals: dict[str, tuple[Proposal, int]]
+
+    def _measured(self, stage_ids: Sequence[str]) -> bool: ...
+
+    def _confirmed(
+        self, kind: str, decision: Decision, key: Proposal, stage_ids: Sequence[str]
+    ) -> Decision: ...
+
+    def _log_decision(self, decision: Decision, reason: str, in_seconds: bool = True) -> None: ...
+
+
+class ReplicaPolicy:
+    """``retune_shares`` and ``grow_replicas``, for ``Rebalancer.tick``."""
+
+    def retune_shares(self: _Rebalancer) -> bool:
+        """Re-splits a job of several replicas' micro-batches when the live speeds predict a
+        faster split that the policy accepts. Returns whether the shares changed."""
+        layout = self.c.layout
+        if layout is None or self.c.store.get(epochs.CHANGE_KEY) is not None:
+            return False
+        if not all(self._measured(p.stage_ids) for p in layout.replicas):
+            return False
+        now_s, best_s, best = replica_changes.planned_shares(self.c, layout)
+        moved = sum(abs(a - b) for a, b in zip(best, layout.shares, strict=True)) // 2
+        decision = decide(
+            self.policy,
+            now_s,
+            best_s,
+            0,
+            time.monotonic() - self.c.last_move,
+            self.c.last_pause,
+            layers_to_move=moved,
+        )
+        if decision.move:
+            decision = self._confirmed("shares", decision, (best, ()), layout.stage_ids)
+        self._log_decision(decision, "auto shares", self.c.in_seconds(layout.stage_ids))
+        if not decision.move:
+            if moved == 0:
+                self._proposals.pop("shares", None)
+            return False
+        self._proposals.pop("shares", None)
+        with self.c.move_lock:
+            if self.c.layout is not layout or not all(
+                self._measured(p.stage_ids) for p in layout.replicas
+            ):  # changed, or a stage died, meanwhile: decide again next time
+                return False
+            reason = (
+                f"auto: shares {list(layout.shares)} -> {list(best)} (predicted step "
+                f"{now_s:.4g}s -> {best_s:.4g}s)"
+            )
+            replica_changes.reshare(self.c, best, reason, self._pause)
+        return True
+
+    def grow_replicas(self: _Rebalancer) -> bool:
+        """Forms a new replica from the spares (beyond the ``reserve_spares`` kept to
+        replace dead stages) when the planner predicts the step faster with it, counting
+        the pause of pulling every layer. Returns whether a replica was formed."""
+        layout, job = self.c.layout, self.c.job
+        spares: list[Member] = self.c.spares()[self.policy.reserve_spares :]
+        if layout is None or job is None or not spares:
+            return False
+        if self.c.store.get(epochs.CHANGE_KEY) is not None:
+            return False
+        if not all(self._measured(p.stage_ids) for p in layout.replicas):
+            return False
+        proposal = replica_changes.new_replica(self.c, layout, spares)
+        if proposal is None:
+            return False
+        chain, now_s, new_s = proposal
+        decision = decide(
+            self.policy,
+            now_s,
+            new_s,
+            sum(self.c.layer_state_bytes(i) for i in range(self.c.num_layers)),
+            time.monotonic() - self.c.last_move,
+            self.c.last_pause,
+            layers_to_move=self.c.num_layers,
+        )
+        key = (chain.boundaries, chain.stage_ids)
+        if decision.move:
+            decision = self._confirmed("replica", decision, key, layout.stage_ids)
+        else:
+            self._proposals.pop("replica", None)
+        names = ", ".join(self.c.names(chain.stage_ids))
+        self._log_decision(
+            decision, f"a new replica of {names}", self.c.in_seconds(chain.stage_ids)
+        )
+        if not decision.move:
+            return False
+        self._proposals.pop("replica", None)
+        with self.c.move_lock:
+            if self.c.layout is not layout:  # changed meanwhile: decide again next time
+                return False
+            specs = [(p.boundaries, p.stages) for p in layout.replicas]
+            specs.append((chain.boundaries, chain.stages))
+            reason = f"auto: a new replica of {names} (predicted step {now_s:.4g}s -> {new_s:.4g}s)"
+            replica_changes.set_layout(self.c, specs, None, reason, self._pause)
+        return True
