@@ -72,6 +72,7 @@ class StageTrace:
     rtt_ns: int  # round trip of the sample the offset came from
     spans: tuple[stage_pb2.Span, ...]
     truncated: bool
+    replica: int = 0  # the replica whose chain it is in (a job of several replicas)
 
     def local(self, span: stage_pb2.Span) -> tuple[int, int]:
         """A span's (start, end) on the collector's clock, in ns."""
@@ -116,19 +117,21 @@ class ChainedStage(Protocol):
     def layer_lo(self) -> int: ...
     @property
     def layer_hi(self) -> int: ...
+    @property
+    def replica(self) -> int: ...
 
 
 def collect(
     stages: Iterable[ChainedStage], steps: int, tls: TLS | None, timeout: float
 ) -> list[StageTrace]:
     """The spans of the last ``steps`` steps of every stage of ``stages`` that is in the
-    chain (a status's stages), in chain order.
+    chain (a status's stages), in chain order (replica after replica, with several).
 
     Raises:
         InvalidRequest: no job is running (nothing to trace).
         StageUnavailable (and the rest of the tree): a stage did not answer.
     """
-    chain = sorted((s for s in stages if s.index >= 0), key=lambda s: s.index)
+    chain = sorted((s for s in stages if s.index >= 0), key=lambda s: (max(s.replica, 0), s.index))
     if not chain:
         raise InvalidRequest("no stage is in a chain: start a job before tracing it")
     out = []
@@ -147,6 +150,7 @@ def collect(
                 address=info.address,
                 layer_lo=info.layer_lo,
                 layer_hi=info.layer_hi,
+                replica=max(info.replica, 0),
                 offset_ns=offset,
                 rtt_ns=rtt,
                 spans=tuple(reply.spans),
@@ -241,8 +245,9 @@ def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
     origin = min(starts, default=0)
     events: list[dict[str, Any]] = []
     for t in traces:
-        pid = t.index
-        title = f"stage {t.index}: {t.name} (layers {t.layer_lo}:{t.layer_hi})"
+        pid = t.index + 1000 * t.replica  # a track per stage, grouped by replica
+        where = f"replica {t.replica} stage {t.index}" if t.replica else f"stage {t.index}"
+        title = f"{where}: {t.name} (layers {t.layer_lo}:{t.layer_hi})"
         events += [
             {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": title}},
             {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}},
