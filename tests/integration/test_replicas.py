@@ -220,28 +220,30 @@ def test_draining_or_streaming_weights_into_replicas_is_refused_up_front(
         pipe.train_step(*_batch(1))
 
 
-@pytest.mark.parametrize("point", ["run_started", "reducing", "awaiting_commit"])
-def test_a_stage_killed_inside_a_step_costs_no_replay_and_no_bits(point: str) -> None:
-    """SIGKILL of a stage of replica 1 paused inside step 1: as its run starts, as its
-    replicas reduce their gradients (the others wait for its pieces), and between its
-    report and the commit. A spare takes its place with its layers from replica 0; the
-    step is retried, not replayed, and the results stay LocalPipeline's, bit for bit."""
-    want_losses, want_state = _reference()
+def test_stages_killed_inside_steps_cost_no_replay_and_no_bits() -> None:
+    """Three steps in a row, the middle stage of replica 1 is paused inside the step and
+    SIGKILLed: as its run starts, as its replicas reduce their gradients (the others wait
+    for its pieces), and between its report and the commit. Each time a spare takes its
+    place with its layers from replica 0; the step is retried, not replayed, and the
+    results stay LocalPipeline's, bit for bit."""
+    points = ["run_started", "reducing", "awaiting_commit"]
+    want_losses, want_state = _reference(steps=len(points) + 2)
     with (
-        clusters.failing(6, allow_models=("tests.support",)) as c,
+        clusters.failing(8, allow_models=("tests.support",)) as c,
         Pipeline(c.coordinator, **JOB, stages=(2, 3), recovery_timeout=60) as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*_batch(0))]
-        victim = pipe.layout.replicas[1].stages[1]
-        name = _name_of(c, victim.stage_id)
-        arm(victim.address, stage_pb2.PAUSE_AT, point)
-        killer = threading.Thread(target=kill_when_paused, args=(c, name))
-        killer.start()
-        losses.append(pipe.train_step(*_batch(1)))
-        killer.join(timeout=60)
-        assert pipe.last_step.replayed == 0
-        losses.append(pipe.train_step(*_batch(2)))
-        assert victim.stage_id not in pipe.layout.stage_ids
+        for point in points:
+            victim = pipe.layout.replicas[1].stages[1]
+            arm(victim.address, stage_pb2.PAUSE_AT, point)
+            name = _name_of(c, victim.stage_id)
+            killer = threading.Thread(target=kill_when_paused, args=(c, name))
+            killer.start()
+            losses.append(pipe.train_step(*_batch(len(losses))))
+            killer.join(timeout=60)
+            assert pipe.last_step.replayed == 0, point
+            assert victim.stage_id not in pipe.layout.stage_ids, point
+        losses.append(pipe.train_step(*_batch(len(losses))))
         state = pipe.state_dict()
     assert losses == want_losses
     for key, value in want_state.items():
