@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,12 +48,11 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def run_layout(
-    cluster: LocalCluster, shape: dict[str, Any], args: argparse.Namespace, model: dict[str, int]
-) -> dict[str, Any]:
-    """One job of ``shape`` on the cluster: warm-up, then ``args.steps`` timed steps."""
-    gen = torch.Generator().manual_seed(0)
-    with Pipeline(
+def _pipeline(
+    cluster: LocalCluster, args: argparse.Namespace, model: dict[str, int], **shape: Any
+) -> Pipeline:
+    """The bench's job (a GPT, Adam, no snapshots) of ``shape`` on the cluster."""
+    return Pipeline(
         coordinator=cluster.coordinator,
         model="gpt",
         model_kwargs=model,
@@ -61,17 +61,33 @@ def run_layout(
         micro_batches=args.micro_batches,
         snapshot_every=0,
         **shape,
-    ) as pipe:
+    )
 
-        def train(steps: int) -> float:
-            start = time.perf_counter()
-            for _ in range(steps):
-                tokens = torch.randint(
-                    0, model["vocab_size"], (args.batch, args.seq + 1), generator=gen
-                )
-                pipe.train_step(tokens[:, :-1], tokens[:, 1:])
-            return steps / (time.perf_counter() - start)
 
+def _trainer(
+    pipe: Pipeline, args: argparse.Namespace, model: dict[str, int], seed: int
+) -> Callable[[int], float]:
+    """``train(steps)``: trains that many steps of random tokens, returns their steps/s."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def train(steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = torch.randint(
+                0, model["vocab_size"], (args.batch, args.seq + 1), generator=gen
+            )
+            pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+        return steps / (time.perf_counter() - start)
+
+    return train
+
+
+def run_layout(
+    cluster: LocalCluster, shape: dict[str, Any], args: argparse.Namespace, model: dict[str, int]
+) -> dict[str, Any]:
+    """One job of ``shape`` on the cluster: warm-up, then ``args.steps`` timed steps."""
+    with _pipeline(cluster, args, model, **shape) as pipe:
+        train = _trainer(pipe, args, model, seed=0)
         train(args.warmup)
         measured = train(args.steps)
         layout = pipe.layout
@@ -91,31 +107,11 @@ def run_straggler(
 ) -> dict[str, Any]:
     """2 replicas of 3, auto-rebalance on; one stage of replica 1 slowed 3x more: steps until
     the shares change, then steps/s against the planner's optimum for those speeds."""
-    gen = torch.Generator().manual_seed(1)
     with (
-        Pipeline(
-            coordinator=cluster.coordinator,
-            model="gpt",
-            model_kwargs=model,
-            optimizer="adam",
-            optimizer_kwargs={"lr": 1e-3},
-            micro_batches=args.micro_batches,
-            snapshot_every=0,
-            replicas=2,
-            stages=3,
-        ) as pipe,
+        _pipeline(cluster, args, model, replicas=2, stages=3) as pipe,
         cluster.admin(timeout=300) as admin,
     ):
-
-        def train(steps: int) -> float:
-            start = time.perf_counter()
-            for _ in range(steps):
-                tokens = torch.randint(
-                    0, model["vocab_size"], (args.batch, args.seq + 1), generator=gen
-                )
-                pipe.train_step(tokens[:, :-1], tokens[:, 1:])
-            return steps / (time.perf_counter() - start)
-
+        train = _trainer(pipe, args, model, seed=1)
         train(args.warmup)
         before = pipe.layout.shares
         slow = pipe.layout.replicas[1].addresses[1]

@@ -309,6 +309,21 @@ class Trace:
 # ---- the client -------------------------------------------------------------------------
 
 
+def _cuts(boundaries: Sequence[int], what: str) -> list[int]:
+    """``boundaries`` as ints (cuts of a partition), checked before any call.
+
+    Raises:
+        InvalidRequest: empty, or not non-negative layer numbers (naming ``what``).
+    """
+    try:
+        cuts = [operator.index(b) for b in boundaries]
+    except TypeError:
+        cuts = []
+    if not cuts or len(cuts) != len(boundaries) or any(b < 0 for b in cuts):
+        raise InvalidRequest(f"{what} must be non-negative layer numbers, got {list(boundaries)!r}")
+    return cuts
+
+
 class Admin:
     """A connection to a coordinator's admin RPCs; close it (or use ``with``) when done.
 
@@ -390,14 +405,7 @@ class Admin:
             raise InvalidRequest(
                 f"stages must be a list of names or ids, got the string {stages!r}"
             )
-        try:
-            cuts = [operator.index(b) for b in boundaries]
-        except TypeError:
-            cuts = []
-        if not cuts or len(cuts) != len(boundaries) or any(b < 0 for b in cuts):
-            raise InvalidRequest(
-                f"boundaries must be non-negative layer numbers, got {list(boundaries)!r}"
-            )
+        cuts = _cuts(boundaries, "boundaries")
         request = pb.SetPartitionRequest(boundaries=cuts, stage_ids=list(stages))
         return from_proto(Move, self._call("SetPartition", request))
 
@@ -422,15 +430,7 @@ class Admin:
             )
         specs = []
         for r, cuts in enumerate(replicas):
-            try:
-                ints = [operator.index(b) for b in cuts]
-            except TypeError:
-                ints = []
-            if not ints or len(ints) != len(cuts) or any(b < 0 for b in ints):
-                raise InvalidRequest(
-                    f"replica {r}'s boundaries must be non-negative layer numbers, got "
-                    f"{list(cuts)!r}"
-                )
+            ints = _cuts(cuts, f"replica {r}'s boundaries")
             names = list(stages[r]) if r < len(stages) else []
             specs.append(pb.ReplicaSpec(boundaries=ints, stage_ids=names))
         try:

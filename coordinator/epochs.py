@@ -214,13 +214,9 @@ def prepare(
     stage_at: dict[str, str] = {}
     arriving: dict[str, list[stage_pb2.LayerSource]] = {}
     if change.new_layout is not None:  # every replica, each stage placed in its own chain
-        wire = {}
-        for chain in change.new_layout.replicas:
-            chain_names = cluster.names(chain.stage_ids)
-            for ref in chain.stages:
-                placed = change.new_layout.assignment(ref.stage_id, chain_names)
-                wire[ref.stage_id] = placed.to_proto()
-                stage_at.setdefault(ref.address, ref.stage_id)
+        wire = change.new_layout.assignments(cluster.names)
+        for ref in (s for chain in change.new_layout.replicas for s in chain.stages):
+            stage_at.setdefault(ref.address, ref.stage_id)
         for stage_id, pulls in change.sources.items():
             arriving[stage_id] = [stage_pb2.LayerSource(layer=i, address=a) for i, a in pulls]
     else:

@@ -377,7 +377,11 @@ class Jobs(Loads):
             )
             reason = f"job {job.job_id} started: {weights}"
             row = epochs.history_row(
-                self.c, partition, "start", reason, extra=self._layout_extra(layout)
+                self.c,
+                partition,
+                "start",
+                reason,
+                extra=replicas.layout_record(self.c, layout) if layout else None,
             )
             self.c.install(partition, row, layout)
             for member in chosen:
@@ -413,28 +417,12 @@ class Jobs(Loads):
         self, partition: Partition, layout: Layout | None
     ) -> list[tuple[StageRef, stage_pb2.Assignment]]:
         """Every stage's assignment: in its replica's chain, with its reduction groups."""
+        # (a copy's source is checked by name)
         if layout is None:
             wire = partition.assignments(self.c.names(partition.stage_ids))
             return [(ref, wire[ref.stage_id]) for ref in partition.stages]
-        out = []
-        for chain in layout.replicas:
-            names = self.c.names(chain.stage_ids)  # a copy's source is checked by name
-            out += [
-                (ref, layout.assignment(ref.stage_id, names).to_proto()) for ref in chain.stages
-            ]
-        return out
-
-    def _layout_extra(self, layout: Layout | None) -> dict[str, object] | None:
-        """A history row's record of the replicas (the row's own chain is replica 0)."""
-        if layout is None:
-            return None
-        return {
-            "replicas": [
-                {"boundaries": list(p.boundaries), "stages": self.c.names(p.stage_ids)}
-                for p in layout.replicas
-            ],
-            "shares": list(layout.shares),
-        }
+        wire = layout.assignments(self.c.names)
+        return [(ref, wire[ref.stage_id]) for chain in layout.replicas for ref in chain.stages]
 
     def _describe(self, spec: job_pb2.JobSpec, chosen: list[Member]) -> stage_pb2.DescribeResponse:
         """Every chosen stage's view of the model; they must agree on the factory's code.

@@ -40,6 +40,7 @@ from elasticpipe.coordinator.planning.cost import Plan, PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
+from elasticpipe.coordinator.replicas import layout_record
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import InvalidRequest, ReplicaDivergence
@@ -101,7 +102,7 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
             stages[s] = StageRef(spare.row.stage_id, spare.row.address)
             pulls = []
             for layer in chain.layers_of(s):
-                holder = _live_holder(layout, layer, r, live)
+                holder = _live_holder(layout, layer, live, first=r)  # r's holder is dead
                 if holder is None:
                     cluster.fail_job(
                         f"layer {layer} has no live holder left: it was lost with "
@@ -140,13 +141,7 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
     )
     started = time.perf_counter()
     detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)
-    extra = {
-        "replicas": [
-            {"boundaries": list(p.boundaries), "stages": cluster.names(p.stage_ids)}
-            for p in new_layout.replicas
-        ],
-        "shares": list(new_layout.shares),
-    }
+    extra = layout_record(cluster, new_layout)
 
     def history(result: epochs.MoveResult) -> EpochRow:
         return epochs.history_row(
@@ -281,13 +276,7 @@ def set_layout(
         new_layout=new_layout,
         sources=sources,
     )
-    extra = {
-        "replicas": [
-            {"boundaries": list(p.boundaries), "stages": cluster.names(p.stage_ids)}
-            for p in new_layout.replicas
-        ],
-        "shares": list(new_layout.shares),
-    }
+    extra = layout_record(cluster, new_layout)
 
     def history(result: epochs.MoveResult) -> EpochRow:
         return epochs.history_row(
@@ -330,12 +319,7 @@ def _sources(
             for layer in chain.layers_of(s):
                 if layer in held.get(ref.stage_id, ()):
                     continue
-                order = [r] if r < len(old.replicas) else []
-                order += [q for q in range(len(old.replicas)) if q != r]
-                holder = next(
-                    (h for q in order if (h := old.replicas[q].owner_of(layer)).stage_id in live),
-                    None,
-                )
+                holder = _live_holder(old, layer, live, first=r)
                 if holder is None:
                     raise InvalidRequest(f"layer {layer} has no live holder to be copied from")
                 sources.setdefault(ref.stage_id, []).append((layer, holder.address))
@@ -485,12 +469,15 @@ def _pick_spares(
     return picked
 
 
-def _live_holder(layout: Layout, layer: int, replica: int, live: set[str]) -> StageRef | None:
-    """A live stage holding ``layer`` in a replica other than ``replica`` (the lowest)."""
-    for r, chain in enumerate(layout.replicas):
-        holder = chain.owner_of(layer)
-        if r != replica and holder.stage_id in live:
-            return holder
+def _live_holder(layout: Layout, layer: int, live: set[str], first: int) -> StageRef | None:
+    """A live stage holding ``layer`` in ``layout``: replica ``first``'s if it is live, else
+    the lowest other replica's."""
+    order = [first, *(r for r in range(len(layout.replicas)) if r != first)]
+    for r in order:
+        if r < len(layout.replicas):
+            holder = layout.replicas[r].owner_of(layer)
+            if holder.stage_id in live:
+                return holder
     return None
 
 

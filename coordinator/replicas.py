@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import PlanError, memory, predict_step_time
@@ -29,7 +30,7 @@ from elasticpipe.layout import Layout
 from elasticpipe.partition import MAX_REPLICAS, Partition, StageRef
 from elasticpipe.training.job import JobConfig
 
-__all__ = ["ONE_PIPELINE", "Shape", "lay_out"]
+__all__ = ["ONE_PIPELINE", "Shape", "lay_out", "layout_record"]
 
 
 @dataclass(frozen=True)
@@ -194,3 +195,15 @@ def lay_out(
     )
     ordered = [chosen[h] for r in kept for h in best.replicas[r]]
     return replicas[0], layout, ordered
+
+
+def layout_record(cluster: Cluster, layout: Layout) -> dict[str, Any]:
+    """An epoch history row's record of a layout's replicas (the row's own chain is
+    replica 0): each one's cuts and stage names, and the shares."""
+    return {
+        "replicas": [
+            {"boundaries": list(p.boundaries), "stages": cluster.names(p.stage_ids)}
+            for p in layout.replicas
+        ],
+        "shares": list(layout.shares),
+    }

@@ -20,13 +20,13 @@ layout is its partition: each stage is a group of one holder, and nothing is red
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Partition, Placement, StageRef
-from elasticpipe.v1 import coordinator_pb2
+from elasticpipe.v1 import coordinator_pb2, stage_pb2
 
 __all__ = ["Group", "Layout"]  # (Group lives in partition: a Placement carries it)
 
@@ -184,6 +184,18 @@ class Layout:
         return replace(
             placement, replica=r, num_replicas=len(self.replicas), groups=self.groups_of(stage_id)
         )
+
+    def assignments(
+        self, names: Callable[[Sequence[str]], Sequence[str]]
+    ) -> dict[str, stage_pb2.Assignment]:
+        """Every stage's assignment in wire form, by stage id (``names``: a chain's
+        registered names from its stage ids, for the chain each stage is placed in)."""
+        wire: dict[str, stage_pb2.Assignment] = {}
+        for chain in self.replicas:
+            chain_names = names(chain.stage_ids)
+            for ref in chain.stages:
+                wire[ref.stage_id] = self.assignment(ref.stage_id, chain_names).to_proto()
+        return wire
 
     # ---- forms -----------------------------------------------------------------------
 

@@ -152,6 +152,20 @@ def test_a_client_resumes_a_job_of_replicas_and_it_stays_exact(cluster: LocalClu
         assert torch.equal(state[name], value), name
 
 
+def _eager_policy(stages: int) -> LocalCluster:
+    """``stages`` stages and a coordinator whose policy acts at once: it re-plans every
+    0.3 s, without cool-down, and any predicted gain pays back (a long horizon)."""
+    return LocalCluster(
+        stages=stages,
+        allow_models=("tests.support",),
+        heartbeat_s=0.2,
+        coordinator_args=[
+            *("--policy-interval", "0.3", "--rebalance-cooldown", "0"),
+            *("--rebalance-horizon", "100000"),
+        ],
+    )
+
+
 def _name_of(cluster: LocalCluster, stage_id: str) -> str:
     stages = cli.admin_json(cluster, "status")["stages"]
     return next(s["name"] for s in stages if s["stage_id"] == stage_id)
@@ -254,14 +268,8 @@ def test_a_slowed_replica_gets_a_smaller_share_and_the_results_stay_exact() -> N
     """One stage of replica 1 slowed 30x: the coordinator's policy re-splits the
     micro-batches toward replica 0 (one epoch change, no layer moved), within a few steps,
     and every loss and weight still equals LocalPipeline's bit for bit."""
-    policy = ["--policy-interval", "0.3", "--rebalance-cooldown", "0"]
     with (
-        LocalCluster(
-            stages=4,
-            allow_models=("tests.support",),
-            heartbeat_s=0.2,
-            coordinator_args=[*policy, "--rebalance-horizon", "100000"],
-        ) as c,
+        _eager_policy(4) as c,
         Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*_batch(0))]
@@ -399,14 +407,8 @@ def test_spares_form_a_new_replica_when_the_planner_predicts_a_gain() -> None:
     """Replicas of (2, 2) and one spare: the policy forms a third replica of the spare (it
     holds every layer), the shares spread over three, and the results stay bitwise
     LocalPipeline's."""
-    policy = ["--policy-interval", "0.3", "--rebalance-cooldown", "0"]
     with (
-        LocalCluster(
-            stages=5,
-            allow_models=("tests.support",),
-            heartbeat_s=0.2,
-            coordinator_args=[*policy, "--rebalance-horizon", "100000"],
-        ) as c,
+        _eager_policy(5) as c,
         Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*_batch(0))]
