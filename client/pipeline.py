@@ -260,11 +260,6 @@ class Pipeline(Steps):
         models.check_name(model)
         check_optimizer(optimizer, self._job.optimizer_kwargs)
         self._asked = replicas_.ask(replicas, stages)
-        if init_state is not None and (self._asked.replica_stages or self._asked.auto):
-            raise InvalidRequest(
-                "init_state with replicas: streaming weights into a job of several replicas "
-                "is not built yet (start one pipeline, or replicas from the seed)"
-            )
         for what, seconds in (
             ("step_timeout", step_timeout),
             ("setup_timeout", setup_timeout),

@@ -477,20 +477,22 @@ class Session:
                 new = self._restore_once(step, state_of, overrides_json)
                 break
             except _LoadLost as exc:
-                settled = Partition.from_proto(
+                settled = Layout.from_proto(
                     self._coordinator_call(
                         "GetPartition", coordinator_pb2.GetPartitionRequest(), timeout=30.0
-                    )
+                    ),
+                    self._job.micro_batches,
                 )
-                if settled.restore_epoch == exc.epoch and settled.restored_step == step:
+                first = settled.replicas[0]
+                if first.restore_epoch == exc.epoch and first.restored_step == step:
                     log.info("load_settled_by_coordinator", epoch=exc.epoch, step=step)
                     new = settled
                     break
                 if attempt >= RESTORE_ATTEMPTS:
                     raise exc.forgotten from None
                 log.warning("load_streamed_again", epoch=exc.epoch, attempt=attempt + 1)
-        self._adopt(new.to_proto())  # (a job of several replicas loads nothing yet)
-        self._restore_epoch = new.restore_epoch
+        self._adopt(new.to_proto())
+        self._restore_epoch = new.replicas[0].restore_epoch
         self._step = self._done = step
         self._safe_step = step
         self._decisions.clear()
@@ -498,8 +500,9 @@ class Session:
 
     def _restore_once(
         self, step: int, state_of: Callable[[int], Any], overrides_json: str
-    ) -> Partition:
-        """One load: ``BeginRestore``, the layers streamed to their owners, ``EndRestore``.
+    ) -> Layout:
+        """One load: ``BeginRestore``, the layers streamed to their owners (every replica's
+        owner of a layer gets it), ``EndRestore``.
 
         Raises:
             _LoadLost: the coordinator no longer held the load (see ``_restore``).
@@ -512,14 +515,15 @@ class Session:
             coordinator_pb2.RestoreBeginRequest(job_id=partition.job_id, client=self._client),
             timeout=120.0,
         )
-        owners = Partition.from_proto(begun.partition)
+        owners = Layout.from_proto(begun.partition, self._job.micro_batches)
         ended = False
         try:
-            for s, address in enumerate(owners.addresses):
+            for chain, s in ((c, s) for c in owners.replicas for s in range(c.num_stages)):
+                address = chain.addresses[s]
                 unread: list[Exception] = []  # reading the state failed: gRPC hides why
 
                 def messages(
-                    owned: range = owners.layers_of(s), unread: list[Exception] = unread
+                    owned: range = chain.layers_of(s), unread: list[Exception] = unread
                 ) -> Iterator[stage_pb2.RestoreChunk]:
                     first = True
                     try:
@@ -560,7 +564,7 @@ class Session:
                 except ElasticPipeError as exc:
                     log.warning("load_not_abandoned", error=str(exc))
             raise
-        return Partition.from_proto(reply)
+        return Layout.from_proto(reply, self._job.micro_batches)
 
     def _end_restore(self, job_id: str, epoch: int, step: int, commit: bool) -> Any:
         """Commits or abandons load ``epoch``; ``_LoadLost`` if the coordinator forgot it.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator import epochs, replicas
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.leases import Leases
 from elasticpipe.coordinator.state import Cluster
@@ -24,6 +24,7 @@ from elasticpipe.errors import (
     LoadForgotten,
     NotReady,
 )
+from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition
 from elasticpipe.training.job import JobConfig
@@ -50,25 +51,27 @@ class Loads(Leases):
         ``epochs.wait_for_copies``)."""
         return epochs.wait_for_copies(self.c, partition, job, step)
 
-    def begin_restore(self, job_id: str, client: int) -> tuple[int, Partition]:
+    def begin_restore(self, job_id: str, client: int) -> tuple[int, Partition | Layout]:
         """Freezes every stage for a checkpoint load; the client then streams the layers.
 
         Returns:
-            The load's epoch, and the partition whose owners receive the layers.
+            The load's epoch, and the partition (a job of several replicas: the layout)
+            whose owners receive the layers: every replica's owner of a layer gets it.
         """
         with self.c.move_lock:
             _, partition = self._check_holder(job_id, client)
-            self.c.refuse_replicated("loading a checkpoint")
             epochs.check_no_change_in_progress(self.c)
             epoch = self.c.store.reserve_epoch()
-            new = partition.evolve(epoch=epoch, restore_epoch=epoch)
+            layout = self.c.layout
             change = Change(
                 "restore",
                 "checkpoint load",
                 partition,
-                new,
+                partition.evolve(epoch=epoch, restore_epoch=epoch),
                 rollback_step=0,
                 restored_by_client=True,
+                old_layout=layout,
+                new_layout=_restored(layout, epoch=epoch, restore_epoch=epoch),
             )
             try:
                 epochs.freeze(self.c, change, lease_s=RESTORE_LEASE_S)
@@ -77,9 +80,11 @@ class Loads(Leases):
                 epochs.record_abandoned(self.c, change, str(exc))
                 raise
             self._restoring = (change, time.monotonic() + RESTORE_LEASE_S, client)
-        return epoch, partition
+        return epoch, layout or partition
 
-    def end_restore(self, job_id: str, epoch: int, step: int, commit: bool) -> Partition:
+    def end_restore(
+        self, job_id: str, epoch: int, step: int, commit: bool
+    ) -> Partition | Layout:
         """Makes a streamed checkpoint take effect on every stage, or on none.
 
         Raises:
@@ -105,11 +110,16 @@ class Loads(Leases):
             if not commit:
                 epochs.abort(self.c, epoch, change.involved, "the client abandoned the load")
                 epochs.record_abandoned(self.c, change, "the client abandoned the load")
-                return change.old
+                return change.old_layout or change.old
             new = change.new.evolve(restored_step=step)
             # A job started from init_state loads it first, before any rollback or step.
             initial = job.external_weights and change.old.restore_epoch == 0 and step == 0
-            change = replace(change, new=new, rollback_step=step)
+            change = replace(
+                change,
+                new=new,
+                new_layout=_restored(change.new_layout, restored_step=step),
+                rollback_step=step,
+            )
             try:
                 received = epochs.prepare(self.c, job, change, step)
                 what = (
@@ -130,6 +140,9 @@ class Loads(Leases):
                     f"{what}: {new.num_layers} layers, {received} bytes streamed by the client",
                     moved=loaded,
                     restored_step=step,
+                    extra=replicas.layout_record(self.c, change.new_layout)
+                    if change.new_layout
+                    else None,
                 )
                 self._pause("before_commit_point")
                 self.c.store.commit_change(new, change.record("committed"), row)
@@ -141,9 +154,10 @@ class Loads(Leases):
                 epochs.record_abandoned(self.c, change, str(exc))
                 raise
             self._pause("after_commit_point")
-            self.c.adopt(new)
+            self.c.adopt(new, change.replicated)
             epochs.commit(self.c, change)
-            self.wait_for_copies(new, job, step)
+            for chain in change.new_layout.replicas if change.new_layout else (new,):
+                self.wait_for_copies(chain, job, step)
         log.info(
             "initial_weights_loaded" if initial else "checkpoint_loaded",
             job=job_id,
@@ -151,7 +165,7 @@ class Loads(Leases):
             epoch=epoch,
             bytes=received,
         )
-        return new
+        return change.new_layout or new
 
     def expire_restore(self) -> None:
         """Abandons a load whose client went silent (its lease is gone) or that ran past
@@ -194,3 +208,11 @@ class Loads(Leases):
         epochs.abort(self.c, change.new.epoch, change.involved, why)
         epochs.record_abandoned(self.c, change, why)
         return True
+
+
+def _restored(layout: Layout | None, **changes: int) -> Layout | None:
+    """A job of several replicas: its layout with ``changes`` made to every replica's
+    partition (the load's epoch, its restored step); None for one pipeline."""
+    if layout is None:
+        return None
+    return Layout(tuple(p.evolve(**changes) for p in layout.replicas), layout.shares)

@@ -173,11 +173,6 @@ class CoordinatorServicer:
         bounds.number(req.num_stages, "num_stages", 0, bounds.MAX_STAGES)
         bounds.count(req.replica_stages, "replica_stages", MAX_REPLICAS)
         shape = Shape.parse(req.replica_stages, req.auto_replicas, req.num_stages)
-        if shape.replicated and job.external_weights:
-            raise InvalidRequest(
-                "init_state with replicas: streaming weights into a job of several replicas "
-                "is not built yet (start one pipeline, or replicas from the seed)"
-            )
         bounds.number(sum(shape.sizes), "the sum of replica_stages", 0, bounds.MAX_STAGES)
         sample = bundle.get_sample(req.job)
         wait_s = _within_deadline(_bounded(req.wait_s, "wait_s"), ctx)

@@ -9,6 +9,7 @@ is refused by name."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -214,13 +215,9 @@ def test_a_killed_stage_costs_no_replay_and_no_bits(
     assert len(recovery) == 1 and "no rollback" in recovery[0]["reason"]
 
 
-def test_draining_or_streaming_weights_into_replicas_is_refused_up_front(
-    cluster: LocalCluster,
-) -> None:
-    """A drain of any replica's stage, and init_state with replicas, are refused by name
-    before anything changes (a drain would keep a serving stage out of the next job)."""
-    with pytest.raises(InvalidRequest, match="init_state with replicas"):
-        Pipeline(cluster.coordinator, **JOB, stages=(2, 3), init_state={})  # type: ignore[arg-type]
+def test_draining_a_replica_stage_is_refused_up_front(cluster: LocalCluster) -> None:
+    """A drain of any replica's stage is refused by name before anything changes (a
+    drain would keep a serving stage out of the next job)."""
     with Pipeline(cluster.coordinator, **JOB, stages=(2, 3)) as pipe:  # type: ignore[arg-type]
         pipe.train_step(*_batch(0))
         last = pipe.layout.replicas[1].stage_ids[-1]
@@ -232,6 +229,96 @@ def test_draining_or_streaming_weights_into_replicas_is_refused_up_front(
         status = cli.admin_json(cluster, "status")
         assert {s["state"] for s in status["stages"] if s["stage_id"] == last} == {"chain"}
         pipe.train_step(*_batch(1))
+
+
+def test_checkpoints_and_init_state_load_into_any_layout(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A checkpoint saved from replicas of (2, 3) is loaded into replicas of (1, 2, 2),
+    whose checkpoint is loaded into one pipeline of 2; and ``init_state`` streams into
+    replicas of (2, 3). Every replica's holder of a layer gets it: the four steps equal
+    ``LocalPipeline``'s bit for bit, Adam's moments included."""
+    want_losses, want_state = _reference(4)
+    losses: list[float] = []
+    for shape, steps in (((2, 3), range(2)), ((1, 2, 2), range(2, 3)), ((2,), range(3, 4))):
+        with Pipeline(cluster.coordinator, **JOB, stages=shape) as pipe:  # type: ignore[arg-type]
+            if steps.start:
+                pipe.load(tmp_path / f"at-{steps.start}")
+                assert pipe.step == steps.start
+                assert {p.restored_step for p in pipe.layout.replicas} == {steps.start}
+            assert tuple(p.num_stages for p in pipe.layout.replicas) == shape
+            losses += [pipe.train_step(*_batch(step)) for step in steps]
+            pipe.save(tmp_path / f"at-{steps.stop}")
+            state = pipe.state_dict()
+    assert losses == want_losses
+    for name, value in want_state.items():
+        assert torch.equal(state[name], value), name
+
+    start = LocalPipeline(**{**JOB, "seed": 9}).state_dict()  # type: ignore[arg-type]
+    local = LocalPipeline(**JOB, init_state=start)  # type: ignore[arg-type]
+    want = [local.train_step(*_batch(step)) for step in range(2)]
+    with Pipeline(cluster.coordinator, **JOB, stages=(2, 3), init_state=start) as pipe:  # type: ignore[arg-type]
+        assert [pipe.train_step(*_batch(step)) for step in range(2)] == want
+        state = pipe.state_dict()
+    for name, value in local.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        pytest.param(
+            {
+                "scheduler": "CosineAnnealingLR",
+                "scheduler_kwargs": {"T_max": 4, "eta_min": 1e-3},
+                "warmup_steps": 2,
+                "max_grad_norm": 0.05,
+            },
+            id="warmup+cosine+clipping",
+        ),
+        # 2**40 overflows float16 gradients: the first steps are skipped as the scale
+        # backs off; clipping then reads the norms of the unscaled, summed gradients.
+        pytest.param(
+            {
+                "precision": "fp16",
+                "grad_scaler_kwargs": {"init_scale": 2.0**40, "backoff_factor": 2.0**-8},
+                "max_grad_norm": 0.05,
+            },
+            id="fp16+clipping",
+        ),
+    ],
+)
+def test_schedules_clipping_and_fp16_are_exact_across_replicas(
+    cluster: LocalCluster, trainer: dict[str, object]
+) -> None:
+    """A trainer's features with replicas of (2, 3): each stage's learning rate, the
+    global norm (counted once per layer, though two replicas hold it), clipping, and
+    fp16's skipped steps and loss scale are ``LocalPipeline``'s, bit for bit."""
+    steps = 6
+    local = LocalPipeline(**JOB, **trainer)  # type: ignore[arg-type]
+    want = []
+    for step in range(steps):
+        loss = local.train_step(*_batch(step))
+        want.append((loss, local.last_step.grad_norm, local.last_step.loss_scale))
+    with Pipeline(cluster.coordinator, **JOB, **trainer, stages=(2, 3)) as pipe:  # type: ignore[arg-type]
+        got = []
+        for step in range(steps):
+            loss = pipe.train_step(*_batch(step))
+            got.append((loss, pipe.last_step.grad_norm, pipe.last_step.loss_scale))
+            rates = {s.lr for s in pipe.last_step.stages}
+            assert len(rates) == 1, rates  # every stage of every replica applied one lr
+        state = pipe.state_dict()
+    assert [(loss, scale) for loss, _, scale in got] == [(loss, scale) for loss, _, scale in want]
+    # The norm adds per-stage float64 sums of squares: grouped by stage, so it may differ
+    # from one process's in the last bits of a float64 (the clip factor, a float32, not).
+    for (_, norm, _), (_, expected, _) in zip(got, want, strict=True):
+        assert norm is not None and expected is not None
+        assert norm == pytest.approx(expected, rel=1e-12, abs=0, nan_ok=True)
+    assert any(norm is not None and 0.05 < norm < math.inf for _, norm, _ in got)  # clipped
+    if trainer.get("precision") == "fp16":
+        assert got[0][2] != got[-1][2]  # the scale backed off on overflows
+    for name, value in local.state_dict().items():
+        assert torch.equal(state[name], value), name
 
 
 def test_stages_killed_inside_steps_cost_no_replay_and_no_bits() -> None:
