@@ -82,9 +82,7 @@ class Loads(Leases):
             self._restoring = (change, time.monotonic() + RESTORE_LEASE_S, client)
         return epoch, layout or partition
 
-    def end_restore(
-        self, job_id: str, epoch: int, step: int, commit: bool
-    ) -> Partition | Layout:
+    def end_restore(self, job_id: str, epoch: int, step: int, commit: bool) -> Partition | Layout:
         """Makes a streamed checkpoint take effect on every stage, or on none.
 
         Raises:
