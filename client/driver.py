@@ -151,11 +151,13 @@ def run_replicas(
     previous: Sequence[stage_pb2.StepDecision] = (),
     *,
     secret: bytes,
+    generation: int = 0,
 ) -> list[list[stage_pb2.StepReport]]:
     """Runs one training step on every replica of ``layout`` at once: each replica's chain
     its share of the step's micro-batches (``inputs``, ``targets`` and ``scales`` are the
     whole step's), one run id and secret for all; the stages reduce their gradients with
-    the other replicas' before they report.
+    the other replicas' before they report (with collectives, on the process groups of
+    ``generation``).
 
     Returns:
         Per replica, one report per stage in chain order.
@@ -175,7 +177,19 @@ def run_replicas(
         for r, replica in enumerate(layout.replicas)
     ]
     shares = layout.shares
-    return _run(chains, shares, run_id, step, schedule, timeout, client, previous, clients, secret)
+    return _run(
+        chains,
+        shares,
+        run_id,
+        step,
+        schedule,
+        timeout,
+        client,
+        previous,
+        clients,
+        secret,
+        generation,
+    )
 
 
 def _run(
@@ -189,6 +203,7 @@ def _run(
     previous: Sequence[stage_pb2.StepDecision],
     clients: StageClients,
     secret: bytes,
+    generation: int = 0,
 ) -> list[list[stage_pb2.StepReport]]:
     """Starts every chain's RunSteps at once (gRPC futures), feeds each chain from a
     thread of its own, and waits; the first failure aborts the run on every stage."""
@@ -229,6 +244,7 @@ def _run(
             previous=previous,
             secret=secret,
             shares=shares,
+            reduce_generation=generation,
         )
         for address in chain.partition.addresses:
             future = clients.stub(address).RunStep.future(request, timeout=timeout + 5.0)

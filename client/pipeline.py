@@ -164,6 +164,7 @@ class Pipeline(Steps):
         recompute: bool | list[int] | tuple[int, ...] = False,
         wire_dtype: str = "",
         replicas: int | str | None = None,
+        collectives: str = "",
     ):
         """Describes the job; nothing is contacted until first use.
 
@@ -193,6 +194,11 @@ class Pipeline(Steps):
                 results bitwise equal to one pipeline's; "auto": the coordinator chooses
                 them from the live stages. Default: one (or ``len(stages)``). See
                 docs/replicas.md.
+            collectives: the engine of the replicas' gradient reduction. Default: the
+                stages' own data channel (any network, mutual TLS). "gloo" (or "nccl" on
+                CUDA hosts): ``torch.distributed`` process groups, for trusted fabrics only
+                (unauthenticated; a coordinator that requires TLS refuses them). The same
+                bits either way.
             snapshot_every: committed steps between snapshots of every layer (kept in host
                 memory on two hosts); after a failure at most this many steps (plus the
                 snapshot in flight) are replayed. 0 turns snapshots off: then a dead stage
@@ -256,6 +262,7 @@ class Pipeline(Steps):
             max_grad_norm=max_grad_norm,
             wire_dtype=wire_dtype,
             recompute=recompute,
+            collectives=collectives,
         )
         models.check_name(model)
         check_optimizer(optimizer, self._job.optimizer_kwargs)

@@ -141,6 +141,7 @@ class Session:
         # Decisions on runs that some stage may not have heard yet (a lost CommitStep or
         # AbortStep): every RunStep carries them until a run reaches every stage.
         self._decisions: dict[int, stage_pb2.StepDecision] = {}
+        self._generation = 0  # collectives: the run that opened the process groups in use
         self._replay: dict[int, _Batch] = {}
         self._safe_step = 0
         self._lease_lost = False

@@ -74,6 +74,7 @@ class Steps(Session):
         for attempts in itertools.count(1):
             self._check_lease()
             run_id, secret = next(self._runs), driver.new_secret()
+            self._generation = self._generation or run_id  # (new after a failed run)
             attempt_at = time.monotonic()
             layout = self._layout
             ran: Partition | Layout = partition
@@ -96,6 +97,7 @@ class Steps(Session):
                             self._client,
                             list(self._decisions.values()),
                             secret=secret,
+                            generation=self._generation,
                         )
                         for r in chain
                     ]
@@ -119,6 +121,7 @@ class Steps(Session):
                     self._loop_paused(partition.epoch, attempt_at - refused_at)
                 return reports, ran, run_id, secret, attempts
             except (StaleEpoch, Rebalancing) as exc:
+                self._generation = 0  # the stages may have given up on the process groups
                 if train:
                     self._decided(run_id, step, commit=False)
                 if time.monotonic() > deadline:
@@ -137,8 +140,12 @@ class Steps(Session):
                 if self._step != (step - 1 if train else self._done):
                     raise _RolledBack() from exc  # replay first
             except ElasticPipeError:
+                self._generation = 0
                 if train:
                     self._decided(run_id, step, commit=False)
+                raise
+            except BaseException:  # an interrupt: the stages may have given up on them too
+                self._generation = 0
                 raise
         raise AssertionError("unreachable")
 

@@ -27,6 +27,7 @@ from elasticpipe.coordinator.planning import (
     predict_step_time,
 )
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
+from elasticpipe.coordinator.rendezvous import Rendezvous
 from elasticpipe.coordinator.replicas import ONE_PIPELINE, Shape
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -73,6 +74,7 @@ RESUME_FIELDS = (
     "recompute_all",
     "recompute",
     "wire_dtype",
+    "collectives",
 )
 
 
@@ -101,6 +103,9 @@ class Jobs(Loads):
     def __init__(self, cluster: Cluster, pause: epochs.Pause = epochs._no_pause):
         super().__init__(cluster, pause)
         self._profiling = threading.Lock()  # one profile at a time (a resend waits for it)
+        self.rendezvous = Rendezvous(cluster)  # collectives="gloo"/"nccl": their store
+        if cluster.job is not None:  # after a restart: serve the running job's again
+            cluster.job = self.rendezvous.restored(cluster.job)
 
     # ---- setup and attach ------------------------------------------------------------
 
@@ -271,6 +276,7 @@ class Jobs(Loads):
         request: str = "",
         shape: Shape = ONE_PIPELINE,
     ) -> Attached:
+        job = self.rendezvous.for_job(job)  # (refused before any stage is waited for)
         chosen = self._wait_for_stages(num_stages, wait_s, active)
         job = job.with_id()
         try:

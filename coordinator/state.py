@@ -107,6 +107,11 @@ class Cluster:
         self.last_pause: float | None = None
         self.metrics = CoordinatorMetrics(self._metrics_view)
 
+    @property
+    def elected(self) -> bool:
+        """Whether this coordinator leads by election (standby coordinators on etcd)."""
+        return self._term is not None
+
     def term(self) -> int:
         """This leader's term (0: no election, or no longer leading)."""
         if self._term is None:

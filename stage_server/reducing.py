@@ -18,11 +18,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Placement
+from elasticpipe.stage_server.collectives import ProcessGroups, reduce_on_groups
 from elasticpipe.stage_server.executor import flush
 from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.links import Link
@@ -105,8 +107,12 @@ def reduce_gradients(
     links: dict[str, Link],
     mailbox: Mailbox,
     ids: RunIds,
+    groups: ProcessGroups | None = None,
+    generation: int = 0,
 ) -> None:
-    """Reduces every group this stage holds with its other holders and installs the sums.
+    """Reduces every group this stage holds with its other holders and installs the sums:
+    over the data channel, or with ``collectives`` over the process groups of
+    ``generation`` (``collectives``: the same pieces, so the same bits).
 
     Raises:
         ElasticPipeError: a peer's piece was wrong (InvalidRequest), the deadline passed
@@ -122,26 +128,101 @@ def reduce_gradients(
             continue
         params = [list(layers.layers[layer].parameters()) for layer in owned]
         like = [p.detach().new_empty(p.numel()) for ps in params for p in ps if p.requires_grad]
-        reduction = GroupReduction(group.index, me, ranges, total, like)
         mine = [
             (node, flatten([partials[layer][j][1] for layer in owned], params))
             for j, (node, _) in enumerate(partials[owned[0]])
         ]
-        addresses = [h.address for h in group.holders]
+        reduction = GroupReduction(group.index, me, ranges, total, like)
+        work.append((reduction, owned, params, [h.address for h in group.holders], mine))
+    job = layers.job
+    if job.collectives:
+        assert groups is not None
+        groups.use(job.job_id, ids.epoch, generation)
+        reduce_on_groups(
+            groups,
+            job.collectives,
+            job.rendezvous,
+            [(reduction, mine) for reduction, _, _, _, mine in work],
+            replicas,
+            layers.device,
+            lambda: mailbox.failure(ids.run),
+            ids.deadline,
+            _packed,
+            piece,
+            _piece_bytes,
+        )
+    else:
+        _over_data_channel(work, replicas, links, mailbox, ids)
+    for reduction, owned, params, _, _ in work:
+        layers.install_grads(dict(zip(owned, unflatten(reduction.result(), params), strict=True)))
+
+
+def _over_data_channel(
+    work: list[tuple[GroupReduction, list[int], list[Any], list[str], list[Any]]],
+    replicas: int,
+    links: dict[str, Link],
+    mailbox: Mailbox,
+    ids: RunIds,
+) -> None:
+    """The pieces as REDUCE data messages: every group's scatter sent, then each piece
+    taken from the mailbox as it comes and answered."""
+    for reduction, _, _, addresses, mine in work:
         _send(reduction.start(mine), reduction, addresses, replicas, links, ids)
-        work.append((reduction, owned, params, addresses))
-    for reduction, _, _, addresses in work:
+    for reduction, _, _, addresses, _ in work:
         for sender, index in reduction.expected():
             key = piece_key(reduction.group, sender, replicas, index)
             value = mailbox.take(ids.run, Slot.REDUCE, key, ids.deadline)
             node = None if index is None else reduction.node_of(sender, index)
-            chunk = me if index is not None else sender
-            piece = _piece(value, reduction, chunk, sender, node)
-            _send(reduction.receive(piece), reduction, addresses, replicas, links, ids)
-    for reduction, owned, params, _ in work:
-        layers.install_grads(dict(zip(owned, unflatten(reduction.result(), params), strict=True)))
-    peers = {a for _, _, _, addresses in work for a in addresses if a in links}
+            chunk = reduction.me if index is not None else sender
+            _send(
+                reduction.receive(_piece(value, reduction, chunk, sender, node)),
+                reduction,
+                addresses,
+                replicas,
+                links,
+                ids,
+            )
+    peers = {a for _, _, _, addresses, _ in work for a in addresses if a in links}
     flush([links[a] for a in sorted(peers)], mailbox, ids.run, ids.deadline)
+
+
+def _packed(send: Send) -> torch.Tensor:
+    """A piece as one byte tensor (the process groups' form): its runs (``_joined``),
+    then one byte per flag."""
+    flags = torch.tensor(send.piece.present, dtype=torch.uint8)
+    runs = [t.contiguous().view(torch.uint8).reshape(-1) for t in _joined(send.piece.tensors)]
+    return torch.cat([*runs, flags])
+
+
+def _piece_bytes(reduction: GroupReduction, chunk: int) -> int:
+    """The bytes of a packed piece of chunk ``chunk``."""
+    form = reduction.chunk_form(chunk)
+    return sum(n * d.itemsize for n, d, _ in form) + len(form)
+
+
+def piece(
+    data: torch.Tensor, reduction: GroupReduction, chunk: int, sender: int, node: object
+) -> Piece:
+    """A packed piece (``_packed``) of chunk ``chunk`` as a ``Piece``, checked as a data
+    message's is.
+
+    Raises:
+        InvalidRequest: not the bytes of this chunk's form.
+    """
+    form = reduction.chunk_form(chunk)
+    if data.dtype != torch.uint8 or data.numel() != _piece_bytes(reduction, chunk):
+        raise InvalidRequest(
+            f"a reduction piece of group {reduction.group} from replica {sender}: "
+            f"{data.numel()} {data.dtype} elements, expected {_piece_bytes(reduction, chunk)} bytes"
+        )
+    data = data.cpu()
+    runs, start = [], 0
+    for run in _joined([torch.empty(n, dtype=d) for n, d, _ in form]):
+        size = run.numel() * run.dtype.itemsize
+        runs.append(data[start : start + size].clone().view(run.dtype))  # (aligned)
+        start += size
+    flags = data[start:].to(torch.bool)
+    return _piece((*runs, flags), reduction, chunk, sender, node)
 
 
 def _send(

@@ -269,6 +269,7 @@ class StageServicer:
             previous,
             secret=req.secret,
             shares=_shares(req.shares),
+            generation=req.reduce_generation,
         )
         return stage_pb2.StepReport(
             run=result.run,

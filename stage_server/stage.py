@@ -37,7 +37,15 @@ from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.partition import Placement
 from elasticpipe.security import authz, bounds
-from elasticpipe.stage_server import devicepath, devicetime, memory, reducing, reduction, transfers
+from elasticpipe.stage_server import (
+    collectives,
+    devicepath,
+    devicetime,
+    memory,
+    reducing,
+    reduction,
+    transfers,
+)
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.config import StageConfig
 from elasticpipe.stage_server.epochs import EpochChanges
@@ -120,6 +128,7 @@ class Stage(EpochChanges):
         self.poisoned = ""  # why this incarnation must be replaced (then re-registers)
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = self._new_mailbox()
+        self._groups = collectives.ProcessGroups()  # collectives="gloo"/"nccl": the reduction's
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
         self._outputs: tuple[int, bytes, dict[int, Value]] = (0, b"", {})
@@ -206,6 +215,7 @@ class Stage(EpochChanges):
         num_layers, sizes = models.describe(job.model, job.model_kwargs, self.config.allow_models)
         check_job(job.loss, job.optimizer, job.optimizer_kwargs, self.config.allow_models)
         path, digest = models.factory_source(job.model, self.config.allow_models)
+        collectives.check_engine(job.collectives, self.device, self.config.name)
         return num_layers, sizes, path, digest
 
     def assign(self, job: JobConfig, placement: Placement) -> int:
@@ -363,11 +373,13 @@ class Stage(EpochChanges):
         *,
         secret: bytes,
         shares: Sequence[int] = (),
+        generation: int = 0,
     ) -> StepResult:
         """Runs this stage's ops of one step (or inference pass) and reports; it takes
         only data that carries the run's ``secret``. With replicas, ``shares`` are every
         replica's micro-batches: this one runs its share, then reduces its gradients with
-        the other replicas' holders (``reducing``)."""
+        the other replicas' holders (``reducing``; with collectives, on the process groups
+        of ``generation``)."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
         with self._cond:
@@ -417,7 +429,14 @@ class Stage(EpochChanges):
                 self.faults.point("reducing")  # tests: killed as its replicas reduce
                 ids = reducing.RunIds(placement.epoch, run, step, secret, ctx.deadline)
                 reducing.reduce_gradients(
-                    ctx.layers, placement, shares, ctx.links, ctx.mailbox, ids
+                    ctx.layers,
+                    placement,
+                    shares,
+                    ctx.links,
+                    ctx.mailbox,
+                    ids,
+                    self._groups,
+                    generation,
                 )
         except BaseException as exc:
             with self._cond:

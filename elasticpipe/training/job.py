@@ -19,6 +19,7 @@ MAX_MICRO_BATCHES = 4096
 PRECISIONS = ("fp32", "bf16", "fp16")
 MAX_RECOMPUTE = 100_000
 WIRE_DTYPES = ("bf16", "fp16")
+COLLECTIVES = ("", "gloo", "nccl")  # "": the stages' data channel
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -83,6 +84,8 @@ class JobConfig:
     recompute_all: bool = False  # every layer recomputes its forward during backward
     recompute: tuple[int, ...] = ()  # or these layers
     wire_dtype: str = ""  # "bf16" / "fp16": activations and gradients between stages
+    collectives: str = ""  # replicas' reduction engine: "" (data channel), "gloo", "nccl"
+    rendezvous: str = ""  # with collectives: the coordinator's rendezvous store, host:port
 
     @classmethod
     def from_arguments(
@@ -168,6 +171,11 @@ class JobConfig:
             raise InvalidRequest(
                 f"unknown wire_dtype {self.wire_dtype!r} (choose from {list(WIRE_DTYPES)}, or none)"
             )
+        if self.collectives not in COLLECTIVES:
+            raise InvalidRequest(
+                f"unknown collectives {self.collectives!r} (choose from "
+                f"{[c for c in COLLECTIVES if c]}, or none for the stages' data channel)"
+            )
 
     @property
     def scaler(self) -> dict[str, float | int]:
@@ -211,6 +219,8 @@ class JobConfig:
             recompute_all=self.recompute_all,
             recompute=list(self.recompute),
             wire_dtype=self.wire_dtype,
+            collectives=self.collectives,
+            rendezvous=self.rendezvous,
         )
 
     @classmethod
@@ -241,4 +251,6 @@ class JobConfig:
             recompute_all=spec.recompute_all,
             recompute=tuple(sorted(set(spec.recompute))),
             wire_dtype=spec.wire_dtype,
+            collectives=spec.collectives,
+            rendezvous=spec.rendezvous,
         )

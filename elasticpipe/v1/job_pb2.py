@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from elasticpipe.v1 import tensor_pb2 as elasticpipe_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65lasticpipe/v1/job.proto\x12\x0e\x65lasticpipe.v1\x1a\x1b\x65lasticpipe/v1/tensor.proto\"\xb3\x04\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_kwargs_json\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x11\n\toptimizer\x18\x05 \x01(\t\x12\x1d\n\x15optimizer_kwargs_json\x18\x06 \x01(\t\x12\x0c\n\x04loss\x18\x07 \x01(\t\x12\x15\n\rmicro_batches\x18\x08 \x01(\r\x12\x10\n\x08schedule\x18\t \x01(\t\x12,\n\x0csample_input\x18\n \x01(\x0b\x32\x16.elasticpipe.v1.Tensor\x12\x18\n\x10sample_structure\x18\x1e \x01(\t\x12,\n\x0csample_parts\x18\x1f \x03(\x0b\x32\x16.elasticpipe.v1.Tensor\x12\x16\n\x0esnapshot_every\x18\x0b \x01(\r\x12\x18\n\x10\x65xternal_weights\x18\x0c \x01(\x08\x12\x11\n\tprecision\x18\x14 \x01(\t\x12\x1f\n\x17grad_scaler_kwargs_json\x18\x15 \x01(\t\x12\x11\n\tscheduler\x18\r \x01(\t\x12\x1d\n\x15scheduler_kwargs_json\x18\x0e \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x0f \x01(\r\x12\x15\n\rmax_grad_norm\x18\x10 \x01(\x01\x12\x15\n\rrecompute_all\x18\x11 \x01(\x08\x12\x11\n\trecompute\x18\x12 \x03(\r\x12\x12\n\nwire_dtype\x18\x13 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65lasticpipe/v1/job.proto\x12\x0e\x65lasticpipe.v1\x1a\x1b\x65lasticpipe/v1/tensor.proto\"\xdc\x04\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_kwargs_json\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x11\n\toptimizer\x18\x05 \x01(\t\x12\x1d\n\x15optimizer_kwargs_json\x18\x06 \x01(\t\x12\x0c\n\x04loss\x18\x07 \x01(\t\x12\x15\n\rmicro_batches\x18\x08 \x01(\r\x12\x10\n\x08schedule\x18\t \x01(\t\x12,\n\x0csample_input\x18\n \x01(\x0b\x32\x16.elasticpipe.v1.Tensor\x12\x18\n\x10sample_structure\x18\x1e \x01(\t\x12,\n\x0csample_parts\x18\x1f \x03(\x0b\x32\x16.elasticpipe.v1.Tensor\x12\x16\n\x0esnapshot_every\x18\x0b \x01(\r\x12\x18\n\x10\x65xternal_weights\x18\x0c \x01(\x08\x12\x11\n\tprecision\x18\x14 \x01(\t\x12\x1f\n\x17grad_scaler_kwargs_json\x18\x15 \x01(\t\x12\x11\n\tscheduler\x18\r \x01(\t\x12\x1d\n\x15scheduler_kwargs_json\x18\x0e \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x0f \x01(\r\x12\x15\n\rmax_grad_norm\x18\x10 \x01(\x01\x12\x15\n\rrecompute_all\x18\x11 \x01(\x08\x12\x11\n\trecompute\x18\x12 \x03(\r\x12\x12\n\nwire_dtype\x18\x13 \x01(\t\x12\x13\n\x0b\x63ollectives\x18  \x01(\t\x12\x12\n\nrendezvous\x18! \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'elasticpipe.v1.job_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOBSPEC']._serialized_start=74
-  _globals['_JOBSPEC']._serialized_end=637
+  _globals['_JOBSPEC']._serialized_end=678
 # @@protoc_insertion_point(module_scope)

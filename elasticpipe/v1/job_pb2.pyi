@@ -46,6 +46,8 @@ class JobSpec(_message.Message):
     RECOMPUTE_ALL_FIELD_NUMBER: _builtins.int
     RECOMPUTE_FIELD_NUMBER: _builtins.int
     WIRE_DTYPE_FIELD_NUMBER: _builtins.int
+    COLLECTIVES_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     model: _builtins.str
     """built-in name ("mlp", "gpt", "cnn") or "package.module:function" """
@@ -85,6 +87,14 @@ class JobSpec(_message.Message):
     """recompute every layer's forward during backward"""
     wire_dtype: _builtins.str
     """"bf16" / "fp16": activations and gradients between stages"""
+    collectives: _builtins.str
+    """Replicas: the engine of the gradient reduction. "": the stages' own data channel (TLS,
+    any network); "gloo" / "nccl": torch.distributed process groups (trusted fabrics only).
+    """
+    rendezvous: _builtins.str
+    """With collectives: "host:port" of the rendezvous store the coordinator serves (set by
+    the coordinator; a client's is ignored).
+    """
     @_builtins.property
     def sample_input(self) -> _tensor_pb2.Tensor:
         """one micro-batch of real inputs, for the profiling pass"""
@@ -121,10 +131,12 @@ class JobSpec(_message.Message):
         recompute_all: _builtins.bool = ...,
         recompute: _abc.Iterable[_builtins.int] | None = ...,
         wire_dtype: _builtins.str = ...,
+        collectives: _builtins.str = ...,
+        rendezvous: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sample_input", b"sample_input"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["external_weights", b"external_weights", "grad_scaler_kwargs_json", b"grad_scaler_kwargs_json", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "recompute", b"recompute", "recompute_all", b"recompute_all", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collectives", b"collectives", "external_weights", b"external_weights", "grad_scaler_kwargs_json", b"grad_scaler_kwargs_json", "job_id", b"job_id", "loss", b"loss", "max_grad_norm", b"max_grad_norm", "micro_batches", b"micro_batches", "model", b"model", "model_kwargs_json", b"model_kwargs_json", "optimizer", b"optimizer", "optimizer_kwargs_json", b"optimizer_kwargs_json", "precision", b"precision", "recompute", b"recompute", "recompute_all", b"recompute_all", "rendezvous", b"rendezvous", "sample_input", b"sample_input", "sample_parts", b"sample_parts", "sample_structure", b"sample_structure", "schedule", b"schedule", "scheduler", b"scheduler", "scheduler_kwargs_json", b"scheduler_kwargs_json", "seed", b"seed", "snapshot_every", b"snapshot_every", "warmup_steps", b"warmup_steps", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

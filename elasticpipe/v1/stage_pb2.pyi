@@ -418,6 +418,7 @@ class RunStepRequest(_message.Message):
     PREVIOUS_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
     SHARES_FIELD_NUMBER: _builtins.int
+    REDUCE_GENERATION_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
@@ -431,6 +432,11 @@ class RunStepRequest(_message.Message):
     secret: _builtins.bytes
     """RUN_SECRET_BYTES (16) random bytes the client chose for this run alone: every data
     message of the run carries them (DataHeader.secret), and so must its FetchOutput.
+    """
+    reduce_generation: _builtins.int
+    """With replicas and collectives="gloo"/"nccl": the run that opened the process groups
+    this run reduces on. The client opens new ones (this run's id) after any failed run;
+    a stage drops groups of an older generation.
     """
     @_builtins.property
     def previous(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepDecision]:
@@ -459,10 +465,11 @@ class RunStepRequest(_message.Message):
         previous: _abc.Iterable[Global___StepDecision] | None = ...,
         secret: _builtins.bytes = ...,
         shares: _abc.Iterable[_builtins.int] | None = ...,
+        reduce_generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "run", b"run", "schedule", b"schedule", "secret", b"secret", "shares", b"shares", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "reduce_generation", b"reduce_generation", "run", b"run", "schedule", b"schedule", "secret", b"secret", "shares", b"shares", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

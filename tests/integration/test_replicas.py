@@ -104,6 +104,30 @@ def test_replicas_train_bitwise_like_one_process(
     assert "layouts (replicas='auto'" in plan_table and f"runs {len(sizes)} replicas" in plan_table
 
 
+def test_the_gloo_engine_gives_the_data_channels_bits(cluster: LocalCluster) -> None:
+    """Three replicas of (1, 2, 2) reduce over gloo process groups (each group of three
+    holders opens its own, on the coordinator's rendezvous): the same losses and weights
+    as over the data channel, and as LocalPipeline, bit for bit."""
+    want_losses, want_state = _reference()
+    got = {}
+    for engine in ("", "gloo"):
+        with Pipeline(cluster.coordinator, **JOB, stages=(1, 2, 2), collectives=engine) as pipe:  # type: ignore[arg-type]
+            losses = [pipe.train_step(*_batch(step)) for step in range(STEPS)]
+            got[engine] = (losses, pipe.state_dict())
+    for losses, state in got.values():
+        assert losses == want_losses
+        for name, value in want_state.items():
+            assert torch.equal(state[name], value), name
+    with pytest.raises(InvalidRequest, match="unknown collectives 'mpi'"):
+        Pipeline(cluster.coordinator, **JOB, stages=(2, 3), collectives="mpi")  # type: ignore[arg-type]
+    nccl = Pipeline(cluster.coordinator, **JOB, stages=(2, 3), collectives="nccl", lease_s=3)  # type: ignore[arg-type]
+    with (
+        nccl,
+        pytest.raises(InvalidRequest, match=r"collectives='nccl': stage \S+ computes on cpu"),
+    ):
+        nccl.train_step(*_batch(0))
+
+
 def test_what_is_not_built_for_replicas_is_refused_by_name(cluster: LocalCluster) -> None:
     with Pipeline(cluster.coordinator, **JOB, replicas=2, stages=2) as pipe:  # type: ignore[arg-type]
         pipe.train_step(*_batch(0))
@@ -321,17 +345,33 @@ def test_schedules_clipping_and_fp16_are_exact_across_replicas(
         assert torch.equal(state[name], value), name
 
 
-def test_stages_killed_inside_steps_cost_no_replay_and_no_bits() -> None:
-    """Three steps in a row, the middle stage of replica 1 is paused inside the step and
+@pytest.mark.parametrize(
+    ("collectives", "points"),
+    [
+        pytest.param("", ["run_started", "reducing", "awaiting_commit"], id="data-channel"),
+        # gloo: the others wait inside the process groups (their creation, a receive),
+        # which a failed run cannot wake: they must give them up and open new ones.
+        pytest.param("gloo", ["reducing", "awaiting_commit"], id="gloo"),
+    ],
+)
+def test_stages_killed_inside_steps_cost_no_replay_and_no_bits(
+    collectives: str, points: list[str]
+) -> None:
+    """Steps in a row, the middle stage of replica 1 is paused inside the step and
     SIGKILLed: as its run starts, as its replicas reduce their gradients (the others wait
     for its pieces), and between its report and the commit. Each time a spare takes its
     place with its layers from replica 0; the step is retried, not replayed, and the
-    results stay LocalPipeline's, bit for bit."""
-    points = ["run_started", "reducing", "awaiting_commit"]
+    results stay LocalPipeline's, bit for bit, with either reduction engine."""
     want_losses, want_state = _reference(steps=len(points) + 2)
     with (
         clusters.failing(8, allow_models=("tests.support",)) as c,
-        Pipeline(c.coordinator, **JOB, stages=(2, 3), recovery_timeout=60) as pipe,  # type: ignore[arg-type]
+        Pipeline(
+            c.coordinator,
+            **JOB,  # type: ignore[arg-type]
+            stages=(2, 3),
+            recovery_timeout=60,
+            collectives=collectives,
+        ) as pipe,
     ):
         losses = [pipe.train_step(*_batch(0))]
         for point in points:
