@@ -105,9 +105,11 @@ class ProcessGroups:
                 self._generation = (job_id, epoch, generation)
 
     def drop(self) -> None:
-        """Forgets every group (a run gave up on them: the next run opens new ones)."""
+        """Forgets every group (a run gave up on them: the next run opens new ones), and
+        the rendezvous connections (a restarted coordinator's store is a new one)."""
         with self._lock:
             self._groups.clear()
+            self._stores.clear()
             if self._generation is not None:
                 self._given_up.append(self._generation)
             self._generation = None
