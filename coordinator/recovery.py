@@ -140,7 +140,10 @@ class Recovery:
             try:
                 if self.c.replicas > 1:  # the layers live on in the other replicas
                     self._settle_without_client()  # no rollback: decide the run in flight
-                    if replica_changes.recover(self.c, dead, self._pause) is not None:
+                    if (
+                        replica_changes.recover(self.c, dead, self._pause, self._holdings)
+                        is not None
+                    ):
                         self.recoveries += 1
                     return
                 self.recover(dead)

@@ -12,31 +12,31 @@ Every replica holds every layer, and at a committed step every holder of a layer
 same bytes (the reduction gives each the same sums, and each applies the same optimizer
 step). So a dead stage's layers are still alive in the other replicas, at the step the
 survivors committed: nothing needs rolling back, and the client retries only the run that
-was interrupted (``last_step.replayed == 0``). For each replica that lost stages:
+was interrupted (``last_step.replayed == 0``). Each replica that lost stages is mended by
+the option the predicted step favours (``replica_options``): a spare takes each dead
+stage's place, the replica re-partitions over its survivors, it borrows a stage from
+another replica, or it dissolves (its survivors become spares). Every stage pulls the
+layers it lacks from a live holder in any replica.
 
-1. **A spare takes each dead stage's place** (registration order), with the same layers:
-   it pulls them, weights and optimizer state, from a live holder in another replica.
-2. **With too few spares, the replica dissolves**: its survivors become spares, and the
-   other replicas share its micro-batches. A single replica left is a job of one pipeline.
-
-Either is one epoch change of the whole layout (``epochs.change_epoch`` with layouts): every
-survivor freezes at its step boundary -- a live client decides the interrupted run first,
-so that a step committed anywhere is committed everywhere -- and the shares are
-water-filled again for the new replicas. A layer with no live holder left in any replica
-fails the job with ``LayersLost`` naming it (snapshots of a job of several replicas are not
-restored from yet).
+All of it is one epoch change of the whole layout (``epochs.change_epoch`` with layouts):
+every survivor freezes at its step boundary -- a live client decides the interrupted run
+first, so that a step committed anywhere is committed everywhere -- and the shares are
+water-filled again for the new replicas. When some layer has no live holder left in any
+replica (its holders died together), every replica rolls back to the newest snapshot step
+with a live copy of every layer, as one pipeline does, and the client replays the steps
+after it; only when no such snapshot survives does the job fail with ``LayersLost``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator import copies, epochs, replica_options
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planning import estimates, memory, predict_step_time
-from elasticpipe.coordinator.planning.cost import Plan, PlanError
+from elasticpipe.coordinator.planning import predict_step_time
+from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
@@ -47,8 +47,13 @@ from elasticpipe.errors import InvalidRequest, ReplicaDivergence
 from elasticpipe.layout import Layout
 from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
+from elasticpipe.v1 import stage_pb2
 
 log = get_logger(__name__)
+
+# The snapshots each live stage holds (``Recovery._holdings``): (live stage ids, the
+# job's restore epoch) -> stage id -> its holdings.
+Holdings = Callable[[set[str], int], dict[str, list[stage_pb2.SnapshotHolding]]]
 
 __all__ = [
     "check_divergence",
@@ -61,9 +66,17 @@ __all__ = [
 ]
 
 
-def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Partition | None:
-    """Replaces the dead stages of a job of several replicas by spares, or dissolves their
-    replicas, at the survivors' committed step (no rollback).
+def recover(
+    cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause, holdings: Holdings
+) -> Partition | None:
+    """Mends every replica that lost stages (``replica_options``: a spare, a re-partition
+    over the survivors, a borrowed stage, or dissolving it, whichever the predicted step
+    favours), at the survivors' committed step (no rollback) while every layer has a live
+    holder; else rolls every replica back to the newest snapshot with a live copy of
+    every layer.
+
+    Args:
+        holdings: the snapshots each live stage holds (``Recovery._holdings``).
 
     Returns:
         The new replica 0's partition, or None when the job failed (named).
@@ -79,69 +92,70 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
     live = {m.row.stage_id for m in cluster.members.members() if cluster.members.alive(m)}
     live -= dead_ids
     spares = [m for m in cluster.spares() if m.row.stage_id not in dead_ids]
-    kept: list[Partition] = []
-    sources: dict[str, list[tuple[int, str]]] = {}
+    replicas: tuple[Partition | None, ...] = layout.replicas
     said: list[str] = []
     for r, chain in enumerate(layout.replicas):
-        lost = [s for s, ref in enumerate(chain.stages) if ref.stage_id in dead_ids]
+        lost = [sid for sid in chain.stage_ids if sid in dead_ids]
         if not lost:
-            kept.append(chain)
             continue
-        lost_names = cluster.names([chain.stages[s].stage_id for s in lost])
-        picked = _pick_spares(cluster, spares, chain, lost)
-        if picked is None:
-            survivors = [ref.stage_id for ref in chain.stages if ref.stage_id in live]
-            said.append(
-                f"replica {r} lost {', '.join(lost_names)} and dissolved (no spare fits)"
-                + (f"; {', '.join(cluster.names(survivors))} are spares now" if survivors else "")
+        option = replica_options.choose(cluster, replicas, r, dead_ids, live, spares)
+        if option is None:
+            cluster.fail_job(
+                f"every replica lost stages ({', '.join(cluster.names(sorted(dead_ids)))}) "
+                f"and none can be mended: no spare fits, and the survivors "
+                f"({', '.join(cluster.names(sorted(live & set(layout.stage_ids))))}) cannot "
+                "hold the model"
             )
-            continue
-        stages = list(chain.stages)
-        for s, spare in zip(lost, picked, strict=True):
-            spares.remove(spare)
-            stages[s] = StageRef(spare.row.stage_id, spare.row.address)
-            pulls = []
-            for layer in chain.layers_of(s):
-                holder = _live_holder(layout, layer, live, first=r)  # r's holder is dead
-                if holder is None:
-                    cluster.fail_job(
-                        f"layer {layer} has no live holder left: it was lost with "
-                        f"{', '.join(cluster.names(sorted(dead_ids)))} in every replica"
-                    )
-                    return None
-                pulls.append((layer, holder.address))
-            sources[spare.row.stage_id] = pulls
-        said.append(
-            f"replica {r}: {', '.join(cluster.names([stages[s].stage_id for s in lost]))} "
-            f"took the place of {', '.join(lost_names)}"
-        )
-        kept.append(chain.evolve(stages=tuple(stages)))
-    if not kept:
-        cluster.fail_job(
-            f"every replica lost stages and no spare is left ({'; '.join(said)}): no replica "
-            "can run, and re-forming one from the survivors is not built yet"
-        )
-        return None
-    new_layout = _at_epoch(_relaid(cluster, kept), cluster.store.reserve_epoch())
-    reason = (
-        f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}; no "
-        f"rollback, shares {list(new_layout.shares)}"
+            return None
+        replicas = option.replicas
+        spares = [m for m in spares if m not in option.spares_taken]
+        said.append(f"replica {r} lost {', '.join(cluster.names(lost))}: {option.what}")
+    kept = [p for p in replicas if p is not None]
+    epoch = cluster.store.reserve_epoch()
+    new_layout = _at_epoch(_relaid(cluster, kept), epoch)
+    gone = frozenset(
+        a for sid, a in zip(layout.stage_ids, layout.addresses, strict=True) if sid in dead_ids
     )
-    change = Change(
-        "recovery",
-        reason,
-        layout.replicas[0],
-        new_layout.replicas[0],
-        gone=frozenset(
-            a for sid, a in zip(layout.stage_ids, layout.addresses, strict=True) if sid in dead_ids
-        ),
-        old_layout=layout,
-        new_layout=new_layout,
-        sources=sources,
-    )
+    try:
+        sources = _sources(layout, new_layout.replicas, live)
+    except InvalidRequest:  # a layer with no live holder left: from the snapshots
+        rolled = _rolled_back(cluster, layout, new_layout, live, holdings, dead_ids)
+        if rolled is None:
+            return None
+        new_layout, step, holders = rolled
+        reason = f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}"
+        reason += f"; a layer had no live holder left: rolled back to step {step}"
+        change = Change(
+            "recovery",
+            reason,
+            layout.replicas[0],
+            new_layout.replicas[0],
+            rollback_step=step,
+            holders=holders,
+            abort_running=True,
+            gone=gone,
+            old_layout=layout,
+            new_layout=new_layout,
+        )
+    else:
+        reason = (
+            f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}; no "
+            f"rollback, shares {list(new_layout.shares)}"
+        )
+        change = Change(
+            "recovery",
+            reason,
+            layout.replicas[0],
+            new_layout.replicas[0],
+            gone=gone,
+            old_layout=layout,
+            new_layout=new_layout,
+            sources=sources,
+        )
     started = time.perf_counter()
     detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)
     extra = layout_record(cluster, new_layout)
+    restored = change.rollback_step or 0
 
     def history(result: epochs.MoveResult) -> EpochRow:
         return epochs.history_row(
@@ -150,6 +164,8 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
             "recovery",
             reason,
             moved=result,
+            restored_step=restored,
+            lost_steps=max([s - restored for s in result.cut_steps] + [0]) if restored else 0,
             detected_at=detected,
             extra={**extra, "recover_s": time.perf_counter() - started},
         )
@@ -167,10 +183,59 @@ def recover(cluster: Cluster, dead: Sequence[Member], pause: epochs.Pause) -> Pa
         replicas=[cluster.names(p.stage_ids) for p in new_layout.replicas],
         shares=list(new_layout.shares),
         committed_step=result.committed_step,
+        restored_step=change.rollback_step,
         bytes_pulled=result.bytes_moved,
         seconds=round(time.perf_counter() - started, 3),
     )
     return new_layout.replicas[0]
+
+
+def _rolled_back(
+    cluster: Cluster,
+    old: Layout,
+    new: Layout,
+    live: set[str],
+    holdings: Holdings,
+    dead: set[str],
+) -> tuple[Layout, int, dict[int, str]] | None:
+    """``new`` restored from the newest snapshot step with a live copy of every layer (in
+    any replica: every replica's copies of a step hold the same bytes): the layout at that
+    step, the step, and a live holder of each layer's copy (one of ``new``'s stages first).
+    None when some layer has no live copy (the job is failed, naming the layers)."""
+    job = cluster.job
+    assert job is not None
+    found = copies.copies_by_step(holdings(live, old.replicas[0].restore_epoch), job.job_id)
+    step = copies.newest_step(found, old.num_layers, live)
+    if step is None:
+        newest = max(found, default=None)
+        missing = (
+            copies.missing_layers(found, newest, old.num_layers, live)
+            if newest is not None
+            else list(range(old.num_layers))
+        )
+        why = (
+            "snapshots are off (snapshot_every=0)"
+            if not job.snapshot_every
+            else f"no complete snapshot survived (snapshot_every={job.snapshot_every})"
+        )
+        cluster.fail_job(
+            f"layers {missing} have no live holder in any replica and no live snapshot copy: "
+            f"they were lost with {', '.join(cluster.names(sorted(dead)))}; {why}"
+        )
+        return None
+    mine = set(new.stage_ids)
+    by_preference = sorted(live, key=lambda sid: (sid not in mine, sid))
+    holders = {}
+    for layer in range(old.num_layers):
+        sid = next(s for s in by_preference if s in found[step][layer])
+        member = cluster.members.by_id(sid)
+        assert member is not None
+        holders[layer] = member.row.address
+    restored = Layout(
+        tuple(p.evolve(restored_step=step, restore_epoch=new.epoch) for p in new.replicas),
+        new.shares,
+    )
+    return restored, step, holders
 
 
 def reshare(
@@ -413,7 +478,9 @@ def new_replica(
     refs = tuple(StageRef(spares[i].row.stage_id, spares[i].row.address) for i in order)
     chain = layout.replicas[0].evolve(boundaries=plan.boundaries, stages=refs)
     now_s = planned_shares(cluster, layout)[0]
-    times = planned_step_times([*_plans(cluster, list(layout.replicas)), plan], job.schedule)
+    times = planned_step_times(
+        [*replica_options.plans(cluster, list(layout.replicas)), plan], job.schedule
+    )
     new_s = slowest(times, assign_shares(times, job.micro_batches, 1))
     return chain, now_s, new_s
 
@@ -423,50 +490,9 @@ def planned_shares(cluster: Cluster, layout: Layout) -> tuple[float, float, tupl
     speeds, and those shares."""
     job = cluster.job
     assert job is not None
-    times = planned_step_times(_plans(cluster, list(layout.replicas)), job.schedule)
+    times = planned_step_times(replica_options.plans(cluster, list(layout.replicas)), job.schedule)
     best = assign_shares(times, job.micro_batches, 1)
     return slowest(times, layout.shares), slowest(times, best), best
-
-
-def _plans(cluster: Cluster, replicas: list[Partition]) -> list[Plan]:
-    """Each replica's partition evaluated at its stages' live speeds."""
-    costs = cluster.costs()
-    return [
-        estimates.evaluate(
-            p.boundaries, costs, cluster.speeds(p.stage_ids), *cluster.links(p.num_stages)
-        )
-        for p in replicas
-    ]
-
-
-def _pick_spares(
-    cluster: Cluster, spares: list[Member], chain: Partition, lost: list[int]
-) -> list[Member] | None:
-    """A spare for each lost place of ``chain`` that can hold its layers (memory), those
-    pinned like the stage they replace first, else registration order; None if some place
-    has none."""
-    left, picked = list(spares), []
-    stage_ids = list(chain.stage_ids)
-    for s in lost:
-        gone = cluster.members.by_id(chain.stages[s].stage_id)
-        pin = gone.replica_pin if gone is not None else ""
-        for spare in sorted(left, key=lambda m: m.replica_pin != pin):
-            stage_ids[s] = spare.row.stage_id
-            try:
-                memory.check_fits(
-                    chain.boundaries,
-                    cluster.memory(stage_ids),
-                    cluster.names(stage_ids),
-                    "recovery",
-                )
-            except PlanError:
-                continue
-            left.remove(spare)
-            picked.append(spare)
-            break
-        else:
-            return None
-    return picked
 
 
 def _live_holder(layout: Layout, layer: int, live: set[str], first: int) -> StageRef | None:
@@ -496,7 +522,7 @@ def _relaid(
     predicted for its share; in the replicas' epoch (``_at_epoch`` gives the new one)."""
     job = cluster.job
     assert job is not None
-    plans = _plans(cluster, replicas)
+    plans = replica_options.plans(cluster, replicas)
     if shares is None:
         shares = assign_shares(planned_step_times(plans, job.schedule), job.micro_batches, 1)
     timed = cluster.profile is not None

@@ -197,27 +197,33 @@ def _name_of(cluster: LocalCluster, stage_id: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("stages", "victim", "after"),
+    ("stages", "shape", "victim", "after", "how"),
     [
         # 6 stages, replicas of (2, 3): the spare takes the place of replica 1's middle stage
-        pytest.param(6, (1, 1), (2, 3), id="a-spare-takes-its-place"),
-        # 5 stages, no spare: replica 0 dissolves, replica 1 runs every micro-batch
-        pytest.param(5, (0, 1), (3,), id="its-replica-dissolves"),
-        # both stages of replica 0 at once: fewer replicas
-        pytest.param(5, (0, None), (3,), id="both-stages-of-a-replica"),
+        pytest.param(6, (2, 3), (1, 1), (2, 3), "took the place of", id="a-spare"),
+        # no spare: replica 1 of (1, 3) cuts its layers anew over its two survivors
+        # (replica 0 has no stage to lend; borrowing is unit-tested, with the choice
+        # between options: tests/unit/test_replica_options.py)
+        pytest.param(4, (1, 3), (1, 1), (1, 2), "re-partitioned over", id="its-survivors"),
+        # both stages of replica 0 at once: it is gone, fewer replicas
+        pytest.param(5, (2, 3), (0, None), (3,), "dissolved", id="both-stages-of-a-replica"),
     ],
 )
 def test_a_killed_stage_costs_no_replay_and_no_bits(
-    stages: int, victim: tuple[int, int | None], after: tuple[int, ...]
+    stages: int,
+    shape: tuple[int, ...],
+    victim: tuple[int, int | None],
+    after: tuple[int, ...],
+    how: str,
 ) -> None:
-    """SIGKILL of one stage of a job of replicas (2, 3) between steps: its layers live on in
-    the other replica at the committed step, so the next step runs after one epoch change
-    with nothing rolled back (``replayed == 0``), and every loss and weight still equals
-    ``LocalPipeline``'s bit for bit."""
+    """SIGKILL of stages of a job of replicas between steps: their layers live on in the
+    other replica at the committed step, so the next step runs after one epoch change with
+    nothing rolled back (``replayed == 0``), and every loss and weight still equals
+    ``LocalPipeline``'s bit for bit. The option the predicted step chose is recorded."""
     want_losses, want_state = _reference()
     with (
         clusters.fast(stages, allow_models=("tests.support",)) as c,
-        Pipeline(c.coordinator, **JOB, stages=(2, 3), recovery_timeout=60) as pipe,  # type: ignore[arg-type]
+        Pipeline(c.coordinator, **JOB, stages=shape, recovery_timeout=60) as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*_batch(0))]
         replica, index = victim
@@ -237,6 +243,37 @@ def test_a_killed_stage_costs_no_replay_and_no_bits(
         assert torch.equal(state[name], value), name
     recovery = [r for r in history if r["kind"] == "recovery"]
     assert len(recovery) == 1 and "no rollback" in recovery[0]["reason"]
+    assert how in recovery[0]["reason"], recovery[0]["reason"]
+
+
+def test_a_layer_lost_in_every_replica_is_restored_from_snapshots(tmp_path: Path) -> None:
+    """The first stage of both replicas of (2, 3) is SIGKILLed at once: layer 0 has no live
+    holder left, so every replica rolls back to the newest snapshot with a live copy of
+    every layer (on each first stage's successor), the survivors re-form the replicas, and
+    the client replays the steps after it: still ``LocalPipeline``'s bits."""
+    steps = 5
+    want_losses, want_state = _reference(steps)
+    with (
+        clusters.fast(5, allow_models=("tests.support",)) as c,
+        Pipeline(
+            c.coordinator, **JOB, stages=(2, 3), snapshot_every=2, recovery_timeout=60
+        ) as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*_batch(step)) for step in range(3)]
+        for chain in pipe.layout.replicas:
+            c.kill(_name_of(c, chain.stage_ids[0]))
+        losses.append(pipe.train_step(*_batch(3)))
+        replayed = pipe.last_step.replayed
+        losses += [pipe.train_step(*_batch(step)) for step in range(4, steps)]
+        state = pipe.state_dict()
+        history = cli.admin_json(c, "status")["history"]
+    assert losses == want_losses
+    for name, value in want_state.items():
+        assert torch.equal(state[name], value), name
+    recovery = [r for r in history if r["kind"] == "recovery"]
+    restored = recovery[0]["restored_step"]  # step 2's snapshot, or 1's if 2's copy was late
+    assert len(recovery) == 1 and f"rolled back to step {restored}" in recovery[0]["reason"]
+    assert restored >= 1 and replayed == 3 - restored
 
 
 def test_draining_a_replica_stage_is_refused_up_front(cluster: LocalCluster) -> None:

@@ -1,0 +1,239 @@
+"""How a job of several replicas recovers from dead stages: the options for a replica that
+lost stages, and the one the predicted step chooses.
+
+For each replica that lost stages, in replica order, these are the options, each one
+epoch change of the whole layout:
+
+1. **a spare** takes each dead stage's place, with its layers (one that fits them in
+   memory, pinned like the dead stage first);
+2. the replica **re-partitions over its survivors**, the planner ordering and cutting them
+   anew (under their memory);
+3. it **borrows a stage** from another replica of at least two stages, none lost: the
+   lender re-partitions over the rest, the borrower over its survivors and the borrowed
+   stage (a replica with no survivor is gone: it borrows nothing);
+4. it **dissolves**: its survivors become spares, the other replicas take its micro-batches.
+
+Each option is priced by the predicted step of the layout it leaves (every replica's
+planned step at the live speeds, the shares water-filled again). The one listed first
+stands unless a later one predicts a step shorter by more than the policy's threshold
+(``--rebalance-threshold``, 10% by default): a later option moves more layers, so it must
+pay for its pause, and estimates that differ by noise must not flip the choice. Options
+that cannot run -- no spare that fits, survivors that cannot hold the model, no lender --
+are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planning import estimates, memory
+from elasticpipe.coordinator.planning.cost import Plan, PlanError
+from elasticpipe.coordinator.planning.hosts import order_hosts
+from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.partition import Partition, StageRef
+
+__all__ = ["Option", "choose", "layout_step", "pick_spares", "plans"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to mend a replica that lost stages.
+
+    Attributes:
+        what: for the history ("re-partitioned over its survivors b, c", ...).
+        replicas: every replica after it (None: a replica dissolved), in replica order.
+        spares_taken: the spares it puts into the layout.
+        step_s: the layout's predicted step (the planner's units).
+    """
+
+    what: str
+    replicas: tuple[Partition | None, ...]
+    spares_taken: tuple[Member, ...]
+    step_s: float
+
+
+def choose(
+    cluster: Cluster,
+    replicas: Sequence[Partition | None],
+    r: int,
+    dead: set[str],
+    live: set[str],
+    spares: Sequence[Member],
+) -> Option | None:
+    """The fastest option for replica ``r`` (which lost stages) of ``replicas`` (the layout
+    so far: replicas already mended, None for one dissolved); None when no replica would be
+    left at all."""
+    options = [
+        *_spare(cluster, replicas, r, dead, spares),
+        *_repartition(cluster, replicas, r, live),
+        *_borrow(cluster, replicas, r, live),
+    ]
+    dissolved = _with(replicas, r, None)
+    if any(p is not None for p in dissolved):
+        options.append(_option(cluster, _dissolve_what(cluster, replicas[r], live), dissolved, ()))
+    threshold = cluster.config.policy.threshold
+    best = None
+    for option in options:
+        if best is None or option.step_s < best.step_s * (1.0 - threshold):
+            best = option
+    return best
+
+
+def _spare(
+    cluster: Cluster,
+    replicas: Sequence[Partition | None],
+    r: int,
+    dead: set[str],
+    spares: Sequence[Member],
+) -> list[Option]:
+    chain = replicas[r]
+    assert chain is not None
+    lost = [s for s, ref in enumerate(chain.stages) if ref.stage_id in dead]
+    picked = pick_spares(cluster, list(spares), chain, lost)
+    if picked is None:
+        return []
+    stages = list(chain.stages)
+    for s, spare in zip(lost, picked, strict=True):
+        stages[s] = StageRef(spare.row.stage_id, spare.row.address)
+    what = (
+        f"{', '.join(m.row.name for m in picked)} took the place of "
+        f"{', '.join(cluster.names([chain.stages[s].stage_id for s in lost]))}"
+    )
+    mended = chain.evolve(stages=tuple(stages))
+    return [_option(cluster, what, _with(replicas, r, mended), tuple(picked))]
+
+
+def _repartition(
+    cluster: Cluster, replicas: Sequence[Partition | None], r: int, live: set[str]
+) -> list[Option]:
+    chain = replicas[r]
+    assert chain is not None
+    survivors = [ref for ref in chain.stages if ref.stage_id in live]
+    mended = _planned(cluster, chain, survivors)
+    if mended is None:
+        return []
+    what = f"re-partitioned over its survivors {', '.join(cluster.names(mended.stage_ids))}"
+    return [_option(cluster, what, _with(replicas, r, mended), ())]
+
+
+def _borrow(
+    cluster: Cluster, replicas: Sequence[Partition | None], r: int, live: set[str]
+) -> list[Option]:
+    chain = replicas[r]
+    assert chain is not None
+    survivors = [ref for ref in chain.stages if ref.stage_id in live]
+    if not survivors:  # a replica with no stage left is gone: no stage to lend it to
+        return []
+    out = []
+    for d, lender in enumerate(replicas):
+        if d == r or lender is None or lender.num_stages < 2:
+            continue
+        if any(ref.stage_id not in live for ref in lender.stages):
+            continue  # a replica that lost stages too lends nothing
+        for lent in lender.stages:
+            rest = [ref for ref in lender.stages if ref != lent]
+            borrower = _planned(cluster, chain, [*survivors, lent])
+            kept = _planned(cluster, lender, rest)
+            if borrower is None or kept is None:
+                continue
+            what = (
+                f"borrowed {cluster.name(lent.stage_id)} from replica {d} and re-partitioned "
+                f"over {', '.join(cluster.names(borrower.stage_ids))}"
+            )
+            out.append(_option(cluster, what, _with(_with(replicas, d, kept), r, borrower), ()))
+    return out
+
+
+def _planned(cluster: Cluster, chain: Partition, stages: Sequence[StageRef]) -> Partition | None:
+    """A chain of ``stages``, ordered and cut by the planner under their memory; None if
+    they cannot hold the model (or there are none)."""
+    if not stages or len(stages) > chain.num_layers:
+        return None
+    ids = [ref.stage_id for ref in stages]
+    try:
+        order, plan = order_hosts(
+            cluster.costs(), cluster.speeds(ids), *cluster.links(len(ids)), *cluster.memory(ids)
+        )
+    except PlanError:
+        return None
+    return chain.evolve(
+        boundaries=plan.boundaries, stages=tuple(stages[i] for i in order), predicted_step_s=None
+    )
+
+
+def _option(
+    cluster: Cluster,
+    what: str,
+    replicas: tuple[Partition | None, ...],
+    spares: tuple[Member, ...],
+) -> Option:
+    kept = [p for p in replicas if p is not None]
+    return Option(what, replicas, spares, layout_step(cluster, kept))
+
+
+def _with(
+    replicas: Sequence[Partition | None], r: int, chain: Partition | None
+) -> tuple[Partition | None, ...]:
+    out = list(replicas)
+    out[r] = chain
+    return tuple(out)
+
+
+def _dissolve_what(cluster: Cluster, chain: Partition | None, live: set[str]) -> str:
+    assert chain is not None
+    survivors = [sid for sid in chain.stage_ids if sid in live]
+    return "dissolved" + (
+        f"; {', '.join(cluster.names(survivors))} are spares now" if survivors else ""
+    )
+
+
+def pick_spares(
+    cluster: Cluster, spares: list[Member], chain: Partition, lost: list[int]
+) -> list[Member] | None:
+    """A spare for each lost place of ``chain`` that can hold its layers (memory), those
+    pinned like the stage they replace first, else registration order; None if some place
+    has none."""
+    left, picked = list(spares), []
+    stage_ids = list(chain.stage_ids)
+    for s in lost:
+        gone = cluster.members.by_id(chain.stages[s].stage_id)
+        pin = gone.replica_pin if gone is not None else ""
+        for spare in sorted(left, key=lambda m: m.replica_pin != pin):
+            stage_ids[s] = spare.row.stage_id
+            try:
+                memory.check_fits(
+                    chain.boundaries,
+                    cluster.memory(stage_ids),
+                    cluster.names(stage_ids),
+                    "recovery",
+                )
+            except PlanError:
+                continue
+            left.remove(spare)
+            picked.append(spare)
+            break
+        else:
+            return None
+    return picked
+
+
+def plans(cluster: Cluster, replicas: Sequence[Partition]) -> list[Plan]:
+    """Each replica's partition evaluated at its stages' live speeds."""
+    costs = cluster.costs()
+    return [
+        estimates.evaluate(
+            p.boundaries, costs, cluster.speeds(p.stage_ids), *cluster.links(p.num_stages)
+        )
+        for p in replicas
+    ]
+
+
+def layout_step(cluster: Cluster, replicas: Sequence[Partition]) -> float:
+    """The predicted step of ``replicas`` with the shares water-filled on their plans."""
+    job = cluster.job
+    assert job is not None
+    times = planned_step_times(plans(cluster, replicas), job.schedule)
+    return slowest(times, assign_shares(times, job.micro_batches, 1))

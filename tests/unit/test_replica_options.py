@@ -1,0 +1,92 @@
+"""Which option mends a replica that lost stages (``coordinator.replica_options``): a
+spare, a re-partition over the survivors, a borrowed stage, or dissolving it, by the
+predicted step; one that moves more layers wins only by more than the policy's threshold."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from elasticpipe.coordinator.planning.memory import MemoryTerms
+from elasticpipe.coordinator.planning.policy import PolicyConfig
+from elasticpipe.coordinator.replica_options import choose
+from elasticpipe.coordinator.state import LinkTerms
+from elasticpipe.partition import Partition, StageRef
+from elasticpipe.training.job import JobConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+LAYERS = 7
+
+
+def _cluster(speeds: dict[str, float], spares: tuple[str, ...] = ()) -> Any:
+    members = {
+        sid: SimpleNamespace(row=SimpleNamespace(stage_id=sid, name=sid, address=f"{sid}:1"))
+        for sid in [*speeds, *spares]
+    }
+    for m in members.values():
+        m.replica_pin = ""
+    return SimpleNamespace(
+        job=JobConfig(model="mlp", micro_batches=8),
+        config=SimpleNamespace(policy=PolicyConfig()),
+        costs=lambda: tuple([1.0] * LAYERS),
+        speeds=lambda ids: [speeds.get(i, 1.0) for i in ids],
+        links=lambda n: LinkTerms(),
+        memory=lambda ids: MemoryTerms(),
+        names=list,
+        name=lambda sid: sid,
+        members=SimpleNamespace(by_id=members.get),
+        spare_members=[members[s] for s in spares],
+    )
+
+
+def _chain(*stages: str, cuts: tuple[int, ...]) -> Partition:
+    return Partition(
+        epoch=1, job_id="j", boundaries=cuts, stages=tuple(StageRef(s, f"{s}:1") for s in stages)
+    )
+
+
+REPLICAS = (_chain("a", "b", cuts=(0, 4, 7)), _chain("c", "d", "e", cuts=(0, 3, 5, 7)))
+
+
+def _mend(speeds: dict[str, float], dead: set[str], spares: tuple[str, ...] = ()) -> Any:
+    cluster = _cluster(speeds, spares)
+    live = set(speeds) - dead
+    return choose(cluster, REPLICAS, 0, dead, live | set(spares), cluster.spare_members)
+
+
+def test_a_spare_takes_the_dead_stages_place_first() -> None:
+    option = _mend(dict.fromkeys("abcde", 1.0), {"b"}, spares=("f",))
+    assert option.replicas[0].stage_ids == ("a", "f") and option.replicas[1] == REPLICAS[1]
+    assert "f took the place of b" in option.what
+
+
+def test_a_slow_survivor_borrows_a_fast_stage() -> None:
+    """a is 5x slower: alone it would hold every layer (35 units a micro-batch); with d
+    borrowed, a takes one layer and d six, and replica 1 runs on c and e: predicted 24
+    units against 35, more than the 10% threshold."""
+    option = _mend({"a": 0.2, "b": 1.0, "c": 1.0, "d": 1.0, "e": 1.0}, {"b"})
+    assert option.what.startswith("borrowed"), option.what
+    borrower, lender = option.replicas
+    assert len(borrower.stage_ids) == 2 and "a" in borrower.stage_ids
+    assert len(lender.stage_ids) == 2 and set(lender.stage_ids) | set(borrower.stage_ids) == {
+        "a",
+        "c",
+        "d",
+        "e",
+    }
+
+
+def test_equal_stages_re_partition_over_the_survivors() -> None:
+    """Borrowing predicts a step only 5% shorter (20 units against 21): within the
+    threshold, the survivors re-partition (fewer layers move)."""
+    option = _mend(dict.fromkeys("abcde", 1.0), {"b"})
+    assert option.what.startswith("re-partitioned over its survivors a"), option.what
+    assert option.replicas[0].stage_ids == ("a",) and option.replicas[1] == REPLICAS[1]
+
+
+def test_a_replica_with_no_survivor_dissolves() -> None:
+    option = _mend(dict.fromkeys("abcde", 1.0), {"a", "b"})
+    assert option.replicas == (None, REPLICAS[1]) and option.what == "dissolved"
