@@ -98,6 +98,7 @@ class Member:
     dead_at: float = 0.0  # unix time it was declared dead
     memory_bytes: int = 0  # what it offers its job (registration, heartbeats); 0: unknown
     replica_pin: str = ""  # the replica it is pinned to (registration, heartbeats); "": any
+    pipeline_s: tuple[int, float] | None = None  # replicas: (epoch, its pipeline's seconds)
 
     def remeasure(self) -> None:
         """Forgets its layer timings and the speeds estimated from them: its layers

@@ -478,19 +478,21 @@ def new_replica(
     refs = tuple(StageRef(spares[i].row.stage_id, spares[i].row.address) for i in order)
     chain = layout.replicas[0].evolve(boundaries=plan.boundaries, stages=refs)
     now_s = planned_shares(cluster, layout)[0]
-    times = planned_step_times(
-        [*replica_options.plans(cluster, list(layout.replicas)), plan], job.schedule
-    )
+    times = [
+        *replica_options.measured_step_times(cluster, layout),
+        *planned_step_times([plan], job.schedule),
+    ]
     new_s = slowest(times, assign_shares(times, job.micro_batches, 1))
     return chain, now_s, new_s
 
 
 def planned_shares(cluster: Cluster, layout: Layout) -> tuple[float, float, tuple[int, ...]]:
     """The predicted step of ``layout``'s shares and of the best shares for the live
-    speeds, and those shares."""
+    speeds and the replicas' measured pipelines (``replica_options.measured_step_times``),
+    and those shares."""
     job = cluster.job
     assert job is not None
-    times = planned_step_times(replica_options.plans(cluster, list(layout.replicas)), job.schedule)
+    times = replica_options.measured_step_times(cluster, layout)
     best = assign_shares(times, job.micro_batches, 1)
     return slowest(times, layout.shares), slowest(times, best), best
 

@@ -24,6 +24,7 @@ are left out.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,11 +32,25 @@ from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.cost import Plan, PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
-from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
+from elasticpipe.coordinator.planning.shares import (
+    StepTime,
+    assign_shares,
+    planned_step_times,
+    slowest,
+)
 from elasticpipe.coordinator.state import Cluster
+from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
 
-__all__ = ["Option", "choose", "layout_step", "pick_spares", "plans"]
+__all__ = [
+    "Option",
+    "choose",
+    "layout_step",
+    "measured_pipelines",
+    "measured_step_times",
+    "pick_spares",
+    "plans",
+]
 
 
 @dataclass(frozen=True)
@@ -237,3 +252,49 @@ def layout_step(cluster: Cluster, replicas: Sequence[Partition]) -> float:
     assert job is not None
     times = planned_step_times(plans(cluster, replicas), job.schedule)
     return slowest(times, assign_shares(times, job.micro_batches, 1))
+
+
+def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
+    """Each replica's step time for a share of ``m``: the planner's prediction at the live
+    speeds, plus what it missed in the replica's measured pipeline (its slowest stage's
+    ``pipeline_s`` in this epoch, at its share): link latency, overheads. The shortfall is
+    spread over the pipeline's ``m + S - 1`` slots (a hop's latency is paid per slot), so
+    it shrinks with a smaller share. Until every replica is measured in this epoch
+    (``measured_pipelines``), or without a unit (no profile), the predictions alone: one
+    replica corrected beside another not would skew the split.
+    """
+    job = cluster.job
+    assert job is not None
+    replicas = list(layout.replicas)
+    times = planned_step_times(plans(cluster, replicas), job.schedule)
+    pipelines = measured_pipelines(cluster, layout)
+    if pipelines is None:  # (some replica not measured yet: none corrected, not one alone)
+        return times
+    out: list[StepTime] = []
+    for chain, predicted, share, measured in zip(
+        replicas, times, layout.shares, pipelines, strict=True
+    ):
+        stages = chain.num_stages
+        per_slot = max(0.0, measured - predicted(share)) / (share + stages - 1)
+        out.append(functools.partial(_plus_slots, predicted, per_slot, stages))
+    return out
+
+
+def measured_pipelines(cluster: Cluster, layout: Layout) -> list[float] | None:
+    """Each replica's measured pipeline in ``layout``'s epoch (its slowest stage's
+    ``pipeline_s``); None until every stage of every replica with a share reported one,
+    or while step times have no unit (no profile)."""
+    if not cluster.in_seconds(layout.stage_ids):
+        return None
+    out = []
+    for chain, share in zip(layout.replicas, layout.shares, strict=True):
+        heard = [m.pipeline_s if m else None for m in map(cluster.members.by_id, chain.stage_ids)]
+        measured = [h[1] for h in heard if h is not None and h[0] == layout.epoch]
+        if share < 1 or len(measured) < chain.num_stages:
+            return None
+        out.append(max(measured))
+    return out
+
+
+def _plus_slots(predicted: StepTime, per_slot: float, stages: int, share: int) -> float:
+    return predicted(share) + per_slot * (share + stages - 1)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from elasticpipe.coordinator import epochs, replica_changes
+from elasticpipe.coordinator import epochs, replica_changes, replica_options
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
 from elasticpipe.coordinator.state import Cluster
@@ -49,6 +49,10 @@ class ReplicaPolicy:
             return False
         if not all(self._measured(p.stage_ids) for p in layout.replicas):
             return False
+        if self.c.in_seconds(layout.stage_ids) and (
+            replica_options.measured_pipelines(self.c, layout) is None
+        ):
+            return False  # each replica's pipeline is measured in this epoch first
         now_s, best_s, best = replica_changes.planned_shares(self.c, layout)
         moved = sum(abs(a - b) for a, b in zip(best, layout.shares, strict=True)) // 2
         decision = decide(

@@ -123,8 +123,10 @@ class CoordinatorServicer:
             req.state if req.HasField("state") else None,
             list(req.snapshots),
         )
+        pipeline_s = bounds.number(req.pipeline_s, "pipeline_s", 0.0, bounds.MAX_TIMING_S)
         if heard is Heard.OK and (member := self.c.members.by_id(req.stage_id)) is not None:
             member.memory_bytes = req.memory_bytes
+            member.pipeline_s = (req.epoch, pipeline_s) if pipeline_s else None
             member.replica_pin = bounds.text(req.replica, "replica", bounds.MAX_NAME)
         return coordinator_pb2.HeartbeatResponse(
             reregister=heard is not Heard.OK,

@@ -16,6 +16,7 @@ to the job's wire dtype: the sum is exact.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,9 @@ from elasticpipe.stage_server.reduction import (
 )
 from elasticpipe.transport.sending import Outgoing
 
-__all__ = ["RunIds", "reduce_gradients", "refuse_running_stats", "share_of"]
+__all__ = ["PipelineTime", "RunIds", "reduce_gradients", "refuse_running_stats", "share_of"]
+
+PIPELINE_EWMA = 0.5  # the weight of a run's newest pipeline time
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,35 @@ class RunIds:
     step: int
     secret: bytes
     deadline: float  # time.monotonic() value
+
+
+class PipelineTime:
+    """How long this stage's replica pipeline takes per training run, in this epoch: an
+    EWMA of seconds from a run's start to the stage's last op (before the reduction). The
+    coordinator takes a replica's slowest stage as its measured time, and weighs what the
+    planner's prediction misses (link latency, overheads) when it splits the shares. A new
+    epoch (new shares, moved layers) starts afresh, and its first run is left out (it
+    pays for what a change leaves cold: connections, caches, a retried run's wait)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch, self._runs, self._seconds = -1, 0, 0.0
+
+    def note(self, epoch: int, seconds: float) -> None:
+        """Counts one run of ``epoch`` that took ``seconds`` to its last op."""
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch, self._runs, self._seconds = epoch, 0, 0.0
+            self._runs += 1
+            if self._runs == 2:
+                self._seconds = seconds
+            elif self._runs > 2:
+                self._seconds += PIPELINE_EWMA * (seconds - self._seconds)
+
+    def at(self, epoch: int) -> float:
+        """The time measured in ``epoch`` (0.0: none yet)."""
+        with self._lock:
+            return self._seconds if epoch == self._epoch else 0.0
 
 
 def share_of(placement: Placement, shares: Sequence[int], micro_batches: int) -> range:

@@ -215,6 +215,7 @@ class StageServer(ServerLifecycle):
                 snapshots=holdings_to_proto(stage.holdings()),
                 memory_bytes=stage.memory_bytes,
                 replica=self._config.replica,
+                pipeline_s=stage.pipeline_time.at(stage.epoch),
             ),
             timeout=max(1.0, interval * 2),
         )

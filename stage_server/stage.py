@@ -128,6 +128,7 @@ class Stage(EpochChanges):
         self.poisoned = ""  # why this incarnation must be replaced (then re-registers)
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = self._new_mailbox()
+        self.pipeline_time = reducing.PipelineTime()  # replicas: this epoch's runs' pipeline
         self._groups = collectives.ProcessGroups()  # collectives="gloo"/"nccl": the reduction's
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
@@ -426,6 +427,7 @@ class Stage(EpochChanges):
         try:
             result = execute(ops, ctx)
             if replicated:
+                self.pipeline_time.note(placement.epoch, time.monotonic() - ctx.deadline + timeout)
                 self.faults.point("reducing")  # tests: killed as its replicas reduce
                 ids = reducing.RunIds(placement.epoch, run, step, secret, ctx.deadline)
                 reducing.reduce_gradients(

@@ -34,7 +34,7 @@ epochs (Heartbeat, EndRestore, CommitStep,  at most 1,000,000 past the receiver'
 client generations (RenewLease, ProfileJob, 0 .. 2**23
   BeginRestore)
 FetchOutput micro_batch                     0 .. 4095
-Heartbeat timings                           at most 65,536 entries; layer 0 .. 65,535;
+Heartbeat timings, pipeline_s               at most 65,536 entries; layer 0 .. 65,535;
                                             seconds finite in [0, 1e6]; bytes and
                                             samples 0 .. 2**50
 Heartbeat slowdown                          0 (not reported) or [1, 1000]

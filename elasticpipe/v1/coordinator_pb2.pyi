@@ -92,6 +92,7 @@ class HeartbeatRequest(_message.Message):
     SNAPSHOTS_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    PIPELINE_S_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     epoch: _builtins.int
     committed_step: _builtins.int
@@ -100,6 +101,11 @@ class HeartbeatRequest(_message.Message):
     """as in RegisterRequest"""
     replica: _builtins.str
     """as in RegisterRequest"""
+    pipeline_s: _builtins.float
+    """A stage of a replica: how long its replica's pipeline took in this epoch's training
+    runs (an EWMA of seconds from a run's start to this stage's last op, before the
+    gradient reduction); 0 while none ran. The slowest stage of a replica gives its time.
+    """
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.LayerTiming]: ...
     @_builtins.property
@@ -118,10 +124,11 @@ class HeartbeatRequest(_message.Message):
         snapshots: _abc.Iterable[_stage_pb2.SnapshotHolding] | None = ...,
         memory_bytes: _builtins.int = ...,
         replica: _builtins.str = ...,
+        pipeline_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "replica", b"replica", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "pipeline_s", b"pipeline_s", "replica", b"replica", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
