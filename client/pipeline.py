@@ -195,10 +195,10 @@ class Pipeline(Steps):
                 them from the live stages. Default: one (or ``len(stages)``). See
                 docs/replicas.md.
             collectives: the engine of the replicas' gradient reduction. Default: the
-                stages' own data channel (any network, mutual TLS). "gloo" (or "nccl" on
-                CUDA hosts): ``torch.distributed`` process groups, for trusted fabrics only
-                (unauthenticated; a coordinator that requires TLS refuses them). The same
-                bits either way.
+                stages' own data channel (any network, mutual TLS). "gloo":
+                ``torch.distributed`` process groups, for trusted fabrics only
+                (unauthenticated; a cluster that requires TLS refuses them). The same bits
+                either way. ("nccl" is refused until it has run on GPUs.)
             snapshot_every: committed steps between snapshots of every layer (kept in host
                 memory on two hosts); after a failure at most this many steps (plus the
                 snapshot in flight) are replayed. 0 turns snapshots off: then a dead stage

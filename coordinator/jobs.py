@@ -276,7 +276,9 @@ class Jobs(Loads):
         request: str = "",
         shape: Shape = ONE_PIPELINE,
     ) -> Attached:
-        job = self.rendezvous.for_job(job)  # (refused before any stage is waited for)
+        # (refused before any stage is waited for; a job of one pipeline may become one of
+        # replicas with set-layout: it gets the store too)
+        job = self.rendezvous.for_job(job)
         chosen = self._wait_for_stages(num_stages, wait_s, active)
         job = job.with_id()
         try:

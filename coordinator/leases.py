@@ -204,6 +204,13 @@ class Leases:
             ]
             held = {m.row.stage_id: m.snapshots for m in members}
             need = 2 if partition.num_stages > 1 else 1
+            layout = self.c.layout
+            if layout is not None and any(p.num_stages > 1 for p in layout.replicas):
+                # Replicas roll back only when every holder of a layer died: then only the
+                # copies on their peers (which hold other layers) are left. (Replicas of
+                # one stage each keep no such copies: then as one pipeline.)
+                held = {sid: [h for h in hs if h.peer_copy] for sid, hs in held.items()}
+                need = 1
             found = copies.newest_step(
                 copies.copies_by_step(held, job.job_id), partition.num_layers, held, need
             )

@@ -3,15 +3,17 @@ or ``"nccl"``): a ``TCPStore`` this coordinator serves, where the holders of eac
 reduction group find each other to open their process group.
 
 The store is opened with the first job that asks for collectives and serves every job
-after (keys are prefixed by job, epoch, group and generation). Neither it nor the process
-groups authenticate anyone: collectives are for trusted fabrics, so a coordinator that
-requires mutual TLS refuses them, and so, for now, does one with standby coordinators
-(the store would die with its leader).
+after (keys are prefixed by job, epoch, group and generation). It listens on the
+coordinator's own listen host only (a loopback cluster's store is loopback's), never more.
+Neither it nor the process groups authenticate anyone: collectives are for trusted
+fabrics, so a coordinator that requires mutual TLS refuses them, and so, for now, does one
+with standby coordinators (the store would die with its leader).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 from dataclasses import replace
 
@@ -64,9 +66,18 @@ class Rendezvous:
     def restored(self, job: JobConfig) -> JobConfig:
         """The running job loaded from the store after a restart: its rendezvous served
         again, on the port the stages know if it is free (else on a new one, which the
-        stages learn with the job at the next epoch change)."""
-        if not job.collectives or not job.rendezvous or self.c.elected:
+        stages learn from their next heartbeat). Not with TLS, or standby coordinators:
+        the job's reductions then fail, naming why, until it is started without
+        collectives."""
+        if not job.collectives or not job.rendezvous:
             return job
+        if self.c.config.tls is not None or self.c.elected:
+            log.error(
+                "rendezvous_refused",
+                why="collectives need a plaintext coordinator without standbys",
+                job=job.job_id,
+            )
+            return replace(job, rendezvous="")
         host, port = split_address(job.rendezvous)
         try:
             served = self._serve(port)
@@ -76,17 +87,26 @@ class Rendezvous:
         return replace(job, rendezvous=join_address(host, served))
 
     def _serve(self, port: int = 0) -> int:
+        """Opens the store (once) on the coordinator's listen host; returns its port."""
         with self._lock:
             if self._store is None:
                 import torch.distributed as dist  # (only a job of collectives needs it)
 
+                host, _ = split_address(self.c.config.listen)
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                # TCPStore binds every interface by itself: it serves a socket bound here.
+                # Detached, it is the store's for good (closed under it, the store aborts).
+                listening = socket.create_server((host, port), family=family)
+                bound = listening.getsockname()[1]
                 store = dist.TCPStore(  # type: ignore[attr-defined]
-                    "0.0.0.0",
-                    port,
+                    host,
+                    bound,
                     is_master=True,
                     wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+                    master_listen_fd=listening.detach(),
+                    use_libuv=False,
                 )
-                self._store, self._port = store, int(store.port)
-                log.info("rendezvous_serving", port=self._port)
+                self._store, self._port = store, int(bound)
+                log.info("rendezvous_serving", host=host, port=self._port)
             return self._port

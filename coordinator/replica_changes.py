@@ -99,30 +99,53 @@ def recover(
         if not lost:
             continue
         option = replica_options.choose(cluster, replicas, r, dead_ids, live, spares)
-        if option is None:
-            cluster.fail_job(
-                f"every replica lost stages ({', '.join(cluster.names(sorted(dead_ids)))}) "
-                f"and none can be mended: no spare fits, and the survivors "
-                f"({', '.join(cluster.names(sorted(live & set(layout.stage_ids))))}) cannot "
-                "hold the model"
-            )
-            return None
+        if option is None:  # the last replica standing, and it cannot be mended alone
+            survivors = [
+                StageRef(m.row.stage_id, m.row.address)
+                for m in [*map(cluster.members.by_id, layout.stage_ids), *spares]
+                if m is not None and m.row.stage_id in live
+            ]
+            one = replica_options.one_chain(cluster, chain, survivors)
+            if one is None:
+                names = cluster.names([s.stage_id for s in survivors])
+                cluster.fail_job(
+                    f"every replica lost stages ({', '.join(cluster.names(sorted(dead_ids)))}) "
+                    f"and the survivors ({', '.join(names)}) cannot hold the model, even as "
+                    "one chain"
+                )
+                return None
+            replicas = (one,)
+            said.append("every replica lost stages: one chain of the survivors re-formed")
+            break
         replicas = option.replicas
         spares = [m for m in spares if m not in option.spares_taken]
+        if option.replicas[r] is None:  # dissolved: its survivors serve later replicas
+            spares += [
+                m
+                for m in map(cluster.members.by_id, chain.stage_ids)
+                if m is not None and m.row.stage_id in live
+            ]
         said.append(f"replica {r} lost {', '.join(cluster.names(lost))}: {option.what}")
     kept = [p for p in replicas if p is not None]
-    epoch = cluster.store.reserve_epoch()
-    new_layout = _at_epoch(_relaid(cluster, kept), epoch)
+    relaid = _relaid(cluster, kept)
     gone = frozenset(
         a for sid, a in zip(layout.stage_ids, layout.addresses, strict=True) if sid in dead_ids
     )
     try:
-        sources = _sources(layout, new_layout.replicas, live)
+        sources = _sources(layout, relaid.replicas, live)
     except InvalidRequest:  # a layer with no live holder left: from the snapshots
-        rolled = _rolled_back(cluster, layout, new_layout, live, holdings, dead_ids)
+        rolled = _rolled_back(cluster, layout, relaid, live, holdings, dead_ids)
         if rolled is None:
             return None
-        new_layout, step, holders = rolled
+        step, holders = rolled
+        epoch = cluster.store.reserve_epoch()
+        new_layout = Layout(
+            tuple(
+                p.evolve(epoch=epoch, restored_step=step, restore_epoch=epoch)
+                for p in relaid.replicas
+            ),
+            relaid.shares,
+        )
         reason = f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}"
         reason += f"; a layer had no live holder left: rolled back to step {step}"
         change = Change(
@@ -138,6 +161,7 @@ def recover(
             new_layout=new_layout,
         )
     else:
+        new_layout = _at_epoch(relaid, cluster.store.reserve_epoch())
         reason = (
             f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}; no "
             f"rollback, shares {list(new_layout.shares)}"
@@ -155,17 +179,18 @@ def recover(
     started = time.perf_counter()
     detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)
     extra = layout_record(cluster, new_layout)
-    restored = change.rollback_step or 0
+    restored = change.rollback_step
 
     def history(result: epochs.MoveResult) -> EpochRow:
+        lost = max([s - restored for s in result.cut_steps] + [0]) if restored is not None else 0
         return epochs.history_row(
             cluster,
             new_layout.replicas[0],
             "recovery",
             reason,
             moved=result,
-            restored_step=restored,
-            lost_steps=max([s - restored for s in result.cut_steps] + [0]) if restored else 0,
+            restored_step=restored or 0,
+            lost_steps=lost,
             detected_at=detected,
             extra={**extra, "recover_s": time.perf_counter() - started},
         )
@@ -197,11 +222,11 @@ def _rolled_back(
     live: set[str],
     holdings: Holdings,
     dead: set[str],
-) -> tuple[Layout, int, dict[int, str]] | None:
-    """``new`` restored from the newest snapshot step with a live copy of every layer (in
-    any replica: every replica's copies of a step hold the same bytes): the layout at that
-    step, the step, and a live holder of each layer's copy (one of ``new``'s stages first).
-    None when some layer has no live copy (the job is failed, naming the layers)."""
+) -> tuple[int, dict[int, str]] | None:
+    """The newest snapshot step with a live copy of every layer (in any replica: every
+    replica's copies of a step hold the same bytes), and a live holder of each layer's
+    copy (one of ``new``'s stages first). None when some layer has no live copy (the job
+    is failed, naming the layers)."""
     job = cluster.job
     assert job is not None
     found = copies.copies_by_step(holdings(live, old.replicas[0].restore_epoch), job.job_id)
@@ -231,11 +256,7 @@ def _rolled_back(
         member = cluster.members.by_id(sid)
         assert member is not None
         holders[layer] = member.row.address
-    restored = Layout(
-        tuple(p.evolve(restored_step=step, restore_epoch=new.epoch) for p in new.replicas),
-        new.shares,
-    )
-    return restored, step, holders
+    return step, holders
 
 
 def reshare(
@@ -384,7 +405,8 @@ def _sources(
             for layer in chain.layers_of(s):
                 if layer in held.get(ref.stage_id, ()):
                     continue
-                holder = _live_holder(old, layer, live, first=r)
+                mine = old.replica_of_stage(ref.stage_id)  # its own old replica's first
+                holder = _live_holder(old, layer, live, first=r if mine is None else mine)
                 if holder is None:
                     raise InvalidRequest(f"layer {layer} has no live holder to be copied from")
                 sources.setdefault(ref.stage_id, []).append((layer, holder.address))

@@ -13,13 +13,16 @@ epoch change of the whole layout:
    stage (a replica with no survivor is gone: it borrows nothing);
 4. it **dissolves**: its survivors become spares, the other replicas take its micro-batches.
 
-Each option is priced by the predicted step of the layout it leaves (every replica's
-planned step at the live speeds, the shares water-filled again). The one listed first
-stands unless a later one predicts a step shorter by more than the policy's threshold
-(``--rebalance-threshold``, 10% by default): a later option moves more layers, so it must
-pay for its pause, and estimates that differ by noise must not flip the choice. Options
-that cannot run -- no spare that fits, survivors that cannot hold the model, no lender --
-are left out.
+Each option is priced by the predicted step of the layout it leaves (every healthy
+replica's planned step at the live speeds, the shares water-filled again; replicas still
+to be mended are left out of the price). The first option that can run is the default:
+a spare is like for like, and a re-partition keeps the replica without touching another.
+Another is taken only when it predicts a step shorter than the default's by more than the
+policy's threshold (``--rebalance-threshold``, 10% by default), and then the fastest of
+those: estimates that differ by noise must not pick a change that moves more layers (a
+borrow moves the lender's too; dissolving moves none, but loses a replica). Options that
+cannot run -- no spare that fits, survivors that cannot hold the model, no lender -- are
+left out.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ __all__ = [
     "layout_step",
     "measured_pipelines",
     "measured_step_times",
+    "one_chain",
     "pick_spares",
     "plans",
 ]
@@ -83,18 +87,18 @@ def choose(
     left at all."""
     options = [
         *_spare(cluster, replicas, r, dead, spares),
-        *_repartition(cluster, replicas, r, live),
-        *_borrow(cluster, replicas, r, live),
+        *_repartition(cluster, replicas, r, live, dead),
+        *_borrow(cluster, replicas, r, live, dead),
     ]
     dissolved = _with(replicas, r, None)
     if any(p is not None for p in dissolved):
-        options.append(_option(cluster, _dissolve_what(cluster, replicas[r], live), dissolved, ()))
-    threshold = cluster.config.policy.threshold
-    best = None
-    for option in options:
-        if best is None or option.step_s < best.step_s * (1.0 - threshold):
-            best = option
-    return best
+        what = _dissolve_what(cluster, replicas[r], live)
+        options.append(_option(cluster, what, dissolved, (), dead))
+    if not options:
+        return None
+    default = options[0]
+    bar = default.step_s * (1.0 - cluster.config.policy.threshold)
+    return min([default, *(o for o in options[1:] if o.step_s < bar)], key=lambda o: o.step_s)
 
 
 def _spare(
@@ -118,11 +122,15 @@ def _spare(
         f"{', '.join(cluster.names([chain.stages[s].stage_id for s in lost]))}"
     )
     mended = chain.evolve(stages=tuple(stages))
-    return [_option(cluster, what, _with(replicas, r, mended), tuple(picked))]
+    return [_option(cluster, what, _with(replicas, r, mended), tuple(picked), dead)]
 
 
 def _repartition(
-    cluster: Cluster, replicas: Sequence[Partition | None], r: int, live: set[str]
+    cluster: Cluster,
+    replicas: Sequence[Partition | None],
+    r: int,
+    live: set[str],
+    dead: set[str],
 ) -> list[Option]:
     chain = replicas[r]
     assert chain is not None
@@ -131,11 +139,15 @@ def _repartition(
     if mended is None:
         return []
     what = f"re-partitioned over its survivors {', '.join(cluster.names(mended.stage_ids))}"
-    return [_option(cluster, what, _with(replicas, r, mended), ())]
+    return [_option(cluster, what, _with(replicas, r, mended), (), dead)]
 
 
 def _borrow(
-    cluster: Cluster, replicas: Sequence[Partition | None], r: int, live: set[str]
+    cluster: Cluster,
+    replicas: Sequence[Partition | None],
+    r: int,
+    live: set[str],
+    dead: set[str],
 ) -> list[Option]:
     chain = replicas[r]
     assert chain is not None
@@ -158,8 +170,17 @@ def _borrow(
                 f"borrowed {cluster.name(lent.stage_id)} from replica {d} and re-partitioned "
                 f"over {', '.join(cluster.names(borrower.stage_ids))}"
             )
-            out.append(_option(cluster, what, _with(_with(replicas, d, kept), r, borrower), ()))
+            mended = _with(_with(replicas, d, kept), r, borrower)
+            out.append(_option(cluster, what, mended, (), dead))
     return out
+
+
+def one_chain(
+    cluster: Cluster, template: Partition, stages: Sequence[StageRef]
+) -> Partition | None:
+    """The last resort when no replica can be mended: one chain over ``stages`` (every
+    survivor and spare, at most one per layer), ordered and cut by the planner."""
+    return _planned(cluster, template, list(stages)[: template.num_layers])
 
 
 def _planned(cluster: Cluster, chain: Partition, stages: Sequence[StageRef]) -> Partition | None:
@@ -184,9 +205,13 @@ def _option(
     what: str,
     replicas: tuple[Partition | None, ...],
     spares: tuple[Member, ...],
+    dead: set[str],
 ) -> Option:
-    kept = [p for p in replicas if p is not None]
-    return Option(what, replicas, spares, layout_step(cluster, kept))
+    """An option priced on the replicas it leaves healthy (those still to be mended, with
+    dead stages, are left out of the price; none healthy: an infinite step)."""
+    healthy = [p for p in replicas if p is not None and not dead & set(p.stage_ids)]
+    step_s = layout_step(cluster, healthy) if healthy else float("inf")
+    return Option(what, replicas, spares, step_s)
 
 
 def _with(

@@ -132,6 +132,7 @@ class CoordinatorServicer:
             reregister=heard is not Heard.OK,
             dead=heard is Heard.DEAD,
             safe_step=self.c.jobs.safe_step(),
+            rendezvous=job.rendezvous if (job := self.c.cluster.job) is not None else "",
         )
 
     def ResolveRun(

@@ -1,10 +1,10 @@
-"""The reduction's engine on ``torch.distributed`` process groups (``collectives="gloo"``,
-or ``"nccl"`` on CUDA hosts): the same canonical reduction as the data channel's
+"""The reduction's engine on ``torch.distributed`` process groups (``collectives="gloo"``;
+``"nccl"`` is refused until it has run on GPUs): the same canonical reduction as the data channel's
 (``reduction.GroupReduction``: the same pieces, folded in the same tree, so the same bits),
 carried by a process group per reduction group instead of the stages' data channel.
 
 **The groups.** Each reduction group's holders (one per replica, ranked by replica) open a
-standalone ``ProcessGroupGloo``/``ProcessGroupNCCL`` over a ``PrefixStore`` of the
+standalone ``ProcessGroupGloo`` over a ``PrefixStore`` of the
 coordinator's rendezvous store (``coordinator.rendezvous``), prefixed by job, epoch,
 group and generation: never a world-wide ``new_group``, never a ``destroy_process_group``.
 A group lives for its epoch and generation; the next epoch, or a new generation, drops it.
@@ -38,7 +38,6 @@ import torch
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
-    InvalidRequest,
     StageUnavailable,
     StepAborted,
 )
@@ -46,7 +45,7 @@ from elasticpipe.logs import get_logger
 from elasticpipe.stage_server.reduction import GroupReduction, Send, piece_key
 from elasticpipe.transport.serving import split_address
 
-__all__ = ["ProcessGroups", "check_engine", "reduce_on_groups"]
+__all__ = ["ProcessGroups", "reduce_on_groups"]
 
 log = get_logger(__name__)
 
@@ -55,23 +54,7 @@ MIN_GROUP_TIMEOUT_S = 10.0  # a process group's operations wait at most its run'
 GIVEN_UP_KEPT = 64  # generations given up on, remembered
 
 
-def check_engine(engine: str, device: torch.device, stage: str) -> None:
-    """Refuses an engine this stage cannot run: NCCL needs a CUDA device and a build with
-    NCCL; gloo runs anywhere (on CUDA hosts through host memory).
-
-    Raises:
-        InvalidRequest: naming the stage, its device and the engine.
-    """
-    if engine != "nccl":
-        return
-    import torch.distributed as dist
-
-    if device.type != "cuda" or not dist.is_nccl_available():
-        raise InvalidRequest(
-            f"collectives='nccl': stage {stage} computes on {device}"
-            f"{'' if dist.is_nccl_available() else ' and its PyTorch has no NCCL'}; NCCL "
-            "needs CUDA devices (use collectives='gloo', or the default engine)"
-        )
+Generation = tuple[str, int, int]  # job, epoch, the run that opened it
 
 
 class ProcessGroups:
@@ -80,9 +63,9 @@ class ProcessGroups:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._groups: dict[tuple[int, int], Any] = {}
-        self._generation: tuple[str, int, int] | None = None  # job, epoch, generation
+        self._generation: Generation | None = None
         self._stores: dict[str, Any] = {}  # rendezvous address -> TCPStore client
-        self._given_up: deque[tuple[str, int, int]] = deque(maxlen=GIVEN_UP_KEPT)
+        self._given_up: deque[Generation] = deque(maxlen=GIVEN_UP_KEPT)
 
     def use(self, job_id: str, epoch: int, generation: int) -> None:
         """Drops every group not of this job, epoch and generation (the run's).
@@ -114,40 +97,56 @@ class ProcessGroups:
                 self._given_up.append(self._generation)
             self._generation = None
 
+    def current(self) -> Generation:
+        """The generation in use (``use``'s), captured once by a run's engine.
+
+        Raises:
+            StepAborted: none is (a run gave them up meanwhile).
+        """
+        with self._lock:
+            if self._generation is None:
+                raise StepAborted("the process groups were given up after a failed run")
+            return self._generation
+
     def group(
         self,
-        engine: str,
+        generation: Generation,
         rendezvous: str,
+        host: str,
         group: int,
         rank: int,
         size: int,
         timeout_s: float,
     ) -> Any:
-        """The process group of reduction group ``group`` in the generation in use,
-        opened (with every other holder: this blocks until they all come) if new."""
+        """The process group of reduction group ``group`` in ``generation``, opened (with
+        every other holder: this blocks until they all come) if new; its connections on
+        ``host``, this stage's.
+
+        Raises:
+            StepAborted: ``generation`` is no longer in use (a run left behind by a failure
+                asks: it must not open or take the next generation's groups).
+        """
+        job_id, epoch, number = generation
         with self._lock:
-            if self._generation is None:
-                raise InvalidRequest("no generation of process groups is in use")
-            job_id, epoch, generation = self._generation
+            if self._generation != generation:
+                raise StepAborted(f"the process groups of generation {number} are given up")
             found = self._groups.get((epoch, group))
         if found is not None:
             return found
         import torch.distributed as dist  # (only a job of collectives needs it)
 
         store = self._store(rendezvous, timeout_s)
-        prefix = f"elasticpipe/{job_id}/{epoch}/{group}/{generation}"
-        timeout = datetime.timedelta(seconds=max(timeout_s, MIN_GROUP_TIMEOUT_S))
+        prefix = f"elasticpipe/{job_id}/{epoch}/{group}/{number}"
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = datetime.timedelta(seconds=max(timeout_s, MIN_GROUP_TIMEOUT_S))
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         scoped = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-        if engine == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            pg: Any = dist.ProcessGroupNCCL(scoped, rank, size, options)
-        else:
-            pg = dist.ProcessGroupGloo(scoped, rank, size, timeout)
+        pg = dist.ProcessGroupGloo(scoped, rank, size, options)
+        log.info("process_group_opened", epoch=epoch, group=group, generation=number, rank=rank)
         with self._lock:
-            if self._generation == (job_id, epoch, generation):
-                self._groups[(epoch, group)] = pg
-        return pg
+            if self._generation != generation:
+                raise StepAborted(f"the process groups of generation {number} are given up")
+            return self._groups.setdefault((epoch, group), pg)
 
     def _store(self, rendezvous: str, timeout_s: float) -> Any:
         with self._lock:
@@ -171,9 +170,9 @@ def reduce_on_groups(
     groups: ProcessGroups,
     engine: str,
     rendezvous: str,
+    host: str,
     work: Sequence[tuple[GroupReduction, list[Any]]],
     replicas: int,
-    device: torch.device,
     failed: Callable[[], ElasticPipeError | None],
     deadline: float,
     pack: Callable[[Send], torch.Tensor],
@@ -190,13 +189,16 @@ def reduce_on_groups(
     """
     outcome: list[BaseException] = []
     done = threading.Event()
-    buffers = torch.device("cpu") if engine == "gloo" else device
+    buffers = torch.device("cpu")  # gloo: through host memory
+    generation = groups.current()
 
     def body() -> None:
         try:
             timeout_s = max(deadline - time.monotonic(), 0.0)
             opened = [
-                groups.group(engine, rendezvous, reduction.group, reduction.me, replicas, timeout_s)
+                groups.group(
+                    generation, rendezvous, host, reduction.group, reduction.me, replicas, timeout_s
+                )
                 for reduction, _ in work
             ]
             pending: list[tuple[Any, torch.Tensor]] = []  # sends in flight, and their bytes
@@ -218,7 +220,7 @@ def reduce_on_groups(
                 for sender, index in reduction.expected():
                     chunk = reduction.me if index is not None else sender
                     tag = piece_key(reduction.group, sender, replicas, index)
-                    data = torch.empty(nbytes(reduction, chunk), dtype=torch.uint8, device=buffers)
+                    data = torch.zeros(nbytes(reduction, chunk), dtype=torch.uint8, device=buffers)
                     pg.recv([data], sender, tag).wait()
                     node = None if index is None else reduction.node_of(sender, index)
                     piece = unpack(data, reduction, chunk, sender, node)

@@ -16,7 +16,9 @@ to the job's wire dtype: the sum is exact.
 from __future__ import annotations
 
 import itertools
+import struct
 import threading
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,7 @@ from elasticpipe.stage_server.reduction import (
     unflatten,
 )
 from elasticpipe.transport.sending import Outgoing
+from elasticpipe.transport.serving import split_address
 
 __all__ = ["PipelineTime", "RunIds", "reduce_gradients", "refuse_running_stats", "share_of"]
 
@@ -141,10 +144,12 @@ def reduce_gradients(
     ids: RunIds,
     groups: ProcessGroups | None = None,
     generation: int = 0,
+    rendezvous: str = "",
 ) -> None:
     """Reduces every group this stage holds with its other holders and installs the sums:
     over the data channel, or with ``collectives`` over the process groups of
-    ``generation`` (``collectives``: the same pieces, so the same bits).
+    ``generation`` (``collectives``: the same pieces, so the same bits), opened on
+    ``rendezvous`` (the coordinator's now; default: the job's).
 
     Raises:
         ElasticPipeError: a peer's piece was wrong (InvalidRequest), the deadline passed
@@ -170,18 +175,19 @@ def reduce_gradients(
     if job.collectives:
         assert groups is not None
         groups.use(job.job_id, ids.epoch, generation)
+        mine_at = work[0][3][me] if work else ""  # this stage's address: its gloo device's
         reduce_on_groups(
             groups,
             job.collectives,
-            job.rendezvous,
+            rendezvous or job.rendezvous,
+            split_address(mine_at)[0] if mine_at else "127.0.0.1",
             [(reduction, mine) for reduction, _, _, _, mine in work],
             replicas,
-            layers.device,
             lambda: mailbox.failure(ids.run),
             ids.deadline,
             _packed,
             piece,
-            _piece_bytes,
+            packed_bytes,
         )
     else:
         _over_data_channel(work, replicas, links, mailbox, ids)
@@ -218,42 +224,64 @@ def _over_data_channel(
     flush([links[a] for a in sorted(peers)], mailbox, ids.run, ids.deadline)
 
 
+# After a packed piece: its payload's length and CRC-32. A process group's receive fills
+# a buffer of the expected size whatever the sender sent, so a short piece would leave its
+# tail as it was: the trailer (in a zeroed buffer) tells a short or garbled one.
+TRAILER = struct.Struct("<QI")
+
+
 def _packed(send: Send) -> torch.Tensor:
     """A piece as one byte tensor (the process groups' form): its runs (``_joined``),
-    then one byte per flag."""
+    one byte per flag, then ``TRAILER``."""
     flags = torch.tensor(send.piece.present, dtype=torch.uint8)
     runs = [t.contiguous().view(torch.uint8).reshape(-1) for t in _joined(send.piece.tensors)]
-    return torch.cat([*runs, flags])
+    payload = torch.cat([*runs, flags])
+    trailer = TRAILER.pack(payload.numel(), zlib.crc32(payload.numpy().data))
+    return torch.cat([payload, torch.frombuffer(bytearray(trailer), dtype=torch.uint8)])
 
 
-def _piece_bytes(reduction: GroupReduction, chunk: int) -> int:
-    """The bytes of a packed piece of chunk ``chunk``."""
+def _payload_bytes(reduction: GroupReduction, chunk: int) -> int:
     form = reduction.chunk_form(chunk)
     return sum(n * d.itemsize for n, d, _ in form) + len(form)
+
+
+def packed_bytes(reduction: GroupReduction, chunk: int) -> int:
+    """The bytes of a packed piece of chunk ``chunk``, its trailer included."""
+    return _payload_bytes(reduction, chunk) + TRAILER.size
 
 
 def piece(
     data: torch.Tensor, reduction: GroupReduction, chunk: int, sender: int, node: object
 ) -> Piece:
     """A packed piece (``_packed``) of chunk ``chunk`` as a ``Piece``, checked as a data
-    message's is.
+    message's is, and against its trailer.
 
     Raises:
-        InvalidRequest: not the bytes of this chunk's form.
+        InvalidRequest: not the bytes of this chunk's form, or a payload that its trailer
+            does not describe (a short or garbled piece).
     """
-    form = reduction.chunk_form(chunk)
-    if data.dtype != torch.uint8 or data.numel() != _piece_bytes(reduction, chunk):
+    where = f"a reduction piece of group {reduction.group} from replica {sender}"
+    size = _payload_bytes(reduction, chunk)
+    if data.dtype != torch.uint8 or data.numel() != size + TRAILER.size:
         raise InvalidRequest(
-            f"a reduction piece of group {reduction.group} from replica {sender}: "
-            f"{data.numel()} {data.dtype} elements, expected {_piece_bytes(reduction, chunk)} bytes"
+            f"{where}: {data.numel()} {data.dtype} elements, expected {size + TRAILER.size} bytes"
         )
-    data = data.cpu()
+    data = data.cpu().contiguous()
+    payload = data[:size]
+    length, crc = TRAILER.unpack(data[size:].numpy().tobytes())
+    actual = zlib.crc32(payload.numpy().data)
+    if (length, crc) != (size, actual):
+        raise InvalidRequest(
+            f"{where}: its trailer says {length} bytes with CRC-32 {crc:08x}, the payload "
+            f"is {size} bytes with CRC-32 {actual:08x} (a short or garbled piece)"
+        )
+    form = reduction.chunk_form(chunk)
     runs, start = [], 0
     for run in _joined([torch.empty(n, dtype=d) for n, d, _ in form]):
-        size = run.numel() * run.dtype.itemsize
-        runs.append(data[start : start + size].clone().view(run.dtype))  # (aligned)
-        start += size
-    flags = data[start:].to(torch.bool)
+        nbytes = run.numel() * run.dtype.itemsize
+        runs.append(payload[start : start + nbytes].clone().view(run.dtype))  # (aligned)
+        start += nbytes
+    flags = payload[start:].to(torch.bool)
     return _piece((*runs, flags), reduction, chunk, sender, node)
 
 

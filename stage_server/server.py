@@ -9,6 +9,7 @@ from collections.abc import Callable
 from elasticpipe.errors import ElasticPipeError, NameInUse, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
+from elasticpipe.security.bounds import MAX_NAME
 from elasticpipe.stage_server.bulk import BulkListener, listen_host
 from elasticpipe.stage_server.callers import Grant
 from elasticpipe.stage_server.protocol import Do, Effect
@@ -220,6 +221,7 @@ class StageServer(ServerLifecycle):
             timeout=max(1.0, interval * 2),
         )
         stage.keep_from(reply.safe_step)
+        stage.rendezvous = reply.rendezvous[:MAX_NAME]
         if reply.dead:
             stage.drop_job("the coordinator declared this incarnation dead")
         if stage.poisoned and not reply.reregister:

@@ -129,7 +129,8 @@ class Stage(EpochChanges):
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = self._new_mailbox()
         self.pipeline_time = reducing.PipelineTime()  # replicas: this epoch's runs' pipeline
-        self._groups = collectives.ProcessGroups()  # collectives="gloo"/"nccl": the reduction's
+        self._groups = collectives.ProcessGroups()  # collectives="gloo": the reduction's
+        self.rendezvous = ""  # the coordinator's rendezvous now (heartbeats; "": the job's)
         self._links: dict[str, Link] = {}
         self._peers = rpc.StagePool(tls=config.tls)
         self._outputs: tuple[int, bytes, dict[int, Value]] = (0, b"", {})
@@ -216,7 +217,11 @@ class Stage(EpochChanges):
         num_layers, sizes = models.describe(job.model, job.model_kwargs, self.config.allow_models)
         check_job(job.loss, job.optimizer, job.optimizer_kwargs, self.config.allow_models)
         path, digest = models.factory_source(job.model, self.config.allow_models)
-        collectives.check_engine(job.collectives, self.device, self.config.name)
+        if job.collectives and self.config.tls is not None:
+            raise InvalidRequest(
+                f"collectives={job.collectives!r}: stage {self.config.name} requires mutual "
+                "TLS, and process groups are unauthenticated; use the default engine"
+            )
         return num_layers, sizes, path, digest
 
     def assign(self, job: JobConfig, placement: Placement) -> int:
@@ -439,6 +444,7 @@ class Stage(EpochChanges):
                     ids,
                     self._groups,
                     generation,
+                    self.rendezvous,
                 )
         except BaseException as exc:
             with self._cond:

@@ -176,6 +176,13 @@ class JobConfig:
                 f"unknown collectives {self.collectives!r} (choose from "
                 f"{[c for c in COLLECTIVES if c]}, or none for the stages' data channel)"
             )
+        if self.collectives == "nccl":
+            raise InvalidRequest(
+                "collectives='nccl' is not built yet: it has not run on GPUs (NCCL needs a "
+                "round's sends and receives grouped, and its watchdog ends the process on an "
+                "operation a failed run leaves behind); collectives='gloo' runs on CUDA hosts "
+                "too, through host memory"
+            )
 
     @property
     def scaler(self) -> dict[str, float | int]:

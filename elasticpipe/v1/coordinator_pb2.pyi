@@ -141,22 +141,28 @@ class HeartbeatResponse(_message.Message):
     REREGISTER_FIELD_NUMBER: _builtins.int
     DEAD_FIELD_NUMBER: _builtins.int
     SAFE_STEP_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_FIELD_NUMBER: _builtins.int
     reregister: _builtins.bool
     """the coordinator does not know this stage id"""
     dead: _builtins.bool
     """this incarnation was declared dead: drop the job, re-register"""
     safe_step: _builtins.int
     """snapshots of this step and later must be kept"""
+    rendezvous: _builtins.str
+    """The running job's rendezvous store (collectives="gloo"), as this coordinator serves it
+    now: after a restart it may be on another port than the job spec says. "": none.
+    """
     def __init__(
         self,
         *,
         reregister: _builtins.bool = ...,
         dead: _builtins.bool = ...,
         safe_step: _builtins.int = ...,
+        rendezvous: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "reregister", b"reregister", "safe_step", b"safe_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "rendezvous", b"rendezvous", "reregister", b"reregister", "safe_step", b"safe_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

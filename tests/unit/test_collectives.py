@@ -1,7 +1,9 @@
-"""The process-group engine's pieces of the reduction (``collectives="gloo"``/``"nccl"``):
-a piece packed into bytes comes back bit for bit, whatever its dtypes; a piece of the wrong
-size is refused by name; a generation given up on is not opened again; and the refusals of
-the coordinator's rendezvous (TLS, standby coordinators) and of NCCL without CUDA."""
+"""The process-group engine's pieces of the reduction (``collectives="gloo"``): a piece
+packed into bytes comes back bit for bit, whatever its dtypes; a piece of the wrong size,
+a short one (a receive leaves the rest of its zeroed buffer) and a garbled one are refused
+by name; a generation given up on is not opened again, nor by a run left behind; the
+coordinator's rendezvous listens on its listen host only, and is refused with TLS or
+standby coordinators; NCCL is refused until it has run on GPUs."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch
 
 from elasticpipe.coordinator.rendezvous import Rendezvous
 from elasticpipe.errors import InvalidRequest, StepAborted
-from elasticpipe.stage_server.collectives import ProcessGroups, check_engine
-from elasticpipe.stage_server.reducing import _packed, piece
+from elasticpipe.stage_server.collectives import ProcessGroups
+from elasticpipe.stage_server.reducing import TRAILER, _packed, piece
 from elasticpipe.stage_server.reduction import GroupReduction, Piece, Send, chunk_bounds, cut
 from elasticpipe.training.job import JobConfig
 
@@ -45,32 +47,43 @@ def test_a_packed_piece_comes_back_bit_for_bit(chunk: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got.tensors, tensors, strict=True))
 
 
-def test_a_piece_of_the_wrong_size_is_refused_by_name() -> None:
+def test_a_piece_of_the_wrong_size_a_short_or_a_garbled_one_is_refused_by_name() -> None:
     reduction, like = _reduction()
     data = _packed(Send(0, Piece(0, 0, 1, None, tuple(cut(like, 0, 6)), (True, True))))
-    with pytest.raises(
-        InvalidRequest, match=r"from replica 1: 23 torch.uint8 elements, expected 24 bytes"
-    ):
+    assert data.numel() == 24 + TRAILER.size
+    with pytest.raises(InvalidRequest, match=r"replica 1: 35 torch.uint8 elements, expected 36"):
         piece(data[:-1], reduction, 0, 1, None)
+    short = torch.zeros_like(data)  # what a receive leaves of a piece 10 bytes short
+    short[:10] = data[:10]
+    with pytest.raises(InvalidRequest, match=r"trailer says 0 bytes .*\(a short or garbled"):
+        piece(short, reduction, 0, 1, None)
+    garbled = data.clone()
+    garbled[3] ^= 1
+    with pytest.raises(InvalidRequest, match="the payload is 24 bytes with CRC-32"):
+        piece(garbled, reduction, 0, 1, None)
 
 
 def test_a_generation_given_up_on_is_not_opened_again() -> None:
     groups = ProcessGroups()
     groups.use("job", 3, 7)
+    old = groups.current()
     groups.drop()  # a run failed on them
     with pytest.raises(StepAborted, match=r"generation 7 \(epoch 3\) were given up here"):
         groups.use("job", 3, 7)
     groups.use("job", 3, 9)  # the client's next generation
+    # the failed run's engine, still running, cannot open (or take) the new one's groups
+    with pytest.raises(StepAborted, match="generation 7 are given up"):
+        groups.group(old, "127.0.0.1:1", "127.0.0.1", 0, 0, 2, 1.0)
 
 
-def test_nccl_without_cuda_is_refused_naming_the_stage() -> None:
-    with pytest.raises(InvalidRequest, match="stage s1 computes on cpu"):
-        check_engine("nccl", torch.device("cpu"), "s1")
-    check_engine("gloo", torch.device("cpu"), "s1")
+def test_nccl_is_refused_until_it_has_run_on_gpus() -> None:
+    with pytest.raises(InvalidRequest, match="collectives='nccl' is not built yet"):
+        JobConfig(model="mlp", collectives="nccl")
+    assert JobConfig(model="mlp", collectives="gloo").collectives == "gloo"
 
 
 def _cluster(**fields: Any) -> Any:
-    config = SimpleNamespace(tls=fields.pop("tls", None))
+    config = SimpleNamespace(tls=fields.pop("tls", None), listen="127.0.0.1:0")
     return SimpleNamespace(
         config=config, **{"elected": False, "address": "127.0.0.1:7100", **fields}
     )
@@ -92,5 +105,12 @@ def test_a_restarted_coordinator_serves_the_rendezvous_on_the_same_port() -> Non
         port = probe.getsockname()[1]
     job = JobConfig(model="mlp", collectives="gloo", rendezvous=f"127.0.0.1:{port}")
     assert Rendezvous(_cluster()).restored(job).rendezvous == f"127.0.0.1:{port}"
-    served = Rendezvous(_cluster()).for_job(JobConfig(model="mlp", collectives="gloo"))
+    rendezvous = Rendezvous(_cluster())  # (its store lives as long as it does)
+    served = rendezvous.for_job(JobConfig(model="mlp", collectives="gloo"))
     assert served.rendezvous.startswith("127.0.0.1:") and not served.rendezvous.endswith(":0")
+    port = int(served.rendezvous.rpartition(":")[2])
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    # bound to the listen host only: another loopback address (every interface's
+    # listener would take it) is refused
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5)
