@@ -265,11 +265,7 @@ class Coordinator:
             raise NotReady(f"unknown stage id {stage_id!r}")
         self.cluster.members.mark_leaving(stage_id)
         partition = self.cluster.partition
-        if self.cluster.replicas > 1 and stage_id in self.cluster.job_stage_ids():
-            # its layers cannot be moved off yet: it stays a stage of the job (which fails
-            # once it is gone) rather than leaving as if it held nothing
-            self.cluster.refuse_replicated(f"moving {member.row.name}'s layers off as it leaves")
-        if self.cluster.job is None or partition is None or stage_id not in partition.stage_ids:
+        if self.cluster.job is None or stage_id not in self.cluster.job_stage_ids():
             self.cluster.members.mark_left(stage_id)  # nothing of a job to move off
             log.info("stage_left", stage=member.row.name, stage_id=stage_id, moved=False)
             return MoveOutcome(False, partition, f"{member.row.name} holds no layers")
@@ -284,8 +280,7 @@ class Coordinator:
                     raise
                 time.sleep(0.5)
                 continue
-            now = self.cluster.partition
-            if now is None or stage_id not in now.stage_ids:  # the move went through
+            if stage_id not in self.cluster.job_stage_ids():  # the move went through
                 self.cluster.members.mark_left(stage_id)
                 log.info("stage_left", stage=member.row.name, stage_id=stage_id, moved=True)
             return outcome

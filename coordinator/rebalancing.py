@@ -405,11 +405,17 @@ class Rebalancer(ReplicaPolicy):
         return MoveOutcome(True, new, reason, 0.0, result.bytes_moved, result.pause_s, new)
 
     def drain(self, key: str, reason: str = "") -> MoveOutcome:
-        """Moves every layer off a stage and keeps it out of the chain."""
+        """Moves every layer off a stage and keeps it out of the chain (a job of several
+        replicas: its replica is mended without it, ``replica_changes.drain``)."""
         member = self._member(key)
         _, current = self.c.require_job()
-        self.c.refuse_replicated(f"draining {member.row.name}")
-        if member.row.stage_id not in current.stage_ids:
+        if self.c.replicas > 1 and member.row.stage_id in self.c.job_stage_ids():
+            why = reason or f"drain {member.row.name}"
+            with self.c.move_lock:
+                new, result = replica_changes.drain(self.c, member, why, self._pause)
+                self.c.members.set_drained(member.row.stage_id, True)
+            return MoveOutcome(True, new, why, 0.0, result.bytes_moved, result.pause_s, new)
+        if member.row.stage_id not in self.c.job_stage_ids():
             self.c.members.set_drained(member.row.stage_id, True)
             return MoveOutcome(False, current, f"{member.row.name} holds no layers")
         stages = tuple(s for s in current.stages if s.stage_id != member.row.stage_id)
@@ -423,10 +429,16 @@ class Rebalancer(ReplicaPolicy):
         """Lets a drained stage back into the chain, at its registration-order place."""
         member = self._member(key)
         _, current = self.c.require_job()
-        self.c.refuse_replicated(f"undraining {member.row.name}")
         self.c.members.set_drained(member.row.stage_id, False)
-        if member.row.stage_id in current.stage_ids:
+        if member.row.stage_id in self.c.job_stage_ids():
             return MoveOutcome(False, current, f"{member.row.name} is already in the chain")
+        if self.c.replicas > 1:  # a spare again: a new replica's, or set-layout's, to use
+            return MoveOutcome(
+                False,
+                self.c.layout,
+                f"{member.row.name} is a spare again: the policy forms a replica of spares "
+                "when it predicts a gain, and admin set-layout places it now",
+            )
         order = [m.row.stage_id for m in self.c.members.members()]
         chain_ids = set(current.stage_ids) | {member.row.stage_id}
         refs = {s.stage_id: s for s in current.stages} | {member.row.stage_id: self._ref(member)}

@@ -92,40 +92,11 @@ def recover(
     live = {m.row.stage_id for m in cluster.members.members() if cluster.members.alive(m)}
     live -= dead_ids
     spares = [m for m in cluster.spares() if m.row.stage_id not in dead_ids]
-    replicas: tuple[Partition | None, ...] = layout.replicas
-    said: list[str] = []
-    for r, chain in enumerate(layout.replicas):
-        lost = [sid for sid in chain.stage_ids if sid in dead_ids]
-        if not lost:
-            continue
-        option = replica_options.choose(cluster, replicas, r, dead_ids, live, spares)
-        if option is None:  # the last replica standing, and it cannot be mended alone
-            survivors = [
-                StageRef(m.row.stage_id, m.row.address)
-                for m in [*map(cluster.members.by_id, layout.stage_ids), *spares]
-                if m is not None and m.row.stage_id in live
-            ]
-            one = replica_options.one_chain(cluster, chain, survivors)
-            if one is None:
-                names = cluster.names([s.stage_id for s in survivors])
-                cluster.fail_job(
-                    f"every replica lost stages ({', '.join(cluster.names(sorted(dead_ids)))}) "
-                    f"and the survivors ({', '.join(names)}) cannot hold the model, even as "
-                    "one chain"
-                )
-                return None
-            replicas = (one,)
-            said.append("every replica lost stages: one chain of the survivors re-formed")
-            break
-        replicas = option.replicas
-        spares = [m for m in spares if m not in option.spares_taken]
-        if option.replicas[r] is None:  # dissolved: its survivors serve later replicas
-            spares += [
-                m
-                for m in map(cluster.members.by_id, chain.stage_ids)
-                if m is not None and m.row.stage_id in live
-            ]
-        said.append(f"replica {r} lost {', '.join(cluster.names(lost))}: {option.what}")
+    mended = replica_options.mend(cluster, layout, dead_ids, live, spares)
+    if isinstance(mended, str):
+        cluster.fail_job(mended)
+        return None
+    replicas, said = mended
     kept = [p for p in replicas if p is not None]
     relaid = _relaid(cluster, kept)
     gone = frozenset(
@@ -257,6 +228,58 @@ def _rolled_back(
         assert member is not None
         holders[layer] = member.row.address
     return step, holders
+
+
+def drain(
+    cluster: Cluster, member: Member, reason: str, pause: epochs.Pause
+) -> tuple[Layout, epochs.MoveResult]:
+    """Takes a live stage out of a job of several replicas (``admin drain``, a stage
+    leaving on SIGTERM): its replica is mended as if it had died (``replica_options``),
+    but at a consistent cut of every stage, the stage itself still serving (and a source
+    of its layers) until the change commits. Nothing is rolled back or retried.
+
+    Raises:
+        InvalidRequest: no replica can go on without it (named); nothing changes.
+        ElasticPipeError: the change was abandoned (the old layout stays in force).
+    """
+    job, _ = cluster.require_job()
+    layout = cluster.layout
+    assert layout is not None
+    epochs.check_no_change_in_progress(cluster)
+    sid = member.row.stage_id
+    alive = {m.row.stage_id for m in cluster.members.members() if cluster.members.alive(m)}
+    spares = [m for m in cluster.spares() if m.row.stage_id != sid]
+    mended = replica_options.mend(cluster, layout, {sid}, alive - {sid}, spares)
+    if isinstance(mended, str):
+        raise InvalidRequest(f"{member.row.name} cannot leave the job: {mended}")
+    replicas, said = mended
+    new_layout = _at_epoch(
+        _relaid(cluster, [p for p in replicas if p is not None]), cluster.store.reserve_epoch()
+    )
+    reason = f"{reason}: {'; '.join(said)}"
+    change = Change(
+        "move",
+        reason,
+        layout.replicas[0],
+        new_layout.replicas[0],
+        old_layout=layout,
+        new_layout=new_layout,
+        sources=_sources(layout, new_layout.replicas, alive),
+    )
+    extra = layout_record(cluster, new_layout)
+
+    def history(result: epochs.MoveResult) -> EpochRow:
+        return epochs.history_row(
+            cluster, new_layout.replicas[0], "move", reason, moved=result, extra=extra
+        )
+
+    result = epochs.change_epoch(cluster, job, change, pause, history)
+    cluster.last_move, cluster.last_pause = time.monotonic(), result.pause_s
+    for stage_id in change.sources:
+        if (moved := cluster.members.by_id(stage_id)) is not None:
+            moved.remeasure()
+    log.info("replica_stage_drained", stage=member.row.name, how=said, epoch=new_layout.epoch)
+    return new_layout, result
 
 
 def reshare(

@@ -51,6 +51,7 @@ __all__ = [
     "layout_step",
     "measured_pipelines",
     "measured_step_times",
+    "mend",
     "one_chain",
     "pick_spares",
     "plans",
@@ -72,6 +73,56 @@ class Option:
     replicas: tuple[Partition | None, ...]
     spares_taken: tuple[Member, ...]
     step_s: float
+
+
+def mend(
+    cluster: Cluster,
+    layout: Layout,
+    dead: set[str],
+    live: set[str],
+    spares: Sequence[Member],
+) -> tuple[tuple[Partition | None, ...], list[str]] | str:
+    """Mends every replica of ``layout`` that lost a stage of ``dead``, in replica order,
+    each by its ``choose``n option; a dissolved replica's survivors serve as spares for the
+    replicas after it. If no replica can be kept, the survivors form one chain.
+
+    Returns:
+        The replicas after (None for a dissolved one) and what was done to each (for the
+        history), or why nothing can go on (the job fails, or a drain is refused).
+    """
+    replicas: tuple[Partition | None, ...] = layout.replicas
+    spares = list(spares)
+    said: list[str] = []
+    for r, chain in enumerate(layout.replicas):
+        lost = [sid for sid in chain.stage_ids if sid in dead]
+        if not lost:
+            continue
+        option = choose(cluster, replicas, r, dead, live, spares)
+        if option is None:  # the last replica standing, and it cannot be mended alone
+            survivors = [
+                StageRef(m.row.stage_id, m.row.address)
+                for m in [*map(cluster.members.by_id, layout.stage_ids), *spares]
+                if m is not None and m.row.stage_id in live
+            ]
+            one = one_chain(cluster, chain, survivors)
+            if one is None:
+                names = cluster.names([s.stage_id for s in survivors])
+                return (
+                    f"every replica lost stages ({', '.join(cluster.names(sorted(dead)))}) "
+                    f"and the survivors ({', '.join(names)}) cannot hold the model, even as "
+                    "one chain"
+                )
+            return (one,), [*said, "every replica lost stages: one chain of the survivors"]
+        replicas = option.replicas
+        spares = [m for m in spares if m not in option.spares_taken]
+        if option.replicas[r] is None:  # dissolved: its survivors serve later replicas
+            spares += [
+                m
+                for m in map(cluster.members.by_id, chain.stage_ids)
+                if m is not None and m.row.stage_id in live
+            ]
+        said.append(f"replica {r} lost {', '.join(cluster.names(lost))}: {option.what}")
+    return replicas, said
 
 
 def choose(

@@ -181,12 +181,12 @@ class Cluster:
 
     def refuse_replicated(self, what: str) -> None:
         """Raises InvalidRequest, naming ``what``, while the job runs several replicas:
-        epoch changes (moves, recovery, loads) are built for one pipeline so far."""
+        the levers of one chain (set-partition, rebalance) do not apply to them."""
         if self.replicas > 1:
             raise InvalidRequest(
                 f"{what}: job {self.partition.job_id if self.partition else '-'} runs "
-                f"{self.replicas} replicas, and changing a job of several replicas (moves, "
-                "recovery, checkpoint loads) is not built yet"
+                f"{self.replicas} replicas; move them with admin set-layout (or drain a "
+                "stage): set-partition and rebalance act on one pipeline"
             )
 
     def fail_job(self, message: str, kind: type[LayersLost] = LayersLost) -> None:

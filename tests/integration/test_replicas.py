@@ -273,20 +273,39 @@ def test_a_layer_lost_in_every_replica_is_restored_from_snapshots(tmp_path: Path
     assert restored >= 1 and replayed == 3 - restored
 
 
-def test_draining_a_replica_stage_is_refused_up_front(cluster: LocalCluster) -> None:
-    """A drain of any replica's stage is refused by name before anything changes (a
-    drain would keep a serving stage out of the next job)."""
-    with Pipeline(cluster.coordinator, **JOB, stages=(2, 3)) as pipe:  # type: ignore[arg-type]
-        pipe.train_step(*_batch(0))
-        last = pipe.layout.replicas[1].stage_ids[-1]
-        name = next(
-            s["name"] for s in cli.admin_json(cluster, "status")["stages"] if s["stage_id"] == last
-        )
-        refused = cli.admin_json(cluster, "drain", name)
-        assert f"draining {name}" in refused["error"]["message"]
-        status = cli.admin_json(cluster, "status")
-        assert {s["state"] for s in status["stages"] if s["stage_id"] == last} == {"chain"}
-        pipe.train_step(*_batch(1))
+def test_a_drained_and_a_sigtermed_stage_leave_replicas_without_a_replay() -> None:
+    """``admin drain`` of replica 1's last stage, then SIGTERM of replica 0's last stage:
+    each time its replica is mended without it (no spare: re-partitioned over its
+    survivors) at a consistent cut, the stage serving and lending its layers until the
+    change commits. Nothing is replayed, the SIGTERMed stage exits 0 and is left, not
+    dead, and the results stay LocalPipeline's bits."""
+    want_losses, want_state = _reference(4)
+    with (
+        clusters.fast(5, allow_models=("tests.support",)) as c,
+        Pipeline(c.coordinator, **JOB, stages=(2, 3)) as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*_batch(0))]
+        drained = _name_of(c, pipe.layout.replicas[1].stage_ids[-1])
+        moved = cli.admin_json(c, "drain", drained)
+        assert moved["changed"], moved
+        losses.append(pipe.train_step(*_batch(1)))
+        assert pipe.last_step.replayed == 0  # (its first attempt learns the new epoch)
+        assert tuple(p.num_stages for p in pipe.layout.replicas) == (2, 2)
+        leaving = _name_of(c, pipe.layout.replicas[0].stage_ids[-1])
+        assert c.terminate(leaving) == 0
+        losses.append(pipe.train_step(*_batch(2)))
+        assert pipe.last_step.replayed == 0
+        losses.append(pipe.train_step(*_batch(3)))
+        state = pipe.state_dict()
+        status = cli.admin_json(c, "status")
+        undrained = cli.admin_json(c, "undrain", drained)
+    states = {s["name"]: s["state"] for s in status["stages"]}
+    assert states[drained] == "drained" and states[leaving] == "left", states
+    assert "a spare again" in undrained["decision"], undrained
+    assert not [r for r in status["history"] if r["kind"] == "recovery"], status["history"]
+    assert losses == want_losses
+    for name, value in want_state.items():
+        assert torch.equal(state[name], value), name
 
 
 def test_checkpoints_and_init_state_load_into_any_layout(
