@@ -466,8 +466,8 @@ class Rebalancer(ReplicaPolicy):
         partition = self.c.partition
         if not self.policy.enabled or self.c.job is None or partition is None or self.c.failure:
             return
-        if self.c.replicas > 1:  # shares first, then a new replica from the spares
-            if not self.retune_shares():
+        if self.c.replicas > 1:  # shares first, then layers, then a replica of spares
+            if not self.retune_shares() and not self.retune_layers():
                 self.grow_replicas()
             return
         if not self._measured(partition.stage_ids):

@@ -1,8 +1,9 @@
 """The rebalancing policy's levers for a job of several replicas (``Rebalancer`` mixes them
-in): re-splitting the shares when the live speeds call for it, and forming a new replica
-from the spares when the planner predicts a gain. Each is decided as a move is (threshold,
-payback, cool-down, confirmed by a later step's measurements) and carried out as one epoch
-change (``replica_changes``).
+in), tried in this order: re-splitting the shares when the live speeds call for it (moves
+no state), moving layers inside replicas (each re-partitioned over its own stages), and
+forming a new replica from the spares when the planner predicts a gain. Each is decided as
+a move is (threshold, payback, cool-down, confirmed by a later step's measurements) and
+carried out as one epoch change (``replica_changes``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Protocol
 
 from elasticpipe.coordinator import epochs, replica_changes, replica_options
 from elasticpipe.coordinator.membership import Member
+from elasticpipe.coordinator.planning import plan
+from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
 from elasticpipe.coordinator.state import Cluster
 
@@ -82,6 +85,68 @@ class ReplicaPolicy:
                 f"{now_s:.4g}s -> {best_s:.4g}s)"
             )
             replica_changes.reshare(self.c, best, reason, self._pause)
+        return True
+
+    def retune_layers(self: _Rebalancer) -> bool:
+        """Moves layers inside replicas when the live speeds call for it: each replica
+        re-partitioned over its own stages (their order kept), the shares water-filled
+        again. Priced against the current partitions with their best shares (re-splitting
+        comes first), both from the predictions alone: the new cuts are not measured yet.
+        Returns whether layers moved."""
+        layout = self.c.layout
+        if layout is None or self.c.store.get(epochs.CHANGE_KEY) is not None:
+            return False
+        if not all(self._measured(p.stage_ids) for p in layout.replicas):
+            return False
+        costs, chains = self.c.costs(), []
+        for p in layout.replicas:
+            ids = list(p.stage_ids)
+            try:
+                best = plan(
+                    costs,
+                    self.c.speeds(ids),
+                    *self.c.links(len(ids)),
+                    *self.c.memory(ids),
+                    current=p.boundaries,
+                )
+            except PlanError:
+                return False
+            chains.append(p.evolve(boundaries=best.boundaries))
+        moves = [(old, new) for old, new in zip(layout.replicas, chains, strict=True) if old != new]
+        if not moves:
+            self._proposals.pop("layers", None)
+            return False
+        now_s = replica_options.layout_step(self.c, layout.replicas)
+        new_s = replica_options.layout_step(self.c, chains)
+        decision = decide(
+            self.policy,
+            now_s,
+            new_s,
+            sum(self.c.bytes_to_move(old, new) for old, new in moves),
+            time.monotonic() - self.c.last_move,
+            self.c.last_pause,
+            layers_to_move=sum(len(old.moves_to(new)) for old, new in moves),
+        )
+        key = (tuple(b for p in chains for b in p.boundaries), layout.stage_ids)
+        if decision.move:
+            decision = self._confirmed("layers", decision, key, layout.stage_ids)
+        else:
+            self._proposals.pop("layers", None)
+        self._log_decision(decision, "auto layers", self.c.in_seconds(layout.stage_ids))
+        if not decision.move:
+            return False
+        self._proposals.pop("layers", None)
+        with self.c.move_lock:
+            if self.c.layout is not layout:  # changed meanwhile: decide again next time
+                return False
+            cuts = "; ".join(
+                f"replica {layout.replicas.index(old)} {list(old.boundaries)} -> "
+                f"{list(new.boundaries)}"
+                for old, new in moves
+            )
+            reason = f"auto: layers {cuts} (predicted step {now_s:.4g}s -> {new_s:.4g}s)"
+            specs = [(p.boundaries, p.stages) for p in chains]
+            replica_changes.set_layout(self.c, specs, None, reason, self._pause)
         return True
 
     def grow_replicas(self: _Rebalancer) -> bool:

@@ -444,26 +444,34 @@ def test_stages_killed_inside_steps_cost_no_replay_and_no_bits(
         assert torch.equal(state[key], value), key
 
 
-def test_a_slowed_replica_gets_a_smaller_share_and_the_results_stay_exact() -> None:
-    """One stage of replica 1 slowed 30x: the coordinator's policy re-splits the
-    micro-batches toward replica 0 (one epoch change, no layer moved), within a few steps,
-    and every loss and weight still equals LocalPipeline's bit for bit."""
+def test_a_slowed_replica_gets_a_smaller_share_then_layers_move_and_it_stays_exact() -> None:
+    """One stage of replica 1 slowed 30x: the coordinator's policy first re-splits the
+    micro-batches toward replica 0 (one epoch change, no layer moved), then moves layers
+    off the slow stage inside replica 1 (its cut moves; the shares are water-filled again),
+    each within a few steps, and every loss and weight still equals LocalPipeline's bit
+    for bit."""
     with (
         _eager_policy(4) as c,
         Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*_batch(0))]
         before = pipe.layout.shares
+        cut = pipe.layout.replicas[1].boundaries
         slow = _name_of(c, pipe.layout.replicas[1].stage_ids[0])
         cli.admin_json(c, "slowdown", slow, "30")
         while pipe.layout.shares == before and len(losses) < 40:
             losses.append(pipe.train_step(*_batch(len(losses))))
         after = pipe.layout.shares
+        while pipe.layout.replicas[1].boundaries == cut and len(losses) < 60:
+            losses.append(pipe.train_step(*_batch(len(losses))))
+        moved = pipe.layout.replicas[1].boundaries
         losses.append(pipe.train_step(*_batch(len(losses))))
         state = pipe.state_dict()
         history = cli.admin_json(c, "status")["history"]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
     assert any(r["kind"] == "shares" and r["layers_moved"] == 0 for r in history)
+    assert moved[1] < cut[1], (cut, moved)  # the slow first stage of replica 1 holds less
+    assert any(r["reason"].startswith("auto: layers") and r["layers_moved"] for r in history)
     local = LocalPipeline(**JOB)  # type: ignore[arg-type]
     assert [local.train_step(*_batch(step)) for step in range(len(losses))] == losses
     for name, value in local.state_dict().items():
