@@ -6,13 +6,15 @@ so the stages wait like accelerator hosts with idle CPUs instead of fighting for
 cores). In one run, one job after another on the same stages, each trained ``--steps``
 steps after a warm-up:
 
-    one pipeline of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4); ``replicas="auto"``
+    one pipeline of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4); ``replicas="auto"``;
+    2 of 3 again reducing on gloo (``collectives="gloo"``, "2 x 3 gl")
 
 Printed per layout: steps/s, the planner's prediction (the slowest replica's predicted step
 for its share; the reduction is counted only when the coordinator knows a link bandwidth,
 which it does not here), measured over predicted, and the speed-up over one pipeline of 6.
 The last line is JSON with ``speedup_best`` (the best fixed layout over one pipeline),
-``auto_vs_best`` (auto over the best fixed layout) and ``straggler_vs_optimum``.
+``auto_vs_best`` (auto over the best fixed layout), ``gloo_vs_data_channel`` (2 of 3 on
+gloo over the same on the data channel) and ``straggler_vs_optimum``.
 
 Then the straggler: a job of 2 replicas of 3 with auto-rebalance on, one host of replica 1
 slowed 3x more. Printed: the steps until the coordinator re-split the shares (the policy's
@@ -45,7 +47,10 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
     ("3 x 2", {"replicas": 3, "stages": 2}),
     ("(2, 4)", {"stages": (2, 4)}),
     ("auto", {"replicas": "auto", "stages": 6}),
+    # the same reduction on gloo process groups instead of the stages' data channel
+    ("2 x 3 gl", {"replicas": 2, "stages": 3, "collectives": "gloo"}),
 ]
+ENGINES = ("2 x 3", "2 x 3 gl")  # compared: gloo_vs_data_channel
 
 
 def _pipeline(
@@ -179,7 +184,7 @@ def main() -> int:
             flush=True,
         )
     one = results["1 x 6"]["steps_per_s"]
-    fixed = [n for n, _ in LAYOUTS if n != "auto"]
+    fixed = [n for n, _ in LAYOUTS if n != "auto" and n != ENGINES[1]]
     best = max(fixed, key=lambda n: results[n]["steps_per_s"])
     print()
     print(
@@ -203,6 +208,8 @@ def main() -> int:
         "speedup_best": results[best]["steps_per_s"] / one,
         "auto_vs_best": results["auto"]["steps_per_s"] / results[best]["steps_per_s"],
         "auto_lengths": results["auto"]["lengths"],
+        "gloo_vs_data_channel": results[ENGINES[1]]["steps_per_s"]
+        / results[ENGINES[0]]["steps_per_s"],
         "min_vs_predicted": min(
             (f["vs_predicted"] for f in results.values() if f["vs_predicted"] is not None),
             default=None,
@@ -218,6 +225,7 @@ def main() -> int:
     print(
         f"best fixed layout {best}: {out['speedup_best']:.2f}x one pipeline of 6; "
         f"auto ({out['auto_lengths']}) {out['auto_vs_best']:.0%} of it (goal >= 95%); "
+        f"gloo {out['gloo_vs_data_channel']:.2f}x the data channel; "
         f"lowest measured/predicted {out['min_vs_predicted'] or 0:.0%} (goal >= 90%); "
         f"straggler: re-split after {out['reshare_steps']} steps (goal <= 3), "
         f"{out['straggler_vs_optimum']:.0%} of the optimum (goal >= 90%)"

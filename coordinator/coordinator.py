@@ -294,7 +294,7 @@ class Coordinator:
         twice: the stored profile decides the move, which is then already made or made now.
         """
         profiled = self.jobs.profile_later(job_id, client, sample)
-        if self.cluster.replicas > 1:  # replicas are not re-planned yet: no move
+        if self.cluster.replicas > 1:  # replicas: the policy's levers re-plan them (no move here)
             log.info("job_profiled", job=job_id, again=not profiled, moved=False)
             return
         view = self.rebalancer.plan_view()

@@ -409,12 +409,15 @@ class Rebalancer(ReplicaPolicy):
         replicas: its replica is mended without it, ``replica_changes.drain``)."""
         member = self._member(key)
         _, current = self.c.require_job()
-        if self.c.replicas > 1 and member.row.stage_id in self.c.job_stage_ids():
-            why = reason or f"drain {member.row.name}"
-            with self.c.move_lock:
+        with self.c.move_lock:  # (whether it runs replicas is asked under the lock)
+            if self.c.replicas > 1 and member.row.stage_id in self.c.job_stage_ids():
+                why = reason or f"drain {member.row.name}"
                 new, result = replica_changes.drain(self.c, member, why, self._pause)
                 self.c.members.set_drained(member.row.stage_id, True)
-            return MoveOutcome(True, new, why, 0.0, result.bytes_moved, result.pause_s, new)
+                if result is None:
+                    return MoveOutcome(False, new, f"{member.row.name} holds no layers")
+                return MoveOutcome(True, new, why, 0.0, result.bytes_moved, result.pause_s, new)
+            _, current = self.c.require_job()
         if member.row.stage_id not in self.c.job_stage_ids():
             self.c.members.set_drained(member.row.stage_id, True)
             return MoveOutcome(False, current, f"{member.row.name} holds no layers")

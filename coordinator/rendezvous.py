@@ -23,11 +23,12 @@ from elasticpipe.logs import get_logger
 from elasticpipe.training.job import JobConfig
 from elasticpipe.transport.serving import join_address, split_address
 
-__all__ = ["Rendezvous"]
+__all__ = ["REFUSED", "Rendezvous"]
 
 log = get_logger(__name__)
 
 STORE_TIMEOUT_S = 60.0
+REFUSED = "-"  # a job's rendezvous that a restarted coordinator refuses to serve
 
 
 class Rendezvous:
@@ -47,7 +48,7 @@ class Rendezvous:
                 runs with standby coordinators (named).
         """
         if not job.collectives:
-            return replace(job, rendezvous="")
+            return replace(job, rendezvous=REFUSED)
         if self.c.config.tls is not None:
             raise InvalidRequest(
                 f"collectives={job.collectives!r}: the process groups and their rendezvous "
@@ -77,7 +78,7 @@ class Rendezvous:
                 why="collectives need a plaintext coordinator without standbys",
                 job=job.job_id,
             )
-            return replace(job, rendezvous="")
+            return replace(job, rendezvous=REFUSED)
         host, port = split_address(job.rendezvous)
         try:
             served = self._serve(port)

@@ -232,54 +232,35 @@ def _rolled_back(
 
 def drain(
     cluster: Cluster, member: Member, reason: str, pause: epochs.Pause
-) -> tuple[Layout, epochs.MoveResult]:
+) -> tuple[Layout, epochs.MoveResult | None]:
     """Takes a live stage out of a job of several replicas (``admin drain``, a stage
     leaving on SIGTERM): its replica is mended as if it had died (``replica_options``),
-    but at a consistent cut of every stage, the stage itself still serving (and a source
-    of its layers) until the change commits. Nothing is rolled back or retried.
+    then moved to with ``set_layout``: at a consistent cut of every stage, the stage itself
+    still serving (and a source of its layers) until the change commits. Nothing is rolled
+    back or retried. Call under ``move_lock``.
+
+    Returns:
+        The layout in force, and what the change did (None: the stage held nothing).
 
     Raises:
         InvalidRequest: no replica can go on without it (named); nothing changes.
         ElasticPipeError: the change was abandoned (the old layout stays in force).
     """
-    job, _ = cluster.require_job()
-    layout = cluster.layout
-    assert layout is not None
-    epochs.check_no_change_in_progress(cluster)
+    layout = cluster.job_layout()
     sid = member.row.stage_id
+    if layout is None or sid not in layout.stage_ids:  # (changed meanwhile)
+        assert layout is not None
+        return layout, None
     alive = {m.row.stage_id for m in cluster.members.members() if cluster.members.alive(m)}
     spares = [m for m in cluster.spares() if m.row.stage_id != sid]
     mended = replica_options.mend(cluster, layout, {sid}, alive - {sid}, spares)
     if isinstance(mended, str):
         raise InvalidRequest(f"{member.row.name} cannot leave the job: {mended}")
     replicas, said = mended
-    new_layout = _at_epoch(
-        _relaid(cluster, [p for p in replicas if p is not None]), cluster.store.reserve_epoch()
-    )
-    reason = f"{reason}: {'; '.join(said)}"
-    change = Change(
-        "move",
-        reason,
-        layout.replicas[0],
-        new_layout.replicas[0],
-        old_layout=layout,
-        new_layout=new_layout,
-        sources=_sources(layout, new_layout.replicas, alive),
-    )
-    extra = layout_record(cluster, new_layout)
-
-    def history(result: epochs.MoveResult) -> EpochRow:
-        return epochs.history_row(
-            cluster, new_layout.replicas[0], "move", reason, moved=result, extra=extra
-        )
-
-    result = epochs.change_epoch(cluster, job, change, pause, history)
-    cluster.last_move, cluster.last_pause = time.monotonic(), result.pause_s
-    for stage_id in change.sources:
-        if (moved := cluster.members.by_id(stage_id)) is not None:
-            moved.remeasure()
-    log.info("replica_stage_drained", stage=member.row.name, how=said, epoch=new_layout.epoch)
-    return new_layout, result
+    specs = [(p.boundaries, p.stages) for p in replicas if p is not None]
+    new, result = set_layout(cluster, specs, None, f"{reason}: {'; '.join(said)}", pause)
+    log.info("replica_stage_drained", stage=member.row.name, how=said, epoch=new.epoch)
+    return new, result
 
 
 def reshare(
@@ -522,12 +503,10 @@ def new_replica(
         return None
     refs = tuple(StageRef(spares[i].row.stage_id, spares[i].row.address) for i in order)
     chain = layout.replicas[0].evolve(boundaries=plan.boundaries, stages=refs)
-    now_s = planned_shares(cluster, layout)[0]
-    times = [
-        *replica_options.measured_step_times(cluster, layout),
-        *planned_step_times([plan], job.schedule),
-    ]
-    new_s = slowest(times, assign_shares(times, job.micro_batches, 1))
+    # Like for like: predictions on both sides (the new replica's pipeline is not
+    # measured, so the others' measured shortfalls are left out too), the best shares each.
+    now_s = replica_options.layout_step(cluster, layout.replicas)
+    new_s = replica_options.layout_step(cluster, [*layout.replicas, chain])
     return chain, now_s, new_s
 
 

@@ -91,7 +91,7 @@ def mend(
         history), or why nothing can go on (the job fails, or a drain is refused).
     """
     replicas: tuple[Partition | None, ...] = layout.replicas
-    spares = list(spares)
+    given, spares = list(spares), list(spares)
     said: list[str] = []
     for r, chain in enumerate(layout.replicas):
         lost = [sid for sid in chain.stage_ids if sid in dead]
@@ -99,11 +99,14 @@ def mend(
             continue
         option = choose(cluster, replicas, r, dead, live, spares)
         if option is None:  # the last replica standing, and it cannot be mended alone
-            survivors = [
-                StageRef(m.row.stage_id, m.row.address)
-                for m in [*map(cluster.members.by_id, layout.stage_ids), *spares]
-                if m is not None and m.row.stage_id in live
-            ]
+            found = [*map(cluster.members.by_id, layout.stage_ids), *given]
+            survivors = list(
+                {
+                    m.row.stage_id: StageRef(m.row.stage_id, m.row.address)
+                    for m in found
+                    if m is not None and m.row.stage_id in live
+                }.values()
+            )
             one = one_chain(cluster, chain, survivors)
             if one is None:
                 names = cluster.names([s.stage_id for s in survivors])
@@ -358,8 +361,8 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
 
 def measured_pipelines(cluster: Cluster, layout: Layout) -> list[float] | None:
     """Each replica's measured pipeline in ``layout``'s epoch (its slowest stage's
-    ``pipeline_s``); None until every stage of every replica with a share reported one,
-    or while step times have no unit (no profile)."""
+    ``pipeline_s``); None until every stage of every replica reported one (every replica
+    has a share of at least one), or while step times have no unit (no profile)."""
     if not cluster.in_seconds(layout.stage_ids):
         return None
     out = []

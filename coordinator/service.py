@@ -114,6 +114,8 @@ class CoordinatorServicer:
         timings = {
             t.layer: (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in req.timings
         }
+        pipeline_s = bounds.number(req.pipeline_s, "pipeline_s", 0.0, bounds.MAX_TIMING_S)
+        replica = bounds.text(req.replica, "replica", bounds.MAX_NAME)
         heard = self.c.heartbeat(
             req.stage_id,
             bounds.epoch(req.epoch, self._epoch()),
@@ -123,11 +125,10 @@ class CoordinatorServicer:
             req.state if req.HasField("state") else None,
             list(req.snapshots),
         )
-        pipeline_s = bounds.number(req.pipeline_s, "pipeline_s", 0.0, bounds.MAX_TIMING_S)
         if heard is Heard.OK and (member := self.c.members.by_id(req.stage_id)) is not None:
             member.memory_bytes = req.memory_bytes
             member.pipeline_s = (req.epoch, pipeline_s) if pipeline_s else None
-            member.replica_pin = bounds.text(req.replica, "replica", bounds.MAX_NAME)
+            member.replica_pin = replica
         return coordinator_pb2.HeartbeatResponse(
             reregister=heard is not Heard.OK,
             dead=heard is Heard.DEAD,

@@ -252,9 +252,9 @@ class Cluster:
         return [m for m in self.members.members() if self.members.alive(m) and not m.row.drained]
 
     def spares(self) -> list[Member]:
-        """Live, undrained stages outside the chain."""
+        """Live, undrained stages outside the chain, not leaving (on SIGTERM)."""
         chain = set(self.job_stage_ids())
-        return [m for m in self.live_members() if m.row.stage_id not in chain]
+        return [m for m in self.live_members() if m.row.stage_id not in chain and not m.row.leaving]
 
     # ---- estimates -------------------------------------------------------------------
 

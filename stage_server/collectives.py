@@ -27,6 +27,7 @@ against the chunk's form before it is used (``reducing.piece``).
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from collections import deque
@@ -139,7 +140,7 @@ class ProcessGroups:
         prefix = f"elasticpipe/{job_id}/{epoch}/{group}/{number}"
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = datetime.timedelta(seconds=max(timeout_s, MIN_GROUP_TIMEOUT_S))
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._devices = [_device(dist, host)]
         scoped = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         pg = dist.ProcessGroupGloo(scoped, rank, size, options)
         log.info("process_group_opened", epoch=epoch, group=group, generation=number, rank=rank)
@@ -164,6 +165,19 @@ class ProcessGroups:
         )
         with self._lock:
             return self._stores.setdefault(rendezvous, store)
+
+
+def _device(dist: Any, host: str) -> Any:
+    """Gloo's device on ``host`` (the stage's advertised host) if it can be bound here,
+    else gloo's default (the host name's address): behind NAT, or with a DNS name of a
+    Service, the advertised address is not this host's own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+    except OSError:
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=host)
 
 
 def reduce_on_groups(

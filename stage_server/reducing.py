@@ -174,6 +174,12 @@ def reduce_gradients(
     job = layers.job
     if job.collectives:
         assert groups is not None
+        if rendezvous == "-":
+            raise InvalidRequest(
+                f"collectives={job.collectives!r}: the coordinator serves no rendezvous (it "
+                "restarted with TLS or standby coordinators, which refuse collectives): "
+                "start the job again without collectives"
+            )
         groups.use(job.job_id, ids.epoch, generation)
         mine_at = work[0][3][me] if work else ""  # this stage's address: its gloo device's
         reduce_on_groups(

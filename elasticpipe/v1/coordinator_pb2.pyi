@@ -150,7 +150,8 @@ class HeartbeatResponse(_message.Message):
     """snapshots of this step and later must be kept"""
     rendezvous: _builtins.str
     """The running job's rendezvous store (collectives="gloo"), as this coordinator serves it
-    now: after a restart it may be on another port than the job spec says. "": none.
+    now: after a restart it may be on another port than the job spec says. "": none;
+    "-": this coordinator refuses to serve one (TLS, standby coordinators).
     """
     def __init__(
         self,

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from elasticpipe import LocalPipeline, Pipeline
+from elasticpipe.client.admin import Admin
 from tests.support.netns import Hosts, hosts, wait_for_log
 
 __all__ = ["hosts"]  # the fixture
@@ -95,10 +96,13 @@ def test_shares_move_away_from_a_replica_behind_a_slow_link(hosts: Hosts, tmp_pa
             shares.append(pipe.layout.shares)
             time.sleep(0.3)  # heartbeats carry the pipelines' times; the policy re-plans
         state = pipe.state_dict()
+        with Admin(COORDINATOR) as admin:
+            resplits = [r for r in admin.status().history if r.kind == "shares"]
     logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in tmp_path.glob("*.log"))
     # Away from the slow link, further than compute speeds alone take them (measured
     # without the pipelines' times: (5, 3)), and they stay there (between (7, 1) and
     # (6, 2): the estimates of the two are within the policy's noise).
+    assert resplits and all(r.reason.startswith("auto: shares") for r in resplits), resplits
     moved = next((i for i, s in enumerate(shares) if s[1] <= 2), None)
     assert moved is not None and moved < STEPS // 2, (shares, logs)
     assert all(s[1] <= 2 for s in shares[moved:]), (shares, logs)

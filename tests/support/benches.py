@@ -97,6 +97,7 @@ KEYS: dict[str, set[str]] = {
     "replicas.py": {
         "speedup_best",
         "auto_vs_best",
+        "gloo_vs_data_channel",
         "straggler_vs_optimum",
         "reshare_steps",
         "min_vs_predicted",

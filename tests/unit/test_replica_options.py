@@ -11,9 +11,11 @@ import pytest
 
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.planning.policy import PolicyConfig
-from elasticpipe.coordinator.replica_options import choose
+from elasticpipe.coordinator.replica_options import choose, mend
 from elasticpipe.coordinator.state import LinkTerms
+from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
+from elasticpipe.stage_server.reducing import PipelineTime
 from elasticpipe.training.job import JobConfig
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,3 +92,30 @@ def test_equal_stages_re_partition_over_the_survivors() -> None:
 def test_a_replica_with_no_survivor_dissolves() -> None:
     option = _mend(dict.fromkeys("abcde", 1.0), {"a", "b"})
     assert option.replicas == (None, REPLICAS[1]) and option.what == "dissolved"
+
+
+def test_the_survivors_of_every_replica_re_form_one_chain_as_the_last_resort() -> None:
+    """b and d die; a (3 layers of memory) cannot take d's 4 layers, c (4) cannot hold 7
+    alone, no replica is whole to lend: a and c re-form one chain, each once."""
+    caps = {"a": 3.0, "b": 7.0, "c": 4.0, "d": 7.0}
+    cluster = _cluster(dict.fromkeys(caps, 1.0))
+    cluster.memory = lambda ids: MemoryTerms([1.0] * LAYERS, [caps[i] for i in ids])
+    layout = Layout((_chain("a", "b", cuts=(0, 4, 7)), _chain("c", "d", cuts=(0, 3, 7))), (4, 4))
+    mended = mend(cluster, layout, {"b", "d"}, {"a", "c"}, [])
+    assert not isinstance(mended, str), mended
+    replicas, said = mended
+    assert len(replicas) == 1 and sorted(replicas[0].stage_ids) == ["a", "c"], replicas
+    assert "one chain of the survivors" in said[-1]
+
+
+def test_a_replica_pipeline_is_timed_from_its_epochs_second_run() -> None:
+    """The first run of an epoch (connections, caches cold) is left out; then an EWMA."""
+    timed = PipelineTime()
+    timed.note(5, 1.0)
+    assert timed.at(5) == 0.0
+    timed.note(5, 2.0)
+    assert timed.at(5) == 2.0
+    timed.note(5, 4.0)
+    assert timed.at(5) == 3.0 and timed.at(6) == 0.0
+    timed.note(6, 9.0)  # a new epoch starts afresh
+    assert timed.at(6) == 0.0 and timed.at(5) == 0.0
