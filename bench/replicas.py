@@ -188,7 +188,7 @@ def main() -> int:
     best = max(fixed, key=lambda n: results[n]["steps_per_s"])
     print()
     print(
-        f"{'layout':<8}{'lengths':<14}{'shares':<14}{'steps/s':>9}{'predicted':>11}"
+        f"{'layout':<10}{'lengths':<14}{'shares':<14}{'steps/s':>9}{'predicted':>11}"
         f"{'measured/pred':>15}{'speed-up':>10}"
     )
     for name, found in results.items():
@@ -198,7 +198,7 @@ def main() -> int:
         predicted = f"{pred:.3f}" if pred else "-"
         vs = f"{ratio:.0%}" if ratio is not None else "-"
         print(
-            f"{name:<8}{found['lengths']!s:<14}{found['shares']!s:<14}"
+            f"{name:<10}{found['lengths']!s:<14}{found['shares']!s:<14}"
             f"{found['steps_per_s']:>9.3f}{predicted:>11}{vs:>15}{found['speedup']:>9.2f}x"
         )
     out = {

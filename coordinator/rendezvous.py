@@ -48,7 +48,7 @@ class Rendezvous:
                 runs with standby coordinators (named).
         """
         if not job.collectives:
-            return replace(job, rendezvous=REFUSED)
+            return replace(job, rendezvous="")
         if self.c.config.tls is not None:
             raise InvalidRequest(
                 f"collectives={job.collectives!r}: the process groups and their rendezvous "
