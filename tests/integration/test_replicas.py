@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,26 +20,19 @@ import torch
 from elasticpipe import LocalPipeline, Pipeline
 from elasticpipe.errors import InvalidRequest, ReplicaDivergence
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.v1 import stage_pb2
 from tests.support import cli, clusters
-from tests.support.faults import kill_when_paused
-from tests.support.scenario import (
-    REFERENCE,
-    SCRIPT,
-    Trainer,
-    arm,
-    check,
-    kill_script_at,
-    pipeline,
-    script,
+from tests.support.replica_jobs import (
+    JOB,
+    STEPS,
+    M,
+    batch,
+    eager_policy,
+    name_of,
+    reference,
+    same_bits,
 )
 
 pytestmark = pytest.mark.timeout(240)
-
-MODEL = "tests.support.zb_models:unreached"  # a frozen weight, an unreached one, a Dropout
-M = 8
-STEPS = 3
-JOB = {"model": MODEL, "seed": 5, "micro_batches": M, "optimizer": "adamw"}
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +40,6 @@ def cluster() -> Iterator[LocalCluster]:
     """Five stage processes (enough for replicas of (2, 3) and of (1, 2, 2))."""
     with clusters.quiet(5, allow_models=("tests.support",)) as c:
         yield c
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
-
-
-def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    local = LocalPipeline(**JOB)  # type: ignore[arg-type]
-    losses = [local.train_step(*_batch(step)) for step in range(steps)]
-    return losses, local.state_dict()
 
 
 @pytest.mark.parametrize(
@@ -72,9 +52,9 @@ def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]
 def test_replicas_train_bitwise_like_one_process(
     cluster: LocalCluster, shape: dict[str, object]
 ) -> None:
-    want_losses, want_state = _reference()
+    want_losses, want_state = reference()
     with Pipeline(cluster.coordinator, **JOB, **shape) as pipe:  # type: ignore[arg-type]
-        losses = [pipe.train_step(*_batch(step)) for step in range(STEPS)]
+        losses = [pipe.train_step(*batch(step)) for step in range(STEPS)]
         layout = pipe.layout
         sizes = tuple(p.num_stages for p in layout.replicas)
         assert sizes == tuple(shape["stages"])  # type: ignore[arg-type]
@@ -86,10 +66,7 @@ def test_replicas_train_bitwise_like_one_process(
         table = cli.admin(cluster, "status").stdout
         plan = cli.admin_json(cluster, "plan")
         plan_table = cli.admin(cluster, "plan").stdout
-    assert losses == want_losses  # bitwise: the floats are equal, not close
-    assert state.keys() == want_state.keys()
-    for name, value in want_state.items():
-        assert torch.equal(state[name], value), name
+    same_bits(losses, state, (want_losses, want_state))
     wire = status["partition"]
     assert [len(r["stage_ids"]) for r in wire["replicas"]] == list(sizes)
     assert wire["shares"] == list(layout.shares)
@@ -108,16 +85,14 @@ def test_the_gloo_engine_gives_the_data_channels_bits(cluster: LocalCluster) -> 
     """Three replicas of (1, 2, 2) reduce over gloo process groups (each group of three
     holders opens its own, on the coordinator's rendezvous): the same losses and weights
     as over the data channel, and as LocalPipeline, bit for bit."""
-    want_losses, want_state = _reference()
+    want_losses, want_state = reference()
     got = {}
     for engine in ("", "gloo"):
         with Pipeline(cluster.coordinator, **JOB, stages=(1, 2, 2), collectives=engine) as pipe:  # type: ignore[arg-type]
-            losses = [pipe.train_step(*_batch(step)) for step in range(STEPS)]
+            losses = [pipe.train_step(*batch(step)) for step in range(STEPS)]
             got[engine] = (losses, pipe.state_dict())
     for losses, state in got.values():
-        assert losses == want_losses
-        for name, value in want_state.items():
-            assert torch.equal(state[name], value), name
+        same_bits(losses, state, (want_losses, want_state))
     assert "process_group_opened" in cluster.logs()  # the gloo run did reduce on gloo
     with pytest.raises(InvalidRequest, match="unknown collectives 'mpi'"):
         Pipeline(cluster.coordinator, **JOB, stages=(2, 3), collectives="mpi")  # type: ignore[arg-type]
@@ -127,12 +102,12 @@ def test_the_gloo_engine_gives_the_data_channels_bits(cluster: LocalCluster) -> 
 
 def test_what_is_not_built_for_replicas_is_refused_by_name(cluster: LocalCluster) -> None:
     with Pipeline(cluster.coordinator, **JOB, replicas=2, stages=2) as pipe:  # type: ignore[arg-type]
-        pipe.train_step(*_batch(0))
+        pipe.train_step(*batch(0))
         refused = cli.admin_json(cluster, "set-partition", "0:3,3:7")
         assert "runs 2 replicas" in refused["error"]["message"]
         with pytest.raises(InvalidRequest, match="at least micro_batches samples"):
             pipe.train_step(torch.randn(4, 8), torch.randint(0, 3, (4,)))
-        pipe.train_step(*_batch(1))  # and the job goes on
+        pipe.train_step(*batch(1))  # and the job goes on
 
 
 @pytest.mark.parametrize(
@@ -154,158 +129,22 @@ def test_a_layer_with_running_statistics_is_refused_naming_it(cluster: LocalClus
     job = {**JOB, "model": "tests.support.custom_models:normed"}
     pipe = Pipeline(cluster.coordinator, **job, stages=(2, 2), lease_s=3)  # type: ignore[arg-type]
     with pipe, pytest.raises(InvalidRequest, match=r"layer 1 \(BatchNorm1d\) keeps running"):
-        pipe.train_step(*_batch(0))
+        pipe.train_step(*batch(0))
 
 
 def test_a_client_resumes_a_job_of_replicas_and_it_stays_exact(cluster: LocalCluster) -> None:
     """Two steps, the client closes, a new one resumes (same shape) and trains the third:
     still bitwise one process's; resuming as another shape is refused by name."""
-    want_losses, want_state = _reference()
+    want_losses, want_state = reference()
     with Pipeline(cluster.coordinator, **JOB, stages=(3, 2)) as pipe:  # type: ignore[arg-type]
-        losses = [pipe.train_step(*_batch(step)) for step in range(2)]
+        losses = [pipe.train_step(*batch(step)) for step in range(2)]
     with pytest.raises(InvalidRequest, match=r"as replicas of \[2, 3\] stages: it runs"):
         _ = Pipeline(cluster.coordinator, **JOB, stages=(2, 3), resume=True).step  # type: ignore[arg-type]
     with Pipeline(cluster.coordinator, **JOB, stages=(3, 2), resume=True) as pipe:  # type: ignore[arg-type]
         assert pipe.step == 2
-        losses.append(pipe.train_step(*_batch(2)))
+        losses.append(pipe.train_step(*batch(2)))
         state = pipe.state_dict()
-    assert losses == want_losses
-    for name, value in want_state.items():
-        assert torch.equal(state[name], value), name
-
-
-def _eager_policy(stages: int) -> LocalCluster:
-    """``stages`` stages and a coordinator whose policy acts at once: it re-plans every
-    0.3 s, without cool-down, and any predicted gain pays back (a long horizon)."""
-    return LocalCluster(
-        stages=stages,
-        allow_models=("tests.support",),
-        heartbeat_s=0.2,
-        coordinator_args=[
-            *("--policy-interval", "0.3", "--rebalance-cooldown", "0"),
-            *("--rebalance-horizon", "100000"),
-        ],
-    )
-
-
-def _name_of(cluster: LocalCluster, stage_id: str) -> str:
-    stages = cli.admin_json(cluster, "status")["stages"]
-    return next(s["name"] for s in stages if s["stage_id"] == stage_id)
-
-
-@pytest.mark.parametrize(
-    ("stages", "shape", "victim", "after", "how"),
-    [
-        # 6 stages, replicas of (2, 3): the spare takes the place of replica 1's middle stage
-        pytest.param(6, (2, 3), (1, 1), (2, 3), "took the place of", id="a-spare"),
-        # no spare: replica 1 of (1, 3) cuts its layers anew over its two survivors
-        # (replica 0 has no stage to lend; borrowing is unit-tested, with the choice
-        # between options: tests/unit/test_replica_options.py)
-        pytest.param(4, (1, 3), (1, 1), (1, 2), "re-partitioned over", id="its-survivors"),
-        # both stages of replica 0 at once: it is gone, fewer replicas
-        pytest.param(5, (2, 3), (0, None), (3,), "dissolved", id="both-stages-of-a-replica"),
-    ],
-)
-def test_a_killed_stage_costs_no_replay_and_no_bits(
-    stages: int,
-    shape: tuple[int, ...],
-    victim: tuple[int, int | None],
-    after: tuple[int, ...],
-    how: str,
-) -> None:
-    """SIGKILL of stages of a job of replicas between steps: their layers live on in the
-    other replica at the committed step, so the next step runs after one epoch change with
-    nothing rolled back (``replayed == 0``), and every loss and weight still equals
-    ``LocalPipeline``'s bit for bit. The option the predicted step chose is recorded."""
-    want_losses, want_state = _reference()
-    with (
-        clusters.fast(stages, allow_models=("tests.support",)) as c,
-        Pipeline(c.coordinator, **JOB, stages=shape, recovery_timeout=60) as pipe,  # type: ignore[arg-type]
-    ):
-        losses = [pipe.train_step(*_batch(0))]
-        replica, index = victim
-        chain = pipe.layout.replicas[replica].stage_ids
-        for killed in chain if index is None else [chain[index]]:
-            c.kill(_name_of(c, killed))
-        losses.append(pipe.train_step(*_batch(1)))
-        assert pipe.last_step.replayed == 0
-        losses.append(pipe.train_step(*_batch(2)))
-        layout = pipe.layout
-        assert tuple(p.num_stages for p in layout.replicas) == after
-        assert killed not in layout.stage_ids and sum(layout.shares) == M
-        state = pipe.state_dict()
-        history = cli.admin_json(c, "status")["history"]
-    assert losses == want_losses
-    for name, value in want_state.items():
-        assert torch.equal(state[name], value), name
-    recovery = [r for r in history if r["kind"] == "recovery"]
-    assert len(recovery) == 1 and "no rollback" in recovery[0]["reason"]
-    assert how in recovery[0]["reason"], recovery[0]["reason"]
-
-
-def test_a_layer_lost_in_every_replica_is_restored_from_snapshots(tmp_path: Path) -> None:
-    """The first stage of both replicas of (2, 3) is SIGKILLed at once: layer 0 has no live
-    holder left, so every replica rolls back to the newest snapshot with a live copy of
-    every layer (on each first stage's successor), the survivors re-form the replicas, and
-    the client replays the steps after it: still ``LocalPipeline``'s bits."""
-    steps = 5
-    want_losses, want_state = _reference(steps)
-    with (
-        clusters.fast(5, allow_models=("tests.support",)) as c,
-        Pipeline(
-            c.coordinator, **JOB, stages=(2, 3), snapshot_every=2, recovery_timeout=60
-        ) as pipe,  # type: ignore[arg-type]
-    ):
-        losses = [pipe.train_step(*_batch(step)) for step in range(3)]
-        for chain in pipe.layout.replicas:
-            c.kill(_name_of(c, chain.stage_ids[0]))
-        losses.append(pipe.train_step(*_batch(3)))
-        replayed = pipe.last_step.replayed
-        losses += [pipe.train_step(*_batch(step)) for step in range(4, steps)]
-        state = pipe.state_dict()
-        history = cli.admin_json(c, "status")["history"]
-    assert losses == want_losses
-    for name, value in want_state.items():
-        assert torch.equal(state[name], value), name
-    recovery = [r for r in history if r["kind"] == "recovery"]
-    restored = recovery[0]["restored_step"]  # step 2's snapshot, or 1's if 2's copy was late
-    assert len(recovery) == 1 and f"rolled back to step {restored}" in recovery[0]["reason"]
-    assert restored >= 1 and replayed == 3 - restored
-
-
-def test_a_drained_and_a_sigtermed_stage_leave_replicas_without_a_replay() -> None:
-    """``admin drain`` of replica 1's last stage, then SIGTERM of replica 0's last stage:
-    each time its replica is mended without it (no spare: re-partitioned over its
-    survivors) at a consistent cut, the stage serving and lending its layers until the
-    change commits. Nothing is replayed, the SIGTERMed stage exits 0 and is left, not
-    dead, and the results stay LocalPipeline's bits."""
-    want_losses, want_state = _reference(4)
-    with (
-        clusters.fast(5, allow_models=("tests.support",)) as c,
-        Pipeline(c.coordinator, **JOB, stages=(2, 3)) as pipe,  # type: ignore[arg-type]
-    ):
-        losses = [pipe.train_step(*_batch(0))]
-        drained = _name_of(c, pipe.layout.replicas[1].stage_ids[-1])
-        moved = cli.admin_json(c, "drain", drained)
-        assert moved["changed"], moved
-        losses.append(pipe.train_step(*_batch(1)))
-        assert pipe.last_step.replayed == 0  # (its first attempt learns the new epoch)
-        assert tuple(p.num_stages for p in pipe.layout.replicas) == (2, 2)
-        leaving = _name_of(c, pipe.layout.replicas[0].stage_ids[-1])
-        assert c.terminate(leaving) == 0
-        losses.append(pipe.train_step(*_batch(2)))
-        assert pipe.last_step.replayed == 0
-        losses.append(pipe.train_step(*_batch(3)))
-        state = pipe.state_dict()
-        status = cli.admin_json(c, "status")
-        undrained = cli.admin_json(c, "undrain", drained)
-    states = {s["name"]: s["state"] for s in status["stages"]}
-    assert states[drained] == "drained" and states[leaving] == "left", states
-    assert "a spare again" in undrained["decision"], undrained
-    assert not [r for r in status["history"] if r["kind"] == "recovery"], status["history"]
-    assert losses == want_losses
-    for name, value in want_state.items():
-        assert torch.equal(state[name], value), name
+    same_bits(losses, state, (want_losses, want_state))
 
 
 def test_checkpoints_and_init_state_load_into_any_layout(
@@ -315,7 +154,7 @@ def test_checkpoints_and_init_state_load_into_any_layout(
     whose checkpoint is loaded into one pipeline of 2; and ``init_state`` streams into
     replicas of (2, 3). Every replica's holder of a layer gets it: the four steps equal
     ``LocalPipeline``'s bit for bit, Adam's moments included."""
-    want_losses, want_state = _reference(4)
+    want_losses, want_state = reference(4)
     losses: list[float] = []
     for shape, steps in (((2, 3), range(2)), ((1, 2, 2), range(2, 3)), ((2,), range(3, 4))):
         with Pipeline(cluster.coordinator, **JOB, stages=shape) as pipe:  # type: ignore[arg-type]
@@ -324,18 +163,16 @@ def test_checkpoints_and_init_state_load_into_any_layout(
                 assert pipe.step == steps.start
                 assert {p.restored_step for p in pipe.layout.replicas} == {steps.start}
             assert tuple(p.num_stages for p in pipe.layout.replicas) == shape
-            losses += [pipe.train_step(*_batch(step)) for step in steps]
+            losses += [pipe.train_step(*batch(step)) for step in steps]
             pipe.save(tmp_path / f"at-{steps.stop}")
             state = pipe.state_dict()
-    assert losses == want_losses
-    for name, value in want_state.items():
-        assert torch.equal(state[name], value), name
+    same_bits(losses, state, (want_losses, want_state))
 
     start = LocalPipeline(**{**JOB, "seed": 9}).state_dict()  # type: ignore[arg-type]
     local = LocalPipeline(**JOB, init_state=start)  # type: ignore[arg-type]
-    want = [local.train_step(*_batch(step)) for step in range(2)]
+    want = [local.train_step(*batch(step)) for step in range(2)]
     with Pipeline(cluster.coordinator, **JOB, stages=(2, 3), init_state=start) as pipe:  # type: ignore[arg-type]
-        assert [pipe.train_step(*_batch(step)) for step in range(2)] == want
+        assert [pipe.train_step(*batch(step)) for step in range(2)] == want
         state = pipe.state_dict()
     for name, value in local.state_dict().items():
         assert torch.equal(state[name], value), name
@@ -375,12 +212,12 @@ def test_schedules_clipping_and_fp16_are_exact_across_replicas(
     local = LocalPipeline(**JOB, **trainer)  # type: ignore[arg-type]
     want = []
     for step in range(steps):
-        loss = local.train_step(*_batch(step))
+        loss = local.train_step(*batch(step))
         want.append((loss, local.last_step.grad_norm, local.last_step.loss_scale))
     with Pipeline(cluster.coordinator, **JOB, **trainer, stages=(2, 3)) as pipe:  # type: ignore[arg-type]
         got = []
         for step in range(steps):
-            loss = pipe.train_step(*_batch(step))
+            loss = pipe.train_step(*batch(step))
             got.append((loss, pipe.last_step.grad_norm, pipe.last_step.loss_scale))
             rates = {s.lr for s in pipe.last_step.stages}
             assert len(rates) == 1, rates  # every stage of every replica applied one lr
@@ -398,52 +235,6 @@ def test_schedules_clipping_and_fp16_are_exact_across_replicas(
         assert torch.equal(state[name], value), name
 
 
-@pytest.mark.parametrize(
-    ("collectives", "points"),
-    [
-        pytest.param("", ["run_started", "reducing", "awaiting_commit"], id="data-channel"),
-        # gloo: the others wait inside the process groups (their creation, a receive),
-        # which a failed run cannot wake: they must give them up and open new ones.
-        pytest.param("gloo", ["reducing", "awaiting_commit"], id="gloo"),
-    ],
-)
-def test_stages_killed_inside_steps_cost_no_replay_and_no_bits(
-    collectives: str, points: list[str]
-) -> None:
-    """Steps in a row, the middle stage of replica 1 is paused inside the step and
-    SIGKILLed: as its run starts, as its replicas reduce their gradients (the others wait
-    for its pieces), and between its report and the commit. Each time a spare takes its
-    place with its layers from replica 0; the step is retried, not replayed, and the
-    results stay LocalPipeline's, bit for bit, with either reduction engine."""
-    want_losses, want_state = _reference(steps=len(points) + 2)
-    with (
-        clusters.failing(8, allow_models=("tests.support",)) as c,
-        Pipeline(
-            c.coordinator,
-            **JOB,  # type: ignore[arg-type]
-            stages=(2, 3),
-            recovery_timeout=60,
-            collectives=collectives,
-        ) as pipe,
-    ):
-        losses = [pipe.train_step(*_batch(0))]
-        for point in points:
-            victim = pipe.layout.replicas[1].stages[1]
-            arm(victim.address, stage_pb2.PAUSE_AT, point)
-            name = _name_of(c, victim.stage_id)
-            killer = threading.Thread(target=kill_when_paused, args=(c, name))
-            killer.start()
-            losses.append(pipe.train_step(*_batch(len(losses))))
-            killer.join(timeout=60)
-            assert pipe.last_step.replayed == 0, point
-            assert victim.stage_id not in pipe.layout.stage_ids, point
-        losses.append(pipe.train_step(*_batch(len(losses))))
-        state = pipe.state_dict()
-    assert losses == want_losses
-    for key, value in want_state.items():
-        assert torch.equal(state[key], value), key
-
-
 def test_a_slowed_replica_gets_a_smaller_share_then_layers_move_and_it_stays_exact() -> None:
     """One stage of replica 1 slowed 30x: the coordinator's policy first re-splits the
     micro-batches toward replica 0 (one epoch change, no layer moved), then moves layers
@@ -451,21 +242,21 @@ def test_a_slowed_replica_gets_a_smaller_share_then_layers_move_and_it_stays_exa
     each within a few steps, and every loss and weight still equals LocalPipeline's bit
     for bit."""
     with (
-        _eager_policy(4) as c,
+        eager_policy(4) as c,
         Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
     ):
-        losses = [pipe.train_step(*_batch(0))]
+        losses = [pipe.train_step(*batch(0))]
         before = pipe.layout.shares
         cut = pipe.layout.replicas[1].boundaries
-        slow = _name_of(c, pipe.layout.replicas[1].stage_ids[0])
+        slow = name_of(c, pipe.layout.replicas[1].stage_ids[0])
         cli.admin_json(c, "slowdown", slow, "30")
         while pipe.layout.shares == before and len(losses) < 40:
-            losses.append(pipe.train_step(*_batch(len(losses))))
+            losses.append(pipe.train_step(*batch(len(losses))))
         after = pipe.layout.shares
         while pipe.layout.replicas[1].boundaries == cut and len(losses) < 60:
-            losses.append(pipe.train_step(*_batch(len(losses))))
+            losses.append(pipe.train_step(*batch(len(losses))))
         moved = pipe.layout.replicas[1].boundaries
-        losses.append(pipe.train_step(*_batch(len(losses))))
+        losses.append(pipe.train_step(*batch(len(losses))))
         state = pipe.state_dict()
         history = cli.admin_json(c, "status")["history"]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
@@ -473,7 +264,7 @@ def test_a_slowed_replica_gets_a_smaller_share_then_layers_move_and_it_stays_exa
     assert moved[1] < cut[1], (cut, moved)  # the slow first stage of replica 1 holds less
     assert any(r["reason"].startswith("auto: layers") and r["layers_moved"] for r in history)
     local = LocalPipeline(**JOB)  # type: ignore[arg-type]
-    assert [local.train_step(*_batch(step)) for step in range(len(losses))] == losses
+    assert [local.train_step(*batch(step)) for step in range(len(losses))] == losses
     for name, value in local.state_dict().items():
         assert torch.equal(state[name], value), name
 
@@ -485,25 +276,25 @@ def test_set_layout_forms_moves_reshares_and_dissolves_replicas_exactly(
     from the 2 spares (shares 5:3), that replica's cut moves and the shares go 1:7, then the
     job is one pipeline again. Each is one epoch change; every loss and weight equals
     LocalPipeline's bit for bit."""
-    want_losses, want_state = _reference(steps=4)
+    want_losses, want_state = reference(steps=4)
     with (
         Pipeline(cluster.coordinator, **JOB, stages=3) as pipe,  # type: ignore[arg-type]
         cluster.admin(timeout=120) as admin,
     ):
-        losses = [pipe.train_step(*_batch(0))]
+        losses = [pipe.train_step(*batch(0))]
         one = pipe.partition
         spares = [s.stage_id for s in admin.status().stages if s.state == "spare"]
         assert len(spares) == 2
         first = list(one.boundaries)
         moved = admin.set_layout([first, [0, 3, 7]], [list(one.stage_ids), spares], [5, 3])
         assert moved.changed and list(moved.partition.shares) == [5, 3]
-        losses.append(pipe.train_step(*_batch(1)))
+        losses.append(pipe.train_step(*batch(1)))
         assert [p.num_stages for p in pipe.layout.replicas] == [3, 2]
         admin.set_layout([first, [0, 2, 7]], shares=[1, 7])
-        losses.append(pipe.train_step(*_batch(2)))
+        losses.append(pipe.train_step(*batch(2)))
         assert pipe.layout.shares == (1, 7) and pipe.layout.replicas[1].boundaries == (0, 2, 7)
         admin.set_layout([first])
-        losses.append(pipe.train_step(*_batch(3)))
+        losses.append(pipe.train_step(*batch(3)))
         assert len(pipe.layout.replicas) == 1 and pipe.layout.replicas[0] == pipe.partition
         state = pipe.state_dict()
         ranges = ",".join(f"{a}:{b}" for a, b in itertools.pairwise(first))
@@ -511,8 +302,51 @@ def test_set_layout_forms_moves_reshares_and_dissolves_replicas_exactly(
         assert "add up to 9, not the 8" in refused["error"]["message"]
         refused = cli.admin_json(cluster, "set-layout", ranges, "0:2,2:7")
         assert "replica 1 is new: name its stages" in refused["error"]["message"]
+    same_bits(losses, state, (want_losses, want_state))
+
+
+def test_stages_pinned_to_a_replica_serve_it() -> None:
+    """``elasticpipe stage --replica NAME``: stage-0 and stage-4 pinned to "b", stage-1 to
+    "a"; replicas of (2, 3) put "a" first (sorted), so stage-1 serves replica 0 and
+    stage-0 and stage-4 replica 1, whatever their registration order; status shows the
+    pins; and the job trains bitwise as LocalPipeline does."""
+    pins = [["--replica", "b"], ["--replica", "a"], [], [], ["--replica", "b"]]
+    want_losses, _ = reference()
+    with (
+        LocalCluster(
+            stages=5, state=":memory:", allow_models=("tests.support",), per_stage_args=pins
+        ) as c,
+        Pipeline(c.coordinator, **JOB, stages=(2, 3)) as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*batch(step)) for step in range(STEPS)]
+        stages = {s["name"]: s for s in cli.admin_json(c, "status")["stages"]}
+        layout = pipe.layout
     assert losses == want_losses
-    for name, value in want_state.items():
+    serving = {name: s["replica"] for name, s in stages.items()}
+    assert serving["stage-1"] == 0 and serving["stage-0"] == serving["stage-4"] == 1
+    assert stages["stage-0"]["pinned_replica"] == "b" and stages["stage-2"]["pinned_replica"] == ""
+    names = {s["stage_id"]: name for name, s in stages.items()}
+    assert {"stage-0", "stage-4"} <= {names[sid] for sid in layout.replicas[1].stage_ids}
+
+
+def test_spares_form_a_new_replica_when_the_planner_predicts_a_gain() -> None:
+    """Replicas of (2, 2) and one spare: the policy forms a third replica of the spare (it
+    holds every layer), the shares spread over three, and the results stay bitwise
+    LocalPipeline's."""
+    with (
+        eager_policy(5) as c,
+        Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*batch(0))]
+        while len(pipe.layout.replicas) < 3 and len(losses) < 40:
+            losses.append(pipe.train_step(*batch(len(losses))))
+        grown = [p.num_stages for p in pipe.layout.replicas]
+        losses.append(pipe.train_step(*batch(len(losses))))
+        state = pipe.state_dict()
+    assert grown == [2, 2, 1], grown
+    local = LocalPipeline(**JOB)  # type: ignore[arg-type]
+    assert [local.train_step(*batch(step)) for step in range(len(losses))] == losses
+    for name, value in local.state_dict().items():
         assert torch.equal(state[name], value), name
 
 
@@ -527,86 +361,15 @@ def test_holders_that_differ_at_a_snapshot_stop_the_job_with_replica_divergence(
     exact = Pipeline(cluster.coordinator, **JOB, stages=(2, 3), snapshot_every=1)  # type: ignore[arg-type]
     with exact:
         for step in range(4):
-            exact.train_step(*_batch(step))
+            exact.train_step(*batch(step))
         time.sleep(1.5)  # a heartbeat or more of every stage's snapshots
-        exact.train_step(*_batch(4))
+        exact.train_step(*batch(4))
         assert cli.admin_json(cluster, "status")["job_failure"] == ""
     job = {**JOB, "model": "tests.support.custom_models:tallied", "snapshot_every": 1}
     pipe = Pipeline(cluster.coordinator, **job, stages=(2, 2), lease_s=3)  # type: ignore[arg-type]
     diverged = pytest.raises(ReplicaDivergence, match=r"layer 1 differs between replicas")
     with pipe, diverged as err:
         for step in range(40):
-            pipe.train_step(*_batch(step))
+            pipe.train_step(*batch(step))
             time.sleep(0.1)
     assert err.value.__class__ is ReplicaDivergence and "sha256" in str(err.value)
-
-
-def test_stages_pinned_to_a_replica_serve_it() -> None:
-    """``elasticpipe stage --replica NAME``: stage-0 and stage-4 pinned to "b", stage-1 to
-    "a"; replicas of (2, 3) put "a" first (sorted), so stage-1 serves replica 0 and
-    stage-0 and stage-4 replica 1, whatever their registration order; status shows the
-    pins; and the job trains bitwise as LocalPipeline does."""
-    pins = [["--replica", "b"], ["--replica", "a"], [], [], ["--replica", "b"]]
-    want_losses, _ = _reference()
-    with (
-        LocalCluster(
-            stages=5, state=":memory:", allow_models=("tests.support",), per_stage_args=pins
-        ) as c,
-        Pipeline(c.coordinator, **JOB, stages=(2, 3)) as pipe,  # type: ignore[arg-type]
-    ):
-        losses = [pipe.train_step(*_batch(step)) for step in range(STEPS)]
-        stages = {s["name"]: s for s in cli.admin_json(c, "status")["stages"]}
-        layout = pipe.layout
-    assert losses == want_losses
-    serving = {name: s["replica"] for name, s in stages.items()}
-    assert serving["stage-1"] == 0 and serving["stage-0"] == serving["stage-4"] == 1
-    assert stages["stage-0"]["pinned_replica"] == "b" and stages["stage-2"]["pinned_replica"] == ""
-    names = {s["stage_id"]: name for name, s in stages.items()}
-    assert {"stage-0", "stage-4"} <= {names[sid] for sid in layout.replicas[1].stage_ids}
-
-
-def test_a_client_and_a_stage_killed_together_are_settled_then_recovered(
-    tmp_path: Path,
-) -> None:
-    """The training script SIGKILLed between RunStep and CommitStep of step 4 (the stages
-    await its decision), and a stage of replica 1 SIGKILLed with it: once the script's
-    lease runs out the coordinator decides the run on the live stages (no stage committed
-    it: aborted), a spare takes the dead stage's place with no rollback, and a resumed
-    script goes on from step 3 to the failure-free run's losses and weights."""
-    with clusters.failing(4) as c:
-        code = script(c, SCRIPT.replace("pipeline(C)", "pipeline(C, stages=(1, 2))"))
-        env = {**os.environ, "ELASTICPIPE_TEST_PAUSE": "before_commit:4"}
-        kill_script_at(code, tmp_path / "script.log", env, "paused_at")
-        stages = cli.admin_json(c, "status")["stages"]
-        c.kill(next(s["name"] for s in stages if s["replica"] == 1))
-        with pipeline(c, stages=(1, 2), resume=True) as pipe:
-            assert pipe.step == 3
-            trainer = Trainer(pipe).start()
-            state = trainer.finish()
-            assert [p.num_stages for p in pipe.layout.replicas] == [1, 2]
-            assert pipe.last_step.replayed == 0
-    losses = dict(trainer.losses)
-    want = REFERENCE[0]
-    losses.update({s: want[s - 1] for s in range(1, 4)})
-    check(losses, state)
-
-
-def test_spares_form_a_new_replica_when_the_planner_predicts_a_gain() -> None:
-    """Replicas of (2, 2) and one spare: the policy forms a third replica of the spare (it
-    holds every layer), the shares spread over three, and the results stay bitwise
-    LocalPipeline's."""
-    with (
-        _eager_policy(5) as c,
-        Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]
-    ):
-        losses = [pipe.train_step(*_batch(0))]
-        while len(pipe.layout.replicas) < 3 and len(losses) < 40:
-            losses.append(pipe.train_step(*_batch(len(losses))))
-        grown = [p.num_stages for p in pipe.layout.replicas]
-        losses.append(pipe.train_step(*_batch(len(losses))))
-        state = pipe.state_dict()
-    assert grown == [2, 2, 1], grown
-    local = LocalPipeline(**JOB)  # type: ignore[arg-type]
-    assert [local.train_step(*_batch(step)) for step in range(len(losses))] == losses
-    for name, value in local.state_dict().items():
-        assert torch.equal(state[name], value), name
