@@ -470,7 +470,10 @@ class Rebalancer(ReplicaPolicy):
         if not self.policy.enabled or self.c.job is None or partition is None or self.c.failure:
             return
         if self.c.replicas > 1:  # shares first, then layers, then a replica of spares
-            if not self.retune_shares() and not self.retune_layers():
+            # (a lever waiting to confirm its proposal keeps the later ones waiting too)
+            if self.retune_shares() or "shares" in self._proposals:
+                return
+            if not self.retune_layers() and "layers" not in self._proposals:
                 self.grow_replicas()
             return
         if not self._measured(partition.stage_ids):

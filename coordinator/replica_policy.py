@@ -98,6 +98,10 @@ class ReplicaPolicy:
             return False
         if not all(self._measured(p.stage_ids) for p in layout.replicas):
             return False
+        if self.c.in_seconds(layout.stage_ids) and (
+            replica_options.measured_pipelines(self.c, layout) is None
+        ):
+            return False  # the shares get their chance first, once the pipelines are measured
         costs, chains = self.c.costs(), []
         for p in layout.replicas:
             ids = list(p.stage_ids)
