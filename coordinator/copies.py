@@ -65,3 +65,37 @@ def missing_layers(copies: Copies, step: int, num_layers: int, live: Iterable[st
     alive = set(live)
     layers = copies.get(step, {})
     return [layer for layer in range(num_layers) if not layers.get(layer, set()) & alive]
+
+
+def lost(
+    copies: Copies,
+    num_layers: int,
+    live: Iterable[str],
+    snapshot_every: int,
+    otherwise: Iterable[int],
+) -> tuple[list[int], str]:
+    """When no step has a live copy of every layer (``newest_step`` is None): the layers
+    with none at the newest step (``otherwise`` when there is no snapshot at all), and why,
+    for the job's failure."""
+    newest = max(copies, default=None)
+    missing = (
+        missing_layers(copies, newest, num_layers, live) if newest is not None else list(otherwise)
+    )
+    why = (
+        "snapshots are off (snapshot_every=0)"
+        if not snapshot_every
+        else f"no complete snapshot survived (snapshot_every={snapshot_every})"
+    )
+    return missing, why
+
+
+def holders_at(
+    copies: Copies, step: int, num_layers: int, candidates: Iterable[str]
+) -> dict[int, str]:
+    """For each layer, the first of ``candidates`` (live stage ids, in preference order)
+    holding its copy of ``step`` (``newest_step`` found one for every layer)."""
+    ordered = list(candidates)
+    layers = copies[step]
+    return {
+        layer: next(sid for sid in ordered if sid in layers[layer]) for layer in range(num_layers)
+    }

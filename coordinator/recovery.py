@@ -205,16 +205,12 @@ class Recovery:
         found = copies.copies_by_step(self._holdings(live, old.restore_epoch), job.job_id)
         step = copies.newest_step(found, old.num_layers, live)
         if step is None:
-            newest = max(found, default=None)
-            missing = (
-                copies.missing_layers(found, newest, old.num_layers, live)
-                if newest is not None
-                else [i for i in range(old.num_layers) if old.owner_of(i).stage_id in dead_ids]
-            )
-            why = (
-                "snapshots are off (snapshot_every=0)"
-                if not job.snapshot_every
-                else f"no complete snapshot survived (snapshot_every={job.snapshot_every})"
+            missing, why = copies.lost(
+                found,
+                old.num_layers,
+                live,
+                job.snapshot_every,
+                [i for i in range(old.num_layers) if old.owner_of(i).stage_id in dead_ids],
             )
             hosts = lost_names + [
                 n for n in self._former_holders(missing, live, job.job_id) if n not in lost_names
@@ -227,16 +223,12 @@ class Recovery:
         # the copy itself), else from any live holder.
         in_chain = {r.stage_id for r in chain}
         by_preference = sorted(
-            self.c.members.members(), key=lambda m: m.row.stage_id not in in_chain
+            (m for m in self.c.members.members() if m.row.stage_id in live),
+            key=lambda m: m.row.stage_id not in in_chain,
         )
-        holders = {
-            layer: next(
-                m.row.address
-                for m in by_preference
-                if m.row.stage_id in found[step][layer] and m.row.stage_id in live
-            )
-            for layer in range(old.num_layers)
-        }
+        addresses = {m.row.stage_id: m.row.address for m in by_preference}
+        held = copies.holders_at(found, step, old.num_layers, addresses)
+        holders = {layer: addresses[sid] for layer, sid in held.items()}
         speeds = self.c.speeds([r.stage_id for r in chain])
         if len(chain) > old.num_layers:
             chain = chain[: old.num_layers]

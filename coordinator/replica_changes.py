@@ -102,13 +102,16 @@ def recover(
     gone = frozenset(
         a for sid, a in zip(layout.stage_ids, layout.addresses, strict=True) if sid in dead_ids
     )
+    died = f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}"
+    step: int | None = None
+    holders: dict[int, str] = {}
     try:
         sources = _sources(layout, relaid.replicas, live)
     except InvalidRequest:  # a layer with no live holder left: from the snapshots
         rolled = _rolled_back(cluster, layout, relaid, live, holdings, dead_ids)
         if rolled is None:
             return None
-        step, holders = rolled
+        (step, holders), sources = rolled, {}
         epoch = cluster.store.reserve_epoch()
         new_layout = Layout(
             tuple(
@@ -117,36 +120,23 @@ def recover(
             ),
             relaid.shares,
         )
-        reason = f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}"
-        reason += f"; a layer had no live holder left: rolled back to step {step}"
-        change = Change(
-            "recovery",
-            reason,
-            layout.replicas[0],
-            new_layout.replicas[0],
-            rollback_step=step,
-            holders=holders,
-            abort_running=True,
-            gone=gone,
-            old_layout=layout,
-            new_layout=new_layout,
-        )
+        reason = f"{died}; a layer had no live holder left: rolled back to step {step}"
     else:
         new_layout = _at_epoch(relaid, cluster.store.reserve_epoch())
-        reason = (
-            f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}; no "
-            f"rollback, shares {list(new_layout.shares)}"
-        )
-        change = Change(
-            "recovery",
-            reason,
-            layout.replicas[0],
-            new_layout.replicas[0],
-            gone=gone,
-            old_layout=layout,
-            new_layout=new_layout,
-            sources=sources,
-        )
+        reason = f"{died}; no rollback, shares {list(new_layout.shares)}"
+    change = Change(
+        "recovery",
+        reason,
+        layout.replicas[0],
+        new_layout.replicas[0],
+        rollback_step=step,
+        holders=holders,
+        abort_running=step is not None,
+        gone=gone,
+        old_layout=layout,
+        new_layout=new_layout,
+        sources=sources,
+    )
     started = time.perf_counter()
     detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)
     extra = layout_record(cluster, new_layout)
@@ -203,16 +193,8 @@ def _rolled_back(
     found = copies.copies_by_step(holdings(live, old.replicas[0].restore_epoch), job.job_id)
     step = copies.newest_step(found, old.num_layers, live)
     if step is None:
-        newest = max(found, default=None)
-        missing = (
-            copies.missing_layers(found, newest, old.num_layers, live)
-            if newest is not None
-            else list(range(old.num_layers))
-        )
-        why = (
-            "snapshots are off (snapshot_every=0)"
-            if not job.snapshot_every
-            else f"no complete snapshot survived (snapshot_every={job.snapshot_every})"
+        missing, why = copies.lost(
+            found, old.num_layers, live, job.snapshot_every, range(old.num_layers)
         )
         cluster.fail_job(
             f"layers {missing} have no live holder in any replica and no live snapshot copy: "
@@ -220,14 +202,10 @@ def _rolled_back(
         )
         return None
     mine = set(new.stage_ids)
+    addresses = {m.row.stage_id: m.row.address for m in cluster.members.members()}
     by_preference = sorted(live, key=lambda sid: (sid not in mine, sid))
-    holders = {}
-    for layer in range(old.num_layers):
-        sid = next(s for s in by_preference if s in found[step][layer])
-        member = cluster.members.by_id(sid)
-        assert member is not None
-        holders[layer] = member.row.address
-    return step, holders
+    held = copies.holders_at(found, step, old.num_layers, by_preference)
+    return step, {layer: addresses[sid] for layer, sid in held.items()}
 
 
 def drain(

@@ -186,9 +186,7 @@ def _repartition(
     live: set[str],
     dead: set[str],
 ) -> list[Option]:
-    chain = replicas[r]
-    assert chain is not None
-    survivors = [ref for ref in chain.stages if ref.stage_id in live]
+    chain, survivors = _survivors(replicas, r, live)
     mended = _planned(cluster, chain, survivors)
     if mended is None:
         return []
@@ -203,9 +201,7 @@ def _borrow(
     live: set[str],
     dead: set[str],
 ) -> list[Option]:
-    chain = replicas[r]
-    assert chain is not None
-    survivors = [ref for ref in chain.stages if ref.stage_id in live]
+    chain, survivors = _survivors(replicas, r, live)
     if not survivors:  # a replica with no stage left is gone: no stage to lend it to
         return []
     out = []
@@ -235,6 +231,15 @@ def one_chain(
     """The last resort when no replica can be mended: one chain over ``stages`` (every
     survivor and spare, at most one per layer), ordered and cut by the planner."""
     return _planned(cluster, template, list(stages)[: template.num_layers])
+
+
+def _survivors(
+    replicas: Sequence[Partition | None], r: int, live: set[str]
+) -> tuple[Partition, list[StageRef]]:
+    """Replica ``r``'s chain and its live stages, in chain order."""
+    chain = replicas[r]
+    assert chain is not None
+    return chain, [ref for ref in chain.stages if ref.stage_id in live]
 
 
 def _planned(cluster: Cluster, chain: Partition, stages: Sequence[StageRef]) -> Partition | None:

@@ -18,6 +18,7 @@ from elasticpipe.coordinator.planning import plan
 from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
 from elasticpipe.coordinator.state import Cluster
+from elasticpipe.layout import Layout
 
 __all__ = ["ReplicaPolicy"]
 
@@ -41,21 +42,31 @@ class _Rebalancer(Protocol):
     def _log_decision(self, decision: Decision, reason: str, in_seconds: bool = True) -> None: ...
 
 
+def _measured_layout(policy: _Rebalancer) -> Layout | None:
+    """The job's layout when the levers that price it on measurements may act: no
+    change in progress, every stage's speed measured, and (with a profile) every
+    replica's pipeline measured in this epoch; else None."""
+    layout = policy.c.layout
+    if layout is None or policy.c.store.get(epochs.CHANGE_KEY) is not None:
+        return None
+    if not all(policy._measured(p.stage_ids) for p in layout.replicas):
+        return None
+    if policy.c.in_seconds(layout.stage_ids) and (
+        replica_options.measured_pipelines(policy.c, layout) is None
+    ):
+        return None
+    return layout
+
+
 class ReplicaPolicy:
-    """``retune_shares`` and ``grow_replicas``, for ``Rebalancer.tick``."""
+    """``retune_shares``, ``retune_layers`` and ``grow_replicas``, for ``Rebalancer.tick``."""
 
     def retune_shares(self: _Rebalancer) -> bool:
         """Re-splits a job of several replicas' micro-batches when the live speeds predict a
         faster split that the policy accepts. Returns whether the shares changed."""
-        layout = self.c.layout
-        if layout is None or self.c.store.get(epochs.CHANGE_KEY) is not None:
+        layout = _measured_layout(self)
+        if layout is None:
             return False
-        if not all(self._measured(p.stage_ids) for p in layout.replicas):
-            return False
-        if self.c.in_seconds(layout.stage_ids) and (
-            replica_options.measured_pipelines(self.c, layout) is None
-        ):
-            return False  # each replica's pipeline is measured in this epoch first
         now_s, best_s, best = replica_changes.planned_shares(self.c, layout)
         moved = sum(abs(a - b) for a, b in zip(best, layout.shares, strict=True)) // 2
         decision = decide(
@@ -93,15 +104,9 @@ class ReplicaPolicy:
         again. Priced against the current partitions with their best shares (re-splitting
         comes first), both from the predictions alone: the new cuts are not measured yet.
         Returns whether layers moved."""
-        layout = self.c.layout
-        if layout is None or self.c.store.get(epochs.CHANGE_KEY) is not None:
+        layout = _measured_layout(self)  # (the shares get their chance first)
+        if layout is None:
             return False
-        if not all(self._measured(p.stage_ids) for p in layout.replicas):
-            return False
-        if self.c.in_seconds(layout.stage_ids) and (
-            replica_options.measured_pipelines(self.c, layout) is None
-        ):
-            return False  # the shares get their chance first, once the pipelines are measured
         costs, chains = self.c.costs(), []
         for p in layout.replicas:
             ids = list(p.stage_ids)
