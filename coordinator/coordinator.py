@@ -357,4 +357,5 @@ class Coordinator:
         self.recovery.wake()
         for thread in self._threads:
             thread.join(timeout=5)
+        self.jobs.rendezvous.close()
         self.cluster.pool.close()

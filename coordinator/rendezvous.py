@@ -6,8 +6,14 @@ The store is opened with the first job that asks for collectives and serves ever
 after (keys are prefixed by job, epoch, group and generation). It listens on the
 coordinator's own listen host only (a loopback cluster's store is loopback's), never more.
 Neither it nor the process groups authenticate anyone: collectives are for trusted
-fabrics, so a coordinator that requires mutual TLS refuses them, and so, for now, does one
-with standby coordinators (the store would die with its leader).
+fabrics, so a coordinator that requires mutual TLS refuses them.
+
+**Standby coordinators.** Each leader serves the store itself: one that takes over serves
+a new one on its own host and writes its address into the job, and the stages learn it
+from their next heartbeat. A process group needs the store only while it opens, so the
+groups open meet the leader's death unharmed; holders that opened a group on different
+stores meanwhile time out on it, and the client's next run opens it again under a new
+generation (``stage_server.collectives``).
 """
 
 from __future__ import annotations
@@ -44,8 +50,7 @@ class Rendezvous:
         """``job`` with this coordinator's rendezvous address, if it asks for collectives.
 
         Raises:
-            InvalidRequest: collectives asked of a coordinator that requires TLS, or that
-                runs with standby coordinators (named).
+            InvalidRequest: collectives asked of a coordinator that requires TLS (named).
         """
         if not job.collectives:
             return replace(job, rendezvous="")
@@ -56,36 +61,47 @@ class Rendezvous:
                 "requires mutual TLS; use the default engine (the stages' data channel), "
                 "which is exact and authenticated"
             )
-        if self.c.elected:
-            raise InvalidRequest(
-                f"collectives={job.collectives!r} with standby coordinators is not built "
-                "yet: the rendezvous store lives on one coordinator; use the default engine"
-            )
-        host, _ = split_address(self.c.address or "127.0.0.1:0")
-        return replace(job, rendezvous=join_address(host, self._serve()))
+        return replace(job, rendezvous=join_address(self._host(), self._serve()))
 
     def restored(self, job: JobConfig) -> JobConfig:
-        """The running job loaded from the store after a restart: its rendezvous served
-        again, on the port the stages know if it is free (else on a new one, which the
-        stages learn from their next heartbeat). Not with TLS, or standby coordinators:
-        the job's reductions then fail, naming why, until it is started without
-        collectives."""
+        """The running job loaded from the store, by a restarted coordinator or a standby
+        that took over: its rendezvous served again, here, on the port the stages know if
+        it is this host's and free (else on a new one, which the stages learn from their
+        next heartbeat). Not with TLS: the job's reductions then fail, naming why, until
+        it is started without collectives."""
         if not job.collectives or not job.rendezvous:
             return job
-        if self.c.config.tls is not None or self.c.elected:
+        if self.c.config.tls is not None:
             log.error(
                 "rendezvous_refused",
-                why="collectives need a plaintext coordinator without standbys",
+                why="collectives need a plaintext coordinator",
                 job=job.job_id,
             )
             return replace(job, rendezvous=REFUSED)
-        host, port = split_address(job.rendezvous)
-        try:
-            served = self._serve(port)
-        except (RuntimeError, OSError) as exc:  # taken meanwhile
-            log.warning("rendezvous_port_taken", port=port, error=str(exc)[:200])
-            served = self._serve()
+        known, port = split_address(job.rendezvous) if job.rendezvous != REFUSED else ("", 0)
+        host = self._host(known)
+        served = 0
+        if known == host and port:
+            try:
+                served = self._serve(port)
+            except (RuntimeError, OSError) as exc:  # taken meanwhile (the old leader?)
+                log.warning("rendezvous_port_taken", port=port, error=str(exc)[:200])
+        served = served or self._serve()
         return replace(job, rendezvous=join_address(host, served))
+
+    def _host(self, known: str = "") -> str:
+        """The host the stages reach this coordinator at: its advertised address's, else
+        (a restarted lone coordinator, which learns its address after loading) ``known``,
+        the host the job's rendezvous had."""
+        if self.c.address:
+            return split_address(self.c.address)[0]
+        return known or "127.0.0.1"
+
+    def close(self) -> None:
+        """Stops serving the store (a leadership that ended, a coordinator that stops):
+        the stages learn the next leader's from their heartbeats."""
+        with self._lock:
+            self._store, self._port = None, 0  # (freed, the store closes its socket)
 
     def _serve(self, port: int = 0) -> int:
         """Opens the store (once) on the coordinator's listen host; returns its port."""

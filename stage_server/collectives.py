@@ -9,6 +9,10 @@ coordinator's rendezvous store (``coordinator.rendezvous``), prefixed by job, ep
 group and generation: never a world-wide ``new_group``, never a ``destroy_process_group``.
 A group lives for its epoch and generation; the next epoch, or a new generation, drops it.
 
+**The rendezvous** is the leading coordinator's: a process group needs it only while it
+opens, and each generation connects to it afresh, at the address the stage's last
+heartbeat gave (a restarted coordinator, or a standby that took over, serves a new store).
+
 **Failures.** A process group's creation and its pending receives do not return when the
 run fails (``abort`` does not wake a gloo receive). So the engine runs in a thread of its
 own, which the run's thread waits for while it watches the run: a run that fails
@@ -86,11 +90,14 @@ class ProcessGroups:
                 if self._groups:
                     log.info("process_groups_dropped", groups=len(self._groups), epoch=epoch)
                 self._groups.clear()
+                # and the rendezvous connections: the store may be another one at the same
+                # address now (a restarted coordinator's, a new leader's)
+                self._stores.clear()
                 self._generation = (job_id, epoch, generation)
 
     def drop(self) -> None:
         """Forgets every group (a run gave up on them: the next run opens new ones), and
-        the rendezvous connections (a restarted coordinator's store is a new one)."""
+        the rendezvous connections."""
         with self._lock:
             self._groups.clear()
             self._stores.clear()

@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from elasticpipe import Pipeline
 from elasticpipe.client.admin import Admin
 from elasticpipe.local.cluster import LocalCluster
 from tests.support.etcd import EtcdCluster, start_etcd_cluster
+from tests.support.replica_jobs import JOB, batch, reference
 from tests.support.scenario import FAST, STEPS, Trainer, check, move_on_a_thread, pipeline
 
 pytestmark = pytest.mark.timeout(240)
@@ -28,17 +33,22 @@ LEASE = ["--freeze-lease", "8"]
 
 @contextlib.contextmanager
 def ha_cluster(
-    tmp_path: Path, point: str = "", stages: int = 3, etcd: EtcdCluster | None = None
+    tmp_path: Path,
+    point: str = "",
+    stages: int = 3,
+    etcd: EtcdCluster | None = None,
+    **options: Any,
 ) -> Iterator[LocalCluster]:
     """``stages`` stages and two coordinators on ``etcd`` (default: one member of its
-    own); the coordinators block at ``point`` of an epoch change (none: "")."""
+    own); the coordinators block at ``point`` of an epoch change (none: ""); ``options``
+    go to ``LocalCluster``."""
     own = etcd is None
     etcd = etcd or start_etcd_cluster(tmp_path / "etcd", 1)
     url = f"etcd://{etcd.endpoints}/ha-{uuid.uuid4().hex[:8]}"
     args = [*FAST, *LEASE, *(["--pause-at", point] if point else [])]
     try:
         with LocalCluster(
-            stages=stages, coordinators=2, coordinator_args=args, state=url
+            stages=stages, coordinators=2, coordinator_args=args, state=url, **options
         ) as cluster:
             yield cluster
     finally:
@@ -197,6 +207,45 @@ def test_a_frozen_leader_is_replaced_and_after_it_thaws_commands_nothing(
         # Asked alone, the thawed one stands by and sends the caller to the leader.
         with Admin(cluster.coordinator_addresses[str(seen["old"])], timeout=10) as admin:
             assert admin.status().leader == status.leader
+
+
+def test_gloo_replicas_go_on_after_the_leader_serving_their_rendezvous_is_killed(
+    tmp_path: Path,
+) -> None:
+    """Replicas of (2, 2) reducing over gloo process groups, whose rendezvous store the
+    leader serves: the leader SIGKILLed between steps, the groups already open reduce
+    without it; the new leader serves a rendezvous of its own, where the next epoch's
+    groups open (a new split of the shares); every loss and weight equals
+    LocalPipeline's bit for bit."""
+    want_losses, want_state = reference(steps=7)
+    with (
+        ha_cluster(tmp_path, stages=4, allow_models=("tests.support",)) as cluster,
+        Pipeline(cluster.coordinator, **JOB, stages=(2, 2), collectives="gloo") as pipe,  # type: ignore[arg-type]
+    ):
+        losses = [pipe.train_step(*batch(step)) for step in range(3)]
+        old, term, _ = kill_leader(cluster)
+        losses += [pipe.train_step(*batch(step)) for step in range(3, 5)]  # no leader needed
+        new, _ = wait_for_new_leader(cluster, old, term)
+        cluster.wait_for_log(new, "rendezvous_serving", timeout=10)
+        with cluster.admin(timeout=120) as admin:
+            cuts = [list(p.boundaries) for p in pipe.layout.replicas]
+            assert admin.set_layout(cuts, shares=[5, 3]).changed
+        losses += [pipe.train_step(*batch(step)) for step in range(5, 7)]
+        assert pipe.layout.shares == (5, 3)
+        state = pipe.state_dict()
+        epoch = pipe.layout.epoch
+        opened = [  # the stages that opened the new epoch's groups (on the new rendezvous)
+            name
+            for name in (f"stage-{i}" for i in range(4))
+            if re.search(
+                rf"process_group_opened\s+epoch={epoch}\b",
+                (cluster.log_dir / f"{name}.log").read_text(errors="replace"),
+            )
+        ]
+    assert len(opened) == 4, opened
+    assert losses == want_losses
+    for name, value in want_state.items():
+        assert torch.equal(state[name], value), name
 
 
 def test_one_of_three_etcd_members_killed_changes_nothing(tmp_path: Path) -> None:

@@ -2,19 +2,21 @@
 packed into bytes comes back bit for bit, whatever its dtypes; a piece of the wrong size,
 a short one (a receive leaves the rest of its zeroed buffer) and a garbled one are refused
 by name; a generation given up on is not opened again, nor by a run left behind; the
-coordinator's rendezvous listens on its listen host only, and is refused with TLS or
-standby coordinators; NCCL is refused until it has run on GPUs."""
+coordinator's rendezvous listens on its listen host only, is refused with TLS, and is
+served again by a coordinator that takes the job over (restarted, or a standby that now
+leads) on its own host; NCCL is refused until it has run on GPUs."""
 
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from elasticpipe.coordinator.rendezvous import Rendezvous
+from elasticpipe.coordinator.rendezvous import REFUSED, Rendezvous
 from elasticpipe.errors import InvalidRequest, StepAborted
 from elasticpipe.stage_server.collectives import ProcessGroups
 from elasticpipe.stage_server.reducing import TRAILER, _packed, piece
@@ -89,12 +91,12 @@ def _cluster(**fields: Any) -> Any:
     )
 
 
-def test_the_rendezvous_is_refused_with_tls_or_standby_coordinators() -> None:
+def test_the_rendezvous_is_refused_with_tls() -> None:
     job = JobConfig(model="mlp", collectives="gloo")
     with pytest.raises(InvalidRequest, match="requires mutual TLS"):
         Rendezvous(_cluster(tls=object())).for_job(job)
-    with pytest.raises(InvalidRequest, match="with standby coordinators is not built"):
-        Rendezvous(_cluster(elected=True)).for_job(job)
+    restored = Rendezvous(_cluster(tls=object())).restored(replace(job, rendezvous="a:1"))
+    assert restored.rendezvous == REFUSED
     plain = JobConfig(model="mlp", rendezvous="10.0.0.1:1")  # a client's is ignored
     assert Rendezvous(_cluster()).for_job(plain).rendezvous == ""
 
@@ -114,3 +116,18 @@ def test_a_restarted_coordinator_serves_the_rendezvous_on_the_same_port() -> Non
     # listener would take it) is refused
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.2", port), timeout=5)
+
+
+def test_a_leader_that_takes_over_serves_the_rendezvous_on_its_own_host() -> None:
+    """The job's rendezvous was the old leader's, on another host: the new leader serves
+    one on its own (the stages learn it from their heartbeats), and stops serving it when
+    its leadership ends."""
+    job = JobConfig(model="mlp", collectives="gloo", rendezvous="10.0.0.9:4000")
+    rendezvous = Rendezvous(_cluster(elected=True))
+    served = rendezvous.restored(job).rendezvous
+    host, _, port = served.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0, served
+    socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
+    rendezvous.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", int(port)), timeout=5)
