@@ -107,6 +107,9 @@ class RunContext:
     path: DevicePath | None = None  # host <-> device copies; None: ``PlainPath``
     stash_meter: StashMeter | None = None  # None: every run counts its stashed bytes
     first_micro_batch: int = 0  # the step's id of the run's micro-batch 0 (a replica's share)
+    # told of each layer whose gradients are whole, in the run's last backward (replicas:
+    # its reduction may start), highest first; None: nobody waits for them
+    layer_done: Callable[[int], None] | None = None
 
 
 def _loss(
@@ -179,6 +182,8 @@ def _run_ops(
     inputs: dict[int, Any] = {}  # each forward's input signature, by micro-batch
     loss_grads: dict[int, torch.Tensor] = {}
     split = any(op.kind is OpKind.WEIGHT for op in ops)  # ZB-H1: B, then W
+    whole = OpKind.WEIGHT if split else OpKind.BACKWARD  # the ops after which grads are whole
+    final = max((n for n, op in enumerate(ops) if op.kind is whole), default=-1)
     wire_dtype = ctx.layers.job.wire_dtype
     tracer, now, epoch = ctx.tracer, ctx.tracer.now_ns, placement.epoch
     lo, hi, inference = placement.lo, placement.hi, not ctx.train
@@ -186,8 +191,9 @@ def _run_ops(
     def span(kind: SpanKind, i: int, start: int, end: int) -> None:
         tracer.record(Span(kind, start, end, ctx.step, run, i, lo, hi, "", epoch, inference))
 
-    for op in ops:
+    for n, op in enumerate(ops):
         i = op.micro_batch
+        done = ctx.layer_done if n == final else None
         if (failure := mailbox.failure(run)) is not None:
             raise failure
         if op.kind is OpKind.FORWARD:
@@ -237,7 +243,9 @@ def _run_ops(
         elif op.kind is OpKind.WEIGHT:
             t0 = now()
             held.pop(i, None)
-            ctx.layers.backward_weights(stashes.pop(i), micro_batch=ctx.first_micro_batch + i)
+            ctx.layers.backward_weights(
+                stashes.pop(i), micro_batch=ctx.first_micro_batch + i, done=done
+            )
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
             span(SpanKind.WEIGHT, i, t0, t1)
@@ -258,7 +266,7 @@ def _run_ops(
             if not split:
                 held.pop(i, None)
             grad_in = ctx.layers.backward(
-                stash, grad, micro_batch=ctx.first_micro_batch + i, split=split
+                stash, grad, micro_batch=ctx.first_micro_batch + i, split=split, done=done
             )
             t1 = now()
             result.compute_s += (t1 - t0) / 1e9
@@ -282,7 +290,9 @@ def _run_ops(
             if inputs != ctx.stash_meter.inputs:  # a count of other shapes: the next counts
                 ctx.stash_meter.forget()
     path.drain(ctx.deadline)  # every device->host copy done and handed to its link
-    flush(ctx.links.values(), mailbox, run, ctx.deadline)
+    # the chain's links only: a reduction under way sends to the other replicas' holders
+    chain = [ctx.links[a] for a in (placement.prev, placement.next) if a in ctx.links]
+    flush(chain, mailbox, run, ctx.deadline)
 
 
 def flush(links: Iterable[Link], mailbox: Mailbox, run: int, deadline: float) -> None:

@@ -337,7 +337,12 @@ class LayerSlice(SliceState):
             return layer(x)
 
     def backward(
-        self, stash: Stash, grad: Value | None, micro_batch: int = -1, split: bool = False
+        self,
+        stash: Stash,
+        grad: Value | None,
+        micro_batch: int = -1,
+        split: bool = False,
+        done: Callable[[int], None] | None = None,
     ) -> Value | None:
         """Backpropagates ``grad`` (of the slice's output) through the stashed layers.
 
@@ -352,6 +357,11 @@ class LayerSlice(SliceState):
         stage's first layer) leaves its whole backward to W; one without trainable
         parameters runs whole here.
 
+        ``done`` (the run's last backward here, without ``split``): each layer's gradients
+        are taken into the run's sums as soon as its backward is done, and ``done(i)`` is
+        told, highest layer first, so that a reduction of the layers above can start while
+        the layers below run theirs.
+
         Returns:
             The gradients of the slice's input's floating tensors in the same form (a
             floating input the layers do not use gets zeros), or None where the input
@@ -363,7 +373,9 @@ class LayerSlice(SliceState):
             UserCodeError: a layer's backward raised.
         """
         grads = structure.tensors(grad) if grad is not None else None
+        finished = _Finished(self, micro_batch, done if not split else None)
         for i, (xs, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+            finished.above(i)
             if grads is None:
                 break
             again: float | Lap
@@ -413,16 +425,20 @@ class LayerSlice(SliceState):
         stash.seeds.clear()
         stash.shapes.clear()
         if not split:  # with ZB-H1 the weight gradients come with W
-            self.took_grads(micro_batch)
+            finished.above(None)
         else:
             stash.early = self.held_grads()
         self.slowdown.pay()
         return structure.grads_value(grads) if grads is not None else None
 
-    def backward_weights(self, stash: Stash, micro_batch: int = -1) -> None:
+    def backward_weights(
+        self, stash: Stash, micro_batch: int = -1, done: Callable[[int], None] | None = None
+    ) -> None:
         """ZB-H1's W: computes the weight gradients ``backward(split=True)`` left in
         ``stash``, in the order B met the layers (the order a whole backward computes them
-        in), adds them to the run's tree sums, and frees the graphs.
+        in), adds them to the run's tree sums, and frees the graphs. ``done`` (the run's
+        last W here): told of every layer once all are summed, highest first (a layer's
+        gradients may come from B and from W, so they are whole only at the end).
 
         Raises:
             UserCodeError: a layer's backward raised.
@@ -435,6 +451,9 @@ class LayerSlice(SliceState):
         for param, g in early:  # (a parameter's gradient comes from B or from W, not both)
             param.grad = g
         self.took_grads(micro_batch)
+        if done is not None:
+            for i in reversed(self.indices):
+                done(i)
         self.slowdown.pay()
 
     def _autograd(
@@ -446,6 +465,27 @@ class LayerSlice(SliceState):
         except Exception as exc:  # the user's code may raise anything
             g = structure.grads_value(gs)
             raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc
+
+
+class _Finished:
+    """A backward's layers whose gradients are whole: taken into the run's sums as the
+    backward goes down the layers, each told to ``done``; or, without ``done`` (every
+    micro-batch but a run's last), all at once at its end."""
+
+    def __init__(self, layers: LayerSlice, micro_batch: int, done: Callable[[int], None] | None):
+        self.layers, self.micro_batch, self.done = layers, micro_batch, done
+        self.left = list(reversed(layers.indices))  # not taken yet, highest first
+
+    def above(self, layer: int | None) -> None:
+        """Takes (and tells of) every layer above ``layer`` not taken yet; None: all."""
+        if self.done is None:
+            if layer is None:
+                self.layers.took_grads(self.micro_batch)
+            return
+        while self.left and (layer is None or self.left[0] > layer):
+            i = self.left.pop(0)
+            self.layers.took_grads(self.micro_batch, (i,))
+            self.done(i)
 
 
 def _backward(outs: list[torch.Tensor], gs: list[torch.Tensor]) -> None:

@@ -1,6 +1,7 @@
-"""A stage's gradient reduction with the other replicas, over its data channel: after a run's
-last backward, each group it holds is reduced with the group's holders in the other
-replicas (``reduction.GroupReduction``), and the sums go into ``.grad``.
+"""A stage's gradient reduction with the other replicas, over its data channel: each group it
+holds is reduced with the group's holders in the other replicas
+(``reduction.GroupReduction``) as soon as the run's last backward is done with the group's
+layers (``Reductions``), and the sums go into ``.grad``.
 
 The pieces travel as REDUCE data messages, through the links and the mailbox that carry
 activations, so they get every check activations get: the run's epoch and secret, bounds
@@ -18,6 +19,7 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,8 +27,8 @@ from typing import Any
 
 import torch
 
-from elasticpipe.errors import InvalidRequest
-from elasticpipe.partition import Placement
+from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, InvalidRequest, StepAborted
+from elasticpipe.partition import Group, Placement
 from elasticpipe.stage_server.collectives import ProcessGroups, reduce_on_groups
 from elasticpipe.stage_server.executor import flush
 from elasticpipe.stage_server.layers import LayerSlice
@@ -40,12 +42,20 @@ from elasticpipe.stage_server.reduction import (
     piece_key,
     unflatten,
 )
+from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
 from elasticpipe.transport.sending import Outgoing
 from elasticpipe.transport.serving import split_address
 
-__all__ = ["PipelineTime", "RunIds", "reduce_gradients", "refuse_running_stats", "share_of"]
+__all__ = [
+    "PipelineTime",
+    "Reductions",
+    "RunIds",
+    "refuse_running_stats",
+    "share_of",
+]
 
 PIPELINE_EWMA = 0.5  # the weight of a run's newest pipeline time
+JOIN_GRACE_S = 1.0  # a reduction thread's end, waited for past the run's deadline
 
 
 @dataclass(frozen=True)
@@ -135,70 +145,189 @@ def _ranges(shares: Sequence[int]) -> list[range]:
     return [range(a, a + m) for a, m in zip(starts, shares, strict=False)]
 
 
-def reduce_gradients(
-    layers: LayerSlice,
-    placement: Placement,
-    shares: Sequence[int],
-    links: dict[str, Link],
-    mailbox: Mailbox,
-    ids: RunIds,
-    groups: ProcessGroups | None = None,
-    generation: int = 0,
-    rendezvous: str = "",
-) -> None:
-    """Reduces every group this stage holds with its other holders and installs the sums:
-    over the data channel, or with ``collectives`` over the process groups of
-    ``generation`` (``collectives``: the same pieces, so the same bits), opened on
-    ``rendezvous`` (the coordinator's now; default: the job's).
+Work = tuple[GroupReduction, list[int], list[Any], list[str], list[Any]]
+# (the reduction, its layers with parameters, their parameters, the holders' addresses,
+# this holder's partials)
 
-    Raises:
-        ElasticPipeError: a peer's piece was wrong (InvalidRequest), the deadline passed
-            (naming the piece that did not come), or the run failed meanwhile.
+
+class Reductions:
+    """A run's gradient reductions with the other replicas' holders, one per group this
+    stage holds.
+
+    **Overlap.** Each group's reduction starts as soon as the run's last backward here is
+    done with the group's layers (``layer_done``, called by that backward, highest layer
+    first), on a thread of its own, while the backward goes on down the other groups'
+    layers: a stage that holds several groups (replicas cut differently) hides the
+    reduction of the upper ones behind its backward. ``finish`` reduces the groups not
+    started yet, waits for all, and installs the sums. A group whose reduction fails fails
+    the run at once (the backward stops at its next op). Over the data channel or, with
+    ``collectives``, over the process groups of ``generation`` (the same pieces, so the
+    same bits), opened on ``rendezvous`` (the coordinator's now; default: the job's).
     """
-    total, ranges = sum(shares), _ranges(shares)
-    partials = layers.take_partials()
-    me, replicas = placement.replica, placement.num_replicas
-    work = []
-    for group in placement.groups:
-        owned = [layer for layer in group.layers if layer in layers.optimizers]
-        if not owned:  # no parameters (an activation, a dropout): nothing to reduce
-            continue
-        params = [list(layers.layers[layer].parameters()) for layer in owned]
-        like = [p.detach().new_empty(p.numel()) for ps in params for p in ps if p.requires_grad]
-        mine = [
-            (node, flatten([partials[layer][j][1] for layer in owned], params))
-            for j, (node, _) in enumerate(partials[owned[0]])
-        ]
-        reduction = GroupReduction(group.index, me, ranges, total, like)
-        work.append((reduction, owned, params, [h.address for h in group.holders], mine))
-    job = layers.job
-    if job.collectives:
-        assert groups is not None
-        if rendezvous == "-":
-            raise InvalidRequest(
-                f"collectives={job.collectives!r}: the coordinator serves no rendezvous (it "
-                "restarted with TLS or standby coordinators, which refuse collectives): "
-                "start the job again without collectives"
-            )
-        groups.use(job.job_id, ids.epoch, generation)
-        mine_at = work[0][3][me] if work else ""  # this stage's address: its gloo device's
-        reduce_on_groups(
-            groups,
-            job.collectives,
-            rendezvous or job.rendezvous,
-            split_address(mine_at)[0] if mine_at else "127.0.0.1",
-            [(reduction, mine) for reduction, _, _, _, mine in work],
-            replicas,
-            lambda: mailbox.failure(ids.run),
-            ids.deadline,
-            _packed,
-            piece,
-            packed_bytes,
+
+    def __init__(
+        self,
+        layers: LayerSlice,
+        placement: Placement,
+        shares: Sequence[int],
+        links: dict[str, Link],
+        mailbox: Mailbox,
+        ids: RunIds,
+        groups: ProcessGroups | None = None,
+        generation: int = 0,
+        rendezvous: str = "",
+        tracer: Tracer | None = None,
+    ):
+        """Raises:
+        InvalidRequest: collectives without a rendezvous (a coordinator that refuses it).
+        StepAborted: collectives of a generation this stage gave up on.
+        """
+        self.layers, self.placement, self.links, self.mailbox, self.ids = (
+            layers,
+            placement,
+            links,
+            mailbox,
+            ids,
         )
-    else:
-        _over_data_channel(work, replicas, links, mailbox, ids)
-    for reduction, owned, params, _, _ in work:
-        layers.install_grads(dict(zip(owned, unflatten(reduction.result(), params), strict=True)))
+        self.total, self.ranges = sum(shares), _ranges(shares)
+        self.tracer = tracer
+        self._engine = groups, rendezvous or layers.job.rendezvous
+        self._left: dict[int, set[int]] = {}  # groups not started: their layers not done
+        for group in placement.groups:
+            owned = {layer for layer in group.layers if layer in layers.optimizers}
+            if owned:  # (no parameters, as an activation or a dropout: nothing to reduce)
+                self._left[group.index] = owned
+        self._threads: list[tuple[threading.Thread, list[BaseException]]] = []
+        self._done: list[Work] = []
+        job = layers.job
+        if job.collectives:
+            assert groups is not None
+            if rendezvous == "-":
+                raise InvalidRequest(
+                    f"collectives={job.collectives!r}: the coordinator serves no rendezvous "
+                    "(it restarted with TLS, which refuses collectives): start the job "
+                    "again without collectives"
+                )
+            groups.use(job.job_id, ids.epoch, generation)
+
+    def layer_done(self, layer: int) -> None:
+        """``layer``'s gradients are whole for the run: starts the reduction of its group
+        once every layer of the group is (on a thread; it fails the run if it fails)."""
+        for index, pending in self._left.items():
+            if layer in pending:
+                pending.discard(layer)
+                if not pending:
+                    del self._left[index]
+                    work = self._work([self._group(index)])
+                    errors: list[BaseException] = []
+                    thread = threading.Thread(
+                        target=self._reduce_early,
+                        args=(work, errors),
+                        name=f"reduce-{index}",
+                        daemon=True,
+                    )
+                    self._threads.append((thread, errors))
+                    thread.start()
+                return
+
+    def finish(self) -> None:
+        """Reduces the groups not started, waits for the others, and installs every sum.
+
+        Raises:
+            ElasticPipeError: a peer's piece was wrong (InvalidRequest), the deadline passed
+                (naming the piece that did not come), or the run failed meanwhile.
+        """
+        work = self._work([self._group(index) for index in sorted(self._left)])
+        self._left.clear()
+        self._reduce(work)
+        for thread, errors in self._threads:
+            thread.join(max(0.0, self.ids.deadline - time.monotonic()) + JOIN_GRACE_S)
+            if errors:
+                raise errors[0]
+            if thread.is_alive():
+                raise DeadlineExceeded(
+                    f"run {self.ids.run}: a gradient reduction did not end by the deadline"
+                )
+        for reduction, owned, params, _, _ in self._done + work:
+            self.layers.install_grads(
+                dict(zip(owned, unflatten(reduction.result(), params), strict=True))
+            )
+
+    def abandon(self, why: str) -> None:
+        """The run failed: wakes the reductions under way (they end, failed)."""
+        if self._threads:
+            self.mailbox.abort(self.ids.run, why)
+
+    def _group(self, index: int) -> Group:
+        return next(g for g in self.placement.groups if g.index == index)
+
+    def _work(self, groups: Sequence[Group]) -> list[Work]:
+        """Each group's reduction and this holder's partials (its layers' sums taken)."""
+        layers, me = self.layers, self.placement.replica
+        owned_of = [[i for i in g.layers if i in layers.optimizers] for g in groups]
+        partials = layers.take_partials([i for owned in owned_of for i in owned])
+        work = []
+        for group, owned in zip(groups, owned_of, strict=True):
+            params = [list(layers.layers[layer].parameters()) for layer in owned]
+            like = [p.detach().new_empty(p.numel()) for ps in params for p in ps if p.requires_grad]
+            mine = [
+                (node, flatten([partials[layer][j][1] for layer in owned], params))
+                for j, (node, _) in enumerate(partials[owned[0]])
+            ]
+            reduction = GroupReduction(group.index, me, self.ranges, self.total, like)
+            work.append((reduction, owned, params, [h.address for h in group.holders], mine))
+        return work
+
+    def _reduce_early(self, work: list[Work], errors: list[BaseException]) -> None:
+        try:
+            self._reduce(work)
+            self._done.extend(work)
+        except BaseException as exc:  # handed to ``finish``; the run fails now
+            errors.append(exc)
+            failure = exc if isinstance(exc, ElasticPipeError) else StepAborted(repr(exc))
+            self.mailbox.fail(self.ids.run, failure)
+
+    def _reduce(self, work: list[Work]) -> None:
+        """Runs ``work``'s reductions to their end, on the job's engine."""
+        if not work:
+            return
+        start = self.tracer.now_ns() if self.tracer is not None else 0
+        job, ids, replicas = self.layers.job, self.ids, self.placement.num_replicas
+        groups, rendezvous = self._engine
+        if job.collectives:
+            assert groups is not None
+            mine_at = work[0][3][self.placement.replica]  # its gloo device's host
+            reduce_on_groups(
+                groups,
+                job.collectives,
+                rendezvous,
+                split_address(mine_at)[0] if mine_at else "127.0.0.1",
+                [(reduction, mine) for reduction, _, _, _, mine in work],
+                replicas,
+                lambda: self.mailbox.failure(ids.run),
+                ids.deadline,
+                _packed,
+                piece,
+                packed_bytes,
+            )
+        else:
+            _over_data_channel(work, replicas, self.links, self.mailbox, ids)
+        if self.tracer is not None:
+            end = self.tracer.now_ns()
+            for reduction, owned, _, _, _ in work:
+                self.tracer.record(
+                    Span(
+                        SpanKind.REDUCE,
+                        start,
+                        end,
+                        ids.step,
+                        ids.run,
+                        reduction.group,
+                        owned[0],
+                        owned[-1] + 1,
+                        epoch=ids.epoch,
+                    )
+                )
 
 
 def _over_data_channel(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -205,19 +205,27 @@ class SliceState:
         # each layer's parameters, listed once a run (not once a micro-batch)
         self._grad_params = {i: list(self.layers[i].parameters()) for i in self._grad_sums}
 
-    def take_partials(self) -> dict[int, list[tuple[Node, Grads]]]:
-        """After a run's last backward, for a share: each layer's partial sums, one per tree
-        node the share covers (``gradsum.covering``), for the reduction among the layer's
-        holders; the run's sums are handed over (``install_grads`` takes the result).
+    def take_partials(
+        self, layers: Collection[int] | None = None
+    ) -> dict[int, list[tuple[Node, Grads]]]:
+        """After the run's last backward of ``layers`` (default: every layer not taken
+        yet), for a share: each layer's partial sums, one per tree node the share covers
+        (``gradsum.covering``), for the reduction among the layer's holders; their sums are
+        handed over (``install_grads`` takes the result). Without ``layers`` the run's sums
+        are all handed over; with them (a group whose last backward is done while the
+        others' goes on) the rest stay.
 
         Raises:
             ValueError: no run is begun, or a micro-batch of the share never finished its
                 backward (naming it).
         """
-        sums, self._grad_sums = self._grad_sums, None
+        sums = self._grad_sums
         if sums is None:
             raise ValueError("no training run is begun (begin_grads) on this slice")
-        return {i: sums[i].partials() if i in sums else [] for i in self.optimizers}
+        if layers is None:
+            self._grad_sums = None
+            return {i: sums[i].partials() if i in sums else [] for i in self.optimizers}
+        return {i: sums.pop(i).partials() if i in sums else [] for i in layers}
 
     def install_grads(self, grads: dict[int, Grads]) -> None:
         """Puts each layer's reduced gradients (its parameters' in order) into ``.grad``.
@@ -237,19 +245,21 @@ class SliceState:
             for param, g in zip(params, layer_grads, strict=True):
                 param.grad = g
 
-    def took_grads(self, micro_batch: int) -> None:
-        """After ``micro_batch``'s whole backward on this slice (its weight gradients
-        included): moves each layer's gradients out of ``.grad`` into its tree sum, so that
-        the next micro-batch's backward starts from none. Outside a run begun with
-        ``begin_grads`` (profiling), gradients stay in ``.grad``.
+    def took_grads(self, micro_batch: int, layers: Iterable[int] | None = None) -> None:
+        """After ``micro_batch``'s whole backward on ``layers`` (default: every layer of
+        this slice; its weight gradients included): moves each layer's gradients out of
+        ``.grad`` into its tree sum, so that the next micro-batch's backward starts from
+        none. Outside a run begun with ``begin_grads`` (profiling), gradients stay in
+        ``.grad``.
 
         Raises:
             ValueError: ``micro_batch`` was taken already in this run, or is outside it.
         """
         if self._grad_sums is None:
             return
-        for i, acc in self._grad_sums.items():
-            params = self._grad_params[i]
+        sums = self._grad_sums
+        for i in sums if layers is None else [i for i in layers if i in sums]:
+            acc, params = sums[i], self._grad_params[i]
             acc.add(micro_batch, [p.grad for p in params])
             for p in params:
                 p.grad = None

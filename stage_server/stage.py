@@ -20,7 +20,7 @@ import hmac
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -429,13 +429,11 @@ class Stage(EpochChanges):
             if train
             else forward_ops(micro_batches)
         )
+        reductions: reducing.Reductions | None = None
         try:
-            result = execute(ops, ctx)
-            if replicated:
-                self.pipeline_time.note(placement.epoch, time.monotonic() - ctx.deadline + timeout)
-                self.faults.point("reducing")  # tests: killed as its replicas reduce
+            if replicated:  # each group's reduction starts once its last backward is done
                 ids = reducing.RunIds(placement.epoch, run, step, secret, ctx.deadline)
-                reducing.reduce_gradients(
+                reductions = reducing.Reductions(
                     ctx.layers,
                     placement,
                     shares,
@@ -445,8 +443,17 @@ class Stage(EpochChanges):
                     self._groups,
                     generation,
                     self.rendezvous,
+                    self.tracer,
                 )
+                ctx = replace(ctx, layer_done=reductions.layer_done)
+            result = execute(ops, ctx)
+            if reductions is not None:
+                self.pipeline_time.note(placement.epoch, time.monotonic() - ctx.deadline + timeout)
+                self.faults.point("reducing")  # tests: killed as its replicas reduce
+                reductions.finish()
         except BaseException as exc:
+            if reductions is not None:
+                reductions.abandon(f"run {run} failed on stage {self.config.name}")
             with self._cond:
                 self._apply(self.machine.fail_run(run))
             if not isinstance(exc, ElasticPipeError):

@@ -41,6 +41,7 @@ class SpanKind(Enum):
     FREEZE = stage_pb2.SPAN_FREEZE
     PREPARE = stage_pb2.SPAN_PREPARE
     EPOCH_COMMIT = stage_pb2.SPAN_EPOCH_COMMIT
+    REDUCE = stage_pb2.SPAN_REDUCE  # replicas: one group's reduction (micro_batch: the group)
 
 
 class Span(NamedTuple):

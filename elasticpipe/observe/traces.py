@@ -37,7 +37,7 @@ from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 CLOCK_SAMPLES = 5
 MAX_STEPS = 16  # what a stage keeps (stage_server.tracing.DEFAULT_STEPS_KEPT)
-COMPUTE, WAITS, CONTROL, FIRST_SEND = 0, 1, 2, 3  # thread ids of a stage's tracks
+COMPUTE, WAITS, CONTROL, REDUCTIONS, FIRST_SEND = 0, 1, 2, 3, 4  # a stage's tracks (thread ids)
 OP_KINDS = {  # the op each op span times
     stage_pb2.SPAN_FORWARD: OpKind.FORWARD,
     stage_pb2.SPAN_BACKWARD: OpKind.BACKWARD,
@@ -56,6 +56,7 @@ _NAMES = {
     stage_pb2.SPAN_FREEZE: "freeze",
     stage_pb2.SPAN_PREPARE: "prepare epoch",
     stage_pb2.SPAN_EPOCH_COMMIT: "commit epoch",
+    stage_pb2.SPAN_REDUCE: "reduce",
 }
 
 
@@ -236,6 +237,8 @@ def _label(span: stage_pb2.Span) -> str:
         name = f"send {span.micro_batch}"
     elif span.kind == stage_pb2.SPAN_RECV_WAIT:
         name = f"wait {span.micro_batch}"
+    elif span.kind == stage_pb2.SPAN_REDUCE:
+        name = f"reduce group {span.micro_batch}"
     return f"predict {name}" if span.inference else name
 
 
@@ -259,6 +262,9 @@ def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
                 tid = COMPUTE
             elif span.kind == stage_pb2.SPAN_RECV_WAIT:
                 tid = WAITS
+            elif span.kind == stage_pb2.SPAN_REDUCE:
+                tid = REDUCTIONS
+                threads[tid] = "gradient reductions (replicas)"
             elif span.kind == stage_pb2.SPAN_SEND:
                 tid = peers.setdefault(span.peer, FIRST_SEND + len(peers))
                 threads[tid] = f"sends to {span.peer}"

@@ -146,6 +146,8 @@ class _SpanKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpanKind.Val
     """installing them"""
     SPAN_WEIGHT: _SpanKind.ValueType  # 9
     """ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
+    SPAN_REDUCE: _SpanKind.ValueType  # 10
+    """replicas: a reduction group's gradient reduction (micro_batch: the"""
 
 class SpanKind(_SpanKind, metaclass=_SpanKindEnumTypeWrapper):
     """---- traces -----------------------------------------------------------------"""
@@ -168,6 +170,8 @@ SPAN_EPOCH_COMMIT: SpanKind.ValueType  # 8
 """installing them"""
 SPAN_WEIGHT: SpanKind.ValueType  # 9
 """ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
+SPAN_REDUCE: SpanKind.ValueType  # 10
+"""replicas: a reduction group's gradient reduction (micro_batch: the"""
 Global___SpanKind: _TypeAlias = SpanKind  # noqa: Y015
 
 @_typing.final

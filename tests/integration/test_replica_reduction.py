@@ -20,6 +20,7 @@ from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
+from elasticpipe.stage_server.tracing import SpanKind
 from elasticpipe.training.job import JobConfig
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
@@ -157,3 +158,23 @@ def test_a_failure_in_one_replica_aborts_the_others_at_once(servers: list[StageS
         assert time.monotonic() - started < 20.0
         reports = _step(clients, layout, 1, run_id=2)
         assert len(reports) == 2 and all(r[-1].losses for r in reports)
+
+
+def test_a_group_reduces_while_the_backward_goes_on_below_it(servers: list[StageServer]) -> None:
+    """Replica 1 is cut elsewhere than replica 0, so each of replica 0's stages holds two
+    reduction groups: in the run's last backward the upper group's reduction starts as
+    soon as its layers are done, while the backward goes on below it (before the op
+    ends, in the stage's trace), and the results stay LocalPipeline's bit for bit."""
+    with LocalPipeline(allow=ALLOW, **JOB) as pipe:  # type: ignore[arg-type]
+        want_losses = [pipe.train_step(*_batch(step)) for step in range(1, STEPS + 1)]
+    losses, _ = _train(servers, (4, 4))
+    assert losses == want_losses
+    for server in servers[:2]:  # replica 0's
+        assert server.stage is not None
+        spans, _ = server.stage.tracer.last(1)
+        backward_end = max(s.end_ns for s in spans if s.kind is SpanKind.BACKWARD)
+        reduced = sorted((s for s in spans if s.kind is SpanKind.REDUCE), key=lambda s: s.start_ns)
+        assert len(reduced) == 2, reduced
+        upper, lower = reduced
+        assert upper.layer_lo > lower.layer_lo, (upper, lower)
+        assert upper.start_ns < backward_end, (upper.start_ns, backward_end)

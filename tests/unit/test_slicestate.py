@@ -173,3 +173,47 @@ def test_zb_h1s_interleaved_b_and_w_sum_as_whole_backwards_do(model: str, n: int
     assert whole.keys() == split.keys() and whole
     for key in whole:
         assert torch.equal(_bits(whole[key]), _bits(split[key])), key
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "zb-h1"])
+def test_the_last_backward_tells_each_layer_done_and_its_partials_can_go_first(
+    split: bool,
+) -> None:
+    """The run's last backward with ``done``: every layer is told, highest first (whole:
+    as the backward passes it; ZB-H1: at the end of W). The upper layers' partials taken
+    at once (a group reducing while the backward goes on) and the rest taken after are the
+    same bits as a run that takes them all at the end."""
+    want = _slice()
+    want.begin_grads(M, range(3, 8))
+    plain = _slice()
+    plain.begin_grads(M, range(3, 8))
+    xs = _inputs()
+    told: list[int] = []
+    early: dict[int, list] = {}
+
+    def done(i: int) -> None:
+        told.append(i)
+        if i == 2:  # layers 2-4 are whole: their partials go now
+            early.update(plain.take_partials([2, 3, 4]))
+
+    for layers, hook in ((want, None), (plain, done)):
+        for k in range(3, 8):
+            y, stash = layers.forward(xs[k], train=True, micro_batch=k)
+            assert stash is not None
+            last = hook if k == 7 else None
+            if split:
+                layers.backward(stash, torch.ones_like(y), micro_batch=k, split=True)
+                layers.backward_weights(stash, micro_batch=k, done=last)
+            else:
+                layers.backward(stash, torch.ones_like(y), micro_batch=k, done=last)
+    assert told == [4, 3, 2, 1, 0]
+    late = plain.take_partials()
+    assert sorted(early) == [2, 3, 4] and sorted(late) == [0, 2, 4] and late[2] == []
+    got = {**late, **{i: p for i, p in early.items() if p}}
+    expected = want.take_partials()
+    assert sorted(got) == sorted(expected)
+    for i, nodes in expected.items():
+        assert [n for n, _ in got[i]] == [n for n, _ in nodes]
+        for (_, a), (_, b) in zip(got[i], nodes, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), i
