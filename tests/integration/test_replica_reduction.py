@@ -1,5 +1,5 @@
 """Replicas over the network: real stage servers on loopback, assigned a layout of two
-replicas of different shapes by hand (the coordinator does not set up replicas yet), each
+replicas of different shapes by hand (as the coordinator would assign them), each
 run its share of the step and reduce their gradients with the other replica's holders over
 their data channels; the losses and every replica's weights equal ``LocalPipeline``'s bit
 for bit, whatever the shares."""
