@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elasticpipe.coordinator import concurrency, epochs, replicas
+from elasticpipe.coordinator import epochs, replicas
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.laps import Laps
 from elasticpipe.coordinator.loads import Loads
@@ -26,7 +26,7 @@ from elasticpipe.coordinator.planning import (
     order_hosts,
     predict_step_time,
 )
-from elasticpipe.coordinator.planning.estimates import Profile, Timing
+from elasticpipe.coordinator.profiles import profile_stages
 from elasticpipe.coordinator.rendezvous import Rendezvous
 from elasticpipe.coordinator.replicas import ONE_PIPELINE, Shape
 from elasticpipe.coordinator.state import Cluster
@@ -44,15 +44,10 @@ from elasticpipe.logs import get_logger
 from elasticpipe.partition import Partition, StageRef
 from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import job_pb2, stage_pb2
-from elasticpipe.wire import bundle
 from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
 
-PROFILE_REPEATS = 5
-# Stages sharing a host are profiled one at a time (they would slow each other down);
-# this many hosts at once.
-PROFILE_HOSTS_AT_ONCE = 16
 STAGE_CALL_TIMEOUT_S = 120.0
 # What must match for a client to resume a job (everything but the id).
 RESUME_FIELDS = (
@@ -317,7 +312,7 @@ class Jobs(Loads):
                     f"too few layers for the stages (layers: {num_layers}, stages: "
                     f"{len(chosen)}): pass stages={num_layers} or fewer"
                 )
-            profile = self._profile(job, sample, chosen) if sample is not None else None
+            profile = profile_stages(self.c, job, sample, chosen) if sample is not None else None
             laps.lap("profile")
             costs = profile.costs if profile else estimates.fallback_costs(param_bytes)
             speeds = [profile.speeds[m.row.stage_id] if profile else 1.0 for m in chosen]
@@ -459,31 +454,6 @@ class Jobs(Loads):
             )
         return replies[0]  # type: ignore[no-any-return]
 
-    def _profile(self, job: JobConfig, sample: Value, chosen: list[Member]) -> Profile:
-        spec = job.to_proto()
-        bundle.set_sample(spec, sample)
-        profiles: dict[str, list[Timing]] = {}
-        needs: dict[str, list[tuple[int, int]]] = {}
-        request = stage_pb2.ProfileRequest(job=spec, repeats=PROFILE_REPEATS)
-        started = time.monotonic()
-        replies = concurrency.by_host(
-            [m.row.address for m in chosen],
-            lambda address: self.c.pool.call(address, "Profile", request, STAGE_CALL_TIMEOUT_S),
-            PROFILE_HOSTS_AT_ONCE,
-        )
-        for member, reply in zip(chosen, replies, strict=True):
-            profiles[member.row.stage_id] = [
-                (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in reply.timings
-            ]
-            needs[member.row.stage_id] = [(t.stash_bytes, t.state_bytes) for t in reply.timings]
-        profile = estimates.from_profiles(profiles, needs)
-        log.info(
-            "stages_profiled",
-            speeds={self.c.name(s): round(v, 3) for s, v in profile.speeds.items()},
-            seconds=round(time.monotonic() - started, 3),
-        )
-        return profile
-
     def profile_later(self, job_id: str, client: int, sample: Value) -> bool:
         """Profiles a job set up without a sample (a ``load`` or ``state_dict`` came first),
         unless it is profiled already: the same request sent again after a failover then
@@ -501,7 +471,7 @@ class Jobs(Loads):
             if profiled:
                 every = self.c.job_stage_ids()  # of every replica
                 members = [m for sid in every if (m := self.c.members.by_id(sid))]
-                measured = self._profile(job, sample, members)
+                measured = profile_stages(self.c, job, sample, members)
                 with self.c.move_lock:
                     self.c.profile = measured
                     self.c.store.put("profile", measured.to_store())

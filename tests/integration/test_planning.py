@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import statistics
 import time
 
@@ -84,3 +86,31 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
         f"current {boundaries} {view.current_step_s:.4f}s vs optimal {best.boundaries} "
         f"{view.optimal_step_s:.4f}s"
     )
+
+
+@pytest.mark.timeout(120)
+def test_stages_sharing_a_host_and_device_are_profiled_once_and_scaled_by_their_slowdown() -> (
+    None
+):
+    """Three CPU stages on one host, the middle one --slowdown 3: the first profiles the
+    model, the other two take its figures (the coordinator logs who shares whose), and the
+    profiled speeds are exactly 3 : 1 : 3, where three profiles taken in turn would differ
+    by whatever the host was doing meanwhile."""
+    with (
+        LocalCluster(stages=3, slowdowns=[1.0, 3.0, 1.0], auto_rebalance=False) as cluster,
+        Pipeline(
+            coordinator=cluster.coordinator,
+            model="mlp",
+            model_kwargs={"sizes": [64] * 5},
+            optimizer="sgd",
+            micro_batches=2,
+        ) as pipe,
+    ):
+        pipe.train_step(torch.randn(8, 64), torch.randint(0, 64, (8,)))
+        log = (cluster.log_dir / "coordinator.log").read_text(errors="replace")
+    line = next(ln for ln in log.splitlines() if "stages_profiled" in ln)
+    fields = dict(re.findall(r"(\w+)=(\{[^}]*\}|\S+)", line))
+    assert fields["profiled"] == "1", line
+    shared = ast.literal_eval(fields["shared"])  # the stages that took another's figures
+    assert len(shared) == 2 and len(set(shared.values())) == 1, line
+    assert ast.literal_eval(fields["speeds"]) == {"stage-0": 3.0, "stage-1": 1.0, "stage-2": 3.0}
