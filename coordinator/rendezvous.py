@@ -3,7 +3,8 @@ or ``"nccl"``): a ``TCPStore`` this coordinator serves, where the holders of eac
 reduction group find each other to open their process group.
 
 The store is opened with the first job that asks for collectives and serves every job
-after (keys are prefixed by job, epoch, group and generation). It listens on the
+after, while this coordinator leads (keys are prefixed by job, epoch, group and
+generation). It listens on the
 coordinator's own listen host only (a loopback cluster's store is loopback's), never more.
 Neither it nor the process groups authenticate anyone: collectives are for trusted
 fabrics, so a coordinator that requires mutual TLS refuses them.

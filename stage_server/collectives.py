@@ -10,8 +10,8 @@ group and generation: never a world-wide ``new_group``, never a ``destroy_proces
 A group lives for its epoch and generation; the next epoch, or a new generation, drops it.
 
 **The rendezvous** is the leading coordinator's: a process group needs it only while it
-opens, and each generation connects to it afresh, at the address the stage's last
-heartbeat gave (a restarted coordinator, or a standby that took over, serves a new store).
+opens, and each opening connects to it afresh, at the address the stage's last heartbeat
+gave (a restarted coordinator, or a standby that took over, serves a new store).
 
 **Failures.** A process group's creation and its pending receives do not return when the
 run fails (``abort`` does not wake a gloo receive). So the engine runs in a thread of its
@@ -69,7 +69,6 @@ class ProcessGroups:
         self._lock = threading.Lock()
         self._groups: dict[tuple[int, int], Any] = {}
         self._generation: Generation | None = None
-        self._stores: dict[str, Any] = {}  # rendezvous address -> TCPStore client
         self._given_up: deque[Generation] = deque(maxlen=GIVEN_UP_KEPT)
 
     def use(self, job_id: str, epoch: int, generation: int) -> None:
@@ -90,17 +89,16 @@ class ProcessGroups:
                 if self._groups:
                     log.info("process_groups_dropped", groups=len(self._groups), epoch=epoch)
                 self._groups.clear()
-                # and the rendezvous connections: the store may be another one at the same
-                # address now (a restarted coordinator's, a new leader's)
-                self._stores.clear()
                 self._generation = (job_id, epoch, generation)
 
-    def drop(self) -> None:
-        """Forgets every group (a run gave up on them: the next run opens new ones), and
-        the rendezvous connections."""
+    def drop(self, generation: Generation | None = None) -> None:
+        """Forgets every group (a run gave up on them: the next run opens new ones); with
+        ``generation``, only if that is still the one in use (a run left behind must not
+        give up the next run's)."""
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return
             self._groups.clear()
-            self._stores.clear()
             if self._generation is not None:
                 self._given_up.append(self._generation)
             self._generation = None
@@ -143,7 +141,7 @@ class ProcessGroups:
             return found
         import torch.distributed as dist  # (only a job of collectives needs it)
 
-        store = self._store(rendezvous, timeout_s)
+        store = _store(rendezvous, timeout_s)
         prefix = f"elasticpipe/{job_id}/{epoch}/{group}/{number}"
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = datetime.timedelta(seconds=max(timeout_s, MIN_GROUP_TIMEOUT_S))
@@ -156,22 +154,22 @@ class ProcessGroups:
                 raise StepAborted(f"the process groups of generation {number} are given up")
             return self._groups.setdefault((epoch, group), pg)
 
-    def _store(self, rendezvous: str, timeout_s: float) -> Any:
-        with self._lock:
-            store = self._stores.get(rendezvous)
-        if store is not None:
-            return store
-        import torch.distributed as dist
 
-        host, port = split_address(rendezvous)
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            host,
-            port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=max(timeout_s, MIN_GROUP_TIMEOUT_S)),
-        )
-        with self._lock:
-            return self._stores.setdefault(rendezvous, store)
+def _store(rendezvous: str, timeout_s: float) -> Any:
+    """A connection to the rendezvous store of its own, for one group's opening: a
+    ``TCPStore`` client blocks every other call on it while one waits for a key, so groups
+    opened at once on a shared one would wait on each other (and two stages could each
+    wait for the other's group first). It also reaches whichever store serves the address
+    now (a restarted coordinator's, a new leader's)."""
+    import torch.distributed as dist
+
+    host, port = split_address(rendezvous)
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=max(timeout_s, MIN_GROUP_TIMEOUT_S)),
+    )
 
 
 def _device(dist: Any, host: str) -> Any:
@@ -257,16 +255,16 @@ def reduce_on_groups(
     while not done.wait(WATCH_S):
         failure = failed()
         if failure is not None:
-            groups.drop()
+            groups.drop(generation)
             raise failure
         if time.monotonic() > deadline:
-            groups.drop()
+            groups.drop(generation)
             raise DeadlineExceeded(
                 f"the gradient reduction over {engine} process groups did not finish before "
                 "the run's deadline (a holder in another replica is silent)"
             )
     if outcome:
-        groups.drop()
+        groups.drop(generation)
         exc = outcome[0]
         if isinstance(exc, ElasticPipeError):
             raise exc

@@ -346,6 +346,8 @@ class Mailbox:
                 failure = self._failures.get(run)
                 if failure is not None:
                     raise failure
+                if run < self._closed_below:  # closed while this waited: nothing will come
+                    raise StepAborted(f"run {run} is over")
                 box = self._items.get(run, {})
                 if key in box:
                     value, nbytes, _ = box.pop(key)

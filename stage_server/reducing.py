@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, InvalidRequest, StepAborted
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import Group, Placement
 from elasticpipe.stage_server.collectives import ProcessGroups, reduce_on_groups
 from elasticpipe.stage_server.executor import flush
@@ -53,6 +54,8 @@ __all__ = [
     "refuse_running_stats",
     "share_of",
 ]
+
+log = get_logger(__name__)
 
 PIPELINE_EWMA = 0.5  # the weight of a run's newest pipeline time
 JOIN_GRACE_S = 1.0  # a reduction thread's end, waited for past the run's deadline
@@ -199,6 +202,7 @@ class Reductions:
                 self._left[group.index] = owned
         self._threads: list[tuple[threading.Thread, list[BaseException]]] = []
         self._done: list[Work] = []
+        self._abandoned = threading.Event()  # the run failed: reductions under way end
         job = layers.job
         if job.collectives:
             assert groups is not None
@@ -218,11 +222,12 @@ class Reductions:
                 pending.discard(layer)
                 if not pending:
                     del self._left[index]
+                    started = self.tracer.now_ns() if self.tracer is not None else 0
                     work = self._work([self._group(index)])
                     errors: list[BaseException] = []
                     thread = threading.Thread(
                         target=self._reduce_early,
-                        args=(work, errors),
+                        args=(work, errors, started),
                         name=f"reduce-{index}",
                         daemon=True,
                     )
@@ -237,9 +242,10 @@ class Reductions:
             ElasticPipeError: a peer's piece was wrong (InvalidRequest), the deadline passed
                 (naming the piece that did not come), or the run failed meanwhile.
         """
+        started = self.tracer.now_ns() if self.tracer is not None else 0
         work = self._work([self._group(index) for index in sorted(self._left)])
         self._left.clear()
-        self._reduce(work)
+        self._reduce(work, started)
         for thread, errors in self._threads:
             thread.join(max(0.0, self.ids.deadline - time.monotonic()) + JOIN_GRACE_S)
             if errors:
@@ -254,9 +260,21 @@ class Reductions:
             )
 
     def abandon(self, why: str) -> None:
-        """The run failed: wakes the reductions under way (they end, failed)."""
+        """The run failed: stops the reductions under way and waits (briefly) for them to
+        end, before the run is closed (then a process group's watcher would find no
+        failure to stop on, and give up the next run's generation at the deadline)."""
+        self._abandoned.set()
         if self._threads:
             self.mailbox.abort(self.ids.run, why)
+        for thread, _ in self._threads:
+            thread.join(JOIN_GRACE_S)
+
+    def _failure(self) -> ElasticPipeError | None:
+        """Why the reductions must stop now, if they must."""
+        failure = self.mailbox.failure(self.ids.run)
+        if failure is None and self._abandoned.is_set():
+            return StepAborted(f"run {self.ids.run} failed on this stage")
+        return failure
 
     def _group(self, index: int) -> Group:
         return next(g for g in self.placement.groups if g.index == index)
@@ -278,20 +296,24 @@ class Reductions:
             work.append((reduction, owned, params, [h.address for h in group.holders], mine))
         return work
 
-    def _reduce_early(self, work: list[Work], errors: list[BaseException]) -> None:
+    def _reduce_early(self, work: list[Work], errors: list[BaseException], started: int) -> None:
         try:
-            self._reduce(work)
+            self._reduce(work, started)
             self._done.extend(work)
         except BaseException as exc:  # handed to ``finish``; the run fails now
             errors.append(exc)
-            failure = exc if isinstance(exc, ElasticPipeError) else StepAborted(repr(exc))
+            if isinstance(exc, ElasticPipeError):
+                failure = exc
+            else:
+                log.error("reduction_crashed", run=self.ids.run, exc_info=exc)
+                failure = StepAborted(f"run {self.ids.run}: a gradient reduction failed: {exc!r}")
             self.mailbox.fail(self.ids.run, failure)
 
-    def _reduce(self, work: list[Work]) -> None:
-        """Runs ``work``'s reductions to their end, on the job's engine."""
+    def _reduce(self, work: list[Work], started: int) -> None:
+        """Runs ``work``'s reductions to their end, on the job's engine (``started``: when
+        the reduction was asked for, on the tracer's clock)."""
         if not work:
             return
-        start = self.tracer.now_ns() if self.tracer is not None else 0
         job, ids, replicas = self.layers.job, self.ids, self.placement.num_replicas
         groups, rendezvous = self._engine
         if job.collectives:
@@ -304,7 +326,7 @@ class Reductions:
                 split_address(mine_at)[0] if mine_at else "127.0.0.1",
                 [(reduction, mine) for reduction, _, _, _, mine in work],
                 replicas,
-                lambda: self.mailbox.failure(ids.run),
+                self._failure,
                 ids.deadline,
                 _packed,
                 piece,
@@ -318,7 +340,7 @@ class Reductions:
                 self.tracer.record(
                     Span(
                         SpanKind.REDUCE,
-                        start,
+                        started,
                         end,
                         ids.step,
                         ids.run,

@@ -37,7 +37,8 @@ from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 CLOCK_SAMPLES = 5
 MAX_STEPS = 16  # what a stage keeps (stage_server.tracing.DEFAULT_STEPS_KEPT)
-COMPUTE, WAITS, CONTROL, REDUCTIONS, FIRST_SEND = 0, 1, 2, 3, 4  # a stage's tracks (thread ids)
+COMPUTE, WAITS, CONTROL, FIRST_SEND = 0, 1, 2, 3  # thread ids of a stage's tracks
+FIRST_REDUCE = 1000  # replicas: a track per reduction group, FIRST_REDUCE + its index
 OP_KINDS = {  # the op each op span times
     stage_pb2.SPAN_FORWARD: OpKind.FORWARD,
     stage_pb2.SPAN_BACKWARD: OpKind.BACKWARD,
@@ -262,9 +263,9 @@ def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
                 tid = COMPUTE
             elif span.kind == stage_pb2.SPAN_RECV_WAIT:
                 tid = WAITS
-            elif span.kind == stage_pb2.SPAN_REDUCE:
-                tid = REDUCTIONS
-                threads[tid] = "gradient reductions (replicas)"
+            elif span.kind == stage_pb2.SPAN_REDUCE:  # (groups may overlap: a track each)
+                tid = FIRST_REDUCE + span.micro_batch
+                threads[tid] = f"reduce group {span.micro_batch}"
             elif span.kind == stage_pb2.SPAN_SEND:
                 tid = peers.setdefault(span.peer, FIRST_SEND + len(peers))
                 threads[tid] = f"sends to {span.peer}"
@@ -272,7 +273,9 @@ def chrome_trace(traces: Sequence[StageTrace]) -> dict[str, Any]:
                 tid = CONTROL
             start, _ = t.local(span)
             args: dict[str, Any] = {"step": span.step, "run": span.run, "epoch": span.epoch}
-            if span.micro_batch >= 0:
+            if span.kind == stage_pb2.SPAN_REDUCE:
+                args["group"] = span.micro_batch
+            elif span.micro_batch >= 0:
                 args["micro_batch"] = span.micro_batch
             if span.layer_hi:
                 args["layers"] = f"{span.layer_lo}:{span.layer_hi}"

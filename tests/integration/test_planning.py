@@ -89,9 +89,7 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
 
 
 @pytest.mark.timeout(120)
-def test_stages_sharing_a_host_and_device_are_profiled_once_and_scaled_by_their_slowdown() -> (
-    None
-):
+def test_stages_sharing_a_host_and_device_are_profiled_once_and_scaled_by_their_slowdown() -> None:
     """Three CPU stages on one host, the middle one --slowdown 3: the first profiles the
     model, the other two take its figures (the coordinator logs who shares whose), and the
     profiled speeds are exactly 3 : 1 : 3, where three profiles taken in turn would differ

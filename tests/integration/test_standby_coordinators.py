@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -214,19 +215,26 @@ def test_gloo_replicas_go_on_after_the_leader_serving_their_rendezvous_is_killed
 ) -> None:
     """Replicas of (2, 2) reducing over gloo process groups, whose rendezvous store the
     leader serves: the leader SIGKILLed between steps, the groups already open reduce
-    without it; the new leader serves a rendezvous of its own, where the next epoch's
-    groups open (a new split of the shares); every loss and weight equals
-    LocalPipeline's bit for bit."""
+    without it; its port taken meanwhile, the new leader serves a rendezvous of its own on
+    another, which the stages learn from their heartbeats, and the next epoch's groups
+    open there (a new split of the shares); every loss and weight equals LocalPipeline's
+    bit for bit."""
     want_losses, want_state = reference(steps=7)
+    served = re.compile(r"rendezvous_serving\s.*port=(\d+)")
     with (
         ha_cluster(tmp_path, stages=4, allow_models=("tests.support",)) as cluster,
         Pipeline(cluster.coordinator, **JOB, stages=(2, 2), collectives="gloo") as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*batch(step)) for step in range(3)]
         old, term, _ = kill_leader(cluster)
+        found = served.search((cluster.log_dir / f"{old}.log").read_text(errors="replace"))
+        assert found, "the leader logged no rendezvous"
+        taken = socket.create_server(("127.0.0.1", int(found[1])))  # the old port: not free
         losses += [pipe.train_step(*batch(step)) for step in range(3, 5)]  # no leader needed
         new, _ = wait_for_new_leader(cluster, old, term)
         cluster.wait_for_log(new, "rendezvous_serving", timeout=10)
+        again = served.search((cluster.log_dir / f"{new}.log").read_text(errors="replace"))
+        assert again and again[1] != found[1], (found[1], again)
         with cluster.admin(timeout=120) as admin:
             cuts = [list(p.boundaries) for p in pipe.layout.replicas]
             assert admin.set_layout(cuts, shares=[5, 3]).changed
@@ -242,6 +250,7 @@ def test_gloo_replicas_go_on_after_the_leader_serving_their_rendezvous_is_killed
                 (cluster.log_dir / f"{name}.log").read_text(errors="replace"),
             )
         ]
+    taken.close()
     assert len(opened) == 4, opened
     assert losses == want_losses
     for name, value in want_state.items():

@@ -76,6 +76,10 @@ def test_a_generation_given_up_on_is_not_opened_again() -> None:
     # the failed run's engine, still running, cannot open (or take) the new one's groups
     with pytest.raises(StepAborted, match="generation 7 are given up"):
         groups.group(old, "127.0.0.1:1", "127.0.0.1", 0, 0, 2, 1.0)
+    # nor give the new one up when it fails at last
+    groups.drop(old)
+    assert groups.current() == ("job", 3, 9)
+    groups.use("job", 3, 9)
 
 
 def test_nccl_is_refused_until_it_has_run_on_gpus() -> None:

@@ -445,3 +445,14 @@ def test_early_bytes_are_capped_and_a_nearer_run_displaces_a_further_one() -> No
     assert box.refused == 2
     box.expect(GENERATION + 1, SECRET)
     assert box.take(GENERATION + 1, Slot.INPUT, 0, time.monotonic() + PATIENT) == "real"
+
+
+def test_a_take_waiting_when_its_run_is_closed_ends_at_once() -> None:
+    """A take still waiting when its run is closed (a reduction thread of a failed run)
+    ends with StepAborted at once, not at its deadline."""
+    box = _box(1000, entry_overhead=0)
+    closer = _later(lambda: box.close_through(3))
+    value, took = _timed_take(box, 3, Slot.REDUCE, 0, PATIENT)
+    closer.join()
+    assert isinstance(value, StepAborted) and "run 3 is over" in str(value), value
+    assert took < 2.0
