@@ -78,16 +78,25 @@ class _WeightWork(NamedTuple):
 
 
 class Slowdown:
-    """Emulates a device ``factor`` times slower: each compute of t seconds owes (factor - 1) * t.
+    """Emulates a device ``factor`` times slower: a layer whose compute takes t seconds takes
+    ``factor * t`` on the emulated device, in all.
 
     The time reported for a layer is ``factor * t``, what the emulated device would take.
-    The waits a layer owes are paid together at the end of the op (one micro-batch through
-    the slice): sleeping between layers would also evict the caches of the next layer, and
-    on a shared CPU host that made an emulated 2x straggler measure 2.5-3x. ``t`` comes from
-    ``clock``: on CPU stages the thread's CPU time, so that stages sharing one host (tests,
-    benchmarks, the demo) do not take each other's load for their own slowness; on CUDA,
-    with ``events``, the time between two CUDA events around the layer, read later (a
-    ``Lap``: no synchronize per layer), else wall time after a synchronize.
+    ``t`` comes from ``clock``: on CPU stages the thread's CPU time, so that stages sharing
+    one host (tests, benchmarks, the demo) do not take each other's load for their own
+    slowness; on CUDA, with ``events``, the time between two CUDA events around the layer,
+    read later (a ``Lap``: no synchronize per layer), else wall time after a synchronize.
+
+    **A device time that does not depend on the host's load.** A slowed layer owes
+    ``factor * t`` less the wall time its compute took, and the op (one micro-batch through
+    the slice) waits for what its layers owe at its end: sleeping between layers would also
+    evict the caches of the next layer, and on a shared CPU host that made an emulated 2x
+    straggler measure 2.5-3x. So an op of a device 4x slower than a core takes 4 t whether
+    its compute ran alone on a core (t of wall time, 3 t owed) or shared one with another
+    stage (2 t of wall time, 2 t owed): several emulated devices on a few cores run at the
+    speed the planner is told, as long as their compute fits beside the others' (on a
+    host with too little CPU for it, an op takes its compute's wall time, more than
+    ``factor * t``). At ``factor`` 1 nothing is owed: a stage not slowed down never waits.
     """
 
     def __init__(
@@ -116,12 +125,13 @@ class Slowdown:
             if lap.factor > 1.0:
                 self._laps.append(lap)
             return result, lap
-        start = self.clock()
+        factor = self.factor
+        wall, start = time.perf_counter(), self.clock()
         result = fn()
         sync()
         compute = self.clock() - start
-        factor = self.factor
-        self._owed += (factor - 1.0) * compute
+        if factor > 1.0:
+            self._owed += factor * compute - (time.perf_counter() - wall)
         return result, factor * compute
 
     def pay(self) -> None:

@@ -3,9 +3,12 @@ layer's scheduler travels with it."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
+from elasticpipe.stage_server import layers as layers_module
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
 from elasticpipe.training.job import JobConfig
 
@@ -111,3 +114,33 @@ def test_recompute_of_layers_passing_several_tensors_is_exact(
     for key, value in plain.items():
         assert torch.equal(again[key], value), key
     assert peak < plain_peak
+
+
+def test_an_emulated_device_takes_factor_times_the_compute_however_loaded_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slowdown 4 on a layer whose compute takes 10 ms of CPU time: the op owes what brings
+    it to 40 ms in all, whether the compute took 10 ms of wall time (alone on its core)
+    or 25 ms (sharing it); factor 1 owes nothing."""
+    slept: list[float] = []
+    monkeypatch.setattr(layers_module.time, "sleep", slept.append)  # what pay() waits
+    for factor, wall_s, want in ((4.0, 0.010, 0.040), (4.0, 0.025, 0.040), (1.0, 0.010, None)):
+        cpu = iter([0.0, 0.010])  # the thread's CPU time around the compute
+        slow = Slowdown(factor, clock=lambda cpu=cpu: next(cpu))  # type: ignore[misc]
+        began = time.perf_counter()
+        _, reported = slow.timed(lambda wall_s=wall_s: _busy(wall_s), lambda: None)  # type: ignore[misc]
+        took = time.perf_counter() - began
+        slept.clear()
+        slow.pay()
+        assert reported == pytest.approx(factor * 0.010)
+        if want is None:
+            assert slept == []
+        else:  # (a host so loaded that the compute took longer owes nothing)
+            total = took + sum(slept)
+            assert total == pytest.approx(max(want, took), abs=0.002), (wall_s, took, slept)
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
