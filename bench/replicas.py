@@ -1,9 +1,10 @@
 """Replicas: one pipeline of 6 stages against the same 6 stages as replicas of other shapes.
 
 Six stage processes train a GPT. Every stage emulates a device ``--base`` times slower than
-one core of this host (the stages' ``--slowdown``: each layer's time is stretched by sleeping,
-so the stages wait like accelerator hosts with idle CPUs instead of fighting for the two
-cores). In one run, one job after another on the same stages, each trained ``--steps``
+one core of this host (the stages' ``--slowdown``: each op takes ``--base`` times its
+compute's CPU time in all, sleeping what its compute did not take, however the six share
+the two cores; ``stage_server.layers.Slowdown``), so the stages wait like accelerator hosts
+with idle CPUs instead of fighting for the two cores. In one run, one job after another on the same stages, each trained ``--steps``
 steps after a warm-up:
 
     one pipeline of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4); ``replicas="auto"``;

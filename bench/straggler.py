@@ -3,7 +3,10 @@
 Four stage processes train a GPT with 16 blocks. Every stage emulates a device BASE times
 slower than one core of this host (``--slowdown``), so that four emulated devices fit on a
 2-core machine: each stage then spends most of its time waiting, like a real accelerator
-host whose CPU is idle, instead of fighting the others for the two cores. After a few
+host whose CPU is idle, instead of fighting the others for the two cores. The emulated
+device's time does not depend on that contention: each op takes BASE times its compute's
+CPU time in all (the stage sleeps what its compute's wall time did not take), which is the
+time the planner is told (``stage_server.layers.Slowdown``). After a few
 steps one stage is slowed 3x (``admin slowdown``), later it recovers.
 
 Printed, from one run: steps/s before the slowdown; after it with the static partition
