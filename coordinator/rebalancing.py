@@ -185,6 +185,11 @@ class Rebalancer(ReplicaPolicy):
         self._proposals.pop("move", None)
         return self.move(view.current.stages, view.optimal.boundaries, reason, decision.gain)
 
+    def confirming(self) -> bool:
+        """Whether a proposal waits for a later step's measurements (the stages then
+        report as soon as their next step commits)."""
+        return bool(self._proposals)
+
     def _confirmed(
         self, kind: str, decision: Decision, key: Proposal, stage_ids: Sequence[str]
     ) -> Decision:

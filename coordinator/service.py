@@ -134,6 +134,7 @@ class CoordinatorServicer:
             dead=heard is Heard.DEAD,
             safe_step=self.c.jobs.safe_step(),
             rendezvous=job.rendezvous if (job := self.c.cluster.job) is not None else "",
+            report_after_step=self.c.rebalancer.confirming(),
         )
 
     def ResolveRun(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 
 from elasticpipe.errors import ElasticPipeError, NameInUse, NotReady
 from elasticpipe.logs import get_logger
@@ -19,6 +20,7 @@ from elasticpipe.stage_server.service import (
     state_to_proto,
     timings_to_proto,
 )
+from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.transport.coordinators import Coordinators
 from elasticpipe.transport.serving import (
@@ -33,6 +35,8 @@ from elasticpipe.v1 import coordinator_pb2, stage_pb2
 log = get_logger(__name__)
 
 REGISTER_TIMEOUT_S = 5.0
+SPEED_MOVED = 0.25  # a change of the layers' measured time reported after the step
+MIN_BEAT_FRACTION = 0.25  # of the interval: the soonest a heartbeat follows another
 BACKOFF_START_S = 0.2
 BACKOFF_MAX_S = 2.0  # a restarted coordinator is found again within ~3 s
 QUESTION_TIMEOUT_S = 60.0
@@ -64,6 +68,8 @@ class StageServer(ServerLifecycle):
         self.registered = threading.Event()
         self.refused: NameInUse | None = None  # the coordinator refused this stage's name
         self._on_refused = on_refused
+        self._report_asked = False  # the coordinator wants the next step's measurements
+        self._reported_s = 0.0  # the layers' time per micro-batch in the last heartbeat
 
     def start(self) -> StageServer:
         """Binds the port and starts registering in the background."""
@@ -137,6 +143,8 @@ class StageServer(ServerLifecycle):
     def stop(self) -> None:
         """Stops heartbeats and the server."""
         self._stop.set()
+        if self.stage is not None:
+            self.stage.committed.set()  # wakes a heartbeat wait at once
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._server is not None:
@@ -161,7 +169,7 @@ class StageServer(ServerLifecycle):
                     backoff, attempt = BACKOFF_START_S, 0
                 else:
                     self._heartbeat(interval)
-                self._stop.wait(interval)
+                self._until_next_beat(interval)
             except NameInUse as exc:  # retrying would not help: an operator must act
                 log.error("stage_refused", name=self._config.name, error=str(exc))
                 self.refused = exc
@@ -181,6 +189,32 @@ class StageServer(ServerLifecycle):
                 )
                 self._stop.wait(delay)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _until_next_beat(self, interval: float) -> None:
+        """Waits ``interval``, or less: a step that commits ends the wait when the
+        coordinator's policy asked for the next step's measurements, or when this stage's
+        compute per micro-batch moved by ``SPEED_MOVED`` or more since its last report (a
+        straggler is seen a beat sooner). Never sooner than ``MIN_BEAT_FRACTION`` of the
+        interval after the last beat."""
+        assert self.stage is not None
+        committed, start = self.stage.committed, time.monotonic()
+        committed.clear()
+        while not self._stop.is_set():
+            left = start + interval - time.monotonic()
+            if left <= 0 or not committed.wait(left):
+                return
+            committed.clear()
+            if self._report_asked or self._speed_moved():
+                soonest = start + MIN_BEAT_FRACTION * interval - time.monotonic()
+                self._stop.wait(max(0.0, soonest))
+                return
+
+    def _speed_moved(self) -> bool:
+        """Whether the layers' measured time moved by ``SPEED_MOVED`` since the last report."""
+        assert self.stage is not None
+        now = _compute_s(self.stage.timings())
+        was = self._reported_s
+        return was > 0 and now > 0 and abs(now - was) >= SPEED_MOVED * was
 
     def _register(self) -> float:
         assert self.stage is not None
@@ -204,12 +238,13 @@ class StageServer(ServerLifecycle):
     def _heartbeat(self, interval: float) -> None:
         assert self.stage is not None
         stage = self.stage
+        timings = stage.timings()
         reply = self.coordinators.call(
             "Heartbeat",
             coordinator_pb2.HeartbeatRequest(
                 stage_id=self.stage_id,
                 epoch=stage.epoch,
-                timings=timings_to_proto(stage.timings()),
+                timings=timings_to_proto(timings),
                 committed_step=stage.committed_step,
                 slowdown=stage.slowdown.factor,
                 state=state_to_proto(stage.state()),
@@ -222,6 +257,7 @@ class StageServer(ServerLifecycle):
         )
         stage.keep_from(reply.safe_step)
         stage.rendezvous = reply.rendezvous[:MAX_NAME]
+        self._report_asked, self._reported_s = reply.report_after_step, _compute_s(timings)
         if reply.dead:
             stage.drop_job("the coordinator declared this incarnation dead")
         if stage.poisoned and not reply.reregister:
@@ -276,3 +312,8 @@ class StageServer(ServerLifecycle):
                 stage.commit_epoch(question.epoch)
             elif outcome == "aborted":
                 stage.abort_epoch(question.epoch)
+
+
+def _compute_s(timings: Mapping[int, LayerTiming]) -> float:
+    """Seconds of forward and backward per micro-batch over the layers measured."""
+    return sum(t.forward_s + t.backward_s for t in timings.values())

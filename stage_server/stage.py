@@ -128,6 +128,7 @@ class Stage(EpochChanges):
         self.poisoned = ""  # why this incarnation must be replaced (then re-registers)
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = self._new_mailbox()
+        self.committed = threading.Event()  # set at each step applied
         self.pipeline_time = reducing.PipelineTime()  # replicas: this epoch's runs' pipeline
         self._groups = collectives.ProcessGroups()  # collectives="gloo": the reduction's
         self.rendezvous = ""  # the coordinator's rendezvous now (heartbeats; "": the job's)
@@ -154,6 +155,7 @@ class Stage(EpochChanges):
                 assert self.slice is not None
                 try:
                     self.slice.step(e.clip)
+                    self.committed.set()  # (the heartbeat may report at once: ``server``)
                 except Exception as exc:
                     # Some layers may have stepped and others not: this stage's state is
                     # no longer any step's. It gives up its job; recovery rolls back.

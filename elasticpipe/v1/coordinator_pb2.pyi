@@ -142,6 +142,7 @@ class HeartbeatResponse(_message.Message):
     DEAD_FIELD_NUMBER: _builtins.int
     SAFE_STEP_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_FIELD_NUMBER: _builtins.int
+    REPORT_AFTER_STEP_FIELD_NUMBER: _builtins.int
     reregister: _builtins.bool
     """the coordinator does not know this stage id"""
     dead: _builtins.bool
@@ -150,8 +151,12 @@ class HeartbeatResponse(_message.Message):
     """snapshots of this step and later must be kept"""
     rendezvous: _builtins.str
     """The running job's rendezvous store (collectives="gloo"), as this coordinator serves it
-    now: after a restart it may be on another port than the job spec says. "": none;
-    "-": this coordinator refuses to serve one (TLS, standby coordinators).
+    now: after a restart or a failover it may be elsewhere than the job spec says. "":
+    none; "-": this coordinator refuses to serve one (TLS).
+    """
+    report_after_step: _builtins.bool
+    """The policy holds a move it confirms with a later step's measurements: heartbeat as
+    soon as the next step commits, not at the next interval.
     """
     def __init__(
         self,
@@ -160,10 +165,11 @@ class HeartbeatResponse(_message.Message):
         dead: _builtins.bool = ...,
         safe_step: _builtins.int = ...,
         rendezvous: _builtins.str = ...,
+        report_after_step: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "rendezvous", b"rendezvous", "reregister", b"reregister", "safe_step", b"safe_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "rendezvous", b"rendezvous", "report_after_step", b"report_after_step", "reregister", b"reregister", "safe_step", b"safe_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

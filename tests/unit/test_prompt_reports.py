@@ -1,0 +1,54 @@
+"""When a stage heartbeats before its interval is up (``StageServer._until_next_beat``):
+after a step commits, if the coordinator's policy asked for the next step's measurements
+or the stage's measured compute moved by a quarter; never sooner than a quarter of the
+interval after its last beat; else at the interval."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.slicestate import LayerTiming
+from elasticpipe.stage_server.stage import StageConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+INTERVAL = 0.8
+
+
+def _server(asked: bool, compute_s: float) -> tuple[StageServer, threading.Event]:
+    server = StageServer(StageConfig(name="s"), "127.0.0.1:1")
+    committed = threading.Event()
+    timing = LayerTiming(forward_s=compute_s / 2, backward_s=compute_s / 2)
+    server.stage = SimpleNamespace(committed=committed, timings=lambda: {0: timing})  # type: ignore[assignment]
+    server._report_asked, server._reported_s = asked, 1.0
+    return server, committed
+
+
+def _waited(server: StageServer, committed: threading.Event, commit_after_s: float) -> float:
+    threading.Timer(commit_after_s, committed.set).start()
+    start = time.monotonic()
+    server._until_next_beat(INTERVAL)
+    return time.monotonic() - start
+
+
+def test_asked_for_the_next_step_it_reports_once_that_step_commits() -> None:
+    server, committed = _server(asked=True, compute_s=1.0)
+    assert 0.3 <= _waited(server, committed, 0.3) < 0.6  # the commit, not the interval
+    # a commit right after the last beat waits for a quarter of the interval
+    server, committed = _server(asked=True, compute_s=1.0)
+    assert 0.2 <= _waited(server, committed, 0.01) < 0.5
+
+
+def test_a_commit_whose_compute_moved_is_reported_at_once() -> None:
+    server, committed = _server(asked=False, compute_s=1.4)  # 40% slower than reported
+    assert 0.3 <= _waited(server, committed, 0.3) < 0.6
+
+
+def test_otherwise_it_waits_the_interval() -> None:
+    server, committed = _server(asked=False, compute_s=1.1)  # within the noise
+    assert _waited(server, committed, 0.1) >= INTERVAL - 0.05
