@@ -4,8 +4,8 @@ Six stage processes train a GPT. Every stage emulates a device ``--base`` times 
 one core of this host (the stages' ``--slowdown``: each op takes ``--base`` times its
 compute's CPU time in all, sleeping what its compute did not take, however the six share
 the two cores; ``stage_server.layers.Slowdown``), so the stages wait like accelerator hosts
-with idle CPUs instead of fighting for the two cores. In one run, one job after another on the same stages, each trained ``--steps``
-steps after a warm-up:
+with idle CPUs instead of fighting for the two cores. In one run, one job after another on
+the same stages, each trained ``--steps`` steps after a warm-up:
 
     one pipeline of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4); ``replicas="auto"``;
     2 of 3 again reducing on gloo (``collectives="gloo"``, "2 x 3 gl")
