@@ -185,10 +185,13 @@ class Rebalancer(ReplicaPolicy):
         self._proposals.pop("move", None)
         return self.move(view.current.stages, view.optimal.boundaries, reason, decision.gain)
 
-    def confirming(self) -> bool:
-        """Whether a proposal waits for a later step's measurements (the stages then
-        report as soon as their next step commits)."""
-        return bool(self._proposals)
+    def confirming(self, committed_step: int) -> bool:
+        """Whether a proposal waits for the measurements of a step later than
+        ``committed_step`` (a stage's, just reported): that stage then reports as soon as
+        its next step commits."""
+        if not self.policy.enabled or self.c.job is None:
+            return False
+        return any(committed_step <= step for _, step in list(self._proposals.values()))
 
     def _confirmed(
         self, kind: str, decision: Decision, key: Proposal, stage_ids: Sequence[str]
@@ -463,6 +466,8 @@ class Rebalancer(ReplicaPolicy):
     def set_auto(self, enabled: bool) -> str:
         """Turns automatic rebalancing on or off (persisted)."""
         self.policy = replace(self.policy, enabled=enabled)
+        if not enabled:
+            self._proposals.clear()
         self.c.store.put("auto_rebalance", enabled)
         log.info("auto_rebalance_set", enabled=enabled)
         return f"auto-rebalance {'on' if enabled else 'off'}"

@@ -134,7 +134,8 @@ class CoordinatorServicer:
             dead=heard is Heard.DEAD,
             safe_step=self.c.jobs.safe_step(),
             rendezvous=job.rendezvous if (job := self.c.cluster.job) is not None else "",
-            report_after_step=self.c.rebalancer.confirming(),
+            report_after_step=heard is Heard.OK
+            and self.c.rebalancer.confirming(bounds.step(req.committed_step, "committed_step")),
         )
 
     def ResolveRun(

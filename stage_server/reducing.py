@@ -266,8 +266,9 @@ class Reductions:
         self._abandoned.set()
         if self._threads:
             self.mailbox.abort(self.ids.run, why)
+        deadline = time.monotonic() + JOIN_GRACE_S
         for thread, _ in self._threads:
-            thread.join(JOIN_GRACE_S)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _failure(self) -> ElasticPipeError | None:
         """Why the reductions must stop now, if they must."""

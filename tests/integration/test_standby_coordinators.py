@@ -222,6 +222,7 @@ def test_gloo_replicas_go_on_after_the_leader_serving_their_rendezvous_is_killed
     want_losses, want_state = reference(steps=7)
     served = re.compile(r"rendezvous_serving\s.*port=(\d+)")
     with (
+        contextlib.ExitStack() as stack,
         ha_cluster(tmp_path, stages=4, allow_models=("tests.support",)) as cluster,
         Pipeline(cluster.coordinator, **JOB, stages=(2, 2), collectives="gloo") as pipe,  # type: ignore[arg-type]
     ):
@@ -230,6 +231,7 @@ def test_gloo_replicas_go_on_after_the_leader_serving_their_rendezvous_is_killed
         found = served.search((cluster.log_dir / f"{old}.log").read_text(errors="replace"))
         assert found, "the leader logged no rendezvous"
         taken = socket.create_server(("127.0.0.1", int(found[1])))  # the old port: not free
+        stack.callback(taken.close)
         losses += [pipe.train_step(*batch(step)) for step in range(3, 5)]  # no leader needed
         new, _ = wait_for_new_leader(cluster, old, term)
         cluster.wait_for_log(new, "rendezvous_serving", timeout=10)
@@ -250,7 +252,6 @@ def test_gloo_replicas_go_on_after_the_leader_serving_their_rendezvous_is_killed
                 (cluster.log_dir / f"{name}.log").read_text(errors="replace"),
             )
         ]
-    taken.close()
     assert len(opened) == 4, opened
     assert losses == want_losses
     for name, value in want_state.items():

@@ -30,8 +30,8 @@ def _server(asked: bool, compute_s: float) -> tuple[StageServer, threading.Event
 
 
 def _waited(server: StageServer, committed: threading.Event, commit_after_s: float) -> float:
-    threading.Timer(commit_after_s, committed.set).start()
     start = time.monotonic()
+    threading.Timer(commit_after_s, committed.set).start()
     server._until_next_beat(INTERVAL)
     return time.monotonic() - start
 
