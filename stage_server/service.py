@@ -379,6 +379,8 @@ class StageServicer:
             raise InvalidRequest(
                 f"assignment epoch {placement.epoch} differs from request epoch {req.epoch}"
             )
+        if job.rendezvous:  # the leader's now (a new leader's, before its first heartbeat)
+            self.stage.rendezvous = job.rendezvous
         incoming = [(src.layer, src.address) for src in req.incoming]
         remaining = ctx.time_remaining() or req.timeout_s or 60.0
         with self.stage.tracer.span(SpanKind.PREPARE, epoch=req.epoch):
