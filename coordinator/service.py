@@ -116,11 +116,12 @@ class CoordinatorServicer:
         }
         pipeline_s = bounds.number(req.pipeline_s, "pipeline_s", 0.0, bounds.MAX_TIMING_S)
         replica = bounds.text(req.replica, "replica", bounds.MAX_NAME)
+        committed_step = bounds.step(req.committed_step, "committed_step")
         heard = self.c.heartbeat(
             req.stage_id,
             bounds.epoch(req.epoch, self._epoch()),
             timings,
-            bounds.step(req.committed_step, "committed_step"),
+            committed_step,
             bounds.slowdown_report(req.slowdown),
             req.state if req.HasField("state") else None,
             list(req.snapshots),
@@ -134,8 +135,7 @@ class CoordinatorServicer:
             dead=heard is Heard.DEAD,
             safe_step=self.c.jobs.safe_step(),
             rendezvous=job.rendezvous if (job := self.c.cluster.job) is not None else "",
-            report_after_step=heard is Heard.OK
-            and self.c.rebalancer.confirming(bounds.step(req.committed_step, "committed_step")),
+            report_after_step=heard is Heard.OK and self.c.rebalancer.confirming(committed_step),
         )
 
     def ResolveRun(
