@@ -11,7 +11,9 @@ Printed, from one run:
 * the first ``train_step``, split into its parts as the client sees them: the job's setup
   (``SetupJob``: the stages describe and build the model and profile every layer, the
   planner cuts it; the profiling's own seconds come from the coordinator's
-  ``stages_profiled`` log line), streaming ``init_state`` to the stages, and the rest (the
+  ``stages_profiled`` log line), loading ``init_state`` -- streaming it to the stages
+  (every stage at once), then the load's commit (its epoch change, and the snapshot of
+  step 0 copied to each stage's neighbour before the load returns) -- and the rest (the
   step itself);
 * the steady step: the median of ``--steps`` steps after the first;
 * the data path's bandwidth, measured in the same run on a stage server of its own
@@ -20,9 +22,10 @@ Printed, from one run:
 * the goals of issue 20: the first step at most 3 steady steps plus the weights' bytes at
   the data path's bandwidth, and the weights streamed at >= 0.5x that bandwidth.
 
-The timing of the setup and the streaming wraps two of the client's methods
-(``Session._coordinator_call`` for ``SetupJob``, ``Session._apply_init``): the bench's own
-instrumentation, nothing the library does differently.
+The timing of the setup, the load and its streaming wraps three of the client's functions
+(``Session._coordinator_call`` for ``SetupJob``, ``Session._apply_init``,
+``streaming.stream``): the bench's own instrumentation, nothing the library does
+differently.
 
 Run: ``python bench/first_step.py [--steps N] [--quick]`` (``--quick``: a 4-block model of
 width 64 on 2 stages and 2 steady steps, to check the script end to end; its figures mean
@@ -50,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python b
 
 from datapaths import MIB, Batch, DataPath  # bench/datapaths.py, next to this script
 
+from elasticpipe.client import streaming
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.client.session import Session
 from elasticpipe.local.cluster import LocalCluster
@@ -65,8 +69,8 @@ STAGES = 4
 @contextlib.contextmanager
 def timed_phases() -> Iterator[dict[str, float]]:
     """Seconds the client spends in ``SetupJob`` and in streaming ``init_state``."""
-    spent: dict[str, float] = {"setup_s": 0.0, "init_state_s": 0.0}
-    call, apply_init = Session._coordinator_call, Session._apply_init
+    spent: dict[str, float] = {"setup_s": 0.0, "init_state_s": 0.0, "stream_s": 0.0}
+    call, apply_init, stream = Session._coordinator_call, Session._apply_init, streaming.stream
 
     def timing(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -85,11 +89,13 @@ def timed_phases() -> Iterator[dict[str, float]]:
 
     Session._coordinator_call = coordinator_call  # type: ignore[method-assign]
     Session._apply_init = timing("init_state_s", apply_init)  # type: ignore[method-assign]
+    streaming.stream = timing("stream_s", stream)
     try:
         yield spent
     finally:
         Session._coordinator_call = call  # type: ignore[method-assign]
         Session._apply_init = apply_init  # type: ignore[method-assign]
+        streaming.stream = stream
 
 
 def data_path_gbps(repeats: int, messages: int) -> float:
@@ -169,7 +175,9 @@ def main() -> int:
         profile_s = profiled_seconds(cluster.log_dir / "coordinator.log")
 
     steady_s = statistics.median(times)
-    stream_gbps = weight_bytes / spent["init_state_s"] / 1e9 if spent["init_state_s"] else 0.0
+    load_gbps = weight_bytes / spent["init_state_s"] / 1e9 if spent["init_state_s"] else 0.0
+    stream_gbps = weight_bytes / spent["stream_s"] / 1e9 if spent["stream_s"] else 0.0
+    commit_s = spent["init_state_s"] - spent["stream_s"]
     step_s = first_s - spent["setup_s"] - spent["init_state_s"]
     at_bandwidth_s = weight_bytes / (bandwidth * 1e9)
     goal_s = 3 * steady_s + at_bandwidth_s
@@ -180,8 +188,14 @@ def main() -> int:
     print(
         f"first step {first_s:.2f} s = setup {spent['setup_s']:.2f} s (profiling "
         f"{profile_s:.2f} s of it) + init_state {spent['init_state_s']:.2f} s "
-        f"({stream_gbps:.2f} GB/s, {stream_gbps / bandwidth:.2f}x the data path) + the step "
+        f"({load_gbps:.2f} GB/s, {load_gbps / bandwidth:.2f}x the data path) + the step "
         f"{step_s:.2f} s"
+    )
+    print(
+        f"init_state = streaming to the stages {spent['stream_s']:.2f} s ({stream_gbps:.2f} "
+        f"GB/s, {stream_gbps / bandwidth:.2f}x the data path) + the load's commit "
+        f"{commit_s:.2f} s (its epoch change, and the snapshot of step 0 copied to each "
+        "stage's neighbour before the load returns)"
     )
     print(
         f"steady step {steady_s:.2f} s (median of {steps}); goal for the first step: "
@@ -198,8 +212,12 @@ def main() -> int:
         "step_part_s": round(step_s, 3),
         "steady_step_s": round(steady_s, 3),
         "data_path_gbps": round(bandwidth, 3),
-        "init_state_gbps": round(stream_gbps, 3),
-        "init_state_vs_data_path": round(stream_gbps / bandwidth, 3),
+        "init_state_gbps": round(load_gbps, 3),
+        "init_state_vs_data_path": round(load_gbps / bandwidth, 3),
+        "stream_s": round(spent["stream_s"], 3),
+        "stream_gbps": round(stream_gbps, 3),
+        "stream_vs_data_path": round(stream_gbps / bandwidth, 3),
+        "load_commit_s": round(commit_s, 3),
         "first_step_vs_goal": round(first_s / goal_s, 3),
     }
     print(json.dumps(figures))

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elasticpipe.client import streaming
 from elasticpipe.client.driver import StageClients
 from elasticpipe.client.initial import InitialWeights
 from elasticpipe.client.repeats import Repeats, Waiting
@@ -62,10 +63,9 @@ from elasticpipe.partition import Partition
 from elasticpipe.security import bounds
 from elasticpipe.security.tls import TLS
 from elasticpipe.training.job import JobConfig
-from elasticpipe.transport import rpc
 from elasticpipe.transport.coordinators import Coordinators
 from elasticpipe.v1 import coordinator_pb2, stage_pb2
-from elasticpipe.wire import bundle, layer_state
+from elasticpipe.wire import bundle
 from elasticpipe.wire.structure import Value
 
 if TYPE_CHECKING:
@@ -519,40 +519,17 @@ class Session:
         owners = Layout.from_proto(begun.partition, self._job.micro_batches)
         ended = False
         try:
-            for chain, s in ((c, s) for c in owners.replicas for s in range(c.num_stages)):
-                address = chain.addresses[s]
-                unread: list[Exception] = []  # reading the state failed: gRPC hides why
-
-                def messages(
-                    owned: range = chain.layers_of(s), unread: list[Exception] = unread
-                ) -> Iterator[stage_pb2.RestoreChunk]:
-                    first = True
-                    try:
-                        for layer in owned:
-                            state = layer_state.pack(state_of(layer))
-                            for chunk in layer_state.messages(layer, state):
-                                yield stage_pb2.RestoreChunk(
-                                    epoch=begun.epoch if first else 0,
-                                    committed_step=step if first else 0,
-                                    chunk=chunk,
-                                    optimizer_overrides_json=overrides_json if first else "",
-                                )
-                                first = False
-                    except Exception as exc:
-                        unread.append(exc)
-                        raise
-
-                try:
-                    rpc.call(
-                        address,
-                        self._clients.stub(address).RestoreLayers,
-                        messages(),
-                        timeout=self._step_timeout,
-                    )
-                except ElasticPipeError:
-                    if unread:  # the cause, not gRPC's "Exception iterating requests!"
-                        raise unread[0] from None
-                    raise
+            streaming.stream(
+                self._clients,
+                [
+                    (c.addresses[s], c.layers_of(s))
+                    for c in owners.replicas
+                    for s in range(c.num_stages)
+                ],
+                state_of,
+                streaming.Load(begun.epoch, step, overrides_json),
+                self._step_timeout,
+            )
             ended = True  # whatever EndRestore answers, the coordinator decided the load
             reply = self._end_restore(partition.job_id, begun.epoch, step, commit=True)
         except BaseException as failure:  # an interrupt too: the stages must not stay frozen

@@ -28,14 +28,15 @@ from types import TracebackType
 
 from elasticpipe.client.admin import ADMIN_TIMEOUT_S, Admin, Status
 from elasticpipe.errors import CoordinatorUnavailable, DeadlineExceeded, StageUnavailable
+from elasticpipe.local import forkserver
 from elasticpipe.security.tls import TLS, init_ca, issue
+
+Process = subprocess.Popen[bytes] | forkserver.Forked  # (forked: ELASTICPIPE_FORK_SERVER=1)
 
 START_TIMEOUT_S = 60.0
 
 
-def _wait_ready(
-    path: Path, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float
-) -> str:
+def _wait_ready(path: Path, proc: Process, what: str, log: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -149,7 +150,7 @@ class LocalCluster:
         self.coordinator = ""  # every coordinator's address, comma-separated
         self.coordinator_addresses: dict[str, str] = {}  # process name -> address
         self.stage_addresses: list[str] = []
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Process] = {}
         self.certs: Path | None = None
         self._metrics = metrics
         self.metrics_ports: dict[str, int] = {}  # process name -> its metrics port
@@ -197,7 +198,7 @@ class LocalCluster:
             raise KeyError(f"{name!r} serves no metrics (LocalCluster(metrics=True) starts them)")
         return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
-    def _ready(self, name: str, spawned: tuple[subprocess.Popen[bytes], Path, Path]) -> str:
+    def _ready(self, name: str, spawned: tuple[Process, Path, Path]) -> str:
         """Waits for a process's ready file; returns its address (and notes its metrics port)."""
         proc, ready, log = spawned
         address = _wait_ready(ready, proc, name, log, START_TIMEOUT_S)
@@ -208,7 +209,7 @@ class LocalCluster:
 
     def _spawn(
         self, name: str, args: list[str], env: Mapping[str, str] | None = None
-    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    ) -> tuple[Process, Path, Path]:
         ready = Path(self._tmp.name) / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
@@ -218,22 +219,24 @@ class LocalCluster:
             "ELASTICPIPE_TORCH_THREADS": str(self._threads),
             **(env or {}),
         }
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "elasticpipe",
-                    *args,
-                    *(["--metrics-port", "0"] if self._metrics else []),
-                    "--ready-file",
-                    str(ready),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        argv = [
+            *args,
+            *(["--metrics-port", "0"] if self._metrics else []),
+            "--ready-file",
+            str(ready),
+        ]
+        proc: Process
+        if forkserver.enabled():  # forked from a process that imported torch already
+            proc = forkserver.shared().spawn(argv, env, log)
+        else:
+            with log.open("ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "elasticpipe", *argv],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
         self.procs[name] = proc
         return proc, ready, log
 
@@ -272,7 +275,7 @@ class LocalCluster:
         index: int | None = None,
         extra: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
-    ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    ) -> tuple[Process, Path, Path]:
         slowdown = self.slowdowns[index] if index is not None else 1.0
         own = self._per_stage_args[index] if index is not None else []
         return self._spawn(

@@ -22,6 +22,7 @@ from elasticpipe.models.contract import (
     materialize_layer,
     prepare_layer,
     resolve_factory,
+    unsaved_buffers,
 )
 from elasticpipe.models.weights import TensorSource
 from elasticpipe.models.zoo import BUILTIN_MODELS, cnn, gpt, mlp
@@ -43,4 +44,5 @@ __all__ = [
     "mlp",
     "prepare_layer",
     "resolve_factory",
+    "unsaved_buffers",
 ]

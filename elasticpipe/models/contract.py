@@ -357,14 +357,20 @@ def prepare_layer(layer: nn.Module, seed: int, index: int, external: bool) -> No
     with torch.no_grad():
         for _, _, tensor in _named_tensors(layer):
             tensor.zero_()
+    unsaved = unsaved_buffers(layer)
+    if unsaved:
+        raise ModelError(
+            f"layer {index} ({type(layer).__name__}): buffer {unsaved[0]!r} is in no state "
+            "dict (non-persistent), so init_state cannot set it; set it in a "
+            "reset_parameters() or compute it in forward()"
+        )
+
+
+def unsaved_buffers(layer: nn.Module) -> list[str]:
+    """The names of the layer's non-persistent buffers (a causal mask): in no state dict,
+    so a load leaves them as they are; every other tensor a strict load overwrites."""
     persistent = set(layer.state_dict(keep_vars=True))
-    for name, _ in layer.named_buffers():
-        if name not in persistent:
-            raise ModelError(
-                f"layer {index} ({type(layer).__name__}): buffer {name!r} is in no state dict "
-                "(non-persistent), so init_state cannot set it; set it in a "
-                "reset_parameters() or compute it in forward()"
-            )
+    return [name for name, _ in layer.named_buffers() if name not in persistent]
 
 
 def _reset(module: nn.Module, claimed: set[int]) -> None:

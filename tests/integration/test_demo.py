@@ -1,4 +1,5 @@
-"""The demo trains, samples and stops every process, on completion and on Ctrl-C."""
+"""The demo trains, samples and stops every process, on completion and on Ctrl-C. It runs
+as a user runs it: every process spawned, none forked from the suite's fork server."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticpipe.local import forkserver
 from tests.support.cli import as_at_a_terminal
 
 DEMO = [
@@ -31,6 +33,7 @@ DEMO = [
     "32",
     "--no-events",
 ]
+AS_A_USER = {k: v for k, v in os.environ.items() if k != forkserver.ENV}  # every process spawned
 
 
 def _children_alive(pid: int) -> list[int]:
@@ -57,7 +60,12 @@ def test_demo_trains_prints_progress_and_a_sample_then_stops_cleanly() -> None:
     """A short demo run prints step/loss/tokens-per-second lines, a text sample, and exits 0."""
     before = set(_children_alive(os.getpid()))
     run = subprocess.run(
-        [*DEMO, "--steps", "12"], capture_output=True, text=True, timeout=200, check=False
+        [*DEMO, "--steps", "12"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+        env=AS_A_USER,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "step    10/12" in run.stdout and "tokens/s" in run.stdout
@@ -74,6 +82,7 @@ def test_ctrl_c_stops_the_demo_and_every_process_it_started() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=AS_A_USER,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 150
@@ -120,6 +129,7 @@ def test_demo_events_slow_down_recover_and_kill_a_stage_and_draw_them(tmp_path: 
         text=True,
         timeout=180,
         check=False,
+        env=AS_A_USER,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     record = json.loads(png.with_suffix(".json").read_text())

@@ -19,7 +19,7 @@ import torch
 from elasticpipe import models
 from elasticpipe.cli.admin import format_plan, format_status
 from elasticpipe.cli.schemas import command_schema
-from elasticpipe.client import session as session_module
+from elasticpipe.client import streaming
 from elasticpipe.client.admin import Admin, PlanReport, Status, document
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator import loads
@@ -256,21 +256,21 @@ def test_a_load_cut_short_in_the_client_is_abandoned_at_once(
         pipe.save(tmp_path / "ckpt")
         before = pipe.state_dict()
         if where == "interrupt":
-            real_call = session_module.rpc.call
+            real_call = streaming.rpc.call
 
             def call(address: str, method: Any, request: Any, **kwargs: Any) -> Any:
                 if inspect.isgenerator(request):  # RestoreLayers: the layers' stream
                     raise _Interrupted()
                 return real_call(address, method, request, **kwargs)
 
-            monkeypatch.setattr(session_module.rpc, "call", call)
+            monkeypatch.setattr(streaming.rpc, "call", call)
             expected: type[BaseException] = _Interrupted
         else:
 
             def pack(state: Any) -> Any:
                 raise OSError(f"the checkpoint's disk is gone (reading {len(state)} keys)")
 
-            monkeypatch.setattr(session_module.layer_state, "pack", pack)
+            monkeypatch.setattr(streaming.layer_state, "pack", pack)
             expected = OSError
         with pytest.raises(expected) as raised:
             pipe.load(tmp_path / "ckpt")

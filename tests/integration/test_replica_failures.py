@@ -36,16 +36,26 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.mark.parametrize(
-    ("stages", "shape", "victim", "after", "how"),
+    ("stages", "shape", "victim", "after", "how", "flags"),
     [
         # 6 stages, replicas of (2, 3): the spare takes the place of replica 1's middle stage
-        pytest.param(6, (2, 3), (1, 1), (2, 3), "took the place of", id="a-spare"),
+        pytest.param(
+            6, (2, 3), (1, 1), (2, 3), "took the place of", clusters.FIRST_OPTION, id="a-spare"
+        ),
         # no spare: replica 1 of (1, 3) cuts its layers anew over its two survivors
         # (replica 0 has no stage to lend; borrowing is unit-tested, with the choice
         # between options: tests/unit/test_replica_options.py)
-        pytest.param(4, (1, 3), (1, 1), (1, 2), "re-partitioned over", id="its-survivors"),
+        pytest.param(
+            4,
+            (1, 3),
+            (1, 1),
+            (1, 2),
+            "re-partitioned over",
+            clusters.FIRST_OPTION,
+            id="its-survivors",
+        ),
         # both stages of replica 0 at once: it is gone, fewer replicas
-        pytest.param(5, (2, 3), (0, None), (3,), "dissolved", id="both-stages-of-a-replica"),
+        pytest.param(5, (2, 3), (0, None), (3,), "dissolved", [], id="both-stages-of-a-replica"),
     ],
 )
 def test_a_killed_stage_costs_no_replay_and_no_bits(
@@ -54,6 +64,7 @@ def test_a_killed_stage_costs_no_replay_and_no_bits(
     victim: tuple[int, int | None],
     after: tuple[int, ...],
     how: str,
+    flags: list[str],
 ) -> None:
     """SIGKILL of stages of a job of replicas between steps: their layers live on in the
     other replica at the committed step, so the next step runs after one epoch change with
@@ -61,7 +72,7 @@ def test_a_killed_stage_costs_no_replay_and_no_bits(
     ``LocalPipeline``'s bit for bit. The option the predicted step chose is recorded."""
     want_losses, want_state = reference()
     with (
-        clusters.fast(stages, allow_models=("tests.support",)) as c,
+        clusters.fast(stages, allow_models=("tests.support",), coordinator_args=flags) as c,
         Pipeline(c.coordinator, **JOB, stages=shape, recovery_timeout=60) as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*batch(0))]
@@ -119,7 +130,9 @@ def test_a_drained_and_a_sigtermed_stage_leave_replicas_without_a_replay() -> No
     dead, and the results stay LocalPipeline's bits."""
     want_losses, want_state = reference(4)
     with (
-        clusters.fast(5, allow_models=("tests.support",)) as c,
+        clusters.fast(
+            5, allow_models=("tests.support",), coordinator_args=clusters.FIRST_OPTION
+        ) as c,
         Pipeline(c.coordinator, **JOB, stages=(2, 3)) as pipe,  # type: ignore[arg-type]
     ):
         losses = [pipe.train_step(*batch(0))]
@@ -198,7 +211,7 @@ def test_a_client_and_a_stage_killed_together_are_settled_then_recovered(
     lease runs out the coordinator decides the run on the live stages (no stage committed
     it: aborted), a spare takes the dead stage's place with no rollback, and a resumed
     script goes on from step 3 to the failure-free run's losses and weights."""
-    with clusters.failing(4) as c:
+    with clusters.failing(4, coordinator_args=clusters.FIRST_OPTION) as c:
         code = script(c, SCRIPT.replace("pipeline(C)", "pipeline(C, stages=(1, 2))"))
         env = {**os.environ, "ELASTICPIPE_TEST_PAUSE": "before_commit:4"}
         kill_script_at(code, tmp_path / "script.log", env, "paused_at")
