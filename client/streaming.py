@@ -2,10 +2,11 @@
 owner at once, each chunk copied once from its tensor into its wire form.
 
 A load sends every layer to its owner in each replica, over one ``RestoreLayers`` stream
-per owner. The streams run side by side (one thread each), so the owners receive, check
-and build their layers at the same time; the source is read one layer at a time under a
-lock (a file reader need not be thread-safe), and the rest of each stream -- the chunks'
-encoding, the SHA-256, the sending -- overlaps with the others'.
+per owner. The streams run side by side (gRPC calls, each reading its requests on a thread
+of its own), so the owners receive, check and build their layers at the same time; the
+source is read one layer at a time under a lock (a file reader need not be thread-safe),
+and the rest of each stream -- the chunks' encoding, the SHA-256, the sending -- overlaps
+with the others'.
 
 Each chunk goes as ``layer_state.encoded_chunks`` writes it: the protobuf wire form built
 straight from the tensor's memory (one copy, where building a message and serialising it
@@ -15,11 +16,13 @@ checksum, and the stage accepts a layer only whole and matching it (as a snapsho
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import grpc
 
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2
@@ -37,10 +40,6 @@ class Load:
     overrides_json: str  # optimizer hyper-parameters to set after loading ("": none)
 
 
-class _Stopped(Exception):
-    """Another owner's stream failed, or the caller was interrupted: this one stops."""
-
-
 def stream(
     pool: rpc.StagePool,
     owners: Sequence[tuple[str, range]],
@@ -51,70 +50,86 @@ def stream(
     """Streams each owner's layers (``state_of(layer)``) to it, every owner at once, and
     returns once every owner has taken all of them.
 
+    The first failure cancels every other stream at once (as does an interrupt), and no
+    read of the state is under way when this returns: the caller may close the source.
+
     Args:
         owners: (a stage's address, the layers it owns), one per stage of each replica.
 
     Raises:
-        ElasticPipeError: an owner refused or could not be reached, or the state could not
-            be read (its own error, not gRPC's); the first failure, after every stream
-            ended (the others are stopped at their next chunk).
+        ElasticPipeError: an owner refused or could not be reached (the first failure).
+        Exception: reading the state failed: the reader's own error, not gRPC's.
     """
-    read_lock = threading.Lock()
+    lock = threading.Lock()  # held by a read of the state
     stop = threading.Event()
+    calls: list[grpc.Future[Any]] = []
+    watched: list[threading.Event] = []
+    failures: list[Exception] = []  # in the order they came
 
-    def read(layer: int) -> layer_state.PackedLayer:
-        with read_lock:
+    def read(layer: int) -> layer_state.PackedLayer | None:
+        with lock:
+            return None if stop.is_set() else layer_state.pack(state_of(layer))
+
+    def stop_all() -> None:
+        stop.set()
+        for call in list(calls):
+            call.cancel()
+
+    def watch(
+        address: str, unread: list[Exception], settled: threading.Event
+    ) -> Callable[[grpc.Future[Any]], None]:
+        def done(call: grpc.Future[Any]) -> None:
+            try:
+                if call.cancelled() or call.exception() is None:
+                    return
+                error = call.exception()
+                assert isinstance(error, grpc.RpcError)
+                failures.append(unread[0] if unread else rpc.translate(error, address))
+                stop_all()
+            finally:
+                settled.set()
+
+        return done
+
+    try:
+        for address, owned in owners:
             if stop.is_set():
-                raise _Stopped
-            return layer_state.pack(state_of(layer))
-
-    def send(address: str, owned: range) -> None:
-        unread: list[Exception] = []  # reading the state failed: gRPC hides why
-        try:
-            rpc.call(
+                break
+            unread: list[Exception] = []  # reading the state failed: gRPC hides why
+            started: grpc.Future[Any] = rpc.call(
                 address,
-                pool.encoded(address, "RestoreLayers"),
+                pool.encoded(address, "RestoreLayers").future,
                 _messages(owned, read, load, stop, unread),
                 timeout=timeout,
             )
-        except BaseException as exc:
-            stopped = stop.is_set()  # (by another stream's failure: this one's follows)
-            stop.set()
-            if unread:
-                raise unread[0] from None
-            if stopped:
-                raise _Stopped from exc
-            raise
-
-    if not owners:
-        return
-    failures: list[BaseException] = []
-    with ThreadPoolExecutor(len(owners), thread_name_prefix="load") as streams:
-        futures = [streams.submit(send, address, owned) for address, owned in owners]
-        try:
-            for future in futures:
-                try:
-                    future.result()
-                except _Stopped:
-                    pass
-                except Exception as exc:
-                    failures.append(exc)
-        except BaseException:  # interrupted: the streams stop at their next chunk
-            stop.set()
-            raise
+            calls.append(started)
+            watched.append(threading.Event())  # its callback ran (after the call ended)
+            started.add_done_callback(watch(address, unread, watched[-1]))
+        for call, settled in zip(calls, watched, strict=True):
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                call.result()
+            settled.wait()  # (gRPC marks a call done before it runs the callbacks)
+    except BaseException:  # interrupted: every stream is cancelled
+        stop_all()
+        raise
+    finally:
+        stop.set()
+        with lock:  # a read under way (on gRPC's thread) has ended; none starts now
+            pass
     if failures:
         raise failures[0]
 
 
 def _messages(
     owned: range,
-    read: Callable[[int], layer_state.PackedLayer],
+    read: Callable[[int], layer_state.PackedLayer | None],
     load: Load,
     stop: threading.Event,
     unread: list[Exception],
 ) -> Iterator[bytes]:
     """One owner's ``RestoreChunk`` messages in wire form: the load's fields ride on the
-    first (the first layer's header)."""
+    first (the first layer's header). It ends early once ``stop`` is set (the call is
+    cancelled then)."""
     first = stage_pb2.RestoreChunk(
         epoch=load.epoch,
         committed_step=load.step,
@@ -123,15 +138,15 @@ def _messages(
     try:
         for layer in owned:
             packed = read(layer)
+            if packed is None:
+                return
             for encoded in layer_state.encoded_chunks(
                 layer, packed, codec.DEFAULT_CHUNK_BYTES, _CHUNK_FIELD
             ):
                 if stop.is_set():
-                    raise _Stopped
+                    return
                 yield first + encoded if first else encoded
                 first = b""
-    except _Stopped:
-        raise
     except Exception as exc:
         unread.append(exc)
         raise

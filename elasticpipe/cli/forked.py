@@ -35,6 +35,7 @@ def serve() -> None:
     for module in PRELOADED:
         importlib.import_module(module)
 
+    paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     out = sys.stdout.buffer
     inp = sys.stdin.fileno()  # read with os.read: select sees every line not yet read
     pending = b""
@@ -44,6 +45,7 @@ def serve() -> None:
         out.flush()
 
     say({"ready": True})
+    children: dict[int, int] = {}  # pid -> the request that forked it
     while True:
         readable, _, _ = select.select([inp], [], [], REAP_INTERVAL_S)
         if readable:
@@ -54,7 +56,13 @@ def serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
-                say({"id": request["id"], "pid": _fork(request)})
+                try:
+                    pid = _fork(request, paths)
+                except OSError as exc:  # (no memory, or too many processes)
+                    say({"id": request["id"], "error": f"fork failed: {exc}"})
+                    continue
+                children[pid] = request["id"]
+                say({"id": request["id"], "pid": pid})
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -62,10 +70,13 @@ def serve() -> None:
                 break
             if pid == 0:
                 break
-            say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+            code = os.waitstatus_to_exitcode(status)
+            say({"exited": pid, "id": children.pop(pid, 0), "code": code})
 
 
-def _fork(request: dict[str, Any]) -> int:
+def _fork(request: dict[str, Any], paths: list[str]) -> int:
+    """Forks the child of ``request`` (``paths``: the server's own ``PYTHONPATH``, as
+    ``sys.path`` holds it); returns its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -82,7 +93,7 @@ def _fork(request: dict[str, Any]) -> int:
         os.close(devnull)
         os.close(log)
         os.chdir(request["cwd"])
-        _take_paths(request["env"].get("PYTHONPATH", ""))
+        _take_paths(paths, request["env"].get("PYTHONPATH", ""))
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # as elasticpipe.cli.entry's import
@@ -103,14 +114,13 @@ def _fork(request: dict[str, Any]) -> int:
         os._exit(code)
 
 
-def _take_paths(pythonpath: str) -> None:
-    """Puts the child's ``PYTHONPATH`` in ``sys.path`` where the server's was (after the
-    current directory), as a new interpreter would have: a test's stage may import its
-    own copy of a module the server never imported."""
-    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    theirs = [p for p in pythonpath.split(os.pathsep) if p]
+def _take_paths(ours: list[str], pythonpath: str) -> None:
+    """Puts the child's ``PYTHONPATH`` in ``sys.path`` where the server's (``ours``) was,
+    after the current directory, as a new interpreter in the child's directory would have:
+    a test's stage may import its own copy of a module the server never imported."""
+    theirs = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
     if ours == theirs:
         return
     kept = [p for p in sys.path[1:] if p not in ours]
-    sys.path[1:] = [*(os.path.abspath(p) for p in theirs), *kept]
+    sys.path[1:] = [*theirs, *kept]
     importlib.invalidate_caches()

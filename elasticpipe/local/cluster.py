@@ -48,6 +48,14 @@ def _wait_ready(path: Path, proc: Process, what: str, log: Path, timeout: float)
     raise DeadlineExceeded(f"{what} did not start within {timeout:.0f}s (log: {log})")
 
 
+def _signal(proc: Process, sig: int) -> None:
+    """Sends ``sig`` to a process's group (its session: the process and anything it
+    started), unless it has exited (a forked one is reaped at once: its group is gone)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+
 def _store_of(args: Sequence[str]) -> str | None:
     """The store named in coordinator ``args`` (``--store`` or its alias ``--state``, as
     ``--flag VALUE`` or ``--flag=VALUE``), or None."""
@@ -392,13 +400,13 @@ class LocalCluster:
     def kill(self, name: str) -> None:
         """Kills one process at once (SIGKILL), as a crash would."""
         proc = self.procs[name]
-        os.killpg(proc.pid, signal.SIGKILL)
+        _signal(proc, signal.SIGKILL)
         proc.wait(timeout=10)
 
     def terminate(self, name: str, timeout: float = 60.0) -> int:
         """Sends SIGTERM to one process and waits for it to exit; returns its exit code."""
         proc = self.procs[name]
-        os.killpg(proc.pid, signal.SIGTERM)
+        _signal(proc, signal.SIGTERM)
         return proc.wait(timeout=timeout)
 
     def stop(self, grace: float = 5.0) -> None:
@@ -411,20 +419,19 @@ class LocalCluster:
         stages = [p for n, p in self.procs.items() if n not in self.coordinator_names]
         for group in (coordinators, stages):  # every coordinator at once: no takeover
             for proc in group:
-                if proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGTERM)
+                _signal(proc, signal.SIGTERM)
             if group is coordinators:
                 for proc in group:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
+                    with contextlib.suppress(subprocess.SubprocessError):
                         proc.wait(timeout=grace)
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+            except subprocess.SubprocessError:  # still running (or its fork server is gone)
+                _signal(proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.SubprocessError):
+                    proc.wait(timeout=5)
 
     def logs(self) -> str:
         """Every process's log, for a failing test's report."""

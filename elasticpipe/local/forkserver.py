@@ -45,6 +45,7 @@ import atexit
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -62,19 +63,28 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+class ServerGone(subprocess.SubprocessError):
+    """The fork server exited: its children's exit codes can no longer be known."""
+
+
 class Forked:
     """A child of the fork server, with the part of ``subprocess.Popen`` that
-    ``LocalCluster`` and its users use: ``pid``, ``poll``, ``wait``, ``returncode``."""
+    ``LocalCluster`` and its users use: ``pid``, ``poll``, ``wait``, ``returncode``.
 
-    def __init__(self, server: ForkServer, pid: int, args: Sequence[str]):
+    Unlike a ``Popen``'s child, it does not stay a zombie until waited for: the server reaps
+    it at once, so a signal sent after it exited finds no process (``send_signal`` then
+    does nothing, as ``Popen``'s does once it knows)."""
+
+    def __init__(self, server: ForkServer, child: int, pid: int, args: Sequence[str]):
         self.pid = pid
         self.args = list(args)
         self._server = server
+        self._child = child  # the request that forked it: unique, where a pid is reused
 
     @property
     def returncode(self) -> int | None:
         """The exit code once the child exited (negative: the signal that ended it)."""
-        return self._server.exit_code(self.pid)
+        return self._server.exit_code(self._child)
 
     def poll(self) -> int | None:
         """The exit code, or None while the child runs."""
@@ -85,13 +95,15 @@ class Forked:
 
         Raises:
             subprocess.TimeoutExpired: it still ran after ``timeout`` seconds.
+            ServerGone: the server exited first.
         """
-        return self._server.wait(self.pid, self.args, timeout)
+        return self._server.wait(self._child, self.args, timeout)
 
     def send_signal(self, sig: int) -> None:
         """Sends ``sig`` to the child (unless it has exited)."""
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # (exited, not yet reported)
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         """SIGTERM."""
@@ -117,13 +129,16 @@ class ForkServer:
         self._stdout: IO[bytes] = self._proc.stdout
         self._lock = threading.Lock()  # one request written at a time
         self._changed = threading.Condition()
-        self._pids: dict[int, int] = {}  # request id -> pid
-        self._codes: dict[int, int] = {}  # pid -> exit code
+        self._forked: dict[int, int | str] = {}  # request id -> pid, or why it failed
+        self._codes: dict[int, int] = {}  # request id -> the child's exit code
         self._next = 0
         self.gone = False
-        ready = self._read()
-        if ready != {"ready": True}:
-            raise RuntimeError(f"the fork server did not start (it said {ready!r})")
+        ready, _, _ = select.select([self._stdout], [], [], START_TIMEOUT_S)
+        said = self._read() if ready else None
+        if said != {"ready": True}:
+            self._proc.kill()
+            self._proc.wait()
+            raise RuntimeError(f"the fork server did not start (it said {said!r})")
         self._listener = threading.Thread(target=self._listen, name="fork-server", daemon=True)
         self._listener.start()
 
@@ -131,7 +146,11 @@ class ForkServer:
         self, argv: Sequence[str], env: Mapping[str, str], log: Path, cwd: str | None = None
     ) -> Forked:
         """Forks ``elasticpipe *argv`` with the environment ``env``, its output appended
-        to ``log``."""
+        to ``log``.
+
+        Raises:
+            RuntimeError: the server could not fork (naming why), or is gone.
+        """
         with self._lock:
             self._next += 1
             request = self._next
@@ -142,30 +161,35 @@ class ForkServer:
                 "cwd": cwd or os.getcwd(),
                 "log": str(log),
             }
-            self._stdin.write(json.dumps(line).encode() + b"\n")
-            self._stdin.flush()
+            try:
+                self._stdin.write(json.dumps(line).encode() + b"\n")
+                self._stdin.flush()
+            except OSError as exc:
+                raise RuntimeError(f"the fork server is gone ({exc})") from exc
         with self._changed:
             if not self._changed.wait_for(
-                lambda: request in self._pids or self.gone, START_TIMEOUT_S
+                lambda: request in self._forked or self.gone, START_TIMEOUT_S
             ):
                 raise RuntimeError(f"the fork server did not fork {list(argv)[:1]}")
-            if request not in self._pids:
-                raise RuntimeError("the fork server exited")
-            return Forked(self, self._pids.pop(request), ["elasticpipe", *argv])
+            forked = self._forked.pop(request, "the fork server exited")
+            if isinstance(forked, str):
+                raise RuntimeError(f"cannot fork elasticpipe {' '.join(argv[:1])}: {forked}")
+            return Forked(self, request, forked, ["elasticpipe", *argv])
 
-    def exit_code(self, pid: int) -> int | None:
-        """A child's exit code, or None while it runs."""
+    def exit_code(self, child: int) -> int | None:
+        """A child's exit code, or None while it runs (``child``: its request)."""
         with self._changed:
-            return self._codes.get(pid)
+            return self._codes.get(child)
 
-    def wait(self, pid: int, args: Sequence[str], timeout: float | None) -> int:
-        """Waits for a child's exit code (``subprocess.TimeoutExpired`` after ``timeout``)."""
+    def wait(self, child: int, args: Sequence[str], timeout: float | None) -> int:
+        """Waits for a child's exit code (``subprocess.TimeoutExpired`` after ``timeout``;
+        ``ServerGone`` if the server exited first)."""
         with self._changed:
-            if not self._changed.wait_for(lambda: pid in self._codes or self.gone, timeout):
+            if not self._changed.wait_for(lambda: child in self._codes or self.gone, timeout):
                 raise subprocess.TimeoutExpired(list(args), timeout or 0.0)
-            if pid not in self._codes:
-                raise RuntimeError(f"the fork server exited before its child {pid}")
-            return self._codes[pid]
+            if child not in self._codes:
+                raise ServerGone(f"the fork server exited before its child {args}")
+            return self._codes[child]
 
     def close(self) -> None:
         """Ends the server (its children live on)."""
@@ -184,16 +208,18 @@ class ForkServer:
         return json.loads(line) if line else None
 
     def _listen(self) -> None:
-        while (said := self._read()) is not None:
+        try:
+            while (said := self._read()) is not None:
+                with self._changed:
+                    if "exited" in said:
+                        self._codes[int(said["id"])] = int(said["code"])
+                    else:
+                        self._forked[int(said["id"])] = said.get("pid") or str(said["error"])
+                    self._changed.notify_all()
+        finally:  # (its output ended, or was not what the server writes)
             with self._changed:
-                if "exited" in said:
-                    self._codes[int(said["exited"])] = int(said["code"])
-                else:
-                    self._pids[int(said["id"])] = int(said["pid"])
+                self.gone = True
                 self._changed.notify_all()
-        with self._changed:
-            self.gone = True
-            self._changed.notify_all()
 
 
 _shared: dict[str, ForkServer] = {}  # "server": this process's

@@ -62,6 +62,7 @@ def test_a_forked_command_gets_its_environment_log_session_and_exit_code(
         assert os.readlink(f"/proc/{child.pid}/cwd") == str(tmp_path)
         os.killpg(child.pid, sig)
         assert child.wait(timeout=30) == code and child.returncode == code
+        child.kill()  # reaped by the server already: nothing to signal, and no error
         lines = log.read_text().splitlines()
         assert lines and all(isinstance(json.loads(line), dict) for line in lines), lines
 
