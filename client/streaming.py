@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from elasticpipe.errors import TransferError
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import codec, layer_state
@@ -83,8 +84,12 @@ def stream(
                 if call.cancelled() or call.exception() is None:
                     return
                 error = call.exception()
-                assert isinstance(error, grpc.RpcError)
-                failures.append(unread[0] if unread else rpc.translate(error, address))
+                try:
+                    assert isinstance(error, grpc.RpcError)
+                    failure = unread[0] if unread else rpc.translate(error, address)
+                except Exception:  # (a status it cannot read: gRPC would only log this)
+                    failure = TransferError(f"streaming the load to {address} failed: {error}")
+                failures.append(failure)
                 stop_all()
             finally:
                 settled.set()

@@ -131,10 +131,14 @@ class ForkServer:
         self._changed = threading.Condition()
         self._forked: dict[int, int | str] = {}  # request id -> pid, or why it failed
         self._codes: dict[int, int] = {}  # request id -> the child's exit code
+        self._abandoned: set[int] = set()  # requests whose spawn gave up waiting
         self._next = 0
         self.gone = False
         ready, _, _ = select.select([self._stdout], [], [], START_TIMEOUT_S)
-        said = self._read() if ready else None
+        try:
+            said = self._read() if ready else None
+        except ValueError:  # (not JSON)
+            said = None
         if said != {"ready": True}:
             self._proc.kill()
             self._proc.wait()
@@ -170,6 +174,7 @@ class ForkServer:
             if not self._changed.wait_for(
                 lambda: request in self._forked or self.gone, START_TIMEOUT_S
             ):
+                self._abandoned.add(request)  # forked later: killed at once
                 raise RuntimeError(f"the fork server did not fork {list(argv)[:1]}")
             forked = self._forked.pop(request, "the fork server exited")
             if isinstance(forked, str):
@@ -213,6 +218,9 @@ class ForkServer:
                 with self._changed:
                     if "exited" in said:
                         self._codes[int(said["id"])] = int(said["code"])
+                    elif int(said["id"]) in self._abandoned:  # its spawn timed out
+                        with contextlib.suppress(KeyError, ProcessLookupError):
+                            os.kill(int(said["pid"]), signal.SIGKILL)
                     else:
                         self._forked[int(said["id"])] = said.get("pid") or str(said["error"])
                     self._changed.notify_all()
