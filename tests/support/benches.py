@@ -55,6 +55,8 @@ KEYS: dict[str, set[str]] = {
         "steady_step_s",
         "data_path_gbps",
         "init_state_vs_data_path",
+        "stream_vs_data_path",
+        "load_commit_s",
         "first_step_vs_goal",
     },
     "gpu.py": {
