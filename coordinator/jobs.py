@@ -26,7 +26,7 @@ from elasticpipe.coordinator.planning import (
     order_hosts,
     predict_step_time,
 )
-from elasticpipe.coordinator.profiles import profile_stages
+from elasticpipe.coordinator.profiles import STAGE_CALL_TIMEOUT_S, profile_stages
 from elasticpipe.coordinator.rendezvous import Rendezvous
 from elasticpipe.coordinator.replicas import ONE_PIPELINE, Shape
 from elasticpipe.coordinator.state import Cluster
@@ -48,7 +48,6 @@ from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
 
-STAGE_CALL_TIMEOUT_S = 120.0
 # What must match for a client to resume a job (everything but the id).
 RESUME_FIELDS = (
     "model",

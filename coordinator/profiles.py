@@ -40,7 +40,7 @@ PROFILE_REPEATS = 5
 # Stages sharing a host are profiled one at a time (they would slow each other down);
 # this many hosts at once.
 PROFILE_HOSTS_AT_ONCE = 16
-STAGE_CALL_TIMEOUT_S = 120.0
+STAGE_CALL_TIMEOUT_S = 120.0  # a job's set-up calls to a stage (Profile, Assign, ...)
 STATS_TIMEOUT_S = 10.0
 
 
