@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -159,6 +160,7 @@ class LocalCluster:
         self.coordinator_addresses: dict[str, str] = {}  # process name -> address
         self.stage_addresses: list[str] = []
         self.procs: dict[str, Process] = {}
+        self.stopped = threading.Event()  # set by ``stop``: the cluster is going away
         self.certs: Path | None = None
         self._metrics = metrics
         self.metrics_ports: dict[str, int] = {}  # process name -> its metrics port
@@ -337,6 +339,8 @@ class LocalCluster:
             state = _store_of(self._coordinator_args)
             assert state is not None  # __init__ gives every cluster a store
             self._coordinator_args = [*args, "--store", state]
+        if self.stopped.is_set():  # (a restart on a timer that outlived its test)
+            return
         self._start_coordinator(name, self.coordinator_addresses[name])
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # answering (channels to the old one may still be backing off)
@@ -344,6 +348,8 @@ class LocalCluster:
                 self.status(timeout=2.0)
                 return
             except (CoordinatorUnavailable, DeadlineExceeded):
+                if self.stopped.is_set():  # (a restart on a thread that outlived its test)
+                    return
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
@@ -415,6 +421,7 @@ class LocalCluster:
         The coordinators go first, so that stages shutting down do not wait for their
         layers to be moved off (the whole cluster is going away).
         """
+        self.stopped.set()
         coordinators = [p for n, p in self.procs.items() if n in self.coordinator_names]
         stages = [p for n, p in self.procs.items() if n not in self.coordinator_names]
         for group in (coordinators, stages):  # every coordinator at once: no takeover
