@@ -16,7 +16,6 @@ checksum, and the stage accepts a layer only whole and matching it (as a snapsho
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -81,9 +80,9 @@ def stream(
     ) -> Callable[[grpc.Future[Any]], None]:
         def done(call: grpc.Future[Any]) -> None:
             try:
-                if call.cancelled() or call.exception() is None:
+                error = None if call.cancelled() else call.exception()
+                if error is None:
                     return
-                error = call.exception()
                 try:
                     assert isinstance(error, grpc.RpcError)
                     failure = unread[0] if unread else rpc.translate(error, address)
@@ -110,10 +109,8 @@ def stream(
             calls.append(started)
             watched.append(threading.Event())  # its callback ran (after the call ended)
             started.add_done_callback(watch(address, unread, watched[-1]))
-        for call, settled in zip(calls, watched, strict=True):
-            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
-                call.result()
-            settled.wait()  # (gRPC marks a call done before it runs the callbacks)
+        for settled in watched:  # each call's callback ran (gRPC runs it after the call
+            settled.wait()  # is marked done: waiting for the call alone would be too soon)
     except BaseException:  # interrupted: every stream is cancelled
         stop_all()
         raise

@@ -101,9 +101,10 @@ def _fork(request: dict[str, Any], paths: list[str]) -> int:
         from elasticpipe.cli.entry import main
 
         code = main()  # a coordinator or stage ends the process itself (cli/process.py)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int) and exc.code is not None:
+    except SystemExit as exc:  # as the interpreter ends on it: a message is code 1
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
