@@ -27,10 +27,10 @@ The timing of the setup, the load and its streaming wraps three of the client's 
 ``streaming.stream``): the bench's own instrumentation, nothing the library does
 differently.
 
-Run: ``python bench/first_step.py [--steps N] [--quick]`` (``--quick``: a 4-block model of
-width 64 on 2 stages and 2 steady steps, to check the script end to end; its figures mean
-little). The
-last line is JSON.
+Run: ``python bench/first_step.py [--steps N] [--grpc] [--quick]`` (``--grpc``: the load
+streams over gRPC, as to stages without a bulk channel, to compare; ``--quick``: a 4-block
+model of width 64 on 2 stages and 2 steady steps, to check the script end to end; its
+figures mean little). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.client.session import Session
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.models.contract import build
+from elasticpipe.transport import bulk
 
 GPT2_SMALL = {"vocab_size": 50257, "d_model": 768, "n_heads": 12, "n_layers": 12, "max_seq_len": 64}
 QUICK = {"vocab_size": 96, "d_model": 64, "n_heads": 4, "n_layers": 4, "max_seq_len": 64}
@@ -130,7 +131,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="steady steps after the first")
     parser.add_argument("--quick", action="store_true", help="a small model, 2 steady steps")
+    parser.add_argument("--grpc", action="store_true", help="the load over gRPC, not bulk")
     args = parser.parse_args()
+    if args.grpc:
+
+        def no_channel(*args: Any) -> Any:
+            raise bulk.NoChannel("bench/first_step.py --grpc")
+
+        streaming.bulk.connect = no_channel  # type: ignore[assignment]
     model = QUICK if args.quick else GPT2_SMALL
     steps = 2 if args.quick else args.steps
     stages = 2 if args.quick else STAGES
@@ -219,6 +227,7 @@ def main() -> int:
         "stream_vs_data_path": round(stream_gbps / bandwidth, 3),
         "load_commit_s": round(commit_s, 3),
         "first_step_vs_goal": round(first_s / goal_s, 3),
+        "load_over": "grpc" if args.grpc else "bulk",
     }
     print(json.dumps(figures))
     return 0

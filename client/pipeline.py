@@ -205,7 +205,8 @@ class Pipeline(Steps):
                 ends the job.
             resume: attach to the running job of this description (after the training
                 script was restarted) instead of starting a new one; ``step`` then says
-                where it is.
+                where it is. Its ``init_state`` is loaded only if the job never loaded one
+                (the script that set the job up died before its weights streamed).
             step_timeout: deadline of one step on every stage.
             setup_timeout: how long to wait for stages at job setup.
             rebalance_timeout: how long a step may wait for an epoch change to finish.
@@ -287,7 +288,7 @@ class Pipeline(Steps):
         self._last_step = StepStats()
         self._closed = False
         # Checked now, before anything changes anywhere; streamed at job setup.
-        self._init = None if init_state is None or resume else initial.check(self._job, init_state)
+        self._init = None if init_state is None else initial.check(self._job, init_state)
 
     # ---- lifecycle -------------------------------------------------------------------
 

@@ -240,8 +240,18 @@ class Session:
         self._restore_epoch = partition.restore_epoch
         self._renewer = threading.Thread(target=self._renew_loop, name="lease", daemon=True)
         self._renewer.start()
-        if reply.resumed or self._step:
-            self._init = None  # the running job has its weights already
+        if (reply.resumed and not reply.awaits_weights) or self._step:
+            # The running job has its weights already. (One resumed that awaits them was
+            # set up by a script that died before its init_state streamed: this script
+            # streams its own.)
+            if self._init is not None:
+                self._init.close()
+            self._init = None
+        elif reply.awaits_weights and self._init is None:
+            raise InvalidRequest(
+                f"job {partition.job_id} still waits for its initial weights: the script "
+                "that set it up died before its init_state streamed; resume with init_state"
+            )
         weights = "resumed" if reply.resumed else "seed"
         if self._init is not None:
             self._apply_init()  # an epoch change of its own: the start's epoch, then this one

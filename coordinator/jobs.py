@@ -83,6 +83,7 @@ class Attached:
     resumed: bool
     safe_step: int
     profiled: bool
+    awaits_weights: bool  # see ``Loads.awaits_weights``
 
 
 def differences(a: JobConfig, b: JobConfig) -> list[str]:
@@ -191,6 +192,7 @@ class Jobs(Loads):
             resumed,
             step if safe else self.safe_step(),
             self.c.profile is not None,
+            self.awaits_weights(job, step),
         )
 
     def _snapshot_at(
@@ -413,7 +415,9 @@ class Jobs(Loads):
             client=holder,
             phases_s=laps.seconds,
         )
-        return Attached(partition, num_layers, client, 0, False, 0, profile is not None)
+        return Attached(
+            partition, num_layers, client, 0, False, 0, profile is not None, job.external_weights
+        )
 
     def _assignments(
         self, partition: Partition, layout: Layout | None

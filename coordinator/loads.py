@@ -35,6 +35,8 @@ log = get_logger("elasticpipe.coordinator.jobs")
 
 RESTORE_LEASE_S = 600.0
 ABANDONED_KEPT = 16  # abandoned loads whose reason an EndRestore can still be told
+# A job's epochs read to find a load at step 0 (a few starts, moves and recoveries).
+HISTORY_SCAN = 10_000
 
 
 class Loads(Leases):
@@ -45,6 +47,14 @@ class Loads(Leases):
         self._pause = pause
         self._restoring: tuple[Change, float, int] | None = None  # change, deadline, client
         self._abandoned: dict[int, str] = {}  # loads abandoned here, by epoch: why
+
+    def awaits_weights(self, job: JobConfig, step: int) -> bool:
+        """Whether ``job``'s layers still wait for its ``init_state``: its weights are
+        external, and neither a step nor a load (a ``restore`` epoch) ever committed."""
+        if not job.external_weights or step:
+            return False
+        history = self.c.store.epochs(limit=HISTORY_SCAN, job_id=job.job_id)
+        return not any(row.kind == "restore" for row in history)
 
     def wait_for_copies(self, partition: Partition, job: JobConfig, step: int) -> bool:
         """Waits until the snapshot of ``step`` has its copies everywhere (see
@@ -110,8 +120,7 @@ class Loads(Leases):
                 epochs.record_abandoned(self.c, change, "the client abandoned the load")
                 return change.old_layout or change.old
             new = change.new.evolve(restored_step=step)
-            # A job started from init_state loads it first, before any rollback or step.
-            initial = job.external_weights and change.old.restore_epoch == 0 and step == 0
+            initial = self.awaits_weights(job, step)
             change = replace(
                 change,
                 new=new,

@@ -203,6 +203,7 @@ class CoordinatorServicer:
             resumed=attached.resumed,
             safe_step=attached.safe_step,
             profiled=attached.profiled,
+            awaits_weights=attached.awaits_weights,
         )
 
     def ProfileJob(

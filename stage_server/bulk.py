@@ -29,8 +29,10 @@ from elasticpipe.errors import ElasticPipeError, InvalidRequest, PermissionDenie
 from elasticpipe.logs import get_logger
 from elasticpipe.security import authz
 from elasticpipe.security.tls import TLS, identity_of
-from elasticpipe.transport import bulk, serving
-from elasticpipe.wire import bundle, structure
+from elasticpipe.training.job import json_object
+from elasticpipe.transport import bulk, bulk_layers, serving
+from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import bundle, layer_state, structure
 
 if TYPE_CHECKING:
     from elasticpipe.stage_server.service import StageServicer
@@ -192,6 +194,8 @@ class BulkListener:
         n, kind, nbytes = bulk.FRAME.unpack(prefix)
         if n > bulk.MAX_HEADER_BYTES:
             raise InvalidRequest(f"bulk header of {n} bytes (at most {bulk.MAX_HEADER_BYTES})")
+        if kind == bulk_layers.LAYERS:
+            return self._take_layers(conn, n, nbytes, deadline)
         if kind not in (bulk.EAGER, bulk.RENDEZVOUS):
             raise InvalidRequest(f"bulk message of unknown kind {kind!r}")
         eager = kind == bulk.EAGER
@@ -239,6 +243,74 @@ class BulkListener:
             servicer.stage.metrics.bulk_received_bytes.inc(structure.nbytes(value))
         conn.sendall(bulk.OK)
         return True
+
+    def _take_layers(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:
+        """Takes a load's layers (``bulk_layers``), checked and staged as ``RestoreLayers``
+        checks and stages them; False (the connection closes) after an error within it.
+        Each piece of a layer's bytes has ``READ_TIMEOUT_S`` (as each message of a gRPC
+        stream has), not the whole layer. Anything unexpected is logged and answered as
+        gRPC's ``INTERNAL`` would be."""
+        try:
+            return self._layers(conn, n, count, deadline)
+        except (OSError, ConnectionError, ElasticPipeError):
+            raise
+        except Exception as exc:  # a bug, or memory: logged, and the stream ends with it
+            log.error("bulk_load_failed", error=repr(exc), exc_info=exc)
+            bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk load: {exc!r}"))
+            return False
+
+    def _layers(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:
+        servicer = self._servicer
+        stage = servicer.stage
+        body = bulk.recv_bytes(conn, n, deadline)
+        try:
+            authz.permit("StageService/RestoreLayers")
+            servicer.gate.check("RestoreLayers")
+            first = bulk_layers.parse_first(body)
+            bulk_layers.read_frame_count(count)
+            builder = stage.check_restore(first.epoch)  # before a single layer is read
+            overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
+        except ElasticPipeError as exc:
+            bulk.send_error(conn, exc)
+            return False
+        conn.sendall(bulk.GO)
+        limits = (stage.config.max_tensor_bytes, stage.config.max_layer_bytes)
+        taken: list[int] = []
+
+        def read_into(view: memoryview) -> None:
+            bulk.recv_exactly(conn, view, time.monotonic() + READ_TIMEOUT_S)
+
+        for _ in range(count):
+            (size,) = bulk.U32.unpack(bulk.recv_bytes(conn, bulk.U32.size, _in(READ_TIMEOUT_S)))
+            try:
+                if size > bulk_layers.MAX_HEADER_BYTES:
+                    raise TooLarge(f"a bulk layer header of {size} bytes")
+                head = bulk.recv_bytes(conn, size, _in(READ_TIMEOUT_S))
+                piece = bulk_layers.parse_layer_header(head)
+                if piece.layer in taken:
+                    raise InvalidRequest(f"layer {piece.layer} sent twice")
+                stage.check_restored_layer(piece.layer)
+                into = stage.restore_into(piece.layer, builder=builder)
+                opened = layer_state.open_layer(piece.layer, piece.header, limits, into)
+            except ElasticPipeError as exc:
+                bulk.send_error(conn, exc)
+                return False
+            conn.sendall(bulk.GO)
+            opened.fill(read_into)
+            digest = bulk.recv_bytes(conn, bulk_layers.DIGEST_BYTES, _in(READ_TIMEOUT_S))
+            try:
+                stage.stage_restored(first.epoch, opened.finish(digest), builder, overrides)
+            except ElasticPipeError as exc:
+                bulk.send_error(conn, exc)
+                return False
+            taken.append(piece.layer)
+        answer = stage_pb2.RestoreResponse(layers=taken).SerializeToString()
+        conn.sendall(bulk.OK + bulk.U32.pack(len(answer)) + answer)
+        return True
+
+
+def _in(seconds: float) -> float:
+    return time.monotonic() + seconds
 
 
 def listen_host(listen: str) -> str:

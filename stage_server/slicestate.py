@@ -109,8 +109,9 @@ class SliceState:
 
     # ---- building ---------------------------------------------------------------------
 
-    def build(self, lo: int, hi: int) -> None:
-        """Builds layers [lo, hi) fresh from the job's factory (new job)."""
+    def build(self, lo: int, hi: int, draw: bool = True) -> None:
+        """Builds layers [lo, hi) fresh from the job's factory (new job); ``draw``: see
+        ``models.prepare_layer``."""
         built = models.build_layers(
             self.job.model,
             self.job.seed,
@@ -120,6 +121,7 @@ class SliceState:
             self.device,
             self.allow,
             external=self.job.external_weights,
+            draw=draw,
         )
         self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
         self.optimizers = {

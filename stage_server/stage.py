@@ -12,6 +12,10 @@ the ops and the report (``reducing``).
 Longer than 600 lines: the run, the data it admits and the snapshot copies share the one
 lock and the machine; the next piece to leave is the snapshot copies (``_capture`` to
 ``keep_from``), as ``epochs.EpochChanges`` left.
+
+``torch._dynamo`` is imported here, when the stage starts: torch imports it the first time
+any optimizer is made, and that took 0.9 s of a job's set-up (``Describe`` checks the
+job's optimizer) instead of the stage's start.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch._dynamo  # see the module's docstring
 
 from elasticpipe import models
 from elasticpipe.errors import (
@@ -229,7 +234,7 @@ class Stage(EpochChanges):
     def assign(self, job: JobConfig, placement: Placement) -> int:
         """Starts a job on this stage: builds layers [lo, hi) fresh, at step 0."""
         new_slice = self._new_slice(job)
-        new_slice.build(placement.lo, placement.hi)
+        new_slice.build(placement.lo, placement.hi, draw=not job.external_weights)
         if placement.num_replicas > 1:
             reducing.refuse_running_stats({i: new_slice.layers[i] for i in placement.layers})
         with self._cond:

@@ -334,13 +334,18 @@ def init_layer(layer: nn.Module, seed: int, index: int) -> None:
             layer.to(device)
 
 
-def prepare_layer(layer: nn.Module, seed: int, index: int, external: bool) -> None:
+def prepare_layer(
+    layer: nn.Module, seed: int, index: int, external: bool, draw: bool = True
+) -> None:
     """Gives a materialized layer defined values before its state dict is loaded into it.
 
     Without ``external`` weights this is ``init_layer``. With them (``init_state``), the
     state dict overwrites every parameter and persistent buffer, so a layer without
     ``reset_parameters()`` is filled with zeros instead; only non-persistent buffers
-    (not in any state dict) must still be set by a reset method.
+    (not in any state dict) must still be set by a reset method. Without ``draw``, a layer
+    with no non-persistent buffers is zero-filled at once (a job's layers built for its
+    ``init_state``: random numbers only to be overwritten took 1.7 s of a GPT-2 small's
+    set-up; the profile, which runs the layers, keeps drawing them).
 
     Raises:
         ModelError: as ``init_layer`` without ``external``; with it, a non-persistent
@@ -348,6 +353,11 @@ def prepare_layer(layer: nn.Module, seed: int, index: int, external: bool) -> No
     """
     if not external:
         init_layer(layer, seed, index)
+        return
+    if not draw and not unsaved_buffers(layer):
+        with torch.no_grad():
+            for _, _, tensor in _named_tensors(layer):
+                tensor.zero_()
         return
     try:
         init_layer(layer, seed, index)
@@ -438,6 +448,7 @@ def build_layers(
     device: str | torch.device = "cpu",
     allow: allowlist.Allow = (),
     external: bool = False,
+    draw: bool = True,
 ) -> list[nn.Module]:
     """Builds and initialises only layers ``[lo, hi)`` of a model.
 
@@ -453,6 +464,7 @@ def build_layers(
         device: Where the layers live.
         allow: Allowed module prefixes (see ``resolve_factory``).
         external: the weights will be loaded afterwards (see ``prepare_layer``).
+        draw: with ``external``, whether to draw random weights anyway (``prepare_layer``).
 
     Returns:
         The initialised layers ``lo`` to ``hi - 1``.
@@ -469,15 +481,15 @@ def build_layers(
         raise InvalidRequest(
             f"layer range [{lo!r}, {hi!r}) is not within the {count} layers of {name_or_path!r}"
         )
-    return [_build_layer(skeleton[i], seed, i, external).to(target) for i in range(lo, hi)]
+    return [_build_layer(skeleton[i], seed, i, external, draw).to(target) for i in range(lo, hi)]
 
 
 def _build_layer(
-    skeleton_layer: nn.Module, seed: int, index: int, external: bool = False
+    skeleton_layer: nn.Module, seed: int, index: int, external: bool = False, draw: bool = True
 ) -> nn.Module:
     # Initialise on the CPU whatever the target, so every device gets the same values.
     layer = materialize_layer(skeleton_layer, "cpu")
-    prepare_layer(layer, seed, index, external)
+    prepare_layer(layer, seed, index, external, draw)
     return layer
 
 

@@ -138,6 +138,24 @@ def act_as(identity: tuple[str, str] | None) -> None:
     _CALLER.set(identity)
 
 
+def permit(method: str) -> None:
+    """Checks the current caller (a bulk connection's, ``act_as``) against ``method``'s row,
+    as ``authorize`` checks a gRPC call's; without TLS there is nobody to check.
+
+    Raises:
+        PermissionDenied: a role the method does not allow.
+    """
+    identity = _CALLER.get()
+    if identity is None:
+        return
+    name, role = identity
+    allowed = ALLOWED[method]
+    if role not in allowed:
+        raise PermissionDenied(
+            f"role {role!r} ({name}) may not call {method} (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
 def _peer_identity(context: grpc.ServicerContext) -> tuple[str, str] | None:
     pems: bytes | list[bytes] = context.auth_context().get("x509_pem_cert") or []
     pem = pems if isinstance(pems, bytes) else (pems[0] if pems else b"")

@@ -271,8 +271,50 @@ _NO_CHANNEL_CODES = (
 )
 
 
-class _NoChannel(Exception):
+class NoChannel(Exception):
     """The channel could not be used for this message (nothing was delivered)."""
+
+
+def connect(
+    stub: stage_pb2_grpc.StageServiceStub, address: str, tls: TLS | None, deadline: float
+) -> socket.socket:
+    """A new bulk connection to the stage at ``address`` (``OpenBulk``, then the handshake).
+
+    Raises:
+        NoChannel: the stage offers none now, or it could not be reached or opened.
+        ElasticPipeError: ``OpenBulk`` refused (as gRPC would any call).
+    """
+    try:
+        reply = stub.OpenBulk(
+            stage_pb2.OpenBulkRequest(), timeout=max(0.001, deadline - time.monotonic())
+        )
+    except grpc.RpcError as exc:
+        if exc.code() in _NO_CHANNEL_CODES:  # an older, busy or unreachable stage
+            raise NoChannel(f"OpenBulk: {exc.code().name}") from exc
+        raise rpc.translate(exc, address) from exc
+    if not reply.port:
+        raise NoChannel("the stage offers no bulk channel")
+    host, _ = serving.split_address(address)
+    try:
+        sock = socket.create_connection(
+            (host, reply.port), timeout=max(0.001, deadline - time.monotonic())
+        )
+    except OSError as exc:
+        raise NoChannel(f"cannot reach its bulk port {reply.port}: {exc}") from exc
+    try:
+        keepalive(sock)
+        if tls is not None:
+            sock = client_context(tls).wrap_socket(sock, server_hostname=host)
+        send_all(sock, MAGIC + reply.token, deadline)
+        if recv_bytes(sock, 1, deadline) != OK:
+            raise NoChannel("the stage refused the bulk connection")
+    except (OSError, ConnectionError) as exc:
+        sock.close()
+        raise NoChannel(f"bulk handshake failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class BulkSender:
@@ -297,37 +339,7 @@ class BulkSender:
         self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
 
     def _connect(self, deadline: float) -> socket.socket:
-        try:
-            reply = self._stub.OpenBulk(
-                stage_pb2.OpenBulkRequest(), timeout=max(0.001, deadline - time.monotonic())
-            )
-        except grpc.RpcError as exc:
-            if exc.code() in _NO_CHANNEL_CODES:  # an older, busy or unreachable stage
-                raise _NoChannel(f"OpenBulk: {exc.code().name}") from exc
-            raise rpc.translate(exc, self.address) from exc
-        if not reply.port:
-            raise _NoChannel("the stage offers no bulk channel")
-        host, _ = serving.split_address(self.address)
-        try:
-            sock = socket.create_connection(
-                (host, reply.port), timeout=max(0.001, deadline - time.monotonic())
-            )
-        except OSError as exc:
-            raise _NoChannel(f"cannot reach its bulk port {reply.port}: {exc}") from exc
-        try:
-            keepalive(sock)
-            if self._tls is not None:
-                sock = client_context(self._tls).wrap_socket(sock, server_hostname=host)
-            send_all(sock, MAGIC + reply.token, deadline)
-            if recv_bytes(sock, 1, deadline) != OK:
-                raise _NoChannel("the stage refused the bulk connection")
-        except (OSError, ConnectionError) as exc:
-            sock.close()
-            raise _NoChannel(f"bulk handshake failed: {exc}") from exc
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        return connect(self._stub, self.address, self._tls, deadline)
 
     def close(self) -> None:
         """Closes the connection (the next send opens another)."""
@@ -365,7 +377,7 @@ class BulkSender:
             else:
                 send_all(sock, frame, deadline)
                 answer = recv_bytes(sock, 1, deadline)
-        except _NoChannel as exc:
+        except NoChannel as exc:
             self._fall_back(str(exc))
             return False
         except ElasticPipeError:

@@ -387,6 +387,7 @@ class SetupJobResponse(_message.Message):
     RESUMED_FIELD_NUMBER: _builtins.int
     SAFE_STEP_FIELD_NUMBER: _builtins.int
     PROFILED_FIELD_NUMBER: _builtins.int
+    AWAITS_WEIGHTS_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
     client: _builtins.int
     """this client's generation: its requests carry it"""
@@ -397,6 +398,10 @@ class SetupJobResponse(_message.Message):
     """the newest step whose snapshot survives any one failure"""
     profiled: _builtins.bool
     """false: send a sample (ProfileJob) before the first step"""
+    awaits_weights: _builtins.bool
+    """The job's layers still wait for its init_state (external weights, and no load ever
+    committed: the script that set it up died first): the client streams it now.
+    """
     @_builtins.property
     def partition(self) -> Global___Partition: ...
     def __init__(
@@ -409,10 +414,11 @@ class SetupJobResponse(_message.Message):
         resumed: _builtins.bool = ...,
         safe_step: _builtins.int = ...,
         profiled: _builtins.bool = ...,
+        awaits_weights: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "committed_step", b"committed_step", "num_layers", b"num_layers", "partition", b"partition", "profiled", b"profiled", "resumed", b"resumed", "safe_step", b"safe_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaits_weights", b"awaits_weights", "client", b"client", "committed_step", b"committed_step", "num_layers", b"num_layers", "partition", b"partition", "profiled", b"profiled", "resumed", b"resumed", "safe_step", b"safe_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -60,7 +60,7 @@ class PackedLayer:
         """The SHA-256 of the state and every tensor's bytes, in order (computed now)."""
         digest = hashlib.sha256(self.state)
         for tensor in self.tensors:
-            digest.update(_bytes_of(tensor))
+            digest.update(bytes_of(tensor))
         return digest.digest()
 
     def verify(self, what: str) -> None:
@@ -131,7 +131,7 @@ def seal(packed: PackedLayer) -> PackedLayer:
     return PackedLayer(packed.state, packed.tensors, packed.digest())
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
     """A CPU contiguous tensor's bytes, without a copy."""
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
@@ -220,7 +220,7 @@ def chunk_fields(
     )
     yield {"layer": layer, "header": header}
     for index, tensor in enumerate(packed.tensors):
-        raw = _bytes_of(tensor)
+        raw = bytes_of(tensor)
         for start in range(0, len(raw), chunk_bytes):
             view = raw[start : start + chunk_bytes]
             data = bytes(view) if copy else view  # the one copy a message needs
@@ -412,6 +412,20 @@ class _Open:
         self.filled += len(data)
         self._skip_empty()
 
+    def fill(self, read_into: Callable[[memoryview], None], piece_bytes: int = 1 << 20) -> None:
+        """Fills every tensor by ``read_into(view)`` of consecutive pieces of its memory
+        (a socket's ``recv_into``: the bytes land in the tensor, with no chunk between),
+        each hashed while it is still in the cache; for a stream that carries the raw
+        bytes of every tensor in order (the bulk channel's, ``transport.bulk_layers``).
+        The SHA-256 is then checked by ``finish``."""
+        for index in range(self.current, len(self.sizes)):
+            raw = self.tensors[index].reshape(-1).view(torch.uint8).numpy().data
+            for start in range(self.filled, len(raw), piece_bytes):
+                view = raw[start : start + piece_bytes]
+                read_into(view)
+                self.digest.update(view)
+            self.current, self.filled = index + 1, 0
+
     def finish(self, sha256: bytes) -> Received:
         """The layer, once every byte arrived and the SHA-256 matches."""
         if self.current < len(self.sizes):
@@ -424,6 +438,19 @@ class _Open:
         kept = sha256 if self.destination.fresh else b""  # what the bytes stay equal to
         packed = PackedLayer(self.state, tuple(self.tensors), kept)
         return Received(self.layer, packed, self.destination)
+
+
+def open_layer(
+    layer: int, header: stage_pb2.LayerHeader, limits: tuple[int, int], destination: Destination
+) -> _Open:
+    """A layer to receive, its header checked whole and its tensors allocated in
+    ``destination`` (see ``receive``); filled by chunks (``add``) or raw bytes (``fill``),
+    then ``finish``ed.
+
+    Raises:
+        TooLarge / InvalidRequest: as ``receive``, for its header.
+    """
+    return _Open(layer, header, limits, destination)
 
 
 def receive(

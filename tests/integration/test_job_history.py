@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import subprocess
 import sys
@@ -256,14 +255,11 @@ def test_a_load_cut_short_in_the_client_is_abandoned_at_once(
         pipe.save(tmp_path / "ckpt")
         before = pipe.state_dict()
         if where == "interrupt":
-            real_call = streaming.rpc.call
 
-            def call(address: str, method: Any, request: Any, **kwargs: Any) -> Any:
-                if inspect.isgenerator(request):  # RestoreLayers: the layers' stream
-                    raise _Interrupted()
-                return real_call(address, method, request, **kwargs)
+            def send_layers(*args: Any, **kwargs: Any) -> Any:
+                raise _Interrupted()  # as the stream to one stage begins
 
-            monkeypatch.setattr(streaming.rpc, "call", call)
+            monkeypatch.setattr(streaming.bulk_layers, "send_layers", send_layers)
             expected: type[BaseException] = _Interrupted
         else:
 

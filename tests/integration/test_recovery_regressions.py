@@ -13,13 +13,21 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from elasticpipe import models
+from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.training.objectives import make_optimizer
 from tests.support.clusters import revive
 from tests.support.faults import FaultPlan
+from tests.support.numerics import reference_step
 from tests.support.scenario import (
+    ADAM,
+    KWARGS,
     REFERENCE,
     Trainer,
+    batch,
     check,
     history,
     kill_script_at,
@@ -181,3 +189,43 @@ def test_the_auto_rebalance_switch_survives_a_coordinator_restart(tmp_path: Path
         c.restart_coordinator(["--auto-rebalance", "--heartbeat-interval", "0.2"])
         assert not c.status().auto_rebalance
         c.wait_for_log("coordinator", "auto_rebalance_from_state", timeout=10)
+
+
+INIT_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from elasticpipe import models
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.client.session import Session
+from tests.support.scenario import KWARGS, batch, pipeline
+class C: coordinator = {address!r}
+def never_streams(self):
+    print("set_up", flush=True)
+    time.sleep(600)
+Session._apply_init = never_streams
+pipe = pipeline(C, init_state=models.build("mlp", seed=7, **KWARGS).state_dict())
+pipe.train_step(*batch(1))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_killed_before_its_init_state_streamed_resumes_from_init_state(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The script SIGKILLed once its job was set up, before init_state streamed: the
+    stages hold no step of it yet, so a script resumed without init_state is refused,
+    naming it, and one resumed with it streams it, and trains as single-process training
+    from those weights does."""
+    kill_script_at(script(cluster, INIT_SCRIPT), tmp_path / "script.log", os.environ, "set_up")
+    with pipeline(cluster, resume=True) as pipe, pytest.raises(InvalidRequest, match="init_state"):
+        pipe.train_step(*batch(1))
+    model = models.build("mlp", seed=7, **KWARGS)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = make_optimizer("adam", model.parameters(), ADAM)
+    with pipeline(cluster, resume=True, init_state=init) as pipe:
+        losses = [pipe.train_step(*batch(step)) for step in (1, 2, 3)]
+        state = pipe.state_dict()
+    want = [reference_step(model, optimizer, "cross_entropy", *batch(step)) for step in (1, 2, 3)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")

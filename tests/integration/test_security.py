@@ -7,9 +7,11 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -294,6 +296,54 @@ def test_the_bulk_channel_is_mutual_tls_bound_to_the_token_holder(cluster: Local
         assert plain.recv(1) == b""
         raise ConnectionError("closed")
     raw.close()
+
+
+def test_init_state_streams_over_the_mutual_tls_bulk_channel_and_only_from_a_client(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job from init_state on the TLS cluster: each stage's layers stream over its bulk
+    channel (mutual TLS), and training equals LocalPipeline's from those weights bit for
+    bit. A stage's certificate may open a bulk channel but not load into it."""
+    from elasticpipe.client import streaming
+    from elasticpipe.errors import PermissionDenied
+    from elasticpipe.models.contract import build
+    from elasticpipe.transport import bulk, bulk_layers
+
+    streams: list[str] = []
+    send_layers = bulk_layers.send_layers
+
+    def counted(sock: socket.socket, address: str, *args: Any) -> Any:
+        assert isinstance(sock, ssl.SSLSocket)
+        streams.append(address)
+        return send_layers(sock, address, *args)
+
+    monkeypatch.setattr(streaming.bulk_layers, "send_layers", counted)
+    init = build("mlp", seed=4, **KWARGS).state_dict()
+    g = torch.Generator().manual_seed(1)
+    with Lockstep(
+        cluster,
+        model="mlp",
+        model_kwargs=KWARGS,
+        optimizer_kwargs={"lr": 1e-2},
+        stages=3,
+        tls=cluster.client_tls,
+        init_state=init,
+    ) as both:
+        for _ in range(2):
+            both.train_step(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+        both.assert_same_weights()
+    assert len(set(streams)) == 3
+
+    address = cluster.stage_addresses[0]
+    peer = cluster.tls_of("bulk-loader", "stage")
+    assert peer is not None
+    sock = bulk.connect(_stage(address, peer), address, peer, time.monotonic() + 10)
+    first = stage_pb2.RestoreChunk(epoch=1)
+    with pytest.raises(PermissionDenied, match="RestoreLayers"):
+        bulk_layers.send_layers(
+            sock, address, first, [0], lambda layer: None, threading.Event(), time.monotonic() + 10
+        )
+    sock.close()
 
 
 def test_reduction_pieces_are_taken_only_from_stages(cluster: LocalCluster) -> None:

@@ -58,6 +58,7 @@ KEYS: dict[str, set[str]] = {
         "stream_vs_data_path",
         "load_commit_s",
         "first_step_vs_goal",
+        "load_over",
     },
     "gpu.py": {
         "transparent",

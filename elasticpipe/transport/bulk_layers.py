@@ -1,0 +1,188 @@
+"""A load's layers on the bulk channel: sent from their tensors' memory, received straight
+into the layers they become.
+
+``RestoreLayers`` over gRPC costs each byte a copy into its message, gRPC's copies and
+HTTP/2 framing, a protobuf parse and a copy into the layer on the stage, besides the two
+SHA-256s; on 2 cores a GPT-2 small's weights streamed at a quarter of the data path's
+bandwidth. Here the bytes go as the bulk channel's activations do (``bulk``: the same
+``OpenBulk`` token, mutual TLS and limits), and the layer's SHA-256 stays its one
+checksum: the sender computes it while it sends (or reuses a sealed snapshot's), the stage
+while it reads each piece into the layer's own tensor, and a layer is accepted only whole
+and matching it. One stream per owner::
+
+    sender:   u32 length, b"L", u64 count, RestoreChunk (epoch, step, overrides; no chunk)
+    receiver: GO -- or an error frame (not a load of this stage's, or not this caller's)
+    then, count times, one layer:
+    sender:   u32 length, LayerChunk (the layer's header: its state, its tensors' dtypes
+              and shapes)
+    receiver: GO -- or an error frame, and the stream ends (a layer that is not this
+              stage's, sent twice, over the limits, or unlike the layer it would become)
+    sender:   every tensor's bytes, in order, then the layer's SHA-256 (32 bytes)
+    then:
+    receiver: OK, u32 length, RestoreResponse -- or an error frame
+
+An error after a layer's bytes (a SHA-256 mismatch) takes the place of the next ``GO`` or
+of the final ``OK``. The receiver closes the connection after any error in a stream; the
+checks are ``RestoreLayers``' own (``StageServicer.RestoreLayers``), so a layer accepted
+here is staged exactly as one that came over gRPC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+from elasticpipe.errors import ElasticPipeError, InvalidRequest, StageUnavailable
+from elasticpipe.transport.bulk import (
+    ERR,
+    FRAME,
+    GO,
+    OK,
+    U32,
+    NoChannel,
+    read_error,
+    recv_bytes,
+    send_all,
+)
+from elasticpipe.v1 import stage_pb2
+from elasticpipe.wire import codec, layer_state
+
+LAYERS = b"L"  # a frame's kind: a load's layers follow
+PIECE_BYTES = 1 << 20  # sent, received and hashed this many bytes at a time
+DIGEST_BYTES = 32
+MAX_LAYERS = 1 << 20  # layers in one stream
+MAX_HEADER_BYTES = layer_state.MAX_HEADER_BYTES + (1 << 20)  # a layer's header message
+MAX_ANSWER_BYTES = 1 << 20
+
+__all__ = [
+    "DIGEST_BYTES",
+    "LAYERS",
+    "PIECE_BYTES",
+    "header_frame",
+    "parse_first",
+    "parse_layer_header",
+    "read_frame_count",
+    "send_layers",
+]
+
+
+def _expect(sock: socket.socket, want: bytes, address: str, deadline: float) -> None:
+    answer = recv_bytes(sock, 1, deadline)
+    if answer == ERR:
+        raise read_error(sock, address, deadline)
+    if answer != want:
+        raise StageUnavailable(f"unexpected bulk answer {answer!r} from {address}")
+
+
+def send_layers(
+    sock: socket.socket,
+    address: str,
+    first: stage_pb2.RestoreChunk,
+    owned: Sequence[int],
+    read: Callable[[int], layer_state.PackedLayer | None],
+    stop: threading.Event,
+    deadline: float,
+) -> stage_pb2.RestoreResponse | None:
+    """Streams the layers ``owned`` (``read(layer)``) on an open bulk connection.
+
+    Returns:
+        The stage's answer; None when ``stop`` was set or ``read`` gave None first (the
+        stream then ended unfinished: the stage stages nothing more of it).
+
+    Raises:
+        NoChannel: the stage closed the connection before it answered the first frame
+            (nothing was staged: send the load over gRPC).
+
+    Raises:
+        ElasticPipeError: the stage refused the load or a layer (as ``RestoreLayers``
+            would), or the connection broke (``StageUnavailable``).
+        Exception: ``read``'s own.
+    """
+    body = first.SerializeToString()
+    try:
+        send_all(sock, FRAME.pack(len(body), LAYERS, len(owned)) + body, deadline)
+        _expect(sock, GO, address, deadline)
+    except ElasticPipeError:
+        raise  # the stage's refusal (some kinds are OSErrors too)
+    except ConnectionError as exc:  # closed without an answer: a stage without kind L
+        raise NoChannel(f"the stage closed the bulk load unanswered: {exc}") from exc
+    for layer in owned:
+        packed = read(layer)
+        if packed is None or stop.is_set():
+            return None
+        digest = None if packed.sha256 else hashlib.sha256(packed.state)
+        send_all(sock, header_frame(layer, packed), deadline)
+        _expect(sock, GO, address, deadline)
+        for tensor in packed.tensors:
+            raw = layer_state.bytes_of(tensor)
+            for start in range(0, len(raw), PIECE_BYTES):
+                if stop.is_set():
+                    return None
+                piece = raw[start : start + PIECE_BYTES]
+                if digest is not None:
+                    digest.update(piece)
+                send_all(sock, piece, deadline)
+        send_all(sock, packed.sha256 if digest is None else digest.digest(), deadline)
+    _expect(sock, OK, address, deadline)
+    (n,) = U32.unpack(recv_bytes(sock, U32.size, deadline))
+    if n > MAX_ANSWER_BYTES:
+        raise StageUnavailable(f"a bulk load's answer of {n} bytes from {address}")
+    return stage_pb2.RestoreResponse.FromString(recv_bytes(sock, n, deadline))
+
+
+def header_frame(layer: int, packed: layer_state.PackedLayer) -> bytes:
+    """A layer's header as the stream carries it: its length, then the ``LayerChunk``."""
+    body = stage_pb2.LayerChunk(
+        layer=layer,
+        header=stage_pb2.LayerHeader(
+            state=packed.state,
+            tensors=[codec.tensor_meta(t) for t in packed.tensors],
+            unchecked_chunks=True,
+        ),
+    ).SerializeToString()
+    return U32.pack(len(body)) + body
+
+
+def read_frame_count(count: int) -> int:
+    """A stream's announced layer count, bounded.
+
+    Raises:
+        InvalidRequest: more than ``MAX_LAYERS``.
+    """
+    if count > MAX_LAYERS:
+        raise InvalidRequest(f"a bulk load of {count} layers (at most {MAX_LAYERS})")
+    return count
+
+
+def parse_first(body: bytes) -> stage_pb2.RestoreChunk:
+    """A stream's first message: the load's fields, no chunk.
+
+    Raises:
+        InvalidRequest: not a RestoreChunk, or one that carries a chunk.
+    """
+    first = stage_pb2.RestoreChunk()
+    try:
+        first.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError
+        raise InvalidRequest(f"malformed bulk load header ({len(body)} bytes)") from exc
+    if first.HasField("chunk"):
+        raise InvalidRequest("a bulk load's first message must not carry a chunk")
+    return first
+
+
+def parse_layer_header(body: bytes) -> stage_pb2.LayerChunk:
+    """A layer's header message.
+
+    Raises:
+        InvalidRequest: not a LayerChunk with a header.
+    """
+    piece = stage_pb2.LayerChunk()
+    try:
+        piece.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError
+        raise InvalidRequest(f"malformed bulk layer header ({len(body)} bytes)") from exc
+    if not piece.HasField("header") or piece.data or piece.sha256:
+        raise InvalidRequest(f"layer {piece.layer}: a bulk layer header must be a header only")
+    return piece
