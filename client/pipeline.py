@@ -288,7 +288,9 @@ class Pipeline(Steps):
         self._last_step = StepStats()
         self._closed = False
         # Checked now, before anything changes anywhere; streamed at job setup.
-        self._init = None if init_state is None else initial.check(self._job, init_state)
+        # A resumed job has its weights (read only if it still awaits them: ``awaits_weights``)
+        self._init = None if init_state is None or resume else initial.check(self._job, init_state)
+        self._init_source = init_state if resume else None
 
     # ---- lifecycle -------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elasticpipe.client import streaming
+from elasticpipe.client import initial, streaming
 from elasticpipe.client.driver import StageClients
 from elasticpipe.client.initial import InitialWeights
 from elasticpipe.client.repeats import Repeats, Waiting
@@ -120,6 +120,7 @@ class Session:
     _recovery_timeout: float
     _lease_s: float
     _init: InitialWeights | None
+    _init_source: Any  # with ``resume``: the init_state, opened only if the job awaits it
     _last_step: StepStats
     _closed: bool
 
@@ -248,10 +249,13 @@ class Session:
                 self._init.close()
             self._init = None
         elif reply.awaits_weights and self._init is None:
-            raise InvalidRequest(
-                f"job {partition.job_id} still waits for its initial weights: the script "
-                "that set it up died before its init_state streamed; resume with init_state"
-            )
+            if self._init_source is None:
+                raise InvalidRequest(
+                    f"job {partition.job_id} still waits for its initial weights: the "
+                    "script that set it up died before its init_state streamed; resume "
+                    "with init_state"
+                )
+            self._init = initial.check(self._job, self._init_source)
         weights = "resumed" if reply.resumed else "seed"
         if self._init is not None:
             self._apply_init()  # an epoch change of its own: the start's epoch, then this one

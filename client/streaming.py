@@ -201,6 +201,8 @@ def _stream_one(
     load: Load,
     deadline: float,
 ) -> None:
+    """``_owner``'s stream: its failure is recorded in ``streams`` (translated as gRPC's
+    would be, or the reader's own error as itself), not raised."""
     unread: list[BaseException] = []  # reading the state failed: the reader's own error
 
     def read(layer: int) -> layer_state.PackedLayer | None:
