@@ -133,12 +133,6 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a small model, 2 steady steps")
     parser.add_argument("--grpc", action="store_true", help="the load over gRPC, not bulk")
     args = parser.parse_args()
-    if args.grpc:
-
-        def no_channel(*args: Any) -> Any:
-            raise bulk.NoChannel("bench/first_step.py --grpc")
-
-        streaming.bulk.connect = no_channel  # type: ignore[assignment]
     model = QUICK if args.quick else GPT2_SMALL
     steps = 2 if args.quick else args.steps
     stages = 2 if args.quick else STAGES
@@ -146,6 +140,12 @@ def main() -> int:
 
     bandwidth = data_path_gbps(repeats=1 if args.quick else 3, messages=4 if args.quick else 16)
     print(f"data path: {bandwidth:.2f} GB/s (4 MiB activations over the bulk channel)")
+    if args.grpc:  # from now on (the data path above was measured on the bulk channel)
+
+        def no_channel(*args: Any) -> Any:
+            raise bulk.NoChannel("bench/first_step.py --grpc")
+
+        streaming.bulk.connect = no_channel  # type: ignore[assignment]
 
     init = build("gpt", seed=1, **model).state_dict()
     weight_bytes = sum(t.numel() * t.element_size() for t in init.values())

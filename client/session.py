@@ -238,24 +238,17 @@ class Session:
         self._adopt(reply.partition)
         partition = self._partition
         assert partition is not None
+        try:
+            self._choose_weights(reply, partition.job_id)
+        except BaseException:  # refused: the lease goes back, and the next call sets up again
+            self._release_lease()
+            self._stop.clear()
+            self._renew_now.clear()
+            self._partition = None
+            raise
         self._restore_epoch = partition.restore_epoch
         self._renewer = threading.Thread(target=self._renew_loop, name="lease", daemon=True)
         self._renewer.start()
-        if (reply.resumed and not reply.awaits_weights) or self._step:
-            # The running job has its weights already. (One resumed that awaits them was
-            # set up by a script that died before its init_state streamed: this script
-            # streams its own.)
-            if self._init is not None:
-                self._init.close()
-            self._init = None
-        elif reply.awaits_weights and self._init is None:
-            if self._init_source is None:
-                raise InvalidRequest(
-                    f"job {partition.job_id} still waits for its initial weights: the "
-                    "script that set it up died before its init_state streamed; resume "
-                    "with init_state"
-                )
-            self._init = initial.check(self._job, self._init_source)
         weights = "resumed" if reply.resumed else "seed"
         if self._init is not None:
             self._apply_init()  # an epoch change of its own: the start's epoch, then this one
@@ -274,6 +267,27 @@ class Session:
             weights=weights,
         )
         return partition
+
+    def _choose_weights(self, reply: coordinator_pb2.SetupJobResponse, job_id: str) -> None:
+        """Whether this script streams its ``init_state``: for a new job, and for one
+        resumed that still awaits it (the script that set it up died before it streamed);
+        a job that has its weights (a step or a load committed) keeps them.
+
+        Raises:
+            InvalidRequest: the job awaits its initial weights and this script has none
+                (or they do not fit the model).
+        """
+        if (reply.resumed and not reply.awaits_weights) or reply.committed_step:
+            if self._init is not None:
+                self._init.close()
+            self._init = None
+        elif reply.awaits_weights and self._init is None:
+            if self._init_source is None:
+                raise InvalidRequest(
+                    f"job {job_id} still waits for its initial weights: the script that set "
+                    "it up died before its init_state streamed; resume with init_state"
+                )
+            self._init = initial.check(self._job, self._init_source)
 
     def _apply_init(self) -> None:
         """Streams ``init_state`` to the stages (at job setup; again after a failure)."""

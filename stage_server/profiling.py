@@ -218,12 +218,11 @@ def profile_layers(
 
     results: list[LayerTiming] = []
     # Each kind of layer measured, by its key and its input's form: its figures, and
-    # whether its output has its input's form (then a layer alike to it passes its input
-    # on as its output). Only the last layer's output is held besides (``last``), for a
-    # layer alike to it whose output has another form: a layer's output is never kept
-    # beyond the next layer's, whatever the model.
+    # whether its output has its input's form. A layer alike to one that keeps the form
+    # passes its input on as its output (a transformer's blocks); one alike to a layer
+    # that changes it is measured anyway (its output is needed, and no output is kept
+    # beyond the next layer's, whatever the model).
     alike: dict[tuple[Any, ...], tuple[LayerTiming, bool]] = {}
-    last: tuple[tuple[Any, ...], Value] | None = None
     for index in range(len(skeleton)):
         key = (
             alike_key(skeleton[index]),
@@ -231,12 +230,9 @@ def profile_layers(
             index > 0,
             job.recomputes(index),  # (its stash and backward differ)
         )
-        if key in alike:
-            timing, keeps_form = alike[key]
-            if keeps_form or (last is not None and last[0] == key):
-                x = x if keeps_form or last is None else last[1]
-                results.append(dataclasses.replace(timing))
-                continue
+        if key in alike and alike[key][1]:
+            results.append(dataclasses.replace(alike[key][0]))
+            continue
         probe = LayerSlice(job, device, slowdown, allow)
         probe.build(index, index + 1)
         # Autograd saves the weights too: they are state, counted once in state_bytes.
@@ -289,7 +285,6 @@ def profile_layers(
         keeps_form = structure.signature(out) == structure.signature(x)
         x = structure.detached(out)
         alike[key] = (results[-1], keeps_form)
-        last = (key, x)
         del probe, out  # only one layer is ever resident
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -94,8 +94,6 @@ def send_layers(
     Raises:
         NoChannel: the stage closed the connection before it answered the first frame
             (nothing was staged: send the load over gRPC).
-
-    Raises:
         ElasticPipeError: the stage refused the load or a layer (as ``RestoreLayers``
             would), or the connection broke (``StageUnavailable``).
         Exception: ``read``'s own.
