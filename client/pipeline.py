@@ -205,8 +205,7 @@ class Pipeline(Steps):
                 ends the job.
             resume: attach to the running job of this description (after the training
                 script was restarted) instead of starting a new one; ``step`` then says
-                where it is. Its ``init_state`` is loaded only if the job never loaded one
-                (the script that set the job up died before its weights streamed).
+                where it is; its ``init_state`` loads only if the job never loaded one.
             step_timeout: deadline of one step on every stage.
             setup_timeout: how long to wait for stages at job setup.
             rebalance_timeout: how long a step may wait for an epoch change to finish.
@@ -287,8 +286,7 @@ class Pipeline(Steps):
         self._last_reports: list[stage_pb2.StepReport] = []
         self._last_step = StepStats()
         self._closed = False
-        # Checked now, before anything changes anywhere; streamed at job setup.
-        # A resumed job has its weights (read only if it still awaits them: ``awaits_weights``)
+        # Checked now, before anything changes; streamed at setup (resumed: if still awaited)
         self._init = None if init_state is None or resume else initial.check(self._job, init_state)
         self._init_source = init_state if resume else None
 
