@@ -346,6 +346,12 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     it shrinks with a smaller share. Until every replica is measured in this epoch
     (``measured_pipelines``), or without a unit (no profile), the predictions alone: one
     replica corrected beside another not would skew the split.
+
+    A chain's shortfall per slot is the one measured at the largest share it ran since its
+    stages last changed (``Cluster.slot_shortfalls``), or at this epoch's if that share is
+    as large. Measured at a share of 1 (two slots), a slow link's cost came out far below
+    what three micro-batches showed, and the shares went back and forth between (7, 1) and
+    (5, 3) (``tests/integration/test_replica_latency.py``).
     """
     job = cluster.job
     assert job is not None
@@ -360,6 +366,11 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     ):
         stages = chain.num_stages
         per_slot = max(0.0, measured - predicted(share)) / (share + stages - 1)
+        known = cluster.slot_shortfalls.get(chain.stage_ids)
+        if known is None or share >= known[0]:
+            cluster.slot_shortfalls[chain.stage_ids] = (share, per_slot)
+        else:
+            per_slot = known[1]
         out.append(functools.partial(_plus_slots, predicted, per_slot, stages))
     return out
 
