@@ -105,7 +105,9 @@ def test_shares_move_away_from_a_replica_behind_a_slow_link(hosts: Hosts, tmp_pa
     assert resplits and all(r.reason.startswith("auto: shares") for r in resplits), resplits
     moved = next((i for i, s in enumerate(shares) if s[1] <= 2), None)
     assert moved is not None and moved < STEPS // 2, (shares, logs)
-    assert all(s[1] <= 2 for s in shares[moved:]), f"{shares} {[r.reason for r in resplits]}\n{logs}"
+    assert all(s[1] <= 2 for s in shares[moved:]), (
+        f"{shares} {[r.reason for r in resplits]}\n{logs}"
+    )
     assert losses == want
     for name, value in local.state_dict().items():
         assert torch.equal(state[name], value), name
