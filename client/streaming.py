@@ -186,23 +186,9 @@ def _owner(
     load: Load,
     deadline: float,
 ) -> None:
-    """One owner's stream, on its own thread: over the bulk channel, or else gRPC."""
-    try:
-        _stream_one(pool, address, owned, streams, load, deadline)
-    finally:
-        streams.end()
-
-
-def _stream_one(
-    pool: rpc.StagePool,
-    address: str,
-    owned: range,
-    streams: _Streams,
-    load: Load,
-    deadline: float,
-) -> None:
-    """``_owner``'s stream: its failure is recorded in ``streams`` (translated as gRPC's
-    would be, or the reader's own error as itself), not raised."""
+    """One owner's stream, on its own thread: over the bulk channel, or else gRPC. Its
+    failure is recorded in ``streams`` (translated as gRPC's would be, or the reader's own
+    error as itself), not raised; its end, however it ends, too."""
     unread: list[BaseException] = []  # reading the state failed: the reader's own error
 
     def read(layer: int) -> layer_state.PackedLayer | None:
@@ -239,6 +225,8 @@ def _stream_one(
             streams.fail(StageUnavailable(f"streaming the load to {address}: {exc}"))
         else:
             streams.fail(TransferError(f"streaming the load to {address} failed: {exc!r}"))
+    finally:
+        streams.end()
 
 
 def _over_grpc(

@@ -278,14 +278,14 @@ class BulkListener:
         taken: list[int] = []
 
         def read_into(view: memoryview) -> None:
-            bulk.recv_exactly(conn, view, time.monotonic() + READ_TIMEOUT_S)
+            bulk.recv_exactly(conn, view, _read_deadline())
 
         for _ in range(count):
-            (size,) = bulk.U32.unpack(bulk.recv_bytes(conn, bulk.U32.size, _in(READ_TIMEOUT_S)))
+            (size,) = bulk.U32.unpack(bulk.recv_bytes(conn, bulk.U32.size, _read_deadline()))
             try:
                 if size > bulk_layers.MAX_HEADER_BYTES:
                     raise TooLarge(f"a bulk layer header of {size} bytes")
-                head = bulk.recv_bytes(conn, size, _in(READ_TIMEOUT_S))
+                head = bulk.recv_bytes(conn, size, _read_deadline())
                 piece = bulk_layers.parse_layer_header(head)
                 if piece.layer in taken:
                     raise InvalidRequest(f"layer {piece.layer} sent twice")
@@ -297,7 +297,7 @@ class BulkListener:
                 return False
             conn.sendall(bulk.GO)
             opened.fill(read_into)
-            digest = bulk.recv_bytes(conn, bulk_layers.DIGEST_BYTES, _in(READ_TIMEOUT_S))
+            digest = bulk.recv_bytes(conn, bulk_layers.DIGEST_BYTES, _read_deadline())
             try:
                 stage.stage_restored(first.epoch, opened.finish(digest), builder, overrides)
             except ElasticPipeError as exc:
@@ -309,8 +309,9 @@ class BulkListener:
         return True
 
 
-def _in(seconds: float) -> float:
-    return time.monotonic() + seconds
+def _read_deadline() -> float:
+    """When a piece of a bulk load read from now must have arrived."""
+    return time.monotonic() + READ_TIMEOUT_S
 
 
 def listen_host(listen: str) -> str:
