@@ -4,15 +4,15 @@ owner at once, over the bulk channel where the stage has one.
 A load sends every layer to its owner in each replica, one stream per owner, each on a
 thread of its own, so the owners receive, check and build their layers at the same time;
 the source is read one layer at a time under a lock (a file reader need not be
-thread-safe), and the rest of each stream -- the SHA-256, the sending -- overlaps with the
+thread-safe), and the rest of each stream -- the digest, the sending -- overlaps with the
 others'.
 
 A stream goes over the stage's bulk channel (``transport.bulk_layers``): each tensor's
 bytes are sent from its own memory and received straight into the layer they become, and
-the layer's SHA-256 is the one checksum. A stage that offers no bulk channel gets a
+the layer's digest is the one checksum. A stage that offers no bulk channel gets a
 ``RestoreLayers`` gRPC stream instead, each chunk as ``layer_state.encoded_chunks`` writes
 it (the protobuf wire form built straight from the tensor's memory, without per-chunk
-CRC-32s; the trailer's SHA-256 is the checksum there too). On 2 cores, a GPT-2 small's
+CRC-32s; the trailer's digest is the checksum there too). On 2 cores, a GPT-2 small's
 weights streamed to 4 stages at 0.28 GB/s over gRPC (``bench/first_step.py``).
 """
 

@@ -396,7 +396,7 @@ def _sources(
 
 
 def check_divergence(cluster: Cluster) -> bool:
-    """Compares the SHA-256 that every live holder of a layer reports for its own snapshot
+    """Compares the digest (BLAKE3) that every live holder of a layer reports for its own snapshot
     of the same step; holders that differ fail the job with ``ReplicaDivergence``, naming
     the layer, the step and the hosts on each side. Snapshots taken before the job's last
     rollback (its ``restore_epoch``) are of another history and left out.
@@ -416,15 +416,15 @@ def check_divergence(cluster: Cluster) -> bool:
         for held in member.snapshots:
             if held.job_id != job.job_id or held.peer_copy or held.taken_epoch < since:
                 continue
-            if len(held.sha256) != len(held.layers):
+            if len(held.digests) != len(held.layers):
                 continue
-            for layer, digest in zip(held.layers, held.sha256, strict=True):
+            for layer, digest in zip(held.layers, held.digests, strict=True):
                 names = seen.setdefault((held.step, layer), {}).setdefault(digest, [])
                 names.append(member.row.name)
     for (step, layer), by_digest in sorted(seen.items()):
         if len(by_digest) > 1:
             sides = "; ".join(
-                f"{', '.join(names)}: sha256 {digest.hex()[:16]}"
+                f"{', '.join(names)}: blake3 {digest.hex()[:16]}"
                 for digest, names in by_digest.items()
             )
             cluster.fail_job(

@@ -91,7 +91,7 @@ def holdings_to_proto(holdings: list[Holding]) -> list[stage_pb2.SnapshotHolding
             step=h.step,
             layers=list(h.layers),
             peer_copy=h.peer_copy,
-            sha256=list(h.sha256),
+            digests=list(h.digests),
             taken_epoch=h.taken_epoch,
         )
         for h in holdings

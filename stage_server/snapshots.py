@@ -4,9 +4,9 @@ At step 0, every ``snapshot_every`` committed steps and at the first step of eve
 captures the full state of its layers (weights, optimizer state, buffers) at the step
 boundary -- a clone, the only copy made on the training thread, so training goes on at
 once -- and a background thread packs it (splits it for the wire, copying nothing), takes
-each layer's SHA-256 once (kept with the snapshot, and reused by every copy sent of it),
+each layer's digest once (kept with the snapshot, and reused by every copy sent of it),
 and pushes a copy to the next stage of the chain. The push sends each chunk straight from
-the clone's memory, with no per-chunk CRC-32 (the SHA-256 is the one checksum); the next
+the clone's memory, with no per-chunk CRC-32 (the digest is the one checksum); the next
 stage verifies it as the bytes arrive and keeps the verified digest with its copy; a
 restore from a held snapshot checks its bytes against it again. Everything after the
 clone runs at the lowest CPU priority, on both sides (the packing thread, gRPC's thread
@@ -56,7 +56,7 @@ class Holding:
     step: int
     layers: tuple[int, ...]
     peer_copy: bool  # a copy kept for the stage whose snapshot peer this is
-    sha256: tuple[bytes, ...] = ()  # own snapshots: each layer's, in ``layers`` order
+    digests: tuple[bytes, ...] = ()  # own snapshots: each layer's, in ``layers`` order
     taken_epoch: int = 0  # own snapshots: the epoch they were taken in
 
 
@@ -139,7 +139,7 @@ class SnapshotStore:
                     s.step,
                     tuple(sorted(s.blobs)),
                     False,
-                    tuple(s.blobs[i].sha256 for i in sorted(s.blobs)),
+                    tuple(s.blobs[i].digest for i in sorted(s.blobs)),
                     s.epoch,
                 )
                 for s in self._own.values()

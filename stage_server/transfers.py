@@ -1,7 +1,7 @@
 """Layer state between stages: pulling a layer (migration, recovery), pushing a snapshot copy.
 
 Both travel as ``LayerChunk`` streams, tensor by tensor (see ``elasticpipe.wire.layer_state``:
-CRC-32 per chunk, SHA-256 per layer): a puller accepts a layer only whole and intact, so
+CRC-32 per chunk, a BLAKE3 digest per layer): a puller accepts a layer only whole and intact, so
 a transfer cut short or corrupted fails the epoch change that asked for it, which then
 leaves the old epoch in force.
 """
@@ -63,13 +63,13 @@ def pull_layer(
                 raise TransferError(
                     f"{what}: transfer cancelled after {len(chunk.data)} bytes (injected fault)"
                 )
-            if corrupt and (chunk.data or chunk.sha256):  # a layer without tensors: its SHA
+            if corrupt and (chunk.data or chunk.digest):  # a layer without tensors: its digest
                 corrupted = stage_pb2.LayerChunk()
                 corrupted.CopyFrom(chunk)
                 if chunk.data:
                     corrupted.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
                 else:
-                    corrupted.sha256 = bytes([chunk.sha256[0] ^ 0xFF]) + chunk.sha256[1:]
+                    corrupted.digest = bytes([chunk.digest[0] ^ 0xFF]) + chunk.digest[1:]
                 yield corrupted
                 corrupt = False
             else:

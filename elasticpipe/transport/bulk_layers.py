@@ -3,9 +3,9 @@ into the layers they become.
 
 ``RestoreLayers`` over gRPC costs each byte a copy into its message, gRPC's copies and
 HTTP/2 framing, a protobuf parse and a copy into the layer on the stage, besides the two
-SHA-256s; on 2 cores a GPT-2 small's weights streamed at a quarter of the data path's
+digests; on 2 cores a GPT-2 small's weights streamed at a quarter of the data path's
 bandwidth. Here the bytes go as the bulk channel's activations do (``bulk``: the same
-``OpenBulk`` token, mutual TLS and limits), and the layer's SHA-256 stays its one
+``OpenBulk`` token, mutual TLS and limits), and the layer's digest stays its one
 checksum: the sender computes it while it sends (or reuses a sealed snapshot's), the stage
 while it reads each piece into the layer's own tensor, and a layer is accepted only whole
 and matching it. One stream per owner::
@@ -17,11 +17,11 @@ and matching it. One stream per owner::
               and shapes)
     receiver: GO -- or an error frame, and the stream ends (a layer that is not this
               stage's, sent twice, over the limits, or unlike the layer it would become)
-    sender:   every tensor's bytes, in order, then the layer's SHA-256 (32 bytes)
+    sender:   every tensor's bytes, in order, then the layer's digest (32 bytes)
     then:
     receiver: OK, u32 length, RestoreResponse -- or an error frame
 
-An error after a layer's bytes (a SHA-256 mismatch) takes the place of the next ``GO`` or
+An error after a layer's bytes (a digest mismatch) takes the place of the next ``GO`` or
 of the final ``OK``. The receiver closes the connection after any error in a stream; the
 checks are ``RestoreLayers``' own (``StageServicer.RestoreLayers``), so a layer accepted
 here is staged exactly as one that came over gRPC.
@@ -29,7 +29,6 @@ here is staged exactly as one that came over gRPC.
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -110,7 +109,7 @@ def send_layers(
         packed = read(layer)
         if packed is None or stop.is_set():
             return None
-        digest = None if packed.sha256 else hashlib.sha256(packed.state)
+        hasher = None if packed.digest else layer_state.new_hasher(packed.state)
         send_all(sock, header_frame(layer, packed), deadline)
         _expect(sock, GO, address, deadline)
         for tensor in packed.tensors:
@@ -119,10 +118,10 @@ def send_layers(
                 if stop.is_set():
                     return None
                 piece = raw[start : start + PIECE_BYTES]
-                if digest is not None:
-                    digest.update(piece)
+                if hasher is not None:
+                    hasher.update(piece)
                 send_all(sock, piece, deadline)
-        send_all(sock, packed.sha256 if digest is None else digest.digest(), deadline)
+        send_all(sock, packed.digest if hasher is None else hasher.digest(), deadline)
     _expect(sock, OK, address, deadline)
     (n,) = U32.unpack(recv_bytes(sock, U32.size, deadline))
     if n > MAX_ANSWER_BYTES:
@@ -181,6 +180,6 @@ def parse_layer_header(body: bytes) -> stage_pb2.LayerChunk:
         piece.ParseFromString(body)
     except Exception as exc:  # protobuf's DecodeError
         raise InvalidRequest(f"malformed bulk layer header ({len(body)} bytes)") from exc
-    if not piece.HasField("header") or piece.data or piece.sha256:
+    if not piece.HasField("header") or piece.data or piece.digest:
         raise InvalidRequest(f"layer {piece.layer}: a bulk layer header must be a header only")
     return piece

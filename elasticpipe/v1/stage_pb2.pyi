@@ -1278,8 +1278,8 @@ class LayerChunk(_message.Message):
     tensor's dtype, shape and size, so a receiver checks them all against its limits and
     the layer's expected layout before it allocates. Then each tensor's bytes follow in
     order, in chunks of ``tensor``/``offset``/``data`` with a CRC-32 each, written straight
-    into the tensor's preallocated memory. The last message carries only ``sha256``: of the
-    header's ``state`` and every tensor's bytes, in order.
+    into the tensor's preallocated memory. The last message carries only ``digest``: the
+    BLAKE3 (256 bits) of the header's ``state`` and every tensor's bytes, in order.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1290,7 +1290,7 @@ class LayerChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CRC32_FIELD_NUMBER: _builtins.int
-    SHA256_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
     tensor: _builtins.int
     """which tensor this chunk belongs to (its index)"""
@@ -1299,8 +1299,8 @@ class LayerChunk(_message.Message):
     data: _builtins.bytes
     crc32: _builtins.int
     """of this chunk's data"""
-    sha256: _builtins.bytes
-    """a layer's last message only"""
+    digest: _builtins.bytes
+    """a layer's last message only (BLAKE3)"""
     @_builtins.property
     def header(self) -> Global___LayerHeader:
         """a layer's first message only"""
@@ -1314,11 +1314,11 @@ class LayerChunk(_message.Message):
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
         crc32: _builtins.int = ...,
-        sha256: _builtins.bytes = ...,
+        digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "header", b"header", "layer", b"layer", "offset", b"offset", "sha256", b"sha256", "tensor", b"tensor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "digest", b"digest", "header", b"header", "layer", b"layer", "offset", b"offset", "tensor", b"tensor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1334,7 +1334,7 @@ class LayerHeader(_message.Message):
     state: _builtins.bytes
     """msgpack: the state, tensors as references"""
     unchecked_chunks: _builtins.bool
-    """chunks carry no CRC-32: the trailer's SHA-256 is the"""
+    """chunks carry no CRC-32: the trailer's digest is the"""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorMeta]:
         """dtype, shape and size of each tensor, in order"""
@@ -1460,7 +1460,7 @@ class SnapshotHolding(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     PEER_COPY_FIELD_NUMBER: _builtins.int
-    SHA256_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
     TAKEN_EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     step: _builtins.int
@@ -1471,9 +1471,9 @@ class SnapshotHolding(_message.Message):
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
-    def sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """Own snapshots of a stage of several replicas: each layer's SHA-256 (in ``layers``
-        order), which the coordinator compares across the replicas holding the layer.
+    def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Own snapshots of a stage of several replicas: each layer's digest (BLAKE3, in
+        ``layers`` order), which the coordinator compares across the replicas holding the layer.
         """
 
     def __init__(
@@ -1483,12 +1483,12 @@ class SnapshotHolding(_message.Message):
         step: _builtins.int = ...,
         layers: _abc.Iterable[_builtins.int] | None = ...,
         peer_copy: _builtins.bool = ...,
-        sha256: _abc.Iterable[_builtins.bytes] | None = ...,
+        digests: _abc.Iterable[_builtins.bytes] | None = ...,
         taken_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "layers", b"layers", "peer_copy", b"peer_copy", "sha256", b"sha256", "step", b"step", "taken_epoch", b"taken_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digests", b"digests", "job_id", b"job_id", "layers", b"layers", "peer_copy", b"peer_copy", "step", b"step", "taken_epoch", b"taken_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

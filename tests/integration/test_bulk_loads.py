@@ -114,7 +114,7 @@ def test_a_bulk_load_is_refused_as_restore_layers_is_and_the_stage_survives(
     stage: StageServer,
 ) -> None:
     """No load under way, a malformed first message, too many layers, a layer the stage
-    does not own, one unlike the stage's layer, one sent twice and one whose SHA-256 does
+    does not own, one unlike the stage's layer, one sent twice and one whose digest does
     not match: each is refused with ``RestoreLayers``' error and ends its stream; an
     honest stream then stages its layer, and the stage answers as before."""
     stub = _stub(stage)
@@ -151,9 +151,9 @@ def test_a_bulk_load_is_refused_as_restore_layers_is_and_the_stage_survives(
     assert _begin(sock, EPOCH + 1, 1) == bulk.GO
     sock.sendall(bulk_layers.header_frame(1, relu))
     assert sock.recv(1) == bulk.GO
-    sock.sendall(bytes(bulk_layers.DIGEST_BYTES))  # not the layer's SHA-256
+    sock.sendall(bytes(bulk_layers.DIGEST_BYTES))  # not the layer's digest
     assert sock.recv(1) == bulk.ERR
-    _refused(sock, TransferError, "SHA-256 mismatch")
+    _refused(sock, TransferError, "digest mismatch")
 
     sock = _open(stub)
     first = stage_pb2.RestoreChunk(epoch=EPOCH + 1)

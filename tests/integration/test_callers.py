@@ -5,7 +5,6 @@ over a name held by an individual one. Real coordinator and stage processes."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -84,8 +83,8 @@ def _pieces(
         stage_pb2.LayerChunk(layer=layer, tensor=0, data=data, crc32=zlib.crc32(data)),
     ]
     if last:
-        digest = hashlib.sha256(state + data).digest()
-        pieces.append(stage_pb2.LayerChunk(layer=layer, sha256=digest))
+        digest = layer_state.new_hasher(state + data).digest()
+        pieces.append(stage_pb2.LayerChunk(layer=layer, digest=digest))
     return pieces
 
 

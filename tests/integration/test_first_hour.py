@@ -444,7 +444,7 @@ def test_status_history_explains_every_epoch_and_forget_removes_the_dead(
                 stage_pb2.FaultRequest(fault=stage_pb2.CORRUPT_NEXT_IMPORT), timeout=10
             )
         failed = cli.admin(cluster, "set-partition", f"{lo}:{target},{target}:{hi}", after=True)
-        checksum = "CRC-32" in failed.stderr or "SHA-256 mismatch" in failed.stderr
+        checksum = "CRC-32" in failed.stderr or "digest mismatch" in failed.stderr
         assert failed.returncode != 0 and checksum, failed.stderr
         abandoned = cluster.status().history[-1]
         assert abandoned.kind == "abandoned" and "move abandoned" in abandoned.reason

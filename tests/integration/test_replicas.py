@@ -359,7 +359,7 @@ def test_spares_form_a_new_replica_when_the_planner_predicts_a_gain() -> None:
 def test_holders_that_differ_at_a_snapshot_stop_the_job_with_replica_divergence(
     cluster: LocalCluster,
 ) -> None:
-    """Every snapshot step, the holders of each layer compare its SHA-256. A layer that
+    """Every snapshot step, the holders of each layer compare its digest. A layer that
     keeps state outside its gradients (a running sum of its inputs, which each replica
     takes of its own micro-batches) makes them differ: the job stops with
     ReplicaDivergence naming the layer and both sides. An exact job at the same snapshot
@@ -378,4 +378,4 @@ def test_holders_that_differ_at_a_snapshot_stop_the_job_with_replica_divergence(
         for step in range(40):
             pipe.train_step(*batch(step))
             time.sleep(0.1)
-    assert err.value.__class__ is ReplicaDivergence and "sha256" in str(err.value)
+    assert err.value.__class__ is ReplicaDivergence and "blake3" in str(err.value)

@@ -1,4 +1,4 @@
-"""A snapshot copy over real gRPC: pushed with its kept SHA-256 and no chunk CRCs, received
+"""A snapshot copy over real gRPC: pushed with its kept digest and no chunk CRCs, received
 on a low-priority thread, kept exact; a copy whose bytes changed on the way is refused."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_a_pushed_copy_arrives_exact_with_its_digest_at_low_priority(
     assert sorted(keeper.kept) == [4, 5]
     for layer, packed in layers:
         got = keeper.kept[layer]
-        assert got.sha256 == packed.sha256 == got.digest()
+        assert got.digest == packed.digest == got.computed_digest()
         assert all(torch.equal(a, b) for a, b in zip(got.tensors, packed.tensors, strict=True))
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert mine == os.getpriority(os.PRIO_PROCESS, 0)  # the caller's is left as it was
@@ -90,10 +90,10 @@ def test_a_copy_whose_bytes_changed_after_sealing_is_refused(
     pushing: tuple[Keeper, Callable[[list[tuple[int, PackedLayer]]], None]],
 ) -> None:
     """The held clone changed after its digest was taken (or on the way): the receiver's
-    SHA-256 check fails the push, and nothing is kept."""
+    digest check fails the push, and nothing is kept."""
     keeper, push = pushing
     layers = _layers()
     layers[1][1].tensors[1][7] += 1.0
-    with pytest.raises(TransferError, match="layer 5: SHA-256 mismatch"):
+    with pytest.raises(TransferError, match="layer 5: digest mismatch"):
         push(layers)
     assert keeper.kept == {}

@@ -112,23 +112,23 @@ def test_a_held_snapshot_is_copied_into_a_new_layer_and_stays_intact() -> None:
 
 
 def test_a_sealed_layer_is_sent_with_its_kept_digest_and_no_chunk_crcs() -> None:
-    """A snapshot copy: the SHA-256 taken once at sealing is the trailer's (not computed
-    again), the chunks carry no CRC-32, and the receiver verifies the SHA-256 and keeps it
+    """A snapshot copy: the digest taken once at sealing is the trailer's (not computed
+    again), the chunks carry no CRC-32, and the receiver verifies the digest and keeps it
     with its copy."""
     sealed = layer_state.seal(pack(_adam_state(nn.Linear(6, 4))))
-    assert sealed.sha256 == sealed.digest() and layer_state.seal(sealed) is sealed
+    assert sealed.digest == sealed.computed_digest() and layer_state.seal(sealed) is sealed
     msgs = list(layer_state.messages(3, sealed, 16, checked_chunks=False))
     assert msgs[0].header.unchecked_chunks
-    assert all(m.crc32 == 0 for m in msgs if m.data) and msgs[-1].sha256 == sealed.sha256
+    assert all(m.crc32 == 0 for m in msgs if m.data) and msgs[-1].digest == sealed.digest
     (got,) = _receive(msgs)
-    assert _same(got.packed.unpack(), sealed.unpack()) and got.packed.sha256 == sealed.sha256
+    assert _same(got.packed.unpack(), sealed.unpack()) and got.packed.digest == sealed.digest
     # The kept digest is what is sent: a wrong one is caught by the receiver.
     wrong = layer_state.PackedLayer(sealed.state, sealed.tensors, b"\0" * 32)
-    with pytest.raises(TransferError, match="SHA-256 mismatch"):
+    with pytest.raises(TransferError, match="digest mismatch"):
         _receive(list(layer_state.messages(3, wrong, 16, checked_chunks=False)))
     # Into a module's own memory (which trains on), the digest is not kept.
     (into,) = _receive(list(layer_state.messages(3, sealed, 16)), IntoModule(nn.Linear(6, 4), "l"))
-    assert into.packed.sha256 == b""
+    assert into.packed.digest == b""
 
 
 @pytest.mark.parametrize("chunk", [1, 100, 20000, 1 << 20])
@@ -142,10 +142,10 @@ def test_pre_encoded_chunks_are_the_messages_in_wire_form(chunk: int) -> None:
     expected = list(layer_state.messages(300, sealed, chunk, checked_chunks=False))
     assert [stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded] == expected
     (got,) = _receive([stage_pb2.SnapshotChunk.FromString(b).chunk for b in encoded])
-    assert _same(got.packed.unpack(), state) and got.packed.sha256 == sealed.sha256
+    assert _same(got.packed.unpack(), state) and got.packed.digest == sealed.digest
 
 
-def test_a_corrupted_chunk_without_crc_fails_the_layers_sha256() -> None:
+def test_a_corrupted_chunk_without_crc_fails_the_layers_digest() -> None:
     """With no CRC-32 per chunk, one flipped bit anywhere still refuses the layer."""
     sealed = layer_state.seal(pack({"w": torch.arange(64.0), "v": torch.ones(3)}))
     msgs = list(layer_state.messages(0, sealed, 32, checked_chunks=False))
@@ -153,7 +153,7 @@ def test_a_corrupted_chunk_without_crc_fails_the_layers_sha256() -> None:
         corrupt = stage_pb2.LayerChunk()
         corrupt.CopyFrom(msgs[n])
         corrupt.data = corrupt.data[:-1] + bytes([corrupt.data[-1] ^ 0x10])
-        with pytest.raises(TransferError, match="SHA-256 mismatch"):
+        with pytest.raises(TransferError, match="digest mismatch"):
             _receive([*msgs[:n], corrupt, *msgs[n + 1 :]])
 
 
@@ -218,17 +218,17 @@ def test_a_wrong_declared_shape_for_the_layer_is_refused_before_allocation() -> 
 
 
 def test_corrupt_reordered_or_truncated_streams_are_transfer_errors() -> None:
-    """A chunk failing its CRC, out of order, a bad SHA-256, a truncated stream, a chunk
+    """A chunk failing its CRC, out of order, a bad digest, a truncated stream, a chunk
     before its header, and a layer sent twice are all refused."""
     msgs = list(layer_state.messages(0, pack({"w": torch.arange(64.0)}), 32))
     corrupt = stage_pb2.LayerChunk()
     corrupt.CopyFrom(msgs[2])
     corrupt.data = bytes([corrupt.data[0] ^ 1]) + corrupt.data[1:]
-    bad_sha = stage_pb2.LayerChunk(layer=0, sha256=b"\0" * 32)
+    bad_digest = stage_pb2.LayerChunk(layer=0, digest=b"\0" * 32)
     for stream, match in [
         ([*msgs[:2], corrupt, *msgs[3:]], "CRC-32"),
         ([msgs[0], msgs[2], msgs[1], *msgs[3:]], "out of place"),
-        ([*msgs[:-1], bad_sha], "SHA-256 mismatch"),
+        ([*msgs[:-1], bad_digest], "digest mismatch"),
         (msgs[:-1], "stream ended inside layer 0"),
         ([*msgs[:3], msgs[-1]], "transfer stopped"),
         (msgs[1:], "before its header"),

@@ -29,7 +29,7 @@ def _sealed(state: bytes) -> PackedLayer:
 
 def test_the_last_two_complete_snapshots_are_kept() -> None:
     """A third complete snapshot drops the oldest; copies are kept per source the same way.
-    Own snapshots carry each layer's SHA-256 (compared across replicas), copies none."""
+    Own snapshots carry each layer's digest (compared across replicas), copies none."""
     store = SnapshotStore(keep=2)
     for step in (10, 20, 30):
         assert store.add_own("j", step, {0: _sealed(b"own%d" % step)}, store.generation)
@@ -39,7 +39,7 @@ def test_the_last_two_complete_snapshots_are_kept() -> None:
     assert own30 is not None and own30.state == b"own30"
     assert copy20 is not None and copy20.state == b"copy20"
     assert store.get("other-job", 30, 0) is None
-    digest = {step: _sealed(b"own%d" % step).sha256 for step in (20, 30)}
+    digest = {step: _sealed(b"own%d" % step).digest for step in (20, 30)}
     assert sorted(store.holdings(), key=lambda h: (h.peer_copy, h.step)) == [
         Holding("j", 20, (0,), False, (digest[20],)),
         Holding("j", 30, (0,), False, (digest[30],)),
