@@ -22,8 +22,8 @@ budget=${GPU_CHECK_BUDGET_S:-570}
 deadline=$((SECONDS + budget))
 left() { echo $((deadline - SECONDS > 10 ? deadline - SECONDS : 10)); }
 sees_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
-needs=(grpc grpc_health grpc_status grpc_reflection cryptography google.protobuf msgpack safetensors
-       numpy structlog prometheus_client rich matplotlib pytest pytest_timeout hypothesis)
+needs=(grpc grpc_health grpc_status grpc_reflection cryptography google.protobuf msgpack blake3
+       safetensors numpy structlog prometheus_client rich matplotlib pytest pytest_timeout hypothesis)
 has_deps() { "$1" -c "import $(IFS=,; echo "${needs[*]}")" 2>/dev/null; }
 
 dry=${GPU_CHECK_DRY_RUN:-}  # 1: check this script on a CPU machine (GPU_PYTHON required)
@@ -59,7 +59,7 @@ if ! has_deps "$py"; then
     echo "gpu-check: installing the runtime and test dependencies next to $py's torch"
     "$py" -m pip install -q "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" \
         "grpcio-status>=1.85.1" "grpcio-reflection>=1.85.1" "cryptography>=42" \
-        "protobuf>=6.31,<8" "msgpack>=1.0" "safetensors>=0.4" "numpy>=1.24" "structlog>=24.1" \
+        "protobuf>=6.31,<8" "msgpack>=1.0" "blake3>=1.0" "safetensors>=0.4" "numpy>=1.24" "structlog>=24.1" \
         "prometheus-client>=0.20" "rich>=13" "matplotlib>=3.7" "pytest>=8" "pytest-timeout>=2.3" \
         "hypothesis>=6.100" \
         || exit 1

@@ -4,12 +4,14 @@ messages serialized as gRPC does) and of the peer (parse, check, copy into its c
 
 Two ways alternate round by round in one run, on the same clones:
 
-* ``crc+sha`` (the earlier push): a layer's SHA-256 and every chunk's CRC-32 computed as it
+* ``crc+digest`` (the earlier push): a layer's digest and every chunk's CRC-32 computed as it
   is sent, each ``LayerChunk`` built then copied into its ``SnapshotChunk``; the peer checks
   both;
-* ``sha-once`` (now): the SHA-256 taken once when packing (kept with the snapshot), chunks
+* ``digest-once`` (now): the digest taken once when packing (kept with the snapshot), chunks
   without CRC-32 copied once, from the clone straight into their wire form; the peer
-  checks the SHA-256 alone.
+  checks the digest alone.
+
+The digest is BLAKE3 in both (``layer_state.new_hasher``; SHA-256 before it).
 
 Prints the best-of-rounds thread CPU of each piece (ms) and one JSON line.
 
@@ -69,7 +71,7 @@ def stream(way: str, blobs: dict[int, PackedLayer]) -> Iterator[bytes]:
     """The push's requests in wire form (as gRPC sends them)."""
     yield stage_pb2.SnapshotChunk(job_id="j", step=10, source="s").SerializeToString()
     for layer, packed in blobs.items():
-        if way == "crc+sha":
+        if way == "crc+digest":
             for chunk in layer_state.messages(layer, packed, CHUNK):
                 yield stage_pb2.SnapshotChunk(chunk=chunk).SerializeToString()
         else:
@@ -78,7 +80,7 @@ def stream(way: str, blobs: dict[int, PackedLayer]) -> Iterator[bytes]:
 
 def one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
     clones, clone_ms = timed(lambda: {i: tensors_cloned(s) for i, s in states.items()})
-    if way == "crc+sha":
+    if way == "crc+digest":
         blobs, pack_ms = timed(lambda: {i: layer_state.pack(s) for i, s in clones.items()})
     else:
         blobs, pack_ms = timed(
@@ -111,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.sizes = 1, "1"
-    ways = ["crc+sha", "sha-once"]
+    ways = ["crc+digest", "digest-once"]
     result: dict[str, Any] = {}
     for mib in (int(s) for s in args.sizes.split(",")):
         states = layer_set(mib)
@@ -121,9 +123,9 @@ def main() -> None:
                 for piece, ms in one(way, states).items():
                     best[way][piece] = min(ms, best[way].get(piece, float("inf")))
         print(f"{mib} MiB in {LAYERS} layers, best of {args.rounds} rounds, thread CPU ms:")
-        print(f"  {'piece':18}" + "".join(f"{w:>10}" for w in ways))
+        print(f"  {'piece':18}" + "".join(f"{w:>13}" for w in ways))
         for piece in best[ways[0]]:
-            print(f"  {piece:18}" + "".join(f"{best[w][piece]:10.1f}" for w in ways))
+            print(f"  {piece:18}" + "".join(f"{best[w][piece]:13.1f}" for w in ways))
         for way in ways:
             for piece in ("owner_background", "receive", "total"):
                 result[f"{way}_{mib}mib_{piece}_ms"] = round(best[way][piece], 2)
