@@ -2,16 +2,19 @@
 on the training thread, then the background work of the owner (pack, checksums, the push's
 messages serialized as gRPC does) and of the peer (parse, check, copy into its copy).
 
-Two ways alternate round by round in one run, on the same clones:
+Three ways alternate round by round in one run, on the same clones:
 
 * ``crc+digest`` (the earlier push): a layer's digest and every chunk's CRC-32 computed as it
   is sent, each ``LayerChunk`` built then copied into its ``SnapshotChunk``; the peer checks
   both;
 * ``digest-once`` (now): the digest taken once when packing (kept with the snapshot), chunks
   without CRC-32 copied once, from the clone straight into their wire form; the peer
-  checks the digest alone.
+  checks the digest alone;
+* ``sha-256-once``: the same as ``digest-once`` with SHA-256 as the digest, as it was before
+  BLAKE3 (``layer_state.new_hasher`` swapped for the run of this way only): the digest's
+  share, measured beside it.
 
-The digest is BLAKE3 in both (``layer_state.new_hasher``; SHA-256 before it).
+The digest is BLAKE3 in the first two (``layer_state.new_hasher``).
 
 Prints the best-of-rounds thread CPU of each piece (ms) and one JSON line.
 
@@ -23,6 +26,8 @@ Prints the best-of-rounds thread CPU of each piece (ms) and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import sys
 import time
@@ -78,7 +83,26 @@ def stream(way: str, blobs: dict[int, PackedLayer]) -> Iterator[bytes]:
             yield from layer_state.encoded_chunks(layer, packed, CHUNK, transfers._CHUNK_FIELD)
 
 
+@contextlib.contextmanager
+def digest_of(way: str) -> Iterator[None]:
+    """SHA-256 as the layer digest while ``way`` is ``sha-256-once``; BLAKE3 otherwise."""
+    if way != "sha-256-once":
+        yield
+        return
+    blake3 = layer_state.new_hasher
+    layer_state.new_hasher = hashlib.sha256  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        layer_state.new_hasher = blake3
+
+
 def one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
+    with digest_of(way):
+        return _one(way, states)
+
+
+def _one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
     clones, clone_ms = timed(lambda: {i: tensors_cloned(s) for i, s in states.items()})
     if way == "crc+digest":
         blobs, pack_ms = timed(lambda: {i: layer_state.pack(s) for i, s in clones.items()})
@@ -113,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.sizes = 1, "1"
-    ways = ["crc+digest", "digest-once"]
+    ways = ["crc+digest", "digest-once", "sha-256-once"]
     result: dict[str, Any] = {}
     for mib in (int(s) for s in args.sizes.split(",")):
         states = layer_set(mib)
@@ -129,6 +153,9 @@ def main() -> None:
         for way in ways:
             for piece in ("owner_background", "receive", "total"):
                 result[f"{way}_{mib}mib_{piece}_ms"] = round(best[way][piece], 2)
+        blake3, sha256 = best["digest-once"]["total"], best["sha-256-once"]["total"]
+        result[f"blake3_vs_sha256_{mib}mib_total"] = round(blake3 / sha256, 3) if sha256 else 0.0
+        print(f"  BLAKE3 over SHA-256, all pieces: {result[f'blake3_vs_sha256_{mib}mib_total']}")
     print(json.dumps(result))
 
 

@@ -96,7 +96,12 @@ KEYS: dict[str, set[str]] = {
         "overhead_ms_per_step",
     },
     "scale.py": {"max_stages", "plan_ms", "migration_s", "step_fanout_s", "exponents", "sizes"},
-    "snapshot_cost.py": {"crc+digest_1mib_total_ms", "digest-once_1mib_total_ms"},
+    "snapshot_cost.py": {
+        "crc+digest_1mib_total_ms",
+        "digest-once_1mib_total_ms",
+        "sha-256-once_1mib_total_ms",
+        "blake3_vs_sha256_1mib_total",
+    },
     "replicas.py": {
         "speedup_best",
         "auto_vs_best",
