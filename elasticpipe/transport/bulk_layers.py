@@ -10,7 +10,7 @@ checksum: the sender computes it while it sends (or reuses a sealed snapshot's),
 while it reads each piece into the layer's own tensor, and a layer is accepted only whole
 and matching it. One stream per owner::
 
-    sender:   u32 length, b"L", u64 count, RestoreChunk (epoch, step, overrides; no chunk)
+    sender:   u32 length, b"B", u64 count, RestoreChunk (epoch, step, overrides; no chunk)
     receiver: GO -- or an error frame (not a load of this stage's, or not this caller's)
     then, count times, one layer:
     sender:   u32 length, LayerChunk (the layer's header: its state, its tensors' dtypes
@@ -48,7 +48,9 @@ from elasticpipe.transport.bulk import (
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import codec, layer_state
 
-LAYERS = b"L"  # a frame's kind: a load's layers follow
+LAYERS = b"B"  # a frame's kind: a load's layers follow, each with its BLAKE3 digest
+# (earlier releases sent kind "L", with SHA-256: a stage of either closes on the other's kind,
+# and the load goes over gRPC, where the digest's field number differs too)
 PIECE_BYTES = 1 << 20  # sent, received and hashed this many bytes at a time
 DIGEST_BYTES = 32
 MAX_LAYERS = 1 << 20  # layers in one stream
@@ -103,7 +105,7 @@ def send_layers(
         _expect(sock, GO, address, deadline)
     except ElasticPipeError:
         raise  # the stage's refusal (some kinds are OSErrors too)
-    except ConnectionError as exc:  # closed without an answer: a stage without kind L
+    except ConnectionError as exc:  # closed without an answer: a stage without kind B
         raise NoChannel(f"the stage closed the bulk load unanswered: {exc}") from exc
     for layer in owned:
         packed = read(layer)

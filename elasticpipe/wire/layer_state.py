@@ -507,6 +507,11 @@ def receive(
             done.add(piece.layer)
             yield current.finish(piece.digest)
             current = None
+        elif not piece.data and current.current >= len(current.sizes):
+            raise TransferError(
+                f"{current.what}: a trailer without its digest (a sender of an earlier "
+                "release, whose digest was SHA-256 in a field since retired?)"
+            )
         else:
             current.add(piece)
     if current is not None:

@@ -115,8 +115,9 @@ def test_a_bulk_load_is_refused_as_restore_layers_is_and_the_stage_survives(
 ) -> None:
     """No load under way, a malformed first message, too many layers, a layer the stage
     does not own, one unlike the stage's layer, one sent twice and one whose digest does
-    not match: each is refused with ``RestoreLayers``' error and ends its stream; an
-    honest stream then stages its layer, and the stage answers as before."""
+    not match: each is refused with ``RestoreLayers``' error and ends its stream; a
+    stream of an earlier release's kind is closed unanswered; an honest stream then stages
+    its layer, and the stage answers as before."""
     stub = _stub(stage)
     relu = layer_state.pack({"index": 1, "model": {}})
 
@@ -154,6 +155,16 @@ def test_a_bulk_load_is_refused_as_restore_layers_is_and_the_stage_survives(
     sock.sendall(bytes(bulk_layers.DIGEST_BYTES))  # not the layer's digest
     assert sock.recv(1) == bulk.ERR
     _refused(sock, TransferError, "digest mismatch")
+
+    sock = _open(stub)  # an earlier release's load (kind L, SHA-256): closed unanswered
+    body = stage_pb2.RestoreChunk(epoch=EPOCH + 1).SerializeToString()
+    sock.sendall(bulk.FRAME.pack(len(body), b"L", 1) + body)
+    try:  # so that sender falls back to gRPC (``NoChannel``, a ConnectionError caught)
+        closed = sock.recv(1) == b""
+    except ConnectionResetError:
+        closed = True  # closed with the frame's body unread: a reset
+    assert closed
+    sock.close()
 
     sock = _open(stub)
     first = stage_pb2.RestoreChunk(epoch=EPOCH + 1)

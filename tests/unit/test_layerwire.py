@@ -218,14 +218,20 @@ def test_a_wrong_declared_shape_for_the_layer_is_refused_before_allocation() -> 
 
 
 def test_corrupt_reordered_or_truncated_streams_are_transfer_errors() -> None:
-    """A chunk failing its CRC, out of order, a bad digest, a truncated stream, a chunk
-    before its header, and a layer sent twice are all refused."""
+    """A chunk failing its CRC, out of order, a bad digest, an earlier release's trailer (its
+    digest in a retired field), a truncated stream, a chunk before its header, and a layer
+    sent twice are all refused."""
     msgs = list(layer_state.messages(0, pack({"w": torch.arange(64.0)}), 32))
     corrupt = stage_pb2.LayerChunk()
     corrupt.CopyFrom(msgs[2])
     corrupt.data = bytes([corrupt.data[0] ^ 1]) + corrupt.data[1:]
     bad_digest = stage_pb2.LayerChunk(layer=0, digest=b"\0" * 32)
+    # an earlier release's trailer: its SHA-256 in field 12, since retired (tag 12 << 3 | 2)
+    earlier = stage_pb2.LayerChunk.FromString(
+        stage_pb2.LayerChunk(layer=0).SerializeToString() + bytes([0x62, 32]) + b"\1" * 32
+    )
     for stream, match in [
+        ([*msgs[:-1], earlier], "a trailer without its digest"),
         ([*msgs[:2], corrupt, *msgs[3:]], "CRC-32"),
         ([msgs[0], msgs[2], msgs[1], *msgs[3:]], "out of place"),
         ([*msgs[:-1], bad_digest], "digest mismatch"),
