@@ -98,11 +98,6 @@ def digest_of(way: str) -> Iterator[None]:
 
 
 def one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
-    with digest_of(way):
-        return _one(way, states)
-
-
-def _one(way: str, states: dict[int, dict[str, Any]]) -> dict[str, float]:
     clones, clone_ms = timed(lambda: {i: tensors_cloned(s) for i, s in states.items()})
     if way == "crc+digest":
         blobs, pack_ms = timed(lambda: {i: layer_state.pack(s) for i, s in clones.items()})
@@ -144,7 +139,9 @@ def main() -> None:
         best: dict[str, dict[str, float]] = {w: {} for w in ways}
         for r in range(args.rounds):
             for way in ways if r % 2 == 0 else ways[::-1]:
-                for piece, ms in one(way, states).items():
+                with digest_of(way):
+                    pieces = one(way, states)
+                for piece, ms in pieces.items():
                     best[way][piece] = min(ms, best[way].get(piece, float("inf")))
         print(f"{mib} MiB in {LAYERS} layers, best of {args.rounds} rounds, thread CPU ms:")
         print(f"  {'piece':18}" + "".join(f"{w:>13}" for w in ways))

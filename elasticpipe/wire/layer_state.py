@@ -394,8 +394,9 @@ class _Open:
             self.current, self.filled = self.current + 1, 0
 
     def add(self, chunk: stage_pb2.LayerChunk) -> None:
-        """Writes one chunk into its tensor; raises TransferError if it is out of place,
-        too long or fails its CRC-32."""
+        """Writes one chunk into its tensor; raises TransferError if it is out of place
+        (an empty one where the trailer belongs: a trailer without its digest), too long or
+        fails its CRC-32."""
         data = chunk.data
         if (
             chunk.tensor != self.current
@@ -404,6 +405,11 @@ class _Open:
             or self.filled + len(data) > self.sizes[self.current]
             or not data
         ):
+            if self.current >= len(self.sizes) and not data:
+                raise TransferError(
+                    f"{self.what}: a trailer without its digest (a sender of an earlier "
+                    "release, whose digest was SHA-256 in a field since retired?)"
+                )
             expected = (
                 f"tensor {self.current} at offset {self.filled}"
                 if self.current < len(self.sizes)
@@ -507,11 +513,6 @@ def receive(
             done.add(piece.layer)
             yield current.finish(piece.digest)
             current = None
-        elif not piece.data and current.current >= len(current.sizes):
-            raise TransferError(
-                f"{current.what}: a trailer without its digest (a sender of an earlier "
-                "release, whose digest was SHA-256 in a field since retired?)"
-            )
         else:
             current.add(piece)
     if current is not None:
