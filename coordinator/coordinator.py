@@ -18,6 +18,7 @@ from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.jobs import Jobs
 from elasticpipe.coordinator.membership import Heard, Member, Membership, Probe, holder_alive
+from elasticpipe.coordinator.planning import estimates
 from elasticpipe.coordinator.planning.estimates import Timing
 from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer, run_loop
 from elasticpipe.coordinator.recovery import Recovery
@@ -292,15 +293,23 @@ class Coordinator:
 
         Sent again (to a new leader, after the first died mid-call), it profiles nothing
         twice: the stored profile decides the move, which is then already made or made now.
+        The move is planned with the speeds the profile measured, not live ones: those
+        change once steps run, and would make a resend decide a second, different move.
         """
         profiled = self.jobs.profile_later(job_id, client, sample)
         if self.cluster.replicas > 1:  # replicas: the policy's levers re-plan them (no move here)
             log.info("job_profiled", job=job_id, again=not profiled, moved=False)
             return
-        view = self.rebalancer.plan_view()
+        profile = self.cluster.profile
+        assert profile is not None  # profile_later stored it, or found it stored
+        _, current = self.cluster.require_job()
+        speeds = estimates.fill_speeds([profile.speeds.get(s) for s in current.stage_ids])
+        view = self.rebalancer.plan_view(speeds)
         moved = False
         if view.optimal_step_s < view.current_step_s:
-            outcome = self.rebalancer.rebalance(dry_run=False, reason="profiled", force=True)
+            outcome = self.rebalancer.rebalance(
+                dry_run=False, reason="profiled", force=True, speeds=speeds
+            )
             moved = outcome.changed
         log.info(
             "job_profiled",

@@ -100,8 +100,9 @@ class Rebalancer(ReplicaPolicy):
 
     # ---- planning --------------------------------------------------------------------
 
-    def plan_view(self) -> PlanView:
-        """The current partition and the optimal one for the live speeds (changes nothing).
+    def plan_view(self, speeds: list[float] | None = None) -> PlanView:
+        """The current partition and the optimal one for the live speeds, or for
+        ``speeds`` where given (changes nothing).
 
         A job of several replicas: replica 0's partition, kept (layers of replicas are not
         re-planned yet), and the step predicted with the current shares against the best
@@ -125,7 +126,8 @@ class Rebalancer(ReplicaPolicy):
                 in_seconds=self.c.in_seconds(layout.stage_ids),
                 speed_spreads=tuple(self.c.speed_spreads(current.stage_ids)),
             )
-        speeds = self.c.speeds(current.stage_ids)
+        if speeds is None:
+            speeds = self.c.speeds(current.stage_ids)
         links = self.c.links(len(speeds))
         now = estimates.evaluate(current.boundaries, costs, speeds, *links)
         best = plan(
@@ -145,19 +147,26 @@ class Rebalancer(ReplicaPolicy):
             speed_spreads=tuple(self.c.speed_spreads(current.stage_ids)),
         )
 
-    def rebalance(self, dry_run: bool, reason: str, force: bool = True) -> MoveOutcome:
-        """Moves to the optimal partition for the live speeds.
+    def rebalance(
+        self,
+        dry_run: bool,
+        reason: str,
+        force: bool = True,
+        speeds: list[float] | None = None,
+    ) -> MoveOutcome:
+        """Moves to the optimal partition for the live speeds, or for ``speeds``.
 
         Args:
             dry_run: only say what would happen (not logged as a move).
             reason: recorded in the epoch history.
             force: skip the policy's threshold/payback/cool-down (an operator asked).
+            speeds: the stages' speeds to plan with, in chain order (default: live).
 
         Raises:
             InvalidRequest: the job runs several replicas (``set-layout`` moves them).
         """
         self.c.refuse_replicated("rebalancing (admin set-layout moves replicas)")
-        view = self.plan_view()
+        view = self.plan_view(speeds)
         decision = decide(
             self.policy,
             view.current_step_s,

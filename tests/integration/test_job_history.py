@@ -102,16 +102,25 @@ def test_a_profile_request_sent_again_profiles_nothing(
 ) -> None:
     """``ProfileJob`` sent again for a job its first request profiled -- as a caller sends
     it to a new leader when the old one died mid-call -- profiles no stage twice: the
-    stored profile stands, and the partition it chose stays in force."""
+    stored profile stands, and the partition it chose stays in force, even where the
+    live speeds measured since call for another (moving for them is the policy's call,
+    with its threshold, not a resend's)."""
     address = coordinator_server.address
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     with (
         caplog.at_level(logging.INFO, logger="elasticpipe"),
         _pipeline(address, init_state=_init_state()) as pipe,
+        Admin(address) as admin,
     ):
         pipe.train_step(x, y)  # profiles the stages first
         assert len(_events(caplog, "stages_profiled")) == 1
         epoch = pipe.partition.epoch
+        admin.slowdown("s0", 8.0)  # the live speeds now call for another partition
+        deadline = time.monotonic() + 30  # heartbeats every 1 s; a loaded host may delay one
+        while not ((gain := admin.plan().gain) and gain > 0.1):
+            assert time.monotonic() < deadline, admin.plan()
+            pipe.train_step(x, y)
+            time.sleep(0.2)
         caplog.clear()
         request = coordinator_pb2.ProfileJobRequest(
             job_id=pipe.partition.job_id,
