@@ -26,17 +26,16 @@ the script end to end: 12 steps, one round of 2 s (the figures mean little).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from shared.runs import gpt_pipeline, identical, token_batch  # bench/shared/, beside this script
+from shared.cpu import process_cpu_s  # bench/shared/, beside this script
+from shared.runs import gpt_pipeline, identical, token_batch
 
 from elasticpipe.client.admin import Admin
 from elasticpipe.errors import ElasticPipeError
@@ -123,22 +122,12 @@ def train(cluster: LocalCluster, steps: int, failover: bool) -> Run:
     return run
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds process ``pid`` has run so far, all its threads (the scheduler's
-    nanosecond count: /proc/PID/task/*/schedstat; /proc/PID/stat counts 10 ms ticks)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that just ended
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
-
-
 def cpu_ms_per_heartbeat(cluster: LocalCluster, seconds: float) -> float:
     """The leading coordinator's CPU milliseconds per stage heartbeat over ``seconds``."""
     pid = cluster.procs[cluster.leader()].pid
-    before, started = cpu_s(pid), time.monotonic()
+    before, started = process_cpu_s(pid), time.monotonic()
     time.sleep(seconds)
-    spent, elapsed = cpu_s(pid) - before, time.monotonic() - started
+    spent, elapsed = process_cpu_s(pid) - before, time.monotonic() - started
     heartbeats = cluster.num_stages * elapsed / HEARTBEAT_S
     return 1000.0 * spent / heartbeats
 

@@ -69,6 +69,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/overhead.py`
 
+from shared.cpu import process_cpu_s  # bench/shared/, beside this script
+
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.models.contract import build
@@ -380,12 +382,6 @@ class Sampler:
 
 def _top(counts: dict[Any, float], n: int | None = None) -> list[tuple[Any, float]]:
     return sorted(counts.items(), key=lambda kv: -kv[1])[:n]
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _where(frame: FrameType) -> str:

@@ -30,14 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from shared.cpu import process_cpu_s  # bench/shared/, beside this script
 
+from elasticpipe.client.admin import Admin
 from elasticpipe.client.pipeline import Pipeline
+from elasticpipe.coordinator.planning import estimates
+from elasticpipe.coordinator.planning.cost import predict_step_time
+from elasticpipe.layout import Layout
 from elasticpipe.local.cluster import LocalCluster
 
 MODEL = {"vocab_size": 96, "d_model": 128, "n_heads": 4, "n_layers": 12, "max_seq_len": 64}
@@ -95,17 +101,48 @@ def run_layout(
     with _pipeline(cluster, args, model, **shape) as pipe:
         train = _trainer(pipe, args, model, seed=0)
         train(args.warmup)
+        cpu = cpu_s(cluster)
         measured = train(args.steps)
+        busy = (cpu_s(cluster) - cpu) * measured / args.steps / len(os.sched_getaffinity(0))
         layout = pipe.layout
+        with cluster.admin() as admin:
+            live_s = model_at_live_speeds(admin, layout)
         predicted = [p.predicted_step_s for p in layout.replicas]
     step_s = max(s for s in predicted if s is not None) if all(predicted) else None
     return {
         "steps_per_s": measured,
         "predicted_steps_per_s": 1.0 / step_s if step_s else None,
+        "cores_busy": busy,
+        "live_model_steps_per_s": 1.0 / live_s if live_s else None,
         "replicas": [list(p.boundaries) for p in layout.replicas],
         "lengths": [p.num_stages for p in layout.replicas],
         "shares": list(layout.shares),
     }
+
+
+def model_at_live_speeds(admin: Admin, layout: Layout) -> float | None:
+    """The planner's model of ``layout``'s step (``cost.predict_step_time``: each replica's
+    stage times at its share, the slowest replica's) at the speeds its stages measured in
+    the steps just run, as ``admin status`` reports them: the same model as the
+    prediction, without the profile's speeds in it (and without any measured step time:
+    not the shortfall-corrected ``current_step_s`` of ``admin plan``). None while a stage
+    has no live speed."""
+    costs = admin.plan().layer_costs
+    speeds = {s.stage_id: s.speed for s in admin.status().stages if s.alive}
+    times = []
+    for replica, share in zip(layout.replicas, layout.shares, strict=True):
+        chain = [speeds.get(sid, 0.0) for sid in replica.stage_ids]
+        if share and not all(chain):
+            return None
+        if share:
+            plan = estimates.evaluate(replica.boundaries, costs, chain)
+            times.append(predict_step_time(plan, share))
+    return max(times)
+
+
+def cpu_s(cluster: LocalCluster) -> float:
+    """CPU seconds used so far by every process of the run: the cluster's and this one."""
+    return sum(process_cpu_s(p.pid) for p in cluster.procs.values()) + time.process_time()
 
 
 def run_straggler(
@@ -190,7 +227,8 @@ def main() -> int:
     print()
     print(
         f"{'layout':<10}{'lengths':<14}{'shares':<14}{'steps/s':>9}{'predicted':>11}"
-        f"{'measured/pred':>15}{'speed-up':>10}"
+        f"{'measured/pred':>15}{'live model':>12}{'measured/live':>15}{'speed-up':>10}"
+        f"{'cores busy':>12}"
     )
     for name, found in results.items():
         pred = found["predicted_steps_per_s"]
@@ -198,9 +236,14 @@ def main() -> int:
         found["speedup"] = found["steps_per_s"] / one
         predicted = f"{pred:.3f}" if pred else "-"
         vs = f"{ratio:.0%}" if ratio is not None else "-"
+        live = found["live_model_steps_per_s"]
+        found["vs_live_model"] = vs_live = found["steps_per_s"] / live if live else None
         print(
             f"{name:<10}{found['lengths']!s:<14}{found['shares']!s:<14}"
-            f"{found['steps_per_s']:>9.3f}{predicted:>11}{vs:>15}{found['speedup']:>9.2f}x"
+            f"{found['steps_per_s']:>9.3f}{predicted:>11}{vs:>15}"
+            f"{(f'{live:.3f}' if live else '-'):>12}"
+            f"{(f'{vs_live:.0%}' if vs_live else '-'):>15}{found['speedup']:>9.2f}x"
+            f"{found['cores_busy']:>12.0%}"
         )
     out = {
         "base": args.base,
@@ -216,10 +259,25 @@ def main() -> int:
             default=None,
         ),
         "straggler_vs_optimum": straggler["vs_optimum"],
+        "min_vs_live_model": min(
+            (f["vs_live_model"] for f in results.values() if f["vs_live_model"] is not None),
+            default=None,
+        ),
+        "max_cores_busy": max(f["cores_busy"] for f in results.values()),
         "reshare_steps": straggler["reshare_steps"],
         "straggler": straggler,
         "layouts": {
-            name: {k: f[k] for k in ("steps_per_s", "predicted_steps_per_s", "shares", "lengths")}
+            name: {
+                k: f[k]
+                for k in (
+                    "steps_per_s",
+                    "predicted_steps_per_s",
+                    "live_model_steps_per_s",
+                    "shares",
+                    "lengths",
+                    "cores_busy",
+                )
+            }
             for name, f in results.items()
         },
     }

@@ -8,7 +8,6 @@ import contextlib
 import json
 import math
 import multiprocessing as mp
-import os
 import re
 import sys
 import threading
@@ -29,6 +28,7 @@ from fake_stage import (  # bench/fake_stage.py, next to this script
     FakeStage,
     describe,
 )
+from shared.cpu import process_cpu_s  # bench/shared/, beside this script
 
 from elasticpipe.errors import ElasticPipeError
 from elasticpipe.transport import rpc
@@ -76,12 +76,6 @@ def fakes_main(conn: Connection, coordinator: str, first: int, end: int, chain: 
 
 
 # ---- the bench (this process: the client and the measurements) ------------------------
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_threads(pid: int) -> int:

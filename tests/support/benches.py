@@ -109,6 +109,7 @@ KEYS: dict[str, set[str]] = {
         "straggler_vs_optimum",
         "reshare_steps",
         "min_vs_predicted",
+        "max_cores_busy",
         "layouts",
     },
     "straggler.py": {
