@@ -18,7 +18,6 @@ from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.jobs import Jobs
 from elasticpipe.coordinator.membership import Heard, Member, Membership, Probe, holder_alive
-from elasticpipe.coordinator.planning import estimates
 from elasticpipe.coordinator.planning.estimates import Timing
 from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer, run_loop
 from elasticpipe.coordinator.recovery import Recovery
@@ -301,9 +300,9 @@ class Coordinator:
             log.info("job_profiled", job=job_id, again=not profiled, moved=False)
             return
         profile = self.cluster.profile
-        assert profile is not None  # profile_later stored it, or found it stored
-        _, current = self.cluster.require_job()
-        speeds = estimates.fill_speeds([profile.speeds.get(s) for s in current.stage_ids])
+        if profile is None:  # (profile_later stored it, or found it stored)
+            raise NotReady(f"job {job_id} has no profile yet: send ProfileJob again")
+        speeds = dict(profile.speeds)  # by stage id: ordered on the partition the plan reads
         view = self.rebalancer.plan_view(speeds)
         moved = False
         if view.optimal_step_s < view.current_step_s:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from elasticpipe.coordinator import epochs, replica_changes
@@ -100,9 +100,10 @@ class Rebalancer(ReplicaPolicy):
 
     # ---- planning --------------------------------------------------------------------
 
-    def plan_view(self, speeds: list[float] | None = None) -> PlanView:
-        """The current partition and the optimal one for the live speeds, or for
-        ``speeds`` where given (changes nothing).
+    def plan_view(self, speeds: Mapping[str, float] | None = None) -> PlanView:
+        """The current partition and the optimal one (changes nothing): for the live
+        speeds, or for ``speeds`` by stage id where given (one pipeline; a stage missing
+        from it gets ``estimates.fill_speeds``' fill).
 
         A job of several replicas: replica 0's partition, kept (layers of replicas are not
         re-planned yet), and the step predicted with the current shares against the best
@@ -113,13 +114,13 @@ class Rebalancer(ReplicaPolicy):
         layout = self.c.layout
         if layout is not None:
             now_s, best_s, _ = replica_changes.planned_shares(self.c, layout)
-            speeds = self.c.speeds(current.stage_ids)
+            live = self.c.speeds(current.stage_ids)
             return PlanView(
                 current=current,
-                optimal=estimates.evaluate(current.boundaries, costs, speeds),
+                optimal=estimates.evaluate(current.boundaries, costs, live),
                 current_step_s=now_s,
                 optimal_step_s=best_s,
-                speeds=speeds,
+                speeds=live,
                 costs=costs,
                 bytes_to_move=0,
                 layers_to_move=0,
@@ -127,11 +128,13 @@ class Rebalancer(ReplicaPolicy):
                 speed_spreads=tuple(self.c.speed_spreads(current.stage_ids)),
             )
         if speeds is None:
-            speeds = self.c.speeds(current.stage_ids)
-        links = self.c.links(len(speeds))
-        now = estimates.evaluate(current.boundaries, costs, speeds, *links)
+            chain = self.c.speeds(current.stage_ids)
+        else:  # ordered here, on the partition this view reads
+            chain = estimates.fill_speeds([speeds.get(sid) for sid in current.stage_ids])
+        links = self.c.links(len(chain))
+        now = estimates.evaluate(current.boundaries, costs, chain, *links)
         best = plan(
-            costs, speeds, *links, *self.c.memory(current.stage_ids), current=current.boundaries
+            costs, chain, *links, *self.c.memory(current.stage_ids), current=current.boundaries
         )
         target = current.evolve(epoch=current.epoch + 1, boundaries=best.boundaries)
         return PlanView(
@@ -139,7 +142,7 @@ class Rebalancer(ReplicaPolicy):
             optimal=best,
             current_step_s=predict_step_time(now, job.micro_batches, job.schedule),
             optimal_step_s=predict_step_time(best, job.micro_batches, job.schedule),
-            speeds=speeds,
+            speeds=chain,
             costs=costs,
             bytes_to_move=self.c.bytes_to_move(current, target),
             layers_to_move=len(current.moves_to(target)),
@@ -152,7 +155,7 @@ class Rebalancer(ReplicaPolicy):
         dry_run: bool,
         reason: str,
         force: bool = True,
-        speeds: list[float] | None = None,
+        speeds: Mapping[str, float] | None = None,
     ) -> MoveOutcome:
         """Moves to the optimal partition for the live speeds, or for ``speeds``.
 
@@ -160,7 +163,7 @@ class Rebalancer(ReplicaPolicy):
             dry_run: only say what would happen (not logged as a move).
             reason: recorded in the epoch history.
             force: skip the policy's threshold/payback/cool-down (an operator asked).
-            speeds: the stages' speeds to plan with, in chain order (default: live).
+            speeds: the stages' speeds to plan with, by stage id (default: live).
 
         Raises:
             InvalidRequest: the job runs several replicas (``set-layout`` moves them).

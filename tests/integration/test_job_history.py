@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import subprocess
 import sys
@@ -115,9 +116,13 @@ def test_a_profile_request_sent_again_profiles_nothing(
         pipe.train_step(x, y)  # profiles the stages first
         assert len(_events(caplog, "stages_profiled")) == 1
         epoch = pipe.partition.epoch
-        admin.slowdown("s0", 8.0)  # the live speeds now call for another partition
-        deadline = time.monotonic() + 30  # heartbeats every 1 s; a loaded host may delay one
-        while not ((gain := admin.plan().gain) and gain > 0.1):
+        # The live speeds now call for another partition: the stage of the most layers
+        # slowed (one of a single layer would have none to give away).
+        bounds = pipe.partition.boundaries
+        sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+        admin.slowdown(pipe.partition.stage_ids[sizes.index(max(sizes))], 8.0)
+        deadline = time.monotonic() + 30  # heartbeats every 0.2 s; a loaded host may delay some
+        while not ((gain := admin.plan().gain) and gain > 0.05):
             assert time.monotonic() < deadline, admin.plan()
             pipe.train_step(x, y)
             time.sleep(0.2)
