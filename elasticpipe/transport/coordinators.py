@@ -221,9 +221,10 @@ class Coordinators:
                 tried.clear()
 
     def close(self) -> None:
-        """Closes every channel."""
+        """Closes every channel (``rpc.close_channel``: a stuck one is left to the exit)."""
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
+            channels = list(self._channels.items())
             self._channels.clear()
             self._stubs.clear()
+        for address, channel in channels:
+            rpc.close_channel(channel, address)

@@ -37,6 +37,8 @@ from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = get_logger(__name__)
 
+CLOSE_WAIT_S = 5.0  # the longest a channel's close may take before it is left to the exit
+
 # Messages carry at most one chunk of a tensor plus headers; whole tensors are streamed.
 MAX_MESSAGE_BYTES = 64 << 20
 # HTTP/2 "rapid reset" (CVE-2023-44487): bound what one connection can ask of a server.
@@ -189,12 +191,34 @@ class StagePool:
         return results
 
     def close(self) -> None:
-        """Closes every channel."""
+        """Closes every channel (``close_channel``: a stuck one is left to the exit)."""
         with self._lock:
-            for ch in self._channels.values():
-                ch.close()
+            channels = list(self._channels.items())
             self._channels.clear()
             self._stubs.clear()
+        for address, ch in channels:
+            close_channel(ch, address)
+
+
+def close_channel(ch: grpc.Channel, address: str, wait_s: float | None = None) -> bool:
+    """Closes ``ch``, waiting at most ``wait_s`` (default ``CLOSE_WAIT_S``) for grpcio to
+    finish; whether it did.
+
+    grpcio's ``Channel.close`` cancels the calls in flight, then waits until its polling
+    thread has seen each one end. A ``KeyboardInterrupt`` that lands in grpcio's own code
+    while the main thread starts a call (between registering the call and starting that
+    thread: ``grpc._channel._channel_managed_call_management``) leaves a call no thread
+    will ever see end, and the close then waits forever: Ctrl-C hung the demo one time in
+    a few. Such a channel is left open, with a warning, for the process's exit to end.
+    """
+    closer = threading.Thread(target=ch.close, name=f"close-{address}", daemon=True)
+    closer.start()
+    wait = CLOSE_WAIT_S if wait_s is None else wait_s
+    closer.join(wait)
+    if closer.is_alive():
+        log.warning("channel_close_abandoned", address=address, waited_s=wait)
+        return False
+    return True
 
 
 def _reason(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
