@@ -221,10 +221,9 @@ class Coordinators:
                 tried.clear()
 
     def close(self) -> None:
-        """Closes every channel (``rpc.close_channel``: a stuck one is left to the exit)."""
+        """Closes every channel (``rpc.close_channels``: a stuck one is left to the exit)."""
         with self._lock:
             channels = list(self._channels.items())
             self._channels.clear()
             self._stubs.clear()
-        for address, channel in channels:
-            rpc.close_channel(channel, address)
+        rpc.close_channels(channels)

@@ -38,6 +38,9 @@ from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 log = get_logger(__name__)
 
 CLOSE_WAIT_S = 5.0  # the longest a channel's close may take before it is left to the exit
+# Channels being closed, and those whose close never finished: kept referenced, because
+# grpcio closes a collected channel again, with no bound (``_ChannelCallState.__del__``)
+_CLOSING: list[grpc.Channel] = []
 
 # Messages carry at most one chunk of a tensor plus headers; whole tensors are streamed.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -196,8 +199,15 @@ class StagePool:
             channels = list(self._channels.items())
             self._channels.clear()
             self._stubs.clear()
-        for address, ch in channels:
-            close_channel(ch, address)
+        close_channels(channels)
+
+
+def close_channels(channels: Sequence[tuple[str, grpc.Channel]]) -> None:
+    """Closes each (address, channel) with ``close_channel``. All are kept referenced
+    first, so that a second Ctrl-C during one close leaves none to the collector."""
+    _CLOSING.extend(ch for _, ch in channels)
+    for address, ch in channels:
+        close_channel(ch, address)
 
 
 def close_channel(ch: grpc.Channel, address: str, wait_s: float | None = None) -> bool:
@@ -209,8 +219,11 @@ def close_channel(ch: grpc.Channel, address: str, wait_s: float | None = None) -
     while the main thread starts a call (between registering the call and starting that
     thread: ``grpc._channel._channel_managed_call_management``) leaves a call no thread
     will ever see end, and the close then waits forever: Ctrl-C hung the demo one time in
-    a few. Such a channel is left open, with a warning, for the process's exit to end.
+    a few. Such a channel is left open, with a warning, for the process's exit to end (and
+    kept referenced until then: grpcio would close it again, unbounded, when collected).
     """
+    if not any(kept is ch for kept in _CLOSING):
+        _CLOSING.append(ch)
     closer = threading.Thread(target=ch.close, name=f"close-{address}", daemon=True)
     closer.start()
     wait = CLOSE_WAIT_S if wait_s is None else wait_s
@@ -218,6 +231,7 @@ def close_channel(ch: grpc.Channel, address: str, wait_s: float | None = None) -
     if closer.is_alive():
         log.warning("channel_close_abandoned", address=address, waited_s=wait)
         return False
+    _CLOSING[:] = [kept for kept in _CLOSING if kept is not ch]
     return True
 
 

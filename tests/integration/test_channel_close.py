@@ -48,10 +48,13 @@ SCRIPT = textwrap.dedent(
         print("interrupted", flush=True)
     _channel._run_channel_spin_thread = spin
     rpc.CLOSE_WAIT_S = WAIT_S
-    started = time.monotonic()
     channel = pool._channels[address]
-    print("closed", rpc.close_channel(channel, address), flush=True)
+    started = time.monotonic()
+    pool.close()  # as Pipeline.close closes the stages' channels
     print(f"close took {time.monotonic() - started:.2f}", flush=True)
+    # left open, and kept from the collector (grpcio would close it again, unbounded)
+    print("kept", any(kept is channel for kept in rpc._CLOSING), flush=True)
+    del channel
     release.set()
     server.stop(0)
     """
@@ -73,10 +76,10 @@ def test_a_channel_whose_close_hangs_is_left_and_the_process_exits() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "interrupted", done.stdout
-    # grpcio's close really hangs here (if a release fixes it, this says so: the bounded
-    # wait could then go)
-    assert lines[1] == "closed False", done.stdout
-    close_s = float(lines[2].split()[-1])
+    # grpcio's close really hangs here, and the pool's close gave up on it after the bound
+    # (if a grpcio release fixes the hang, this says so: the bounded wait could then go)
+    close_s = float(lines[1].split()[-1])
     assert wait_s <= close_s < wait_s + 2.0, done.stdout
+    assert lines[2] == "kept True", done.stdout
     assert "channel_close_abandoned" in done.stdout + done.stderr
     assert took < 30, f"the process took {took:.1f}s to exit after the close was abandoned"
