@@ -40,7 +40,7 @@ log = get_logger(__name__)
 CLOSE_WAIT_S = 5.0  # the longest a channel's close may take before it is left to the exit
 # Channels being closed, and those whose close never finished: kept referenced, because
 # grpcio closes a collected channel again, with no bound (``_ChannelCallState.__del__``)
-_CLOSING: list[grpc.Channel] = []
+_CLOSING: dict[int, grpc.Channel] = {}  # by id (one dict operation each: thread-safe)
 
 # Messages carry at most one chunk of a tensor plus headers; whole tensors are streamed.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -205,7 +205,7 @@ class StagePool:
 def close_channels(channels: Sequence[tuple[str, grpc.Channel]]) -> None:
     """Closes each (address, channel) with ``close_channel``. All are kept referenced
     first, so that a second Ctrl-C during one close leaves none to the collector."""
-    _CLOSING.extend(ch for _, ch in channels)
+    _CLOSING.update((id(ch), ch) for _, ch in channels)
     for address, ch in channels:
         close_channel(ch, address)
 
@@ -222,8 +222,7 @@ def close_channel(ch: grpc.Channel, address: str, wait_s: float | None = None) -
     a few. Such a channel is left open, with a warning, for the process's exit to end (and
     kept referenced until then: grpcio would close it again, unbounded, when collected).
     """
-    if not any(kept is ch for kept in _CLOSING):
-        _CLOSING.append(ch)
+    _CLOSING[id(ch)] = ch
     closer = threading.Thread(target=ch.close, name=f"close-{address}", daemon=True)
     closer.start()
     wait = CLOSE_WAIT_S if wait_s is None else wait_s
@@ -231,7 +230,7 @@ def close_channel(ch: grpc.Channel, address: str, wait_s: float | None = None) -
     if closer.is_alive():
         log.warning("channel_close_abandoned", address=address, waited_s=wait)
         return False
-    _CLOSING[:] = [kept for kept in _CLOSING if kept is not ch]
+    _CLOSING.pop(id(ch), None)
     return True
 
 
