@@ -318,6 +318,7 @@ class Jobs(Loads):
             costs = profile.costs if profile else estimates.fallback_costs(param_bytes)
             speeds = [profile.speeds[m.row.stage_id] if profile else 1.0 for m in chosen]
             self.c.profile = profile
+            self.c.slot_shortfalls.clear()  # measured by an earlier job's chains
             self.c.num_layers = num_layers
             layout: Layout | None = None
             if shape.replicated:

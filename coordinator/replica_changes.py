@@ -39,7 +39,7 @@ from elasticpipe.coordinator.planning import predict_step_time
 from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
-from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
+from elasticpipe.coordinator.planning.shares import assign_shares, slowest
 from elasticpipe.coordinator.replicas import layout_record
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -522,13 +522,15 @@ def _relaid(
     shares: Sequence[int] | None = None,
 ) -> Layout:
     """The replicas with ``shares`` (default: water-filled again on the planner's
-    predictions for the live speeds, at least one each), each replica's step time
+    predictions for the live speeds, with what their chains measured earlier in the job,
+    ``replica_options.known_step_times``; at least one each), each replica's step time
     predicted for its share; in the replicas' epoch (``_at_epoch`` gives the new one)."""
     job = cluster.job
     assert job is not None
     plans = replica_options.plans(cluster, replicas)
     if shares is None:
-        shares = assign_shares(planned_step_times(plans, job.schedule), job.micro_batches, 1)
+        times = replica_options.known_step_times(cluster, replicas)
+        shares = assign_shares(times, job.micro_batches, 1)
     timed = cluster.profile is not None
     return Layout(
         tuple(
