@@ -292,7 +292,8 @@ def set_layout(
     pause: epochs.Pause,
 ) -> tuple[Layout, epochs.MoveResult | None]:
     """Moves the job (one pipeline or several replicas) to the replicas ``specs`` (each
-    one's cuts and chain) with ``shares`` (None: water-filled on the live speeds), in one
+    one's cuts and chain) with ``shares`` (None: water-filled on the live speeds and what
+    the chains measured earlier in the job, ``replica_options.known_step_times``), in one
     epoch change. A stage pulls each layer it does not hold yet from a live holder in the
     old layout (the same replica's first); a stage left out drops its layers (a spare).
 

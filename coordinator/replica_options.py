@@ -366,9 +366,9 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     ):
         stages = chain.num_stages
         per_slot = max(0.0, measured - predicted(share)) / (share + stages - 1)
-        known = cluster.slot_shortfalls.get(chain.stage_ids)
+        known = cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids))
         if known is None or share >= known[0]:
-            cluster.slot_shortfalls[chain.stage_ids] = (share, per_slot)
+            cluster.slot_shortfalls[(chain.job_id, chain.stage_ids)] = (share, per_slot)
         else:
             per_slot = known[1]
         out.append(functools.partial(_plus_slots, predicted, per_slot, stages))
@@ -385,7 +385,7 @@ def known_step_times(cluster: Cluster, replicas: Sequence[Partition]) -> list[St
     job = cluster.job
     assert job is not None
     times = planned_step_times(plans(cluster, replicas), job.schedule)
-    known = [cluster.slot_shortfalls.get(chain.stage_ids) for chain in replicas]
+    known = [cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids)) for chain in replicas]
     if not cluster.in_seconds([s for chain in replicas for s in chain.stage_ids]):
         return times
     out: list[StepTime] = []

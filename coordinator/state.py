@@ -106,8 +106,9 @@ class Cluster:
         self.last_move = time.monotonic()
         self.last_pause: float | None = None
         # Each replica chain's shortfall per pipeline slot, and the share it was measured
-        # at (``replica_options.measured_step_times``): the one from the largest share.
-        self.slot_shortfalls: dict[tuple[str, ...], tuple[int, float]] = {}
+        # at (``replica_options.measured_step_times``): the one from the largest share;
+        # by (job id, the chain's stage ids): never one job's for another's
+        self.slot_shortfalls: dict[tuple[str, tuple[str, ...]], tuple[int, float]] = {}
         self.metrics = CoordinatorMetrics(self._metrics_view)
 
     @property
