@@ -131,12 +131,12 @@ def model_at_live_speeds(admin: Admin, layout: Layout) -> float | None:
     speeds = {s.stage_id: s.speed for s in admin.status().stages if s.alive}
     times = []
     for replica, share in zip(layout.replicas, layout.shares, strict=True):
+        if not share:  # (a replica that runs nothing takes no time)
+            continue
         chain = [speeds.get(sid, 0.0) for sid in replica.stage_ids]
-        if share and not all(chain):
+        if not all(chain):
             return None
-        if share:
-            plan = estimates.evaluate(replica.boundaries, costs, chain)
-            times.append(predict_step_time(plan, share))
+        times.append(predict_step_time(estimates.evaluate(replica.boundaries, costs, chain), share))
     return max(times)
 
 

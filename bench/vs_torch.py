@@ -39,6 +39,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/vs_torch.py`
 
+from shared.cpu import process_cpu_s  # bench/shared/, beside this script
+
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
@@ -242,13 +244,9 @@ def elastic_pipe(
 
 def stage_cpu_s(cluster: LocalCluster) -> float:
     """CPU seconds the cluster's stage processes have used so far (from /proc)."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    for name, proc in cluster.procs.items():
-        if name.startswith("stage-"):
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    return sum(
+        process_cpu_s(proc.pid) for name, proc in cluster.procs.items() if name.startswith("stage-")
+    )
 
 
 # ---- the run ---------------------------------------------------------------------------------

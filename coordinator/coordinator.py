@@ -302,7 +302,7 @@ class Coordinator:
         profile = self.cluster.profile
         if profile is None:  # (profile_later stored it, or found it stored)
             raise NotReady(f"job {job_id} has no profile yet: send ProfileJob again")
-        speeds = dict(profile.speeds)  # by stage id: ordered on the partition the plan reads
+        speeds = profile.speeds  # by stage id: ordered on the partition the plan reads
         view = self.rebalancer.plan_view(speeds)
         moved = False
         if view.optimal_step_s < view.current_step_s:

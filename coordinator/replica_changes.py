@@ -39,7 +39,7 @@ from elasticpipe.coordinator.planning import predict_step_time
 from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
-from elasticpipe.coordinator.planning.shares import assign_shares, slowest
+from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.replicas import layout_record
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -293,7 +293,7 @@ def set_layout(
 ) -> tuple[Layout, epochs.MoveResult | None]:
     """Moves the job (one pipeline or several replicas) to the replicas ``specs`` (each
     one's cuts and chain) with ``shares`` (None: water-filled on the live speeds and what
-    the chains measured earlier in the job, ``replica_options.known_step_times``), in one
+    the chains measured earlier in the job, ``replica_options.with_known_shortfalls``), in one
     epoch change. A stage pulls each layer it does not hold yet from a live holder in the
     old layout (the same replica's first); a stage left out drops its layers (a spare).
 
@@ -524,13 +524,14 @@ def _relaid(
 ) -> Layout:
     """The replicas with ``shares`` (default: water-filled again on the planner's
     predictions for the live speeds, with what their chains measured earlier in the job,
-    ``replica_options.known_step_times``; at least one each), each replica's step time
+    ``replica_options.with_known_shortfalls``; at least one each), each replica's step time
     predicted for its share; in the replicas' epoch (``_at_epoch`` gives the new one)."""
     job = cluster.job
     assert job is not None
     plans = replica_options.plans(cluster, replicas)
     if shares is None:
-        times = replica_options.known_step_times(cluster, replicas)
+        times = planned_step_times(plans, job.schedule)
+        times = replica_options.with_known_shortfalls(cluster, replicas, times)
         shares = assign_shares(times, job.micro_batches, 1)
     timed = cluster.profile is not None
     return Layout(

@@ -356,10 +356,10 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     job = cluster.job
     assert job is not None
     replicas = list(layout.replicas)
+    times = planned_step_times(plans(cluster, replicas), job.schedule)
     pipelines = measured_pipelines(cluster, layout)
     if pipelines is None:  # (some replica not measured in this epoch yet)
-        return known_step_times(cluster, replicas)
-    times = planned_step_times(plans(cluster, replicas), job.schedule)
+        return with_known_shortfalls(cluster, replicas, times)
     out: list[StepTime] = []
     for chain, predicted, share, measured in zip(
         replicas, times, layout.shares, pipelines, strict=True
@@ -375,21 +375,21 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     return out
 
 
-def known_step_times(cluster: Cluster, replicas: Sequence[Partition]) -> list[StepTime]:
-    """The planner's predictions for ``replicas``, each plus the shortfall per slot its
-    chain measured earlier in this job (``Cluster.slot_shortfalls``: the same stages, in
-    an epoch before a move of layers or a re-split), when every chain has one; else the
-    predictions alone (one replica corrected beside another not would skew the split).
-    Without it, a move of layers inside replicas split the shares on the predictions
-    alone until the new epoch was measured, and undid a split away from a slow link."""
-    job = cluster.job
-    assert job is not None
-    times = planned_step_times(plans(cluster, replicas), job.schedule)
-    known = [cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids)) for chain in replicas]
+def with_known_shortfalls(
+    cluster: Cluster, replicas: Sequence[Partition], times: list[StepTime]
+) -> list[StepTime]:
+    """The planner's predictions ``times`` for ``replicas``, each plus the shortfall per
+    slot its chain measured earlier in this job (``Cluster.slot_shortfalls``: the same
+    stages, in an epoch before a move of layers or a re-split), when every chain has one;
+    else the predictions alone (one replica corrected beside another not would skew the
+    split). Without it, a move of layers inside replicas split the shares on the
+    predictions alone until the new epoch was measured, and undid a split away from a
+    slow link."""
     if not cluster.in_seconds([s for chain in replicas for s in chain.stage_ids]):
         return times
     out: list[StepTime] = []
-    for chain, predicted, seen in zip(replicas, times, known, strict=True):
+    for chain, predicted in zip(replicas, times, strict=True):
+        seen = cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids))
         if seen is None:
             return times
         out.append(functools.partial(_plus_slots, predicted, seen[1], chain.num_stages))
