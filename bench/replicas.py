@@ -4,7 +4,10 @@ Six stage processes train a GPT. Every stage emulates a device ``--base`` times 
 one core of this host (the stages' ``--slowdown``: each op takes ``--base`` times its
 compute's CPU time in all, sleeping what its compute did not take, however the six share
 the two cores; ``stage_server.layers.Slowdown``), so the stages wait like accelerator hosts
-with idle CPUs instead of fighting for the two cores. In one run, one job after another on
+with idle CPUs instead of fighting for the two cores. Their ops are timed with ``--timer
+fastest`` (``--timer cpu``: as before): each op counts as the fastest of its recent runs,
+since thread CPU time too grows with the others' load, and a job then trains at the speeds
+its profile measured (``stage_server.devicetime``). In one run, one job after another on
 the same stages, each trained ``--steps`` steps after a warm-up:
 
     one pipeline of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4); ``replicas="auto"``;
@@ -189,6 +192,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--base", type=float, default=4.0, help="slowdown of every stage")
     parser.add_argument("--micro-batches", type=int, default=12)
+    parser.add_argument(
+        "--timer",
+        choices=["fastest", "cpu"],
+        default="fastest",
+        help="the stages' --timer: fastest (each op's CPU time the fastest of its recent "
+        "runs) or cpu (each run's own CPU time, which grows with the host's load)",
+    )
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument(
@@ -206,6 +216,7 @@ def main() -> int:
         stages=6,
         slowdowns=[args.base] * 6,
         coordinator_args=["--state", ":memory:", "--no-auto-rebalance", *policy],
+        stage_args=["--timer", args.timer],
     ) as cluster:
         for name, shape in LAYOUTS:
             results[name] = found = run_layout(cluster, shape, args, model)

@@ -22,7 +22,9 @@ class StageConfig:
     device: str = "cpu"
     allow_models: tuple[str, ...] = ()
     slowdown: float = 1.0
-    timer: str = "auto"  # "cpu" (thread CPU time), "wall", or "auto": cpu on CPU devices
+    # "cpu" (thread CPU time), "wall", "auto" (cpu on CPU devices, CUDA events on CUDA), or
+    # "fastest" (CPU: each op's time the fastest of its recent runs, ``devicetime``)
+    timer: str = "auto"
     max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES
     max_layer_bytes: int = codec.DEFAULT_MAX_LAYER_BYTES  # one layer's state, all tensors
     transfer_chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES  # layer state sent in such chunks

@@ -1,4 +1,22 @@
-"""Layer timing on a GPU with CUDA events, read once per step instead of once per layer.
+"""Layer timing on an emulated or a real device: the fastest-run model of a slowed CPU
+stage's op times (``FastestTimes``), and CUDA events on a GPU, read once per step instead
+of once per layer.
+
+**The fastest-run model** (``--timer fastest``, CPU stages): a layer op (layer, direction,
+shapes and dtypes of its input) counts as the fastest of its last ``WINDOW`` runs, not as
+what this run measured. Several stages emulating slow devices on a few shared cores
+(benches) otherwise see their thread CPU time grow with each other's load (caches, memory
+bandwidth): the speeds a job's profile measured (one stage of a host at a time, each
+layer's fastest of five runs, ``profiling``) came out 10-25% faster than the same stages
+ran when training together, and the planner's predictions missed by that much before any
+overhead of the system's own. What delays a run only ever adds time, so the fastest
+recent run is the op's time on an unloaded host: an emulated op then takes the same time
+alone or beside others, as an accelerator's would, provided its compute fits in it (a
+``Slowdown`` op never takes less than its wall time). A window, not a time frozen once:
+the first runs of a process are slow ones (cold caches, first allocations), and a stage
+that shares its host's profile (``coordinator.profiles``) runs an op first in training.
+
+CUDA events:
 
 A layer's compute is bracketed by two events (``enable_timing``) recorded on the stage
 device's current stream; nothing waits for them when they are recorded. The elapsed time
@@ -16,13 +34,43 @@ slowdown factor that was in force when they were recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["EventClock", "Lap", "event_clock"]
+__all__ = ["EventClock", "FastestTimes", "Lap", "event_clock"]
+
+TIMERS = ("auto", "cpu", "wall", "fastest")
+WINDOW = 32  # runs of an op whose fastest is its time (--timer fastest)
+MAX_OPS = 4096  # distinct ops remembered; beyond, the table starts afresh (a leak's bound)
+
+
+class FastestTimes:
+    """Each op's time as the fastest of its last ``window`` runs (the module docstring).
+    An op is a hashable key: the job, what the layer computes, the direction, and the
+    shapes and dtypes of what it ran on (``LayerSlice.op`` builds it)."""
+
+    def __init__(self, window: int = WINDOW, max_ops: int = MAX_OPS):
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (got {window})")
+        self.window, self.max_ops = window, max_ops
+        self._lock = threading.Lock()
+        self._ops: dict[Hashable, deque[float]] = {}
+
+    def time(self, op: Hashable, measured: float) -> float:
+        """The seconds ``op`` counts as, once ``measured`` is one of its runs."""
+        with self._lock:
+            runs = self._ops.get(op)
+            if runs is None:
+                if len(self._ops) >= self.max_ops:
+                    self._ops.clear()
+                runs = self._ops[op] = deque(maxlen=self.window)
+            runs.append(measured)
+            return min(runs)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
@@ -24,7 +24,8 @@ from torch import nn
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, ModelError, UserCodeError
 from elasticpipe.security import allowlist
 from elasticpipe.stage_server import weightgrad
-from elasticpipe.stage_server.devicetime import EventClock, Lap
+from elasticpipe.stage_server.alike import alike_key
+from elasticpipe.stage_server.devicetime import EventClock, FastestTimes, Lap
 from elasticpipe.stage_server.slicestate import SliceState
 from elasticpipe.training import precision, rng
 from elasticpipe.training.job import JobConfig
@@ -97,6 +98,9 @@ class Slowdown:
     speed the planner is told, as long as their compute fits beside the others' (on a
     host with too little CPU for it, an op takes its compute's wall time, more than
     ``factor * t``). At ``factor`` 1 nothing is owed: a stage not slowed down never waits.
+
+    With ``fastest`` (``--timer fastest``) ``t`` is the fastest of the op's recent runs, not
+    this run's own (``devicetime.FastestTimes``): CPU time itself grows with the host's load.
     """
 
     def __init__(
@@ -104,10 +108,12 @@ class Slowdown:
         factor: float = 1.0,
         clock: Callable[[], float] = time.perf_counter,
         events: EventClock | None = None,
+        fastest: FastestTimes | None = None,
     ):
         self.set(factor)
         self.clock = clock
         self.events = events
+        self.fastest = fastest
         self._owed = 0.0
         self._laps: list[Lap] = []  # events' laps of a slowed-down op, paid in ``pay``
 
@@ -117,9 +123,12 @@ class Slowdown:
             raise InvalidRequest(f"slowdown factor must be a finite number >= 1 (got {factor})")
         self.factor = float(factor)
 
-    def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, float | Lap]:
+    def timed(
+        self, fn: Callable[[], Any], sync: Callable[[], None], op: Hashable | None = None
+    ) -> tuple[Any, float | Lap]:
         """Runs ``fn`` and returns (result, emulated seconds); the extra time is owed.
-        With CUDA events the seconds are a ``Lap``, read once its events completed."""
+        With CUDA events the seconds are a ``Lap``, read once its events completed. ``op``
+        names the op for a ``fastest`` model (``LayerSlice.op``)."""
         if self.events is not None:
             result, lap = self.events.time(fn, self.factor)
             if lap.factor > 1.0:
@@ -131,6 +140,8 @@ class Slowdown:
         result = fn()
         sync()
         compute = self.clock() - start
+        if self.fastest is not None and op is not None:
+            compute = self.fastest.time(op, compute)
         if factor > 1.0:
             self._owed += factor * compute - (time.perf_counter() - wall)
         return result, factor * compute
@@ -171,6 +182,7 @@ class LayerSlice(SliceState):
         self._lock = threading.Lock()
         # CUDA-event measurements not read yet: (layer, forward, backward, output bytes)
         self._deferred: list[tuple[int, Lap | None, Lap | None, int]] = []
+        self._alike: dict[int, Hashable] = {}  # each layer's ``alike_key`` (fastest times)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -298,8 +310,9 @@ class LayerSlice(SliceState):
         self, i: int, layer: nn.Module, x: Value, micro_batch: int
     ) -> tuple[Value, float | Lap]:
         """The one place a layer's forward runs: the first time and when recomputed."""
+        op = self.op(i, "forward", [x] if isinstance(x, torch.Tensor) else structure.tensors(x))
         try:
-            y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync)
+            y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync, op)
         except ElasticPipeError:
             raise
         except Exception as exc:  # the user's code may raise anything: report it as theirs
@@ -341,6 +354,22 @@ class LayerSlice(SliceState):
             for module, name, buffer in owners:
                 module._buffers[name] = buffer
         return ([y] if isinstance(y, torch.Tensor) else structure.tensors(y)), seconds
+
+    def op(self, i: int, kind: str, tensors: Sequence[torch.Tensor]) -> Hashable | None:
+        """What names layer ``i``'s ``kind`` of op on ``tensors`` for the fastest-run model
+        (``devicetime.FastestTimes``), or None without that model: the job; what the layer
+        computes (``alike_key``: alike layers, the blocks of a GPT, are one op, as the
+        profile measures one for all; an id in it may be reused once its layer is freed,
+        and a layer of the same tree would then share its times, harmless in an
+        emulation); the kind; whether autograd records it; the tensors' shapes and dtypes.
+        """
+        if self.slowdown.fastest is None:
+            return None
+        alike = self._alike.get(i)
+        if alike is None:
+            alike = self._alike[i] = alike_key(self.layers[i])
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        return (self.job.job_id, alike, kind, torch.is_grad_enabled(), shapes)
 
     def _call(self, layer: nn.Module, x: Value) -> Any:
         """One layer's forward, under the job's autocast (``precision.py``)."""
@@ -412,7 +441,9 @@ class LayerSlice(SliceState):
                 grads = _input_grads(xs)
                 continue
             if not params:  # the whole backward, now
-                _, seconds = self._autograd(i, micro_batch, gs, partial(_backward, outs, gs))
+                _, seconds = self._autograd(
+                    i, micro_batch, gs, partial(_backward, outs, gs), "backward"
+                )
                 self._observe(i, None, seconds + again, 0)
                 grads = _input_grads(xs)
                 continue
@@ -423,7 +454,11 @@ class LayerSlice(SliceState):
                 grads = _input_grads(xs)
                 continue
             (got, halves), seconds = self._autograd(
-                i, micro_batch, gs, partial(weightgrad.split_backward, outs, gs, need, params)
+                i,
+                micro_batch,
+                gs,
+                partial(weightgrad.split_backward, outs, gs, need, params),
+                "input grads",
             )
             stash.weights.append(_WeightWork(i, halves, gs, seconds + again))
             by_id = {id(x): g for x, g in zip(need, got, strict=True)}
@@ -456,7 +491,9 @@ class LayerSlice(SliceState):
         """
         work, stash.weights = stash.weights, []
         for w in work:
-            _, seconds = self._autograd(w.layer, micro_batch, w.grads, w.split.weights)
+            _, seconds = self._autograd(
+                w.layer, micro_batch, w.grads, w.split.weights, "weight grads"
+            )
             self._observe(w.layer, None, w.b_seconds + seconds, 0)
         early, stash.early = stash.early, []
         for param, g in early:  # (a parameter's gradient comes from B or from W, not both)
@@ -468,11 +505,12 @@ class LayerSlice(SliceState):
         self.slowdown.pay()
 
     def _autograd(
-        self, i: int, micro_batch: int, gs: list[torch.Tensor], fn: Callable[[], Any]
+        self, i: int, micro_batch: int, gs: list[torch.Tensor], fn: Callable[[], Any], kind: str
     ) -> tuple[Any, float | Lap]:
-        """Runs one layer's backward ``fn``, timed; the user's errors named."""
+        """Runs one layer's backward ``fn`` (``kind``: which part of it), timed; the
+        user's errors named."""
         try:
-            return self.slowdown.timed(fn, self._sync)
+            return self.slowdown.timed(fn, self._sync, self.op(i, kind, gs))
         except Exception as exc:  # the user's code may raise anything
             g = structure.grads_value(gs)
             raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc

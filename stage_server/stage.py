@@ -98,9 +98,13 @@ class Admitted:
 
 
 def _clock(timer: str, device: torch.device) -> Callable[[], float]:
-    if timer not in ("auto", "cpu", "wall"):
-        raise InvalidRequest(f"unknown timer {timer!r} (choose from auto, cpu, wall)")
-    if timer == "cpu" or (timer == "auto" and device.type == "cpu"):
+    if timer not in devicetime.TIMERS:
+        raise InvalidRequest(
+            f"unknown timer {timer!r} (choose from {', '.join(devicetime.TIMERS)})"
+        )
+    if timer == "fastest" and device.type != "cpu":
+        raise InvalidRequest(f"timer 'fastest' emulates a device on a CPU stage, not on {device}")
+    if timer in ("cpu", "fastest") or (timer == "auto" and device.type == "cpu"):
         return time.thread_time
     return time.perf_counter
 
@@ -116,7 +120,9 @@ class Stage(EpochChanges):
         self.config = config
         self.device = torch.device(config.device)
         events = devicetime.event_clock(config.timer, self.device)  # CUDA: event timing
-        self.slowdown = Slowdown(config.slowdown, _clock(config.timer, self.device), events)
+        clock = _clock(config.timer, self.device)
+        fastest = devicetime.FastestTimes() if config.timer == "fastest" else None
+        self.slowdown = Slowdown(config.slowdown, clock, events, fastest)
         self.path = devicepath.for_device(self.device)  # pinned copies on a stream (CUDA)
         self.memory_bytes = memory.detect(self.device, config.memory_bytes)
         self.machine = StepMachine(config.name, config.commit_lease_s)

@@ -366,11 +366,13 @@ def stage_arguments(st: argparse.ArgumentParser) -> None:
     )
     st.add_argument(
         "--timer",
-        choices=["auto", "cpu", "wall"],
+        choices=["auto", "cpu", "wall", "fastest"],
         default="auto",
         help="how layer compute is timed: thread CPU time (auto on CPU: stages "
         "sharing a host do not see each other's load), CUDA events read once a step (auto on "
-        "CUDA), or wall time around a synchronize (wall)",
+        "CUDA), wall time around a synchronize (wall), or, to emulate a device with "
+        "--slowdown on a shared CPU host, each op's CPU time taken as the fastest of its "
+        "last 32 runs (fastest: its time then no longer grows with the host's load)",
     )
     st.add_argument("--max-tensor-bytes", type=int, default=1 << 31, help="largest tensor accepted")
     st.add_argument(

@@ -4,7 +4,7 @@ a real change, and a profile that a slow run cannot skew."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
@@ -65,10 +65,12 @@ class _MostRunsDelayed(Slowdown):
         super().__init__(1.0, time.thread_time)
         self.calls = 0
 
-    def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, Any]:
+    def timed(
+        self, fn: Callable[[], Any], sync: Callable[[], None], op: Hashable | None = None
+    ) -> tuple[Any, Any]:
         run = self.calls // 2 % 6  # 0: the warm-up
         self.calls += 1
-        result, seconds = super().timed(fn, sync)
+        result, seconds = super().timed(fn, sync, op)
         return result, seconds + (0.0 if run == 5 else 1.0)
 
 
@@ -92,9 +94,11 @@ class _RealWork(Slowdown):
         super().__init__(1.0, time.thread_time)
         self.seconds = seconds
 
-    def timed(self, fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, Any]:
+    def timed(
+        self, fn: Callable[[], Any], sync: Callable[[], None], op: Hashable | None = None
+    ) -> tuple[Any, Any]:
         time.sleep(self.seconds)
-        return super().timed(fn, sync)
+        return super().timed(fn, sync, op)
 
 
 @pytest.mark.timeout(60)

@@ -1,5 +1,6 @@
-"""A stage's layer slice: recomputation is exact (dropout and batch-norm included), and a
-layer's scheduler travels with it."""
+"""A stage's layer slice: recomputation is exact (dropout and batch-norm included), a
+layer's scheduler travels with it, and an emulated device's times (each run's, or the
+fastest of the recent runs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from elasticpipe.stage_server import layers as layers_module
+from elasticpipe.stage_server.devicetime import FastestTimes
 from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.training.job import JobConfig
 
 NORMED = "tests.support.custom_models:normed"  # Linear, BatchNorm1d, ReLU, Dropout, Linear
@@ -144,3 +147,72 @@ def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def test_an_op_counts_as_the_fastest_of_its_recent_runs() -> None:
+    """``--timer fastest``: an op counts as the fastest of its last ``window`` runs (a
+    loaded host only ever adds time), and a run falls out of the window as newer ones come;
+    each op (here the key) has its own runs; a full table starts afresh."""
+    fastest = FastestTimes(window=3, max_ops=2)
+    assert [fastest.time("a", t) for t in (0.030, 0.010, 0.020, 0.050)] == [
+        0.030,
+        0.010,
+        0.010,
+        0.010,
+    ]
+    assert fastest.time("a", 0.040) == 0.020  # 0.010 fell out of the window
+    assert fastest.time("b", 0.045) == 0.045  # another op: its own runs
+    assert fastest.time("a", 0.001) == 0.001
+    fastest.time("c", 0.007)  # a third op: the table (max 2) starts afresh
+    assert fastest.time("a", 0.060) == 0.060
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        FastestTimes(window=0)
+
+
+def test_a_slowed_slice_does_not_count_the_hosts_load_with_the_fastest_timer() -> None:
+    """A slowed slice with the fastest-run model: a layer whose compute is made slower (a
+    busy loop inside it: the host's load) reports the same seconds as before; an input of
+    another shape is an op of its own, whose slow run counts."""
+    job = JobConfig(model=NORMED, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+    layers = LayerSlice(
+        job, torch.device("cpu"), Slowdown(2.0, time.thread_time, None, FastestTimes()), ALLOW
+    )
+    layers.build(0, 5)
+
+    def first_forward(rows: int) -> float:
+        layers.timings = {i: LayerTiming() for i in layers.indices}
+        y, stash = layers.forward(torch.randn(rows, 8), train=True, micro_batch=0)
+        assert stash is not None
+        layers.backward(stash, torch.ones_like(y))
+        return layers.timings[0].forward_s
+
+    for _ in range(5):
+        before = first_forward(6)
+    layer = layers.layers[0]
+    slow = layer.forward
+    layer.forward = lambda x: (_busy(0.02), slow(x))[1]  # type: ignore[method-assign]
+    assert [first_forward(6) for _ in range(3)] == [before] * 3  # 20 ms more: not counted
+    assert first_forward(4) > 2 * 0.02  # a new shape: its one run is slow, and counts
+
+
+def test_alike_layers_are_one_op_for_the_fastest_timer() -> None:
+    """A GPT's blocks compute alike (``alike_key``): on the same input they are one op,
+    whose runs count together, as the profile measures one block for all; the embedding,
+    another kind of op, another input form or another job are ops of their own."""
+    model = {"vocab_size": 32, "d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 8}
+    job = JobConfig(model="gpt", model_kwargs=model, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+    fastest = Slowdown(2.0, time.thread_time, None, FastestTimes())
+    layers = LayerSlice(job, torch.device("cpu"), fastest, ())
+    layers.build(0, 4)
+    x = torch.randn(2, 8, 16)
+    block = layers.op(1, "forward", [x])
+    assert block is not None
+    assert layers.op(2, "forward", [x]) == block == layers.op(3, "forward", [x])
+    assert layers.op(0, "forward", [x]) != block
+    assert layers.op(1, "backward", [x]) != block
+    assert layers.op(1, "forward", [x[:1]]) != block
+    other_job = JobConfig(**{**vars(job), "job_id": "other"})
+    other = LayerSlice(other_job, torch.device("cpu"), fastest, ())
+    other.build(1, 2)
+    assert other.op(1, "forward", [x]) != block
+    assert LayerSlice(job, torch.device("cpu"), Slowdown(), ()).op(1, "forward", [x]) is None
