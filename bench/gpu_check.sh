@@ -15,6 +15,9 @@
 #   picks another wheel index (e.g. https://download.pytorch.org/whl/cu128). Needs network.
 # The package itself is not installed: PYTHONPATH is the checkout (elasticpipe/ links the
 # service folders), which the stage processes LocalCluster starts inherit.
+# A GPU machine with no network: GPU_WHEELS names a folder of wheels (pip download
+# --only-binary=:all: of the dependencies below, for that machine's Python), installed from
+# with --no-index. matplotlib is left out: neither the CUDA tests nor bench/gpu.py draw.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -23,7 +26,11 @@ deadline=$((SECONDS + budget))
 left() { echo $((deadline - SECONDS > 10 ? deadline - SECONDS : 10)); }
 sees_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 needs=(grpc grpc_health grpc_status grpc_reflection cryptography google.protobuf msgpack blake3
-       safetensors numpy structlog prometheus_client rich matplotlib pytest pytest_timeout hypothesis)
+       safetensors numpy structlog prometheus_client rich pytest pytest_timeout hypothesis)
+offline=()
+if [ -n "${GPU_WHEELS:-}" ]; then
+    offline=(--no-index --find-links "$GPU_WHEELS")
+fi
 has_deps() { "$1" -c "import $(IFS=,; echo "${needs[*]}")" 2>/dev/null; }
 
 dry=${GPU_CHECK_DRY_RUN:-}  # 1: check this script on a CPU machine (GPU_PYTHON required)
@@ -57,11 +64,11 @@ if ! has_deps "$py"; then
     # Into the environment of the Python whose torch sees CUDA (a venv's own packages would
     # not be visible from a new venv). torch is not named: the CUDA torch there stays.
     echo "gpu-check: installing the runtime and test dependencies next to $py's torch"
-    "$py" -m pip install -q "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" \
-        "grpcio-status>=1.85.1" "grpcio-reflection>=1.85.1" "cryptography>=42" \
-        "protobuf>=6.31,<8" "msgpack>=1.0" "blake3>=1.0" "safetensors>=0.4" "numpy>=1.24" "structlog>=24.1" \
-        "prometheus-client>=0.20" "rich>=13" "matplotlib>=3.7" "pytest>=8" "pytest-timeout>=2.3" \
-        "hypothesis>=6.100" \
+    "$py" -m pip install -q ${offline[@]+"${offline[@]}"} "grpcio>=1.85.1" \
+        "grpcio-health-checking>=1.85.1" "grpcio-status>=1.85.1" "grpcio-reflection>=1.85.1" \
+        "cryptography>=42" "protobuf>=6.31,<8" "msgpack>=1.0" "blake3>=1.0" "safetensors>=0.4" \
+        "numpy>=1.24" "structlog>=24.1" "prometheus-client>=0.20" "rich>=13" "pytest>=8" \
+        "pytest-timeout>=2.3" "hypothesis>=6.100" \
         || exit 1
 fi
 if [ -z "$dry" ] && ! sees_cuda "$py"; then
@@ -69,7 +76,9 @@ if [ -z "$dry" ] && ! sees_cuda "$py"; then
     exit 2
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-"$py" -c 'import torch; print(f"gpu-check: {torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (dry run)"}, torch {torch.__version__}, CUDA {torch.version.cuda}")'
+"$py" -c 'import torch
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (dry run)"
+print(f"gpu-check: {name}, torch {torch.__version__}, CUDA {torch.version.cuda}")'
 
 mapfile -t files < <(grep -rl --include='test_*.py' 'mark.cuda' tests | sort)
 echo "gpu-check: pytest -m cuda ${files[*]}"

@@ -14,8 +14,9 @@ the same stages, each trained ``--steps`` steps after a warm-up:
     2 of 3 again reducing on gloo (``collectives="gloo"``, "2 x 3 gl")
 
 Printed per layout: steps/s, the planner's prediction (the slowest replica's predicted step
-for its share; the reduction is counted only when the coordinator knows a link bandwidth,
-which it does not here), measured over predicted, and the speed-up over one pipeline of 6.
+for its share, plus the reduction at the rate the stages measured in the layouts before:
+no link bandwidth is given here, so the first layout of replicas, 2 x 3, is predicted
+without it), measured over predicted, and the speed-up over one pipeline of 6.
 The last line is JSON with ``speedup_best`` (the best fixed layout over one pipeline),
 ``auto_vs_best`` (auto over the best fixed layout), ``gloo_vs_data_channel`` (2 of 3 on
 gloo over the same on the data channel) and ``straggler_vs_optimum``.
@@ -258,6 +259,7 @@ def main() -> int:
         )
     out = {
         "base": args.base,
+        "timer": args.timer,
         "micro_batches": args.micro_batches,
         "best_fixed": best,
         "speedup_best": results[best]["steps_per_s"] / one,

@@ -252,6 +252,9 @@ class PlanReport:
     stage_speed_spreads: tuple[float, ...] = ()
     # what replicas="auto" would choose over the job's stages and spares, fastest first
     layouts: tuple[LayoutCandidate, ...] = ()
+    # bytes/s reductions are planned at (--link-bandwidth, else the stages' measured
+    # median); 0: neither known, and reductions count as free
+    reduce_bytes_per_s: float = 0.0
 
     @property
     def gain(self) -> float | None:

@@ -445,7 +445,7 @@ def layout_candidates(cluster: Cluster) -> tuple[list[str], list[LayoutPlan]]:
     job, _ = cluster.require_job()
     stage_ids = [*cluster.job_stage_ids(), *(m.row.stage_id for m in cluster.spares())]
     mem = cluster.memory(stage_ids)
-    bandwidth = cluster.link_bandwidth or None
+    bandwidth = cluster.reduce_bandwidth(cluster.in_seconds(stage_ids))
     try:
         return stage_ids, plan_layouts(
             cluster.costs(),

@@ -158,7 +158,8 @@ def lay_out(
         chosen = pinned_order(chosen, shape.sizes)
         speeds = [speeds[i] for i in _order_of(chosen, original)]
     mem = memory.terms([m.memory_bytes for m in chosen], param_bytes, cluster.profile, job)
-    reduce = (param_bytes, cluster.link_bandwidth) if cluster.link_bandwidth else (None, None)
+    bandwidth = cluster.reduce_bandwidth(in_seconds=profiled)
+    reduce = (param_bytes, bandwidth) if bandwidth else (None, None)
     common = dict(
         schedule=job.schedule,
         param_bytes=reduce[0],

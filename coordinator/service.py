@@ -115,6 +115,9 @@ class CoordinatorServicer:
             t.layer: (t.forward_s, t.backward_s, t.output_bytes, t.samples) for t in req.timings
         }
         pipeline_s = bounds.number(req.pipeline_s, "pipeline_s", 0.0, bounds.MAX_TIMING_S)
+        reduce_rate = bounds.number(
+            req.reduce_bytes_per_s, "reduce_bytes_per_s", 0.0, bounds.MAX_BYTES_PER_S
+        )
         replica = bounds.text(req.replica, "replica", bounds.MAX_NAME)
         committed_step = bounds.step(req.committed_step, "committed_step")
         heard = self.c.heartbeat(
@@ -129,6 +132,7 @@ class CoordinatorServicer:
         if heard is Heard.OK and (member := self.c.members.by_id(req.stage_id)) is not None:
             member.memory_bytes = req.memory_bytes
             member.pipeline_s = (req.epoch, pipeline_s) if pipeline_s else None
+            member.reduce_rate = reduce_rate or member.reduce_rate  # (kept across jobs)
             member.replica_pin = replica
         return coordinator_pb2.HeartbeatResponse(
             reregister=heard is not Heard.OK,
@@ -425,6 +429,7 @@ class CoordinatorServicer:
         ]
         return coordinator_pb2.PlanResponse(
             layouts=layouts,
+            reduce_bytes_per_s=cluster.reduce_bandwidth(view.in_seconds) or 0.0,
             current=self._wire(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
             current_step_s=view.current_step_s if view.in_seconds else None,

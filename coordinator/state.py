@@ -7,6 +7,7 @@ time; its condition wakes whoever waits for a newer partition.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -320,6 +321,20 @@ class Cluster:
             member = self.members.by_id(sid)
             known.append(self.speed_of(member) if member else None)
         return estimates.fill_speeds(known)
+
+    def reduce_bandwidth(self, in_seconds: bool = True) -> float | None:
+        """The bandwidth the planner times replicas' gradient reductions at, bytes/s: the
+        operator's ``--link-bandwidth``, else the median of the rates the live stages
+        measured (``Member.reduce_rate``: kept across jobs, a figure of the hosts and their
+        network), once the step times it is added to are seconds (``in_seconds``); None
+        when neither is known, and reductions count as free."""
+        if self.link_bandwidth:
+            return self.link_bandwidth
+        if not in_seconds:
+            return None
+        live = (m for m in self.members.members() if self.members.alive(m))
+        rates = [m.reduce_rate for m in live if m.reduce_rate > 0]
+        return statistics.median(rates) if rates else None
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""

@@ -2,19 +2,22 @@
 stage's op times (``FastestTimes``), and CUDA events on a GPU, read once per step instead
 of once per layer.
 
-**The fastest-run model** (``--timer fastest``, CPU stages): a layer op (layer, direction,
-shapes and dtypes of its input) counts as the fastest of its last ``WINDOW`` runs, not as
-what this run measured. Several stages emulating slow devices on a few shared cores
-(benches) otherwise see their thread CPU time grow with each other's load (caches, memory
-bandwidth): the speeds a job's profile measured (one stage of a host at a time, each
-layer's fastest of five runs, ``profiling``) came out 10-25% faster than the same stages
-ran when training together, and the planner's predictions missed by that much before any
-overhead of the system's own. What delays a run only ever adds time, so the fastest
+**The fastest-run model** (``--timer fastest``, CPU stages): a layer op (what the layer
+computes, the direction, the shapes and dtypes of its input or, for a backward, of its
+output's gradients, and the modes: ``LayerSlice.op``) counts as the fastest of its last
+``WINDOW`` runs, not as what this run measured. Several stages emulating slow devices on
+a few shared cores (benches) otherwise see their thread CPU time grow with each other's
+load (caches, memory bandwidth): the speeds a job's profile measured (one stage of a host
+at a time, each layer's fastest of five runs, ``profiling``) came out 10-25% faster than
+the same stages ran when training together, and the planner's predictions missed by that
+much before any overhead of the system's own. What delays a run only ever adds time, so the fastest
 recent run is the op's time on an unloaded host: an emulated op then takes the same time
 alone or beside others, as an accelerator's would, provided its compute fits in it (a
 ``Slowdown`` op never takes less than its wall time). A window, not a time frozen once:
 the first runs of a process are slow ones (cold caches, first allocations), and a stage
-that shares its host's profile (``coordinator.profiles``) runs an op first in training.
+that shares its host's profile (``coordinator.profiles``) runs an op first in training:
+until one of its runs came on a quiet host, such a stage counts slower than the profile.
+The loss and the optimizer step are not emulated (as with ``--timer cpu``).
 
 CUDA events:
 
@@ -35,7 +38,7 @@ slowdown factor that was in force when they were recorded.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +49,7 @@ __all__ = ["EventClock", "FastestTimes", "Lap", "event_clock"]
 
 TIMERS = ("auto", "cpu", "wall", "fastest")
 WINDOW = 32  # runs of an op whose fastest is its time (--timer fastest)
-MAX_OPS = 4096  # distinct ops remembered; beyond, the table starts afresh (a leak's bound)
+MAX_OPS = 4096  # distinct ops remembered; beyond, the least recently run is forgotten
 
 
 class FastestTimes:
@@ -59,7 +62,7 @@ class FastestTimes:
             raise ValueError(f"window must be >= 1 (got {window})")
         self.window, self.max_ops = window, max_ops
         self._lock = threading.Lock()
-        self._ops: dict[Hashable, deque[float]] = {}
+        self._ops: OrderedDict[Hashable, deque[float]] = OrderedDict()  # least recent first
 
     def time(self, op: Hashable, measured: float) -> float:
         """The seconds ``op`` counts as, once ``measured`` is one of its runs."""
@@ -67,8 +70,10 @@ class FastestTimes:
             runs = self._ops.get(op)
             if runs is None:
                 if len(self._ops) >= self.max_ops:
-                    self._ops.clear()
+                    self._ops.popitem(last=False)
                 runs = self._ops[op] = deque(maxlen=self.window)
+            else:
+                self._ops.move_to_end(op)
             runs.append(measured)
             return min(runs)
 

@@ -310,7 +310,10 @@ class LayerSlice(SliceState):
         self, i: int, layer: nn.Module, x: Value, micro_batch: int
     ) -> tuple[Value, float | Lap]:
         """The one place a layer's forward runs: the first time and when recomputed."""
-        op = self.op(i, "forward", [x] if isinstance(x, torch.Tensor) else structure.tensors(x))
+        op = None
+        if self.slowdown.fastest is not None:
+            inputs = [x] if isinstance(x, torch.Tensor) else structure.tensors(x)
+            op = self.op(i, "forward", inputs)
         try:
             y, seconds = self.slowdown.timed(lambda: self._call(layer, x), self._sync, op)
         except ElasticPipeError:
@@ -355,21 +358,32 @@ class LayerSlice(SliceState):
                 module._buffers[name] = buffer
         return ([y] if isinstance(y, torch.Tensor) else structure.tensors(y)), seconds
 
-    def op(self, i: int, kind: str, tensors: Sequence[torch.Tensor]) -> Hashable | None:
-        """What names layer ``i``'s ``kind`` of op on ``tensors`` for the fastest-run model
+    def op(
+        self,
+        i: int,
+        kind: str,
+        tensors: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor] = (),
+    ) -> Hashable | None:
+        """What names layer ``i``'s ``kind`` of op for the fastest-run model
         (``devicetime.FastestTimes``), or None without that model: the job; what the layer
         computes (``alike_key``: alike layers, the blocks of a GPT, are one op, as the
         profile measures one for all; an id in it may be reused once its layer is freed,
         and a layer of the same tree would then share its times, harmless in an
-        emulation); the kind; whether autograd records it; the tensors' shapes and dtypes.
-        """
+        emulation); the kind; whether autograd records it, inference mode, the layer's
+        mode (eval or train); the shapes, dtypes and gradient needs of ``tensors`` (the
+        input of a forward, the output gradients of a backward); and which of ``inputs``
+        (a backward's: the layer's inputs) need a gradient (the first stage's first layer
+        computes none for its input, a cheaper backward than an alike layer's)."""
         if self.slowdown.fastest is None:
             return None
         alike = self._alike.get(i)
         if alike is None:
             alike = self._alike[i] = alike_key(self.layers[i])
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        return (self.job.job_id, alike, kind, torch.is_grad_enabled(), shapes)
+        shapes = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+        needs = tuple(x.requires_grad for x in inputs if x.is_floating_point())
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        return (self.job.job_id, alike, kind, modes, self.layers[i].training, shapes, needs)
 
     def _call(self, layer: nn.Module, x: Value) -> Any:
         """One layer's forward, under the job's autocast (``precision.py``)."""
@@ -442,7 +456,7 @@ class LayerSlice(SliceState):
                 continue
             if not params:  # the whole backward, now
                 _, seconds = self._autograd(
-                    i, micro_batch, gs, partial(_backward, outs, gs), "backward"
+                    i, micro_batch, gs, partial(_backward, outs, gs), "backward", xs
                 )
                 self._observe(i, None, seconds + again, 0)
                 grads = _input_grads(xs)
@@ -459,6 +473,7 @@ class LayerSlice(SliceState):
                 gs,
                 partial(weightgrad.split_backward, outs, gs, need, params),
                 "input grads",
+                xs,
             )
             stash.weights.append(_WeightWork(i, halves, gs, seconds + again))
             by_id = {id(x): g for x, g in zip(need, got, strict=True)}
@@ -505,12 +520,18 @@ class LayerSlice(SliceState):
         self.slowdown.pay()
 
     def _autograd(
-        self, i: int, micro_batch: int, gs: list[torch.Tensor], fn: Callable[[], Any], kind: str
+        self,
+        i: int,
+        micro_batch: int,
+        gs: list[torch.Tensor],
+        fn: Callable[[], Any],
+        kind: str,
+        xs: Sequence[torch.Tensor] = (),
     ) -> tuple[Any, float | Lap]:
-        """Runs one layer's backward ``fn`` (``kind``: which part of it), timed; the
-        user's errors named."""
+        """Runs one layer's backward ``fn`` (``kind``: which part of it; ``xs``: the
+        layer's inputs), timed; the user's errors named."""
         try:
-            return self.slowdown.timed(fn, self._sync, self.op(i, kind, gs))
+            return self.slowdown.timed(fn, self._sync, self.op(i, kind, gs, xs))
         except Exception as exc:  # the user's code may raise anything
             g = structure.grads_value(gs)
             raise _user_error("backward", i, self.layers[i], g, micro_batch, exc) from exc

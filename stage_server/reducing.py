@@ -49,6 +49,7 @@ from elasticpipe.transport.serving import split_address
 
 __all__ = [
     "PipelineTime",
+    "ReduceRate",
     "Reductions",
     "RunIds",
     "refuse_running_stats",
@@ -99,6 +100,35 @@ class PipelineTime:
         """The time measured in ``epoch`` (0.0: none yet)."""
         with self._lock:
             return self._seconds if epoch == self._epoch else 0.0
+
+
+class ReduceRate:
+    """How fast this stage's gradient reductions go, in bytes per second: an EWMA over its
+    training runs of each run's bytes (what the planner counts a holder sends: ``2 (R - 1)
+    / R`` of the gradient bytes of each group it holds, ``layouts.reduce_seconds``) over
+    the time from its first group's reduction start to its last one's end. Without a link
+    bandwidth from the operator, the coordinator plans replicas' reductions at its stages'
+    median rate. A new epoch's first run is left out (it opens connections, and may wait
+    for a peer that is still committing the epoch); the rate carries over epochs and jobs,
+    as a figure of the hosts and their network."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch, self._rate = -1, 0.0
+
+    def note(self, epoch: int, rate: float | None) -> None:
+        """Counts one run of ``epoch`` that reduced at ``rate`` (None: it reduced nothing)."""
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch = epoch
+            elif rate is not None:
+                old = self._rate
+                self._rate = rate if not old else old + PIPELINE_EWMA * (rate - old)
+
+    def value(self) -> float:
+        """The rate measured so far (0.0: none yet)."""
+        with self._lock:
+            return self._rate
 
 
 def share_of(placement: Placement, shares: Sequence[int], micro_batches: int) -> range:
@@ -202,6 +232,7 @@ class Reductions:
                 self._left[group.index] = owned
         self._threads: list[tuple[threading.Thread, list[BaseException]]] = []
         self._done: list[Work] = []
+        self._moved: list[tuple[float, float, float]] = []  # per ``_reduce``: bytes, from, to
         self._abandoned = threading.Event()  # the run failed: reductions under way end
         job = layers.job
         if job.collectives:
@@ -259,6 +290,15 @@ class Reductions:
                 dict(zip(owned, unflatten(reduction.result(), params), strict=True))
             )
 
+    def rate(self) -> float | None:
+        """This run's reduction rate, once ``finish`` returned (``ReduceRate``): None when
+        it reduced nothing."""
+        if not self._moved:
+            return None
+        began, ended = min(m[1] for m in self._moved), max(m[2] for m in self._moved)
+        moved = sum(m[0] for m in self._moved)
+        return moved / (ended - began) if moved and ended > began else None
+
     def abandon(self, why: str) -> None:
         """The run failed: stops the reductions under way and waits (briefly) for them to
         end, before the run is closed (then a process group's watcher would find no
@@ -315,6 +355,7 @@ class Reductions:
         the reduction was asked for, on the tracer's clock)."""
         if not work:
             return
+        began = time.monotonic()
         job, ids, replicas = self.layers.job, self.ids, self.placement.num_replicas
         groups, rendezvous = self._engine
         if job.collectives:
@@ -335,6 +376,14 @@ class Reductions:
             )
         else:
             _over_data_channel(work, replicas, self.links, self.mailbox, ids)
+        grads = sum(
+            p.numel() * p.element_size()
+            for _, _, params, _, _ in work
+            for ps in params
+            for p in ps
+            if p.requires_grad
+        )
+        self._moved.append((2 * (replicas - 1) / replicas * grads, began, time.monotonic()))
         if self.tracer is not None:
             end = self.tracer.now_ns()
             for reduction, owned, _, _, _ in work:

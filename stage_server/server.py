@@ -252,6 +252,7 @@ class StageServer(ServerLifecycle):
                 memory_bytes=stage.memory_bytes,
                 replica=self._config.replica,
                 pipeline_s=stage.pipeline_time.at(stage.epoch),
+                reduce_bytes_per_s=stage.reduce_rate.value(),
             ),
             timeout=max(1.0, interval * 2),
         )

@@ -141,6 +141,7 @@ class Stage(EpochChanges):
         self._mailbox = self._new_mailbox()
         self.committed = threading.Event()  # set at each step applied
         self.pipeline_time = reducing.PipelineTime()  # replicas: this epoch's runs' pipeline
+        self.reduce_rate = reducing.ReduceRate()  # replicas: bytes/s of the reductions
         self._groups = collectives.ProcessGroups()  # collectives="gloo": the reduction's
         self.rendezvous = ""  # the coordinator's rendezvous now (heartbeats; "": the job's)
         self._links: dict[str, Link] = {}
@@ -464,6 +465,7 @@ class Stage(EpochChanges):
                 self.pipeline_time.note(placement.epoch, time.monotonic() - ctx.deadline + timeout)
                 self.faults.point("reducing")  # tests: killed as its replicas reduce
                 reductions.finish()
+                self.reduce_rate.note(placement.epoch, reductions.rate())
         except BaseException as exc:
             if reductions is not None:
                 reductions.abandon(f"run {run} failed on stage {self.config.name}")

@@ -255,14 +255,23 @@ def format_plan(p: PlanReport) -> str:
             "the predicted steps those of its shares now and of the best shares"
         )
     if p.layouts:
-        lines += ["", "layouts (replicas='auto', over the job's stages and the spares):"]
+        reductions = (
+            f"reductions at {p.reduce_bytes_per_s / 1e6:.1f} MB/s"
+            if p.reduce_bytes_per_s
+            else "reductions not counted until a job of replicas measured them"
+        )
+        lines += [
+            "",
+            f"layouts (replicas='auto', over the job's stages and the spares; {reductions}):",
+        ]
         for c in p.layouts:
             step = f"{c.step_s * 1e3:.1f} ms" if c.in_seconds else f"{c.step_s:.3g} (no unit)"
             chains = " | ".join(
                 f"{_ranges(list(r.boundaries))} x{m}"
                 for r, m in zip(c.replicas, c.shares, strict=False)
             )
-            lines.append(f"  {len(c.replicas):>3} replicas  {step:>12}  {chains}")
+            reduce = f" (reduction {c.reduce_s * 1e3:.1f} ms)" if c.reduce_s else ""
+            lines.append(f"  {len(c.replicas):>3} replicas  {step:>12}  {chains}{reduce}")
     return "\n".join(lines)
 
 

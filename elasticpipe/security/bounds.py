@@ -37,6 +37,7 @@ FetchOutput micro_batch                     0 .. 4095
 Heartbeat timings, pipeline_s               at most 65,536 entries; layer 0 .. 65,535;
                                             seconds finite in [0, 1e6]; bytes and
                                             samples 0 .. 2**50
+Heartbeat reduce_bytes_per_s                finite in [0, 1e15]
 Heartbeat slowdown                          0 (not reported) or [1, 1000]
 RenewLease loop_pauses                      at most 16; epochs 0 .. 2**53; seconds
                                             finite in [0, 1e6]
@@ -70,6 +71,7 @@ MAX_STEP = 2**53  # exact as a float, in JSON and in SQLite
 MAX_RUN = 2**63 - 1  # SQLite's largest integer
 MAX_CLIENT = 2**23  # a client generation: run ids (generation << 40) stay under 2**63
 MAX_TIMING_S = 1e6
+MAX_BYTES_PER_S = 1e15  # a measured bandwidth
 MAX_COUNTED = 2**50  # bytes or samples one layer reports
 
 

@@ -93,6 +93,7 @@ class HeartbeatRequest(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
     PIPELINE_S_FIELD_NUMBER: _builtins.int
+    REDUCE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     epoch: _builtins.int
     committed_step: _builtins.int
@@ -105,6 +106,11 @@ class HeartbeatRequest(_message.Message):
     """A stage of a replica: how long its replica's pipeline took in this epoch's training
     runs (an EWMA of seconds from a run's start to this stage's last op, before the
     gradient reduction); 0 while none ran. The slowest stage of a replica gives its time.
+    """
+    reduce_bytes_per_s: _builtins.float
+    """A stage of a replica: how fast its gradient reductions went, in bytes per second (an
+    EWMA over its runs of the bytes the planner counts it sends, over their time); 0 while
+    none was measured. Without --link-bandwidth the planner times reductions at the median.
     """
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.LayerTiming]: ...
@@ -125,10 +131,11 @@ class HeartbeatRequest(_message.Message):
         memory_bytes: _builtins.int = ...,
         replica: _builtins.str = ...,
         pipeline_s: _builtins.float = ...,
+        reduce_bytes_per_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "pipeline_s", b"pipeline_s", "replica", b"replica", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "pipeline_s", b"pipeline_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "replica", b"replica", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1048,10 +1055,16 @@ class PlanResponse(_message.Message):
     STAGE_NAMES_FIELD_NUMBER: _builtins.int
     STAGE_SPEED_SPREADS_FIELD_NUMBER: _builtins.int
     LAYOUTS_FIELD_NUMBER: _builtins.int
+    REDUCE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     current_step_s: _builtins.float
     """seconds per step (unset: unknown, not profiled)"""
     optimal_step_s: _builtins.float
     bytes_to_move: _builtins.int
+    reduce_bytes_per_s: _builtins.float
+    """The bandwidth reductions are planned at, bytes/s: the coordinator's --link-bandwidth,
+    else the median of what the stages measured (HeartbeatRequest.reduce_bytes_per_s);
+    0: neither, and reductions count as free.
+    """
     @_builtins.property
     def current(self) -> Global___Partition: ...
     @_builtins.property
@@ -1089,10 +1102,11 @@ class PlanResponse(_message.Message):
         stage_names: _abc.Iterable[_builtins.str] | None = ...,
         stage_speed_spreads: _abc.Iterable[_builtins.float] | None = ...,
         layouts: _abc.Iterable[Global___LayoutCandidate] | None = ...,
+        reduce_bytes_per_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "current", b"current", "current_step_s", b"current_step_s", "optimal_step_s", b"optimal_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "layouts", b"layouts", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "layouts", b"layouts", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__current_step_s: _TypeAlias = _typing.Literal["current_step_s"]  # noqa: Y015
     _WhichOneofArgType__current_step_s: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s"]  # noqa: Y015
@@ -1117,7 +1131,7 @@ class LayoutCandidate(_message.Message):
     step_s: _builtins.float
     """predicted step: the slowest replica's, plus reduce_s"""
     reduce_s: _builtins.float
-    """the reduction (0 unless a link bandwidth is given)"""
+    """the reduction (0 without reduce_bytes_per_s)"""
     in_seconds: _builtins.bool
     """false: unit-less costs until the stages are profiled"""
     @_builtins.property

@@ -60,6 +60,8 @@ HEARTBEATS = [
     ({"slowdown": -5.0}, "slowdown", "-5.0"),
     ({"slowdown": 0.5}, "slowdown", "0.5"),
     ({"epoch": 2**40}, "epoch", str(2**40)),
+    ({"reduce_bytes_per_s": NAN}, "reduce_bytes_per_s", "nan"),
+    ({"reduce_bytes_per_s": -1.0}, "reduce_bytes_per_s", "-1.0"),
 ]
 
 

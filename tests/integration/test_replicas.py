@@ -64,6 +64,7 @@ def test_replicas_train_bitwise_like_one_process(
         state = pipe.state_dict()
         status = cli.admin_json(cluster, "status")
         table = cli.admin(cluster, "status").stdout
+        _reductions_measured(cluster)
         plan = cli.admin_json(cluster, "plan")
         plan_table = cli.admin(cluster, "plan").stdout
     same_bits(losses, state, (want_losses, want_state))
@@ -79,6 +80,19 @@ def test_replicas_train_bitwise_like_one_process(
     assert steps == sorted(steps) and {len(c["replicas"]) for c in plan["layouts"]} >= {1, 2}
     assert all(sum(c["shares"]) == M for c in plan["layouts"])
     assert "layouts (replicas='auto'" in plan_table and f"runs {len(sizes)} replicas" in plan_table
+    # the planner times reductions at the rate the stages measured (no --link-bandwidth)
+    assert plan["reduce_bytes_per_s"] > 0 and "reductions at" in plan_table
+    assert all((c["reduce_s"] > 0) == (len(c["replicas"]) > 1) for c in plan["layouts"])
+
+
+def _reductions_measured(cluster: LocalCluster, timeout: float = 10.0) -> None:
+    """Waits until the stages' heartbeats brought their reductions' rate (a run after the
+    epoch's first reduced; a heartbeat a second)."""
+    deadline = time.monotonic() + timeout
+    with cluster.admin() as admin:
+        while not admin.plan().reduce_bytes_per_s:
+            assert time.monotonic() < deadline, "no stage reported its reductions' rate"
+            time.sleep(0.1)
 
 
 def test_the_gloo_engine_gives_the_data_channels_bits(cluster: LocalCluster) -> None:

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe.errors import DeadlineExceeded, StageUnavailable
+from elasticpipe.errors import DeadlineExceeded, InvalidRequest, StageUnavailable
 from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.stage_server import devicepath
+from elasticpipe.stage_server import stage as stage_module
 from elasticpipe.stage_server.devicepath import (
     PinnedPool,
     PlainPath,
@@ -92,8 +93,23 @@ def test_a_cpu_device_gets_the_plain_path_and_host_clocks() -> None:
     assert isinstance(clock, EventClock) and clock.device == cuda
     assert event_clock("wall", cuda) is None
     assert event_clock("cpu", cuda) is None
+    assert event_clock("fastest", CPU) is None
     with pytest.raises(ValueError, match="needs a CUDA device, not cpu"):
         devicepath.CudaPath(CPU)
+
+
+@pytest.mark.timeout(10)
+def test_the_fastest_timer_emulates_a_device_on_cpu_stages_only() -> None:
+    """``--timer fastest``: a CPU stage times its ops in thread CPU time, each the fastest
+    of its recent runs (``FastestTimes``); a CUDA stage refuses it by name (its events
+    already time the device alone); an unknown timer is refused naming the choices."""
+    assert stage_module._clock("fastest", CPU) is time.thread_time
+    with pytest.raises(InvalidRequest, match="timer 'fastest' emulates a device on a CPU"):
+        stage_module._clock("fastest", torch.device("cuda", 0))
+    with pytest.raises(InvalidRequest, match=r"unknown timer 'gpu'.*fastest"):
+        stage_module._clock("gpu", CPU)
+    assert stage_module.Stage(StageConfig("a", timer="fastest")).slowdown.fastest is not None
+    assert stage_module.Stage(StageConfig("b")).slowdown.fastest is None
 
 
 @pytest.mark.timeout(10)

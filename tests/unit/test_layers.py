@@ -152,7 +152,7 @@ def _busy(seconds: float) -> None:
 def test_an_op_counts_as_the_fastest_of_its_recent_runs() -> None:
     """``--timer fastest``: an op counts as the fastest of its last ``window`` runs (a
     loaded host only ever adds time), and a run falls out of the window as newer ones come;
-    each op (here the key) has its own runs; a full table starts afresh."""
+    each op (here the key) has its own runs; a full table forgets the least recent op."""
     fastest = FastestTimes(window=3, max_ops=2)
     assert [fastest.time("a", t) for t in (0.030, 0.010, 0.020, 0.050)] == [
         0.030,
@@ -163,8 +163,9 @@ def test_an_op_counts_as_the_fastest_of_its_recent_runs() -> None:
     assert fastest.time("a", 0.040) == 0.020  # 0.010 fell out of the window
     assert fastest.time("b", 0.045) == 0.045  # another op: its own runs
     assert fastest.time("a", 0.001) == 0.001
-    fastest.time("c", 0.007)  # a third op: the table (max 2) starts afresh
-    assert fastest.time("a", 0.060) == 0.060
+    fastest.time("c", 0.007)  # a third op: the table (max 2) forgets b, run least recently
+    assert fastest.time("a", 0.060) == 0.001
+    assert fastest.time("b", 0.090) == 0.090
     with pytest.raises(ValueError, match="window must be >= 1"):
         FastestTimes(window=0)
 
@@ -190,9 +191,66 @@ def test_a_slowed_slice_does_not_count_the_hosts_load_with_the_fastest_timer() -
         before = first_forward(6)
     layer = layers.layers[0]
     slow = layer.forward
-    layer.forward = lambda x: (_busy(0.02), slow(x))[1]  # type: ignore[method-assign]
+    # (an instance attribute the layer's op name no longer sees: ``LayerSlice`` named it)
+    layer.forward = lambda x: (_cpu_busy(0.02), slow(x))[1]  # type: ignore[method-assign]
     assert [first_forward(6) for _ in range(3)] == [before] * 3  # 20 ms more: not counted
     assert first_forward(4) > 2 * 0.02  # a new shape: its one run is slow, and counts
+
+
+def _cpu_busy(seconds: float) -> None:
+    """Spends ``seconds`` of this thread's CPU time (what a CPU stage's layers are timed
+    in), however long the host keeps it waiting."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class _Named(FastestTimes):
+    """Keeps the name of every op timed, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[object] = []
+
+    def time(self, op: object, measured: float) -> float:  # type: ignore[override]
+        self.names.append(op)
+        return super().time(op, measured)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["1f1b", "zb-h1"])
+def test_each_kind_of_layer_op_has_a_name_of_its_own(split: bool) -> None:
+    """An MLP of three alike Linear layers on the first stage: the first one's input is data
+    (no gradient), so its forward and its whole backward are other ops than the two others'
+    (which share theirs); a backward (whole, or ZB-H1's input and weight gradients, W the
+    same op for all three: weights only) is another op than the forward, and inference
+    (eval mode, no autograd) another than a training forward."""
+    job = JobConfig(model="mlp", model_kwargs={"sizes": [16, 16, 16, 16]}, optimizer="sgd")
+    fastest = _Named()
+    layers = LayerSlice(
+        job, torch.device("cpu"), Slowdown(2.0, time.thread_time, None, fastest), ()
+    )
+    layers.build(0, 5)
+    y, stash = layers.forward(torch.randn(4, 16), train=True, input_grad=False, micro_batch=0)
+    assert stash is not None
+    forwards, fastest.names = fastest.names, []
+    layers.backward(stash, torch.ones_like(y), split=split)
+    if split:
+        layers.backward_weights(stash)
+    backwards, fastest.names = fastest.names, []
+    layers.forward(torch.randn(4, 16), train=False)
+    inference = fastest.names
+    # forwards: Linear 0, ReLU, Linear 2, ReLU, Linear 4 (the layers of the slice, in order)
+    assert forwards[2] == forwards[4] != forwards[0] and forwards[1] == forwards[3]
+    linear = {forwards[0], forwards[2]}
+    assert not linear & set(backwards) and not linear & set(inference)
+    kinds = [name[2] for name in backwards]  # type: ignore[index]
+    if split:  # B of Linear 4, ReLU 3, Linear 2, ReLU 1 (Linear 0 has no input to B), then W
+        assert kinds == ["input grads", "backward"] * 2 + ["weight grads"] * 3
+        assert backwards[0] == backwards[2] and backwards[4] == backwards[5] == backwards[6]
+    else:  # Linear 4, ReLU 3, Linear 2, ReLU 1, Linear 0
+        assert kinds == ["backward"] * 5
+        assert backwards[0] == backwards[2] != backwards[4] and backwards[1] == backwards[3]
+    assert len(inference) == 5 and inference[0] == inference[2] == inference[4]  # (no grads)
 
 
 def test_alike_layers_are_one_op_for_the_fastest_timer() -> None:

@@ -1,15 +1,19 @@
 """The reduction's wire form: a chunk of any number of parameters travels as one tensor per
 run of one dtype plus its flags, and comes back as the chunk's parameters; anything else
-is refused by name."""
+is refused by name. And the reduction's measured rate, which the planner times
+reductions at when the operator gave no link bandwidth."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from elasticpipe.coordinator.config import CoordinatorConfig
+from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Placement, StageRef
-from elasticpipe.stage_server.reducing import _joined, _piece, share_of
+from elasticpipe.stage_server.reducing import ReduceRate, _joined, _piece, share_of
 from elasticpipe.stage_server.reduction import GroupReduction, cut
 from elasticpipe.training.gradsum import Node
 
@@ -70,3 +74,46 @@ def test_shares_must_fit_the_replica_and_leave_none_empty() -> None:
     for shares, runs in (([5, 3], 4), ([8], 8), ([8, 0], 0)):
         with pytest.raises(InvalidRequest, match="every replica runs at least one"):
             share_of(placement, shares, runs)
+
+
+def test_the_reduction_rate_leaves_out_each_epochs_first_run_and_carries_over() -> None:
+    """``ReduceRate``: an epoch's first run is left out (it opens connections), the later
+    ones are averaged (an EWMA of weight 0.5), a run that reduced nothing changes nothing,
+    and the rate carries over into the next epoch (a figure of the hosts, not the layout)."""
+    rate = ReduceRate()
+    assert rate.value() == 0.0
+    rate.note(3, 1e6)  # epoch 3's first run: left out
+    assert rate.value() == 0.0
+    rate.note(3, 4e8)
+    rate.note(3, None)
+    assert rate.value() == 4e8
+    rate.note(3, 2e8)
+    assert rate.value() == pytest.approx(3e8)
+    rate.note(4, 1.0)  # epoch 4's first run: left out; epoch 3's rate stays
+    assert rate.value() == pytest.approx(3e8)
+    rate.note(4, 5e8)
+    assert rate.value() == pytest.approx(4e8)
+
+
+def test_the_planner_times_reductions_at_the_link_bandwidth_else_the_stages_median() -> None:
+    """``Cluster.reduce_bandwidth``: none known, reductions are free (None); then the
+    median of the rates the live stages measured (a dead stage's left out), once the costs
+    it adds to are seconds; the operator's ``--link-bandwidth`` before any of them."""
+    cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig(dead_after_s=60.0))
+    try:
+        ids = [
+            cluster.members.register(n, f"127.0.0.1:{p}", "cpu")[0]
+            for n, p in zip("abcd", range(1, 5), strict=True)
+        ]
+        assert cluster.reduce_bandwidth() is None
+        for sid, rate in zip(ids, (1e8, 4e8, 2e8, 9e9), strict=True):
+            member = cluster.members.by_id(sid)
+            assert member is not None
+            member.reduce_rate = rate
+        cluster.members.declare_dead(ids[3], "killed")
+        assert cluster.reduce_bandwidth() == 2e8
+        assert cluster.reduce_bandwidth(in_seconds=False) is None  # (costs without a unit)
+        cluster.link_bandwidth = 5e7
+        assert cluster.reduce_bandwidth() == 5e7 == cluster.reduce_bandwidth(in_seconds=False)
+    finally:
+        cluster.pool.close()
