@@ -255,6 +255,9 @@ class PlanReport:
     # bytes/s reductions are planned at (--link-bandwidth, else the stages' measured
     # median); 0: neither known, and reductions count as free
     reduce_bytes_per_s: float = 0.0
+    # seconds added per pipeline slot to a layout's predicted step (chains' measured
+    # overhead beyond the planner's model, median); 0 before any was measured
+    slot_overhead_s: float = 0.0
 
     @property
     def gain(self) -> float | None:

@@ -445,7 +445,8 @@ def layout_candidates(cluster: Cluster) -> tuple[list[str], list[LayoutPlan]]:
     job, _ = cluster.require_job()
     stage_ids = [*cluster.job_stage_ids(), *(m.row.stage_id for m in cluster.spares())]
     mem = cluster.memory(stage_ids)
-    bandwidth = cluster.reduce_bandwidth(cluster.in_seconds(stage_ids))
+    in_seconds = cluster.in_seconds(stage_ids)
+    bandwidth = cluster.reduce_bandwidth(in_seconds)
     try:
         return stage_ids, plan_layouts(
             cluster.costs(),
@@ -456,6 +457,7 @@ def layout_candidates(cluster: Cluster) -> tuple[list[str], list[LayoutPlan]]:
             reduce_bandwidth=bandwidth,
             layer_memory=mem.layer_memory,
             host_memory=mem.stage_memory,
+            slot_s=cluster.slot_overhead(in_seconds),
         )
     except PlanError as exc:
         log.info("layouts_unplanned", why=str(exc))

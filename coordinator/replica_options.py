@@ -347,6 +347,9 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     (``measured_pipelines``), or without a unit (no profile), the predictions alone: one
     replica corrected beside another not would skew the split.
 
+    Each chain's shortfall per slot measured here also goes to
+    ``Cluster.note_slot_overhead``: new layouts' predictions add the chains' median per slot.
+
     A chain's shortfall per slot is the one measured at the largest share it ran since its
     stages last changed (``Cluster.slot_shortfalls``), or at this epoch's if that share is
     as large. Measured at a share of 1 (two slots), a slow link's cost came out far below
@@ -366,6 +369,7 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     ):
         stages = chain.num_stages
         per_slot = max(0.0, measured - predicted(share)) / (share + stages - 1)
+        cluster.note_slot_overhead((chain.job_id, chain.stage_ids), per_slot)
         known = cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids))
         if known is None or share >= known[0]:
             cluster.slot_shortfalls[(chain.job_id, chain.stage_ids)] = (share, per_slot)

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planning import PlanError, memory, predict_step_time
+from elasticpipe.coordinator.planning import PlanError, memory
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_fixed, plan_layouts
+from elasticpipe.coordinator.planning.shares import planned_step_times
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.layout import Layout
@@ -160,7 +161,9 @@ def lay_out(
     mem = memory.terms([m.memory_bytes for m in chosen], param_bytes, cluster.profile, job)
     bandwidth = cluster.reduce_bandwidth(in_seconds=profiled)
     reduce = (param_bytes, bandwidth) if bandwidth else (None, None)
+    slot_s = cluster.slot_overhead(in_seconds=profiled)
     common = dict(
+        slot_s=slot_s,
         schedule=job.schedule,
         param_bytes=reduce[0],
         reduce_bandwidth=reduce[1],
@@ -186,7 +189,8 @@ def lay_out(
                 stages=tuple(
                     StageRef(chosen[h].row.stage_id, chosen[h].row.address) for h in hosts
                 ),
-                predicted_step_s=predict_step_time(plan, share, job.schedule) + best.reduce_s
+                predicted_step_s=planned_step_times([plan], job.schedule, slot_s)[0](share)
+                + best.reduce_s
                 if profiled and share
                 else None,
             )

@@ -430,6 +430,7 @@ class CoordinatorServicer:
         return coordinator_pb2.PlanResponse(
             layouts=layouts,
             reduce_bytes_per_s=cluster.reduce_bandwidth(view.in_seconds) or 0.0,
+            slot_overhead_s=cluster.slot_overhead(view.in_seconds),
             current=self._wire(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
             current_step_s=view.current_step_s if view.in_seconds else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -37,6 +38,8 @@ from elasticpipe.transport import rpc
 from elasticpipe.transport.terms import TermStamp
 
 log = get_logger(__name__)
+
+SLOT_CHAINS = 64  # replica chains whose measured overhead per slot is kept (slot_overhead)
 
 
 class LinkTerms(NamedTuple):
@@ -110,6 +113,8 @@ class Cluster:
         # at (``replica_options.measured_step_times``): the one from the largest share;
         # by (job id, the chain's stage ids): never one job's for another's
         self.slot_shortfalls: dict[tuple[str, tuple[str, ...]], tuple[int, float]] = {}
+        # The same, the latest per chain, kept across jobs for ``slot_overhead``
+        self.slot_overheads: OrderedDict[tuple[str, tuple[str, ...]], float] = OrderedDict()
         self.metrics = CoordinatorMetrics(self._metrics_view)
 
     @property
@@ -335,6 +340,24 @@ class Cluster:
         live = (m for m in self.members.members() if self.members.alive(m))
         rates = [m.reduce_rate for m in live if m.reduce_rate > 0]
         return statistics.median(rates) if rates else None
+
+    def note_slot_overhead(self, chain: tuple[str, tuple[str, ...]], per_slot: float) -> None:
+        """Keeps what a chain (job id, stage ids) measured per pipeline slot beyond the
+        planner's prediction, for ``slot_overhead`` (the last ``SLOT_CHAINS`` chains)."""
+        self.slot_overheads.pop(chain, None)
+        self.slot_overheads[chain] = per_slot
+        while len(self.slot_overheads) > SLOT_CHAINS:
+            self.slot_overheads.popitem(last=False)
+
+    def slot_overhead(self, in_seconds: bool = True) -> float:
+        """Seconds the planner adds per pipeline slot to a new layout's predicted step: the
+        median of what the replica chains measured beyond its predictions per slot (hop
+        latencies, per-op overheads), in this job and earlier ones (``note_slot_overhead``:
+        a figure of the hosts, like the reduction's rate); 0 before any chain was measured,
+        or while the step times it is added to have no unit."""
+        if not in_seconds or not self.slot_overheads:
+            return 0.0
+        return statistics.median(self.slot_overheads.values())
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""

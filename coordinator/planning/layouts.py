@@ -94,6 +94,7 @@ def plan_layouts(
     layer_memory: Numbers | None = None,
     host_memory: Numbers | None = None,
     max_replicas: int | None = None,
+    slot_s: float = 0.0,
 ) -> list[LayoutPlan]:
     """Every feasible replica count's best layout found, the shortest predicted step first.
 
@@ -107,6 +108,7 @@ def plan_layouts(
         host_memory: ``H`` bytes each host offers (as ``order_hosts``'s ``stage_memory``).
         max_replicas: at most this many replicas (default: as many as hosts, and no more
             than ``micro_batches``).
+        slot_s: seconds added per slot of each replica's pipeline (``planned_step_times``).
 
     Raises:
         PlanError: no replica count fits the memory caps, or bad inputs (named).
@@ -134,6 +136,7 @@ def plan_layouts(
                     reduce_bandwidth,
                     layer_memory,
                     host_memory,
+                    slot_s=slot_s,
                 )
             )
         except PlanError as exc:
@@ -153,6 +156,7 @@ def plan_fixed(
     reduce_bandwidth: float | None = None,
     layer_memory: Numbers | None = None,
     host_memory: Numbers | None = None,
+    slot_s: float = 0.0,
 ) -> LayoutPlan:
     """The layout of replicas of the given lengths: the hosts taken in the order given,
     ``sizes[0]`` of them for replica 0, the next ``sizes[1]`` for replica 1, and so on;
@@ -177,7 +181,7 @@ def plan_fixed(
     starts = list(itertools.accumulate(sizes, initial=0))
     groups = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
     args = (schedule, param_bytes, reduce_bandwidth, layer_memory, host_memory)
-    return _plan(groups, layer_costs, speeds, micro_batches, *args, at_least=1)
+    return _plan(groups, layer_costs, speeds, micro_batches, *args, at_least=1, slot_s=slot_s)
 
 
 def _plan(
@@ -191,6 +195,7 @@ def _plan(
     layer_memory: Numbers | None,
     host_memory: Numbers | None,
     at_least: int = 0,
+    slot_s: float = 0.0,
 ) -> LayoutPlan:
     """One layout of the hosts dealt into ``groups``: each ordered and partitioned, the
     shares water-filled, the reduction added (``PlanError`` naming the replica that fits
@@ -209,7 +214,7 @@ def _plan(
             raise PlanError(f"replica {r}: {exc}") from exc
         ordered.append(tuple(hosts[i] for i in order))
         plans.append(best)
-    times = planned_step_times(plans, schedule)
+    times = planned_step_times(plans, schedule, slot_s)
     shares = assign_shares(times, micro_batches, at_least)
     reduce_s = (
         reduce_seconds([p.boundaries for p in plans], param_bytes, reduce_bandwidth)

@@ -69,7 +69,16 @@ def slowest(step_times: Sequence[StepTime], shares: Sequence[int]) -> float:
     return max((t(m) for t, m in zip(step_times, shares, strict=True) if m), default=0.0)
 
 
-def planned_step_times(plans: Sequence[Plan], schedule: str) -> list[StepTime]:
+def planned_step_times(plans: Sequence[Plan], schedule: str, slot_s: float = 0.0) -> list[StepTime]:
     """Each replica's ``T_r(m)``: the planner's prediction for its partition (``plans[r]``)
-    running ``m`` micro-batches under ``schedule``."""
-    return [functools.partial(predict_step_time, p, schedule=schedule) for p in plans]
+    running ``m`` micro-batches under ``schedule``, plus ``slot_s`` per slot of its
+    pipeline (``m + S - 1`` of them: what a chain measured beyond the model per slot, hop
+    latencies and per-op overheads; ``Cluster.slot_overhead``)."""
+    if not slot_s:
+        return [functools.partial(predict_step_time, p, schedule=schedule) for p in plans]
+    return [functools.partial(_with_slots, p, schedule, slot_s) for p in plans]
+
+
+def _with_slots(plan: Plan, schedule: str, slot_s: float, m: int) -> float:
+    stages = len(plan.boundaries) - 1
+    return predict_step_time(plan, m, schedule) + slot_s * (m + stages - 1)

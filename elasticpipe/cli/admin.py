@@ -260,6 +260,8 @@ def format_plan(p: PlanReport) -> str:
             if p.reduce_bytes_per_s
             else "reductions not counted until a job of replicas measured them"
         )
+        if p.slot_overhead_s:
+            reductions += f", {p.slot_overhead_s * 1e3:.2f} ms measured per pipeline slot"
         lines += [
             "",
             f"layouts (replicas='auto', over the job's stages and the spares; {reductions}):",

@@ -1056,6 +1056,7 @@ class PlanResponse(_message.Message):
     STAGE_SPEED_SPREADS_FIELD_NUMBER: _builtins.int
     LAYOUTS_FIELD_NUMBER: _builtins.int
     REDUCE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    SLOT_OVERHEAD_S_FIELD_NUMBER: _builtins.int
     current_step_s: _builtins.float
     """seconds per step (unset: unknown, not profiled)"""
     optimal_step_s: _builtins.float
@@ -1064,6 +1065,11 @@ class PlanResponse(_message.Message):
     """The bandwidth reductions are planned at, bytes/s: the coordinator's --link-bandwidth,
     else the median of what the stages measured (HeartbeatRequest.reduce_bytes_per_s);
     0: neither, and reductions count as free.
+    """
+    slot_overhead_s: _builtins.float
+    """Seconds added per pipeline slot to a layout's predicted step: the median of what
+    replica chains measured beyond the planner's predictions per slot (hop latencies,
+    per-op overheads), in this job and earlier ones; 0 before any was measured.
     """
     @_builtins.property
     def current(self) -> Global___Partition: ...
@@ -1103,10 +1109,11 @@ class PlanResponse(_message.Message):
         stage_speed_spreads: _abc.Iterable[_builtins.float] | None = ...,
         layouts: _abc.Iterable[Global___LayoutCandidate] | None = ...,
         reduce_bytes_per_s: _builtins.float = ...,
+        slot_overhead_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "current", b"current", "current_step_s", b"current_step_s", "optimal_step_s", b"optimal_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "layouts", b"layouts", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "layouts", b"layouts", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "slot_overhead_s", b"slot_overhead_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__current_step_s: _TypeAlias = _typing.Literal["current_step_s"]  # noqa: Y015
     _WhichOneofArgType__current_step_s: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s"]  # noqa: Y015

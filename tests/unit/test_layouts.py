@@ -103,3 +103,19 @@ def test_a_replica_that_fits_no_partition_is_named() -> None:
         plan_fixed(
             [1.0] * 4, [1.0] * 3, 4, (1, 2), layer_memory=[10.0] * 4, host_memory=[45.0, 15.0, 15.0]
         )
+
+
+def test_an_overhead_per_slot_counts_in_every_replicas_step_and_shifts_the_shares() -> None:
+    """``slot_s``: seconds per slot of each replica's pipeline (``m + S - 1`` slots). The
+    worked example at 0.5 s a slot: R = 4 (2 slots each) 8 + 1, R = 2 (5) 10 + 2.5, R = 1
+    (11) 11 + 5.5. Replicas of (2, 3) over 6 layers of cost 1, M = 8: 3 (m + 1) against
+    2 (m + 2) split (3, 5) in 14; a second a slot, 4 (m + 1) against 3 (m + 2), (4, 4) in
+    20: the longer chain pays more slots per micro-batch."""
+    found = plan_layouts([1.0] * 4, [1.0] * 4, micro_batches=8, slot_s=0.5)
+    by_count = {len(p.replicas): p.step_s for p in found}
+    assert (by_count[4], by_count[2], by_count[1]) == pytest.approx((9.0, 12.5, 16.5))
+    assert len(found[0].replicas) == 4
+    free = plan_fixed([1.0] * 6, [1.0] * 5, 8, (2, 3))
+    slow = plan_fixed([1.0] * 6, [1.0] * 5, 8, (2, 3), slot_s=1.0)
+    assert (free.shares, free.step_s) == ((3, 5), pytest.approx(14.0))
+    assert (slow.shares, slow.step_s) == ((4, 4), pytest.approx(20.0))

@@ -1,7 +1,8 @@
 """The reduction's wire form: a chunk of any number of parameters travels as one tensor per
 run of one dtype plus its flags, and comes back as the chunk's parameters; anything else
-is refused by name. And the reduction's measured rate, which the planner times
-reductions at when the operator gave no link bandwidth."""
+is refused by name. And what the planner learns from the stages' measurements: the rate it
+times reductions at when the operator gave no link bandwidth, and the overhead it adds per
+pipeline slot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from elasticpipe.coordinator.config import CoordinatorConfig
-from elasticpipe.coordinator.state import Cluster
+from elasticpipe.coordinator.state import SLOT_CHAINS, Cluster
 from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Placement, StageRef
@@ -115,5 +116,25 @@ def test_the_planner_times_reductions_at_the_link_bandwidth_else_the_stages_medi
         assert cluster.reduce_bandwidth(in_seconds=False) is None  # (costs without a unit)
         cluster.link_bandwidth = 5e7
         assert cluster.reduce_bandwidth() == 5e7 == cluster.reduce_bandwidth(in_seconds=False)
+    finally:
+        cluster.pool.close()
+
+
+def test_the_planner_adds_the_chains_measured_overhead_per_slot() -> None:
+    """``Cluster.slot_overhead``: 0 before any chain was measured, or for step times with
+    no unit; then the median of the chains' latest figures (a chain measured again
+    replaces its own), kept across jobs, the last ``SLOT_CHAINS`` chains only."""
+    cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig())
+    try:
+        assert cluster.slot_overhead() == 0.0
+        for n, per_slot in enumerate((0.004, 0.001, 0.010)):
+            cluster.note_slot_overhead(("j1", (f"s{n}",)), per_slot)
+        assert cluster.slot_overhead() == 0.004
+        assert cluster.slot_overhead(in_seconds=False) == 0.0
+        cluster.note_slot_overhead(("j1", ("s0",)), 0.020)  # s0's chain measured again
+        assert cluster.slot_overhead() == 0.010
+        for n in range(SLOT_CHAINS):  # a later job's chains push the first job's out
+            cluster.note_slot_overhead(("j2", (f"t{n}",)), 0.002)
+        assert cluster.slot_overhead() == 0.002 and len(cluster.slot_overheads) == SLOT_CHAINS
     finally:
         cluster.pool.close()
