@@ -14,9 +14,10 @@ the same stages, each trained ``--steps`` steps after a warm-up:
     2 of 3 again reducing on gloo (``collectives="gloo"``, "2 x 3 gl")
 
 Printed per layout: steps/s, the planner's prediction (the slowest replica's predicted step
-for its share, plus the reduction at the rate the stages measured in the layouts before:
-no link bandwidth is given here, so the first layout of replicas, 2 x 3, is predicted
-without it), measured over predicted, and the speed-up over one pipeline of 6.
+for its share, plus the reduction at the rate the stages measured in the layouts before
+and the overhead per pipeline slot their chains measured beyond the model: "planned
+with"; no link bandwidth is given here, so the first layout of replicas, 2 x 3, is
+predicted without them), measured over predicted, and the speed-up over one pipeline of 6.
 The last line is JSON with ``speedup_best`` (the best fixed layout over one pipeline),
 ``auto_vs_best`` (auto over the best fixed layout), ``gloo_vs_data_channel`` (2 of 3 on
 gloo over the same on the data channel) and ``straggler_vs_optimum``.
@@ -111,6 +112,7 @@ def run_layout(
         layout = pipe.layout
         with cluster.admin() as admin:
             live_s = model_at_live_speeds(admin, layout)
+            plan = admin.plan()  # (what the next layout's prediction will count)
         predicted = [p.predicted_step_s for p in layout.replicas]
     step_s = max(s for s in predicted if s is not None) if all(predicted) else None
     return {
@@ -121,6 +123,8 @@ def run_layout(
         "replicas": [list(p.boundaries) for p in layout.replicas],
         "lengths": [p.num_stages for p in layout.replicas],
         "shares": list(layout.shares),
+        "learned_reduce_mb_per_s": plan.reduce_bytes_per_s / 1e6,
+        "learned_slot_ms": plan.slot_overhead_s * 1e3,
     }
 
 
@@ -240,8 +244,9 @@ def main() -> int:
     print(
         f"{'layout':<10}{'lengths':<14}{'shares':<14}{'steps/s':>9}{'predicted':>11}"
         f"{'measured/pred':>15}{'live model':>12}{'measured/live':>15}{'speed-up':>10}"
-        f"{'cores busy':>12}"
+        f"{'cores busy':>12}{'planned with':>22}"
     )
+    learned = (0.0, 0.0)  # what the coordinator had measured before each layout
     for name, found in results.items():
         pred = found["predicted_steps_per_s"]
         found["vs_predicted"] = ratio = found["steps_per_s"] / pred if pred else None
@@ -256,7 +261,10 @@ def main() -> int:
             f"{(f'{live:.3f}' if live else '-'):>12}"
             f"{(f'{vs_live:.0%}' if vs_live else '-'):>15}{found['speedup']:>9.2f}x"
             f"{found['cores_busy']:>12.0%}"
+            f"{learned[0]:>9.0f} MB/s {learned[1]:>4.1f} ms/slot"
         )
+        found["planned_reduce_mb_per_s"], found["planned_slot_ms"] = learned
+        learned = (found["learned_reduce_mb_per_s"], found["learned_slot_ms"])
     out = {
         "base": args.base,
         "timer": args.timer,
@@ -268,6 +276,10 @@ def main() -> int:
         "gloo_vs_data_channel": results[ENGINES[1]]["steps_per_s"]
         / results[ENGINES[0]]["steps_per_s"],
         "min_vs_predicted": min(
+            (f["vs_predicted"] for f in results.values() if f["vs_predicted"] is not None),
+            default=None,
+        ),
+        "max_vs_predicted": max(
             (f["vs_predicted"] for f in results.values() if f["vs_predicted"] is not None),
             default=None,
         ),
@@ -289,6 +301,8 @@ def main() -> int:
                     "shares",
                     "lengths",
                     "cores_busy",
+                    "planned_reduce_mb_per_s",
+                    "planned_slot_ms",
                 )
             }
             for name, f in results.items()

@@ -400,6 +400,31 @@ def with_known_shortfalls(
     return out
 
 
+def note_chain_overhead(
+    cluster: Cluster, chain: Partition, micro_batches: int, predicted_s: float
+) -> None:
+    """One pipeline's overhead per slot beyond the planner's prediction (``predicted_s``
+    for ``micro_batches`` at the live speeds), for ``Cluster.slot_overhead``, once every
+    stage measured the chain's pipeline in its epoch (a job of one pipeline: what a first
+    job of replicas is predicted with)."""
+    if not cluster.in_seconds(chain.stage_ids):
+        return
+    measured = chain_pipeline(cluster, chain)
+    if measured is not None:
+        slots = micro_batches + chain.num_stages - 1
+        cluster.note_slot_overhead(
+            (chain.job_id, chain.stage_ids), max(0.0, measured - predicted_s) / slots
+        )
+
+
+def chain_pipeline(cluster: Cluster, chain: Partition) -> float | None:
+    """A chain's measured pipeline in its epoch (its slowest stage's ``pipeline_s``); None
+    until every stage reported one."""
+    heard = [m.pipeline_s if m else None for m in map(cluster.members.by_id, chain.stage_ids)]
+    measured = [h[1] for h in heard if h is not None and h[0] == chain.epoch]
+    return max(measured) if len(measured) == chain.num_stages else None
+
+
 def measured_pipelines(cluster: Cluster, layout: Layout) -> list[float] | None:
     """Each replica's measured pipeline in ``layout``'s epoch (its slowest stage's
     ``pipeline_s``); None until every stage of every replica reported one (every replica
@@ -408,11 +433,10 @@ def measured_pipelines(cluster: Cluster, layout: Layout) -> list[float] | None:
         return None
     out = []
     for chain, share in zip(layout.replicas, layout.shares, strict=True):
-        heard = [m.pipeline_s if m else None for m in map(cluster.members.by_id, chain.stage_ids)]
-        measured = [h[1] for h in heard if h is not None and h[0] == layout.epoch]
-        if share < 1 or len(measured) < chain.num_stages:
+        measured = chain_pipeline(cluster, chain)
+        if share < 1 or measured is None:
             return None
-        out.append(max(measured))
+        out.append(measured)
     return out
 
 

@@ -74,10 +74,11 @@ class RunIds:
 
 
 class PipelineTime:
-    """How long this stage's replica pipeline takes per training run, in this epoch: an
-    EWMA of seconds from a run's start to the stage's last op (before the reduction). The
-    coordinator takes a replica's slowest stage as its measured time, and weighs what the
-    planner's prediction misses (link latency, overheads) when it splits the shares. A new
+    """How long this stage's pipeline (its replica's, or the job's one chain) takes per
+    training run, in this epoch: an EWMA of seconds from a run's start to the stage's last
+    op (before any reduction). The coordinator takes a chain's slowest stage as its
+    measured time, and weighs what the planner's prediction misses (link latency,
+    overheads) when it splits the shares and predicts new layouts. A new
     epoch (new shares, moved layers) starts afresh, and its first run is left out (it
     pays for what a change leaves cold: connections, caches, a retried run's wait)."""
 

@@ -461,8 +461,9 @@ class Stage(EpochChanges):
                 )
                 ctx = replace(ctx, layer_done=reductions.layer_done)
             result = execute(ops, ctx)
-            if reductions is not None:
+            if train:
                 self.pipeline_time.note(placement.epoch, time.monotonic() - ctx.deadline + timeout)
+            if reductions is not None:
                 self.faults.point("reducing")  # tests: killed as its replicas reduce
                 reductions.finish()
                 self.reduce_rate.note(placement.epoch, reductions.rate())

@@ -103,9 +103,9 @@ class HeartbeatRequest(_message.Message):
     replica: _builtins.str
     """as in RegisterRequest"""
     pipeline_s: _builtins.float
-    """A stage of a replica: how long its replica's pipeline took in this epoch's training
-    runs (an EWMA of seconds from a run's start to this stage's last op, before the
-    gradient reduction); 0 while none ran. The slowest stage of a replica gives its time.
+    """How long this stage's pipeline (its replica's, or the job's one chain) took in this
+    epoch's training runs (an EWMA of seconds from a run's start to this stage's last op,
+    before any gradient reduction); 0 while none ran. A chain's slowest stage gives its time.
     """
     reduce_bytes_per_s: _builtins.float
     """A stage of a replica: how fast its gradient reductions went, in bytes per second (an

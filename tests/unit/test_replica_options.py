@@ -11,7 +11,7 @@ import pytest
 
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.planning.policy import PolicyConfig
-from elasticpipe.coordinator.replica_options import choose, mend
+from elasticpipe.coordinator.replica_options import choose, mend, note_chain_overhead
 from elasticpipe.coordinator.state import LinkTerms
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
@@ -119,3 +119,29 @@ def test_a_replica_pipeline_is_timed_from_its_epochs_second_run() -> None:
     assert timed.at(5) == 3.0 and timed.at(6) == 0.0
     timed.note(6, 9.0)  # a new epoch starts afresh
     assert timed.at(6) == 0.0 and timed.at(5) == 0.0
+
+
+def test_a_pipelines_overhead_per_slot_is_noted_once_every_stage_measured_it() -> None:
+    """``note_chain_overhead``: a chain of 2 stages predicted at 1.0 s for 8 micro-batches,
+    measured at 1.9 s (its slowest stage) in its epoch: 0.1 s over each of its 9 slots.
+    Nothing is noted while a stage has not measured this epoch, or without a unit."""
+    chain = _chain("a", "b", cuts=(0, 4, 7))
+    noted: dict[object, float] = {}
+    members = {
+        "a": SimpleNamespace(pipeline_s=(1, 1.9)),
+        "b": SimpleNamespace(pipeline_s=(0, 3.0)),  # an earlier epoch's
+    }
+    cluster = SimpleNamespace(
+        in_seconds=lambda ids: True,
+        members=SimpleNamespace(by_id=members.get),
+        note_slot_overhead=noted.__setitem__,
+    )
+    note_chain_overhead(cluster, chain, 8, 1.0)  # type: ignore[arg-type]
+    assert noted == {}
+    members["b"].pipeline_s = (1, 1.2)
+    cluster.in_seconds = lambda ids: False
+    note_chain_overhead(cluster, chain, 8, 1.0)  # type: ignore[arg-type]
+    assert noted == {}
+    cluster.in_seconds = lambda ids: True
+    note_chain_overhead(cluster, chain, 8, 1.0)  # type: ignore[arg-type]
+    assert noted == {("j", ("a", "b")): pytest.approx(0.1)}
