@@ -16,8 +16,9 @@ the same stages, each trained ``--steps`` steps after a warm-up:
 Printed per layout: steps/s, the planner's prediction (the slowest replica's predicted step
 for its share, plus the reduction at the rate the stages measured in the layouts before
 and the overhead per pipeline slot their chains measured beyond the model: "planned
-with"; no link bandwidth is given here, so the first layout of replicas, 2 x 3, is
-predicted without them), measured over predicted, and the speed-up over one pipeline of 6.
+with"; no link bandwidth is given here, so the first layout, one pipeline of 6, is
+predicted with neither, and the first of replicas, 2 x 3, without the reduction's rate),
+measured over predicted, and the speed-up over one pipeline of 6.
 The last line is JSON with ``speedup_best`` (the best fixed layout over one pipeline),
 ``auto_vs_best`` (auto over the best fixed layout), ``gloo_vs_data_channel`` (2 of 3 on
 gloo over the same on the data channel) and ``straggler_vs_optimum``.

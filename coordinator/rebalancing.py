@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from elasticpipe.coordinator import epochs, replica_changes, replica_options
+from elasticpipe.coordinator import epochs, replica_changes
 from elasticpipe.coordinator.epochs import Change, MoveResult
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import (
@@ -138,8 +138,6 @@ class Rebalancer(ReplicaPolicy):
         )
         target = current.evolve(epoch=current.epoch + 1, boundaries=best.boundaries)
         now_s = predict_step_time(now, job.micro_batches, job.schedule)
-        if speeds is None:  # (live speeds: what the stages' measured pipeline is held to)
-            replica_options.note_chain_overhead(self.c, current, job.micro_batches, now_s)
         return PlanView(
             current=current,
             optimal=best,

@@ -347,9 +347,6 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     (``measured_pipelines``), or without a unit (no profile), the predictions alone: one
     replica corrected beside another not would skew the split.
 
-    Each chain's shortfall per slot measured here also goes to
-    ``Cluster.note_slot_overhead``: new layouts' predictions add the chains' median per slot.
-
     A chain's shortfall per slot is the one measured at the largest share it ran since its
     stages last changed (``Cluster.slot_shortfalls``), or at this epoch's if that share is
     as large. Measured at a share of 1 (two slots), a slow link's cost came out far below
@@ -369,7 +366,6 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
     ):
         stages = chain.num_stages
         per_slot = max(0.0, measured - predicted(share)) / (share + stages - 1)
-        cluster.note_slot_overhead((chain.job_id, chain.stage_ids), per_slot)
         known = cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids))
         if known is None or share >= known[0]:
             cluster.slot_shortfalls[(chain.job_id, chain.stage_ids)] = (share, per_slot)
@@ -400,21 +396,33 @@ def with_known_shortfalls(
     return out
 
 
-def note_chain_overhead(
-    cluster: Cluster, chain: Partition, micro_batches: int, predicted_s: float
-) -> None:
-    """One pipeline's overhead per slot beyond the planner's prediction (``predicted_s``
-    for ``micro_batches`` at the live speeds), for ``Cluster.slot_overhead``, once every
-    stage measured the chain's pipeline in its epoch (a job of one pipeline: what a first
-    job of replicas is predicted with)."""
-    if not cluster.in_seconds(chain.stage_ids):
+def note_overheads(cluster: Cluster) -> None:
+    """What the running job's chains (its replicas, or its one pipeline) measured beyond
+    the planner's model at the live speeds, per pipeline slot, pooled over the chains
+    (their shortfalls summed over their slots summed: six one-stage replicas count as one
+    job, not six figures), for ``Cluster.slot_overhead``. Called as heartbeats bring new
+    pipeline times; nothing until every stage of every chain measured this epoch."""
+    job, layout, partition = cluster.job, cluster.layout, cluster.partition
+    if job is None or partition is None or partition.job_id != job.job_id:
         return
-    measured = chain_pipeline(cluster, chain)
-    if measured is not None:
-        slots = micro_batches + chain.num_stages - 1
-        cluster.note_slot_overhead(
-            (chain.job_id, chain.stage_ids), max(0.0, measured - predicted_s) / slots
-        )
+    chains = list(layout.replicas) if layout is not None else [partition]
+    shares = list(layout.shares) if layout is not None else [job.micro_batches]
+    if not cluster.in_seconds([sid for chain in chains for sid in chain.stage_ids]):
+        return
+    measured = [
+        chain_pipeline(cluster, chain) if share else 0.0
+        for chain, share in zip(chains, shares, strict=True)
+    ]
+    if any(m is None for m in measured):
+        return
+    times = planned_step_times(plans(cluster, chains), job.schedule)
+    short = slots = 0.0
+    for chain, predicted, share, pipeline in zip(chains, times, shares, measured, strict=True):
+        if share:
+            short += max(0.0, (pipeline or 0.0) - predicted(share))
+            slots += share + chain.num_stages - 1
+    if slots:
+        cluster.note_slot_overhead(job.job_id, short / slots)
 
 
 def chain_pipeline(cluster: Cluster, chain: Partition) -> float | None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from elasticpipe.coordinator import epochs, replica_changes
+from elasticpipe.coordinator import epochs, replica_changes, replica_options
 from elasticpipe.coordinator.claims import Claims
 from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.leases import DEFAULT_LEASE_S
@@ -18,12 +18,15 @@ from elasticpipe.coordinator.rebalancing import MoveOutcome
 from elasticpipe.coordinator.replicas import Shape
 from elasticpipe.errors import InvalidRequest, TooLarge
 from elasticpipe.layout import Layout
+from elasticpipe.logs import get_logger
 from elasticpipe.partition import MAX_REPLICAS, Partition, StageRef
 from elasticpipe.security import authz, bounds
 from elasticpipe.security.admission import Limits
 from elasticpipe.training.job import JobConfig
 from elasticpipe.v1 import coordinator_pb2
 from elasticpipe.wire import bundle
+
+log = get_logger(__name__)
 
 MAX_WAIT_S = bounds.MAX_WAIT_S
 MAX_LONG_POLLS = 8  # of the server's 32 workers
@@ -104,6 +107,15 @@ class CoordinatorServicer:
             authz.check_name(member.row.name, "speak for")
             self._claims.spoke(stage_id)
 
+    def _learn_overheads(self) -> None:
+        """A stage measured a new pipeline time: the planner's overhead per slot learns
+        from it (``replica_options.note_overheads``); a failure to is logged, never the
+        heartbeat's."""
+        try:
+            replica_options.note_overheads(self.c.cluster)
+        except Exception as exc:  # (a partition changing under it, say: learn next time)
+            log.info("overheads_not_learned", error=repr(exc))
+
     def Heartbeat(
         self, req: coordinator_pb2.HeartbeatRequest, ctx: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
@@ -131,7 +143,11 @@ class CoordinatorServicer:
         )
         if heard is Heard.OK and (member := self.c.members.by_id(req.stage_id)) is not None:
             member.memory_bytes = req.memory_bytes
-            member.pipeline_s = (req.epoch, pipeline_s) if pipeline_s else None
+            measured = (req.epoch, pipeline_s) if pipeline_s else None
+            learn = measured is not None and measured != member.pipeline_s
+            member.pipeline_s = measured
+            if learn:
+                self._learn_overheads()
             member.reduce_rate = reduce_rate or member.reduce_rate  # (kept across jobs)
             member.replica_pin = replica
         return coordinator_pb2.HeartbeatResponse(
@@ -429,8 +445,9 @@ class CoordinatorServicer:
         ]
         return coordinator_pb2.PlanResponse(
             layouts=layouts,
-            reduce_bytes_per_s=cluster.reduce_bandwidth(view.in_seconds) or 0.0,
-            slot_overhead_s=cluster.slot_overhead(view.in_seconds),
+            # (what the candidates were planned with: over the job's stages and the spares)
+            reduce_bytes_per_s=cluster.reduce_bandwidth(cluster.in_seconds(stage_ids)) or 0.0,
+            slot_overhead_s=cluster.slot_overhead(cluster.in_seconds(stage_ids)),
             current=self._wire(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
             current_step_s=view.current_step_s if view.in_seconds else None,

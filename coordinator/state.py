@@ -39,7 +39,7 @@ from elasticpipe.transport.terms import TermStamp
 
 log = get_logger(__name__)
 
-SLOT_CHAINS = 64  # replica chains whose measured overhead per slot is kept (slot_overhead)
+SLOT_JOBS = 16  # jobs whose measured overhead per pipeline slot is kept (slot_overhead)
 
 
 class LinkTerms(NamedTuple):
@@ -113,8 +113,10 @@ class Cluster:
         # at (``replica_options.measured_step_times``): the one from the largest share;
         # by (job id, the chain's stage ids): never one job's for another's
         self.slot_shortfalls: dict[tuple[str, tuple[str, ...]], tuple[int, float]] = {}
-        # The same, the latest per chain, kept across jobs for ``slot_overhead``
-        self.slot_overheads: OrderedDict[tuple[str, tuple[str, ...]], float] = OrderedDict()
+        # What each job's chains measured per slot beyond the model, the latest per job id,
+        # kept across jobs for ``slot_overhead`` (in memory: a new leader learns afresh)
+        self.slot_overheads: OrderedDict[str, float] = OrderedDict()
+        self._slot_lock = threading.Lock()
         self.metrics = CoordinatorMetrics(self._metrics_view)
 
     @property
@@ -331,33 +333,35 @@ class Cluster:
         """The bandwidth the planner times replicas' gradient reductions at, bytes/s: the
         operator's ``--link-bandwidth``, else the median of the rates the live stages
         measured (``Member.reduce_rate``: kept across jobs, a figure of the hosts and their
-        network), once the step times it is added to are seconds (``in_seconds``); None
-        when neither is known, and reductions count as free."""
-        if self.link_bandwidth:
-            return self.link_bandwidth
+        network); None when neither is known, or while the step times a reduction's
+        seconds would be added to have no unit (``in_seconds``): reductions count as free."""
         if not in_seconds:
             return None
+        if self.link_bandwidth:
+            return self.link_bandwidth
         live = (m for m in self.members.members() if self.members.alive(m))
         rates = [m.reduce_rate for m in live if m.reduce_rate > 0]
         return statistics.median(rates) if rates else None
 
-    def note_slot_overhead(self, chain: tuple[str, tuple[str, ...]], per_slot: float) -> None:
-        """Keeps what a chain (job id, stage ids) measured per pipeline slot beyond the
-        planner's prediction, for ``slot_overhead`` (the last ``SLOT_CHAINS`` chains)."""
-        self.slot_overheads.pop(chain, None)
-        self.slot_overheads[chain] = per_slot
-        while len(self.slot_overheads) > SLOT_CHAINS:
-            self.slot_overheads.popitem(last=False)
+    def note_slot_overhead(self, job_id: str, per_slot: float) -> None:
+        """Keeps what a job's chains measured per pipeline slot beyond the planner's
+        prediction (``replica_options.note_overheads``), for ``slot_overhead``: the latest
+        per job, of the last ``SLOT_JOBS`` jobs."""
+        with self._slot_lock:
+            self.slot_overheads.pop(job_id, None)
+            self.slot_overheads[job_id] = per_slot
+            while len(self.slot_overheads) > SLOT_JOBS:
+                self.slot_overheads.popitem(last=False)
 
     def slot_overhead(self, in_seconds: bool = True) -> float:
         """Seconds the planner adds per pipeline slot to a new layout's predicted step: the
-        median of what the replica chains measured beyond its predictions per slot (hop
-        latencies, per-op overheads), in this job and earlier ones (``note_slot_overhead``:
-        a figure of the hosts, like the reduction's rate); 0 before any chain was measured,
+        median over this job and earlier ones of what their chains measured beyond its
+        predictions per slot (hop latencies, per-op overheads; ``note_slot_overhead``: a
+        figure of the hosts, like the reduction's rate); 0 before any job was measured,
         or while the step times it is added to have no unit."""
-        if not in_seconds or not self.slot_overheads:
-            return 0.0
-        return statistics.median(self.slot_overheads.values())
+        with self._slot_lock:
+            figures = list(self.slot_overheads.values())
+        return statistics.median(figures) if in_seconds and figures else 0.0
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""

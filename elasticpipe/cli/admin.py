@@ -258,7 +258,7 @@ def format_plan(p: PlanReport) -> str:
         reductions = (
             f"reductions at {p.reduce_bytes_per_s / 1e6:.1f} MB/s"
             if p.reduce_bytes_per_s
-            else "reductions not counted until a job of replicas measured them"
+            else "reductions counted as free: no rate measured or given yet"
         )
         if p.slot_overhead_s:
             reductions += f", {p.slot_overhead_s * 1e3:.2f} ms measured per pipeline slot"

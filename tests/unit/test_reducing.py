@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elasticpipe.coordinator.config import CoordinatorConfig
-from elasticpipe.coordinator.state import SLOT_CHAINS, Cluster
+from elasticpipe.coordinator.state import SLOT_JOBS, Cluster
 from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Placement, StageRef
@@ -98,8 +98,9 @@ def test_the_reduction_rate_leaves_out_each_epochs_first_run_and_carries_over() 
 
 def test_the_planner_times_reductions_at_the_link_bandwidth_else_the_stages_median() -> None:
     """``Cluster.reduce_bandwidth``: none known, reductions are free (None); then the
-    median of the rates the live stages measured (a dead stage's left out), once the costs
-    it adds to are seconds; the operator's ``--link-bandwidth`` before any of them."""
+    median of the rates the live stages measured (a dead stage's left out); the operator's
+    ``--link-bandwidth`` before any of them; none of them while the costs it adds to have
+    no unit."""
     cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig(dead_after_s=60.0))
     try:
         ids = [
@@ -115,26 +116,27 @@ def test_the_planner_times_reductions_at_the_link_bandwidth_else_the_stages_medi
         assert cluster.reduce_bandwidth() == 2e8
         assert cluster.reduce_bandwidth(in_seconds=False) is None  # (costs without a unit)
         cluster.link_bandwidth = 5e7
-        assert cluster.reduce_bandwidth() == 5e7 == cluster.reduce_bandwidth(in_seconds=False)
+        assert cluster.reduce_bandwidth() == 5e7
+        assert cluster.reduce_bandwidth(in_seconds=False) is None  # (seconds + no unit)
     finally:
         cluster.pool.close()
 
 
-def test_the_planner_adds_the_chains_measured_overhead_per_slot() -> None:
-    """``Cluster.slot_overhead``: 0 before any chain was measured, or for step times with
-    no unit; then the median of the chains' latest figures (a chain measured again
-    replaces its own), kept across jobs, the last ``SLOT_CHAINS`` chains only."""
+def test_the_planner_adds_the_jobs_measured_overhead_per_slot() -> None:
+    """``Cluster.slot_overhead``: 0 before any job was measured, or for step times with no
+    unit; then the median of the jobs' latest figures (a job measured again replaces its
+    own), kept across jobs, the last ``SLOT_JOBS`` jobs only."""
     cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig())
     try:
         assert cluster.slot_overhead() == 0.0
         for n, per_slot in enumerate((0.004, 0.001, 0.010)):
-            cluster.note_slot_overhead(("j1", (f"s{n}",)), per_slot)
+            cluster.note_slot_overhead(f"j{n}", per_slot)
         assert cluster.slot_overhead() == 0.004
         assert cluster.slot_overhead(in_seconds=False) == 0.0
-        cluster.note_slot_overhead(("j1", ("s0",)), 0.020)  # s0's chain measured again
+        cluster.note_slot_overhead("j0", 0.020)  # job j0 measured again
         assert cluster.slot_overhead() == 0.010
-        for n in range(SLOT_CHAINS):  # a later job's chains push the first job's out
-            cluster.note_slot_overhead(("j2", (f"t{n}",)), 0.002)
-        assert cluster.slot_overhead() == 0.002 and len(cluster.slot_overheads) == SLOT_CHAINS
+        for n in range(SLOT_JOBS):  # later jobs push the first ones out
+            cluster.note_slot_overhead(f"k{n}", 0.002)
+        assert cluster.slot_overhead() == 0.002 and len(cluster.slot_overheads) == SLOT_JOBS
     finally:
         cluster.pool.close()

@@ -11,7 +11,7 @@ import pytest
 
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.planning.policy import PolicyConfig
-from elasticpipe.coordinator.replica_options import choose, mend, note_chain_overhead
+from elasticpipe.coordinator.replica_options import choose, mend, note_overheads
 from elasticpipe.coordinator.state import LinkTerms
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
@@ -121,27 +121,29 @@ def test_a_replica_pipeline_is_timed_from_its_epochs_second_run() -> None:
     assert timed.at(6) == 0.0 and timed.at(5) == 0.0
 
 
-def test_a_pipelines_overhead_per_slot_is_noted_once_every_stage_measured_it() -> None:
-    """``note_chain_overhead``: a chain of 2 stages predicted at 1.0 s for 8 micro-batches,
-    measured at 1.9 s (its slowest stage) in its epoch: 0.1 s over each of its 9 slots.
+def test_a_jobs_overhead_per_slot_is_pooled_over_its_chains_once_all_measured() -> None:
+    """``note_overheads``: replicas (a, b) on cuts (0, 4, 7) and (c, d, e) on (0, 3, 5, 7),
+    every layer of cost 1 at speed 1, shares 5 and 3, 1F1B: predicted 7 + 4 x 4 = 23 s and
+    7 + 2 x 3 = 13 s (``predict_step_time``: the stages' times, then the bottleneck's for
+    each further micro-batch), measured 30 and 19 s in their epoch. Shortfalls 7 and 6 over
+    6 and 5 slots pool to 13 / 11 per slot, one figure for the job.
     Nothing is noted while a stage has not measured this epoch, or without a unit."""
-    chain = _chain("a", "b", cuts=(0, 4, 7))
-    noted: dict[object, float] = {}
-    members = {
-        "a": SimpleNamespace(pipeline_s=(1, 1.9)),
-        "b": SimpleNamespace(pipeline_s=(0, 3.0)),  # an earlier epoch's
-    }
-    cluster = SimpleNamespace(
-        in_seconds=lambda ids: True,
-        members=SimpleNamespace(by_id=members.get),
-        note_slot_overhead=noted.__setitem__,
-    )
-    note_chain_overhead(cluster, chain, 8, 1.0)  # type: ignore[arg-type]
+    cluster = _cluster(dict.fromkeys("abcde", 1.0))
+    noted: dict[str, float] = {}
+    cluster.note_slot_overhead = noted.__setitem__
+    cluster.in_seconds = lambda ids: True
+    cluster.layout = Layout(REPLICAS, (5, 3))
+    cluster.partition = REPLICAS[0]
+    cluster.job = JobConfig(model="mlp", micro_batches=8, job_id="j")
+    for sid, seconds in {"a": 30.0, "b": 28.0, "c": 19.0, "d": 12.0}.items():
+        cluster.members.by_id(sid).pipeline_s = (1, seconds)
+    cluster.members.by_id("e").pipeline_s = (0, 50.0)  # an earlier epoch's
+    note_overheads(cluster)
     assert noted == {}
-    members["b"].pipeline_s = (1, 1.2)
+    cluster.members.by_id("e").pipeline_s = (1, 9.0)
     cluster.in_seconds = lambda ids: False
-    note_chain_overhead(cluster, chain, 8, 1.0)  # type: ignore[arg-type]
+    note_overheads(cluster)
     assert noted == {}
     cluster.in_seconds = lambda ids: True
-    note_chain_overhead(cluster, chain, 8, 1.0)  # type: ignore[arg-type]
-    assert noted == {("j", ("a", "b")): pytest.approx(0.1)}
+    note_overheads(cluster)
+    assert noted == {"j": pytest.approx(13 / 11)}
