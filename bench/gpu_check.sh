@@ -19,6 +19,9 @@
 # --only-binary=:all: of the dependencies below, for that machine's Python), installed from
 # with --no-index. matplotlib is left out: neither the CUDA tests nor bench/gpu.py draw.
 set -uo pipefail
+if [ -n "${GPU_WHEELS:-}" ]; then  # (a path relative to where it was given)
+    GPU_WHEELS=$(cd "$GPU_WHEELS" && pwd) || exit 1
+fi
 cd "$(dirname "$0")/.."
 root=$PWD
 budget=${GPU_CHECK_BUDGET_S:-570}
