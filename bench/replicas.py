@@ -39,7 +39,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -112,8 +112,8 @@ def run_layout(
         busy = (cpu_s(cluster) - cpu) * measured / args.steps / len(os.sched_getaffinity(0))
         layout = pipe.layout
         with cluster.admin() as admin:
-            live_s = model_at_live_speeds(admin, layout)
-            plan = admin.plan()  # (what the next layout's prediction will count)
+            plan = admin.plan()  # (its figures: what the next layout's prediction counts)
+            live_s = model_at_live_speeds(admin, plan.layer_costs, layout)
         predicted = [p.predicted_step_s for p in layout.replicas]
     step_s = max(s for s in predicted if s is not None) if all(predicted) else None
     return {
@@ -129,14 +129,13 @@ def run_layout(
     }
 
 
-def model_at_live_speeds(admin: Admin, layout: Layout) -> float | None:
+def model_at_live_speeds(admin: Admin, costs: Sequence[float], layout: Layout) -> float | None:
     """The planner's model of ``layout``'s step (``cost.predict_step_time``: each replica's
     stage times at its share, the slowest replica's) at the speeds its stages measured in
     the steps just run, as ``admin status`` reports them: the same model as the
     prediction, without the profile's speeds in it (and without any measured step time:
     not the shortfall-corrected ``current_step_s`` of ``admin plan``). None while a stage
-    has no live speed."""
-    costs = admin.plan().layer_costs
+    has no live speed. ``costs``: the layer costs, as ``admin plan`` gives them."""
     speeds = {s.stage_id: s.speed for s in admin.status().stages if s.alive}
     times = []
     for replica, share in zip(layout.replicas, layout.shares, strict=True):

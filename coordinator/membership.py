@@ -98,7 +98,7 @@ class Member:
     dead_at: float = 0.0  # unix time it was declared dead
     memory_bytes: int = 0  # what it offers its job (registration, heartbeats); 0: unknown
     replica_pin: str = ""  # the replica it is pinned to (registration, heartbeats); "": any
-    pipeline_s: tuple[int, float] | None = None  # replicas: (epoch, its pipeline's seconds)
+    pipeline_s: tuple[int, float] | None = None  # (epoch, its chain's pipeline's seconds)
     reduce_rate: float = 0.0  # replicas: bytes/s its reductions went at (0: not measured)
 
     def remeasure(self) -> None:

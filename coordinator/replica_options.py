@@ -39,6 +39,7 @@ from elasticpipe.coordinator.planning.shares import (
     StepTime,
     assign_shares,
     planned_step_times,
+    plus_slots,
     slowest,
 )
 from elasticpipe.coordinator.state import Cluster
@@ -371,7 +372,7 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
             cluster.slot_shortfalls[(chain.job_id, chain.stage_ids)] = (share, per_slot)
         else:
             per_slot = known[1]
-        out.append(functools.partial(_plus_slots, predicted, per_slot, stages))
+        out.append(functools.partial(plus_slots, predicted, per_slot, stages))
     return out
 
 
@@ -392,37 +393,40 @@ def with_known_shortfalls(
         seen = cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids))
         if seen is None:
             return times
-        out.append(functools.partial(_plus_slots, predicted, seen[1], chain.num_stages))
+        out.append(functools.partial(plus_slots, predicted, seen[1], chain.num_stages))
     return out
 
 
-def note_overheads(cluster: Cluster) -> None:
+def note_overheads(cluster: Cluster) -> bool:
     """What the running job's chains (its replicas, or its one pipeline) measured beyond
     the planner's model at the live speeds, per pipeline slot, pooled over the chains
     (their shortfalls summed over their slots summed: six one-stage replicas count as one
     job, not six figures), for ``Cluster.slot_overhead``. Called as heartbeats bring new
-    pipeline times; nothing until every stage of every chain measured this epoch."""
+    pipeline times; nothing until every stage of every chain measured this epoch. Returns
+    whether it noted a figure."""
     job, layout, partition = cluster.job, cluster.layout, cluster.partition
     if job is None or partition is None or partition.job_id != job.job_id:
-        return
+        return False
     chains = list(layout.replicas) if layout is not None else [partition]
     shares = list(layout.shares) if layout is not None else [job.micro_batches]
     if not cluster.in_seconds([sid for chain in chains for sid in chain.stage_ids]):
-        return
-    measured = [
-        chain_pipeline(cluster, chain) if share else 0.0
-        for chain, share in zip(chains, shares, strict=True)
-    ]
-    if any(m is None for m in measured):
-        return
-    times = planned_step_times(plans(cluster, chains), job.schedule)
+        return False
+    running = [(chain, share) for chain, share in zip(chains, shares, strict=True) if share]
+    measured = []
+    for chain, _ in running:
+        pipeline = chain_pipeline(cluster, chain)
+        if pipeline is None:
+            return False
+        measured.append(pipeline)
+    times = planned_step_times(plans(cluster, [chain for chain, _ in running]), job.schedule)
     short = slots = 0.0
-    for chain, predicted, share, pipeline in zip(chains, times, shares, measured, strict=True):
-        if share:
-            short += max(0.0, (pipeline or 0.0) - predicted(share))
-            slots += share + chain.num_stages - 1
-    if slots:
-        cluster.note_slot_overhead(job.job_id, short / slots)
+    for (chain, share), pipeline, predicted in zip(running, measured, times, strict=True):
+        short += max(0.0, pipeline - predicted(share))
+        slots += share + chain.num_stages - 1
+    if not slots:
+        return False
+    cluster.note_slot_overhead(job.job_id, short / slots)
+    return True
 
 
 def chain_pipeline(cluster: Cluster, chain: Partition) -> float | None:
@@ -446,7 +450,3 @@ def measured_pipelines(cluster: Cluster, layout: Layout) -> list[float] | None:
             return None
         out.append(measured)
     return out
-
-
-def _plus_slots(predicted: StepTime, per_slot: float, stages: int, share: int) -> float:
-    return predicted(share) + per_slot * (share + stages - 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -76,6 +77,7 @@ class CoordinatorServicer:
         self._polls = threading.BoundedSemaphore(MAX_LONG_POLLS)
         self._claims = Claims(coordinator.members)
         self._watch_s = Limits.from_env().watch_s
+        self._learned_at = -math.inf  # when _learn_overheads last ran (monotonic)
 
     def _epoch(self) -> int:
         """The current epoch, against which requests' epochs are bounded."""
@@ -109,10 +111,15 @@ class CoordinatorServicer:
 
     def _learn_overheads(self) -> None:
         """A stage measured a new pipeline time: the planner's overhead per slot learns
-        from it (``replica_options.note_overheads``); a failure to is logged, never the
-        heartbeat's."""
+        from it (``replica_options.note_overheads``), once a heartbeat interval at most
+        (it plans every chain: after each heartbeat, a job of S stages would cost S times
+        that); a failure to is logged, never the heartbeat's."""
+        now = time.monotonic()
+        if now - self._learned_at < self.c.cluster.heartbeat_interval_s:
+            return
         try:
-            replica_options.note_overheads(self.c.cluster)
+            if replica_options.note_overheads(self.c.cluster):
+                self._learned_at = now
         except Exception as exc:  # (a partition changing under it, say: learn next time)
             log.info("overheads_not_learned", error=repr(exc))
 
@@ -424,6 +431,7 @@ class CoordinatorServicer:
         view = self.c.rebalancer.plan_view()
         cluster = self.c.cluster
         stage_ids, candidates = replica_changes.layout_candidates(cluster)
+        timed = cluster.in_seconds(stage_ids)
         refs = [
             StageRef(sid, m.row.address if (m := cluster.members.by_id(sid)) else "")
             for sid in stage_ids
@@ -446,8 +454,8 @@ class CoordinatorServicer:
         return coordinator_pb2.PlanResponse(
             layouts=layouts,
             # (what the candidates were planned with: over the job's stages and the spares)
-            reduce_bytes_per_s=cluster.reduce_bandwidth(cluster.in_seconds(stage_ids)) or 0.0,
-            slot_overhead_s=cluster.slot_overhead(cluster.in_seconds(stage_ids)),
+            reduce_bytes_per_s=cluster.reduce_bandwidth(timed) or 0.0,
+            slot_overhead_s=cluster.slot_overhead(timed),
             current=self._wire(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
             current_step_s=view.current_step_s if view.in_seconds else None,

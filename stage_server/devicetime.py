@@ -10,13 +10,14 @@ a few shared cores (benches) otherwise see their thread CPU time grow with each 
 load (caches, memory bandwidth): the speeds a job's profile measured (one stage of a host
 at a time, each layer's fastest of five runs, ``profiling``) came out 10-25% faster than
 the same stages ran when training together, and the planner's predictions missed by that
-much before any overhead of the system's own. What delays a run only ever adds time, so the fastest
-recent run is the op's time on an unloaded host: an emulated op then takes the same time
-alone or beside others, as an accelerator's would, provided its compute fits in it (a
-``Slowdown`` op never takes less than its wall time). A window, not a time frozen once:
-the first runs of a process are slow ones (cold caches, first allocations), and a stage
-that shares its host's profile (``coordinator.profiles``) runs an op first in training:
-until one of its runs came on a quiet host, such a stage counts slower than the profile.
+much before any overhead of the system's own. What delays a run only ever adds time, so
+the fastest recent run is the op's time on an unloaded host: an emulated op then takes
+the same time alone or beside others, as an accelerator's would, provided its compute
+fits in it (a ``Slowdown`` op never takes less than its wall time). A window, not a time
+frozen once: the first runs of a process are slow ones (cold caches, first allocations),
+and a stage that shares its host's profile (``coordinator.profiles``) runs an op first in
+training: until one of its runs came on a quiet host, such a stage counts slower than the
+profile.
 The loss and the optimizer step are not emulated (as with ``--timer cpu``).
 
 CUDA events:

@@ -140,7 +140,7 @@ class Stage(EpochChanges):
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = self._new_mailbox()
         self.committed = threading.Event()  # set at each step applied
-        self.pipeline_time = reducing.PipelineTime()  # replicas: this epoch's runs' pipeline
+        self.pipeline_time = reducing.PipelineTime()  # this epoch's training runs' pipeline
         self.reduce_rate = reducing.ReduceRate()  # replicas: bytes/s of the reductions
         self._groups = collectives.ProcessGroups()  # collectives="gloo": the reduction's
         self.rendezvous = ""  # the coordinator's rendezvous now (heartbeats; "": the job's)

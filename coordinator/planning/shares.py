@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from elasticpipe.coordinator.planning.cost import Plan, predict_step_time
 from elasticpipe.errors import InvalidRequest
 
-__all__ = ["assign_shares", "planned_step_times", "slowest"]
+__all__ = ["assign_shares", "planned_step_times", "plus_slots", "slowest"]
 
 StepTime = Callable[[int], float]  # seconds of a replica's step for a share of m >= 1
 
@@ -74,11 +74,18 @@ def planned_step_times(plans: Sequence[Plan], schedule: str, slot_s: float = 0.0
     running ``m`` micro-batches under ``schedule``, plus ``slot_s`` per slot of its
     pipeline (``m + S - 1`` of them: what a chain measured beyond the model per slot, hop
     latencies and per-op overheads; ``Cluster.slot_overhead``)."""
+    times: list[StepTime] = [
+        functools.partial(predict_step_time, p, schedule=schedule) for p in plans
+    ]
     if not slot_s:
-        return [functools.partial(predict_step_time, p, schedule=schedule) for p in plans]
-    return [functools.partial(_with_slots, p, schedule, slot_s) for p in plans]
+        return times
+    return [
+        functools.partial(plus_slots, t, slot_s, len(p.boundaries) - 1)
+        for t, p in zip(times, plans, strict=True)
+    ]
 
 
-def _with_slots(plan: Plan, schedule: str, slot_s: float, m: int) -> float:
-    stages = len(plan.boundaries) - 1
-    return predict_step_time(plan, m, schedule) + slot_s * (m + stages - 1)
+def plus_slots(predicted: StepTime, per_slot: float, stages: int, share: int) -> float:
+    """``predicted(share)`` plus ``per_slot`` for each of a chain of ``stages``' slots at
+    that share (``share + stages - 1``)."""
+    return predicted(share) + per_slot * (share + stages - 1)
