@@ -24,7 +24,6 @@ from elasticpipe.coordinator.planning import (
     estimates,
     memory,
     order_hosts,
-    predict_step_time,
 )
 from elasticpipe.coordinator.profiles import STAGE_CALL_TIMEOUT_S, profile_stages
 from elasticpipe.coordinator.rendezvous import Rendezvous
@@ -345,7 +344,7 @@ class Jobs(Loads):
                     boundaries=best.boundaries,
                     stages=tuple(StageRef(m.row.stage_id, m.row.address) for m in ordered),
                     # Without a profile the costs have no unit: the step time is unknown.
-                    predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule)
+                    predicted_step_s=self.c.chain_step_s(best, job)
                     if profile is not None
                     else None,
                 ).validate(num_layers)
@@ -496,9 +495,7 @@ class Jobs(Loads):
                     now = estimates.evaluate(
                         current.boundaries, profile.costs, speeds, *self.c.links(len(speeds))
                     )
-                    timed = current.evolve(
-                        predicted_step_s=predict_step_time(now, job.micro_batches, job.schedule)
-                    )
+                    timed = current.evolve(predicted_step_s=self.c.chain_step_s(now, job))
                     self.c.store.put_partition(timed)
                     self.c.adopt(timed)
         return profiled

@@ -289,12 +289,11 @@ class Rebalancer(ReplicaPolicy):
                 return MoveOutcome(False, current, "the partition is already that one", gain)
             epochs.check_no_change_in_progress(self.c)
             speeds = self.c.speeds(target.stage_ids)
-            predicted = predict_step_time(
+            predicted = self.c.chain_step_s(
                 estimates.evaluate(
                     target.boundaries, self.c.costs(), speeds, *self.c.links(len(speeds))
                 ),
-                job.micro_batches,
-                job.schedule,
+                job,
             )
             new = target.evolve(
                 epoch=self.c.store.reserve_epoch(),

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from elasticpipe.coordinator import copies, epochs, replica_changes
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import LEFT_REASON, Member
-from elasticpipe.coordinator.planning import plan, predict_step_time
+from elasticpipe.coordinator.planning import plan
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StageUnavailable
@@ -241,7 +241,7 @@ class Recovery:
             job_id=old.job_id,
             boundaries=best.boundaries,
             stages=tuple(chain),
-            predicted_step_s=predict_step_time(best, job.micro_batches, job.schedule)
+            predicted_step_s=self.c.chain_step_s(best, job)
             if self.c.in_seconds([r.stage_id for r in chain])
             else None,
             restored_step=step,

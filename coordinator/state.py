@@ -7,16 +7,18 @@ time; its condition wakes whoever waits for a newer partition.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.membership import STATES, Member, Membership
 from elasticpipe.coordinator.planning import estimates, memory
+from elasticpipe.coordinator.planning.cost import Plan, predict_step_time
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.store import EpochRow, Store
@@ -40,6 +42,8 @@ from elasticpipe.transport.terms import TermStamp
 log = get_logger(__name__)
 
 SLOT_JOBS = 16  # jobs whose measured overhead per pipeline slot is kept (slot_overhead)
+SLOT_STORE_CHANGE = 0.05  # a job's figure is stored again when it moved by more than this
+SLOTS_KEY = "slot_overheads"  # the store's copy of Cluster.slot_overheads
 
 
 class LinkTerms(NamedTuple):
@@ -114,8 +118,9 @@ class Cluster:
         # by (job id, the chain's stage ids): never one job's for another's
         self.slot_shortfalls: dict[tuple[str, tuple[str, ...]], tuple[int, float]] = {}
         # What each job's chains measured per slot beyond the model, the latest per job id,
-        # kept across jobs for ``slot_overhead`` (in memory: a new leader learns afresh)
-        self.slot_overheads: OrderedDict[str, float] = OrderedDict()
+        # kept across jobs for ``slot_overhead``, and in the store: a restarted coordinator,
+        # or a standby that takes over, predicts with what this one learned
+        self.slot_overheads: OrderedDict[str, float] = _slot_overheads(store.get(SLOTS_KEY))
         self._slot_lock = threading.Lock()
         self.metrics = CoordinatorMetrics(self._metrics_view)
 
@@ -346,12 +351,17 @@ class Cluster:
     def note_slot_overhead(self, job_id: str, per_slot: float) -> None:
         """Keeps what a job's chains measured per pipeline slot beyond the planner's
         prediction (``replica_options.note_overheads``), for ``slot_overhead``: the latest
-        per job, of the last ``SLOT_JOBS`` jobs."""
+        per job, of the last ``SLOT_JOBS`` jobs. Stored when a job's figure is new or moved
+        by more than ``SLOT_STORE_CHANGE`` (not a store write per heartbeat interval)."""
         with self._slot_lock:
-            self.slot_overheads.pop(job_id, None)
+            before = self.slot_overheads.pop(job_id, None)
             self.slot_overheads[job_id] = per_slot
             while len(self.slot_overheads) > SLOT_JOBS:
                 self.slot_overheads.popitem(last=False)
+            if before is not None and abs(per_slot - before) <= SLOT_STORE_CHANGE * before:
+                return
+            kept = [[job, figure] for job, figure in self.slot_overheads.items()]
+            self.store.put(SLOTS_KEY, kept)  # (under the lock: stored in the order noted)
 
     def slot_overhead(self, in_seconds: bool = True) -> float:
         """Seconds the planner adds per pipeline slot to a new layout's predicted step: the
@@ -362,6 +372,16 @@ class Cluster:
         with self._slot_lock:
             figures = list(self.slot_overheads.values())
         return statistics.median(figures) if in_seconds and figures else 0.0
+
+    def chain_step_s(self, plan: Plan, job: JobConfig) -> float:
+        """The predicted step of one pipeline partitioned as ``plan`` (a job of one chain):
+        the planner's model for ``job``'s micro-batches and schedule, plus the overhead per
+        pipeline slot earlier jobs measured beyond it (``slot_overhead``), as a layout of
+        replicas is predicted. The policy compares partitions on the model alone."""
+        slots = job.micro_batches + len(plan.boundaries) - 2
+        return (
+            predict_step_time(plan, job.micro_batches, job.schedule) + self.slot_overhead() * slots
+        )
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""
@@ -391,3 +411,23 @@ class Cluster:
     def bytes_to_move(self, old: Partition, new: Partition) -> int:
         """Predicted bytes of a move from ``old`` to ``new``."""
         return sum(self.layer_state_bytes(m.layer) for m in old.moves_to(new))
+
+
+def _slot_overheads(raw: Any) -> OrderedDict[str, float]:
+    """The stored figures per slot (``Cluster.note_slot_overhead``'s ``[[job, seconds],
+    ...]``), oldest first; none of what is malformed (a store written by hand, or by an
+    older coordinator): it is learned again."""
+    kept: OrderedDict[str, float] = OrderedDict()
+    for item in raw if isinstance(raw, list) else []:
+        if (
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], int | float)
+            and math.isfinite(item[1])
+            and item[1] >= 0
+        ):
+            kept[item[0]] = float(item[1])
+    while len(kept) > SLOT_JOBS:
+        kept.popitem(last=False)
+    return kept

@@ -21,12 +21,12 @@ What is measured per layer, for one micro-batch (the sample):
 
 * forward and backward seconds: the fastest of ``repeats`` (what delays a run, a page
   fault, a neighbour's burst on a shared host, only ever adds time; the median of five
-  runs put some layers of a uniform MLP at 4x the others on a loaded host). A layer whose
-  runs take long stops sooner: after two timed runs when the two took ``LAYER_BUDGET_S``
-  of real time, after one when it alone took ``LONG_RUN_S`` (a GPT-2-sized head, about a
-  second a run on one core; the warm-up, which carries one-time costs, never decides).
-  Such a layer's delays are small next to it, and profiling a model stays a small share
-  of its first step;
+  runs put some layers of a uniform MLP at 4x the others on a loaded host); a stage
+  timing with ``--timer fastest`` asks for more (``Stage.profile``). A layer stops sooner
+  once its timed runs (two at least) took ``LAYER_BUDGET_S`` of real time, or after one
+  when it alone took ``LONG_RUN_S`` (a GPT-2-sized head, about a second a run on one
+  core; the warm-up, which carries one-time costs, never decides). Such a layer's delays
+  are small next to it, and profiling a model stays a small share of its first step;
 * ``output_bytes``: the activation it sends on;
 * ``stash_bytes``: what a stage keeps for its backward while the micro-batch is in flight:
   its input and output and every tensor autograd saves, each storage counted once;
@@ -62,7 +62,7 @@ from elasticpipe.wire.structure import Value
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
-LAYER_BUDGET_S = 0.25  # two timed runs that took this long in all: they do
+LAYER_BUDGET_S = 0.25  # timed runs (two at least) that took this long in all: they do
 LONG_RUN_S = 1.0  # a first timed run this long: it does
 
 __all__ = ["alike_key", "profile_layers", "tensor_bytes"]
@@ -136,7 +136,7 @@ def _optimizer_state_bytes(
 def _enough(timed: int, timed_s: float) -> bool:
     """Whether a layer's first ``timed`` runs (real seconds: ``timed_s``) measure it well
     enough: see the module's docstring."""
-    return (timed == 1 and timed_s >= LONG_RUN_S) or (timed == 2 and timed_s >= LAYER_BUDGET_S)
+    return (timed == 1 and timed_s >= LONG_RUN_S) or (timed >= 2 and timed_s >= LAYER_BUDGET_S)
 
 
 def profile_layers(
@@ -153,7 +153,8 @@ def profile_layers(
         job: the job (model, seed, optimizer, precision).
         sample: one micro-batch of inputs.
         device: where to run.
-        slowdown: the stage's emulated slowdown (its times are reported).
+        slowdown: the stage's emulated slowdown (its times are reported; the stage's
+            waits for none of them, ``Slowdown.unpaid``).
         allow: the stage's allowed model prefixes.
         repeats: timed passes per layer at most (after one warm-up; fewer for a layer
             whose passes take long, see ``LAYER_BUDGET_S``).

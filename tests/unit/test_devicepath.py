@@ -14,7 +14,7 @@ import torch
 
 from elasticpipe.errors import DeadlineExceeded, InvalidRequest, StageUnavailable
 from elasticpipe.observe.metrics import StageMetrics, StageView
-from elasticpipe.stage_server import devicepath
+from elasticpipe.stage_server import devicepath, devicetime
 from elasticpipe.stage_server import stage as stage_module
 from elasticpipe.stage_server.devicepath import (
     PinnedPool,
@@ -108,8 +108,13 @@ def test_the_fastest_timer_emulates_a_device_on_cpu_stages_only() -> None:
         stage_module._clock("fastest", torch.device("cuda", 0))
     with pytest.raises(InvalidRequest, match=r"unknown timer 'gpu'.*fastest"):
         stage_module._clock("gpu", CPU)
-    assert stage_module.Stage(StageConfig("a", timer="fastest")).slowdown.fastest is not None
+    fastest = stage_module.Stage(StageConfig("a", timer="fastest"))
+    assert fastest.slowdown.fastest is not None
     assert stage_module.Stage(StageConfig("b")).slowdown.fastest is None
+    # its profile times a quick layer as often as training keeps its runs, not five times
+    job = JobConfig(model="mlp", model_kwargs={"sizes": [8, 8]}, optimizer="sgd", loss="mse")
+    timings = fastest.profile(job, torch.randn(4, 8), 5)
+    assert [t.samples for t in timings] == [devicetime.WINDOW] * len(timings)
 
 
 @pytest.mark.timeout(10)

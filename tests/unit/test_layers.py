@@ -143,6 +143,26 @@ def test_an_emulated_device_takes_factor_times_the_compute_however_loaded_the_ho
             assert total == pytest.approx(max(want, took), abs=0.002), (wall_s, took, slept)
 
 
+def test_the_profiles_emulated_device_reports_its_time_and_waits_for_none_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Slowdown.unpaid`` (the profile's): the same factor, clock and ``fastest`` table,
+    the same reported time, and no wait; the stage's own device still waits."""
+    slept: list[float] = []
+    monkeypatch.setattr(layers_module.time, "sleep", slept.append)
+    table = FastestTimes()
+    stage = Slowdown(4.0, clock=time.thread_time, fastest=table)
+    profile = stage.unpaid()
+    assert (profile.factor, profile.clock, profile.fastest) == (4.0, time.thread_time, table)
+    _, reported = profile.timed(lambda: _busy(0.005), lambda: None, op="op")
+    profile.pay()
+    assert slept == [] and reported >= 4.0 * 0.004
+    _, again = stage.timed(lambda: _busy(0.005), lambda: None, op="op")
+    stage.pay()
+    assert len(slept) == 1 and slept[0] > 0
+    assert again <= reported  # one table: the fastest of both runs
+
+
 def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:

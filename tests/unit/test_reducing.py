@@ -6,11 +6,13 @@ pipeline slot."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from elasticpipe.coordinator.config import CoordinatorConfig
-from elasticpipe.coordinator.state import SLOT_JOBS, Cluster
+from elasticpipe.coordinator.state import SLOT_JOBS, SLOTS_KEY, Cluster
 from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Placement, StageRef
@@ -140,3 +142,39 @@ def test_the_planner_adds_the_jobs_measured_overhead_per_slot() -> None:
         assert cluster.slot_overhead() == 0.002 and len(cluster.slot_overheads) == SLOT_JOBS
     finally:
         cluster.pool.close()
+
+
+def test_the_learned_figures_outlive_the_coordinator(tmp_path: Path) -> None:
+    """A coordinator restarted on the same store (or a standby taking over) predicts with
+    the figures per slot the last one learned: stored when a job's figure is new or moved
+    by more than ``SLOT_STORE_CHANGE``, not for every small change; a malformed stored
+    value is ignored (learned again), never an error."""
+    url = str(tmp_path / "coordinator.db")
+
+    def cluster() -> Cluster:
+        return Cluster(SqliteStore(url), CoordinatorConfig())
+
+    first = cluster()
+    try:
+        first.note_slot_overhead("j0", 0.004)
+        first.note_slot_overhead("j1", 0.010)
+        first.note_slot_overhead("j1", 0.0101)  # within SLOT_STORE_CHANGE: not written
+        stored = first.store.get(SLOTS_KEY)
+        assert stored == [["j0", 0.004], ["j1", 0.010]]
+    finally:
+        first.pool.close()
+        first.store.close()
+    second = cluster()
+    try:
+        assert list(second.slot_overheads.items()) == [("j0", 0.004), ("j1", 0.010)]
+        assert second.slot_overhead() == 0.007
+        second.store.put(SLOTS_KEY, [["j0", -1.0], ["j1", "x"], "junk", ["j2", 0.003]])
+    finally:
+        second.pool.close()
+        second.store.close()
+    third = cluster()
+    try:
+        assert list(third.slot_overheads.items()) == [("j2", 0.003)]
+    finally:
+        third.pool.close()
+        third.store.close()
