@@ -336,6 +336,7 @@ class Coordinator:
         interval = self.rebalancer.policy.interval_s
         self._threads = [
             run_loop(self._stop, interval, self.rebalancer.tick, "policy"),
+            run_loop(self._stop, interval, self.cluster.store_learned, "learned"),
             threading.Thread(target=self._watch, name="recovery", daemon=True),
         ]
         self._threads[-1].start()

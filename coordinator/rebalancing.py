@@ -230,7 +230,7 @@ class Rebalancer(ReplicaPolicy):
     def _log_decision(self, decision: Decision, reason: str, in_seconds: bool = True) -> None:
         """Logs a decision when it changes; the steady state goes to debug. Step times
         not in seconds (``in_seconds`` false: nothing profiled or measured yet) are logged
-        and exported as unknown (None)."""
+        and exported as unknown (None); one chain's plus ``Cluster.chain_step_s``'s slots."""
         current = round(decision.current_step_s, 4) if in_seconds else None
         fields = {
             "reason": reason,
@@ -240,7 +240,10 @@ class Rebalancer(ReplicaPolicy):
             "proposed_step_s": round(decision.proposed_step_s, 4) if in_seconds else None,
             "bytes_to_move": decision.bytes_to_move,
         }
-        self.c.metrics.decided(decision.outcome, decision.current_step_s if in_seconds else None)
+        predicted, job, chain = decision.current_step_s, self.c.job, self.c.partition
+        if in_seconds and self.c.replicas == 1 and job is not None and chain is not None:
+            predicted = self.c.plus_slot_overhead(predicted, chain.num_stages, job.micro_batches)
+        self.c.metrics.decided(decision.outcome, predicted if in_seconds else None)
         # The same kind of decision (its numbers aside) once at info, then at debug.
         kind = re.sub(r"[0-9.]+", "#", decision.reason)
         if decision.move:

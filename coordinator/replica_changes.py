@@ -36,9 +36,9 @@ from elasticpipe.coordinator import copies, epochs, replica_options
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import predict_step_time
-from elasticpipe.coordinator.planning.cost import PlanError
+from elasticpipe.coordinator.planning.cost import Plan, PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
-from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
+from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts, reduce_seconds
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.replicas import layout_record
 from elasticpipe.coordinator.state import Cluster
@@ -536,11 +536,22 @@ def _relaid(
         times = replica_options.with_known_shortfalls(cluster, replicas, times)
         shares = assign_shares(times, job.micro_batches, 1)
     timed = cluster.profile is not None
+    bandwidth = cluster.reduce_bandwidth(timed)
+    reduce_s = (
+        reduce_seconds([p.boundaries for p in replicas], cluster.param_bytes, bandwidth)
+        if bandwidth and cluster.param_bytes
+        else 0.0
+    )
+
+    def predicted(plan: Plan, chain: Partition, share: int) -> float:
+        """As a new layout's (``replicas.lay_out``): the model for the share, plus the
+        learned overhead per slot, plus the reduction."""
+        model_s = predict_step_time(plan, share, job.schedule)
+        return cluster.plus_slot_overhead(model_s, chain.num_stages, share) + reduce_s
+
     return Layout(
         tuple(
-            p.evolve(
-                predicted_step_s=predict_step_time(plan, share, job.schedule) if timed else None
-            )
+            p.evolve(predicted_step_s=predicted(plan, p, share) if timed else None)
             for p, plan, share in zip(replicas, plans, shares, strict=True)
         ),
         tuple(shares),

@@ -117,9 +117,9 @@ class CoordinatorServicer:
         now = time.monotonic()
         if now - self._learned_at < self.c.cluster.heartbeat_interval_s:
             return
+        self._learned_at = now  # (before: heartbeats arriving meanwhile do not plan too)
         try:
-            if replica_options.note_overheads(self.c.cluster):
-                self._learned_at = now
+            replica_options.note_overheads(self.c.cluster)
         except Exception as exc:  # (a partition changing under it, say: learn next time)
             log.info("overheads_not_learned", error=repr(exc))
 

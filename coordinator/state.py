@@ -121,7 +121,9 @@ class Cluster:
         # kept across jobs for ``slot_overhead``, and in the store: a restarted coordinator,
         # or a standby that takes over, predicts with what this one learned
         self.slot_overheads: OrderedDict[str, float] = _slot_overheads(store.get(SLOTS_KEY))
+        self._slot_stored = dict(self.slot_overheads)  # what the store holds (store_learned)
         self._slot_lock = threading.Lock()
+        self._slot_write_lock = threading.Lock()  # one store_learned at a time
         self.metrics = CoordinatorMetrics(self._metrics_view)
 
     @property
@@ -351,17 +353,36 @@ class Cluster:
     def note_slot_overhead(self, job_id: str, per_slot: float) -> None:
         """Keeps what a job's chains measured per pipeline slot beyond the planner's
         prediction (``replica_options.note_overheads``), for ``slot_overhead``: the latest
-        per job, of the last ``SLOT_JOBS`` jobs. Stored when a job's figure is new or moved
-        by more than ``SLOT_STORE_CHANGE`` (not a store write per heartbeat interval)."""
+        per job, of the last ``SLOT_JOBS`` jobs (in memory: ``store_learned`` stores them)."""
         with self._slot_lock:
-            before = self.slot_overheads.pop(job_id, None)
+            self.slot_overheads.pop(job_id, None)
             self.slot_overheads[job_id] = per_slot
             while len(self.slot_overheads) > SLOT_JOBS:
                 self.slot_overheads.popitem(last=False)
-            if before is not None and abs(per_slot - before) <= SLOT_STORE_CHANGE * before:
-                return
-            kept = [[job, figure] for job, figure in self.slot_overheads.items()]
-            self.store.put(SLOTS_KEY, kept)  # (under the lock: stored in the order noted)
+
+    def store_learned(self) -> bool:
+        """Stores the figures per slot when they differ from the stored ones: a job new or
+        gone, or a figure moved by more than ``SLOT_STORE_CHANGE`` since it was stored (the
+        coordinator's ``learned`` loop calls this: the store is never written on a
+        heartbeat's path). Returns whether it wrote.
+
+        Raises:
+            ElasticPipeError: the store refused (this coordinator no longer leads, say); the
+                stored figures stay as they were, and a later call tries again.
+        """
+        with self._slot_write_lock:
+            with self._slot_lock:
+                now = dict(self.slot_overheads)
+                kept = [[job, figure] for job, figure in self.slot_overheads.items()]
+            stored = self._slot_stored
+            if now.keys() == stored.keys() and all(
+                abs(figure - stored[job]) <= SLOT_STORE_CHANGE * stored[job]
+                for job, figure in now.items()
+            ):
+                return False
+            self.store.put(SLOTS_KEY, kept)
+            self._slot_stored = now
+            return True
 
     def slot_overhead(self, in_seconds: bool = True) -> float:
         """Seconds the planner adds per pipeline slot to a new layout's predicted step: the
@@ -376,12 +397,16 @@ class Cluster:
     def chain_step_s(self, plan: Plan, job: JobConfig) -> float:
         """The predicted step of one pipeline partitioned as ``plan`` (a job of one chain):
         the planner's model for ``job``'s micro-batches and schedule, plus the overhead per
-        pipeline slot earlier jobs measured beyond it (``slot_overhead``), as a layout of
-        replicas is predicted. The policy compares partitions on the model alone."""
-        slots = job.micro_batches + len(plan.boundaries) - 2
-        return (
-            predict_step_time(plan, job.micro_batches, job.schedule) + self.slot_overhead() * slots
-        )
+        pipeline slot measured beyond it (``plus_slot_overhead``), as a layout of replicas
+        is predicted. The policy compares partitions on the model alone (the same slots on
+        both sides)."""
+        model_s = predict_step_time(plan, job.micro_batches, job.schedule)
+        return self.plus_slot_overhead(model_s, len(plan.boundaries) - 1, job.micro_batches)
+
+    def plus_slot_overhead(self, model_s: float, stages: int, micro_batches: int) -> float:
+        """``model_s`` (a chain of ``stages`` running ``micro_batches``) plus
+        ``slot_overhead`` for each of its ``micro_batches + stages - 1`` slots."""
+        return model_s + self.slot_overhead() * (micro_batches + stages - 1)
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""
@@ -424,6 +449,7 @@ def _slot_overheads(raw: Any) -> OrderedDict[str, float]:
             and len(item) == 2
             and isinstance(item[0], str)
             and isinstance(item[1], int | float)
+            and not isinstance(item[1], bool)
             and math.isfinite(item[1])
             and item[1] >= 0
         ):

@@ -8,9 +8,11 @@ output's gradients, and the modes: ``LayerSlice.op``) counts as the fastest of i
 ``WINDOW`` runs, not as what this run measured. Several stages emulating slow devices on
 a few shared cores (benches) otherwise see their thread CPU time grow with each other's
 load (caches, memory bandwidth): the speeds a job's profile measured (one stage of a host
-at a time, each layer's fastest of five runs, ``profiling``) came out 10-25% faster than
-the same stages ran when training together, and the planner's predictions missed by that
-much before any overhead of the system's own. What delays a run only ever adds time, so
+at a time, then each layer's fastest of five runs, ``profiling``) came out 10-25% faster
+than the same stages ran when training together, and the planner's predictions missed by
+that much before any overhead of the system's own. (Such a stage's profile now times a
+quick layer up to ``WINDOW`` times, without waiting out the emulated time:
+``Stage.profile``.) What delays a run only ever adds time, so
 the fastest recent run is the op's time on an unloaded host: an emulated op then takes
 the same time alone or beside others, as an accelerator's would, provided its compute
 fits in it (a ``Slowdown`` op never takes less than its wall time). A window, not a time

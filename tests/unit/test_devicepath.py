@@ -15,6 +15,7 @@ import torch
 from elasticpipe.errors import DeadlineExceeded, InvalidRequest, StageUnavailable
 from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.stage_server import devicepath, devicetime
+from elasticpipe.stage_server import layers as layers_module
 from elasticpipe.stage_server import stage as stage_module
 from elasticpipe.stage_server.devicepath import (
     PinnedPool,
@@ -99,7 +100,9 @@ def test_a_cpu_device_gets_the_plain_path_and_host_clocks() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_the_fastest_timer_emulates_a_device_on_cpu_stages_only() -> None:
+def test_the_fastest_timer_emulates_a_device_on_cpu_stages_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``--timer fastest``: a CPU stage times its ops in thread CPU time, each the fastest
     of its recent runs (``FastestTimes``); a CUDA stage refuses it by name (its events
     already time the device alone); an unknown timer is refused naming the choices."""
@@ -108,13 +111,18 @@ def test_the_fastest_timer_emulates_a_device_on_cpu_stages_only() -> None:
         stage_module._clock("fastest", torch.device("cuda", 0))
     with pytest.raises(InvalidRequest, match=r"unknown timer 'gpu'.*fastest"):
         stage_module._clock("gpu", CPU)
-    fastest = stage_module.Stage(StageConfig("a", timer="fastest"))
+    fastest = stage_module.Stage(StageConfig("a", timer="fastest", slowdown=4.0))
     assert fastest.slowdown.fastest is not None
     assert stage_module.Stage(StageConfig("b")).slowdown.fastest is None
-    # its profile times a quick layer as often as training keeps its runs, not five times
+    # its profile times a quick layer as often as training keeps its runs, not five
+    # times, and reports the emulated device's time without waiting it out
+    slept: list[float] = []
+    monkeypatch.setattr(layers_module.time, "sleep", slept.append)
     job = JobConfig(model="mlp", model_kwargs={"sizes": [8, 8]}, optimizer="sgd", loss="mse")
     timings = fastest.profile(job, torch.randn(4, 8), 5)
     assert [t.samples for t in timings] == [devicetime.WINDOW] * len(timings)
+    assert slept == [] and all(t.forward_s > 0 for t in timings)
+    assert fastest.slowdown.pays  # (the stage's own device waits: test_layers.py)
 
 
 @pytest.mark.timeout(10)

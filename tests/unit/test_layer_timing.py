@@ -58,8 +58,8 @@ def test_a_snapshot_keeps_the_figures_and_not_the_window() -> None:
 
 class _MostRunsDelayed(Slowdown):
     """Reports 1 s more for every run of a layer but its last: runs that something else
-    delayed. Profiling times each layer once for warm-up, then five times; each run times
-    one forward and one backward."""
+    delayed. Profiling times each layer once for warm-up, then five times (the repeats
+    asked for here); each run times one forward and one backward."""
 
     def __init__(self) -> None:
         super().__init__(1.0, time.thread_time)

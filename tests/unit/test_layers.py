@@ -147,20 +147,24 @@ def test_the_profiles_emulated_device_reports_its_time_and_waits_for_none_of_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``Slowdown.unpaid`` (the profile's): the same factor, clock and ``fastest`` table,
-    the same reported time, and no wait; the stage's own device still waits."""
+    the same reported time, and no wait; the stage's own device still waits. Compute of
+    5 ms, then 4 ms, by a fake clock: the profile reports 4 x 5 ms and sleeps nothing; the
+    stage's next run of the same op reports 4 x 4 ms (the fastest of both: one table) and
+    waits those 16 ms, less the wall time its run took."""
     slept: list[float] = []
     monkeypatch.setattr(layers_module.time, "sleep", slept.append)
+    ticks = iter([0.0, 0.005, 1.0, 1.004])
     table = FastestTimes()
-    stage = Slowdown(4.0, clock=time.thread_time, fastest=table)
+    stage = Slowdown(4.0, clock=lambda: next(ticks), fastest=table)
     profile = stage.unpaid()
-    assert (profile.factor, profile.clock, profile.fastest) == (4.0, time.thread_time, table)
-    _, reported = profile.timed(lambda: _busy(0.005), lambda: None, op="op")
+    assert (profile.factor, profile.clock, profile.fastest) == (4.0, stage.clock, table)
+    _, reported = profile.timed(lambda: None, lambda: None, op="op")
     profile.pay()
-    assert slept == [] and reported >= 4.0 * 0.004
-    _, again = stage.timed(lambda: _busy(0.005), lambda: None, op="op")
+    assert reported == pytest.approx(0.020) and slept == []
+    _, again = stage.timed(lambda: None, lambda: None, op="op")
     stage.pay()
-    assert len(slept) == 1 and slept[0] > 0
-    assert again <= reported  # one table: the fastest of both runs
+    assert again == pytest.approx(0.016)  # one table: the fastest of both runs
+    assert len(slept) == 1 and slept[0] == pytest.approx(0.016, abs=0.002)
 
 
 def _busy(seconds: float) -> None:

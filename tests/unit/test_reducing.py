@@ -144,11 +144,12 @@ def test_the_planner_adds_the_jobs_measured_overhead_per_slot() -> None:
         cluster.pool.close()
 
 
-def test_the_learned_figures_outlive_the_coordinator(tmp_path: Path) -> None:
+def test_the_overheads_per_slot_outlive_the_coordinator(tmp_path: Path) -> None:
     """A coordinator restarted on the same store (or a standby taking over) predicts with
-    the figures per slot the last one learned: stored when a job's figure is new or moved
-    by more than ``SLOT_STORE_CHANGE``, not for every small change; a malformed stored
-    value is ignored (learned again), never an error."""
+    the figures per slot the last one learned. ``store_learned`` (the coordinator's
+    ``learned`` loop, never a heartbeat) writes them when a job is new or its figure moved
+    by more than ``SLOT_STORE_CHANGE`` since it was last stored, also by small steps; a
+    malformed stored value is ignored (learned again), never an error."""
     url = str(tmp_path / "coordinator.db")
 
     def cluster() -> Cluster:
@@ -157,24 +158,31 @@ def test_the_learned_figures_outlive_the_coordinator(tmp_path: Path) -> None:
     first = cluster()
     try:
         first.note_slot_overhead("j0", 0.004)
+        assert first.store.get(SLOTS_KEY) is None  # (noting writes nothing)
+        assert first.store_learned() and not first.store_learned()
         first.note_slot_overhead("j1", 0.010)
-        first.note_slot_overhead("j1", 0.0101)  # within SLOT_STORE_CHANGE: not written
-        stored = first.store.get(SLOTS_KEY)
-        assert stored == [["j0", 0.004], ["j1", 0.010]]
+        assert first.store_learned()
+        first.note_slot_overhead("j1", 0.0104)  # within SLOT_STORE_CHANGE of the stored
+        assert not first.store_learned()
+        first.note_slot_overhead("j1", 0.0108)  # 4% a step: 8% from what is stored
+        assert first.store_learned()
+        assert first.store.get(SLOTS_KEY) == [["j0", 0.004], ["j1", 0.0108]]
     finally:
         first.pool.close()
         first.store.close()
     second = cluster()
     try:
-        assert list(second.slot_overheads.items()) == [("j0", 0.004), ("j1", 0.010)]
-        assert second.slot_overhead() == 0.007
-        second.store.put(SLOTS_KEY, [["j0", -1.0], ["j1", "x"], "junk", ["j2", 0.003]])
+        assert list(second.slot_overheads.items()) == [("j0", 0.004), ("j1", 0.0108)]
+        assert second.slot_overhead() == pytest.approx(0.0074)
+        assert not second.store_learned()  # (what it loaded is what is stored)
+        junk = [["j0", -1.0], ["j1", "x"], "junk", ["j2", True], ["j3", 3e-3]]
+        second.store.put(SLOTS_KEY, junk)
     finally:
         second.pool.close()
         second.store.close()
     third = cluster()
     try:
-        assert list(third.slot_overheads.items()) == [("j2", 0.003)]
+        assert list(third.slot_overheads.items()) == [("j3", 0.003)]
     finally:
         third.pool.close()
         third.store.close()
