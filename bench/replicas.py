@@ -12,9 +12,14 @@ trains at about the speeds its profile measured (``stage_server.devicetime``). I
 one job after another on the same stages, each trained ``--steps`` (12) steps after a
 warm-up:
 
-    one pipeline of 6 on the fresh cluster ("1 x 6 cold"); then the layouts: one pipeline
-    of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4); ``replicas="auto"``; 2 of 3
-    again reducing on gloo (``collectives="gloo"``, "2 x 3 gl")
+    one pipeline of 6 on the fresh cluster ("1 x 6 cold"); then ``--rounds`` (3) rounds of
+    the layouts: one pipeline of 6 (``stages=6``); 2 replicas of 3; 3 of 2; 2 of (2, 4);
+    ``replicas="auto"``; 2 of 3 again reducing on gloo (``collectives="gloo"``, "2 x 3 gl")
+
+Each job profiles afresh, and so has a prediction of its own; on this shared host one job's
+measured over predicted swung by +-10% from one run to the next (its profile's speeds, and
+its own steps/s), so the table gives each layout's median over the rounds, its ratios
+too, and the JSON every round's ratio.
 
 Printed per layout: steps/s, the planner's prediction (the slowest replica's predicted step
 for its share, plus the reduction at the rate the stages measured in the jobs before and
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -200,9 +206,62 @@ def run_straggler(
     }
 
 
+def run_rounds(
+    cluster: LocalCluster, args: argparse.Namespace, model: dict[str, int]
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The cold job, then ``args.rounds`` rounds of every layout, one job after another:
+    each layout's runs, with what the coordinator had learned before each ("planned
+    with") and its measured over predicted."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in [COLD, *LAYOUTS]}
+    learned = (0.0, 0.0)
+    for r in range(args.rounds):
+        for name, shape in [COLD, *LAYOUTS] if r == 0 else LAYOUTS:
+            found = run_layout(cluster, shape, args, model)
+            found["planned_reduce_mb_per_s"], found["planned_slot_ms"] = learned
+            learned = (found["learned_reduce_mb_per_s"], found["learned_slot_ms"])
+            pred, live = found["predicted_steps_per_s"], found["live_model_steps_per_s"]
+            found["vs_predicted"] = found["steps_per_s"] / pred if pred else None
+            found["vs_live_model"] = found["steps_per_s"] / live if live else None
+            runs[name].append(found)
+            vs = f"{found['vs_predicted']:.0%}" if pred else "-"
+            print(
+                f"round {r + 1} {name:<10} lengths {found['lengths']} shares "
+                f"{found['shares']}: {found['steps_per_s']:.3f} steps/s, {vs} of predicted",
+                flush=True,
+            )
+    return list(runs.items())
+
+
+MEDIANS = (
+    "steps_per_s",
+    "predicted_steps_per_s",
+    "live_model_steps_per_s",
+    "vs_predicted",
+    "vs_live_model",
+    "cores_busy",
+    "planned_reduce_mb_per_s",
+    "planned_slot_ms",
+)
+
+
+def _median(founds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One layout's rounds: the median of each figure (of the ratios too: each round's
+    job has a profile, and so a prediction, of its own); its shape and shares from the
+    first round; every round's measured over predicted."""
+    out = dict(founds[0])
+    for key in MEDIANS:
+        values = [f[key] for f in founds if f[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    out["vs_predicted_rounds"] = [f["vs_predicted"] for f in founds]
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the layouts; medians are printed"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--base", type=float, default=6.0, help="slowdown of every stage")
     parser.add_argument("--micro-batches", type=int, default=12)
@@ -222,9 +281,8 @@ def main() -> int:
     args = parser.parse_args()
     model = MODEL
     if args.quick:
-        args.steps, args.warmup, args.base, args.micro_batches = 1, 1, 1.0, 6
+        args.steps, args.warmup, args.base, args.micro_batches, args.rounds = 1, 1, 1.0, 6, 1
         args.batch, args.seq, model, args.straggler_wait = 6, 8, QUICK_MODEL, 3
-    results: dict[str, dict[str, Any]] = {}
     policy = ["--policy-interval", "0.5", "--rebalance-cooldown", "2"]
     with LocalCluster(
         stages=6,
@@ -232,13 +290,7 @@ def main() -> int:
         coordinator_args=["--state", ":memory:", "--no-auto-rebalance", *policy],
         stage_args=["--timer", args.timer],
     ) as cluster:
-        for name, shape in [COLD, *LAYOUTS]:
-            results[name] = found = run_layout(cluster, shape, args, model)
-            print(
-                f"{name:<8} lengths {found['lengths']} shares {found['shares']}: "
-                f"{found['steps_per_s']:.3f} steps/s",
-                flush=True,
-            )
+        results = {name: _median(founds) for name, founds in run_rounds(cluster, args, model)}
         straggler = run_straggler(cluster, args, model)
         print(
             f"straggler: shares {straggler['shares_before']} -> {straggler['shares_after']} "
@@ -255,25 +307,20 @@ def main() -> int:
         f"{'measured/pred':>15}{'live model':>12}{'measured/live':>15}{'speed-up':>10}"
         f"{'cores busy':>12}{'planned with':>22}"
     )
-    learned = (0.0, 0.0)  # what the coordinator had measured before each layout
     for name, found in results.items():
-        pred = found["predicted_steps_per_s"]
-        found["vs_predicted"] = ratio = found["steps_per_s"] / pred if pred else None
+        pred, ratio = found["predicted_steps_per_s"], found["vs_predicted"]
         found["speedup"] = found["steps_per_s"] / one
-        predicted = f"{pred:.3f}" if pred else "-"
-        vs = f"{ratio:.0%}" if ratio is not None else "-"
-        live = found["live_model_steps_per_s"]
-        found["vs_live_model"] = vs_live = found["steps_per_s"] / live if live else None
+        live, vs_live = found["live_model_steps_per_s"], found["vs_live_model"]
         print(
             f"{name:<12}{found['lengths']!s:<14}{found['shares']!s:<14}"
-            f"{found['steps_per_s']:>9.3f}{predicted:>11}{vs:>15}"
+            f"{found['steps_per_s']:>9.3f}{(f'{pred:.3f}' if pred else '-'):>11}"
+            f"{(f'{ratio:.0%}' if ratio is not None else '-'):>15}"
             f"{(f'{live:.3f}' if live else '-'):>12}"
             f"{(f'{vs_live:.0%}' if vs_live else '-'):>15}{found['speedup']:>9.2f}x"
             f"{found['cores_busy']:>12.0%}"
-            f"{learned[0]:>9.0f} MB/s {learned[1]:>4.1f} ms/slot"
+            f"{found['planned_reduce_mb_per_s']:>9.0f} MB/s "
+            f"{found['planned_slot_ms']:>4.1f} ms/slot"
         )
-        found["planned_reduce_mb_per_s"], found["planned_slot_ms"] = learned
-        learned = (found["learned_reduce_mb_per_s"], found["learned_slot_ms"])
     cold = results.pop(COLD[0])["vs_predicted"]
     out = {
         "base": args.base,
@@ -314,6 +361,7 @@ def main() -> int:
                     "cores_busy",
                     "planned_reduce_mb_per_s",
                     "planned_slot_ms",
+                    "vs_predicted_rounds",
                 )
             }
             for name, f in results.items()
