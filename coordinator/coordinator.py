@@ -10,6 +10,7 @@ is down.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -356,7 +357,12 @@ class Coordinator:
     def close(self, cancel: bool = False) -> None:
         """Stops the loops, wakes whoever waits for a newer partition, and closes the
         channels to the stages. ``cancel``: close them first, cutting calls in flight
-        short (a leadership that ended: the next leader settles what they were doing)."""
+        short (a leadership that ended: the next leader settles what they were doing).
+        A clean stop first stores what the planner learned since the ``learned`` loop's
+        last pass."""
+        if not cancel:
+            with contextlib.suppress(Exception):  # (the store may be gone with it)
+                self.cluster.store_learned()
         self._stop.set()
         if cancel:
             self.cluster.pool.close()

@@ -545,7 +545,8 @@ def _relaid(
 
     def predicted(plan: Plan, chain: Partition, share: int) -> float:
         """As a new layout's (``replicas.lay_out``): the model for the share, plus the
-        learned overhead per slot, plus the reduction."""
+        learned overhead per slot, plus the reduction; with ``--link-bandwidth``, this
+        model counts the links (``replica_options.plans``), a new layout's does not."""
         model_s = predict_step_time(plan, share, job.schedule)
         return cluster.plus_slot_overhead(model_s, chain.num_stages, share) + reduce_s
 

@@ -117,9 +117,10 @@ class CoordinatorServicer:
         now = time.monotonic()
         if now - self._learned_at < self.c.cluster.heartbeat_interval_s:
             return
-        self._learned_at = now  # (before: heartbeats arriving meanwhile do not plan too)
+        before, self._learned_at = self._learned_at, now  # (heartbeats meanwhile: none)
         try:
-            replica_options.note_overheads(self.c.cluster)
+            if not replica_options.note_overheads(self.c.cluster):
+                self._learned_at = before  # (a stage not measured yet: the next heartbeat)
         except Exception as exc:  # (a partition changing under it, say: learn next time)
             log.info("overheads_not_learned", error=repr(exc))
 

@@ -375,7 +375,7 @@ class Cluster:
                 now = dict(self.slot_overheads)
                 kept = [[job, figure] for job, figure in self.slot_overheads.items()]
             stored = self._slot_stored
-            if now.keys() == stored.keys() and all(
+            if list(now) == list(stored) and all(  # (the same jobs, oldest first)
                 abs(figure - stored[job]) <= SLOT_STORE_CHANGE * stored[job]
                 for job, figure in now.items()
             ):
@@ -398,8 +398,8 @@ class Cluster:
         """The predicted step of one pipeline partitioned as ``plan`` (a job of one chain):
         the planner's model for ``job``'s micro-batches and schedule, plus the overhead per
         pipeline slot measured beyond it (``plus_slot_overhead``), as a layout of replicas
-        is predicted. The policy compares partitions on the model alone (the same slots on
-        both sides)."""
+        is predicted. The policy compares partitions on the model alone (a scale-out's
+        one slot more is not counted)."""
         model_s = predict_step_time(plan, job.micro_batches, job.schedule)
         return self.plus_slot_overhead(model_s, len(plan.boundaries) - 1, job.micro_batches)
 

@@ -11,14 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from elasticpipe.coordinator import replica_changes
 from elasticpipe.coordinator.config import CoordinatorConfig
+from elasticpipe.coordinator.planning import estimates, predict_step_time
+from elasticpipe.coordinator.planning.estimates import Profile
 from elasticpipe.coordinator.state import SLOT_JOBS, SLOTS_KEY, Cluster
 from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import InvalidRequest
-from elasticpipe.partition import Group, Placement, StageRef
+from elasticpipe.partition import Group, Partition, Placement, StageRef
 from elasticpipe.stage_server.reducing import ReduceRate, _joined, _piece, share_of
 from elasticpipe.stage_server.reduction import GroupReduction, cut
 from elasticpipe.training.gradsum import Node
+from elasticpipe.training.job import JobConfig
 
 
 def _like() -> list[torch.Tensor]:
@@ -166,13 +170,15 @@ def test_the_overheads_per_slot_outlive_the_coordinator(tmp_path: Path) -> None:
         assert not first.store_learned()
         first.note_slot_overhead("j1", 0.0108)  # 4% a step: 8% from what is stored
         assert first.store_learned()
-        assert first.store.get(SLOTS_KEY) == [["j0", 0.004], ["j1", 0.0108]]
+        first.note_slot_overhead("j0", 0.004)  # the same figure, j0 the newest now
+        assert first.store_learned()
+        assert first.store.get(SLOTS_KEY) == [["j1", 0.0108], ["j0", 0.004]]
     finally:
         first.pool.close()
         first.store.close()
     second = cluster()
     try:
-        assert list(second.slot_overheads.items()) == [("j0", 0.004), ("j1", 0.0108)]
+        assert list(second.slot_overheads.items()) == [("j1", 0.0108), ("j0", 0.004)]
         assert second.slot_overhead() == pytest.approx(0.0074)
         assert not second.store_learned()  # (what it loaded is what is stored)
         junk = [["j0", -1.0], ["j1", "x"], "junk", ["j2", True], ["j3", 3e-3]]
@@ -186,3 +192,32 @@ def test_the_overheads_per_slot_outlive_the_coordinator(tmp_path: Path) -> None:
     finally:
         third.pool.close()
         third.store.close()
+
+
+def test_a_re_split_layout_is_predicted_as_a_new_one() -> None:
+    """``replica_changes._relaid`` (a re-split, a move inside replicas, a recovery) stores
+    each replica's step as ``replicas.lay_out`` predicts a new layout's: the model for its
+    share, plus the learned overhead per slot for its ``share + S - 1`` slots, plus the
+    reduction (two replicas cut alike at 2: each holder sends 2 x 1/2 of its 2000 gradient
+    bytes, at the link bandwidth of 1000 B/s: 2 s)."""
+    cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig(link_bandwidth=1000.0))
+    try:
+        ids = [
+            cluster.members.register(n, f"127.0.0.1:{p}", "cpu")[0] for p, n in enumerate("abcd", 1)
+        ]
+        cluster.job = JobConfig(model="mlp", micro_batches=8, job_id="j")
+        cluster.profile = Profile(costs=(1.0, 2.0, 1.0, 2.0), speeds=dict.fromkeys(ids, 1.0))
+        cluster.param_bytes, cluster.num_layers = [1000] * 4, 4
+        cluster.note_slot_overhead("earlier", 0.5)
+        chains = [
+            Partition(1, "j", (0, 2, 4), tuple(StageRef(s, f"{s}:1") for s in pair))
+            for pair in (ids[:2], ids[2:])
+        ]
+        layout = replica_changes._relaid(cluster, chains, (5, 3))
+        for chain, share in zip(layout.replicas, (5, 3), strict=True):
+            plan = estimates.evaluate(chain.boundaries, cluster.profile.costs, [1.0, 1.0])
+            model_s = predict_step_time(plan, share, cluster.job.schedule)
+            want = model_s + 0.5 * (share + 2 - 1) + 2.0
+            assert chain.predicted_step_s == pytest.approx(want), (share, model_s)
+    finally:
+        cluster.pool.close()
