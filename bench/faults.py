@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 import torch
 from shared.runs import gpt_pipeline, identical, token_batch  # bench/shared/, beside this script
 
+from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 
+SNAPSHOT_WAIT_S = 30.0  # a stage is killed once the newest snapshot survives, or after this
 MODEL = {"vocab_size": 96, "d_model": 96, "n_heads": 4, "n_layers": 8, "max_seq_len": 32}
 BATCH, SEQ = 16, 32
 
@@ -78,6 +80,7 @@ def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool
             if event == "stage":
                 if restarting is not None:  # one failure at a time: the coordinator is back
                     restarting.join()
+                _wait_for_snapshot(pipe, step - 1, snapshot_every)
                 victim = cluster.name_of(pipe.partition.addresses[1])
                 killed_at = time.time()
                 cluster.kill(victim)
@@ -102,6 +105,21 @@ def train(cluster: LocalCluster, steps: int, snapshot_every: int, failures: bool
         run.seconds = time.perf_counter() - started
         run.state = pipe.state_dict()
     return run
+
+
+def _wait_for_snapshot(pipe: Pipeline, committed: int, every: int) -> None:
+    """Waits (at most ``SNAPSHOT_WAIT_S``) until the newest snapshot at or before step
+    ``committed`` survives a failure (the coordinator's safe step, which the client hears
+    with its lease renewals): a kill before its copy landed would end the job with
+    ``LayersLost``, as it should (a loaded host, the quick mode's snapshot every 2 steps)."""
+    if not every:
+        return
+    wanted = committed - committed % every
+    deadline = time.monotonic() + SNAPSHOT_WAIT_S
+    # (the client's own view, private: its lease renewal brings the safe step; asked now)
+    while pipe._safe_step < wanted and time.monotonic() < deadline:
+        pipe._renew_now.set()
+        time.sleep(0.1)
 
 
 def recoveries(cluster: LocalCluster, run: Run, step_s: float) -> list[dict[str, object]]:
