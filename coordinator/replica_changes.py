@@ -35,8 +35,7 @@ from collections.abc import Callable, Sequence
 from elasticpipe.coordinator import copies, epochs, replica_options
 from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
-from elasticpipe.coordinator.planning import predict_step_time
-from elasticpipe.coordinator.planning.cost import Plan, PlanError
+from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
 from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts, reduce_seconds
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
@@ -535,6 +534,10 @@ def _relaid(
         times = planned_step_times(plans, job.schedule)
         times = replica_options.with_known_shortfalls(cluster, replicas, times)
         shares = assign_shares(times, job.micro_batches, 1)
+    # Each replica predicted as a new layout's (``replicas.lay_out``): the model for its
+    # share plus the learned overhead per slot, plus the reduction; with
+    # ``--link-bandwidth`` this model counts the links (``replica_options.plans``), a new
+    # layout's does not.
     timed = cluster.profile is not None
     bandwidth = cluster.reduce_bandwidth(timed)
     reduce_s = (
@@ -542,18 +545,11 @@ def _relaid(
         if bandwidth and cluster.param_bytes
         else 0.0
     )
-
-    def predicted(plan: Plan, chain: Partition, share: int) -> float:
-        """As a new layout's (``replicas.lay_out``): the model for the share, plus the
-        learned overhead per slot, plus the reduction; with ``--link-bandwidth``, this
-        model counts the links (``replica_options.plans``), a new layout's does not."""
-        model_s = predict_step_time(plan, share, job.schedule)
-        return cluster.plus_slot_overhead(model_s, chain.num_stages, share) + reduce_s
-
+    predicted = planned_step_times(plans, job.schedule, cluster.slot_overhead(timed))
     return Layout(
         tuple(
-            p.evolve(predicted_step_s=predicted(plan, p, share) if timed else None)
-            for p, plan, share in zip(replicas, plans, shares, strict=True)
+            p.evolve(predicted_step_s=t(share) + reduce_s if timed else None)
+            for p, t, share in zip(replicas, predicted, shares, strict=True)
         ),
         tuple(shares),
     ).validate(cluster.num_layers or None, job.micro_batches)

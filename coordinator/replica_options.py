@@ -38,6 +38,7 @@ from elasticpipe.coordinator.planning.hosts import order_hosts
 from elasticpipe.coordinator.planning.shares import (
     StepTime,
     assign_shares,
+    pipeline_slots,
     planned_step_times,
     plus_slots,
     slowest,
@@ -366,7 +367,7 @@ def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
         replicas, times, layout.shares, pipelines, strict=True
     ):
         stages = chain.num_stages
-        per_slot = max(0.0, measured - predicted(share)) / (share + stages - 1)
+        per_slot = max(0.0, measured - predicted(share)) / pipeline_slots(stages, share)
         known = cluster.slot_shortfalls.get((chain.job_id, chain.stage_ids))
         if known is None or share >= known[0]:
             cluster.slot_shortfalls[(chain.job_id, chain.stage_ids)] = (share, per_slot)
@@ -422,7 +423,7 @@ def note_overheads(cluster: Cluster) -> bool:
     short = slots = 0.0
     for (chain, share), pipeline, predicted in zip(running, measured, times, strict=True):
         short += max(0.0, pipeline - predicted(share))
-        slots += share + chain.num_stages - 1
+        slots += pipeline_slots(chain.num_stages, share)
     if not slots:
         return False
     cluster.note_slot_overhead(job.job_id, short / slots)

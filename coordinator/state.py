@@ -21,6 +21,7 @@ from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.cost import Plan, predict_step_time
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
 from elasticpipe.coordinator.planning.memory import MemoryTerms
+from elasticpipe.coordinator.planning.shares import pipeline_slots
 from elasticpipe.coordinator.store import EpochRow, Store
 from elasticpipe.errors import (
     CONTINUE_FROM_SAVE,
@@ -373,14 +374,13 @@ class Cluster:
         with self._slot_write_lock:
             with self._slot_lock:
                 now = dict(self.slot_overheads)
-                kept = [[job, figure] for job, figure in self.slot_overheads.items()]
             stored = self._slot_stored
             if list(now) == list(stored) and all(  # (the same jobs, oldest first)
                 abs(figure - stored[job]) <= SLOT_STORE_CHANGE * stored[job]
                 for job, figure in now.items()
             ):
                 return False
-            self.store.put(SLOTS_KEY, kept)
+            self.store.put(SLOTS_KEY, [[job, figure] for job, figure in now.items()])
             self._slot_stored = now
             return True
 
@@ -405,8 +405,8 @@ class Cluster:
 
     def plus_slot_overhead(self, model_s: float, stages: int, micro_batches: int) -> float:
         """``model_s`` (a chain of ``stages`` running ``micro_batches``) plus
-        ``slot_overhead`` for each of its ``micro_batches + stages - 1`` slots."""
-        return model_s + self.slot_overhead() * (micro_batches + stages - 1)
+        ``slot_overhead`` for each of its slots (``pipeline_slots``)."""
+        return model_s + self.slot_overhead() * pipeline_slots(stages, micro_batches)
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from elasticpipe.coordinator.planning.cost import Plan, predict_step_time
 from elasticpipe.errors import InvalidRequest
 
-__all__ = ["assign_shares", "planned_step_times", "plus_slots", "slowest"]
+__all__ = ["assign_shares", "pipeline_slots", "planned_step_times", "plus_slots", "slowest"]
 
 StepTime = Callable[[int], float]  # seconds of a replica's step for a share of m >= 1
 
@@ -87,5 +87,11 @@ def planned_step_times(plans: Sequence[Plan], schedule: str, slot_s: float = 0.0
 
 def plus_slots(predicted: StepTime, per_slot: float, stages: int, share: int) -> float:
     """``predicted(share)`` plus ``per_slot`` for each of a chain of ``stages``' slots at
-    that share (``share + stages - 1``)."""
-    return predicted(share) + per_slot * (share + stages - 1)
+    that share (``pipeline_slots``)."""
+    return predicted(share) + per_slot * pipeline_slots(stages, share)
+
+
+def pipeline_slots(stages: int, share: int) -> int:
+    """The slots of a pipeline of ``stages`` running ``share`` micro-batches: ``share +
+    stages - 1`` (a hop's latency, a per-op overhead, is paid once per slot)."""
+    return share + stages - 1
