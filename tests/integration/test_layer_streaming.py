@@ -4,6 +4,7 @@ all give exactly LocalPipeline's result, bit for bit."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,13 @@ def test_a_layer_over_the_limit_in_tiny_chunks_moves_saves_loads_and_recovers_ex
         losses += [pipe.train_step(x, y) for x, y in batches[2:4]]
         assert list(pipe.partition.boundaries) == target
         victim = cluster.name_of(pipe.partition.addresses[-1])
-        cluster.kill(victim)  # its layers come back from the snapshot copies
+        # its layers come back from the snapshot copies: once step 4's has landed (the
+        # client's safe step, asked at once; a large layer's copy can lag on a busy host)
+        deadline = time.monotonic() + 60
+        while pipe._safe_step < 4 and time.monotonic() < deadline:
+            pipe._renew_now.set()
+            time.sleep(0.1)
+        cluster.kill(victim)
         losses += [pipe.train_step(x, y) for x, y in batches[4:]]
         assert victim in {s.name for s in cluster.status().stages if s.state == "dead"}
         assert victim not in {cluster.name_of(a) for a in pipe.partition.addresses}
