@@ -25,6 +25,7 @@ from elasticpipe.security.tls import TLS
 
 ENV_TORCH_THREADS = "ELASTICPIPE_TORCH_THREADS"
 ENV_COORDINATOR = "ELASTICPIPE_COORDINATOR"
+SIGNAL_POLL_S = 0.25  # how often the main thread looks for a signal given to another thread
 
 log = get_logger(__name__)
 
@@ -72,7 +73,11 @@ def _serve_until_signalled(
     signal.signal(signal.SIGINT, handler)
     _write_ready(ready_file, server.address, server.metrics.port if server.metrics else None)
     try:
-        stop.wait()
+        # Waits in slices: a signal the kernel hands to another thread (gRPC's, torch's)
+        # runs its Python handler only once the main thread runs bytecode again, which a
+        # wait with no timeout never does.
+        while not stop.wait(SIGNAL_POLL_S):
+            pass
         if before_stop is not None:
             before_stop()
     finally:
