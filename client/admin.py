@@ -226,14 +226,16 @@ class Status:
 class LayoutCandidate:
     """A layout the planner considered for ``replicas="auto"`` (``PlanReport.layouts``):
     each replica's cuts and stages (a proposal, epoch 0), the shares, and its predicted
-    step (the slowest replica's plus the reduction's ``reduce_s``; unit-less costs until the
-    stages are profiled, ``in_seconds`` false)."""
+    step (the slowest replica's plus the reduction's ``reduce_s`` and the part outside the
+    pipelines, ``per_step_s``; unit-less costs until the stages are profiled,
+    ``in_seconds`` false)."""
 
     replicas: tuple[PartitionInfo, ...]
     shares: tuple[int, ...]
     step_s: float
     reduce_s: float
     in_seconds: bool
+    per_step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,12 @@ class PlanReport:
     # seconds added per pipeline slot to a layout's predicted step (chains' measured
     # overhead beyond the planner's model, median); 0 before any was measured
     slot_overhead_s: float = 0.0
+    # seconds added once per step besides the optimizer steps (what stages waited between
+    # runs beyond them: fan-out, commit, the client's loop, median); 0 before measured
+    step_overhead_s: float = 0.0
+    # parameter bytes/s optimizer steps are planned at (the stages' measured median); 0:
+    # not measured, and optimizer steps count as free
+    optimizer_bytes_per_s: float = 0.0
 
     @property
     def gain(self) -> float | None:

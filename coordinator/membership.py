@@ -100,6 +100,8 @@ class Member:
     replica_pin: str = ""  # the replica it is pinned to (registration, heartbeats); "": any
     pipeline_s: tuple[int, float] | None = None  # (epoch, its chain's pipeline's seconds)
     reduce_rate: float = 0.0  # replicas: bytes/s its reductions went at (0: not measured)
+    optimizer_rate: float = 0.0  # parameter bytes/s its optimizer steps went at (0: same)
+    between_runs: tuple[int, float] | None = None  # (epoch, seconds from a run's end to the next)
 
     def remeasure(self) -> None:
         """Forgets its layer timings and the speeds estimated from them: its layers

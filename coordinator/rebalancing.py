@@ -242,7 +242,7 @@ class Rebalancer(ReplicaPolicy):
         }
         predicted, job, chain = decision.current_step_s, self.c.job, self.c.partition
         if in_seconds and self.c.replicas == 1 and job is not None and chain is not None:
-            predicted = self.c.plus_slot_overhead(predicted, chain.num_stages, job.micro_batches)
+            predicted = self.c.plus_overheads(predicted, chain.boundaries, job.micro_batches)
         self.c.metrics.decided(decision.outcome, predicted if in_seconds else None)
         # The same kind of decision (its numbers aside) once at info, then at debug.
         kind = re.sub(r"[0-9.]+", "#", decision.reason)

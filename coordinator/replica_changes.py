@@ -457,6 +457,7 @@ def layout_candidates(cluster: Cluster) -> tuple[list[str], list[LayoutPlan]]:
             layer_memory=mem.layer_memory,
             host_memory=mem.stage_memory,
             slot_s=cluster.slot_overhead(in_seconds),
+            per_step=cluster.per_step(in_seconds),
         )
     except PlanError as exc:
         log.info("layouts_unplanned", why=str(exc))
@@ -535,7 +536,7 @@ def _relaid(
         times = replica_options.with_known_shortfalls(cluster, replicas, times)
         shares = assign_shares(times, job.micro_batches, 1)
     # Each replica predicted as a new layout's (``replicas.lay_out``): the model for its
-    # share plus the learned overhead per slot, plus the reduction; with
+    # share plus the learned overhead per slot, plus the reduction and the per-step part; with
     # ``--link-bandwidth`` this model counts the links (``replica_options.plans``), a new
     # layout's does not.
     timed = cluster.profile is not None
@@ -546,9 +547,10 @@ def _relaid(
         else 0.0
     )
     predicted = planned_step_times(plans, job.schedule, cluster.slot_overhead(timed))
+    once = reduce_s + cluster.per_step(timed).seconds([p.boundaries for p in replicas])
     return Layout(
         tuple(
-            p.evolve(predicted_step_s=t(share) + reduce_s if timed else None)
+            p.evolve(predicted_step_s=t(share) + once if timed else None)
             for p, t, share in zip(replicas, predicted, shares, strict=True)
         ),
         tuple(shares),

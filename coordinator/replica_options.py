@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import estimates, memory
@@ -427,7 +427,27 @@ def note_overheads(cluster: Cluster) -> bool:
     if not slots:
         return False
     cluster.note_slot_overhead(job.job_id, short / slots)
+    note_step_overhead(cluster, [chain for chain, _ in running])
     return True
+
+
+def note_step_overhead(cluster: Cluster, chains: Sequence[Partition]) -> None:
+    """What the running job's stages waited between runs beyond its optimizer steps, for
+    ``Cluster.step_overhead``: the smallest wait any stage measured in this epoch (the
+    slowest stage's: the others also wait for its report), less the optimizer steps
+    predicted for these chains (the commit waits for every stage's). Nothing until every
+    stage measured one."""
+    job = cluster.job
+    assert job is not None
+    waits = []
+    for chain in chains:
+        for member in map(cluster.members.by_id, chain.stage_ids):
+            heard = member.between_runs if member is not None else None
+            if heard is None or heard[0] != chain.epoch:
+                return
+            waits.append(heard[1])
+    optimizer_s = replace(cluster.per_step(), fixed_s=0.0).seconds([c.boundaries for c in chains])
+    cluster.note_step_overhead(job.job_id, max(0.0, min(waits) - optimizer_s))
 
 
 def chain_pipeline(cluster: Cluster, chain: Partition) -> float | None:

@@ -164,6 +164,7 @@ def lay_out(
     slot_s = cluster.slot_overhead(in_seconds=profiled)
     common = dict(
         slot_s=slot_s,
+        per_step=cluster.per_step(in_seconds=profiled),
         schedule=job.schedule,
         param_bytes=reduce[0],
         reduce_bandwidth=reduce[1],
@@ -191,6 +192,7 @@ def lay_out(
                 ),
                 predicted_step_s=planned_step_times([plan], job.schedule, slot_s)[0](share)
                 + best.reduce_s
+                + best.per_step_s
                 if profiled and share
                 else None,
             )

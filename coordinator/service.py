@@ -110,8 +110,9 @@ class CoordinatorServicer:
             self._claims.spoke(stage_id)
 
     def _learn_overheads(self) -> None:
-        """A stage measured a new pipeline time: the planner's overhead per slot learns
-        from it (``replica_options.note_overheads``), once a heartbeat interval at most
+        """A stage measured a new pipeline time or wait between runs: the planner's
+        overheads per slot and per step learn from them (``replica_options.note_overheads``),
+        once a heartbeat interval at most
         (it plans every chain: after each heartbeat, a job of S stages would cost S times
         that); a failure to is logged, never the heartbeat's."""
         now = time.monotonic()
@@ -138,6 +139,10 @@ class CoordinatorServicer:
         reduce_rate = bounds.number(
             req.reduce_bytes_per_s, "reduce_bytes_per_s", 0.0, bounds.MAX_BYTES_PER_S
         )
+        optimizer_rate = bounds.number(
+            req.optimizer_bytes_per_s, "optimizer_bytes_per_s", 0.0, bounds.MAX_BYTES_PER_S
+        )
+        between = bounds.number(req.between_runs_s, "between_runs_s", 0.0, bounds.MAX_TIMING_S)
         replica = bounds.text(req.replica, "replica", bounds.MAX_NAME)
         committed_step = bounds.step(req.committed_step, "committed_step")
         heard = self.c.heartbeat(
@@ -152,11 +157,13 @@ class CoordinatorServicer:
         if heard is Heard.OK and (member := self.c.members.by_id(req.stage_id)) is not None:
             member.memory_bytes = req.memory_bytes
             measured = (req.epoch, pipeline_s) if pipeline_s else None
-            learn = measured is not None and measured != member.pipeline_s
-            member.pipeline_s = measured
-            if learn:
-                self._learn_overheads()
+            waited = (req.epoch, between) if between else None
+            learn = (measured, waited) != (member.pipeline_s, member.between_runs)
+            member.pipeline_s, member.between_runs = measured, waited
             member.reduce_rate = reduce_rate or member.reduce_rate  # (kept across jobs)
+            member.optimizer_rate = optimizer_rate or member.optimizer_rate
+            if learn and measured is not None:
+                self._learn_overheads()
             member.replica_pin = replica
         return coordinator_pb2.HeartbeatResponse(
             reregister=heard is not Heard.OK,
@@ -449,6 +456,7 @@ class CoordinatorServicer:
                 step_s=c.step_s,
                 reduce_s=c.reduce_s,
                 in_seconds=view.in_seconds,
+                per_step_s=c.per_step_s,
             )
             for c in candidates
         ]
@@ -457,6 +465,8 @@ class CoordinatorServicer:
             # (what the candidates were planned with: over the job's stages and the spares)
             reduce_bytes_per_s=cluster.reduce_bandwidth(timed) or 0.0,
             slot_overhead_s=cluster.slot_overhead(timed),
+            step_overhead_s=(per_step := cluster.per_step(timed)).fixed_s,
+            optimizer_bytes_per_s=per_step.optimizer_rate or 0.0,
             current=self._wire(view.current),
             optimal_boundaries=list(view.optimal.boundaries),
             current_step_s=view.current_step_s if view.in_seconds else None,

@@ -7,19 +7,19 @@ time; its condition wakes whoever waits for a newer partition.
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from elasticpipe.coordinator.config import CoordinatorConfig
+from elasticpipe.coordinator.learned import Learned
 from elasticpipe.coordinator.membership import STATES, Member, Membership
 from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.cost import Plan, predict_step_time
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
+from elasticpipe.coordinator.planning.layouts import PerStep
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.planning.shares import pipeline_slots
 from elasticpipe.coordinator.store import EpochRow, Store
@@ -42,9 +42,8 @@ from elasticpipe.transport.terms import TermStamp
 
 log = get_logger(__name__)
 
-SLOT_JOBS = 16  # jobs whose measured overhead per pipeline slot is kept (slot_overhead)
-SLOT_STORE_CHANGE = 0.05  # a job's figure is stored again when it moved by more than this
-SLOTS_KEY = "slot_overheads"  # the store's copy of Cluster.slot_overheads
+SLOTS_KEY = "slot_overheads"  # the store's copy of Cluster.slots
+STEPS_KEY = "step_overheads"  # the store's copy of Cluster.steps
 
 
 class LinkTerms(NamedTuple):
@@ -118,13 +117,10 @@ class Cluster:
         # at (``replica_options.measured_step_times``): the one from the largest share;
         # by (job id, the chain's stage ids): never one job's for another's
         self.slot_shortfalls: dict[tuple[str, tuple[str, ...]], tuple[int, float]] = {}
-        # What each job's chains measured per slot beyond the model, the latest per job id,
-        # kept across jobs for ``slot_overhead``, and in the store: a restarted coordinator,
-        # or a standby that takes over, predicts with what this one learned
-        self.slot_overheads: OrderedDict[str, float] = _slot_overheads(store.get(SLOTS_KEY))
-        self._slot_stored = dict(self.slot_overheads)  # what the store holds (store_learned)
-        self._slot_lock = threading.Lock()
-        self._slot_write_lock = threading.Lock()  # one store_learned at a time
+        # What each job measured beyond the model, per pipeline slot (``slot_overhead``) and
+        # per step (``step_overhead``), kept across jobs and in the store (``learned``)
+        self.slots = Learned(store, SLOTS_KEY)
+        self.steps = Learned(store, STEPS_KEY)
         self.metrics = CoordinatorMetrics(self._metrics_view)
 
     @property
@@ -353,36 +349,29 @@ class Cluster:
 
     def note_slot_overhead(self, job_id: str, per_slot: float) -> None:
         """Keeps what a job's chains measured per pipeline slot beyond the planner's
-        prediction (``replica_options.note_overheads``), for ``slot_overhead``: the latest
-        per job, of the last ``SLOT_JOBS`` jobs (in memory: ``store_learned`` stores them)."""
-        with self._slot_lock:
-            self.slot_overheads.pop(job_id, None)
-            self.slot_overheads[job_id] = per_slot
-            while len(self.slot_overheads) > SLOT_JOBS:
-                self.slot_overheads.popitem(last=False)
+        prediction (``replica_options.note_overheads``), for ``slot_overhead``."""
+        self.slots.note(job_id, per_slot)
+
+    def note_step_overhead(self, job_id: str, per_step: float) -> None:
+        """Keeps what a job's stages waited between runs beyond its optimizer steps
+        (``replica_options.note_overheads``), for ``step_overhead``."""
+        self.steps.note(job_id, per_step)
+
+    @property
+    def slot_overheads(self) -> dict[str, float]:
+        """The figures per slot kept, by job, oldest first."""
+        return self.slots.figures()
 
     def store_learned(self) -> bool:
-        """Stores the figures per slot when they differ from the stored ones: a job new or
-        gone, or a figure moved by more than ``SLOT_STORE_CHANGE`` since it was stored (the
-        coordinator's ``learned`` loop calls this: the store is never written on a
-        heartbeat's path). Returns whether it wrote.
+        """Stores the learned figures that differ from the stored ones (``Learned``: the
+        coordinator's ``learned`` loop calls this, never a heartbeat). Returns whether it
+        wrote.
 
         Raises:
-            ElasticPipeError: the store refused (this coordinator no longer leads, say); the
-                stored figures stay as they were, and a later call tries again.
+            ElasticPipeError: the store refused; a later call tries again.
         """
-        with self._slot_write_lock:
-            with self._slot_lock:
-                now = dict(self.slot_overheads)
-            stored = self._slot_stored
-            if list(now) == list(stored) and all(  # (the same jobs, oldest first)
-                abs(figure - stored[job]) <= SLOT_STORE_CHANGE * stored[job]
-                for job, figure in now.items()
-            ):
-                return False
-            self.store.put(SLOTS_KEY, [[job, figure] for job, figure in now.items()])
-            self._slot_stored = now
-            return True
+        wrote = self.slots.store_changed()
+        return self.steps.store_changed() or wrote
 
     def slot_overhead(self, in_seconds: bool = True) -> float:
         """Seconds the planner adds per pipeline slot to a new layout's predicted step: the
@@ -390,23 +379,37 @@ class Cluster:
         predictions per slot (hop latencies, per-op overheads; ``note_slot_overhead``: a
         figure of the hosts, like the reduction's rate); 0 before any job was measured,
         or while the step times it is added to have no unit."""
-        with self._slot_lock:
-            figures = list(self.slot_overheads.values())
-        return statistics.median(figures) if in_seconds and figures else 0.0
+        return self.slots.median() if in_seconds else 0.0
+
+    def per_step(self, in_seconds: bool = True) -> PerStep:
+        """What the planner adds once per step to a new layout's prediction (``PerStep``):
+        the median of what jobs' stages waited between runs beyond their optimizer steps
+        (``note_step_overhead``), and the optimizer steps at the median rate the live
+        stages measured (``Member.optimizer_rate``); nothing of either before it is
+        measured, or while the step times have no unit."""
+        if not in_seconds:
+            return PerStep()
+        live = (m for m in self.members.members() if self.members.alive(m))
+        rates = [m.optimizer_rate for m in live if m.optimizer_rate > 0]
+        rate = statistics.median(rates) if rates and self.param_bytes else None
+        return PerStep(self.steps.median(), self.param_bytes if rate else None, rate)
 
     def chain_step_s(self, plan: Plan, job: JobConfig) -> float:
         """The predicted step of one pipeline partitioned as ``plan`` (a job of one chain):
-        the planner's model for ``job``'s micro-batches and schedule, plus the overhead per
-        pipeline slot measured beyond it (``plus_slot_overhead``), as a layout of replicas
-        is predicted. The policy compares partitions on the model alone (a scale-out's
+        the planner's model for ``job``'s micro-batches and schedule, plus the overheads
+        per pipeline slot and per step measured beyond it (``plus_overheads``), as a layout
+        of replicas is predicted. The policy compares partitions on the model alone (a scale-out's
         one slot more is not counted)."""
         model_s = predict_step_time(plan, job.micro_batches, job.schedule)
-        return self.plus_slot_overhead(model_s, len(plan.boundaries) - 1, job.micro_batches)
+        return self.plus_overheads(model_s, plan.boundaries, job.micro_batches)
 
-    def plus_slot_overhead(self, model_s: float, stages: int, micro_batches: int) -> float:
-        """``model_s`` (a chain of ``stages`` running ``micro_batches``) plus
-        ``slot_overhead`` for each of its slots (``pipeline_slots``)."""
-        return model_s + self.slot_overhead() * pipeline_slots(stages, micro_batches)
+    def plus_overheads(
+        self, model_s: float, boundaries: Sequence[int], micro_batches: int
+    ) -> float:
+        """``model_s`` (one chain cut at ``boundaries`` running ``micro_batches``) plus
+        ``slot_overhead`` for each of its slots (``pipeline_slots``) and ``per_step``."""
+        slots = pipeline_slots(len(boundaries) - 1, micro_batches)
+        return model_s + self.slot_overhead() * slots + self.per_step().seconds([boundaries])
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""
@@ -436,24 +439,3 @@ class Cluster:
     def bytes_to_move(self, old: Partition, new: Partition) -> int:
         """Predicted bytes of a move from ``old`` to ``new``."""
         return sum(self.layer_state_bytes(m.layer) for m in old.moves_to(new))
-
-
-def _slot_overheads(raw: Any) -> OrderedDict[str, float]:
-    """The stored figures per slot (``Cluster.note_slot_overhead``'s ``[[job, seconds],
-    ...]``), oldest first; none of what is malformed (a store written by hand, or by an
-    older coordinator): it is learned again."""
-    kept: OrderedDict[str, float] = OrderedDict()
-    for item in raw if isinstance(raw, list) else []:
-        if (
-            isinstance(item, list)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and isinstance(item[1], int | float)
-            and not isinstance(item[1], bool)
-            and math.isfinite(item[1])
-            and item[1] >= 0
-        ):
-            kept[item[0]] = float(item[1])
-    while len(kept) > SLOT_JOBS:
-        kept.popitem(last=False)
-    return kept

@@ -48,8 +48,8 @@ from elasticpipe.transport.sending import Outgoing
 from elasticpipe.transport.serving import split_address
 
 __all__ = [
-    "PipelineTime",
-    "ReduceRate",
+    "EpochTime",
+    "Rate",
     "Reductions",
     "RunIds",
     "refuse_running_stats",
@@ -73,14 +73,15 @@ class RunIds:
     deadline: float  # time.monotonic() value
 
 
-class PipelineTime:
-    """How long this stage's pipeline (its replica's, or the job's one chain) takes per
-    training run, in this epoch: an EWMA of seconds from a run's start to the stage's last
-    op (before any reduction). The coordinator takes a chain's slowest stage as its
-    measured time, and weighs what the planner's prediction misses (link latency,
-    overheads) when it splits the shares and predicts new layouts. A new
-    epoch (new shares, moved layers) starts afresh, and its first run is left out (it
-    pays for what a change leaves cold: connections, caches, a retried run's wait)."""
+class EpochTime:
+    """A time this stage measures per training run in this epoch: an EWMA of its runs'
+    seconds. ``Stage.pipeline_time``: from a run's start to the stage's last op (before any
+    reduction); the coordinator takes a chain's slowest stage as its measured time, and
+    weighs what the planner's prediction misses (link latency, overheads) when it splits
+    the shares and predicts new layouts. ``Stage.between_runs``: from a run's end (its
+    report) to the next run's start, the step's part outside the pipelines. A new epoch
+    (new shares, moved layers) starts afresh, and its first run is left out (it pays for
+    what a change leaves cold: connections, caches, a retried run's wait)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -103,14 +104,16 @@ class PipelineTime:
             return self._seconds if epoch == self._epoch else 0.0
 
 
-class ReduceRate:
-    """How fast this stage's gradient reductions go, in bytes per second: an EWMA over its
-    training runs of each run's bytes (what the planner counts a holder sends: ``2 (R - 1)
-    / R`` of the gradient bytes of each group it holds, ``layouts.reduce_seconds``) over
-    the time from its first group's reduction start to its last one's end. Without a link
-    bandwidth from the operator, the coordinator plans replicas' reductions at its stages'
-    median rate. A new epoch's first run is left out (it opens connections, and may wait
-    for a peer that is still committing the epoch); the rate carries over epochs and jobs,
+class Rate:
+    """How fast this stage does something per byte, in bytes per second: an EWMA over its
+    runs. ``Stage.reduce_rate``: its gradient reductions, each run's bytes (what the planner
+    counts a holder sends: ``2 (R - 1) / R`` of the gradient bytes of each group it holds,
+    ``layouts.reduce_seconds``) over the time from its first group's reduction start to its
+    last one's end; without a link bandwidth from the operator, the coordinator plans
+    replicas' reductions at its stages' median rate. ``Stage.optimizer_rate``: its
+    optimizer steps, its layers' parameter bytes over the step's time. A new epoch's first
+    run is left out (it opens connections, may wait for a peer still committing the epoch,
+    and an optimizer's first step makes its state); the rate carries over epochs and jobs,
     as a figure of the hosts and their network."""
 
     def __init__(self) -> None:
@@ -118,7 +121,7 @@ class ReduceRate:
         self._epoch, self._rate = -1, 0.0
 
     def note(self, epoch: int, rate: float | None) -> None:
-        """Counts one run of ``epoch`` that reduced at ``rate`` (None: it reduced nothing)."""
+        """Counts one run of ``epoch`` that went at ``rate`` (None: it measured nothing)."""
         with self._lock:
             if epoch != self._epoch:
                 self._epoch = epoch
@@ -292,7 +295,7 @@ class Reductions:
             )
 
     def rate(self) -> float | None:
-        """This run's reduction rate, once ``finish`` returned (``ReduceRate``): None when
+        """This run's reduction rate, once ``finish`` returned (``Rate``): None when
         it reduced nothing."""
         if not self._moved:
             return None

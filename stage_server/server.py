@@ -253,6 +253,8 @@ class StageServer(ServerLifecycle):
                 replica=self._config.replica,
                 pipeline_s=stage.pipeline_time.at(stage.epoch),
                 reduce_bytes_per_s=stage.reduce_rate.value(),
+                optimizer_bytes_per_s=stage.optimizer_rate.value(),
+                between_runs_s=stage.between_runs.at(stage.epoch),
             ),
             timeout=max(1.0, interval * 2),
         )

@@ -156,6 +156,14 @@ class SliceState:
         """Owned layer indices, ascending."""
         return sorted(self.layers)
 
+    def stepped_bytes(self) -> int:
+        """Bytes of the parameters an optimizer step updates here (for its rate)."""
+        return sum(
+            p.numel() * p.element_size()
+            for i in self.optimizers
+            for p in self.layers[i].parameters()
+        )
+
     # ---- optimizer steps ----------------------------------------------------------------
 
     def step(self, clip: GradClip = clipping.NO_CLIP) -> None:

@@ -35,7 +35,7 @@ from elasticpipe.coordinator.planning.shares import (
     slowest,
 )
 
-__all__ = ["LayoutPlan", "plan_fixed", "plan_layouts", "reduce_seconds"]
+__all__ = ["LayoutPlan", "PerStep", "plan_fixed", "plan_layouts", "reduce_seconds"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,10 @@ class LayoutPlan:
         replicas: per replica, its hosts (indices into the given speeds) in chain order.
         plans: per replica, its partition and stage times (``Plan``).
         shares: micro-batches per replica.
-        step_s: the predicted step: the slowest replica's, plus ``reduce_s``.
+        step_s: the predicted step: the slowest replica's, plus ``reduce_s`` and
+            ``per_step_s``.
         reduce_s: the predicted reduction of the gradients among the replicas.
+        per_step_s: the step's part outside the pipelines (``PerStep``).
     """
 
     replicas: tuple[tuple[int, ...], ...]
@@ -55,6 +57,31 @@ class LayoutPlan:
     shares: tuple[int, ...]
     step_s: float
     reduce_s: float
+    per_step_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PerStep:
+    """What a step costs once, outside its pipelines: ``fixed_s`` (the RunStep fan-out, the
+    commit's round trip, the client's loop: ``Cluster.step_overhead``), plus the optimizer
+    steps, which every stage runs at once before the step returns: the busiest stage's
+    parameter bytes (``param_bytes`` per layer) at ``optimizer_rate`` bytes/s. Without a
+    rate, optimizer steps count as free."""
+
+    fixed_s: float = 0.0
+    param_bytes: Numbers | None = None
+    optimizer_rate: float | None = None
+
+    def seconds(self, boundaries: Sequence[Sequence[int]]) -> float:
+        """The per-step seconds of a layout whose replicas are cut at ``boundaries``."""
+        if not self.optimizer_rate or self.param_bytes is None:
+            return self.fixed_s
+        busiest = max(
+            math.fsum(self.param_bytes[lo:hi])
+            for bounds in boundaries
+            for lo, hi in itertools.pairwise(bounds)
+        )
+        return self.fixed_s + busiest / self.optimizer_rate
 
 
 def reduce_seconds(
@@ -95,6 +122,7 @@ def plan_layouts(
     host_memory: Numbers | None = None,
     max_replicas: int | None = None,
     slot_s: float = 0.0,
+    per_step: PerStep = PerStep(),
 ) -> list[LayoutPlan]:
     """Every feasible replica count's best layout found, the shortest predicted step first.
 
@@ -109,6 +137,7 @@ def plan_layouts(
         max_replicas: at most this many replicas (default: as many as hosts, and no more
             than ``micro_batches``).
         slot_s: seconds added per slot of each replica's pipeline (``planned_step_times``).
+        per_step: what each layout's step costs outside its pipelines (``PerStep``).
 
     Raises:
         PlanError: no replica count fits the memory caps, or bad inputs (named).
@@ -137,6 +166,7 @@ def plan_layouts(
                     layer_memory,
                     host_memory,
                     slot_s=slot_s,
+                    per_step=per_step,
                 )
             )
         except PlanError as exc:
@@ -157,6 +187,7 @@ def plan_fixed(
     layer_memory: Numbers | None = None,
     host_memory: Numbers | None = None,
     slot_s: float = 0.0,
+    per_step: PerStep = PerStep(),
 ) -> LayoutPlan:
     """The layout of replicas of the given lengths: the hosts taken in the order given,
     ``sizes[0]`` of them for replica 0, the next ``sizes[1]`` for replica 1, and so on;
@@ -181,7 +212,7 @@ def plan_fixed(
     starts = list(itertools.accumulate(sizes, initial=0))
     groups = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
     args = (schedule, param_bytes, reduce_bandwidth, layer_memory, host_memory)
-    return _plan(groups, layer_costs, speeds, micro_batches, *args, at_least=1, slot_s=slot_s)
+    return _plan(groups, layer_costs, speeds, micro_batches, *args, 1, slot_s, per_step)
 
 
 def _plan(
@@ -196,10 +227,11 @@ def _plan(
     host_memory: Numbers | None,
     at_least: int = 0,
     slot_s: float = 0.0,
+    per_step: PerStep = PerStep(),
 ) -> LayoutPlan:
     """One layout of the hosts dealt into ``groups``: each ordered and partitioned, the
-    shares water-filled, the reduction added (``PlanError`` naming the replica that fits
-    no partition)."""
+    shares water-filled, the reduction and the per-step part added (``PlanError`` naming
+    the replica that fits no partition)."""
     ordered, plans = [], []
     for r, hosts in enumerate(groups):
         caps = [host_memory[h] for h in hosts] if host_memory is not None else None
@@ -221,9 +253,9 @@ def _plan(
         if param_bytes is not None and reduce_bandwidth is not None
         else 0.0
     )
-    return LayoutPlan(
-        tuple(ordered), tuple(plans), shares, slowest(times, shares) + reduce_s, reduce_s
-    )
+    once = per_step.seconds([p.boundaries for p in plans])
+    step_s = slowest(times, shares) + reduce_s + once
+    return LayoutPlan(tuple(ordered), tuple(plans), shares, step_s, reduce_s, once)
 
 
 def _deal(speeds: list[float], count: int) -> list[list[int]]:

@@ -262,6 +262,10 @@ def format_plan(p: PlanReport) -> str:
         )
         if p.slot_overhead_s:
             reductions += f", {p.slot_overhead_s * 1e3:.2f} ms measured per pipeline slot"
+        if p.step_overhead_s:
+            reductions += f", {p.step_overhead_s * 1e3:.1f} ms per step"
+        if p.optimizer_bytes_per_s:
+            reductions += f", optimizer steps at {p.optimizer_bytes_per_s / 1e6:.0f} MB/s"
         lines += [
             "",
             f"layouts (replicas='auto', over the job's stages and the spares; {reductions}):",
@@ -272,7 +276,10 @@ def format_plan(p: PlanReport) -> str:
                 f"{_ranges(list(r.boundaries))} x{m}"
                 for r, m in zip(c.replicas, c.shares, strict=False)
             )
-            reduce = f" (reduction {c.reduce_s * 1e3:.1f} ms)" if c.reduce_s else ""
+            parts = [f"reduction {c.reduce_s * 1e3:.1f} ms"] if c.reduce_s else []
+            if c.per_step_s:
+                parts.append(f"per step {c.per_step_s * 1e3:.1f} ms")
+            reduce = f" ({', '.join(parts)})" if parts else ""
             lines.append(f"  {len(c.replicas):>3} replicas  {step:>12}  {chains}{reduce}")
     return "\n".join(lines)
 

@@ -94,6 +94,8 @@ class HeartbeatRequest(_message.Message):
     REPLICA_FIELD_NUMBER: _builtins.int
     PIPELINE_S_FIELD_NUMBER: _builtins.int
     REDUCE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    BETWEEN_RUNS_S_FIELD_NUMBER: _builtins.int
     stage_id: _builtins.str
     epoch: _builtins.int
     committed_step: _builtins.int
@@ -111,6 +113,17 @@ class HeartbeatRequest(_message.Message):
     """A stage of a replica: how fast its gradient reductions went, in bytes per second (an
     EWMA over its runs of the bytes the planner counts it sends, over their time); 0 while
     none was measured. Without --link-bandwidth the planner times reductions at the median.
+    """
+    optimizer_bytes_per_s: _builtins.float
+    """How fast this stage's optimizer steps went, in parameter bytes per second (an EWMA
+    over its commits of its layers' parameter bytes over the step's time); 0 while none
+    was measured. The planner times a layout's optimizer steps at the stages' median.
+    """
+    between_runs_s: _builtins.float
+    """How long this stage waited in this epoch from a training run's end (its report) to
+    the next run's start (an EWMA; the epoch's first gap left out; 0 while none): the
+    step's part outside any pipeline (commit, optimizer steps, RunStep fan-out, the
+    client's loop). The job's smallest, less its optimizer step, is the per-step overhead.
     """
     @_builtins.property
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.LayerTiming]: ...
@@ -132,10 +145,12 @@ class HeartbeatRequest(_message.Message):
         replica: _builtins.str = ...,
         pipeline_s: _builtins.float = ...,
         reduce_bytes_per_s: _builtins.float = ...,
+        optimizer_bytes_per_s: _builtins.float = ...,
+        between_runs_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "pipeline_s", b"pipeline_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "replica", b"replica", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["between_runs_s", b"between_runs_s", "committed_step", b"committed_step", "epoch", b"epoch", "memory_bytes", b"memory_bytes", "optimizer_bytes_per_s", b"optimizer_bytes_per_s", "pipeline_s", b"pipeline_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "replica", b"replica", "slowdown", b"slowdown", "snapshots", b"snapshots", "stage_id", b"stage_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1057,6 +1072,8 @@ class PlanResponse(_message.Message):
     LAYOUTS_FIELD_NUMBER: _builtins.int
     REDUCE_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     SLOT_OVERHEAD_S_FIELD_NUMBER: _builtins.int
+    STEP_OVERHEAD_S_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     current_step_s: _builtins.float
     """seconds per step (unset: unknown, not profiled)"""
     optimal_step_s: _builtins.float
@@ -1070,6 +1087,17 @@ class PlanResponse(_message.Message):
     """Seconds added per pipeline slot to a layout's predicted step: the median of what
     replica chains measured beyond the planner's predictions per slot (hop latencies,
     per-op overheads), in this job and earlier ones; 0 before any was measured.
+    """
+    step_overhead_s: _builtins.float
+    """Seconds added once per step to a layout's predicted step, besides its optimizer step:
+    the median of what jobs measured between their runs beyond their optimizer steps
+    (HeartbeatRequest.between_runs_s: RunStep fan-out, commit round trip, the client's
+    loop), in this job and earlier ones; 0 before any was measured.
+    """
+    optimizer_bytes_per_s: _builtins.float
+    """The rate a layout's optimizer steps are planned at, parameter bytes/s: the median of
+    what the stages measured (HeartbeatRequest.optimizer_bytes_per_s); 0: not measured,
+    and optimizer steps count as free.
     """
     @_builtins.property
     def current(self) -> Global___Partition: ...
@@ -1110,10 +1138,12 @@ class PlanResponse(_message.Message):
         layouts: _abc.Iterable[Global___LayoutCandidate] | None = ...,
         reduce_bytes_per_s: _builtins.float = ...,
         slot_overhead_s: _builtins.float = ...,
+        step_overhead_s: _builtins.float = ...,
+        optimizer_bytes_per_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "current", b"current", "current_step_s", b"current_step_s", "optimal_step_s", b"optimal_step_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "layouts", b"layouts", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "slot_overhead_s", b"slot_overhead_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s", "_optimal_step_s", b"_optimal_step_s", "bytes_to_move", b"bytes_to_move", "current", b"current", "current_step_s", b"current_step_s", "layer_costs", b"layer_costs", "layouts", b"layouts", "optimal_boundaries", b"optimal_boundaries", "optimal_step_s", b"optimal_step_s", "optimizer_bytes_per_s", b"optimizer_bytes_per_s", "reduce_bytes_per_s", b"reduce_bytes_per_s", "slot_overhead_s", b"slot_overhead_s", "stage_names", b"stage_names", "stage_speed_spreads", b"stage_speed_spreads", "stage_speeds", b"stage_speeds", "step_overhead_s", b"step_overhead_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__current_step_s: _TypeAlias = _typing.Literal["current_step_s"]  # noqa: Y015
     _WhichOneofArgType__current_step_s: _TypeAlias = _typing.Literal["_current_step_s", b"_current_step_s"]  # noqa: Y015
@@ -1135,12 +1165,17 @@ class LayoutCandidate(_message.Message):
     STEP_S_FIELD_NUMBER: _builtins.int
     REDUCE_S_FIELD_NUMBER: _builtins.int
     IN_SECONDS_FIELD_NUMBER: _builtins.int
+    PER_STEP_S_FIELD_NUMBER: _builtins.int
     step_s: _builtins.float
     """predicted step: the slowest replica's, plus reduce_s"""
     reduce_s: _builtins.float
     """the reduction (0 without reduce_bytes_per_s)"""
     in_seconds: _builtins.bool
     """false: unit-less costs until the stages are profiled"""
+    per_step_s: _builtins.float
+    """In step_s: the step's part outside the pipelines, step_overhead_s plus the busiest
+    stage's optimizer step at optimizer_bytes_per_s (PlanResponse's)
+    """
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Partition]:
         """each replica's cuts and stages (a proposal: epoch 0)"""
@@ -1155,10 +1190,11 @@ class LayoutCandidate(_message.Message):
         step_s: _builtins.float = ...,
         reduce_s: _builtins.float = ...,
         in_seconds: _builtins.bool = ...,
+        per_step_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_seconds", b"in_seconds", "reduce_s", b"reduce_s", "replicas", b"replicas", "shares", b"shares", "step_s", b"step_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_seconds", b"in_seconds", "per_step_s", b"per_step_s", "reduce_s", b"reduce_s", "replicas", b"replicas", "shares", b"shares", "step_s", b"step_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

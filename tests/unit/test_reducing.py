@@ -13,13 +13,15 @@ import torch
 
 from elasticpipe.coordinator import replica_changes
 from elasticpipe.coordinator.config import CoordinatorConfig
+from elasticpipe.coordinator.learned import JOBS
 from elasticpipe.coordinator.planning import estimates, predict_step_time
 from elasticpipe.coordinator.planning.estimates import Profile
-from elasticpipe.coordinator.state import SLOT_JOBS, SLOTS_KEY, Cluster
+from elasticpipe.coordinator.planning.layouts import PerStep
+from elasticpipe.coordinator.state import SLOTS_KEY, STEPS_KEY, Cluster
 from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Partition, Placement, StageRef
-from elasticpipe.stage_server.reducing import ReduceRate, _joined, _piece, share_of
+from elasticpipe.stage_server.reducing import Rate, _joined, _piece, share_of
 from elasticpipe.stage_server.reduction import GroupReduction, cut
 from elasticpipe.training.gradsum import Node
 from elasticpipe.training.job import JobConfig
@@ -84,10 +86,10 @@ def test_shares_must_fit_the_replica_and_leave_none_empty() -> None:
 
 
 def test_the_reduction_rate_leaves_out_each_epochs_first_run_and_carries_over() -> None:
-    """``ReduceRate``: an epoch's first run is left out (it opens connections), the later
+    """``Rate``: an epoch's first run is left out (it opens connections), the later
     ones are averaged (an EWMA of weight 0.5), a run that reduced nothing changes nothing,
     and the rate carries over into the next epoch (a figure of the hosts, not the layout)."""
-    rate = ReduceRate()
+    rate = Rate()
     assert rate.value() == 0.0
     rate.note(3, 1e6)  # epoch 3's first run: left out
     assert rate.value() == 0.0
@@ -131,7 +133,7 @@ def test_the_planner_times_reductions_at_the_link_bandwidth_else_the_stages_medi
 def test_the_planner_adds_the_jobs_measured_overhead_per_slot() -> None:
     """``Cluster.slot_overhead``: 0 before any job was measured, or for step times with no
     unit; then the median of the jobs' latest figures (a job measured again replaces its
-    own), kept across jobs, the last ``SLOT_JOBS`` jobs only."""
+    own), kept across jobs, the last ``learned.JOBS`` jobs only."""
     cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig())
     try:
         assert cluster.slot_overhead() == 0.0
@@ -141,9 +143,9 @@ def test_the_planner_adds_the_jobs_measured_overhead_per_slot() -> None:
         assert cluster.slot_overhead(in_seconds=False) == 0.0
         cluster.note_slot_overhead("j0", 0.020)  # job j0 measured again
         assert cluster.slot_overhead() == 0.010
-        for n in range(SLOT_JOBS):  # later jobs push the first ones out
+        for n in range(JOBS):  # later jobs push the first ones out
             cluster.note_slot_overhead(f"k{n}", 0.002)
-        assert cluster.slot_overhead() == 0.002 and len(cluster.slot_overheads) == SLOT_JOBS
+        assert cluster.slot_overhead() == 0.002 and len(cluster.slot_overheads) == JOBS
     finally:
         cluster.pool.close()
 
@@ -152,7 +154,7 @@ def test_the_overheads_per_slot_outlive_the_coordinator(tmp_path: Path) -> None:
     """A coordinator restarted on the same store (or a standby taking over) predicts with
     the figures per slot the last one learned. ``store_learned`` (the coordinator's
     ``learned`` loop, never a heartbeat) writes them when a job is new or its figure moved
-    by more than ``SLOT_STORE_CHANGE`` since it was last stored, also by small steps; a
+    by more than ``learned.STORE_CHANGE`` since it was last stored, also by small steps; a
     malformed stored value is ignored (learned again), never an error."""
     url = str(tmp_path / "coordinator.db")
 
@@ -166,13 +168,15 @@ def test_the_overheads_per_slot_outlive_the_coordinator(tmp_path: Path) -> None:
         assert first.store_learned() and not first.store_learned()
         first.note_slot_overhead("j1", 0.010)
         assert first.store_learned()
-        first.note_slot_overhead("j1", 0.0104)  # within SLOT_STORE_CHANGE of the stored
+        first.note_slot_overhead("j1", 0.0104)  # within STORE_CHANGE of the stored
         assert not first.store_learned()
         first.note_slot_overhead("j1", 0.0108)  # 4% a step: 8% from what is stored
         assert first.store_learned()
         first.note_slot_overhead("j0", 0.004)  # the same figure, j0 the newest now
         assert first.store_learned()
         assert first.store.get(SLOTS_KEY) == [["j1", 0.0108], ["j0", 0.004]]
+        first.note_step_overhead("j1", 0.012)  # the figure per step: stored the same way
+        assert first.store_learned() and first.store.get(STEPS_KEY) == [["j1", 0.012]]
     finally:
         first.pool.close()
         first.store.close()
@@ -180,6 +184,7 @@ def test_the_overheads_per_slot_outlive_the_coordinator(tmp_path: Path) -> None:
     try:
         assert list(second.slot_overheads.items()) == [("j1", 0.0108), ("j0", 0.004)]
         assert second.slot_overhead() == pytest.approx(0.0074)
+        assert second.per_step().fixed_s == 0.012
         assert not second.store_learned()  # (what it loaded is what is stored)
         junk = [["j0", -1.0], ["j1", "x"], "junk", ["j2", True], ["j3", 3e-3]]
         second.store.put(SLOTS_KEY, junk)
@@ -199,7 +204,8 @@ def test_a_re_split_layout_is_predicted_as_a_new_one() -> None:
     each replica's step as ``replicas.lay_out`` predicts a new layout's: the model for its
     share, plus the learned overhead per slot for its ``share + S - 1`` slots, plus the
     reduction (two replicas cut alike at 2: each holder sends 2 x 1/2 of its 2000 gradient
-    bytes, at the link bandwidth of 1000 B/s: 2 s)."""
+    bytes, at the link bandwidth of 1000 B/s: 2 s), plus the learned figure per step and
+    the optimizer steps at the stages' median rate."""
     cluster = Cluster(SqliteStore(":memory:"), CoordinatorConfig(link_bandwidth=1000.0))
     try:
         ids = [
@@ -209,6 +215,9 @@ def test_a_re_split_layout_is_predicted_as_a_new_one() -> None:
         cluster.profile = Profile(costs=(1.0, 2.0, 1.0, 2.0), speeds=dict.fromkeys(ids, 1.0))
         cluster.param_bytes, cluster.num_layers = [1000] * 4, 4
         cluster.note_slot_overhead("earlier", 0.5)
+        cluster.note_step_overhead("earlier", 0.25)
+        for sid, rate in zip(ids, (100.0, 400.0, 500.0, 0.0), strict=True):  # median: 400 B/s
+            cluster.members.by_id(sid).optimizer_rate = rate  # type: ignore[union-attr]
         chains = [
             Partition(1, "j", (0, 2, 4), tuple(StageRef(s, f"{s}:1") for s in pair))
             for pair in (ids[:2], ids[2:])
@@ -217,7 +226,21 @@ def test_a_re_split_layout_is_predicted_as_a_new_one() -> None:
         for chain, share in zip(layout.replicas, (5, 3), strict=True):
             plan = estimates.evaluate(chain.boundaries, cluster.profile.costs, [1.0, 1.0])
             model_s = predict_step_time(plan, share, cluster.job.schedule)
-            want = model_s + 0.5 * (share + 2 - 1) + 2.0
+            # per step: 0.25 s, plus the busiest stage's 2000 parameter bytes at 400 B/s
+            want = model_s + 0.5 * (share + 2 - 1) + 2.0 + 0.25 + 5.0
             assert chain.predicted_step_s == pytest.approx(want), (share, model_s)
     finally:
         cluster.pool.close()
+
+
+def test_a_step_costs_its_busiest_stages_optimizer_step_once() -> None:
+    """``PerStep.seconds``: the fixed part, plus the busiest stage's parameter bytes (over
+    every replica: the commit waits for every stage's optimizer step) at the rate; without
+    a rate, the fixed part alone."""
+    param_bytes = [100.0, 300.0, 200.0, 400.0]
+    per_step = PerStep(0.5, param_bytes, 100.0)
+    assert per_step.seconds([(0, 4)]) == pytest.approx(0.5 + 10.0)
+    assert per_step.seconds([(0, 2, 4), (0, 1, 4)]) == pytest.approx(0.5 + 9.0)  # 300+200+400
+    assert per_step.seconds([(0, 1, 2, 3, 4)]) == pytest.approx(0.5 + 4.0)
+    assert PerStep(0.5, param_bytes, None).seconds([(0, 4)]) == 0.5
+    assert PerStep().seconds([(0, 4)]) == 0.0

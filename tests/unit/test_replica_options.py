@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
+from elasticpipe.coordinator.planning.layouts import PerStep
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.planning.policy import PolicyConfig
 from elasticpipe.coordinator.replica_options import choose, mend, note_overheads
 from elasticpipe.coordinator.state import LinkTerms
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
-from elasticpipe.stage_server.reducing import PipelineTime
+from elasticpipe.stage_server.reducing import EpochTime
 from elasticpipe.training.job import JobConfig
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,7 +30,7 @@ def _cluster(speeds: dict[str, float], spares: tuple[str, ...] = ()) -> Any:
         for sid in [*speeds, *spares]
     }
     for m in members.values():
-        m.replica_pin = ""
+        m.replica_pin, m.between_runs = "", None
     return SimpleNamespace(
         job=JobConfig(model="mlp", micro_batches=8),
         config=SimpleNamespace(policy=PolicyConfig()),
@@ -110,7 +111,7 @@ def test_the_survivors_of_every_replica_re_form_one_chain_as_the_last_resort() -
 
 def test_a_replica_pipeline_is_timed_from_its_epochs_second_run() -> None:
     """The first run of an epoch (connections, caches cold) is left out; then an EWMA."""
-    timed = PipelineTime()
+    timed = EpochTime()
     timed.note(5, 1.0)
     assert timed.at(5) == 0.0
     timed.note(5, 2.0)
@@ -127,7 +128,9 @@ def test_a_jobs_overhead_per_slot_is_pooled_over_its_chains_once_all_measured() 
     7 + 2 x 3 = 13 s (``predict_step_time``: the stages' times, then the bottleneck's for
     each further micro-batch), measured 30 and 19 s in their epoch. Shortfalls 7 and 6 over
     6 and 5 slots pool to 13 / 11 per slot, one figure for the job.
-    Nothing is noted while a stage has not measured this epoch, or without a unit."""
+    Nothing is noted while a stage has not measured this epoch, or without a unit. The
+    figure per step: the smallest wait between runs, less the optimizer steps predicted
+    (``note_step_overhead``), once every stage measured a wait."""
     cluster = _cluster(dict.fromkeys("abcde", 1.0))
     noted: dict[str, float] = {}
     cluster.note_slot_overhead = noted.__setitem__
@@ -145,5 +148,13 @@ def test_a_jobs_overhead_per_slot_is_pooled_over_its_chains_once_all_measured() 
     note_overheads(cluster)
     assert noted == {}
     cluster.in_seconds = lambda ids: True
+    steps: dict[str, float] = {}
+    cluster.note_step_overhead = steps.__setitem__
+    # the optimizer steps: the busiest stage's 4 layers of 10 bytes at 20 B/s, 2 s
+    cluster.per_step = lambda: PerStep(0.0, [10.0] * LAYERS, 20.0)
     note_overheads(cluster)
-    assert noted == {"j": pytest.approx(13 / 11)}
+    assert noted == {"j": pytest.approx(13 / 11)} and steps == {}  # (no waits measured)
+    for sid, seconds in {"a": 3.0, "b": 2.5, "c": 2.75, "d": 4.0, "e": 3.5}.items():
+        cluster.members.by_id(sid).between_runs = (1, seconds)
+    note_overheads(cluster)
+    assert steps == {"j": pytest.approx(0.5)}  # the smallest wait, less the optimizer's
