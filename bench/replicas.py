@@ -22,14 +22,17 @@ its own steps/s), so the table gives each layout's median over the rounds, its r
 too, and the JSON every round's ratio.
 
 Printed per layout: steps/s, the planner's prediction (the slowest replica's predicted step
-for its share, plus the reduction at the rate the stages measured in the jobs before and
-the overhead per pipeline slot their chains measured beyond the model: "planned with";
-no link bandwidth is given here), measured over predicted, and the speed-up over one
-pipeline of 6. The cold job is predicted with neither learned figure, as a new cluster's
-first job is: its measured over predicted is printed (``cold_vs_predicted``) apart from
-the layouts' (``min_vs_predicted``), which are predicted as on a cluster that ran a job
-before (the figures are kept in the coordinator's store, across restarts); the first of
-replicas, 2 x 3, still without the reduction's rate.
+for its share, plus the reduction at the rate the stages measured in the jobs before, the
+overhead per pipeline slot their chains measured beyond the model, and the part outside
+the pipelines each step pays once (the figure per step learned from the stages' waits
+between runs, and the busiest stage's optimizer step at the rate the stages measured):
+"planned with"; no link bandwidth is given here), measured over predicted, and the
+speed-up over one pipeline of 6. The cold job is predicted with no learned figure, as a
+new cluster's first job is: its measured over predicted is printed
+(``cold_vs_predicted``) apart from the layouts' (``min_vs_predicted``), which are
+predicted as on a cluster that ran a job before (the figures are kept in the
+coordinator's store, across restarts, and by the stages); the first of replicas, 2 x 3,
+still without the reduction's rate.
 The last line is JSON with ``speedup_best`` (the best fixed layout over one pipeline),
 ``auto_vs_best`` (auto over the best fixed layout), ``gloo_vs_data_channel`` (2 of 3 on
 gloo over the same on the data channel) and ``straggler_vs_optimum``.
@@ -141,6 +144,8 @@ def run_layout(
         "shares": list(layout.shares),
         "learned_reduce_mb_per_s": plan.reduce_bytes_per_s / 1e6,
         "learned_slot_ms": plan.slot_overhead_s * 1e3,
+        "learned_step_ms": plan.step_overhead_s * 1e3,
+        "learned_optimizer_mb_per_s": plan.optimizer_bytes_per_s / 1e6,
     }
 
 
@@ -213,12 +218,13 @@ def run_rounds(
     each layout's runs, with what the coordinator had learned before each ("planned
     with") and its measured over predicted."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in [COLD, *LAYOUTS]}
-    learned = (0.0, 0.0)
+    keys = ("reduce_mb_per_s", "slot_ms", "step_ms", "optimizer_mb_per_s")
+    learned = dict.fromkeys(keys, 0.0)
     for r in range(args.rounds):
         for name, shape in [COLD, *LAYOUTS] if r == 0 else LAYOUTS:
             found = run_layout(cluster, shape, args, model)
-            found["planned_reduce_mb_per_s"], found["planned_slot_ms"] = learned
-            learned = (found["learned_reduce_mb_per_s"], found["learned_slot_ms"])
+            found.update({f"planned_{key}": figure for key, figure in learned.items()})
+            learned = {key: found[f"learned_{key}"] for key in keys}
             pred, live = found["predicted_steps_per_s"], found["live_model_steps_per_s"]
             found["vs_predicted"] = found["steps_per_s"] / pred if pred else None
             found["vs_live_model"] = found["steps_per_s"] / live if live else None
@@ -241,6 +247,8 @@ MEDIANS = (
     "cores_busy",
     "planned_reduce_mb_per_s",
     "planned_slot_ms",
+    "planned_step_ms",
+    "planned_optimizer_mb_per_s",
 )
 
 
@@ -305,7 +313,7 @@ def main() -> int:
     print(
         f"{'layout':<12}{'lengths':<14}{'shares':<14}{'steps/s':>9}{'predicted':>11}"
         f"{'measured/pred':>15}{'live model':>12}{'measured/live':>15}{'speed-up':>10}"
-        f"{'cores busy':>12}{'planned with':>22}"
+        f"{'cores busy':>12}{'planned with':>54}"
     )
     for name, found in results.items():
         pred, ratio = found["predicted_steps_per_s"], found["vs_predicted"]
@@ -319,7 +327,9 @@ def main() -> int:
             f"{(f'{vs_live:.0%}' if vs_live else '-'):>15}{found['speedup']:>9.2f}x"
             f"{found['cores_busy']:>12.0%}"
             f"{found['planned_reduce_mb_per_s']:>9.0f} MB/s "
-            f"{found['planned_slot_ms']:>4.1f} ms/slot"
+            f"{found['planned_slot_ms']:>4.1f} ms/slot "
+            f"{found['planned_step_ms']:>4.1f} ms/step "
+            f"{found['planned_optimizer_mb_per_s']:>4.0f} MB/s opt"
         )
     cold = results.pop(COLD[0])["vs_predicted"]
     out = {

@@ -318,7 +318,8 @@ class Jobs(Loads):
             speeds = [profile.speeds[m.row.stage_id] if profile else 1.0 for m in chosen]
             self.c.profile = profile
             self.c.slot_shortfalls.clear()  # measured by an earlier job's chains
-            self.c.num_layers = num_layers
+            # (the new model's: what the predictions below read)
+            self.c.num_layers, self.c.param_bytes = num_layers, param_bytes
             layout: Layout | None = None
             if shape.replicated:
                 epoch = self.c.store.reserve_epoch()

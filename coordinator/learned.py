@@ -23,6 +23,7 @@ from elasticpipe.coordinator.store import Store
 
 JOBS = 16  # jobs whose figure is kept
 STORE_CHANGE = 0.05  # a job's figure is stored again when it moved by more than this
+STORE_FLOOR_S = 1e-4  # ... and by more than this (a figure near 0 flickers)
 
 
 class Learned:
@@ -56,7 +57,8 @@ class Learned:
 
     def store_changed(self) -> bool:
         """Stores the figures when they differ from the stored ones: a job new or gone, or
-        a figure moved by more than ``STORE_CHANGE`` since it was stored (never on a
+        a figure moved by more than ``STORE_CHANGE`` (and ``STORE_FLOOR_S``) since it was
+        stored (never on a
         heartbeat's path: the coordinator's ``learned`` loop calls this). Returns whether
         it wrote.
 
@@ -67,7 +69,7 @@ class Learned:
         with self._write_lock:
             now, stored = self.figures(), self._stored
             if list(now) == list(stored) and all(  # (the same jobs, oldest first)
-                abs(figure - stored[job]) <= STORE_CHANGE * stored[job]
+                abs(figure - stored[job]) <= max(STORE_CHANGE * stored[job], STORE_FLOOR_S)
                 for job, figure in now.items()
             ):
                 return False

@@ -230,7 +230,7 @@ class Rebalancer(ReplicaPolicy):
     def _log_decision(self, decision: Decision, reason: str, in_seconds: bool = True) -> None:
         """Logs a decision when it changes; the steady state goes to debug. Step times
         not in seconds (``in_seconds`` false: nothing profiled or measured yet) are logged
-        and exported as unknown (None); one chain's plus ``Cluster.chain_step_s``'s slots."""
+        and exported as unknown (None); one chain's plus ``Cluster.plus_overheads``."""
         current = round(decision.current_step_s, 4) if in_seconds else None
         fields = {
             "reason": reason,

@@ -37,7 +37,7 @@ from elasticpipe.coordinator.epochs import Change
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
-from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts, reduce_seconds
+from elasticpipe.coordinator.planning.layouts import LayoutPlan, plan_layouts
 from elasticpipe.coordinator.planning.shares import assign_shares, planned_step_times, slowest
 from elasticpipe.coordinator.replicas import layout_record
 from elasticpipe.coordinator.state import Cluster
@@ -540,14 +540,8 @@ def _relaid(
     # ``--link-bandwidth`` this model counts the links (``replica_options.plans``), a new
     # layout's does not.
     timed = cluster.profile is not None
-    bandwidth = cluster.reduce_bandwidth(timed)
-    reduce_s = (
-        reduce_seconds([p.boundaries for p in replicas], cluster.param_bytes, bandwidth)
-        if bandwidth and cluster.param_bytes
-        else 0.0
-    )
     predicted = planned_step_times(plans, job.schedule, cluster.slot_overhead(timed))
-    once = reduce_s + cluster.per_step(timed).seconds([p.boundaries for p in replicas])
+    once = cluster.once_per_step([p.boundaries for p in replicas], timed)
     return Layout(
         tuple(
             p.evolve(predicted_step_s=t(share) + once if timed else None)

@@ -333,11 +333,19 @@ def plans(cluster: Cluster, replicas: Sequence[Partition]) -> list[Plan]:
 
 
 def layout_step(cluster: Cluster, replicas: Sequence[Partition]) -> float:
-    """The predicted step of ``replicas`` with the shares water-filled on their plans."""
+    """The predicted step of ``replicas`` with the shares water-filled on their plans, plus
+    their optimizer steps (``Cluster.per_step``; a replica of one stage steps the whole
+    model): what the policy prices its replica changes with. The part of a step the same
+    for every option (the round trips: ``PerStep.fixed_s``) is left out, so that a gain is
+    relative to the pipelines, as a move of one chain's is; so is the reduction
+    (docs/replicas.md, "Not built yet")."""
     job = cluster.job
     assert job is not None
     times = planned_step_times(plans(cluster, replicas), job.schedule)
-    return slowest(times, assign_shares(times, job.micro_batches, 1))
+    in_seconds = cluster.in_seconds([sid for p in replicas for sid in p.stage_ids])
+    optimizer = replace(cluster.per_step(in_seconds), fixed_s=0.0)
+    once = optimizer.seconds([p.boundaries for p in replicas])
+    return slowest(times, assign_shares(times, job.micro_batches, 1)) + once
 
 
 def measured_step_times(cluster: Cluster, layout: Layout) -> list[StepTime]:
@@ -427,20 +435,22 @@ def note_overheads(cluster: Cluster) -> bool:
     if not slots:
         return False
     cluster.note_slot_overhead(job.job_id, short / slots)
-    note_step_overhead(cluster, [chain for chain, _ in running])
+    note_step_overhead(cluster, [chain for chain, _ in running], chains)
     return True
 
 
-def note_step_overhead(cluster: Cluster, chains: Sequence[Partition]) -> None:
-    """What the running job's stages waited between runs beyond its optimizer steps, for
-    ``Cluster.step_overhead``: the smallest wait any stage measured in this epoch (the
-    slowest stage's: the others also wait for its report), less the optimizer steps
-    predicted for these chains (the commit waits for every stage's). Nothing until every
-    stage measured one."""
+def note_step_overhead(
+    cluster: Cluster, running: Sequence[Partition], chains: Sequence[Partition]
+) -> None:
+    """What the job's stages waited between runs beyond its optimizer steps, for
+    ``Cluster.per_step``: the smallest wait any stage of the ``running`` chains measured
+    in this epoch (the slowest stage's: the others also wait for its report), less the
+    optimizer steps predicted for all the job's ``chains`` (the commit waits for every
+    stage's, an idle replica's too). Nothing until every running stage measured one."""
     job = cluster.job
     assert job is not None
     waits = []
-    for chain in chains:
+    for chain in running:
         for member in map(cluster.members.by_id, chain.stage_ids):
             heard = member.between_runs if member is not None else None
             if heard is None or heard[0] != chain.epoch:

@@ -19,7 +19,7 @@ from elasticpipe.coordinator.membership import STATES, Member, Membership
 from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.cost import Plan, predict_step_time
 from elasticpipe.coordinator.planning.estimates import Profile, Timing
-from elasticpipe.coordinator.planning.layouts import PerStep
+from elasticpipe.coordinator.planning.layouts import PerStep, reduce_seconds
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.planning.shares import pipeline_slots
 from elasticpipe.coordinator.store import EpochRow, Store
@@ -118,7 +118,7 @@ class Cluster:
         # by (job id, the chain's stage ids): never one job's for another's
         self.slot_shortfalls: dict[tuple[str, tuple[str, ...]], tuple[int, float]] = {}
         # What each job measured beyond the model, per pipeline slot (``slot_overhead``) and
-        # per step (``step_overhead``), kept across jobs and in the store (``learned``)
+        # per step (``per_step``), kept across jobs and in the store (``learned``)
         self.slots = Learned(store, SLOTS_KEY)
         self.steps = Learned(store, STEPS_KEY)
         self.metrics = CoordinatorMetrics(self._metrics_view)
@@ -354,7 +354,7 @@ class Cluster:
 
     def note_step_overhead(self, job_id: str, per_step: float) -> None:
         """Keeps what a job's stages waited between runs beyond its optimizer steps
-        (``replica_options.note_overheads``), for ``step_overhead``."""
+        (``replica_options.note_overheads``), for ``per_step``."""
         self.steps.note(job_id, per_step)
 
     @property
@@ -394,6 +394,18 @@ class Cluster:
         rate = statistics.median(rates) if rates and self.param_bytes else None
         return PerStep(self.steps.median(), self.param_bytes if rate else None, rate)
 
+    def once_per_step(self, boundaries: Sequence[Sequence[int]], in_seconds: bool) -> float:
+        """What a layout whose running replicas are cut at ``boundaries`` pays once per
+        step, beyond its slowest pipeline: the reduction (``reduce_bandwidth``) and
+        ``per_step``; 0 while the step times have no unit."""
+        bandwidth = self.reduce_bandwidth(in_seconds)
+        reduce_s = (
+            reduce_seconds(boundaries, self.param_bytes, bandwidth)
+            if bandwidth and self.param_bytes
+            else 0.0
+        )
+        return reduce_s + self.per_step(in_seconds).seconds(boundaries)
+
     def chain_step_s(self, plan: Plan, job: JobConfig) -> float:
         """The predicted step of one pipeline partitioned as ``plan`` (a job of one chain):
         the planner's model for ``job``'s micro-batches and schedule, plus the overheads
@@ -409,7 +421,7 @@ class Cluster:
         """``model_s`` (one chain cut at ``boundaries`` running ``micro_batches``) plus
         ``slot_overhead`` for each of its slots (``pipeline_slots``) and ``per_step``."""
         slots = pipeline_slots(len(boundaries) - 1, micro_batches)
-        return model_s + self.slot_overhead() * slots + self.per_step().seconds([boundaries])
+        return model_s + self.slot_overhead() * slots + self.once_per_step([boundaries], True)
 
     def links(self, num_stages: int) -> LinkTerms:
         """The planner's link terms, when the operator gave a link bandwidth."""

@@ -48,8 +48,6 @@ from elasticpipe.transport.sending import Outgoing
 from elasticpipe.transport.serving import split_address
 
 __all__ = [
-    "EpochTime",
-    "Rate",
     "Reductions",
     "RunIds",
     "refuse_running_stats",
@@ -58,7 +56,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-PIPELINE_EWMA = 0.5  # the weight of a run's newest pipeline time
 JOIN_GRACE_S = 1.0  # a reduction thread's end, waited for past the run's deadline
 
 
@@ -71,68 +68,6 @@ class RunIds:
     step: int
     secret: bytes
     deadline: float  # time.monotonic() value
-
-
-class EpochTime:
-    """A time this stage measures per training run in this epoch: an EWMA of its runs'
-    seconds. ``Stage.pipeline_time``: from a run's start to the stage's last op (before any
-    reduction); the coordinator takes a chain's slowest stage as its measured time, and
-    weighs what the planner's prediction misses (link latency, overheads) when it splits
-    the shares and predicts new layouts. ``Stage.between_runs``: from a run's end (its
-    report) to the next run's start, the step's part outside the pipelines. A new epoch
-    (new shares, moved layers) starts afresh, and its first run is left out (it pays for
-    what a change leaves cold: connections, caches, a retried run's wait)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._epoch, self._runs, self._seconds = -1, 0, 0.0
-
-    def note(self, epoch: int, seconds: float) -> None:
-        """Counts one run of ``epoch`` that took ``seconds`` to its last op."""
-        with self._lock:
-            if epoch != self._epoch:
-                self._epoch, self._runs, self._seconds = epoch, 0, 0.0
-            self._runs += 1
-            if self._runs == 2:
-                self._seconds = seconds
-            elif self._runs > 2:
-                self._seconds += PIPELINE_EWMA * (seconds - self._seconds)
-
-    def at(self, epoch: int) -> float:
-        """The time measured in ``epoch`` (0.0: none yet)."""
-        with self._lock:
-            return self._seconds if epoch == self._epoch else 0.0
-
-
-class Rate:
-    """How fast this stage does something per byte, in bytes per second: an EWMA over its
-    runs. ``Stage.reduce_rate``: its gradient reductions, each run's bytes (what the planner
-    counts a holder sends: ``2 (R - 1) / R`` of the gradient bytes of each group it holds,
-    ``layouts.reduce_seconds``) over the time from its first group's reduction start to its
-    last one's end; without a link bandwidth from the operator, the coordinator plans
-    replicas' reductions at its stages' median rate. ``Stage.optimizer_rate``: its
-    optimizer steps, its layers' parameter bytes over the step's time. A new epoch's first
-    run is left out (it opens connections, may wait for a peer still committing the epoch,
-    and an optimizer's first step makes its state); the rate carries over epochs and jobs,
-    as a figure of the hosts and their network."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._epoch, self._rate = -1, 0.0
-
-    def note(self, epoch: int, rate: float | None) -> None:
-        """Counts one run of ``epoch`` that went at ``rate`` (None: it measured nothing)."""
-        with self._lock:
-            if epoch != self._epoch:
-                self._epoch = epoch
-            elif rate is not None:
-                old = self._rate
-                self._rate = rate if not old else old + PIPELINE_EWMA * (rate - old)
-
-    def value(self) -> float:
-        """The rate measured so far (0.0: none yet)."""
-        with self._lock:
-            return self._rate
 
 
 def share_of(placement: Placement, shares: Sequence[int], micro_batches: int) -> range:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from elasticpipe.errors import ElasticPipeError, NameInUse, NotReady
 from elasticpipe.logs import get_logger
 from elasticpipe.observe.metrics import MetricsEndpoint
-from elasticpipe.security.bounds import MAX_NAME
+from elasticpipe.security.bounds import MAX_BYTES_PER_S, MAX_NAME, MAX_TIMING_S
 from elasticpipe.stage_server.bulk import BulkListener, listen_host
 from elasticpipe.stage_server.callers import Grant
 from elasticpipe.stage_server.protocol import Do, Effect
@@ -251,10 +251,12 @@ class StageServer(ServerLifecycle):
                 snapshots=holdings_to_proto(stage.holdings()),
                 memory_bytes=stage.memory_bytes,
                 replica=self._config.replica,
-                pipeline_s=stage.pipeline_time.at(stage.epoch),
-                reduce_bytes_per_s=stage.reduce_rate.value(),
-                optimizer_bytes_per_s=stage.optimizer_rate.value(),
-                between_runs_s=stage.between_runs.at(stage.epoch),
+                # (measured figures kept within what the coordinator accepts: a figure
+                # out of bounds would cost this stage its heartbeat)
+                pipeline_s=min(stage.pipeline_time.at(stage.epoch), MAX_TIMING_S),
+                reduce_bytes_per_s=min(stage.reduce_rate.value(), MAX_BYTES_PER_S),
+                optimizer_bytes_per_s=min(stage.optimizer_rate.value(), MAX_BYTES_PER_S),
+                between_runs_s=min(stage.between_runs.at(stage.epoch), MAX_TIMING_S),
             ),
             timeout=max(1.0, interval * 2),
         )

@@ -16,6 +16,7 @@ the same class) stays the reference.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -156,15 +157,26 @@ class SliceState:
         """Owned layer indices, ascending."""
         return sorted(self.layers)
 
-    def stepped_bytes(self) -> int:
-        """Bytes of the parameters an optimizer step updates here (for its rate)."""
-        return sum(
-            p.numel() * p.element_size()
-            for i in self.optimizers
-            for p in self.layers[i].parameters()
-        )
-
     # ---- optimizer steps ----------------------------------------------------------------
+
+    def timed_step(self, clip: GradClip = clipping.NO_CLIP) -> float | None:
+        """``step``, timed: the bytes of the layers it stepped (weights and buffers, as the
+        planner counts a layer's bytes) per second; None when it stepped nothing. On CUDA
+        the device is synchronised before and after: the step's time, not its launch's."""
+        stepped = sum(
+            t.numel() * t.element_size()
+            for i in self.optimizers
+            for t in (*self.layers[i].parameters(), *self.layers[i].buffers())
+        )
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        self.step(clip)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - started
+        return stepped / took if stepped and took > 0 and not clip.skip else None
 
     def step(self, clip: GradClip = clipping.NO_CLIP) -> None:
         """Applies the accumulated gradients (one optimizer step) and clears them; then

@@ -46,6 +46,7 @@ from elasticpipe.stage_server import (
     collectives,
     devicepath,
     devicetime,
+    measures,
     memory,
     reducing,
     reduction,
@@ -140,10 +141,10 @@ class Stage(EpochChanges):
         self._cond = threading.Condition(threading.RLock())
         self._mailbox = self._new_mailbox()
         self.committed = threading.Event()  # set at each step applied
-        self.pipeline_time = reducing.EpochTime()  # this epoch's training runs' pipeline
-        self.reduce_rate = reducing.Rate()  # replicas: bytes/s of the reductions
-        self.optimizer_rate = reducing.Rate()  # parameter bytes/s of the optimizer steps
-        self.between_runs = reducing.EpochTime()  # from a training run's end to the next's start
+        self.pipeline_time = measures.EpochTime()  # this epoch's training runs' pipeline
+        self.reduce_rate = measures.Rate()  # replicas: bytes/s of the reductions
+        self.optimizer_rate = measures.Rate()  # parameter bytes/s of the optimizer steps
+        self.between_runs = measures.EpochMedian()  # from a training run's end to the next's start
         self._run_ended = (-1, 0.0)  # (epoch, time.monotonic()) of the last training run's end
         self._groups = collectives.ProcessGroups()  # collectives="gloo": the reduction's
         self.rendezvous = ""  # the coordinator's rendezvous now (heartbeats; "": the job's)
@@ -169,10 +170,7 @@ class Stage(EpochChanges):
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
                 try:
-                    started = time.monotonic()
-                    self.slice.step(e.clip)
-                    if not e.clip.skip and (took := time.monotonic() - started) > 0:
-                        self.optimizer_rate.note(self.epoch, self.slice.stepped_bytes() / took)
+                    self.optimizer_rate.note(self.epoch, self.slice.timed_step(e.clip))
                     self.committed.set()  # (the heartbeat may report at once: ``server``)
                 except Exception as exc:
                     # Some layers may have stepped and others not: this stage's state is
@@ -449,9 +447,9 @@ class Stage(EpochChanges):
                 stash_meter=self._stash_meter,
                 first_micro_batch=share.start,
             )
+            ended, self._run_ended = self._run_ended, (-1, 0.0)  # (an inference run ends it)
             if train:
                 self.slice.begin_grads(sum(shares) if replicated else micro_batches, share)
-                ended, self._run_ended = self._run_ended, (-1, 0.0)
                 if ended[0] == self.placement.epoch:
                     self.between_runs.note(ended[0], time.monotonic() - ended[1])
         self.faults.point("run_started")

@@ -63,7 +63,7 @@ class LayoutPlan:
 @dataclass(frozen=True)
 class PerStep:
     """What a step costs once, outside its pipelines: ``fixed_s`` (the RunStep fan-out, the
-    commit's round trip, the client's loop: ``Cluster.step_overhead``), plus the optimizer
+    commit's round trip, the client's loop: learned, ``Cluster.per_step``), plus the optimizer
     steps, which every stage runs at once before the step returns: the busiest stage's
     parameter bytes (``param_bytes`` per layer) at ``optimizer_rate`` bytes/s. Without a
     rate, optimizer steps count as free."""
@@ -212,7 +212,16 @@ def plan_fixed(
     starts = list(itertools.accumulate(sizes, initial=0))
     groups = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
     args = (schedule, param_bytes, reduce_bandwidth, layer_memory, host_memory)
-    return _plan(groups, layer_costs, speeds, micro_batches, *args, 1, slot_s, per_step)
+    return _plan(
+        groups,
+        layer_costs,
+        speeds,
+        micro_batches,
+        *args,
+        at_least=1,
+        slot_s=slot_s,
+        per_step=per_step,
+    )
 
 
 def _plan(
@@ -248,12 +257,13 @@ def _plan(
         plans.append(best)
     times = planned_step_times(plans, schedule, slot_s)
     shares = assign_shares(times, micro_batches, at_least)
+    running = [p.boundaries for p, share in zip(plans, shares, strict=True) if share]
     reduce_s = (
-        reduce_seconds([p.boundaries for p in plans], param_bytes, reduce_bandwidth)
+        reduce_seconds(running, param_bytes, reduce_bandwidth)
         if param_bytes is not None and reduce_bandwidth is not None
         else 0.0
     )
-    once = per_step.seconds([p.boundaries for p in plans])
+    once = per_step.seconds(running)  # (a replica with no share is dropped: ``lay_out``)
     step_s = slowest(times, shares) + reduce_s + once
     return LayoutPlan(tuple(ordered), tuple(plans), shares, step_s, reduce_s, once)
 

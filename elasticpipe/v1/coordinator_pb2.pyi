@@ -1167,7 +1167,7 @@ class LayoutCandidate(_message.Message):
     IN_SECONDS_FIELD_NUMBER: _builtins.int
     PER_STEP_S_FIELD_NUMBER: _builtins.int
     step_s: _builtins.float
-    """predicted step: the slowest replica's, plus reduce_s"""
+    """predicted step: the slowest replica's, reduce_s, per_step_s"""
     reduce_s: _builtins.float
     """the reduction (0 without reduce_bytes_per_s)"""
     in_seconds: _builtins.bool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import statistics
 import time
@@ -112,3 +113,59 @@ def test_stages_sharing_a_host_and_device_are_profiled_once_and_scaled_by_their_
     shared = ast.literal_eval(fields["shared"])  # the stages that took another's figures
     assert len(shared) == 2 and len(set(shared.values())) == 1, line
     assert ast.literal_eval(fields["speeds"]) == {"stage-0": 3.0, "stage-1": 1.0, "stage-2": 3.0}
+
+
+@pytest.mark.timeout(120)
+def test_the_planner_learns_what_a_step_pays_outside_its_pipelines() -> None:
+    """Two stages train an MLP with Adam: their heartbeats bring the optimizer steps' rate
+    and the wait between runs, and ``admin plan`` then shows the figure per step learned
+    (the smallest wait less the optimizer steps: below the step itself) and the rate, and
+    prices each candidate layout's part outside the pipelines as that figure plus its
+    busiest stage's bytes at that rate. A second job on the same cluster is predicted with
+    them: its stored prediction is at least the first's figure per step above the
+    planner's model for it."""
+    sizes = [256] * 5  # 4 Linear layers of 256 x 256 (+ bias), 3 ReLUs
+    layer_bytes = [(256 * 256 + 256) * 4 if i % 2 == 0 else 0 for i in range(7)]
+    with LocalCluster(stages=2, state=":memory:", auto_rebalance=False, heartbeat_s=0.2) as cluster:
+        job = {
+            "coordinator": cluster.coordinator,
+            "model": "mlp",
+            "model_kwargs": {"sizes": sizes},
+            "optimizer": "adam",
+            "loss": "mse",
+            "micro_batches": 2,
+        }
+        g = torch.Generator().manual_seed(0)
+        with Pipeline(**job) as pipe, cluster.admin() as admin:  # type: ignore[arg-type]
+            deadline = time.monotonic() + 60
+            while True:  # steps back to back: the stages' waits are the median of their last 8
+                steps = []
+                for _ in range(10):
+                    started = time.perf_counter()
+                    pipe.train_step(
+                        torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
+                    )
+                    steps.append(time.perf_counter() - started)
+                time.sleep(0.3)  # (a heartbeat with the latest figures)
+                view = admin.plan()
+                if view.step_overhead_s and view.optimizer_bytes_per_s:
+                    break
+                assert time.monotonic() < deadline, view
+        step_s = statistics.median(steps)
+        assert 0 < view.step_overhead_s < step_s, (view.step_overhead_s, step_s)
+        assert 1e6 < view.optimizer_bytes_per_s < 1e13, view.optimizer_bytes_per_s
+        assert view.layouts, view
+        for candidate in view.layouts:
+            busiest = max(
+                sum(layer_bytes[lo:hi])
+                for replica in candidate.replicas
+                for lo, hi in itertools.pairwise(replica.boundaries)
+            )
+            want = view.step_overhead_s + busiest / view.optimizer_bytes_per_s
+            assert candidate.per_step_s == pytest.approx(want, rel=1e-6), candidate
+        with Pipeline(**job) as second, cluster.admin() as admin:  # type: ignore[arg-type]
+            second.train_step(torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g))
+            predicted = second.partition.predicted_step_s
+            model_s = admin.plan().current_step_s  # (the model alone, at the live speeds)
+        assert predicted is not None and model_s is not None
+        assert predicted > view.step_overhead_s, (predicted, view.step_overhead_s)

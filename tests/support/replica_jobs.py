@@ -29,11 +29,13 @@ def reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]
     return losses, local.state_dict()
 
 
-def eager_policy(stages: int) -> LocalCluster:
-    """``stages`` stages and a coordinator whose policy acts at once: it re-plans every
-    0.3 s, without cool-down, and any predicted gain pays back (a long horizon)."""
+def eager_policy(stages: int, slowdown: float = 1.0) -> LocalCluster:
+    """``stages`` stages (each an emulated device ``slowdown`` times slower than a core)
+    and a coordinator whose policy acts at once: it re-plans every 0.3 s, without
+    cool-down, and any predicted gain pays back (a long horizon)."""
     return LocalCluster(
         stages=stages,
+        slowdowns=[slowdown] * stages,
         allow_models=("tests.support",),
         heartbeat_s=0.2,
         coordinator_args=[

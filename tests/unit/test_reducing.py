@@ -21,7 +21,8 @@ from elasticpipe.coordinator.state import SLOTS_KEY, STEPS_KEY, Cluster
 from elasticpipe.coordinator.store import SqliteStore
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Group, Partition, Placement, StageRef
-from elasticpipe.stage_server.reducing import Rate, _joined, _piece, share_of
+from elasticpipe.stage_server.measures import WINDOW, EpochMedian, Rate
+from elasticpipe.stage_server.reducing import _joined, _piece, share_of
 from elasticpipe.stage_server.reduction import GroupReduction, cut
 from elasticpipe.training.gradsum import Node
 from elasticpipe.training.job import JobConfig
@@ -102,6 +103,26 @@ def test_the_reduction_rate_leaves_out_each_epochs_first_run_and_carries_over() 
     assert rate.value() == pytest.approx(3e8)
     rate.note(4, 5e8)
     assert rate.value() == pytest.approx(4e8)
+
+
+def test_the_wait_between_runs_is_the_median_of_the_epochs_last_runs() -> None:
+    """``EpochMedian`` (a stage's wait between runs): an epoch's first run is left out,
+    then the median of its last ``WINDOW`` (8) runs, so one long wait (an evaluation, a
+    checkpoint in the client's loop) does not move it; a new epoch starts afresh."""
+    waits = EpochMedian()
+    assert waits.at(1) == 0.0
+    waits.note(1, 9.0)  # epoch 1's first: left out
+    assert waits.at(1) == 0.0
+    for seconds in (0.010, 0.012, 5.0, 0.011):
+        waits.note(1, seconds)
+    assert waits.at(1) == pytest.approx(0.0115) and waits.at(2) == 0.0
+    for _ in range(WINDOW):
+        waits.note(1, 0.020)
+    assert waits.at(1) == 0.020  # (only the last WINDOW count)
+    waits.note(2, 0.5)  # epoch 2's first: left out; epoch 1's figure is gone
+    assert waits.at(2) == 0.0 and waits.at(1) == 0.0
+    waits.note(2, 0.030)
+    assert waits.at(2) == 0.030
 
 
 def test_the_planner_times_reductions_at_the_link_bandwidth_else_the_stages_median() -> None:

@@ -12,11 +12,11 @@ import pytest
 from elasticpipe.coordinator.planning.layouts import PerStep
 from elasticpipe.coordinator.planning.memory import MemoryTerms
 from elasticpipe.coordinator.planning.policy import PolicyConfig
-from elasticpipe.coordinator.replica_options import choose, mend, note_overheads
+from elasticpipe.coordinator.replica_options import choose, layout_step, mend, note_overheads
 from elasticpipe.coordinator.state import LinkTerms
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
-from elasticpipe.stage_server.reducing import EpochTime
+from elasticpipe.stage_server.measures import EpochTime
 from elasticpipe.training.job import JobConfig
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,6 +42,8 @@ def _cluster(speeds: dict[str, float], spares: tuple[str, ...] = ()) -> Any:
         name=lambda sid: sid,
         members=SimpleNamespace(by_id=members.get),
         spare_members=[members[s] for s in spares],
+        in_seconds=lambda ids: True,
+        per_step=lambda in_seconds=True: PerStep(),  # (nothing learned: the model alone)
     )
 
 
@@ -158,3 +160,14 @@ def test_a_jobs_overhead_per_slot_is_pooled_over_its_chains_once_all_measured() 
         cluster.members.by_id(sid).between_runs = (1, seconds)
     note_overheads(cluster)
     assert steps == {"j": pytest.approx(0.5)}  # the smallest wait, less the optimizer's
+
+
+def test_a_layouts_step_counts_its_optimizer_steps() -> None:
+    """``layout_step`` (how the policy prices a new replica, moves inside replicas and
+    recovery's options): the slowest replica at the water-filled shares, plus the
+    optimizer steps (``Cluster.per_step``, without its fixed part, the same for every
+    option): here shares 4 and 4, the first replica's 7 + 3 x 4 = 19 s the slower (the
+    second's 7 + 3 x 3 = 16 s), plus the busiest stage's 4 layers of 10 bytes at 20 B/s."""
+    cluster = _cluster(dict.fromkeys("abcde", 1.0))
+    cluster.per_step = lambda in_seconds=True: PerStep(0.5, [10.0] * LAYERS, 20.0)
+    assert layout_step(cluster, REPLICAS) == pytest.approx(19.0 + 2.0)
