@@ -209,16 +209,16 @@ class Rebalancer(ReplicaPolicy):
     def _confirmed(
         self, kind: str, decision: Decision, key: Proposal, stage_ids: Sequence[str]
     ) -> Decision:
-        """Holds a move back until a later step's measurements propose the same partition
-        (``key``: its boundaries and chain)."""
+        """Holds a move of ``kind`` back until a later step's measurements call for one
+        again; takes the newest target (``key``: mid-step figures see part of a change)."""
         steps = [
             m.committed_step for sid in stage_ids if (m := self.c.members.by_id(sid)) is not None
         ]
         step = min(steps, default=0)
         proposal = self._proposals.get(kind)
-        if proposal is not None and proposal[0] == key and step > proposal[1]:
+        if proposal is not None and step > proposal[1]:
             return decision
-        if proposal is None or proposal[0] != key:
+        if proposal is None:
             self._proposals[kind] = (key, step)
         return replace(
             decision,

@@ -80,10 +80,10 @@ class ReplicaPolicy:
         )
         if decision.move:
             decision = self._confirmed("shares", decision, (best, ()), layout.stage_ids)
+        else:
+            self._proposals.pop("shares", None)
         self._log_decision(decision, "auto shares", self.c.in_seconds(layout.stage_ids))
         if not decision.move:
-            if moved == 0:
-                self._proposals.pop("shares", None)
             return False
         self._proposals.pop("shares", None)
         with self.c.move_lock:
