@@ -2,9 +2,9 @@
 
 The policy loop re-plans every ``interval_s`` from the stages' measurements and moves
 layers when ``policy.decide`` says the gain is worth it (hysteresis, payback, cool-down)
-and the same proposal recurs at a later committed step. The levers an operator pulls
-(``rebalance``, ``set_partition``, ``drain``/``undrain``, a stage's ``leave`` on
-SIGTERM) validate everything before anything changes, and move through the same
+and a later committed step's measurements call for it again (``proposals``). The levers
+an operator pulls (``rebalance``, ``set_partition``, ``drain``/``undrain``, a stage's
+``leave`` on SIGTERM) validate everything before anything changes, and move through the same
 two-phase epoch change.
 """
 
@@ -29,6 +29,7 @@ from elasticpipe.coordinator.planning import (
     spare_positions,
 )
 from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
+from elasticpipe.coordinator.proposals import Pending, confirmed, toward
 from elasticpipe.coordinator.replica_policy import ReplicaPolicy
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import EpochRow
@@ -96,7 +97,7 @@ class Rebalancer(ReplicaPolicy):
         self._last_decision = ""
         # An automatic move must be proposed twice, from measurements of two different
         # committed steps: a speed change seen halfway through a step is only half-measured.
-        self._proposals: dict[str, tuple[Proposal, int]] = {}  # per kind: "move", "scale-out"
+        self._proposals: dict[str, Pending] = {}  # per kind: "move", "shares", "replica", ...
 
     # ---- planning --------------------------------------------------------------------
 
@@ -188,7 +189,8 @@ class Rebalancer(ReplicaPolicy):
             self._proposals.pop("move", None)
         elif not force and not dry_run:
             key = (view.optimal.boundaries, view.current.stage_ids)
-            decision = self._confirmed("move", decision, key, view.current.stage_ids)
+            way = toward(view.current.boundaries, view.optimal.boundaries)
+            decision = self._confirmed("move", decision, key, view.current.stage_ids, way)
         if not dry_run:
             self._log_decision(decision, reason, view.in_seconds)
         if not decision.move or dry_run:
@@ -204,28 +206,24 @@ class Rebalancer(ReplicaPolicy):
         its next step commits."""
         if not self.policy.enabled or self.c.job is None:
             return False
-        return any(committed_step <= step for _, step in list(self._proposals.values()))
+        return any(committed_step <= p.step for p in list(self._proposals.values()))
 
     def _confirmed(
-        self, kind: str, decision: Decision, key: Proposal, stage_ids: Sequence[str]
+        self,
+        kind: str,
+        decision: Decision,
+        key: Proposal,
+        stage_ids: Sequence[str],
+        way: tuple[int, ...] | None = None,
     ) -> Decision:
-        """Holds a move of ``kind`` back until a later step's measurements call for one
-        again; takes the newest target (``key``: mid-step figures see part of a change)."""
+        """Holds a move of ``kind`` to ``key`` (moving ``way``) back until a later step's
+        measurements call for it again (``proposals.confirm``)."""
         steps = [
             m.committed_step for sid in stage_ids if (m := self.c.members.by_id(sid)) is not None
         ]
-        step = min(steps, default=0)
-        proposal = self._proposals.get(kind)
-        if proposal is not None and step > proposal[1]:
-            return decision
-        if proposal is None:
-            self._proposals[kind] = (key, step)
-        return replace(
-            decision,
-            move=False,
-            outcome="unconfirmed",
-            reason=f"{decision.reason}; waiting to confirm at step {step + 1}",
-        )
+        p = self.c.partition
+        stamp = (p.job_id, p.epoch) if p is not None else ("", 0)
+        return confirmed(self._proposals, kind, decision, key, min(steps, default=0), stamp, way)
 
     def _log_decision(self, decision: Decision, reason: str, in_seconds: bool = True) -> None:
         """Logs a decision when it changes; the steady state goes to debug. Step times

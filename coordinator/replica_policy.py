@@ -17,6 +17,7 @@ from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import plan
 from elasticpipe.coordinator.planning.cost import PlanError
 from elasticpipe.coordinator.planning.policy import Decision, PolicyConfig, decide
+from elasticpipe.coordinator.proposals import Pending, toward
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.layout import Layout
 
@@ -31,12 +32,17 @@ class _Rebalancer(Protocol):
     c: Cluster
     policy: PolicyConfig
     _pause: epochs.Pause
-    _proposals: dict[str, tuple[Proposal, int]]
+    _proposals: dict[str, Pending]
 
     def _measured(self, stage_ids: Sequence[str]) -> bool: ...
 
     def _confirmed(
-        self, kind: str, decision: Decision, key: Proposal, stage_ids: Sequence[str]
+        self,
+        kind: str,
+        decision: Decision,
+        key: Proposal,
+        stage_ids: Sequence[str],
+        way: tuple[int, ...] | None = None,
     ) -> Decision: ...
 
     def _log_decision(self, decision: Decision, reason: str, in_seconds: bool = True) -> None: ...
@@ -79,7 +85,8 @@ class ReplicaPolicy:
             layers_to_move=moved,
         )
         if decision.move:
-            decision = self._confirmed("shares", decision, (best, ()), layout.stage_ids)
+            way = toward(layout.shares, best)
+            decision = self._confirmed("shares", decision, (best, ()), layout.stage_ids, way)
         else:
             self._proposals.pop("shares", None)
         self._log_decision(decision, "auto shares", self.c.in_seconds(layout.stage_ids))
@@ -138,7 +145,8 @@ class ReplicaPolicy:
         )
         key = (tuple(b for p in chains for b in p.boundaries), layout.stage_ids)
         if decision.move:
-            decision = self._confirmed("layers", decision, key, layout.stage_ids)
+            way = toward([b for p in layout.replicas for b in p.boundaries], key[0])
+            decision = self._confirmed("layers", decision, key, layout.stage_ids, way)
         else:
             self._proposals.pop("layers", None)
         self._log_decision(decision, "auto layers", self.c.in_seconds(layout.stage_ids))
