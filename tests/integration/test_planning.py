@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from elasticpipe.client.admin import PlanReport
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.coordinator.planning import plan
 from elasticpipe.local.cluster import LocalCluster
@@ -154,25 +155,23 @@ def test_the_planner_learns_what_a_step_pays_outside_its_pipelines() -> None:
         assert 0 < view.step_overhead_s < step_s, (view.step_overhead_s, step_s)
         assert 1e6 < view.optimizer_bytes_per_s < 1e13, view.optimizer_bytes_per_s
         assert view.layouts, view
-        for candidate in view.layouts:
-            busiest = max(
-                sum(layer_bytes[lo:hi])
-                for replica in candidate.replicas
-                for lo, hi in itertools.pairwise(replica.boundaries)
-            )
-            want = view.step_overhead_s + busiest / view.optimizer_bytes_per_s
-            assert candidate.per_step_s == pytest.approx(want, rel=1e-6), candidate
+        _priced_per_step(view, layer_bytes)
         small = {**job, "model_kwargs": {"sizes": [128] * 5}}
         with Pipeline(**small) as second, cluster.admin() as admin:  # type: ignore[arg-type]
             second.train_step(torch.randn(64, 128, generator=g), torch.randn(64, 128, generator=g))
             now = admin.plan()  # (at once: before this job's waits could be learned)
         assert now.step_overhead_s == pytest.approx(view.step_overhead_s), (now, view)
-        small_bytes = [(128 * 128 + 128) * 4 if i % 2 == 0 else 0 for i in range(7)]
-        for candidate in now.layouts:
-            busiest = max(
-                sum(small_bytes[lo:hi])
-                for replica in candidate.replicas
-                for lo, hi in itertools.pairwise(replica.boundaries)
-            )
-            want = now.step_overhead_s + busiest / now.optimizer_bytes_per_s
-            assert candidate.per_step_s == pytest.approx(want, rel=1e-6), candidate
+        _priced_per_step(now, [(128 * 128 + 128) * 4 if i % 2 == 0 else 0 for i in range(7)])
+
+
+def _priced_per_step(view: PlanReport, layer_bytes: list[int]) -> None:
+    """Each candidate layout's part outside its pipelines: the learned figure per step plus
+    its busiest stage's bytes (``layer_bytes`` per layer) at the learned optimizer rate."""
+    for candidate in view.layouts:
+        busiest = max(
+            sum(layer_bytes[lo:hi])
+            for replica in candidate.replicas
+            for lo, hi in itertools.pairwise(replica.boundaries)
+        )
+        want = view.step_overhead_s + busiest / view.optimizer_bytes_per_s
+        assert candidate.per_step_s == pytest.approx(want, rel=1e-6), candidate
