@@ -35,7 +35,8 @@ from elasticpipe.v1 import coordinator_pb2, stage_pb2
 log = get_logger(__name__)
 
 REGISTER_TIMEOUT_S = 5.0
-SPEED_MOVED = 0.25  # a change of the layers' measured time reported after the step
+SPEED_MOVED = 0.25  # a change of the layers' measured time reported at once
+SPEED_POLL_S = 0.1  # how often a stage looks for such a change between heartbeats
 MIN_BEAT_FRACTION = 0.25  # of the interval: the soonest a heartbeat follows another
 BACKOFF_START_S = 0.2
 BACKOFF_MAX_S = 2.0  # a restarted coordinator is found again within ~3 s
@@ -192,19 +193,23 @@ class StageServer(ServerLifecycle):
 
     def _until_next_beat(self, interval: float) -> None:
         """Waits ``interval``, or less: a step that commits ends the wait when the
-        coordinator's policy asked for the next step's measurements, or when this stage's
-        compute per micro-batch moved by ``SPEED_MOVED`` or more since its last report (a
-        straggler is seen a beat sooner). Never sooner than ``MIN_BEAT_FRACTION`` of the
-        interval after the last beat."""
+        coordinator's policy asked for the next step's measurements, and this stage's
+        compute per micro-batch moving by ``SPEED_MOVED`` or more since its last report
+        ends it at once, in the middle of a step too (looked at every ``SPEED_POLL_S``: a
+        straggler is seen a beat sooner, and its first slowed step already proposes what
+        the next confirms). Never sooner than ``MIN_BEAT_FRACTION`` of the interval after
+        the last beat."""
         assert self.stage is not None
         committed, start = self.stage.committed, time.monotonic()
         committed.clear()
         while not self._stop.is_set():
             left = start + interval - time.monotonic()
-            if left <= 0 or not committed.wait(left):
+            if left <= 0:
                 return
-            committed.clear()
-            if self._report_asked or self._speed_moved():
+            stepped = committed.wait(min(left, SPEED_POLL_S))
+            if stepped:
+                committed.clear()
+            if (stepped and self._report_asked) or self._speed_moved():
                 soonest = start + MIN_BEAT_FRACTION * interval - time.monotonic()
                 self._stop.wait(max(0.0, soonest))
                 return
