@@ -1,12 +1,15 @@
 """The policy's moves waiting for confirmation (``Rebalancer._confirmed``).
 
 A move the policy decides on is held back until the measurements of a later committed step
-call for it again: one step's figures, a neighbour's burst, do not move layers. "Again"
-means the same target, or a move the same way: figures read in the middle of a step (a
-heartbeat's) see part of a change of speed, so their target falls short of the next
-step's (a straggler's shares 7:5, then 9:3), and requiring one target twice cost its
-re-split a step. A proposal belongs to one job and epoch: another's, or one from a step
-after the stages' (a rollback), counts as none.
+call for it again. "Again" means the same target, or a move the same way (no coordinate
+the other way, one at least both ways): figures read in the middle of a step (a
+heartbeat's, which a stage sends as soon as its compute moved by a quarter) see part of a
+change of speed, so their target falls short of the step's end's (a straggler's shares
+7:5, then 9:3), and requiring one target twice cost its re-split a step. So a proposal
+from a step's first figures may be confirmed by the same step's last: a slowdown that
+lasts most of one step (most of a layer's last 9 measurements) can re-split or move; the
+gain threshold, the payback and the cool-down still apply. A proposal belongs to one job
+and epoch: another's, or one from a step after the stages' (a rollback), counts as none.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ from typing import NamedTuple
 
 from elasticpipe.coordinator.planning.policy import Decision
 
-__all__ = ["Pending", "confirm", "confirmed", "toward"]
+__all__ = ["Pending", "confirm", "confirmed", "same_way", "toward"]
 
 
 class Pending(NamedTuple):
     """A proposed move of one kind, waiting for a later step's measurements."""
 
     key: Hashable  # its target: boundaries and chain, shares, ...
-    step: int  # the committed step whose measurements proposed it
+    step: (
+        int  # the stages' committed step when it was proposed (its figures: that step's, or later)
+    )
     stamp: tuple[str, int]  # the job and epoch it was proposed in
     toward: tuple[int, ...] | None  # per coordinate, the way it moves (None: by key only)
 
@@ -35,6 +40,16 @@ def toward(current: Sequence[int], target: Sequence[int]) -> tuple[int, ...] | N
     if len(current) != len(target):
         return None
     return tuple((t > c) - (t < c) for c, t in zip(current, target, strict=True))
+
+
+def same_way(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
+    """Whether two moves (``toward``'s signs) go the same way: no coordinate the opposite
+    way, and at least one moved by both (a partial reading moves fewer coordinates)."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(x * y >= 0 for x, y in zip(a, b, strict=True)) and any(
+        x * y > 0 for x, y in zip(a, b, strict=True)
+    )
 
 
 def confirm(
@@ -53,9 +68,7 @@ def confirm(
     pending = proposals.get(kind)
     if pending is not None and (pending.stamp != stamp or step < pending.step):
         pending = None  # another job's or epoch's, or a step rolled back since
-    alike = pending is not None and (
-        pending.key == key or (way is not None and pending.toward == way)
-    )
+    alike = pending is not None and (pending.key == key or same_way(pending.toward, way))
     if pending is not None and alike and step > pending.step:
         return True
     if not alike:

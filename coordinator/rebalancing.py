@@ -95,8 +95,8 @@ class Rebalancer(ReplicaPolicy):
             )
         self._pause = pause
         self._last_decision = ""
-        # An automatic move must be proposed twice, from measurements of two different
-        # committed steps: a speed change seen halfway through a step is only half-measured.
+        # An automatic move must be called for twice, the second time at a later committed
+        # step than the first (``proposals``)
         self._proposals: dict[str, Pending] = {}  # per kind: "move", "shares", "replica", ...
 
     # ---- planning --------------------------------------------------------------------
@@ -204,9 +204,11 @@ class Rebalancer(ReplicaPolicy):
         """Whether a proposal waits for the measurements of a step later than
         ``committed_step`` (a stage's, just reported): that stage then reports as soon as
         its next step commits."""
-        if not self.policy.enabled or self.c.job is None:
-            return False
-        return any(committed_step <= p.step for p in list(self._proposals.values()))
+        p = self.c.partition
+        if not self.policy.enabled or self.c.job is None or p is None:
+            return False  # (below: another job's or epoch's proposal counts as none)
+        pending = list(self._proposals.values())
+        return any(x.stamp == (p.job_id, p.epoch) and committed_step <= x.step for x in pending)
 
     def _confirmed(
         self,

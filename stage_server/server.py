@@ -195,9 +195,10 @@ class StageServer(ServerLifecycle):
         """Waits ``interval``, or less: a step that commits ends the wait when the
         coordinator's policy asked for the next step's measurements, and this stage's
         compute per micro-batch moving by ``SPEED_MOVED`` or more since its last report
-        ends it at once, in the middle of a step too (looked at every ``SPEED_POLL_S``: a
-        straggler is seen a beat sooner, and its first slowed step already proposes what
-        the next confirms). Never sooner than ``MIN_BEAT_FRACTION`` of the interval after
+        ends it at once, in the middle of a step too where layer times are folded in as
+        they come (CPU; CUDA's are read at the run's end), looked at every
+        ``SPEED_POLL_S``: a straggler's first slowed step already proposes what its end
+        confirms. Never sooner than ``MIN_BEAT_FRACTION`` of the interval after
         the last beat."""
         assert self.stage is not None
         committed, start = self.stage.committed, time.monotonic()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from elasticpipe.coordinator.planning.policy import Decision
-from elasticpipe.coordinator.proposals import Pending, confirm, confirmed, toward
+from elasticpipe.coordinator.proposals import Pending, confirm, confirmed, same_way, toward
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -70,3 +70,17 @@ def test_a_held_decision_says_the_step_it_waits_for() -> None:
     assert not held.move and held.outcome == "unconfirmed"
     assert held.reason.endswith("waiting to confirm at step 8"), held.reason
     assert confirmed(pending, "move", move, "A", 8, JOB) is move
+
+
+def test_a_partial_reading_moves_fewer_coordinates_the_same_way() -> None:
+    """Three replicas from (4, 4, 4): a mid-step reading (5, 4, 3) and the step's end
+    (5, 5, 2) go the same way; so do a chain's cuts (0, 1, 0, 0) and (0, 1, -1, 0). A
+    coordinate the other way, or none moved by both, is another way."""
+    assert same_way(toward((4, 4, 4), (5, 4, 3)), toward((4, 4, 4), (5, 5, 2)))
+    assert same_way((0, 1, 0, 0), (0, 1, -1, 0))
+    assert not same_way((1, 0, -1), (-1, 1, 0))  # (the first replica both ways)
+    assert not same_way((1, 0, -1), (0, 1, 0))  # (nothing moved by both)
+    assert not same_way((1, -1), None) and not same_way((1, -1), (1, -1, 0))
+    pending: dict[str, Pending] = {}
+    assert not confirm(pending, "shares", (5, 4, 3), 3, JOB, toward((4, 4, 4), (5, 4, 3)))
+    assert confirm(pending, "shares", (5, 5, 2), 4, JOB, toward((4, 4, 4), (5, 5, 2)))
