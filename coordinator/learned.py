@@ -58,9 +58,8 @@ class Learned:
     def store_changed(self) -> bool:
         """Stores the figures when they differ from the stored ones: a job new or gone, or
         a figure moved by more than ``STORE_CHANGE`` (and ``STORE_FLOOR_S``) since it was
-        stored (never on a
-        heartbeat's path: the coordinator's ``learned`` loop calls this). Returns whether
-        it wrote.
+        stored (never on a heartbeat's path: the coordinator's ``learned`` loop calls
+        this). Returns whether it wrote.
 
         Raises:
             ElasticPipeError: the store refused (this coordinator no longer leads, say); the

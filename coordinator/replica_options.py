@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import estimates, memory
@@ -343,8 +343,7 @@ def layout_step(cluster: Cluster, replicas: Sequence[Partition]) -> float:
     assert job is not None
     times = planned_step_times(plans(cluster, replicas), job.schedule)
     in_seconds = cluster.in_seconds([sid for p in replicas for sid in p.stage_ids])
-    optimizer = replace(cluster.per_step(in_seconds), fixed_s=0.0)
-    once = optimizer.seconds([p.boundaries for p in replicas])
+    once = cluster.per_step(in_seconds).optimizer_seconds([p.boundaries for p in replicas])
     return slowest(times, assign_shares(times, job.micro_batches, 1)) + once
 
 
@@ -456,7 +455,7 @@ def note_step_overhead(
             if heard is None or heard[0] != chain.epoch:
                 return
             waits.append(heard[1])
-    optimizer_s = replace(cluster.per_step(), fixed_s=0.0).seconds([c.boundaries for c in chains])
+    optimizer_s = cluster.per_step().optimizer_seconds([c.boundaries for c in chains])
     cluster.note_step_overhead(job.job_id, max(0.0, min(waits) - optimizer_s))
 
 

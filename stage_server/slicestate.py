@@ -27,6 +27,7 @@ from torch import nn
 
 from elasticpipe import models
 from elasticpipe.errors import InvalidRequest
+from elasticpipe.models.contract import layer_bytes
 from elasticpipe.security import allowlist
 from elasticpipe.stage_server import devicepath
 from elasticpipe.training import clipping, loss_scaling, lr
@@ -160,14 +161,10 @@ class SliceState:
     # ---- optimizer steps ----------------------------------------------------------------
 
     def timed_step(self, clip: GradClip = clipping.NO_CLIP) -> float | None:
-        """``step``, timed: the bytes of the layers it stepped (weights and buffers, as the
-        planner counts a layer's bytes) per second; None when it stepped nothing. On CUDA
+        """``step``, timed: the bytes of the layers it stepped (as the planner counts a
+        layer's, ``layer_bytes``) per second; None when it stepped nothing. On CUDA
         the device is synchronised before and after: the step's time, not its launch's."""
-        stepped = sum(
-            t.numel() * t.element_size()
-            for i in self.optimizers
-            for t in (*self.layers[i].parameters(), *self.layers[i].buffers())
-        )
+        stepped = sum(layer_bytes(self.layers[i]) for i in self.optimizers)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)

@@ -74,14 +74,18 @@ class PerStep:
 
     def seconds(self, boundaries: Sequence[Sequence[int]]) -> float:
         """The per-step seconds of a layout whose replicas are cut at ``boundaries``."""
+        return self.fixed_s + self.optimizer_seconds(boundaries)
+
+    def optimizer_seconds(self, boundaries: Sequence[Sequence[int]]) -> float:
+        """Its optimizer steps alone: the busiest stage's bytes at the rate (0 without)."""
         if not self.optimizer_rate or self.param_bytes is None:
-            return self.fixed_s
+            return 0.0
         busiest = max(
             math.fsum(self.param_bytes[lo:hi])
             for bounds in boundaries
             for lo, hi in itertools.pairwise(bounds)
         )
-        return self.fixed_s + busiest / self.optimizer_rate
+        return busiest / self.optimizer_rate
 
 
 def reduce_seconds(

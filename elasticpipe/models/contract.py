@@ -32,6 +32,7 @@ __all__ = [
     "describe",
     "factory_source",
     "init_layer",
+    "layer_bytes",
     "layer_seed",
     "materialize_layer",
     "prepare_layer",
@@ -562,10 +563,13 @@ def describe(
         ModelError: The factory is unusable (see ``build_skeleton``).
     """
     layers = build_skeleton(name_or_path, kwargs, allow)
-    sizes = [
-        sum(t.numel() * t.element_size() for _, _, t in _named_tensors(layer)) for layer in layers
-    ]
-    return len(layers), sizes
+    return len(layers), [layer_bytes(layer) for layer in layers]
+
+
+def layer_bytes(layer: nn.Module) -> int:
+    """Bytes of a layer's distinct parameters and buffers: what the planner counts as the
+    layer's size (``describe``)."""
+    return sum(t.numel() * t.element_size() for _, _, t in _named_tensors(layer))
 
 
 # Factories shipped in this package whose dependencies are optional extras: allowed on
