@@ -6,14 +6,15 @@ compute speed shows. The stages report how long their replica's pipeline takes
 time, and the policy moves micro-batches away from the slow replica. The losses and
 weights stay ``LocalPipeline``'s, bit for bit, through the re-split.
 
-The slow link is an ``htb`` rate limit of 512 kbit/s on everything the slow hosts send
-(a 2 KB activation waits about 30 ms): this kernel has no ``netem`` ("Specified qdisc
-kind is unknown"), so a fixed delay cannot be added; the mechanism is the same for either,
-the measured pipeline time."""
+Each slow host sends through a cable that holds every frame 20 ms
+(``tests.support.delay_wire``, two TAP devices and a process: what ``tc qdisc add ... netem
+delay 20ms`` on the host's interface does; this kernel has no ``netem``), so every hop of
+the slow replica's activations and gradients, and every message it sends the client and
+the other replica, arrives 20 ms late."""
 
 from __future__ import annotations
 
-import subprocess
+import socket
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 
 SUBNET = "10.78.0"
 COORDINATOR = f"{SUBNET}.1:7100"
-RATE = "512kbit"
+DELAY_S = 0.020  # on every frame a slow host sends
 JOB = {
     "model": "mlp",
     "model_kwargs": {"sizes": [16, 16, 16, 16, 4]},  # 2.5 KB of gradients
@@ -43,7 +44,7 @@ STEPS = 14
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(700 + step)
-    rows = 256  # 32 a micro-batch: 2 KB activations, about 30 ms on the slow link
+    rows = 256  # 32 a micro-batch: 2 KB activations
     return torch.randn(rows, 16, generator=g), torch.randint(0, 4, (rows,), generator=g)
 
 
@@ -68,17 +69,7 @@ def test_shares_move_away_from_a_replica_behind_a_slow_link(hosts: Hosts, tmp_pa
     ]
     stages = []
     for host, address, replica, names in places:
-        ns = hosts.add(host, address)
-        if host.startswith("slow"):  # everything it sends goes at RATE
-            tc = ["ip", "netns", "exec", ns, "tc"]
-            inner = f"{hosts.tag}{host}i"
-            for args in (
-                ["qdisc", "add", "dev", inner, "root", "handle", "1:", "htb", "default", "10"],
-                ["class", "add", "dev", inner, "parent", "1:", "classid", "1:10", "htb"],
-            ):
-                extra = ["rate", RATE, "ceil", RATE, "burst", "1600b", "cburst", "1600b"]
-                extra = extra if args[0] == "class" else []
-                subprocess.run([*tc, *args, *extra], check=True, capture_output=True)
+        ns = hosts.add(host, address, delay_s=DELAY_S if host.startswith("slow") else 0.0)
         for port, name in enumerate(names, start=7201):
             log = tmp_path / f"{name}.log"
             args = ["stage", "--coordinator", COORDINATOR, "--listen", f"{address}:{port}"]
@@ -86,6 +77,11 @@ def test_shares_move_away_from_a_replica_behind_a_slow_link(hosts: Hosts, tmp_pa
             stages.append((log, hosts.spawn(ns, args, log)))
     for log, proc in stages:
         wait_for_log(log, "stage_registered", proc)
+    for host, address, _, _ in places:  # a TCP handshake waits for the host's SYN-ACK
+        started = time.perf_counter()
+        socket.create_connection((address, 7201), timeout=5).close()
+        handshake = time.perf_counter() - started
+        assert (handshake >= DELAY_S) == host.startswith("slow"), (host, handshake)
 
     local = LocalPipeline(**JOB)  # type: ignore[arg-type]
     want = [local.train_step(*_batch(step)) for step in range(STEPS)]

@@ -54,12 +54,19 @@ class Hosts:
         test itself reaches the hosts (a client, an admin)."""
         ip("addr", "add", f"{address}/24", "dev", self.bridge)
 
-    def add(self, host: str, address: str, default_route: bool = False) -> str:
-        """A namespace ``TAG-host`` holding ``address``/24 on a veth to the bridge."""
+    def add(
+        self, host: str, address: str, default_route: bool = False, delay_s: float = 0.0
+    ) -> str:
+        """A namespace ``TAG-host`` holding ``address``/24 on a veth to the bridge, or, with
+        ``delay_s``, on a cable that holds every frame the host sends that long
+        (``delay_wire``: this kernel has no ``netem``)."""
         ns, outer, inner = f"{self.tag}-{host}", f"{self.tag}{host}o", f"{self.tag}{host}i"
         ip("netns", "add", ns)
         self.names.append(ns)
-        ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        if delay_s:
+            self._delay_wire(inner, outer, delay_s)
+        else:
+            ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         ip("link", "set", outer, "master", self.bridge)
         ip("link", "set", outer, "up")
         ip("link", "set", inner, "netns", ns)
@@ -69,6 +76,17 @@ class Hosts:
         if default_route:
             ip("-n", ns, "route", "add", "default", "dev", inner)
         return ns
+
+    def _delay_wire(self, inner: str, outer: str, delay_s: float) -> None:
+        wire = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.delay_wire", inner, outer, str(delay_s)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(wire)
+        assert wire.stdout is not None
+        line = wire.stdout.readline()  # "ready", or why not (it exits)
+        assert line == b"ready\n", line + wire.stdout.read()
 
     def spawn(self, ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         """Runs ``elasticpipe ARGS`` on host ``ns``, its output in ``log``."""
