@@ -35,6 +35,7 @@ from elasticpipe.coordinator.membership import Member
 from elasticpipe.coordinator.planning import estimates, memory
 from elasticpipe.coordinator.planning.cost import Plan, PlanError
 from elasticpipe.coordinator.planning.hosts import order_hosts
+from elasticpipe.coordinator.planning.layouts import reduce_seconds
 from elasticpipe.coordinator.planning.shares import (
     StepTime,
     assign_shares,
@@ -269,9 +270,11 @@ def _option(
     dead: set[str],
 ) -> Option:
     """An option priced on the replicas it leaves healthy (those still to be mended, with
-    dead stages, are left out of the price; none healthy: an infinite step)."""
-    healthy = [p for p in replicas if p is not None and not dead & set(p.stage_ids)]
-    step_s = layout_step(cluster, healthy) if healthy else float("inf")
+    dead stages, are left out of the pipelines' price, but reduce with the others: they
+    are likely mended too; none healthy: an infinite step)."""
+    kept = [p for p in replicas if p is not None]
+    healthy = [p for p in kept if not dead & set(p.stage_ids)]
+    step_s = layout_step(cluster, healthy, kept) if healthy else float("inf")
     return Option(what, replicas, spares, step_s)
 
 
@@ -332,18 +335,29 @@ def plans(cluster: Cluster, replicas: Sequence[Partition]) -> list[Plan]:
     ]
 
 
-def layout_step(cluster: Cluster, replicas: Sequence[Partition]) -> float:
+def layout_step(
+    cluster: Cluster,
+    replicas: Sequence[Partition],
+    reducing: Sequence[Partition] | None = None,
+) -> float:
     """The predicted step of ``replicas`` with the shares water-filled on their plans, plus
     their optimizer steps (``Cluster.per_step``; a replica of one stage steps the whole
-    model): what the policy prices its replica changes with. The part of a step the same
-    for every option (the round trips: ``PerStep.fixed_s``) is left out, so that a gain is
-    relative to the pipelines, as a move of one chain's is; so is the reduction
-    (docs/replicas.md, "Not built yet")."""
+    model) and their reduction (``Cluster.reduce_bandwidth``; none for one replica): what
+    the policy prices its replica changes with, so that a replica whose reduction costs
+    more than its share saves is not formed, nor kept through a recovery. The part of a
+    step the same for every option (the round trips: ``PerStep.fixed_s``) is left out, so
+    that a gain is relative to the pipelines, as a move of one chain's is. ``reducing``:
+    the replicas that reduce, where more than ``replicas`` (a recovery's option prices the
+    pipelines of the replicas it leaves healthy, and the reduction of all it keeps)."""
     job = cluster.job
     assert job is not None
     times = planned_step_times(plans(cluster, replicas), job.schedule)
     in_seconds = cluster.in_seconds([sid for p in replicas for sid in p.stage_ids])
     once = cluster.per_step(in_seconds).optimizer_seconds([p.boundaries for p in replicas])
+    bandwidth = cluster.reduce_bandwidth(in_seconds)
+    if bandwidth and cluster.param_bytes:
+        cuts = [p.boundaries for p in (replicas if reducing is None else reducing)]
+        once += reduce_seconds(cuts, cluster.param_bytes, bandwidth)
     return slowest(times, assign_shares(times, job.micro_batches, 1)) + once
 
 

@@ -176,7 +176,17 @@ def test_stages_killed_inside_steps_cost_no_replay_and_no_bits(
     results stay LocalPipeline's, bit for bit, with either reduction engine."""
     want_losses, want_state = reference(steps=len(points) + 2)
     with (
-        clusters.failing(8, allow_models=("tests.support",)) as c,
+        clusters.failing(
+            8,
+            allow_models=("tests.support",),
+            # The spare is the default option, kept unless another predicts a far shorter
+            # step (FIRST_OPTION). With the tiny model's compute alone, its reduction
+            # (latency-bound here) would cost more than replica 1's share saves, and the
+            # policy would dissolve it (tests/unit/test_replica_options.py); on devices 10x
+            # slower than a core, the pipelines are most of a step.
+            slowdowns=[10.0] * 8,
+            coordinator_args=clusters.FIRST_OPTION,
+        ) as c,
         Pipeline(
             c.coordinator,
             **JOB,  # type: ignore[arg-type]
@@ -196,6 +206,9 @@ def test_stages_killed_inside_steps_cost_no_replay_and_no_bits(
             killer.join(timeout=60)
             assert pipe.last_step.replayed == 0, point
             assert victim.stage_id not in pipe.layout.stage_ids, point
+            assert [p.num_stages for p in pipe.layout.replicas] == [2, 3], point
+            mended = cli.admin_json(c, "status")["history"][-1]
+            assert "took the place of" in mended["reason"], (point, mended)
         losses.append(pipe.train_step(*batch(len(losses))))
         state = pipe.state_dict()
     assert losses == want_losses

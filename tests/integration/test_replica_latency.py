@@ -77,11 +77,10 @@ def test_shares_move_away_from_a_replica_behind_a_slow_link(hosts: Hosts, tmp_pa
             stages.append((log, hosts.spawn(ns, args, log)))
     for log, proc in stages:
         wait_for_log(log, "stage_registered", proc)
-    for host, address, _, _ in places:  # a TCP handshake waits for the host's SYN-ACK
+    for _, address, _, _ in places[1:]:  # a TCP handshake waits for the host's SYN-ACK
         started = time.perf_counter()
         socket.create_connection((address, 7201), timeout=5).close()
-        handshake = time.perf_counter() - started
-        assert (handshake >= DELAY_S) == host.startswith("slow"), (host, handshake)
+        assert time.perf_counter() - started >= DELAY_S, address
 
     local = LocalPipeline(**JOB)  # type: ignore[arg-type]
     want = [local.train_step(*_batch(step)) for step in range(STEPS)]

@@ -350,8 +350,9 @@ def test_spares_form_a_new_replica_when_the_planner_predicts_a_gain() -> None:
     holds every layer), the shares spread over three, and the results stay bitwise
     LocalPipeline's. The stages emulate devices 10x slower than a core, so that the
     pipelines outweigh what a one-stage replica adds (its optimizer step over the whole
-    model), as on accelerators: at this tiny model's bare speed the two are close (about
-    1 ms each), and whether the policy grows turns on noise."""
+    model, and the reduction with it), as on accelerators: at this tiny model's bare
+    speed the two are close (about 1 ms each), and whether the policy grows turns on
+    noise."""
     with (
         eager_policy(5, slowdown=10.0) as c,
         Pipeline(c.coordinator, **JOB, stages=(2, 2)) as pipe,  # type: ignore[arg-type]

@@ -18,5 +18,8 @@
 - ``fake_cuda``: CUDA events on the host clock;
 - ``multihost_client``: the client host of the multi-host test (run as a script);
 - ``deploy``: the deployment files' checks;
-- ``etcd``: real etcd members on loopback (the store tests).
+- ``etcd``: real etcd members on loopback (the store tests);
+- ``netns``: separate "hosts" (network namespaces on a bridge), and ``delay_wire``, a cable
+  that holds what a host sends (this kernel has no ``netem``);
+- ``replica_jobs``: the job of replicas the replica tests run, and its reference.
 """

@@ -6,14 +6,14 @@ side, as ``tc qdisc add dev IFACE root netem delay DELAY`` on the host's interfa
 frames coming in pass at once. Frames keep their order (one FIFO per direction, all held
 equally long).
 
-Run as ``python -m tests.support.delay_wire INNER OUTER DELAY`` (root): it creates the TAP
+Run as ``python tests/support/delay_wire.py INNER OUTER DELAY`` (root): it creates the TAP
 devices ``INNER`` (the host's side, to move into its namespace) and ``OUTER`` (to put on
 the bridge), prints ``ready`` and forwards until killed; the devices go with it."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
+import errno
 import fcntl
 import os
 import struct
@@ -50,8 +50,11 @@ def forward(source: int, sink: int, delay_s: float) -> None:
             wait = due - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            with contextlib.suppress(OSError):  # EIO while the far side is down: lost
+            try:
                 os.write(sink, frame)
+            except OSError as exc:  # EIO while the far side is down: the frame is lost
+                if exc.errno != errno.EIO:
+                    raise
 
     threading.Thread(target=send, daemon=True).start()
     while True:
@@ -61,11 +64,17 @@ def forward(source: int, sink: int, delay_s: float) -> None:
             ready.notify()
 
 
+def _die(args: threading.ExceptHookArgs) -> None:
+    sys.excepthook(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
+    os._exit(1)
+
+
 def main(argv: list[str]) -> None:
     inner, outer, delay = argv
     delay_s = float(delay)
     if not 0 <= delay_s <= 10:
         raise SystemExit(f"delay must be 0-10 seconds, got {delay!r}")
+    threading.excepthook = _die  # a direction that stops would pass nothing, silently
     host, bridge = open_tap(inner), open_tap(outer)
     for source, sink, wait in ((host, bridge, delay_s), (bridge, host, 0.0)):
         threading.Thread(target=forward, args=(source, sink, wait), daemon=True).start()

@@ -4,6 +4,7 @@ with its own IP (root needed; a test skips with the reason where it cannot make 
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+WIRE = Path(__file__).with_name("delay_wire.py")
 
 
 def ip(*args: str) -> None:
@@ -79,14 +82,14 @@ class Hosts:
 
     def _delay_wire(self, inner: str, outer: str, delay_s: float) -> None:
         wire = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.delay_wire", inner, outer, str(delay_s)],
+            [sys.executable, str(WIRE), inner, outer, str(delay_s)],
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        )  # (its errors on the test's stderr)
         self.procs.append(wire)
         assert wire.stdout is not None
-        line = wire.stdout.readline()  # "ready", or why not (it exits)
-        assert line == b"ready\n", line + wire.stdout.read()
+        ready, _, _ = select.select([wire.stdout], [], [], 30)
+        line = wire.stdout.readline() if ready else b"(nothing in 30 s)"
+        assert line == b"ready\n", f"the delay wire for {inner} did not start: {line!r}"
 
     def spawn(self, ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         """Runs ``elasticpipe ARGS`` on host ``ns``, its output in ``log``."""

@@ -44,6 +44,8 @@ def _cluster(speeds: dict[str, float], spares: tuple[str, ...] = ()) -> Any:
         spare_members=[members[s] for s in spares],
         in_seconds=lambda ids: True,
         per_step=lambda in_seconds=True: PerStep(),  # (nothing learned: the model alone)
+        reduce_bandwidth=lambda in_seconds=True: None,  # (none measured: reductions free)
+        param_bytes=None,
     )
 
 
@@ -56,8 +58,13 @@ def _chain(*stages: str, cuts: tuple[int, ...]) -> Partition:
 REPLICAS = (_chain("a", "b", cuts=(0, 4, 7)), _chain("c", "d", "e", cuts=(0, 3, 5, 7)))
 
 
-def _mend(speeds: dict[str, float], dead: set[str], spares: tuple[str, ...] = ()) -> Any:
+def _mend(
+    speeds: dict[str, float], dead: set[str], spares: tuple[str, ...] = (), reduce_at: float = 0
+) -> Any:
     cluster = _cluster(speeds, spares)
+    if reduce_at:  # bytes/s; every layer 10 bytes
+        cluster.reduce_bandwidth = lambda in_seconds=True: reduce_at
+        cluster.param_bytes = [10.0] * LAYERS
     live = set(speeds) - dead
     return choose(cluster, REPLICAS, 0, dead, live | set(spares), cluster.spare_members)
 
@@ -162,12 +169,31 @@ def test_a_jobs_overhead_per_slot_is_pooled_over_its_chains_once_all_measured() 
     assert steps == {"j": pytest.approx(0.5)}  # the smallest wait, less the optimizer's
 
 
-def test_a_layouts_step_counts_its_optimizer_steps() -> None:
+def test_a_layouts_step_counts_its_optimizer_steps_and_reduction() -> None:
     """``layout_step`` (how the policy prices a new replica, moves inside replicas and
     recovery's options): the slowest replica at the water-filled shares, plus the
     optimizer steps (``Cluster.per_step``, without its fixed part, the same for every
-    option): here shares 4 and 4, the first replica's 7 + 3 x 4 = 19 s the slower (the
-    second's 7 + 3 x 3 = 16 s), plus the busiest stage's 4 layers of 10 bytes at 20 B/s."""
+    option) and the reduction: here shares 4 and 4, the first replica's 7 + 3 x 4 = 19 s
+    the slower (the second's 7 + 3 x 3 = 16 s), plus the busiest stage's 4 layers of 10
+    bytes stepped at 20 B/s, plus the busiest holder's reduction (the first replica's
+    first stage: 4 layers, sending 2 (R - 1) / R of their 40 bytes) at 10 B/s."""
     cluster = _cluster(dict.fromkeys("abcde", 1.0))
     cluster.per_step = lambda in_seconds=True: PerStep(0.5, [10.0] * LAYERS, 20.0)
     assert layout_step(cluster, REPLICAS) == pytest.approx(19.0 + 2.0)
+    cluster.param_bytes = [10.0] * LAYERS
+    cluster.reduce_bandwidth = lambda in_seconds=True: 10.0
+    assert layout_step(cluster, REPLICAS) == pytest.approx(19.0 + 2.0 + 4.0)
+    # one replica: all 8 micro-batches, its busiest stage's 3 layers stepped, no reduction
+    assert layout_step(cluster, REPLICAS[1:]) == pytest.approx(7 + 7 * 3 + 30 / 20)
+
+
+def test_a_replica_whose_reduction_costs_more_than_it_saves_dissolves() -> None:
+    """A spare could take the dead stage's place, but the reduction the two replicas pay
+    (the busiest holder's 40 bytes at 2 B/s: 20 s) costs more than the second replica's
+    share saves: both run a step in 19 + 20 = 39 s, the survivor alone (3 stages, all 8
+    micro-batches) in 7 + 7 x 3 = 28 s. The policy dissolves the replica instead. At 200
+    B/s (0.2 s of reduction), the spare takes the place."""
+    option = _mend(dict.fromkeys("abcde", 1.0), {"b"}, spares=("f",), reduce_at=2.0)
+    assert option.replicas == (None, REPLICAS[1]) and option.what.startswith("dissolved"), option
+    option = _mend(dict.fromkeys("abcde", 1.0), {"b"}, spares=("f",), reduce_at=200.0)
+    assert "f took the place of b" in option.what, option
