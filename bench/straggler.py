@@ -6,7 +6,12 @@ slower than one core of this host (``--slowdown``), so that four emulated device
 host whose CPU is idle, instead of fighting the others for the two cores. The emulated
 device's time does not depend on that contention: each op takes BASE times its compute's
 CPU time in all (the stage sleeps what its compute's wall time did not take), which is the
-time the planner is told (``stage_server.layers.Slowdown``). After a few
+time the planner is told (``stage_server.layers.Slowdown``). The stages time their ops with
+``--timer fastest`` (``--timer cpu``: each run's own CPU time, as before): each op counts
+as the fastest of its recent runs, since thread CPU time too grows with the other
+processes' load, so the emulated device's speed does not depend on the contention for the
+two cores, and the stages train at about the speeds their profile measured
+(``stage_server.devicetime``; ``bench/replicas.py`` does the same). After a few
 steps one stage is slowed 3x (``admin slowdown``), later it recovers.
 
 Printed, from one run: steps/s before the slowdown; after it with the static partition
@@ -27,9 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +69,22 @@ class Bench:
             self.step_times.append(time.perf_counter() - t0)
         return steps / (time.perf_counter() - start)
 
+    def train_predicted(
+        self, steps: int, step_s: Callable[[], float | None]
+    ) -> tuple[float, float]:
+        """Trains ``steps`` steps, asking the planner for its predicted step (``step_s``,
+        seconds) after each; returns the steps/s over them and the median prediction's
+        (the live speeds it is computed from move with each heartbeat)."""
+        seconds, predictions = 0.0, []
+        for _ in range(steps):
+            seconds += 1.0 / self.train(1)
+            predicted = step_s()
+            if predicted:
+                predictions.append(1.0 / predicted)
+        if not predictions:
+            raise SystemExit("the planner gave no predicted step")
+        return steps / seconds, statistics.median(predictions)
+
     def steps_until_epoch_changes(self, limit: int) -> int:
         """Trains until the partition changes (auto-rebalance); returns the steps it took."""
         epoch = self.pipe.partition.epoch
@@ -75,9 +97,16 @@ class Bench:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure-steps", type=int, default=5)
+    parser.add_argument("--measure-steps", type=int, default=8)
     parser.add_argument("--base", type=float, default=4.0, help="slowdown of every stage")
     parser.add_argument("--micro-batches", type=int, default=16)
+    parser.add_argument(
+        "--timer",
+        choices=["fastest", "cpu"],
+        default="fastest",
+        help="the stages' --timer: fastest (each op's CPU time the fastest of its recent "
+        "runs) or cpu (each run's own CPU time, which grows with the host's load)",
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"])
@@ -93,6 +122,7 @@ def main() -> int:
         LocalCluster(
             stages=4,
             slowdowns=[base] * 4,
+            stage_args=["--timer", args.timer],
             coordinator_args=[
                 "--state",
                 ":memory:",
@@ -122,8 +152,9 @@ def main() -> int:
         # partition after the recovery 99% (one run); with 5, 85% before.
         bench.train(2 if args.quick else 5)
         initial = list(pipe.partition.boundaries)
-        out["before_steps_per_s"] = bench.train(n)
-        out["before_predicted_steps_per_s"] = 1.0 / admin.plan().current_step_s
+        out["before_steps_per_s"], out["before_predicted_steps_per_s"] = bench.train_predicted(
+            n, lambda: admin.plan().current_step_s
+        )
         print(
             f"partition {initial}; before the slowdown: {out['before_steps_per_s']:.3f} "
             f"steps/s (planner predicts {out['before_predicted_steps_per_s']:.3f})",
@@ -147,9 +178,9 @@ def main() -> int:
             flush=True,
         )
         bench.train(1)
-        out["elastic_steps_per_s"] = bench.train(n)
-        view = admin.plan()
-        out["optimal_steps_per_s"] = 1.0 / view.optimal_step_s
+        out["elastic_steps_per_s"], out["optimal_steps_per_s"] = bench.train_predicted(
+            n, lambda: admin.plan().optimal_step_s
+        )
         history = admin.status().history
         out["extra_moves"] = len(history) - moves_before
         # What the move cost the training loop, as the client reported it (a lease renewal
