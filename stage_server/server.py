@@ -192,8 +192,9 @@ class StageServer(ServerLifecycle):
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     def _until_next_beat(self, interval: float) -> None:
-        """Waits ``interval``, or less: a step that commits ends the wait when the
-        coordinator's policy asked for the next step's measurements, and this stage's
+        """Waits ``interval``, or less: a step that commits after the last report took its
+        figures ends the wait when the coordinator's policy asked for the next step's
+        measurements, and this stage's
         compute per micro-batch moving by ``SPEED_MOVED`` or more since its last report
         ends it at once, in the middle of a step too where layer times are folded in as
         they come (CPU; CUDA's are read at the run's end), looked at every
@@ -202,7 +203,6 @@ class StageServer(ServerLifecycle):
         the last beat."""
         assert self.stage is not None
         committed, start = self.stage.committed, time.monotonic()
-        committed.clear()
         while not self._stop.is_set():
             left = start + interval - time.monotonic()
             if left <= 0:
@@ -244,6 +244,9 @@ class StageServer(ServerLifecycle):
     def _heartbeat(self, interval: float) -> None:
         assert self.stage is not None
         stage = self.stage
+        # A step that commits from here on is one this report may miss: it wakes the wait
+        # for the next (``_until_next_beat``), also while this report is on its way.
+        stage.committed.clear()
         timings = stage.timings()
         reply = self.coordinators.call(
             "Heartbeat",

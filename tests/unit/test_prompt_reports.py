@@ -54,3 +54,15 @@ def test_compute_that_moved_is_reported_at_once_without_waiting_for_the_commit()
 def test_otherwise_it_waits_the_interval() -> None:
     server, committed = _server(asked=False, compute_s=1.1)  # within the noise
     assert _waited(server, committed, 0.1) >= INTERVAL - 0.05
+
+
+def test_a_step_committed_while_the_last_report_was_on_its_way_is_not_lost() -> None:
+    """The report takes its figures, then a step commits before its reply asks for the
+    next step's measurements: the commit still ends the wait (the heartbeat, not the
+    wait, forgets earlier commits), so the step's figures go out a quarter of the interval
+    after the last beat, not a whole interval later."""
+    server, committed = _server(asked=True, compute_s=1.0)
+    committed.set()  # (during the Heartbeat call)
+    start = time.monotonic()
+    server._until_next_beat(INTERVAL)
+    assert 0.2 - 0.01 <= time.monotonic() - start < 0.5
