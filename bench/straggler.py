@@ -3,26 +3,29 @@
 Four stage processes train a GPT with 16 blocks. Every stage emulates a device BASE times
 slower than one core of this host (``--slowdown``), so that four emulated devices fit on a
 2-core machine: each stage then spends most of its time waiting, like a real accelerator
-host whose CPU is idle, instead of fighting the others for the two cores. The emulated
-device's time does not depend on that contention: each op takes BASE times its compute's
-CPU time in all (the stage sleeps what its compute's wall time did not take), which is the
-time the planner is told (``stage_server.layers.Slowdown``). The stages time their ops with
-``--timer fastest`` (``--timer cpu``: each run's own CPU time, as before): each op counts
-as the fastest of its recent runs, since thread CPU time too grows with the other
-processes' load, so the emulated device's speed does not depend on the contention for the
-two cores, and the stages train at about the speeds their profile measured
-(``stage_server.devicetime``; ``bench/replicas.py`` does the same). After a few
-steps one stage is slowed 3x (``admin slowdown``), later it recovers.
+host whose CPU is idle, instead of fighting the others for the two cores. Each op takes
+BASE times its compute's CPU time in all (the stage sleeps what its compute's wall time
+did not take), which is the time the planner is told (``stage_server.layers.Slowdown``).
+That CPU time is, with ``--timer fastest`` (the default), the fastest of the op's recent
+runs: thread CPU time too grows with the other processes' load, so the emulated device's
+speed then does not depend on the contention for the two cores, and the stages train at
+about the speeds their profile measured (``stage_server.devicetime``; ``bench/replicas.py``
+does the same). With ``--timer cpu``, each run's own CPU time. After a few steps one stage
+is slowed 3x (``admin slowdown``), later it recovers.
 
 Printed, from one run: steps/s before the slowdown; after it with the static partition
 (auto-rebalance off); after it with auto-rebalance on; the planner's predicted optimum;
 steps from the slowdown until rebalanced; the migration pause and bytes moved; the same
-after recovery. The last line is JSON.
+after recovery. Every phase measures ``--measure-steps`` steps, one at a time, asking the
+planner for its predicted step (``admin plan``: the model at the live speeds, which move
+with each heartbeat) after each; a phase's prediction is the median of those. The last
+line is JSON.
 
 ``--schedule zb-h1`` runs the same with the zero-bubble schedule (the planner's
 predictions then model that schedule's smaller bubble: ``predict_step_time``).
 
-Usage: ``python bench/straggler.py [--measure-steps N] [--base F] [--schedule S] [--quick]``.
+Usage: ``python bench/straggler.py [--measure-steps N] [--base F] [--schedule S]
+[--timer fastest|cpu] [--quick]``.
 ``--quick`` checks the script end to end: no emulated device (``--base 1``), 4 micro-batches
 of 2 sequences of 16 tokens, 1 measured step per phase, and at most 3 steps waiting for each
 rebalance (``rebalance_steps`` is -1 when none came in time); its figures mean little.
@@ -117,7 +120,7 @@ def main() -> int:
         args.measure_steps, args.base, args.micro_batches = 1, 1.0, 4
         args.batch, args.seq, wait_limit = 8, 16, 3
     n, base = args.measure_steps, args.base
-    out: dict[str, Any] = {"schedule": args.schedule}
+    out: dict[str, Any] = {"schedule": args.schedule, "timer": args.timer, "measure_steps": n}
     with (
         LocalCluster(
             stages=4,
@@ -149,7 +152,7 @@ def main() -> int:
         # Warm-up and first measurements. The first steps of a job run slower than the
         # steady state the planner predicts (fresh memory, first counts of each stash): with
         # 2 warm-up steps the "before" phase measured 71% of the prediction and the same
-        # partition after the recovery 99% (one run); with 5, 85% before.
+        # partition after the recovery 99% (one run, --timer cpu); with 5, 85% before.
         bench.train(2 if args.quick else 5)
         initial = list(pipe.partition.boundaries)
         out["before_steps_per_s"], out["before_predicted_steps_per_s"] = bench.train_predicted(
@@ -197,7 +200,9 @@ def main() -> int:
         admin.auto(False)
         admin.set_partition(initial)
         bench.train(1)
-        out["static_steps_per_s"] = bench.train(n)
+        out["static_steps_per_s"], out["static_predicted_steps_per_s"] = bench.train_predicted(
+            n, lambda: admin.plan().current_step_s
+        )
         print(f"static partition {initial}: {out['static_steps_per_s']:.3f} steps/s", flush=True)
         admin.set_partition(elastic_bounds)
         admin.auto(True)
@@ -211,7 +216,9 @@ def main() -> int:
         out["recovery_pause_s"] = move.pause_s
         out["recovery_bytes_moved"] = move.bytes_moved
         bench.train(1)
-        out["recovered_steps_per_s"] = bench.train(n)
+        out["recovered_steps_per_s"], out["recovered_predicted_steps_per_s"] = (
+            bench.train_predicted(n, lambda: admin.plan().current_step_s)
+        )
         out["recovery_loop_pause_s"] = _loop_pause(admin.status().history, move.epoch)
         print(
             f"{victim} recovered: rebalanced after {steps} steps to "

@@ -237,6 +237,7 @@ class StageServer(ServerLifecycle):
         )
         self.stage_id = reply.stage_id
         self.stage.stage_id = reply.stage_id
+        self._report_asked = False  # (an earlier incarnation's ask is not this one's)
         self.registered.set()
         log.info("stage_registered", stage_id=self.stage_id, coordinator=self.coordinators.leader)
         return reply.heartbeat_interval_s or 1.0

@@ -8,12 +8,15 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from elasticpipe.stage_server import server as server_module
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.stage_server.stage import StageConfig
+from elasticpipe.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -66,3 +69,44 @@ def test_a_step_committed_while_the_last_report_was_on_its_way_is_not_lost() -> 
     start = time.monotonic()
     server._until_next_beat(INTERVAL)
     assert 0.2 - 0.01 <= time.monotonic() - start < 0.5
+
+
+def test_a_heartbeat_forgets_the_commits_its_figures_include(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``_until_next_beat`` wakes on is cleared by the heartbeat itself, before it
+    takes its figures: a commit from before them is in this report and wakes no early
+    one."""
+    server, committed = _server(asked=True, compute_s=1.0)
+    monkeypatch.setattr(server_module, "state_to_proto", lambda state: None)
+    monkeypatch.setattr(server_module, "holdings_to_proto", lambda holdings: [])
+    zero = SimpleNamespace(at=lambda epoch: 0.0, value=lambda: 0.0)
+    server.stage.__dict__.update(
+        epoch=1,
+        committed_step=3,
+        slowdown=SimpleNamespace(factor=1.0),
+        state=lambda: None,
+        holdings=lambda: [],
+        memory_bytes=0,
+        pipeline_time=zero,
+        reduce_rate=zero,
+        optimizer_rate=zero,
+        between_runs=zero,
+        keep_from=lambda step: None,
+        poisoned="",
+    )
+    seen: list[bool] = []
+
+    def call(method: str, request: object, timeout: float) -> Any:
+        seen.append(committed.is_set())
+        return coordinator_pb2.HeartbeatResponse(report_after_step=True)
+
+    server.stage_id = "st-1"
+    server.coordinators = SimpleNamespace(call=call)  # type: ignore[assignment]
+    committed.set()  # a step committed before this heartbeat
+    server._heartbeat(INTERVAL)
+    assert seen == [False] and not committed.is_set()
+    start = time.monotonic()
+    threading.Timer(0.3, committed.set).start()  # the next step commits
+    server._until_next_beat(INTERVAL)
+    assert 0.3 <= time.monotonic() - start < 0.6  # woken by that one, not the earlier one
