@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from shared.cpu import process_cpu_s  # bench/shared/, beside this script
+from shared.devices import add_timer_argument
 
 from elasticpipe.client.admin import Admin
 from elasticpipe.client.pipeline import Pipeline
@@ -273,13 +274,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--base", type=float, default=6.0, help="slowdown of every stage")
     parser.add_argument("--micro-batches", type=int, default=12)
-    parser.add_argument(
-        "--timer",
-        choices=["fastest", "cpu"],
-        default="fastest",
-        help="the stages' --timer: fastest (each op's CPU time the fastest of its recent "
-        "runs) or cpu (each run's own CPU time, which grows with the host's load)",
-    )
+    add_timer_argument(parser)
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument(

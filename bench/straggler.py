@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from shared.devices import add_timer_argument  # bench/shared/, beside this script
 
 from elasticpipe.client.admin import Admin, EpochRecord
 from elasticpipe.client.pipeline import Pipeline
@@ -103,13 +104,7 @@ def main() -> int:
     parser.add_argument("--measure-steps", type=int, default=8)
     parser.add_argument("--base", type=float, default=4.0, help="slowdown of every stage")
     parser.add_argument("--micro-batches", type=int, default=16)
-    parser.add_argument(
-        "--timer",
-        choices=["fastest", "cpu"],
-        default="fastest",
-        help="the stages' --timer: fastest (each op's CPU time the fastest of its recent "
-        "runs) or cpu (each run's own CPU time, which grows with the host's load)",
-    )
+    add_timer_argument(parser)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"])

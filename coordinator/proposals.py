@@ -27,9 +27,8 @@ class Pending(NamedTuple):
     """A proposed move of one kind, waiting for a later step's measurements."""
 
     key: Hashable  # its target: boundaries and chain, shares, ...
-    step: (
-        int  # the stages' committed step when it was proposed (its figures: that step's, or later)
-    )
+    # the stages' committed step when it was proposed (its figures: that step's, or later)
+    step: int
     stamp: tuple[str, int]  # the job and epoch it was proposed in
     toward: tuple[int, ...] | None  # per coordinate, the way it moves (None: by key only)
 
