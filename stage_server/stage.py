@@ -3,15 +3,17 @@
 The rules of the step and epoch protocols live in ``protocol.StepMachine``; this class
 feeds it events, carries out the effects it returns (optimizer steps, mailbox closes,
 installs, snapshots), runs the ops of a step (``executor``), and moves layer state
-(``transfers``, ``snapshots``). A ticker thread drives the machine's leases and asks the
+(``epochs``, ``copies``). A ticker thread drives the machine's leases and asks the
 coordinator whatever a lease that ran out leaves undecided. The epoch change and restore
-are its base class's (``epochs.EpochChanges``); its configuration is ``config.StageConfig``
+are a base class's (``epochs.EpochChanges``), and so are the snapshots it takes and the
+copies it keeps (``copies.SnapshotCopies``); its configuration is ``config.StageConfig``
 (importable from here too). A replica's gradient reduction runs from ``run_step`` between
 the ops and the report (``reducing``).
 
-Longer than 600 lines: the run, the data it admits and the snapshot copies share the one
-lock and the machine; the next piece to leave is the snapshot copies (``_capture`` to
-``keep_from``), as ``epochs.EpochChanges`` left.
+Longer than 600 lines: the run and the data it admits share the one lock and the
+machine; the snapshot copies (``copies.SnapshotCopies``) and the epoch change
+(``epochs.EpochChanges``) left as base classes, and the next piece to leave is the data's
+admission (``admit``, ``deliver``).
 
 ``torch._dynamo`` is imported here, when the stage starts: torch imports it the first time
 any optimizer is made, and that took 0.9 s of a job's set-up (``Describe`` checks the
@@ -50,10 +52,9 @@ from elasticpipe.stage_server import (
     memory,
     reducing,
     reduction,
-    transfers,
 )
-from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.config import StageConfig
+from elasticpipe.stage_server.copies import SnapshotCopies
 from elasticpipe.stage_server.epochs import EpochChanges
 from elasticpipe.stage_server.executor import RunContext, StashMeter, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
@@ -63,22 +64,14 @@ from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
 from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
 from elasticpipe.stage_server.slicestate import LayerTiming
-from elasticpipe.stage_server.snapshots import (
-    Capture,
-    Holding,
-    SnapshotStore,
-    Snapshotter,
-    check_copy,
-    check_layers,
-)
-from elasticpipe.stage_server.tracing import Tracer
+from elasticpipe.stage_server.snapshots import SnapshotStore, Snapshotter
+from elasticpipe.stage_server.tracing import SpanKind, Tracer
 from elasticpipe.training.clipping import NO_CLIP, GradClip
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import check_job
 from elasticpipe.training.schedule import forward_ops, stage_ops
 from elasticpipe.transport import rpc
 from elasticpipe.wire import structure
-from elasticpipe.wire.layer_state import PackedLayer
 from elasticpipe.wire.structure import Value
 
 __all__ = ["Admitted", "Stage", "StageConfig"]  # StageConfig: re-exported from config.py
@@ -86,8 +79,8 @@ __all__ = ["Admitted", "Stage", "StageConfig"]  # StageConfig: re-exported from 
 log = get_logger(__name__)
 
 TICK_S = 0.25
-SNAPSHOT_PUSH_TIMEOUT_S = 120.0
 ABORT_WAIT_S = 10.0
+REPLY_HEAD_START_S = 0.005  # the longest a deferred step waits for its commit's reply
 
 
 @dataclass(frozen=True)
@@ -113,9 +106,10 @@ def _clock(timer: str, device: torch.device) -> Callable[[], float]:
 Asker = Callable[[Effect], None]
 
 
-class Stage(EpochChanges):
+class Stage(EpochChanges, SnapshotCopies):
     """A stage server's domain logic, independent of gRPC's server side (its epoch changes
-    and restores: ``EpochChanges``)."""
+    and restores: ``EpochChanges``; its snapshots and the copies it keeps:
+    ``SnapshotCopies``)."""
 
     def __init__(self, config: StageConfig):
         self.config = config
@@ -154,6 +148,9 @@ class Stage(EpochChanges):
         self._staged = None  # what an epoch change holds aside (``EpochChanges``)
         self._restoring = None  # a load in progress
         self._questions: list[Effect] = []
+        # A commit's optimizer step and snapshot, carried out after its reply (``_settle``).
+        self._deferred: list[Effect] = []
+        self._replied = threading.Event()  # the deferring commit's reply is out (``replied``)
         self._snapshotter = Snapshotter(
             self.snapshots, self._push_copy, lambda: self.faults.point("snapshot")
         )
@@ -161,12 +158,23 @@ class Stage(EpochChanges):
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="leases", daemon=True)
         self._ticker.start()
+        self._stepper = threading.Thread(target=self._step_loop, name="optimizer", daemon=True)
+        self._stepper.start()
 
     # ---- effects ---------------------------------------------------------------------
 
-    def _apply(self, effects: Iterable[Effect]) -> None:
-        """Carries out what the machine decided (the lock is held)."""
+    def _apply(self, effects: Iterable[Effect], defer_step: bool = False) -> None:
+        """Carries out what the machine decided (the lock is held).
+
+        ``defer_step`` (a commit): the optimizer step and its snapshot are left to
+        ``_settle``, so that the commit's reply does not wait for them."""
         for e in effects:
+            if defer_step and e.do in (Do.APPLY_STEP, Do.SNAPSHOT):
+                self._deferred.append(e)
+                self._replied.clear()
+                continue
+            if e.do is not Do.CLOSE_RUNS:
+                self._settle()  # a deferred step first: every other effect sees its weights
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
                 try:
@@ -206,9 +214,54 @@ class Stage(EpochChanges):
                 self._questions.append(e)
         self._cond.notify_all()
 
+    def _settle(self) -> None:
+        """Carries out a deferred optimizer step (and snapshot), if any (the lock is held).
+
+        ``commit_step`` replies once the decision is recorded; the step itself is applied
+        here, by the ``optimizer`` thread at once, or by whatever needs the committed
+        weights first: a run, an export, an epoch change, a new job. So the commit's round
+        trip does not wait for the optimizer, which overlaps the client's return and the
+        next step's start. A crash in between loses nothing a crash after the step would
+        not: the decision is recorded, and recovery restores the committed state."""
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            step, run = deferred[0].step, deferred[0].run
+            with self.tracer.span(SpanKind.OPTIMIZER, step, run, self.machine.epoch):
+                self._apply(deferred)
+
+    def settle(self) -> None:
+        """Applies the last commit's optimizer step now, if it is still deferred: for
+        whoever reads ``slice`` from outside the stage (tests)."""
+        with self._cond:
+            self._settle()
+
+    def replied(self) -> None:
+        """The commit's reply is out: its deferred step may take the interpreter now.
+        (gRPC calls this on its polling thread: it takes no lock.)"""
+        self._replied.set()
+
+    def _step_loop(self) -> None:
+        """Applies each deferred step once its commit replied (``REPLY_HEAD_START_S`` at
+        most): the step holds the interpreter lock for much of its time, and would hold
+        the reply back."""
+        while not self._stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._deferred) or self._stop.is_set())
+            self._replied.wait(REPLY_HEAD_START_S)
+            with self._cond:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._settle()
+                except ElasticPipeError as exc:  # the stage poisoned itself: it is replaced
+                    log.warning("deferred_step_failed", error=str(exc))
+                except Exception as exc:  # the thread must outlive any one failure
+                    log.error("deferred_step_failed", error=repr(exc), exc_info=exc)
+
     def _poison(self, why: str) -> None:
         """This incarnation's state is unusable: forget the job and ask to be replaced."""
         log.error("stage_poisoned", why=why)
+        self._deferred = []
         self._apply(self.machine.drop_job())
         self.job, self.slice, self.placement = None, None, None
         self.poisoned = why
@@ -249,6 +302,7 @@ class Stage(EpochChanges):
         if placement.num_replicas > 1:
             reducing.refuse_running_stats({i: new_slice.layers[i] for i in placement.layers})
         with self._cond:
+            self._deferred = []  # the old job's
             self.job, self.slice = job, new_slice
             self._staged, self._restoring = None, None
             self._set_placement(placement)
@@ -266,6 +320,7 @@ class Stage(EpochChanges):
     def drop_job(self, reason: str) -> None:
         """Forgets the job (this incarnation was declared dead; it comes back as a spare)."""
         with self._cond:
+            self._deferred = []
             self._apply(self.machine.drop_job())
             self.job, self.slice, self.placement = None, None, None
             self._staged, self._restoring = None, None
@@ -415,7 +470,9 @@ class Stage(EpochChanges):
         of ``generation``)."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
+        deadline = time.monotonic() + timeout
         with self._cond:
+            self._settle()  # the last step's optimizer step, if its thread has not run it yet
             replicated = train and self.placement is not None and self.placement.num_replicas > 1
             if train and (replicated or shares):
                 self.machine.check_epoch(epoch)  # a stale client gets the retryable refusal
@@ -428,9 +485,15 @@ class Stage(EpochChanges):
                 if replicated
                 else range(micro_batches)
             )
-            self._apply(self.machine.begin_run(epoch, run, step, client, train, previous))
+            effects = self.machine.begin_run(epoch, run, step, client, train, previous)
+            try:  # a lost commit's decision in ``previous`` applies its step here
+                self._apply(effects)
+            except BaseException:
+                self._apply(self.machine.fail_run(run))  # that step failed: the run never began
+                raise
             assert self.slice is not None and self.placement is not None
             self._mailbox.expect(run, secret)  # drops (and counts) the data not the run's
+            started = time.monotonic()
             ctx = RunContext(
                 placement=self.placement,
                 layers=self.slice,
@@ -441,7 +504,7 @@ class Stage(EpochChanges):
                 secret=secret,
                 step=step,
                 train=train,
-                deadline=time.monotonic() + timeout,
+                deadline=deadline,
                 tracer=self.tracer,
                 path=self.path,
                 stash_meter=self._stash_meter,
@@ -478,7 +541,7 @@ class Stage(EpochChanges):
                 ctx = replace(ctx, layer_done=reductions.layer_done)
             result = execute(ops, ctx)
             if train:
-                self.pipeline_time.note(placement.epoch, time.monotonic() - ctx.deadline + timeout)
+                self.pipeline_time.note(placement.epoch, time.monotonic() - started)
             if reductions is not None:
                 self.faults.point("reducing")  # tests: killed as its replicas reduce
                 reductions.finish()
@@ -534,12 +597,13 @@ class Stage(EpochChanges):
     def commit_step(
         self, epoch: int, run: int, step: int, client: int = 0, clip: GradClip = NO_CLIP
     ) -> int:
-        """Applies the run's accumulated gradients (clipped by ``clip``): one optimizer step."""
+        """Commits the run: its accumulated gradients (clipped by ``clip``) make one optimizer
+        step, which the ``optimizer`` thread applies once this call has replied (``_settle``)."""
         if self.faults.drops_commit(run):
             raise StageUnavailable(f"commit of run {run} lost on the way (injected fault)")
         self.faults.point("commit")
         with self._cond:
-            self._apply(self.machine.commit(epoch, run, step, client, clip))
+            self._apply(self.machine.commit(epoch, run, step, client, clip), defer_step=True)
             return self.machine.committed_step
 
     def abort_step(self, run: int, reason: str, client: int = 0) -> None:
@@ -561,70 +625,6 @@ class Stage(EpochChanges):
         with self._cond:
             self._apply(self.machine.fence_clients(client, holder))
             return self.machine.state()
-
-    # ---- snapshots ----------------------------------------------------------------------
-
-    def _capture(self, step: int) -> None:
-        """Clones the committed state of every owned layer and queues it (lock held)."""
-        if self.slice is None or self.job is None or self.placement is None:
-            return
-        if not self.placement.in_chain or not self.job.snapshot_every:
-            return
-        states = {i: self.slice.snapshot_layer(i) for i in self.slice.indices}
-        self._snapshotter.submit(
-            Capture(
-                job_id=self.job.job_id,
-                step=step,
-                source=self.stage_id,
-                states=states,
-                peer=self.placement.snapshot_peer,
-                generation=self.snapshots.generation,
-                epoch=self.placement.epoch,
-            )
-        )
-
-    def _push_copy(
-        self, peer: str, capture: Capture, blobs: Sequence[tuple[int, PackedLayer]]
-    ) -> None:
-        transfers.push_snapshot(
-            self._peers,
-            peer,
-            capture,
-            blobs,
-            SNAPSHOT_PUSH_TIMEOUT_S,
-            self.config.transfer_chunk_bytes,
-        )
-
-    def check_copy_source(self, job_id: str, source: str) -> range:
-        """Checks, before any layer arrives, that a pushed copy is of this job and from a
-        stage of the chain (with TLS: the caller); returns the layers it may hold."""
-        with self._cond:
-            chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
-            check_copy(job_id, self.job.job_id if self.job else "", source, chain)
-            return check_source(source, self.placement)
-
-    def keep_copy(
-        self, job_id: str, step: int, source: str, blobs: dict[int, PackedLayer], generation: int
-    ) -> None:
-        """Keeps a peer's snapshot copy (it must be of this job, from this chain, and not
-        voided by a prune since ``generation``, taken when it began arriving)."""
-        with self._cond:
-            chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
-            check_copy(job_id, self.job.job_id if self.job else "", source, chain)
-        check_layers(blobs, source, step)
-        if not self.snapshots.add_copy(source, job_id, step, blobs, generation):
-            raise NotReady(
-                f"snapshot copy of step {step} from {source!r} arrived across a reset of "
-                f"stage {self.config.name}'s snapshots: send it again"
-            )
-
-    def holdings(self) -> list[Holding]:
-        """The complete snapshots held here."""
-        return self.snapshots.holdings()
-
-    def keep_from(self, safe_step: int) -> None:
-        """Snapshots of ``safe_step`` and later stay (the coordinator's newest safe step)."""
-        self.snapshots.keep_from(safe_step)
 
     # ---- faults and stats -------------------------------------------------------------
 
@@ -682,9 +682,13 @@ class Stage(EpochChanges):
         return self.machine.frozen is not None
 
     def close(self) -> None:
-        """Stops the lease ticker and the snapshot thread; closes the links."""
+        """Stops the lease ticker, the optimizer and snapshot threads; closes the links."""
         self._stop.set()
+        self._replied.set()
+        with self._cond:
+            self._cond.notify_all()
         self._ticker.join(timeout=5)
+        self._stepper.join(timeout=5)
         self._snapshotter.close()
         with self._cond:
             for link in self._links.values():

@@ -19,12 +19,12 @@ from elasticpipe.errors import UserCodeError
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
 from elasticpipe.stage_server.server import StageServer
-from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.stage_server.tracing import SpanKind
 from elasticpipe.training.job import JobConfig
 from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire.structure import split_batch
+from tests.support.servers import unregistered_stage_servers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,15 +39,8 @@ JOB = {"model": MODEL, "seed": 5, "micro_batches": M, "optimizer": "adamw"}
 @pytest.fixture
 def servers() -> Iterator[list[StageServer]]:
     """Five stage servers that no coordinator knows (each is assigned by hand)."""
-    started = []
-    try:
-        for n in range(5):
-            config = StageConfig(name=f"st{n}", allow_models=ALLOW)
-            started.append(StageServer(config, "127.0.0.1:1").start())
+    with unregistered_stage_servers(5, ALLOW) as started:
         yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +102,9 @@ def _train(
         state = {}
         for ref in replica.stages:
             stage = by_address[ref.address].stage
-            assert stage is not None and stage.slice is not None
+            assert stage is not None
+            stage.settle()  # (a commit replies before its optimizer step is applied)
+            assert stage.slice is not None
             for i in stage.slice.indices:
                 for name, tensor in stage.slice.layers[i].state_dict().items():
                     state[f"{i}.{name}"] = tensor.detach().clone()

@@ -10,7 +10,25 @@ from elasticpipe.local.ports import free_port
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 
-__all__ = ["free_port", "stage_servers"]
+__all__ = ["free_port", "stage_servers", "unregistered_stage_servers"]
+
+
+@contextlib.contextmanager
+def unregistered_stage_servers(
+    count: int, allow_models: tuple[str, ...]
+) -> Iterator[list[StageServer]]:
+    """``count`` stage servers on loopback that no coordinator knows (a test assigns them
+    by hand, as the coordinator would), allowed ``allow_models``; stopped when the block
+    ends."""
+    started = []
+    try:
+        for n in range(count):
+            config = StageConfig(name=f"st{n}", allow_models=allow_models)
+            started.append(StageServer(config, "127.0.0.1:1").start())
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 @contextlib.contextmanager
