@@ -9,6 +9,18 @@ side's processes (the stages, set when they start; the client, set around its ro
 
     python bench/ab.py --a schedule=1f1b --b schedule=gpipe --rounds 8
 
+Its noise floor: two identical sides gave 0.978 (14 rounds) and 0.999 (``--workload gpt``,
+10 rounds) on the 2-core development machine, and one change measured in both orders gave
+0.975 and 1/0.938. Read differences under about 3% as noise, and run both orders.
+
+``--workload gpt``: a GPT (6 blocks of d=256, 4.9M parameters) trained with AdamW instead of
+the MLP with SGD, so that the optimizer step weighs more in a step (AdamW over its blocks' 4.7M
+parameters takes about 7 ms on one core here, in a step of about 110 ms).
+
+``--slowdown F``: every stage an emulated device F times slower than a core (``--timer
+fastest``): most of an op's time is then a wait, not CPU, as on a host whose device
+computes, so that what overlaps with the compute shows as it would there.
+
 ``--quick``: 2 rounds of 1 step after 1 warm-up step (checks the script end to end in
 seconds; its figures mean little).
 """
@@ -34,6 +46,28 @@ from elasticpipe.local.cluster import LocalCluster
 
 SIZES = [1024] * 5
 BATCH = 256
+GPT = {"vocab_size": 256, "d_model": 256, "n_heads": 4, "n_layers": 6, "max_seq_len": 32}
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mlp": {
+        "model": "mlp",
+        "model_kwargs": {"sizes": SIZES},
+        "optimizer": "sgd",
+        "optimizer_kwargs": {"lr": 0.05},
+        "loss": "mse",
+    },
+    "gpt": {"model": "gpt", "model_kwargs": GPT, "optimizer": "adamw", "optimizer_kwargs": {}},
+}
+
+
+def batches(workload: str, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Eight batches of the workload's data."""
+    if workload == "gpt":
+        tokens = [torch.randint(0, GPT["vocab_size"], (8, 33), generator=gen) for _ in range(8)]
+        return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    return [
+        (torch.randn(BATCH, SIZES[0], generator=gen), torch.randn(BATCH, SIZES[-1], generator=gen))
+        for _ in range(8)
+    ]
 
 
 def parse(side: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -70,16 +104,15 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step, 1 warm-up")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.per_round, args.warmup = 2, 1, 1
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1234)
-    data = [
-        (torch.randn(BATCH, SIZES[0], generator=gen), torch.randn(BATCH, SIZES[-1], generator=gen))
-        for _ in range(8)
-    ]
+    data = batches(args.workload, gen)
     sides = [parse(args.a), parse(args.b)]
     load = os.getloadavg()[0]
     times: list[list[float]] = [[], []]
@@ -93,6 +126,8 @@ def main() -> int:
                         stages=args.stages,
                         state=":memory:",
                         auto_rebalance=False,
+                        slowdowns=[args.slowdown] * args.stages,
+                        stage_args=["--timer", "fastest"] if args.slowdown != 1.0 else [],
                     )
                 )
             options: dict[str, Any] = {"micro_batches": 4, **kwargs}
@@ -100,13 +135,9 @@ def main() -> int:
                 stack.enter_context(
                     Pipeline(
                         coordinator=cluster.coordinator,
-                        model="mlp",
-                        model_kwargs={"sizes": SIZES},
                         seed=0,
-                        optimizer="sgd",
-                        optimizer_kwargs={"lr": 0.05},
-                        loss="mse",
                         stages=args.stages,
+                        **WORKLOADS[args.workload],
                         **options,
                     )
                 )
@@ -138,7 +169,13 @@ def main() -> int:
     )
     print(
         json.dumps(
-            {"a": args.a, "b": args.b, "ratio_b_over_a": round(statistics.median(ratios), 4)}
+            {
+                "a": args.a,
+                "b": args.b,
+                "workload": args.workload,
+                "slowdown": args.slowdown,
+                "ratio_b_over_a": round(statistics.median(ratios), 4),
+            }
         )
     )
     return 0

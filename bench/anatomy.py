@@ -13,8 +13,7 @@ traced steps, in ms from the step's start on the client:
   step time a pipeline with no overhead at all would take with these ops -- the bubble is
   in it, the overhead is not;
 * the time from the last stage's last backward to ``driver.run`` returning (reports back),
-  the commit's round trip, and each stage's optimizer step (applied once the commit
-  replied: how long it took and when it ended, from the client's commit return).
+  and the commit's round trip.
 
 Run: ``python bench/anatomy.py [--steps N] [--stages S] [--schedule 1f1b|gpipe|zb-h1]
 [--quick]`` (``--quick``: 2 traced steps after 1 warm-up step, to check the script end to end
@@ -202,13 +201,6 @@ def main() -> int:
                 )
                 rows[f"{p}: commit span end to client's commit return"].append(
                     ms(marks["commit1"][n]) - ms(to)
-                )
-            stepped = [s for s in t.spans if s.step == step and s.kind == stage_pb2.SPAN_OPTIMIZER]
-            if stepped:  # applied after the commit replied (the thread, or the next run)
-                at, to = t.local(stepped[-1])
-                rows[f"{p}: optimizer step span"].append((to - at) / 1e6)
-                rows[f"{p}: optimizer step ends after client's commit return"].append(
-                    ms(to) - ms(marks["commit1"][n])
                 )
             gaps = [(b.start_ns - a.start_ns - a.duration_ns) / 1e6 for a, b in pairwise(ops)]
             rows[f"{p}: gaps between ops (sum)"].append(sum(gaps))

@@ -301,9 +301,8 @@ def commit(
     client: int = 0,
     clip: GradClip = NO_CLIP,
 ) -> None:
-    """Commits a completed step on every stage (each replies once it recorded the
-    decision, and applies its optimizer step after): every stage of every replica, given
-    a layout.
+    """Commits a completed step on every stage (each applies its optimizer step): every
+    stage of every replica, given a layout.
 
     CommitStep is idempotent: a stage whose commit (or its reply) was lost is asked once
     more.

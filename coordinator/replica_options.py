@@ -458,10 +458,8 @@ def note_step_overhead(
     """What the job's stages waited between runs beyond its optimizer steps, for
     ``Cluster.per_step``: the smallest wait any stage of the ``running`` chains measured
     in this epoch (the slowest stage's: the others also wait for its report), less the
-    optimizer steps predicted for all the job's ``chains`` (every stage applies its own
-    between its runs, an idle replica's too: after the commit replied, overlapping the
-    next run's start, or at the latest when that run begins; a wait measured shorter than
-    the steps leaves no overhead). Nothing until every running stage measured one."""
+    optimizer steps predicted for all the job's ``chains`` (the commit waits for every
+    stage's, an idle replica's too). Nothing until every running stage measured one."""
     job = cluster.job
     assert job is not None
     waits = []

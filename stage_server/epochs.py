@@ -77,7 +77,6 @@ class EpochChanges:
     _cond: threading.Condition
     _peers: rpc.StagePool
     _apply: Callable[[Iterable[Effect]], None]  # carries out the machine's effects
-    _settle: Callable[[], None]  # applies a committed step whose optimizer step was deferred
     _new_slice: Callable[[JobConfig], LayerSlice]
     _set_placement: Callable[[Placement], None]
     # The change's own state (None between changes).
@@ -124,7 +123,6 @@ class EpochChanges:
             spent.
         """
         with self._cond:
-            self._settle()  # the kept slice at its committed step, before layers load into it
             # The transfers may outlast the freeze lease: hold it for as long as they may take.
             self.machine.extend(new_epoch, timeout + EXTEND_MARGIN_S, time.monotonic())
             same_job = self.job is not None and self.job.job_id == job.job_id
@@ -322,7 +320,6 @@ class EpochChanges:
                         f"stage {self.config.name} moved past epoch {at[0]}, step {at[1]} "
                         "during the export: export again"
                     )
-                self._settle()
                 state = self.slice.export_layer(i, include_optimizer)
             yield i, layer_state.pack(state)
 

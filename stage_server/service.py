@@ -312,7 +312,6 @@ class StageServicer:
             committed = self.stage.commit_step(
                 req.epoch, req.run, req.step, req.client, _clip(req.clip)
             )
-        ctx.add_callback(self.stage.replied)  # the optimizer step, once this reply is out
         return stage_pb2.CommitStepResponse(committed_step=committed)
 
     def AbortStep(

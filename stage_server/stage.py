@@ -65,7 +65,7 @@ from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
 from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.stage_server.snapshots import SnapshotStore, Snapshotter
-from elasticpipe.stage_server.tracing import SpanKind, Tracer
+from elasticpipe.stage_server.tracing import Tracer
 from elasticpipe.training.clipping import NO_CLIP, GradClip
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import check_job
@@ -80,7 +80,6 @@ log = get_logger(__name__)
 
 TICK_S = 0.25
 ABORT_WAIT_S = 10.0
-REPLY_HEAD_START_S = 0.005  # the longest a deferred step waits for its commit's reply
 
 
 @dataclass(frozen=True)
@@ -148,9 +147,6 @@ class Stage(EpochChanges, SnapshotCopies):
         self._staged = None  # what an epoch change holds aside (``EpochChanges``)
         self._restoring = None  # a load in progress
         self._questions: list[Effect] = []
-        # A commit's optimizer step and snapshot, carried out after its reply (``_settle``).
-        self._deferred: list[Effect] = []
-        self._replied = threading.Event()  # the deferring commit's reply is out (``replied``)
         self._snapshotter = Snapshotter(
             self.snapshots, self._push_copy, lambda: self.faults.point("snapshot")
         )
@@ -158,23 +154,12 @@ class Stage(EpochChanges, SnapshotCopies):
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="leases", daemon=True)
         self._ticker.start()
-        self._stepper = threading.Thread(target=self._step_loop, name="optimizer", daemon=True)
-        self._stepper.start()
 
     # ---- effects ---------------------------------------------------------------------
 
-    def _apply(self, effects: Iterable[Effect], defer_step: bool = False) -> None:
-        """Carries out what the machine decided (the lock is held).
-
-        ``defer_step`` (a commit): the optimizer step and its snapshot are left to
-        ``_settle``, so that the commit's reply does not wait for them."""
+    def _apply(self, effects: Iterable[Effect]) -> None:
+        """Carries out what the machine decided (the lock is held)."""
         for e in effects:
-            if defer_step and e.do in (Do.APPLY_STEP, Do.SNAPSHOT):
-                self._deferred.append(e)
-                self._replied.clear()
-                continue
-            if e.do is not Do.CLOSE_RUNS:
-                self._settle()  # a deferred step first: every other effect sees its weights
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
                 try:
@@ -214,54 +199,9 @@ class Stage(EpochChanges, SnapshotCopies):
                 self._questions.append(e)
         self._cond.notify_all()
 
-    def _settle(self) -> None:
-        """Carries out a deferred optimizer step (and snapshot), if any (the lock is held).
-
-        ``commit_step`` replies once the decision is recorded; the step itself is applied
-        here, by the ``optimizer`` thread at once, or by whatever needs the committed
-        weights first: a run, an export, an epoch change, a new job. So the commit's round
-        trip does not wait for the optimizer, which overlaps the client's return and the
-        next step's start. A crash in between loses nothing a crash after the step would
-        not: the decision is recorded, and recovery restores the committed state."""
-        deferred, self._deferred = self._deferred, []
-        if deferred:
-            step, run = deferred[0].step, deferred[0].run
-            with self.tracer.span(SpanKind.OPTIMIZER, step, run, self.machine.epoch):
-                self._apply(deferred)
-
-    def settle(self) -> None:
-        """Applies the last commit's optimizer step now, if it is still deferred: for
-        whoever reads ``slice`` from outside the stage (tests)."""
-        with self._cond:
-            self._settle()
-
-    def replied(self) -> None:
-        """The commit's reply is out: its deferred step may take the interpreter now.
-        (gRPC calls this on its polling thread: it takes no lock.)"""
-        self._replied.set()
-
-    def _step_loop(self) -> None:
-        """Applies each deferred step once its commit replied (``REPLY_HEAD_START_S`` at
-        most): the step holds the interpreter lock for much of its time, and would hold
-        the reply back."""
-        while not self._stop.is_set():
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._deferred) or self._stop.is_set())
-            self._replied.wait(REPLY_HEAD_START_S)
-            with self._cond:
-                if self._stop.is_set():
-                    return
-                try:
-                    self._settle()
-                except ElasticPipeError as exc:  # the stage poisoned itself: it is replaced
-                    log.warning("deferred_step_failed", error=str(exc))
-                except Exception as exc:  # the thread must outlive any one failure
-                    log.error("deferred_step_failed", error=repr(exc), exc_info=exc)
-
     def _poison(self, why: str) -> None:
         """This incarnation's state is unusable: forget the job and ask to be replaced."""
         log.error("stage_poisoned", why=why)
-        self._deferred = []
         self._apply(self.machine.drop_job())
         self.job, self.slice, self.placement = None, None, None
         self.poisoned = why
@@ -302,7 +242,6 @@ class Stage(EpochChanges, SnapshotCopies):
         if placement.num_replicas > 1:
             reducing.refuse_running_stats({i: new_slice.layers[i] for i in placement.layers})
         with self._cond:
-            self._deferred = []  # the old job's
             self.job, self.slice = job, new_slice
             self._staged, self._restoring = None, None
             self._set_placement(placement)
@@ -320,7 +259,6 @@ class Stage(EpochChanges, SnapshotCopies):
     def drop_job(self, reason: str) -> None:
         """Forgets the job (this incarnation was declared dead; it comes back as a spare)."""
         with self._cond:
-            self._deferred = []
             self._apply(self.machine.drop_job())
             self.job, self.slice, self.placement = None, None, None
             self._staged, self._restoring = None, None
@@ -470,9 +408,7 @@ class Stage(EpochChanges, SnapshotCopies):
         of ``generation``)."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
-        deadline = time.monotonic() + timeout
         with self._cond:
-            self._settle()  # the last step's optimizer step, if its thread has not run it yet
             replicated = train and self.placement is not None and self.placement.num_replicas > 1
             if train and (replicated or shares):
                 self.machine.check_epoch(epoch)  # a stale client gets the retryable refusal
@@ -493,7 +429,6 @@ class Stage(EpochChanges, SnapshotCopies):
                 raise
             assert self.slice is not None and self.placement is not None
             self._mailbox.expect(run, secret)  # drops (and counts) the data not the run's
-            started = time.monotonic()
             ctx = RunContext(
                 placement=self.placement,
                 layers=self.slice,
@@ -504,7 +439,7 @@ class Stage(EpochChanges, SnapshotCopies):
                 secret=secret,
                 step=step,
                 train=train,
-                deadline=deadline,
+                deadline=time.monotonic() + timeout,
                 tracer=self.tracer,
                 path=self.path,
                 stash_meter=self._stash_meter,
@@ -541,7 +476,7 @@ class Stage(EpochChanges, SnapshotCopies):
                 ctx = replace(ctx, layer_done=reductions.layer_done)
             result = execute(ops, ctx)
             if train:
-                self.pipeline_time.note(placement.epoch, time.monotonic() - started)
+                self.pipeline_time.note(placement.epoch, time.monotonic() - ctx.deadline + timeout)
             if reductions is not None:
                 self.faults.point("reducing")  # tests: killed as its replicas reduce
                 reductions.finish()
@@ -597,13 +532,12 @@ class Stage(EpochChanges, SnapshotCopies):
     def commit_step(
         self, epoch: int, run: int, step: int, client: int = 0, clip: GradClip = NO_CLIP
     ) -> int:
-        """Commits the run: its accumulated gradients (clipped by ``clip``) make one optimizer
-        step, which the ``optimizer`` thread applies once this call has replied (``_settle``)."""
+        """Applies the run's accumulated gradients (clipped by ``clip``): one optimizer step."""
         if self.faults.drops_commit(run):
             raise StageUnavailable(f"commit of run {run} lost on the way (injected fault)")
         self.faults.point("commit")
         with self._cond:
-            self._apply(self.machine.commit(epoch, run, step, client, clip), defer_step=True)
+            self._apply(self.machine.commit(epoch, run, step, client, clip))
             return self.machine.committed_step
 
     def abort_step(self, run: int, reason: str, client: int = 0) -> None:
@@ -682,13 +616,9 @@ class Stage(EpochChanges, SnapshotCopies):
         return self.machine.frozen is not None
 
     def close(self) -> None:
-        """Stops the lease ticker, the optimizer and snapshot threads; closes the links."""
+        """Stops the lease ticker and the snapshot thread; closes the links."""
         self._stop.set()
-        self._replied.set()
-        with self._cond:
-            self._cond.notify_all()
         self._ticker.join(timeout=5)
-        self._stepper.join(timeout=5)
         self._snapshotter.close()
         with self._cond:
             for link in self._links.values():

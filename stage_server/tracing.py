@@ -38,7 +38,6 @@ class SpanKind(Enum):
     SEND = stage_pb2.SPAN_SEND
     RECV_WAIT = stage_pb2.SPAN_RECV_WAIT
     COMMIT = stage_pb2.SPAN_COMMIT
-    OPTIMIZER = stage_pb2.SPAN_OPTIMIZER  # a commit's optimizer step, applied after its reply
     FREEZE = stage_pb2.SPAN_FREEZE
     PREPARE = stage_pb2.SPAN_PREPARE
     EPOCH_COMMIT = stage_pb2.SPAN_EPOCH_COMMIT

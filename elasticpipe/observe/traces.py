@@ -54,7 +54,6 @@ _NAMES = {
     stage_pb2.SPAN_SEND: "send",
     stage_pb2.SPAN_RECV_WAIT: "wait",
     stage_pb2.SPAN_COMMIT: "commit",
-    stage_pb2.SPAN_OPTIMIZER: "optimizer step",
     stage_pb2.SPAN_FREEZE: "freeze",
     stage_pb2.SPAN_PREPARE: "prepare epoch",
     stage_pb2.SPAN_EPOCH_COMMIT: "commit epoch",

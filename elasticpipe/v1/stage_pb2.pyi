@@ -137,7 +137,7 @@ class _SpanKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpanKind.Val
     SPAN_RECV_WAIT: _SpanKind.ValueType  # 4
     """waiting for a micro-batch's input, gradient or target"""
     SPAN_COMMIT: _SpanKind.ValueType  # 5
-    """CommitStep: recording the decision (SPAN_OPTIMIZER: its step)"""
+    """CommitStep: the optimizer step"""
     SPAN_FREEZE: _SpanKind.ValueType  # 6
     """the epoch-change protocol: waiting for the step boundary"""
     SPAN_PREPARE: _SpanKind.ValueType  # 7
@@ -147,11 +147,7 @@ class _SpanKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpanKind.Val
     SPAN_WEIGHT: _SpanKind.ValueType  # 9
     """ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
     SPAN_REDUCE: _SpanKind.ValueType  # 10
-    """replicas: a reduction group's gradient reduction (micro_batch: the group; layer_lo/hi:
-    the layers it sums), from its start to its sums
-    """
-    SPAN_OPTIMIZER: _SpanKind.ValueType  # 11
-    """a committed step's optimizer step (and snapshot), applied after CommitStep replied"""
+    """replicas: a reduction group's gradient reduction (micro_batch: the"""
 
 class SpanKind(_SpanKind, metaclass=_SpanKindEnumTypeWrapper):
     """---- traces -----------------------------------------------------------------"""
@@ -165,7 +161,7 @@ SPAN_SEND: SpanKind.ValueType  # 3
 SPAN_RECV_WAIT: SpanKind.ValueType  # 4
 """waiting for a micro-batch's input, gradient or target"""
 SPAN_COMMIT: SpanKind.ValueType  # 5
-"""CommitStep: recording the decision (SPAN_OPTIMIZER: its step)"""
+"""CommitStep: the optimizer step"""
 SPAN_FREEZE: SpanKind.ValueType  # 6
 """the epoch-change protocol: waiting for the step boundary"""
 SPAN_PREPARE: SpanKind.ValueType  # 7
@@ -175,11 +171,7 @@ SPAN_EPOCH_COMMIT: SpanKind.ValueType  # 8
 SPAN_WEIGHT: SpanKind.ValueType  # 9
 """ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
 SPAN_REDUCE: SpanKind.ValueType  # 10
-"""replicas: a reduction group's gradient reduction (micro_batch: the group; layer_lo/hi:
-the layers it sums), from its start to its sums
-"""
-SPAN_OPTIMIZER: SpanKind.ValueType  # 11
-"""a committed step's optimizer step (and snapshot), applied after CommitStep replied"""
+"""replicas: a reduction group's gradient reduction (micro_batch: the"""
 Global___SpanKind: _TypeAlias = SpanKind  # noqa: Y015
 
 @_typing.final

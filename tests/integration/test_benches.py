@@ -74,3 +74,22 @@ def test_quick_mode_runs_end_to_end_and_ends_with_its_json_line(name: str, tmp_p
         assert figures[key] == want, f"bench/{name} --quick: {key} {figures[key]!r}, not {want!r}"
     if name == "timeline.py":
         assert (tmp_path / figures["png"]).stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_the_ab_bench_runs_its_gpt_workload_on_emulated_devices(tmp_path: Path) -> None:
+    """``bench/ab.py``'s other workload and its emulated devices, which the quick run
+    above leaves out."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "ab.py"), "--quick", "--workload", "gpt", "--slowdown", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["workload"] == "gpt" and figures["slowdown"] == 2.0
+    assert figures["ratio_b_over_a"] > 0

@@ -27,7 +27,7 @@ def imported(name: str) -> Iterator[ModuleType]:
 
 # Every bench's JSON keys (a subset: a bench may print more).
 KEYS: dict[str, set[str]] = {
-    "ab.py": {"a", "b", "ratio_b_over_a"},
+    "ab.py": {"a", "b", "workload", "slowdown", "ratio_b_over_a"},
     "anatomy.py": {"step_ms", "busiest_busy_ms", "bubble_ms", "overhead_ms", "commit_ms"},
     "faults.py": {
         "identical",
