@@ -9,9 +9,10 @@ side's processes (the stages, set when they start; the client, set around its ro
 
     python bench/ab.py --a schedule=1f1b --b schedule=gpipe --rounds 8
 
-Its noise floor: two identical sides gave 0.978 (14 rounds) and 0.999 (``--workload gpt``,
-10 rounds) on the 2-core development machine, and one change measured in both orders gave
-0.975 and 1/0.938. Read differences under about 3% as noise, and run both orders.
+Its noise floor on the 2-core development machine: two identical sides gave 0.978 (14
+rounds) and 0.999 (``--workload gpt``, 10 rounds), and one change measured in both orders
+gave 0.975 and 1/0.938 = 1.066 (which side runs as B can count a few percent). Read a
+difference under about 7% as noise unless both orders agree on it.
 
 ``--workload gpt``: a GPT (6 blocks of d=256, 4.9M parameters) trained with AdamW instead of
 the MLP with SGD, so that the optimizer step weighs more in a step (AdamW over its blocks' 4.7M
