@@ -85,8 +85,7 @@ class SnapshotCopies:
         """Checks, before any layer arrives, that a pushed copy is of this job and from a
         stage of the chain (with TLS: the caller); returns the layers it may hold."""
         with self._cond:
-            chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
-            check_copy(job_id, self.job.job_id if self.job else "", source, chain)
+            self._check_copy(job_id, source)
             return check_source(source, self.placement)
 
     def keep_copy(
@@ -95,14 +94,18 @@ class SnapshotCopies:
         """Keeps a peer's snapshot copy (it must be of this job, from this chain, and not
         voided by a prune since ``generation``, taken when it began arriving)."""
         with self._cond:
-            chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
-            check_copy(job_id, self.job.job_id if self.job else "", source, chain)
+            self._check_copy(job_id, source)
         check_layers(blobs, source, step)
         if not self.snapshots.add_copy(source, job_id, step, blobs, generation):
             raise NotReady(
                 f"snapshot copy of step {step} from {source!r} arrived across a reset of "
                 f"stage {self.config.name}'s snapshots: send it again"
             )
+
+    def _check_copy(self, job_id: str, source: str) -> None:
+        """``snapshots.check_copy`` against this stage's job and chain (lock held)."""
+        chain = tuple(s.stage_id for s in self.placement.chain) if self.placement else ()
+        check_copy(job_id, self.job.job_id if self.job else "", source, chain)
 
     def holdings(self) -> list[Holding]:
         """The complete snapshots held here."""

@@ -194,13 +194,12 @@ class StageServer(ServerLifecycle):
     def _until_next_beat(self, interval: float) -> None:
         """Waits ``interval``, or less: a step that commits after the last report took its
         figures ends the wait when the coordinator's policy asked for the next step's
-        measurements, and this stage's
-        compute per micro-batch moving by ``SPEED_MOVED`` or more since its last report
-        ends it at once, in the middle of a step too where layer times are folded in as
-        they come (CPU; CUDA's are read at the run's end), looked at every
-        ``SPEED_POLL_S``: a straggler's first slowed step already proposes what its end
-        confirms. Never sooner than ``MIN_BEAT_FRACTION`` of the interval after
-        the last beat."""
+        measurements, and this stage's compute per micro-batch moving by ``SPEED_MOVED`` or
+        more since its last report ends it at once, in the middle of a step too where layer
+        times are folded in as they come (CPU; CUDA's are read at the run's end), looked at
+        every ``SPEED_POLL_S``: a straggler's first slowed step already proposes what its
+        end confirms. Never sooner than ``MIN_BEAT_FRACTION`` of the interval after the
+        last beat."""
         assert self.stage is not None
         committed, start = self.stage.committed, time.monotonic()
         while not self._stop.is_set():

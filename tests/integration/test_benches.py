@@ -35,6 +35,18 @@ BENCHES = sorted(p.name for p in BENCH.glob("*.py") if p.name not in HELPERS)
 TIMEOUT_S = 240  # a bench's quick run on a loaded 2-core machine; seconds on a quiet one
 
 
+def _quick(name: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python bench/NAME --quick ARGS`` run in ``cwd`` (what it writes lands there)."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / name), "--quick", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
 def test_every_bench_has_its_expected_keys() -> None:
     """The key list names exactly the benches in bench/ (none missing, none stale)."""
     assert set(KEYS) == set(BENCHES)
@@ -49,14 +61,7 @@ def test_quick_mode_runs_end_to_end_and_ends_with_its_json_line(name: str, tmp_p
     bench's figures (what it writes lands in a temporary folder)."""
     assert name in KEYS, f"bench/{name} has no entry in KEYS of tests/support/benches.py"
     assert "--quick" in (BENCH / name).read_text(), f"bench/{name} has no --quick mode"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / name), "--quick"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+    done = _quick(name, tmp_path)
     tail = f"exit {done.returncode}; stderr ends:\n{done.stderr[-3000:]}"
     lines = done.stdout.strip().splitlines()
     assert lines, f"bench/{name} --quick printed nothing; {tail}"
@@ -81,14 +86,7 @@ def test_quick_mode_runs_end_to_end_and_ends_with_its_json_line(name: str, tmp_p
 def test_the_ab_bench_runs_its_gpt_workload_on_emulated_devices(tmp_path: Path) -> None:
     """``bench/ab.py``'s other workload and its emulated devices, which the quick run
     above leaves out."""
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "ab.py"), "--quick", "--workload", "gpt", "--slowdown", "2"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+    done = _quick("ab.py", tmp_path, "--workload", "gpt", "--slowdown", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["workload"] == "gpt" and figures["slowdown"] == 2.0

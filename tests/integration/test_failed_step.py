@@ -20,16 +20,14 @@ from elasticpipe.partition import Partition, StageRef
 from elasticpipe.stage_server.protocol import Phase
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.training.job import JobConfig
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire.structure import split_batch
-from tests.support.servers import unregistered_stage_servers
+from tests.support.replica_jobs import JOB, M, batch
+from tests.support.servers import assign_by_hand, unregistered_stage_servers
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL = "tests.support.zb_models:unreached"
 ALLOW = ("tests.support",)
-M = 4
 CUTS = (0, 3, 7)
 
 
@@ -45,15 +43,7 @@ def _partition(servers: list[StageServer]) -> Partition:
 
 
 def _assign(partition: Partition, seed: int = 5) -> None:
-    job = JobConfig(model=MODEL, seed=seed, micro_batches=M, optimizer="adamw").with_id()
-    for ref in partition.stages:
-        with rpc.channel(ref.address) as chan:
-            stage_pb2_grpc.StageServiceStub(chan).Assign(
-                stage_pb2.AssignRequest(
-                    job=job.to_proto(), assignment=partition.assignment(ref.stage_id).to_proto()
-                ),
-                timeout=30,
-            )
+    assign_by_hand(JobConfig(**{**JOB, "seed": seed}).with_id(), partition)  # type: ignore[arg-type]
 
 
 def _run(
@@ -63,9 +53,7 @@ def _run(
     run: int = 0,
     previous: Sequence[stage_pb2.StepDecision] = (),
 ) -> None:
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
-    xs, ys, scales = split_batch(x, y, M, torch.device("cpu"))
+    xs, ys, scales = split_batch(*batch(step), M, torch.device("cpu"))
     secret = driver.new_secret()
     run = run or step
     driver.run(

@@ -21,19 +21,15 @@ from elasticpipe.partition import Partition, StageRef
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.tracing import SpanKind
 from elasticpipe.training.job import JobConfig
-from elasticpipe.transport import rpc
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire.structure import split_batch
-from tests.support.servers import unregistered_stage_servers
+from tests.support.replica_jobs import JOB, STEPS, M, batch
+from tests.support.servers import assign_by_hand, unregistered_stage_servers
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL = "tests.support.zb_models:unreached"  # a frozen weight, an unreached one, a Dropout
 ALLOW = ("tests.support",)
-M = 8
-STEPS = 3
 BOUNDARIES = [(0, 3, 7), (0, 2, 5, 7)]  # replica 0: 2 stages, replica 1: 3 stages
-JOB = {"model": MODEL, "seed": 5, "micro_batches": M, "optimizer": "adamw"}
 
 
 @pytest.fixture
@@ -41,11 +37,6 @@ def servers() -> Iterator[list[StageServer]]:
     """Five stage servers that no coordinator knows (each is assigned by hand)."""
     with unregistered_stage_servers(5, ALLOW) as started:
         yield started
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
 def _layout(servers: list[StageServer], shares: tuple[int, ...]) -> Layout:
@@ -59,24 +50,14 @@ def _layout(servers: list[StageServer], shares: tuple[int, ...]) -> Layout:
 
 def _assign(layout: Layout) -> None:
     """Assigns every stage its place in ``layout``, by hand (as the coordinator will)."""
-    job = JobConfig(**JOB).with_id()  # type: ignore[arg-type]
-    for replica in layout.replicas:
-        for ref in replica.stages:
-            with rpc.channel(ref.address) as chan:
-                stage_pb2_grpc.StageServiceStub(chan).Assign(
-                    stage_pb2.AssignRequest(
-                        job=job.to_proto(),
-                        assignment=layout.assignment(ref.stage_id).to_proto(),
-                    ),
-                    timeout=30,
-                )
+    assign_by_hand(JobConfig(**JOB).with_id(), layout)  # type: ignore[arg-type]
 
 
 def _step(
     clients: driver.StageClients, layout: Layout, step: int, run_id: int = 0
 ) -> list[list[stage_pb2.StepReport]]:
     """One step on every replica at once (``driver.run_replicas``); the reports by replica."""
-    xs, ys, scales = split_batch(*_batch(step), M, torch.device("cpu"))
+    xs, ys, scales = split_batch(*batch(step), M, torch.device("cpu"))
     run = run_id or step
     secret = driver.new_secret()
     return driver.run_replicas(
@@ -122,7 +103,7 @@ def test_two_replicas_reduce_over_their_data_channels_bit_for_bit(
     AdamW, dropout, a frozen weight and a parameter nothing reaches: the losses and both
     replicas' weights and buffers equal LocalPipeline's, bit for bit."""
     with LocalPipeline(allow=ALLOW, **JOB) as pipe:  # type: ignore[arg-type]
-        want_losses = [pipe.train_step(*_batch(step)) for step in range(1, STEPS + 1)]
+        want_losses = [pipe.train_step(*batch(step)) for step in range(1, STEPS + 1)]
         want = pipe.state_dict()
     losses, weights = _train(servers, shares)
     assert losses == want_losses
@@ -139,7 +120,7 @@ def test_a_failure_in_one_replica_aborts_the_others_at_once(servers: list[StageS
     trains."""
     layout = _layout(servers, (5, 3))
     _assign(layout)
-    xs, ys, scales = split_batch(*_batch(1), M, torch.device("cpu"))
+    xs, ys, scales = split_batch(*batch(1), M, torch.device("cpu"))
     bad = [y.clone() for y in ys]
     bad[6][0] = 99  # replica 1 runs micro-batches 5-7
     with contextlib.closing(driver.StageClients()) as clients:
@@ -159,7 +140,7 @@ def test_a_group_reduces_while_the_backward_goes_on_below_it(servers: list[Stage
     soon as its layers are done, while the backward goes on below it (before the op
     ends, in the stage's trace), and the results stay LocalPipeline's bit for bit."""
     with LocalPipeline(allow=ALLOW, **JOB) as pipe:  # type: ignore[arg-type]
-        want_losses = [pipe.train_step(*_batch(step)) for step in range(1, STEPS + 1)]
+        want_losses = [pipe.train_step(*batch(step)) for step in range(1, STEPS + 1)]
     losses, _ = _train(servers, (4, 4))
     assert losses == want_losses
     for server in servers[:2]:  # replica 0's

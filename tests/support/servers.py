@@ -6,11 +6,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
+from elasticpipe.layout import Layout
 from elasticpipe.local.ports import free_port
+from elasticpipe.partition import Partition
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
+from elasticpipe.training.job import JobConfig
+from elasticpipe.transport import rpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
-__all__ = ["free_port", "stage_servers", "unregistered_stage_servers"]
+__all__ = ["assign_by_hand", "free_port", "stage_servers", "unregistered_stage_servers"]
 
 
 @contextlib.contextmanager
@@ -29,6 +34,21 @@ def unregistered_stage_servers(
     finally:
         for server in started:
             server.stop()
+
+
+def assign_by_hand(job: JobConfig, placed: Partition | Layout) -> None:
+    """Assigns every stage of ``placed`` (a chain, or every replica's) its place in it for
+    ``job``, as the coordinator would: for stages that no coordinator knows."""
+    chains = placed.replicas if isinstance(placed, Layout) else (placed,)
+    for chain in chains:
+        for ref in chain.stages:
+            with rpc.channel(ref.address) as chan:
+                stage_pb2_grpc.StageServiceStub(chan).Assign(
+                    stage_pb2.AssignRequest(
+                        job=job.to_proto(), assignment=placed.assignment(ref.stage_id).to_proto()
+                    ),
+                    timeout=30,
+                )
 
 
 @contextlib.contextmanager
