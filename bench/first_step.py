@@ -20,7 +20,12 @@ Printed, from one run:
   (``bench/datapaths.py``'s ``DataPath``: 4 MiB activations over the bulk channel, each
   taken out of the stage's mailbox), and the rate the weights streamed at against it;
 * the goals of issue 20: the first step at most 3 steady steps plus the weights' bytes at
-  the data path's bandwidth, and the weights streamed at >= 0.5x that bandwidth.
+  the data path's bandwidth, and the weights streamed at >= 0.5x that bandwidth;
+* the memory the stages touched for the first time (their minor page faults, from
+  ``/proc``) and their kernel CPU seconds, in the setup, the load, the first step's own
+  part (its gradients, the optimizer's state, activations) and a steady step: a page
+  touched for the first time is zeroed and mapped by the kernel, which costs more on a
+  virtual machine whose host backs guest memory only as it is touched.
 
 The timing of the setup, the load and its streaming wraps three of the client's functions
 (``Session._coordinator_call`` for ``SetupJob``, ``Session._apply_init``,
@@ -40,6 +45,7 @@ import contextlib
 import json
 import math
 import re
+import resource
 import statistics
 import sys
 import time
@@ -52,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/first_step.py`
 
 from datapaths import MIB, Batch, DataPath  # bench/datapaths.py, next to this script
+from shared.cpu import process_faults  # bench/shared/, beside this script
 
 from elasticpipe.client import streaming
 from elasticpipe.client.pipeline import Pipeline
@@ -68,35 +75,56 @@ STAGES = 4
 
 
 @contextlib.contextmanager
-def timed_phases() -> Iterator[dict[str, float]]:
-    """Seconds the client spends in ``SetupJob`` and in streaming ``init_state``."""
-    spent: dict[str, float] = {"setup_s": 0.0, "init_state_s": 0.0, "stream_s": 0.0}
+def timed_phases(kernel: Callable[[], tuple[int, float]]) -> Iterator[dict[str, float]]:
+    """Seconds the client spends in ``SetupJob`` and in streaming ``init_state``, and the
+    stages' page faults and kernel seconds meanwhile (``kernel``: their totals so far), as
+    ``KEY_s``, ``KEY_faults`` and ``KEY_kernel_s``."""
+    spent: dict[str, float] = {
+        f"{phase}{figure}": 0.0
+        for phase in ("setup", "init_state", "stream")
+        for figure in ("_s", "_faults", "_kernel_s")
+    }
     call, apply_init, stream = Session._coordinator_call, Session._apply_init, streaming.stream
 
-    def timing(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timing(phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started, (faults, kernel_s) = time.perf_counter(), kernel()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[key] += time.perf_counter() - started
+                spent[f"{phase}_s"] += time.perf_counter() - started
+                now_faults, now_kernel_s = kernel()
+                spent[f"{phase}_faults"] += now_faults - faults
+                spent[f"{phase}_kernel_s"] += now_kernel_s - kernel_s
 
         return wrapped
 
     def coordinator_call(self: Session, method: str, request: Any, timeout: float) -> Any:
         if method != "SetupJob":
             return call(self, method, request, timeout)
-        return timing("setup_s", call)(self, method, request, timeout)
+        return timing("setup", call)(self, method, request, timeout)
 
     Session._coordinator_call = coordinator_call  # type: ignore[method-assign]
-    Session._apply_init = timing("init_state_s", apply_init)  # type: ignore[method-assign]
-    streaming.stream = timing("stream_s", stream)
+    Session._apply_init = timing("init_state", apply_init)  # type: ignore[method-assign]
+    streaming.stream = timing("stream", stream)
     try:
         yield spent
     finally:
         Session._coordinator_call = call  # type: ignore[method-assign]
         Session._apply_init = apply_init  # type: ignore[method-assign]
         streaming.stream = stream
+
+
+def stages_kernel(cluster: LocalCluster) -> tuple[int, float]:
+    """The stage processes' minor page faults and kernel CPU seconds so far, all together."""
+    figures = [process_faults(p.pid) for n, p in cluster.procs.items() if n.startswith("stage-")]
+    return sum(f for f, _ in figures), sum(k for _, k in figures)
+
+
+def kernel_since(cluster: LocalCluster, before: tuple[int, float]) -> tuple[int, float]:
+    """The stages' page faults and kernel CPU seconds since ``before`` (``stages_kernel``)."""
+    faults, kernel_s = stages_kernel(cluster)
+    return faults - before[0], kernel_s - before[1]
 
 
 def data_path_gbps(repeats: int, messages: int) -> float:
@@ -158,7 +186,7 @@ def main() -> int:
 
     with LocalCluster(stages=stages, state=":memory:", auto_rebalance=False) as cluster:
         with (
-            timed_phases() as spent,
+            timed_phases(lambda: stages_kernel(cluster)) as spent,
             Pipeline(
                 coordinator=cluster.coordinator,
                 model="gpt",
@@ -170,19 +198,27 @@ def main() -> int:
                 init_state=init,
             ) as pipe,
         ):
-            started = time.perf_counter()
+            kernel_before, started = stages_kernel(cluster), time.perf_counter()
             first_loss = pipe.train_step(*batch())
             first_s = time.perf_counter() - started
-            times = []
+            kernel_first = kernel_since(cluster, kernel_before)
+            times, steady_kernel = [], []
             for _ in range(steps):
                 x, y = batch()
-                started = time.perf_counter()
+                kernel_before, started = stages_kernel(cluster), time.perf_counter()
                 pipe.train_step(x, y)
                 times.append(time.perf_counter() - started)
+                steady_kernel.append(kernel_since(cluster, kernel_before))
             boundaries = list(pipe.partition.boundaries)
         profile_s = profiled_seconds(cluster.log_dir / "coordinator.log")
 
     steady_s = statistics.median(times)
+    # the stages' first touches of memory: in the step's part (its gradients, the
+    # optimizer's state, activations) and in a steady step (medians)
+    step_faults = kernel_first[0] - sum(spent[f"{p}_faults"] for p in ("setup", "init_state"))
+    step_kernel_s = kernel_first[1] - sum(spent[f"{p}_kernel_s"] for p in ("setup", "init_state"))
+    steady_faults = statistics.median(k[0] for k in steady_kernel)
+    steady_kernel_s = statistics.median(k[1] for k in steady_kernel)
     load_gbps = weight_bytes / spent["init_state_s"] / 1e9 if spent["init_state_s"] else 0.0
     stream_gbps = weight_bytes / spent["stream_s"] / 1e9 if spent["stream_s"] else 0.0
     commit_s = spent["init_state_s"] - spent["stream_s"]
@@ -210,6 +246,22 @@ def main() -> int:
         f"3 x {steady_s:.2f} + {at_bandwidth_s:.2f} s (the weights at the data path's "
         f"bandwidth) = {goal_s:.2f} s: {first_s / goal_s:.2f}x of it"
     )
+    page = resource.getpagesize()
+
+    def gib(faults: float) -> str:
+        return f"{faults * page / 2**30:.2f} GiB"
+
+    def per_fault_us(kernel_s: float, faults: float) -> str:
+        return f"{1e6 * kernel_s / faults:.1f} us a fault" if faults else "no faults"
+
+    print(
+        f"memory the stages touched for the first time (minor page faults) and their kernel "
+        f"CPU: setup {gib(spent['setup_faults'])}, {spent['setup_kernel_s']:.2f} s; "
+        f"init_state {gib(spent['init_state_faults'])}, {spent['init_state_kernel_s']:.2f} s; "
+        f"the step {gib(step_faults)}, {step_kernel_s:.2f} s "
+        f"({per_fault_us(step_kernel_s, step_faults)}); a steady step {gib(steady_faults)}, "
+        f"{steady_kernel_s:.2f} s ({per_fault_us(steady_kernel_s, steady_faults)})"
+    )
     figures = {
         "parameters": params,
         "weight_bytes": weight_bytes,
@@ -228,6 +280,12 @@ def main() -> int:
         "load_commit_s": round(commit_s, 3),
         "first_step_vs_goal": round(first_s / goal_s, 3),
         "load_over": "grpc" if args.grpc else "bulk",
+        "step_part_fault_gib": round(step_faults * page / 2**30, 3),
+        "step_part_kernel_s": round(step_kernel_s, 3),
+        "steady_fault_gib": round(steady_faults * page / 2**30, 3),
+        "steady_kernel_s": round(steady_kernel_s, 3),
+        "setup_kernel_s": round(spent["setup_kernel_s"], 3),
+        "init_state_kernel_s": round(spent["init_state_kernel_s"], 3),
     }
     print(json.dumps(figures))
     return 0

@@ -88,16 +88,19 @@ class Slowdown:
     slowness; on CUDA, with ``events``, the time between two CUDA events around the layer,
     read later (a ``Lap``: no synchronize per layer), else wall time after a synchronize.
 
-    **A device time that does not depend on the host's load.** A slowed layer owes
-    ``factor * t`` less the wall time its compute took, and the op (one micro-batch through
-    the slice) waits for what its layers owe at its end: sleeping between layers would also
-    evict the caches of the next layer, and on a shared CPU host that made an emulated 2x
-    straggler measure 2.5-3x. So an op of a device 4x slower than a core takes 4 t whether
-    its compute ran alone on a core (t of wall time, 3 t owed) or shared one with another
-    stage (2 t of wall time, 2 t owed): several emulated devices on a few cores run at the
-    speed the planner is told, as long as their compute fits beside the others' (on a
-    host with too little CPU for it, an op takes its compute's wall time, more than
-    ``factor * t``). At ``factor`` 1 nothing is owed: a stage not slowed down never waits.
+    **A device time that does not depend on the host's load.** An op (one micro-batch
+    through the slice) takes its layers' ``factor * t`` in all: at its end it waits for
+    what that device time leaves of the wall time since its first layer began (sleeping
+    between layers would also evict the caches of the next layer, and on a shared CPU
+    host that made an emulated 2x straggler measure 2.5-3x). So an op of a device 4x
+    slower than a core takes 4 t whether its compute ran alone on a core (t of wall time,
+    3 t owed) or shared one with another stage (2 t of wall time, 2 t owed), and the
+    host's own work between the layers (seeding, stashing) runs within the device's time,
+    as an accelerator's host issues the next kernels while the device computes: several
+    emulated devices on a few cores run at the speed the planner is told, as long as
+    their compute fits beside the others' (on a host with too little CPU for it, an op
+    takes its wall time, more than ``factor * t``). At ``factor`` 1 nothing is owed: a
+    stage not slowed down never waits.
 
     With ``fastest`` (``--timer fastest``) ``t`` is the fastest of the op's recent runs, not
     this run's own (``devicetime.FastestTimes``): CPU time itself grows with the host's load.
@@ -116,7 +119,8 @@ class Slowdown:
         self.events = events
         self.fastest = fastest
         self.pays = pays
-        self._owed = 0.0
+        self._device_s = 0.0  # the op's device time so far (its slowed layers')
+        self._began: float | None = None  # wall time at its first slowed layer's start
         self._laps: list[Lap] = []  # events' laps of a slowed-down op, paid in ``pay``
 
     def unpaid(self) -> Slowdown:
@@ -145,7 +149,8 @@ class Slowdown:
                 self._laps.append(lap)
             return result, lap
         factor = self.factor
-        wall = time.perf_counter() if factor > 1.0 else 0.0  # (read only when slowed)
+        if factor > 1.0 and self._began is None:  # (the clock read only when slowed)
+            self._began = time.perf_counter()
         start = self.clock()
         result = fn()
         sync()
@@ -153,15 +158,23 @@ class Slowdown:
         if self.fastest is not None and op is not None:
             compute = self.fastest.time(op, compute)
         if factor > 1.0:
-            self._owed += factor * compute - (time.perf_counter() - wall)
+            self._device_s += factor * compute
         return result, factor * compute
 
+    def begin(self) -> None:
+        """Starts an op (on a CPU stage, its host work from now on runs within its
+        device time); forgets what an op that failed before its ``pay`` left."""
+        self._device_s, self._laps = 0.0, []
+        slowed = self.factor > 1.0 and self.events is None  # (CUDA: laps of device time)
+        self._began = time.perf_counter() if slowed else None
+
     def pay(self) -> None:
-        """Waits for what the op's layers owe."""
-        owed, self._owed = self._owed, 0.0
-        laps, self._laps = self._laps, []
+        """Waits for what the op's device time leaves of the wall time since it began."""
+        device_s, began, laps = self._device_s, self._began, self._laps
+        self._device_s, self._began, self._laps = 0.0, None, []
         if not self.pays:
             return
+        owed = device_s - (time.perf_counter() - began) if began is not None else 0.0
         owed += sum((lap.factor - 1.0) * lap.raw() for lap in laps)  # waits: slowed only
         if owed > 0:
             time.sleep(owed)
@@ -237,6 +250,7 @@ class LayerSlice(SliceState):
         """
         if not train:
             return self._infer(x, micro_batch, step), None
+        self.slowdown.begin()
         stash = Stash(counted=count)
         saving = self._saving(stash) if count else contextlib.nullcontext()
         with torch.enable_grad(), rng.forked(self.device) as seed_layer, saving:
@@ -287,6 +301,7 @@ class LayerSlice(SliceState):
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def _infer(self, x: Value, micro_batch: int, step: int) -> Value:
+        self.slowdown.begin()
         with torch.inference_mode(), rng.forked(self.device) as seed_layer:
             for i in self.indices:
                 layer = self.layers[i]
@@ -438,6 +453,7 @@ class LayerSlice(SliceState):
                 floating tensors.
             UserCodeError: a layer's backward raised.
         """
+        self.slowdown.begin()
         grads = structure.tensors(grad) if grad is not None else None
         finished = _Finished(self, micro_batch, done if not split else None)
         for i, (xs, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
@@ -516,6 +532,7 @@ class LayerSlice(SliceState):
         Raises:
             UserCodeError: a layer's backward raised.
         """
+        self.slowdown.begin()
         work, stash.weights = stash.weights, []
         for w in work:
             _, seconds = self._autograd(

@@ -1,11 +1,12 @@
-"""CPU seconds of other processes, as the benches count them (Linux /proc)."""
+"""CPU seconds and page faults of other processes, as the benches count them (Linux /proc)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
-__all__ = ["process_cpu_s"]
+__all__ = ["process_cpu_s", "process_faults"]
 
 
 def process_cpu_s(pid: int) -> float:
@@ -17,3 +18,12 @@ def process_cpu_s(pid: int) -> float:
         with contextlib.suppress(OSError):  # a thread that just ended
             total += int((task / "schedstat").read_text().split()[0])
     return total / 1e9
+
+
+def process_faults(pid: int) -> tuple[int, float]:
+    """(minor page faults, kernel CPU seconds) of process ``pid`` so far, all its threads
+    (``/proc/PID/stat``): a first touch of memory is a minor fault, and its zeroing and
+    mapping are kernel time."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # (after the command's closing parenthesis: minflt is field 10 of proc(5), stime 15)
+    return int(fields[7]), int(fields[12]) / os.sysconf("SC_CLK_TCK")

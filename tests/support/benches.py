@@ -59,6 +59,9 @@ KEYS: dict[str, set[str]] = {
         "load_commit_s",
         "first_step_vs_goal",
         "load_over",
+        "step_part_fault_gib",
+        "step_part_kernel_s",
+        "steady_kernel_s",
     },
     "gpu.py": {
         "transparent",

@@ -143,6 +143,41 @@ def test_an_emulated_device_takes_factor_times_the_compute_however_loaded_the_ho
             assert total == pytest.approx(max(want, took), abs=0.002), (wall_s, took, slept)
 
 
+def test_the_hosts_work_between_layers_runs_within_the_device_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slowdown 4 on two layers of 10 ms of compute each (a fake CPU clock) with the
+    host's own work between them: 30 ms of it runs within the op's 80 ms of device time
+    (as an accelerator's host issues kernels while the device computes), 100 ms of it
+    makes the op take that long and owe nothing. An op that failed before paying leaves
+    nothing to the next (``begin``)."""
+    slept: list[float] = []
+    monkeypatch.setattr(layers_module.time, "sleep", slept.append)
+    for host_s in (0.030, 0.100):
+        cpu = iter([0.0, 0.010, 1.0, 1.010])
+        slow = Slowdown(4.0, clock=lambda cpu=cpu: next(cpu))  # type: ignore[misc]
+        slow.begin()
+        began = time.perf_counter()
+        slow.timed(lambda: None, lambda: None)
+        _busy(host_s)
+        slow.timed(lambda: None, lambda: None)
+        took = time.perf_counter() - began
+        slept.clear()
+        slow.pay()
+        if took >= 0.080:
+            assert slept == [], (host_s, took, slept)
+        else:
+            assert took + sum(slept) == pytest.approx(0.080, abs=0.003), (host_s, took, slept)
+    cpu = iter([0.0, 0.010, 1.0, 1.010])
+    slow = Slowdown(4.0, clock=lambda: next(cpu))
+    slow.timed(lambda: None, lambda: None)  # an op that raised after its first layer
+    slow.begin()
+    slow.timed(lambda: None, lambda: None)
+    slept.clear()
+    slow.pay()
+    assert len(slept) == 1 and slept[0] == pytest.approx(0.040, abs=0.003)
+
+
 def test_the_profiles_emulated_device_reports_its_time_and_waits_for_none_of_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
