@@ -14,8 +14,9 @@ that much before any overhead of the system's own. (Such a stage's profile now t
 quick layer up to ``WINDOW`` times, without waiting out the emulated time:
 ``Stage.profile``.) What delays a run only ever adds time, so
 the fastest recent run is the op's time on an unloaded host: an emulated op then takes
-the same time alone or beside others, as an accelerator's would, provided its compute
-fits in it (a ``Slowdown`` op never takes less than its wall time). A window, not a time
+the same time alone or beside others, as an accelerator's would, provided its work (its
+compute and the stage's own work around it) fits in it (a ``Slowdown`` op never takes
+less than its wall time). A window, not a time
 frozen once: the first runs of a process are slow ones (cold caches, first allocations),
 and a stage that shares its host's profile (``coordinator.profiles``) runs an op first in
 training: until one of its runs came on a quiet host, such a stage counts slower than the

@@ -90,17 +90,19 @@ class Slowdown:
 
     **A device time that does not depend on the host's load.** An op (one micro-batch
     through the slice) takes its layers' ``factor * t`` in all: at its end it waits for
-    what that device time leaves of the wall time since its first layer began (sleeping
-    between layers would also evict the caches of the next layer, and on a shared CPU
-    host that made an emulated 2x straggler measure 2.5-3x). So an op of a device 4x
-    slower than a core takes 4 t whether its compute ran alone on a core (t of wall time,
-    3 t owed) or shared one with another stage (2 t of wall time, 2 t owed), and the
-    host's own work between the layers (seeding, stashing) runs within the device's time,
-    as an accelerator's host issues the next kernels while the device computes: several
-    emulated devices on a few cores run at the speed the planner is told, as long as
-    their compute fits beside the others' (on a host with too little CPU for it, an op
-    takes its wall time, more than ``factor * t``). At ``factor`` 1 nothing is owed: a
-    stage not slowed down never waits.
+    what that device time leaves of the wall time since the op began (``begin``; without
+    it, since its first slowed layer began). Sleeping between layers would also evict the
+    caches of the next layer, and on a shared CPU host that made an emulated 2x straggler
+    measure 2.5-3x. So an op of a device 4x slower than a core takes 4 t whether its
+    compute ran alone on a core (t of wall time, 3 t owed) or shared one with another
+    stage (2 t of wall time, 2 t owed), and the rest of the op -- the host's Python
+    (seeding, stashing) and the tensor work outside the layers (the gradients' sums) --
+    runs within the device's time, as an accelerator's host issues the next kernels while
+    the device computes. Several emulated devices on a few cores then run at the speed
+    the planner is told, as long as each op's work fits beside the others' (on a host
+    with too little CPU for it, an op takes its wall time, more than ``factor * t``). At
+    ``factor`` 1 nothing is owed: a stage not slowed down never waits. A factor ``set``
+    while an op runs applies from the next op on.
 
     With ``fastest`` (``--timer fastest``) ``t`` is the fastest of the op's recent runs, not
     this run's own (``devicetime.FastestTimes``): CPU time itself grows with the host's load.
@@ -120,7 +122,8 @@ class Slowdown:
         self.fastest = fastest
         self.pays = pays
         self._device_s = 0.0  # the op's device time so far (its slowed layers')
-        self._began: float | None = None  # wall time at its first slowed layer's start
+        self._began: float | None = None  # the op's start (wall time), while it is slowed
+        self._op_factor: float | None = None  # the factor at the op's ``begin``
         self._laps: list[Lap] = []  # events' laps of a slowed-down op, paid in ``pay``
 
     def unpaid(self) -> Slowdown:
@@ -148,7 +151,7 @@ class Slowdown:
             if lap.factor > 1.0:
                 self._laps.append(lap)
             return result, lap
-        factor = self.factor
+        factor = self.factor if self._op_factor is None else self._op_factor
         if factor > 1.0 and self._began is None:  # (the clock read only when slowed)
             self._began = time.perf_counter()
         start = self.clock()
@@ -164,14 +167,14 @@ class Slowdown:
     def begin(self) -> None:
         """Starts an op (on a CPU stage, its host work from now on runs within its
         device time); forgets what an op that failed before its ``pay`` left."""
-        self._device_s, self._laps = 0.0, []
+        self._device_s, self._laps, self._op_factor = 0.0, [], self.factor
         slowed = self.factor > 1.0 and self.events is None  # (CUDA: laps of device time)
         self._began = time.perf_counter() if slowed else None
 
     def pay(self) -> None:
         """Waits for what the op's device time leaves of the wall time since it began."""
         device_s, began, laps = self._device_s, self._began, self._laps
-        self._device_s, self._began, self._laps = 0.0, None, []
+        self._device_s, self._began, self._laps, self._op_factor = 0.0, None, [], None
         if not self.pays:
             return
         owed = device_s - (time.perf_counter() - began) if began is not None else 0.0

@@ -150,7 +150,7 @@ def test_the_hosts_work_between_layers_runs_within_the_device_time(
     host's own work between them: 30 ms of it runs within the op's 80 ms of device time
     (as an accelerator's host issues kernels while the device computes), 100 ms of it
     makes the op take that long and owe nothing. An op that failed before paying leaves
-    nothing to the next (``begin``)."""
+    nothing to the next (``begin``), and a factor set during an op applies from the next."""
     slept: list[float] = []
     monkeypatch.setattr(layers_module.time, "sleep", slept.append)
     for host_s in (0.030, 0.100):
@@ -176,6 +176,21 @@ def test_the_hosts_work_between_layers_runs_within_the_device_time(
     slept.clear()
     slow.pay()
     assert len(slept) == 1 and slept[0] == pytest.approx(0.040, abs=0.003)
+    cpu = iter([0.0, 0.010, 1.0, 1.010, 2.0, 2.010])
+    slow = Slowdown(4.0, clock=lambda: next(cpu))
+    slow.begin()
+    slow.timed(lambda: None, lambda: None)
+    slow.set(1.0)  # while the op runs
+    _, reported = slow.timed(lambda: None, lambda: None)
+    slept.clear()
+    slow.pay()
+    assert reported == pytest.approx(0.040)
+    assert len(slept) == 1 and slept[0] == pytest.approx(0.080, abs=0.003)
+    slow.begin()
+    _, reported = slow.timed(lambda: None, lambda: None)
+    slept.clear()
+    slow.pay()
+    assert reported == pytest.approx(0.010) and slept == []  # the next op: factor 1
 
 
 def test_the_profiles_emulated_device_reports_its_time_and_waits_for_none_of_it(
