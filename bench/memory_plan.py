@@ -31,7 +31,7 @@ from shared.steps import fewest_steps  # bench/shared/steps.py, beside this scri
 from elasticpipe.coordinator.planning import memory, plan
 from elasticpipe.coordinator.planning.estimates import Profile
 from elasticpipe.local.reference import LocalPipeline
-from elasticpipe.stage_server.layers import Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
 from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.training.job import JobConfig
 

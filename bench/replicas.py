@@ -3,7 +3,7 @@
 Six stage processes train a GPT. Every stage emulates a device ``--base`` (6) times slower
 than one core of this host (the stages' ``--slowdown``: each op takes ``--base`` times its
 compute's CPU time in all, sleeping what the op's wall time did not take, however the six share
-the two cores; ``stage_server.layers.Slowdown``), so the stages wait like accelerator hosts
+the two cores; ``stage_server.devicetime.Slowdown``), so the stages wait like accelerator hosts
 with idle CPUs instead of fighting for the two cores (at 4, the two cores were 71-88%
 busy, and the stages trained 12-24% slower than the same speeds predicted). Their ops are
 timed with ``--timer fastest`` (``--timer cpu``: as before): each op counts as the fastest

@@ -7,7 +7,7 @@ host whose CPU is idle, instead of fighting the others for the two cores. Each o
 BASE times its compute's CPU time in all (the stage sleeps what the op's wall time did not
 take; the stage's own Python between the layers runs within that time, as an accelerator's
 host issues kernels while the device computes), which is the time the planner is told
-(``stage_server.layers.Slowdown``).
+(``stage_server.devicetime.Slowdown``).
 That CPU time is, with ``--timer fastest`` (the default), the fastest of the op's recent
 runs: thread CPU time too grows with the other processes' load, so the emulated device's
 speed then does not depend on the contention for the two cores, and the stages train at

@@ -1,6 +1,6 @@
-"""Layer timing on an emulated or a real device: the fastest-run model of a slowed CPU
-stage's op times (``FastestTimes``), and CUDA events on a GPU, read once per step instead
-of once per layer.
+"""Layer timing on an emulated or a real device: the emulated slow device (``Slowdown``), the
+fastest-run model of a slowed CPU stage's op times (``FastestTimes``), and CUDA events on
+a GPU, read once per step instead of once per layer.
 
 **The fastest-run model** (``--timer fastest``, CPU stages): a layer op (what the layer
 computes, the direction, the shapes and dtypes of its input or, for a backward, of its
@@ -41,7 +41,9 @@ slowdown factor that was in force when they were recorded.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -49,7 +51,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["EventClock", "FastestTimes", "Lap", "event_clock"]
+from elasticpipe.errors import InvalidRequest
+
+__all__ = ["EventClock", "FastestTimes", "Lap", "Slowdown", "event_clock"]
 
 TIMERS = ("auto", "cpu", "wall", "fastest")
 WINDOW = 32  # runs of an op whose fastest is its time (--timer fastest)
@@ -146,3 +150,108 @@ def event_clock(timer: str, device: torch.device) -> EventClock | None:
     """CUDA-event timing for the ``auto`` timer on a CUDA device; None elsewhere (``wall``
     keeps host clocks around a synchronize, ``cpu`` the thread's CPU time, as before)."""
     return EventClock(device) if timer == "auto" and device.type == "cuda" else None
+
+
+class Slowdown:
+    """Emulates a device ``factor`` times slower: a layer whose compute takes t seconds takes
+    ``factor * t`` on the emulated device, in all.
+
+    The time reported for a layer is ``factor * t``, what the emulated device would take.
+    ``t`` comes from ``clock``: on CPU stages the thread's CPU time, so that stages sharing
+    one host (tests, benchmarks, the demo) do not take each other's load for their own
+    slowness; on CUDA, with ``events``, the time between two CUDA events around the layer,
+    read later (a ``Lap``: no synchronize per layer), else wall time after a synchronize.
+
+    **A device time that does not depend on the host's load.** An op (one micro-batch
+    through the slice) takes its layers' ``factor * t`` in all: at its end it waits for
+    what that device time leaves of the wall time since the op began (``begin``; without
+    it, since its first slowed layer began). Sleeping between layers would also evict the
+    caches of the next layer, and on a shared CPU host that made an emulated 2x straggler
+    measure 2.5-3x. So an op of a device 4x slower than a core takes 4 t whether its
+    compute ran alone on a core (t of wall time, 3 t owed) or shared one with another
+    stage (2 t of wall time, 2 t owed), and the rest of the op -- the host's Python
+    (seeding, stashing) and the tensor work outside the layers (the gradients' sums) --
+    runs within the device's time, as an accelerator's host issues the next kernels while
+    the device computes. Several emulated devices on a few cores then run at the speed
+    the planner is told, as long as each op's work fits beside the others' (on a host
+    with too little CPU for it, an op takes its wall time, more than ``factor * t``). At
+    ``factor`` 1 nothing is owed: a stage not slowed down never waits. A factor ``set``
+    while an op runs applies from the next op on.
+
+    With ``fastest`` (``--timer fastest``) ``t`` is the fastest of the op's recent runs, not
+    this run's own (``devicetime.FastestTimes``): CPU time itself grows with the host's load.
+    """
+
+    def __init__(
+        self,
+        factor: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+        events: EventClock | None = None,
+        fastest: FastestTimes | None = None,
+        pays: bool = True,
+    ):
+        self.set(factor)
+        self.clock = clock
+        self.events = events
+        self.fastest = fastest
+        self.pays = pays
+        self._device_s = 0.0  # the op's device time so far (its slowed layers')
+        self._began: float | None = None  # the op's start (wall time), while it is slowed
+        self._op_factor: float | None = None  # the factor at the op's ``begin``
+        self._laps: list[Lap] = []  # events' laps of a slowed-down op, paid in ``pay``
+
+    def unpaid(self) -> Slowdown:
+        """The same emulated device (its factor, clocks and ``fastest`` table), reporting
+        the same times, whose ops wait for nothing they owe: for the profile, where no one
+        waits on the emulated device. Its waits cost the profile 4x its compute at
+        ``--slowdown 4``, and each timed run then started on caches and a clock cooled by
+        a sleep: a GPT's blocks profiled 15-20% slower than they trained."""
+        return Slowdown(self.factor, self.clock, self.events, self.fastest, pays=False)
+
+    def set(self, factor: float) -> None:
+        """Changes the factor (>= 1) while the stage runs."""
+        if not factor >= 1.0 or not math.isfinite(factor):
+            raise InvalidRequest(f"slowdown factor must be a finite number >= 1 (got {factor})")
+        self.factor = float(factor)
+
+    def timed(
+        self, fn: Callable[[], Any], sync: Callable[[], None], op: Hashable | None = None
+    ) -> tuple[Any, float | Lap]:
+        """Runs ``fn`` and returns (result, emulated seconds); the extra time is owed.
+        With CUDA events the seconds are a ``Lap``, read once its events completed. ``op``
+        names the op for a ``fastest`` model (``LayerSlice.op``)."""
+        if self.events is not None:
+            result, lap = self.events.time(fn, self.factor)
+            if lap.factor > 1.0:
+                self._laps.append(lap)
+            return result, lap
+        factor = self.factor if self._op_factor is None else self._op_factor
+        if factor > 1.0 and self._began is None:  # (the clock read only when slowed)
+            self._began = time.perf_counter()
+        start = self.clock()
+        result = fn()
+        sync()
+        compute = self.clock() - start
+        if self.fastest is not None and op is not None:
+            compute = self.fastest.time(op, compute)
+        if factor > 1.0:
+            self._device_s += factor * compute
+        return result, factor * compute
+
+    def begin(self) -> None:
+        """Starts an op (on a CPU stage, its host work from now on runs within its
+        device time); forgets what an op that failed before its ``pay`` left."""
+        self._device_s, self._laps, self._op_factor = 0.0, [], self.factor
+        slowed = self.factor > 1.0 and self.events is None  # (CUDA: laps of device time)
+        self._began = time.perf_counter() if slowed else None
+
+    def pay(self) -> None:
+        """Waits for what the op's device time leaves of the wall time since it began."""
+        device_s, began, laps = self._device_s, self._began, self._laps
+        self._device_s, self._began, self._laps, self._op_factor = 0.0, None, [], None
+        if not self.pays:
+            return
+        owed = device_s - (time.perf_counter() - began) if began is not None else 0.0
+        owed += sum((lap.factor - 1.0) * lap.raw() for lap in laps)  # waits: slowed only
+        if owed > 0:
+            time.sleep(owed)

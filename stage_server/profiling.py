@@ -53,7 +53,8 @@ from torch import nn
 
 from elasticpipe import models
 from elasticpipe.stage_server.alike import alike_key
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import make_optimizer

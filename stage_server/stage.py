@@ -55,10 +55,11 @@ from elasticpipe.stage_server import (
 )
 from elasticpipe.stage_server.config import StageConfig
 from elasticpipe.stage_server.copies import SnapshotCopies
+from elasticpipe.stage_server.devicetime import Slowdown
 from elasticpipe.stage_server.epochs import EpochChanges
 from elasticpipe.stage_server.executor import RunContext, StashMeter, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
 from elasticpipe.stage_server.profiling import profile_layers

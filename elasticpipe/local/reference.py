@@ -39,7 +39,8 @@ from elasticpipe.client.pipeline import StepStats
 from elasticpipe.errors import PipelineClosed
 from elasticpipe.logs import get_logger
 from elasticpipe.security import allowlist
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training import clipping
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import check_job, scaled_loss

@@ -15,8 +15,8 @@ from elasticpipe.stage_server.devicepath import (
     memory_stats,
     sq_norm,
 )
-from elasticpipe.stage_server.devicetime import EventClock, Lap
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import EventClock, Lap, Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training.job import JobConfig
 
 pytestmark = [

@@ -15,7 +15,6 @@ import torch
 from elasticpipe.errors import DeadlineExceeded, InvalidRequest, StageUnavailable
 from elasticpipe.observe.metrics import StageMetrics, StageView
 from elasticpipe.stage_server import devicepath, devicetime
-from elasticpipe.stage_server import layers as layers_module
 from elasticpipe.stage_server import stage as stage_module
 from elasticpipe.stage_server.devicepath import (
     PinnedPool,
@@ -26,8 +25,8 @@ from elasticpipe.stage_server.devicepath import (
     memory_stats,
     sq_norm,
 )
-from elasticpipe.stage_server.devicetime import EventClock, Lap, event_clock
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import EventClock, Lap, Slowdown, event_clock
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.stage import Stage, StageConfig
 from elasticpipe.training.job import JobConfig
 from tests.support.fake_cuda import FakeEvent, Flag
@@ -117,7 +116,7 @@ def test_the_fastest_timer_emulates_a_device_on_cpu_stages_only(
     # its profile times a quick layer as often as training keeps its runs, not five
     # times, and reports the emulated device's time without waiting it out
     slept: list[float] = []
-    monkeypatch.setattr(layers_module.time, "sleep", slept.append)
+    monkeypatch.setattr(devicetime.time, "sleep", slept.append)
     job = JobConfig(model="mlp", model_kwargs={"sizes": [8, 8]}, optimizer="sgd", loss="mse")
     timings = fastest.profile(job, torch.randn(4, 8), 5)
     assert [t.samples for t in timings] == [devicetime.WINDOW] * len(timings)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from elasticpipe.stage_server.layers import Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
 from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.slicestate import WINDOW, LayerTiming
 from elasticpipe.training.job import JobConfig

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from elasticpipe.stage_server import layers as layers_module
-from elasticpipe.stage_server.devicetime import FastestTimes
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server import devicetime
+from elasticpipe.stage_server.devicetime import FastestTimes, Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.training.job import JobConfig
 
@@ -126,7 +126,7 @@ def test_an_emulated_device_takes_factor_times_the_compute_however_loaded_the_ho
     it to 40 ms in all, whether the compute took 10 ms of wall time (alone on its core)
     or 25 ms (sharing it); factor 1 owes nothing."""
     slept: list[float] = []
-    monkeypatch.setattr(layers_module.time, "sleep", slept.append)  # what pay() waits
+    monkeypatch.setattr(devicetime.time, "sleep", slept.append)  # what pay() waits
     for factor, wall_s, want in ((4.0, 0.010, 0.040), (4.0, 0.025, 0.040), (1.0, 0.010, None)):
         cpu = iter([0.0, 0.010])  # the thread's CPU time around the compute
         slow = Slowdown(factor, clock=lambda cpu=cpu: next(cpu))  # type: ignore[misc]
@@ -152,7 +152,7 @@ def test_the_hosts_work_between_layers_runs_within_the_device_time(
     makes the op take that long and owe nothing. An op that failed before paying leaves
     nothing to the next (``begin``), and a factor set during an op applies from the next."""
     slept: list[float] = []
-    monkeypatch.setattr(layers_module.time, "sleep", slept.append)
+    monkeypatch.setattr(devicetime.time, "sleep", slept.append)
     for host_s in (0.030, 0.100):
         cpu = iter([0.0, 0.010, 1.0, 1.010])
         slow = Slowdown(4.0, clock=lambda cpu=cpu: next(cpu))  # type: ignore[misc]
@@ -202,7 +202,7 @@ def test_the_profiles_emulated_device_reports_its_time_and_waits_for_none_of_it(
     stage's next run of the same op reports 4 x 4 ms (the fastest of both: one table) and
     waits those 16 ms, less the wall time its run took."""
     slept: list[float] = []
-    monkeypatch.setattr(layers_module.time, "sleep", slept.append)
+    monkeypatch.setattr(devicetime.time, "sleep", slept.append)
     ticks = iter([0.0, 0.005, 1.0, 1.004])
     table = FastestTimes()
     stage = Slowdown(4.0, clock=lambda: next(ticks), fastest=table)

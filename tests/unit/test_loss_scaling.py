@@ -12,7 +12,8 @@ import torch
 
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.reference import LocalPipeline
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training import clipping
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.loss_scaling import LossScale, check_kwargs

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from elasticpipe.stage_server import profiling
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training.job import JobConfig
 
 SIZES = [8, 16, 4]  # Linear(8, 16), ReLU, Linear(16, 4)

@@ -18,7 +18,8 @@ import torch
 from elasticpipe import LocalPipeline
 from elasticpipe.layout import Layout
 from elasticpipe.partition import Partition, StageRef
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.reduction import GroupReduction, Send, flatten, unflatten
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import scaled_loss

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training import rng
 from elasticpipe.training.job import JobConfig
 

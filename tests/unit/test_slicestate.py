@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training.gradsum import tree_sum
 from elasticpipe.training.job import JobConfig
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticpipe.stage_server.layers import LayerSlice, Slowdown
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training.job import JobConfig
 
 ALLOW = ("tests.support.zb_models",)
