@@ -42,20 +42,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import mlp  # bench/shared/, beside this script
+
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
 
-SIZES = [1024] * 5
-BATCH = 256
 GPT = {"vocab_size": 256, "d_model": 256, "n_heads": 4, "n_layers": 6, "max_seq_len": 32}
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "mlp": {
-        "model": "mlp",
-        "model_kwargs": {"sizes": SIZES},
-        "optimizer": "sgd",
-        "optimizer_kwargs": {"lr": 0.05},
-        "loss": "mse",
-    },
+    "mlp": mlp.JOB,
     "gpt": {"model": "gpt", "model_kwargs": GPT, "optimizer": "adamw", "optimizer_kwargs": {}},
 }
 
@@ -65,10 +59,7 @@ def batches(workload: str, gen: torch.Generator) -> list[tuple[torch.Tensor, tor
     if workload == "gpt":
         tokens = [torch.randint(0, GPT["vocab_size"], (8, 33), generator=gen) for _ in range(8)]
         return [(t[:, :-1], t[:, 1:]) for t in tokens]
-    return [
-        (torch.randn(BATCH, SIZES[0], generator=gen), torch.randn(BATCH, SIZES[-1], generator=gen))
-        for _ in range(8)
-    ]
+    return mlp.batches()
 
 
 def parse(side: str) -> tuple[dict[str, Any], dict[str, str]]:

@@ -37,6 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import mlp  # bench/shared/, beside this script
+
 from elasticpipe.client import driver
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
@@ -53,8 +55,6 @@ STRAGGLER_MODEL = {
     "max_seq_len": 64,
 }
 VS_TORCH_GPT = {"vocab_size": 96, "d_model": 96, "n_heads": 4, "n_layers": 8, "max_seq_len": 64}
-SIZES = [1024] * 5
-BATCH, MICRO_BATCHES = 256, 4
 
 
 def main() -> int:
@@ -81,21 +81,8 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1234)
     cluster_kwargs: dict[str, Any] = {"stages": args.stages}
     if args.workload == "overhead":
-        data = [
-            (
-                torch.randn(BATCH, SIZES[0], generator=gen),
-                torch.randn(BATCH, SIZES[-1], generator=gen),
-            )
-            for _ in range(8)
-        ]
-        job: dict[str, Any] = {
-            "model": "mlp",
-            "model_kwargs": {"sizes": SIZES},
-            "optimizer": "sgd",
-            "optimizer_kwargs": {"lr": 0.05},
-            "loss": "mse",
-            "micro_batches": MICRO_BATCHES,
-        }
+        data = mlp.batches()
+        job: dict[str, Any] = {**mlp.JOB, "micro_batches": mlp.MICRO_BATCHES}
     elif args.workload == "gpt":
         tokens = [torch.randint(0, 96, (16, 65), generator=gen) for _ in range(8)]
         data = [(t[:, :-1], t[:, 1:]) for t in tokens]

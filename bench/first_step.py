@@ -61,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/first_step.py`
 
 from datapaths import MIB, Batch, DataPath  # bench/datapaths.py, next to this script
-from shared.cpu import process_faults  # bench/shared/, beside this script
+from shared.cpu import process_faults, stage_pids  # bench/shared/, beside this script
 
 from elasticpipe.client import streaming
 from elasticpipe.client.pipeline import Pipeline
@@ -121,7 +121,7 @@ def timed_phases(kernel: Callable[[], tuple[int, float]]) -> Iterator[dict[str, 
 
 def stages_kernel(cluster: LocalCluster) -> tuple[int, float]:
     """The stage processes' minor page faults and kernel CPU seconds so far, all together."""
-    figures = [process_faults(p.pid) for n, p in cluster.procs.items() if n.startswith("stage-")]
+    figures = [process_faults(pid) for pid in stage_pids(cluster)]
     return sum(f for f, _ in figures), sum(k for _, k in figures)
 
 

@@ -69,7 +69,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/overhead.py`
 
-from shared.cpu import process_cpu_s  # bench/shared/, beside this script
+from shared import mlp  # bench/shared/, beside this script
+from shared.cpu import process_cpu_s
 
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
@@ -84,15 +85,10 @@ OURS = {
     for p in (Path(__file__).parents[1] / d).glob("*.py")
     if p.name != "__init__.py"
 }
-SIZES = [1024] * 5  # 4 Linear(1024, 1024) with ReLU between: 7 layers, ~4.2 M parameters
+SIZES, BATCH, MICRO_BATCHES = mlp.SIZES, mlp.BATCH, mlp.MICRO_BATCHES  # (shared.mlp)
 MODEL_KWARGS: dict[str, Any] = {"sizes": SIZES}
 SEED = 0
-BATCH = 256
-MICRO_BATCHES = 4
-LOSS = "mse"
-OPTIMIZER = "sgd"
-OPTIMIZER_KWARGS = {"lr": 0.05}
-NUM_BATCHES = 8  # distinct mini-batches, cycled
+LOSS, OPTIMIZER, OPTIMIZER_KWARGS = mlp.LOSS, mlp.OPTIMIZER, mlp.OPTIMIZER_KWARGS
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 FULL = {"steps": 40, "warmup": 5, "tls_rounds": 5}
@@ -134,11 +130,7 @@ class Result:
 
 def make_data() -> Batches:
     """The mini-batches every way trains on, the same for all."""
-    gen = torch.Generator().manual_seed(1234)
-    return [
-        (torch.randn(BATCH, SIZES[0], generator=gen), torch.randn(BATCH, SIZES[-1], generator=gen))
-        for _ in range(NUM_BATCHES)
-    ]
+    return mlp.batches()
 
 
 def accumulated_step(

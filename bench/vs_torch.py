@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/vs_torch.py`
 
-from shared.cpu import process_cpu_s  # bench/shared/, beside this script
+from shared.cpu import process_cpu_s, stage_pids  # bench/shared/, beside this script
 
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
@@ -244,9 +244,7 @@ def elastic_pipe(
 
 def stage_cpu_s(cluster: LocalCluster) -> float:
     """CPU seconds the cluster's stage processes have used so far (from /proc)."""
-    return sum(
-        process_cpu_s(proc.pid) for name, proc in cluster.procs.items() if name.startswith("stage-")
-    )
+    return sum(process_cpu_s(pid) for pid in stage_pids(cluster))
 
 
 # ---- the run ---------------------------------------------------------------------------------

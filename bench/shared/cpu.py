@@ -5,8 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["process_cpu_s", "process_faults"]
+if TYPE_CHECKING:
+    from elasticpipe.local.cluster import LocalCluster
+
+__all__ = ["process_cpu_s", "process_faults", "stage_pids"]
+
+
+def stage_pids(cluster: LocalCluster) -> list[int]:
+    """The process ids of a local cluster's stages (its coordinators left out)."""
+    return [proc.pid for name, proc in cluster.procs.items() if name.startswith("stage-")]
 
 
 def process_cpu_s(pid: int) -> float:
