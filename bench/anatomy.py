@@ -13,7 +13,9 @@ traced steps, in ms from the step's start on the client:
   step time a pipeline with no overhead at all would take with these ops -- the bubble is
   in it, the overhead is not;
 * the time from the last stage's last backward to ``driver.run`` returning (reports back),
-  and the commit's round trip.
+  and the commit's round trip; each stage's optimizer step (its ``SPAN_COMMIT``), which
+  runs after the stage's reply to the commit (``stage_server.deferral``): a negative
+  "ends before commit returns" is an optimizer step that outlasted the round trip.
 
 Run: ``python bench/anatomy.py [--steps N] [--stages S] [--schedule 1f1b|gpipe|zb-h1]
 [--quick]`` (``--quick``: 2 traced steps after 1 warm-up step, to check the script end to end
@@ -181,12 +183,12 @@ def main() -> int:
             rows[f"{p}: send spans (link thread)"].append(sends)
             commits = [s for s in t.spans if s.step == step and s.kind == stage_pb2.SPAN_COMMIT]
             if commits:
-                rows[f"{p}: commit span"].append(commits[-1].duration_ns / 1e6)
+                rows[f"{p}: optimizer step (commit span)"].append(commits[-1].duration_ns / 1e6)
                 at, to = t.local(commits[-1])
-                rows[f"{p}: commit span from client's commit start"].append(
+                rows[f"{p}: optimizer step starts after commit starts"].append(
                     ms(at) - ms(marks["commit0"][n])
                 )
-                rows[f"{p}: commit span end to client's commit return"].append(
+                rows[f"{p}: optimizer step ends before commit returns"].append(
                     ms(marks["commit1"][n]) - ms(to)
                 )
             gaps = [(b.start_ns - a.start_ns - a.duration_ns) / 1e6 for a, b in pairwise(ops)]

@@ -301,7 +301,8 @@ def commit(
     client: int = 0,
     clip: GradClip = NO_CLIP,
 ) -> None:
-    """Commits a completed step on every stage (each applies its optimizer step): every
+    """Commits a completed step on every stage (each records the decision, replies, then
+    applies its optimizer step before anything else: ``stage_server.deferral``): every
     stage of every replica, given a layout.
 
     CommitStep is idempotent: a stage whose commit (or its reply) was lost is asked once

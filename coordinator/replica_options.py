@@ -458,8 +458,10 @@ def note_step_overhead(
     """What the job's stages waited between runs beyond its optimizer steps, for
     ``Cluster.per_step``: the smallest wait any stage of the ``running`` chains measured
     in this epoch (the slowest stage's: the others also wait for its report), less the
-    optimizer steps predicted for all the job's ``chains`` (the commit waits for every
-    stage's, an idle replica's too). Nothing until every running stage measured one."""
+    optimizer steps predicted for all the job's ``chains`` (each stage's next run waits for
+    its own, which runs between its runs; the commit reaches every stage, an idle
+    replica's too). A wait shorter than the optimizer steps (the step hidden behind the
+    round trips) counts as no overhead. Nothing until every running stage measured one."""
     job = cluster.job
     assert job is not None
     waits = []

@@ -10,7 +10,6 @@ chain's next stage (``_push_copy``); the peer checks and keeps it (``check_copy_
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 from elasticpipe.errors import NotReady
@@ -18,6 +17,7 @@ from elasticpipe.partition import Placement
 from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.callers import check_source
 from elasticpipe.stage_server.config import StageConfig
+from elasticpipe.stage_server.deferral import Deferral
 from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.snapshots import (
     Capture,
@@ -46,7 +46,7 @@ class SnapshotCopies:
     job: JobConfig | None
     slice: LayerSlice | None
     placement: Placement | None
-    _cond: threading.Condition
+    _cond: Deferral
     _peers: rpc.StagePool
     _snapshotter: Snapshotter
 

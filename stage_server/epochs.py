@@ -20,7 +20,6 @@ machine and layers, and carry out their effects through ``Stage._apply``.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,6 +31,7 @@ from elasticpipe.logs import get_logger
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server import reducing, transfers
 from elasticpipe.stage_server.config import StageConfig
+from elasticpipe.stage_server.deferral import Deferral
 from elasticpipe.stage_server.faults import Faults
 from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.protocol import Effect, Phase, StepMachine
@@ -74,7 +74,7 @@ class EpochChanges:
     job: JobConfig | None
     slice: LayerSlice | None
     placement: Placement | None
-    _cond: threading.Condition
+    _cond: Deferral
     _peers: rpc.StagePool
     _apply: Callable[[Iterable[Effect]], None]  # carries out the machine's effects
     _new_slice: Callable[[JobConfig], LayerSlice]

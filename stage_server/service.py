@@ -308,10 +308,9 @@ class StageServicer:
         bounds.epoch(req.epoch, self.stage.epoch)
         bounds.run(req.run)
         bounds.step(req.step)
-        with self.stage.tracer.span(SpanKind.COMMIT, req.step, req.run, req.epoch):
-            committed = self.stage.commit_step(
-                req.epoch, req.run, req.step, req.client, _clip(req.clip)
-            )
+        committed = self.stage.commit_step(
+            req.epoch, req.run, req.step, req.client, _clip(req.clip)
+        )
         return stage_pb2.CommitStepResponse(committed_step=committed)
 
     def AbortStep(
@@ -487,6 +486,7 @@ class StageServicer:
     def GetTrace(
         self, req: stage_pb2.TraceRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.TraceResponse:
+        self.stage.settle()  # a step committed before this call shows its optimizer step
         tracer = self.stage.tracer
         now = tracer.now_ns()
         steps = int(bounds.number(req.steps, "steps", 0, tracer.steps_kept))

@@ -55,6 +55,7 @@ from elasticpipe.stage_server import (
 )
 from elasticpipe.stage_server.config import StageConfig
 from elasticpipe.stage_server.copies import SnapshotCopies
+from elasticpipe.stage_server.deferral import Deferral
 from elasticpipe.stage_server.devicetime import Slowdown
 from elasticpipe.stage_server.epochs import EpochChanges
 from elasticpipe.stage_server.executor import RunContext, StashMeter, StepResult, execute
@@ -66,7 +67,7 @@ from elasticpipe.stage_server.profiling import profile_layers
 from elasticpipe.stage_server.protocol import Decision, Do, Effect, Phase, RunState, StepMachine
 from elasticpipe.stage_server.slicestate import LayerTiming
 from elasticpipe.stage_server.snapshots import SnapshotStore, Snapshotter
-from elasticpipe.stage_server.tracing import Tracer
+from elasticpipe.stage_server.tracing import SpanKind, Tracer
 from elasticpipe.training.clipping import NO_CLIP, GradClip
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import check_job
@@ -132,7 +133,7 @@ class Stage(EpochChanges, SnapshotCopies):
         self._stash_meter = StashMeter()  # which runs count their stashed bytes
         self.asker: Asker | None = None  # set by the server: asks the coordinator
         self.poisoned = ""  # why this incarnation must be replaced (then re-registers)
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = Deferral(self._apply, config.name)  # a commit's step runs after its reply
         self._mailbox = self._new_mailbox()
         self.committed = threading.Event()  # set at each step applied
         self.pipeline_time = measures.EpochTime()  # this epoch's training runs' pipeline
@@ -164,7 +165,8 @@ class Stage(EpochChanges, SnapshotCopies):
             if e.do is Do.APPLY_STEP:
                 assert self.slice is not None
                 try:
-                    self.optimizer_rate.note(self.epoch, self.slice.timed_step(e.clip))
+                    with self.tracer.span(SpanKind.COMMIT, e.step, e.run, self.machine.epoch):
+                        self.optimizer_rate.note(self.epoch, self.slice.timed_step(e.clip))
                     self.committed.set()  # (the heartbeat may report at once: ``server``)
                 except Exception as exc:
                     # Some layers may have stepped and others not: this stage's state is
@@ -533,13 +535,25 @@ class Stage(EpochChanges, SnapshotCopies):
     def commit_step(
         self, epoch: int, run: int, step: int, client: int = 0, clip: GradClip = NO_CLIP
     ) -> int:
-        """Applies the run's accumulated gradients (clipped by ``clip``): one optimizer step."""
+        """Commits the run: records the decision and returns; the optimizer step from the
+        run's accumulated gradients (clipped by ``clip``) runs after, before anything else
+        takes the lock (``deferral``)."""
         if self.faults.drops_commit(run):
             raise StageUnavailable(f"commit of run {run} lost on the way (injected fault)")
         self.faults.point("commit")
         with self._cond:
-            self._apply(self.machine.commit(epoch, run, step, client, clip))
+            effects = self.machine.commit(epoch, run, step, client, clip)
+            if any(e.do is Do.APPLY_STEP for e in effects):
+                self._cond.defer(effects)  # decided: the reply need not wait for the step
+                self._cond.notify_all()
+            else:
+                self._apply(effects)
             return self.machine.committed_step
+
+    def settle(self) -> None:
+        """Runs a committed step's optimizer step now if it has not run yet (``deferral``)."""
+        with self._cond:
+            pass  # taking the lock settles
 
     def abort_step(self, run: int, reason: str, client: int = 0) -> None:
         """Discards a run wherever it is; returns once the run stopped computing (or after
@@ -617,13 +631,15 @@ class Stage(EpochChanges, SnapshotCopies):
         return self.machine.frozen is not None
 
     def close(self) -> None:
-        """Stops the lease ticker and the snapshot thread; closes the links."""
+        """Stops the lease ticker, the applier and the snapshot thread (after a deferred
+        snapshot: ``deferral``); closes the links."""
         self._stop.set()
         self._ticker.join(timeout=5)
-        self._snapshotter.close()
-        with self._cond:
+        self._cond.close()
+        with self._cond:  # (what the applier left runs first)
             for link in self._links.values():
                 link.close()
             self._links.clear()
+        self._snapshotter.close()
         self._peers.close()
         self.path.close()

@@ -64,7 +64,8 @@ class LayoutPlan:
 class PerStep:
     """What a step costs once, outside its pipelines: ``fixed_s`` (the RunStep fan-out, the
     commit's round trip, the client's loop: learned, ``Cluster.per_step``), plus the optimizer
-    steps, which every stage runs at once before the step returns: the busiest stage's
+    steps, which every stage runs at once between its runs (after its reply to the commit;
+    its next run waits for it, ``stage_server.deferral``): the busiest stage's
     parameter bytes (``param_bytes`` per layer) at ``optimizer_rate`` bytes/s. Without a
     rate, optimizer steps count as free."""
 

@@ -137,7 +137,7 @@ class _SpanKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpanKind.Val
     SPAN_RECV_WAIT: _SpanKind.ValueType  # 4
     """waiting for a micro-batch's input, gradient or target"""
     SPAN_COMMIT: _SpanKind.ValueType  # 5
-    """CommitStep: the optimizer step"""
+    """a committed step's optimizer step (after CommitStep's reply)"""
     SPAN_FREEZE: _SpanKind.ValueType  # 6
     """the epoch-change protocol: waiting for the step boundary"""
     SPAN_PREPARE: _SpanKind.ValueType  # 7
@@ -147,7 +147,9 @@ class _SpanKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpanKind.Val
     SPAN_WEIGHT: _SpanKind.ValueType  # 9
     """ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
     SPAN_REDUCE: _SpanKind.ValueType  # 10
-    """replicas: a reduction group's gradient reduction (micro_batch: the"""
+    """replicas: a reduction group's gradient reduction, from its start to its sums
+    (micro_batch: the group; layer_lo/hi: the layers it sums)
+    """
 
 class SpanKind(_SpanKind, metaclass=_SpanKindEnumTypeWrapper):
     """---- traces -----------------------------------------------------------------"""
@@ -161,7 +163,7 @@ SPAN_SEND: SpanKind.ValueType  # 3
 SPAN_RECV_WAIT: SpanKind.ValueType  # 4
 """waiting for a micro-batch's input, gradient or target"""
 SPAN_COMMIT: SpanKind.ValueType  # 5
-"""CommitStep: the optimizer step"""
+"""a committed step's optimizer step (after CommitStep's reply)"""
 SPAN_FREEZE: SpanKind.ValueType  # 6
 """the epoch-change protocol: waiting for the step boundary"""
 SPAN_PREPARE: SpanKind.ValueType  # 7
@@ -171,7 +173,9 @@ SPAN_EPOCH_COMMIT: SpanKind.ValueType  # 8
 SPAN_WEIGHT: SpanKind.ValueType  # 9
 """ZB_H1: a micro-batch's weight gradients (SPAN_BACKWARD: its input's)"""
 SPAN_REDUCE: SpanKind.ValueType  # 10
-"""replicas: a reduction group's gradient reduction (micro_batch: the"""
+"""replicas: a reduction group's gradient reduction, from its start to its sums
+(micro_batch: the group; layer_lo/hi: the layers it sums)
+"""
 Global___SpanKind: _TypeAlias = SpanKind  # noqa: Y015
 
 @_typing.final

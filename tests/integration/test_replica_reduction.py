@@ -83,7 +83,9 @@ def _train(
         state = {}
         for ref in replica.stages:
             stage = by_address[ref.address].stage
-            assert stage is not None and stage.slice is not None
+            assert stage is not None
+            stage.settle()  # (a commit replies before its optimizer step)
+            assert stage.slice is not None
             for i in stage.slice.indices:
                 for name, tensor in stage.slice.layers[i].state_dict().items():
                     state[f"{i}.{name}"] = tensor.detach().clone()

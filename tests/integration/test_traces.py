@@ -246,7 +246,8 @@ def test_a_migration_shows_as_freeze_prepare_and_commit_on_every_stage(
     cluster4: LocalCluster, tmp_path: Path
 ) -> None:
     """After a set-partition between two steps, every stage's trace holds the optimizer
-    commits and the freeze, prepare and commit of the new epoch, on its control track."""
+    steps of the commits and the freeze, prepare and commit of the new epoch, on its
+    control track."""
     with Pipeline(
         coordinator=cluster4.coordinator,
         model="mlp",
