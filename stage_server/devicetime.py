@@ -215,11 +215,17 @@ class Slowdown:
         self.factor = float(factor)
 
     def timed(
-        self, fn: Callable[[], Any], sync: Callable[[], None], op: Hashable | None = None
+        self,
+        fn: Callable[[], Any],
+        sync: Callable[[], None],
+        op: Hashable | None = None,
+        outside: Callable[[], float] | None = None,
     ) -> tuple[Any, float | Lap]:
         """Runs ``fn`` and returns (result, emulated seconds); the extra time is owed.
         With CUDA events the seconds are a ``Lap``, read once its events completed. ``op``
-        names the op for a ``fastest`` model (``LayerSlice.op``)."""
+        names the op for a ``fastest`` model (``LayerSlice.op``); ``outside()``, once
+        ``fn`` returned, the seconds of host work within it that are no device's (on the
+        host clock)."""
         if self.events is not None:
             result, lap = self.events.time(fn, self.factor)
             if lap.factor > 1.0:
@@ -231,7 +237,7 @@ class Slowdown:
         start = self.clock()
         result = fn()
         sync()
-        compute = self.clock() - start
+        compute = self.clock() - start - (outside() if outside is not None else 0.0)
         if self.fastest is not None and op is not None:
             compute = self.fastest.time(op, compute)
         if factor > 1.0:

@@ -20,9 +20,10 @@ import torch
 from elasticpipe.errors import DeadlineExceeded
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server.devicepath import DevicePath, PlainPath, losses_to_floats
-from elasticpipe.stage_server.layers import LayerSlice, Stash
+from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Slot
+from elasticpipe.stage_server.stash import Stash
 from elasticpipe.stage_server.tracing import Span, SpanKind, Tracer
 from elasticpipe.training.objectives import scaled_loss_tensor
 from elasticpipe.training.schedule import Op, OpKind
@@ -216,6 +217,7 @@ def _run_ops(
                 micro_batch=ctx.first_micro_batch + i,
                 step=ctx.step,
                 count=count,
+                split=split,
             )
             result.compute_s += (now() - t0) / 1e9
             if target is not None:

@@ -1,10 +1,11 @@
 """The layers a stage runs: per-layer forward and backward, with timing and slowdown.
 
-Each owned layer is run on its own, with its input detached, so that the stage can time
-the forward *and* the backward of every layer it holds (what the planner needs) and can
-hand any single layer, with its optimizer state, to another stage (``slicestate``: the
-layers' state and optimizers, ``LayerSlice``'s base class). An emulated slow device's
-time is ``devicetime.Slowdown``'s: each op begins and pays its device time there.
+The stage times the forward *and* the backward of every layer it holds (what the planner
+needs) and can hand any single layer, with its optimizer state, to another stage
+(``slicestate``: the layers' state and optimizers, ``LayerSlice``'s base class). Backward
+runs one autograd pass through the layers ``forward`` linked, timed by hooks between them,
+and layer by layer where it did not (``stash.Stash``: what a micro-batch holds for it). An
+emulated slow device's time is ``devicetime.Slowdown``'s: each op pays its time there.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,55 +26,12 @@ from elasticpipe.stage_server import weightgrad
 from elasticpipe.stage_server.alike import alike_key
 from elasticpipe.stage_server.devicetime import Lap, Slowdown
 from elasticpipe.stage_server.slicestate import SliceState
+from elasticpipe.stage_server.stash import Stash, WeightWork
 from elasticpipe.training import precision, rng
 from elasticpipe.training.job import JobConfig
 from elasticpipe.training.objectives import loss_fn
 from elasticpipe.wire import structure
 from elasticpipe.wire.structure import Value
-
-
-@dataclass
-class Stash:
-    """What backward needs of one micro-batch: each layer's (detached inputs, outputs),
-    as flat lists of tensors (``elasticpipe.wire.structure``); the outputs are None for a layer
-    that recomputes its forward during backward (it keeps only its inputs)."""
-
-    pairs: list[tuple[list[torch.Tensor], list[torch.Tensor] | None]] = field(default_factory=list)
-    seeds: dict[int, int] = field(default_factory=dict)  # recomputed layers' RNG seeds
-    # recomputed layers' input structures (None: a plain tensor), to rebuild the input
-    shapes: dict[int, structure.Structure | None] = field(default_factory=dict)
-
-    saved: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # by autograd
-    counted: bool = True  # whether ``saved`` was noted (``LayerSlice.forward``'s ``count``)
-    # ZB-H1: the weight gradients B left for W, in the order B met the layers
-    weights: list[_WeightWork] = field(default_factory=list)
-    # ZB-H1: weight gradients B wrote itself (a layer whose backward cannot be split, as
-    # reentrant checkpointing): kept here until W, so that no other micro-batch's B adds
-    # to them in ``.grad`` before this one's gradients are taken
-    early: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    def nbytes(self) -> int:
-        """Bytes of activation memory held: every layer's inputs and outputs, what the
-        autograd graph still keeps for backward (parameters excluded; only if ``counted``),
-        and after a ZB-H1 B the gradients kept for W, each storage once."""
-        alive = [t for ref in self.saved if (t := ref()) is not None]
-        alive += [t for pair in self.pairs for ts in pair if ts is not None for t in ts]
-        alive += [t for w in self.weights for t in (*w.grads, *w.split.tensors())]
-        held = {}
-        for t in alive:
-            storage = t.untyped_storage()
-            held[storage.data_ptr()] = storage.nbytes()
-        return sum(held.values())
-
-
-class _WeightWork(NamedTuple):
-    """One layer's weight gradients, left by B for W (``weightgrad``); ``grads`` are the
-    gradients of its outputs (named in errors), ``b_seconds`` what B spent on it."""
-
-    layer: int
-    split: weightgrad.Split
-    grads: list[torch.Tensor]
-    b_seconds: float | Lap
 
 
 def _user_error(
@@ -89,7 +46,7 @@ def _user_error(
 
 
 class LayerSlice(SliceState):
-    """Layers [lo, hi) of a job's model on one device, run one at a time and timed."""
+    """Layers [lo, hi) of a job's model on one device, each layer timed."""
 
     def __init__(
         self,
@@ -120,8 +77,17 @@ class LayerSlice(SliceState):
         micro_batch: int = -1,
         step: int = 0,
         count: bool = True,
+        split: bool = False,
     ) -> tuple[Value, Stash | None]:
         """Runs every owned layer on ``x``; keeps what backward needs when ``train``.
+
+        Each layer whose input is one tensor (needing a gradient, if a float) is *linked*
+        to the layer below (its input is that layer's output itself), so that one autograd
+        pass runs through them all (``backward``; a pass per layer cost a 5-layer GPT slice
+        6% more CPU), unless backward needs each layer on its own (``split``, a recomputed
+        layer, per-op times: a ``fastest`` model, CUDA events, a non-CPU device) or the
+        job runs under autocast (it caches the casts of leaves only). A linked layer must
+        not change its input in place.
 
         Inference (``train`` False) runs the layers in eval mode under
         ``torch.inference_mode``, and puts them back in training mode after: dropout is
@@ -139,6 +105,7 @@ class LayerSlice(SliceState):
             count: note what autograd saves for backward, so that ``Stash.nbytes`` counts
                 it (a Python hook per saved tensor: about 7% of a small GPT block's time,
                 so the executor counts only the runs it measures, ``StashMeter``).
+            split: backward will be ZB-H1's B and W (``backward(split=True)``).
 
         Raises:
             UserCodeError: a layer raised on the input it was given.
@@ -150,13 +117,22 @@ class LayerSlice(SliceState):
         self.slowdown.begin()
         stash = Stash(counted=count)
         saving = self._saving(stash) if count else contextlib.nullcontext()
+        chain = not split and self._chains()
         with torch.enable_grad(), rng.forked(self.device) as seed_layer, saving:
             for n, i in enumerate(self.indices):
                 layer = self.layers[i]
                 need = input_grad or n > 0
                 shape: structure.Structure | None = None
+                linked = (  # (a float that needs no gradient: detached, then it does)
+                    chain
+                    and n > 0
+                    and isinstance(x, torch.Tensor)
+                    and (x.requires_grad or not x.is_floating_point())
+                )
+                stash.linked.append(linked)
+                version = x._version if linked else 0  # type: ignore[union-attr]  # a tensor
                 if isinstance(x, torch.Tensor):  # the common case, without a detour
-                    if x.is_floating_point():
+                    if x.is_floating_point() and not linked:
                         x = x.detach().requires_grad_(need)
                     xs = [x]
                 else:
@@ -180,9 +156,25 @@ class LayerSlice(SliceState):
                     stash.pairs.append(
                         (xs, [y] if isinstance(y, torch.Tensor) else structure.tensors(y))
                     )
+                if linked and xs[0].requires_grad and xs[0]._version != version:
+                    # autograd allows it on a linked input, but the hook that times the layer
+                    # would sit inside it; an unlinked input (a leaf) refuses it
+                    what = RuntimeError("it changed its input in place")
+                    raise _user_error("forward", i, layer, x, micro_batch, what)
                 x = y
         self.slowdown.pay()
         return x, stash
+
+    def _chains(self) -> bool:
+        """Whether a run that does not split its backward links its layers (``forward``)."""
+        slow = self.slowdown
+        return (
+            self.device.type == "cpu"
+            and self.job.precision == "fp32"  # (autocast caches the casts of leaves only)
+            and slow.events is None
+            and slow.fastest is None
+            and not any(self.job.recomputes(i) for i in self.indices)
+        )
 
     def _saving(self, stash: Stash) -> torch.autograd.graph.saved_tensors_hooks:
         """Counts what autograd saves for backward (parameters excluded) in ``stash``."""
@@ -353,7 +345,18 @@ class LayerSlice(SliceState):
         self.slowdown.begin()
         grads = structure.tensors(grad) if grad is not None else None
         finished = _Finished(self, micro_batch, done if not split else None)
-        for i, (xs, kept) in zip(reversed(self.indices), reversed(stash.pairs), strict=True):
+        if len(stash.pairs) != len(self.indices):
+            raise ValueError(f"a stash of {len(stash.pairs)} layers for layers {self.indices}")
+        if split and any(stash.linked):
+            raise ValueError("a backward split into B and W needs a forward with split=True")
+        linked = stash.linked or [False] * len(stash.pairs)
+        at = len(stash.pairs) - 1  # the next layer's place in the slice, top down
+        while at >= 0:
+            i, (xs, kept) = self.indices[at], stash.pairs[at]
+            low = at  # the lowest layer linked to this one: one autograd pass runs to it
+            while low > 0 and linked[low]:
+                low -= 1
+            top, at = at, at - 1
             finished.above(i)
             if grads is None:
                 break
@@ -379,6 +382,10 @@ class LayerSlice(SliceState):
             if not outs:
                 grads = _input_grads(xs)
                 continue
+            if low < top:  # (``forward`` links no layer when splitting or recomputing)
+                stop = self._linked_backward(stash, low, top, outs, gs, micro_batch, finished)
+                grads, at = _input_grads(stash.pairs[stop][0]), stop - 1
+                continue
             if not params:  # the whole backward, now
                 _, seconds = self._autograd(
                     i, micro_batch, gs, partial(_backward, outs, gs), "backward", xs
@@ -389,7 +396,7 @@ class LayerSlice(SliceState):
             need = [x for x in xs if x.is_floating_point() and x.requires_grad]
             if not need:  # nothing for B: W runs the whole backward
                 whole = weightgrad.Split(fallback=(outs, gs, None))  # as a whole backward
-                stash.weights.append(_WeightWork(i, whole, gs, again))
+                stash.weights.append(WeightWork(i, whole, gs, again))
                 grads = _input_grads(xs)
                 continue
             (got, halves), seconds = self._autograd(
@@ -400,7 +407,7 @@ class LayerSlice(SliceState):
                 "input grads",
                 xs,
             )
-            stash.weights.append(_WeightWork(i, halves, gs, seconds + again))
+            stash.weights.append(WeightWork(i, halves, gs, seconds + again))
             by_id = {id(x): g for x, g in zip(need, got, strict=True)}
             grads = [
                 g if (g := by_id.get(id(x))) is not None else torch.zeros_like(x)
@@ -408,6 +415,7 @@ class LayerSlice(SliceState):
                 if x.is_floating_point()
             ]
         stash.pairs.clear()
+        stash.linked.clear()
         stash.seeds.clear()
         stash.shapes.clear()
         if not split:  # with ZB-H1 the weight gradients come with W
@@ -416,6 +424,76 @@ class LayerSlice(SliceState):
             stash.early = self.held_grads()
         self.slowdown.pay()
         return structure.grads_value(grads) if grads is not None else None
+
+    def _linked_backward(
+        self,
+        stash: Stash,
+        bottom: int,
+        top: int,
+        outs: list[torch.Tensor],
+        gs: list[torch.Tensor],
+        micro_batch: int,
+        finished: _Finished,
+    ) -> int:
+        """One autograd pass from the outputs ``outs`` of the slice's ``top``-th layer down
+        through the ``bottom``-th, the layers between linked. A hook on each linked input
+        notes when the layer above it is done (the engine runs a CPU graph made on one
+        thread on this thread, highest sequence number first, gradient accumulations
+        before anything: a layer's nodes before the layer below's; ``none_late`` checks):
+        its time, and its gradients taken into the run's sums (``finished``).
+
+        Returns:
+            The lowest layer reached: ``bottom``, or one whose input, needing a gradient,
+            got none (the layers below then get zeros, as one by one).
+        """
+        clock, indices, pairs = self.slowdown.clock, self.indices, stash.pairs
+        ends: dict[int, float] = {}  # by position: when that layer's backward was done
+        ours: dict[int, float] = {}  # by mark: what its hook spent taking gradients
+
+        def mark(n: int) -> Callable[[torch.Tensor], None]:
+            def done(_: torch.Tensor) -> None:
+                ends[n] = t = clock()
+                if finished.done is not None:  # (else nothing to take before the end)
+                    finished.above(indices[n - 1])
+                    ours[n] = clock() - t
+
+            return done
+
+        hooks = [  # top down: hooks on one tensor (identity layers) run in this order
+            x.register_hook(mark(n))  # type: ignore[no-untyped-call]  # torch stub
+            for n in range(top, bottom, -1)
+            if (x := pairs[n][0][0]).requires_grad
+        ]
+        start = clock()
+        try:
+            _, seconds = self.slowdown.timed(
+                partial(_backward, outs, gs), self._sync, outside=lambda: sum(ours.values())
+            )
+        except ElasticPipeError:  # a hook's: the run's sums or a reduction refused
+            raise
+        except Exception as exc:  # the user's code may raise anything: name the layer
+            n = next(n for n in range(top, bottom - 1, -1) if n not in ends)
+            ys = pairs[n][1] or []
+            g = structure.grads_value([y for y in ys if y.is_floating_point()])
+            raise _user_error(
+                "backward", indices[n], self.layers[indices[n]], g, micro_batch, exc
+            ) from exc
+        finally:
+            for hook in hooks:
+                hook.remove()
+        end = clock()
+        assert isinstance(seconds, float)  # (CUDA events' laps: never linked)
+        if finished.done is not None:
+            finished.none_late(indices[bottom : top + 1])
+        stop = next((n for n in range(top, bottom, -1) if n not in ends), bottom)
+        ends[stop] = end
+        total, before = end - start - sum(ours.values()), start
+        for n in range(top, stop - 1, -1):  # the time between two marks is the layer's
+            took = max(0.0, ends[n] - before)
+            share = took / total if total > 0 else 1.0 / (top - stop + 1)
+            self._observe(indices[n], None, share * seconds, 0)
+            before = max(before, ends[n]) + ours.get(n, 0.0)
+        return stop
 
     def backward_weights(
         self, stash: Stash, micro_batch: int = -1, done: Callable[[int], None] | None = None
@@ -472,6 +550,21 @@ class _Finished:
         self.layers, self.micro_batch, self.done = layers, micro_batch, done
         self.left = list(reversed(layers.indices))  # not taken yet, highest first
 
+    def none_late(self, layers: Sequence[int]) -> None:
+        """Checks that no gradient reached a layer of ``layers`` after it was taken.
+
+        Raises:
+            ModelError: one did (a layer whose graph has nodes made on another thread).
+        """
+        for i in layers:
+            if i not in self.left and any(
+                p.grad is not None for p in self.layers.layers[i].parameters()
+            ):
+                raise ModelError(
+                    f"a gradient reached layer {i} after the layer below it began its backward "
+                    "(a node of its graph made on another thread?)"
+                )
+
     def above(self, layer: int | None) -> None:
         """Takes (and tells of) every layer above ``layer`` not taken yet; None: all."""
         if self.done is None:
@@ -490,14 +583,14 @@ def _backward(outs: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
 
 
 def _input_grads(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """The gradients of a layer's floating inputs (zeros for one it did not use), or None
-    where they need none (the first stage's data)."""
+    """The gradients of a layer's floating inputs (zeros for one it did not use, as for a
+    linked input that no gradient reached), or None where they need none (data)."""
     grads = []
     for x in xs:
         if x.is_floating_point():
             if not x.requires_grad:
                 return None
-            g = x.grad
+            g = x.grad if x.is_leaf else None
             grads.append(g if g is not None else torch.zeros_like(x))
     return grads
 

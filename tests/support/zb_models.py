@@ -1,5 +1,5 @@
 """Odd layers for the ZB-H1 review: frozen, reused, unused and independent parameters,
-tuples with int tensors, batch norm."""
+tuples with int tensors, batch norm; a layer whose backward raises."""
 
 from __future__ import annotations
 
@@ -153,3 +153,67 @@ def unreached(width: int = 8, classes: int = 3) -> nn.Sequential:
         nn.ReLU(),
         nn.Linear(width, classes),
     )
+
+
+class _Refuses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no backward here")
+
+
+class RefusesBackward(nn.Module):
+    """A Linear whose backward raises (the user's error, to be named)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Refuses.apply(self.lin(x))
+
+
+def refuses(width: int = 8) -> nn.Sequential:
+    """Linear, Linear, a Linear whose backward raises, Linear."""
+    return nn.Sequential(
+        nn.Linear(width, width),
+        nn.Linear(width, width),
+        RefusesBackward(width),
+        nn.Linear(width, width),
+    )
+
+
+class Positive(nn.Module):
+    """Where its input is positive: a float tensor that needs no gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x > 0).float()
+
+
+def gradless_between(width: int = 8) -> nn.Sequential:
+    """Linear, a float mask without a gradient, Linear (found by a second reader: linked,
+    the layers below got no gradient where one by one they got zeros)."""
+    return nn.Sequential(nn.Linear(width, width), Positive(), nn.Linear(width, width))
+
+
+class AddBias(nn.Module):
+    """Adds its bias to its input in place."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.linspace(-1, 1, w))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.b.copy_(torch.linspace(-1, 1, self.b.numel()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(self.b)
+
+
+def in_place(width: int = 8) -> nn.Sequential:
+    """Linear, a layer that changes its input in place, Linear."""
+    return nn.Sequential(nn.Linear(width, width), AddBias(width), nn.Linear(width, width))

@@ -304,7 +304,7 @@ def test_each_kind_of_layer_op_has_a_name_of_its_own(split: bool) -> None:
         job, torch.device("cpu"), Slowdown(2.0, time.thread_time, None, fastest), ()
     )
     layers.build(0, 5)
-    y, stash = layers.forward(torch.randn(4, 16), train=True, input_grad=False, micro_batch=0)
+    y, stash = layers.forward(torch.randn(4, 16), True, False, micro_batch=0, split=split)
     assert stash is not None
     forwards, fastest.names = fastest.names, []
     layers.backward(stash, torch.ones_like(y), split=split)

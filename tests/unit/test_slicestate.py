@@ -34,7 +34,7 @@ def _run(layers: LayerSlice, order: list[int], split: bool = False) -> list[torc
     """One run: every micro-batch forward, then their backwards in ``order``."""
     layers.begin_grads(M)
     xs = _inputs()
-    outs = [layers.forward(xs[k], train=True, micro_batch=k) for k in range(M)]
+    outs = [layers.forward(xs[k], train=True, micro_batch=k, split=split) for k in range(M)]
     for k in order:
         y, stash = outs[k]
         assert stash is not None
@@ -137,7 +137,7 @@ def _zb_run(model: str, n: int, interleaved: bool) -> dict[str, torch.Tensor]:
     outs = []
     for k in range(6):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
-        outs.append(layers.forward(x, True, input_grad=True, micro_batch=k, step=1))
+        outs.append(layers.forward(x, True, True, micro_batch=k, step=1, split=interleaved))
 
     def b(k: int) -> None:
         y, stash = outs[k]
@@ -200,7 +200,7 @@ def test_the_last_backward_tells_each_layer_done_and_its_partials_can_go_first(
 
     for layers, hook in ((want, None), (plain, done)):
         for k in range(3, 8):
-            y, stash = layers.forward(xs[k], train=True, micro_batch=k)
+            y, stash = layers.forward(xs[k], train=True, micro_batch=k, split=split)
             assert stash is not None
             last = hook if k == 7 else None
             if split:

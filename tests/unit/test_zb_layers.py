@@ -34,7 +34,7 @@ def _grads(
     stashes = []
     for k in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
-        y, stash = layers.forward(x, True, input_grad=input_grad, micro_batch=k, step=0)
+        y, stash = layers.forward(x, True, input_grad, micro_batch=k, step=0, split=split)
         assert stash is not None
         stashes.append((y, stash))
     order = [0, 1, 2]
@@ -85,7 +85,7 @@ def test_stash_bytes_count_what_b_leaves_for_w(options: dict[str, object]) -> No
     second reader: they were missed)."""
     layers = _slice("odd", 11, **options)
     x = torch.randn(64, 8)
-    y, stash = layers.forward(x, True, input_grad=True, micro_batch=0, step=0)
+    y, stash = layers.forward(x, True, input_grad=True, micro_batch=0, step=0, split=True)
     assert stash is not None
     layers.backward(stash, torch.ones_like(y), micro_batch=0, split=True)
     held = {}
@@ -116,7 +116,7 @@ def test_split_backward_with_event_laps_settles(input_grad: bool, recompute: boo
     slow = Slowdown(2.0, events=EventClock(make_event=FakeEvent))
     layers = LayerSlice(job, torch.device("cpu"), slow, ALLOW)
     layers.build(0, 11)
-    y, stash = layers.forward(torch.randn(4, 8), True, input_grad=input_grad, micro_batch=0)
+    y, stash = layers.forward(torch.randn(4, 8), True, input_grad, micro_batch=0, split=True)
     assert stash is not None
     layers.backward(stash, torch.ones_like(y), micro_batch=0, split=True)
     layers.backward_weights(stash, micro_batch=0)

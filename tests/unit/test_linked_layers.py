@@ -1,0 +1,116 @@
+"""A stage's layers linked into one autograd pass (``LayerSlice.forward`` without ``split``):
+the same bits as the layers run one by one, each layer timed, and a failing layer named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticpipe.errors import UserCodeError
+from elasticpipe.stage_server.devicetime import Slowdown
+from elasticpipe.stage_server.layers import LayerSlice
+from elasticpipe.training.job import JobConfig
+
+ALLOW = ("tests.support.zb_models",)
+
+
+def _slice(model: str, n: int) -> LayerSlice:
+    job = JobConfig(model=f"tests.support.zb_models:{model}", optimizer="sgd")
+    layers = LayerSlice(job, torch.device("cpu"), Slowdown(), ALLOW)
+    layers.build(0, n)
+    return layers
+
+
+def _run(model: str, n: int, linked: bool, input_grad: bool) -> tuple[list, list, list[int]]:
+    """Three micro-batches' gradients summed in a run (the last backward taking each
+    layer's as it is done, as for a reduction), each one's input gradient, and the layers
+    told done in order; ``split=True`` forwards run the layers one by one (backward
+    without splitting)."""
+    layers = _slice(model, n)
+    layers.begin_grads(3)
+    inputs = []
+    told: list[int] = []
+    for k in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+        y, stash = layers.forward(x, True, input_grad, micro_batch=k, step=2, split=not linked)
+        assert stash is not None
+        assert any(stash.linked) == linked
+        g = torch.ones_like(y) if isinstance(y, torch.Tensor) else torch.ones_like(y[0])
+        done = told.append if k == 2 else None
+        inputs.append(layers.backward(stash, g, micro_batch=k, done=done))
+    layers.finish_backward()
+    grads = [p.grad for i in layers.indices for p in layers.layers[i].parameters()]
+    return grads, inputs, told
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("input_grad", [False, True])
+@pytest.mark.parametrize(
+    ("model", "n"),
+    [("odd", 11), ("unreached", 7), ("independent_only", 3), ("gradless_between", 3)],
+)
+def test_linked_layers_give_the_bits_of_layers_run_one_by_one(
+    model: str, n: int, input_grad: bool
+) -> None:
+    """Awkward layers (frozen, reused, unused, int ids between layers, batch norm, dropout,
+    an output that does not depend on the input, a float between layers without a
+    gradient): every gradient, the missing ones included, the input gradients and the
+    order the layers are told done are equal (gradients bit for bit: same kernels, same
+    order; only where autograd's pass stops differs)."""
+    linked, linked_in, linked_told = _run(model, n, True, input_grad)
+    alone, alone_in, alone_told = _run(model, n, False, input_grad)
+    assert linked_told == alone_told == list(reversed(range(n)))
+    assert len(linked) == len(alone)
+    for a, b in zip(linked, alone, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    for a, b in zip(linked_in, alone_in, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(30)
+def test_linked_layers_are_each_timed() -> None:
+    """An MLP's seven layers in one pass: each gets a backward time of its own."""
+    job = JobConfig(model="mlp", model_kwargs={"sizes": [256] * 5}, optimizer="sgd")
+    layers = LayerSlice(job, torch.device("cpu"), Slowdown(), ())
+    layers.build(0, 7)
+    y, stash = layers.forward(torch.randn(64, 256), True, True, micro_batch=0)
+    assert stash is not None and stash.linked == [False] + [True] * 6
+    layers.backward(stash, torch.ones_like(y), micro_batch=0)
+    assert all(layers.timings[i].backward_s > 0 for i in range(7)), layers.timings
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_backward_in_linked_layers_names_its_layer() -> None:
+    """Where the third of four linked layers raises in backward, the error names layer 2,
+    not the slice's top, and nothing is observed of the failed pass."""
+    layers = _slice("refuses", 4)
+    y, stash = layers.forward(torch.randn(64, 8), True, False, micro_batch=0)
+    assert stash is not None and stash.linked == [False, True, True, True]
+    with pytest.raises(UserCodeError, match=r"backward of layer 2 \(RefusesBackward\)"):
+        layers.backward(stash, torch.ones_like(y), micro_batch=0)
+    assert layers.timings[3].backward_s == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_a_layer_changing_its_linked_input_in_place_is_named() -> None:
+    """Autograd allows it on a linked input, but the hook timing the layer would sit
+    inside the change: refused with the layer named, as an unlinked input refuses it."""
+    layers = _slice("in_place", 3)
+    with pytest.raises(UserCodeError, match=r"forward of layer 1 \(AddBias\).*in place"):
+        layers.forward(torch.randn(4, 8), True, True, micro_batch=0)
+
+
+@pytest.mark.timeout(30)
+def test_layers_under_autocast_are_not_linked() -> None:
+    """Autocast caches its casts of leaves only, so linking would change a bf16 layer's
+    bits: a bf16 job runs its layers one by one."""
+    job = JobConfig(model="mlp", model_kwargs={"sizes": [16] * 4}, precision="bf16")
+    layers = LayerSlice(job, torch.device("cpu"), Slowdown(), ())
+    layers.build(0, 5)
+    _, stash = layers.forward(torch.randn(4, 16), True, True, micro_batch=0)
+    assert stash is not None and not any(stash.linked)
