@@ -205,8 +205,8 @@ def _run(
     secret: bytes,
     generation: int = 0,
 ) -> list[list[stage_pb2.StepReport]]:
-    """Feeds each chain from a thread of its own, starts every chain's RunSteps at once
-    (gRPC futures), and waits; the first failure aborts the run on every stage."""
+    """Starts every chain's RunSteps at once (gRPC futures), feeds each chain from a
+    thread of its own, and waits; the first failure aborts the run on every stage."""
     if schedule not in _SCHEDULE:
         raise InvalidRequest(f"unknown schedule {schedule!r}")
     done: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -231,10 +231,6 @@ def _run(
     def on_done(address: str) -> Any:
         return lambda future: done.put((address, future))
 
-    # The feeders first: the first stage's inputs travel while the RunSteps are issued
-    # (about 0.5 ms each here); a stage holds data that comes before its RunStep.
-    for chain in chains:
-        threading.Thread(target=feed, args=(chain,), name=f"feed-{run_id}", daemon=True).start()
     for chain in chains:
         request = stage_pb2.RunStepRequest(
             epoch=chain.partition.epoch,
@@ -253,6 +249,9 @@ def _run(
         for address in chain.partition.addresses:
             future = clients.stub(address).RunStep.future(request, timeout=timeout + 5.0)
             future.add_done_callback(on_done(address))
+    for chain in chains:
+        threading.Thread(target=feed, args=(chain,), name=f"feed-{run_id}", daemon=True).start()
+
     reports: dict[str, stage_pb2.StepReport] = {}
     errors: list[ElasticPipeError] = []
     for _ in range(len(everyone) + len(chains)):
