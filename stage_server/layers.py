@@ -87,7 +87,7 @@ class LayerSlice(SliceState):
         6% more CPU), unless backward needs each layer on its own (``split``, a recomputed
         layer, per-op times: a ``fastest`` model, CUDA events, a non-CPU device) or the
         job runs under autocast (it caches the casts of leaves only). A linked layer must
-        not change its input in place.
+        not change its input in place where autograd records it.
 
         Inference (``train`` False) runs the layers in eval mode under
         ``torch.inference_mode``, and puts them back in training mode after: dropout is
@@ -130,7 +130,7 @@ class LayerSlice(SliceState):
                     and (x.requires_grad or not x.is_floating_point())
                 )
                 stash.linked.append(linked)
-                version = x._version if linked else 0  # type: ignore[union-attr]  # a tensor
+                node = x.grad_fn if linked else None  # type: ignore[union-attr]  # a tensor
                 if isinstance(x, torch.Tensor):  # the common case, without a detour
                     if x.is_floating_point() and not linked:
                         x = x.detach().requires_grad_(need)
@@ -156,7 +156,7 @@ class LayerSlice(SliceState):
                     stash.pairs.append(
                         (xs, [y] if isinstance(y, torch.Tensor) else structure.tensors(y))
                     )
-                if linked and xs[0].requires_grad and xs[0]._version != version:
+                if linked and xs[0].grad_fn is not node:
                     # autograd allows it on a linked input, but the hook that times the layer
                     # would sit inside it; an unlinked input (a leaf) refuses it
                     what = RuntimeError("it changed its input in place")
@@ -449,12 +449,17 @@ class LayerSlice(SliceState):
         clock, indices, pairs = self.slowdown.clock, self.indices, stash.pairs
         ends: dict[int, float] = {}  # by position: when that layer's backward was done
         ours: dict[int, float] = {}  # by mark: what its hook spent taking gradients
+        failed: list[BaseException] = []  # the hooks' own work's, not the user's
 
         def mark(n: int) -> Callable[[torch.Tensor], None]:
             def done(_: torch.Tensor) -> None:
                 ends[n] = t = clock()
                 if finished.done is not None:  # (else nothing to take before the end)
-                    finished.above(indices[n - 1])
+                    try:
+                        finished.above(indices[n - 1])
+                    except BaseException as exc:
+                        failed.append(exc)
+                        raise
                     ours[n] = clock() - t
 
             return done
@@ -469,9 +474,9 @@ class LayerSlice(SliceState):
             _, seconds = self.slowdown.timed(
                 partial(_backward, outs, gs), self._sync, outside=lambda: sum(ours.values())
             )
-        except ElasticPipeError:  # a hook's: the run's sums or a reduction refused
-            raise
         except Exception as exc:  # the user's code may raise anything: name the layer
+            if failed or isinstance(exc, ElasticPipeError):
+                raise  # the hooks' own (the run's sums, a reduction), as one by one
             n = next(n for n in range(top, bottom - 1, -1) if n not in ends)
             ys = pairs[n][1] or []
             g = structure.grads_value([y for y in ys if y.is_floating_point()])
@@ -551,15 +556,11 @@ class _Finished:
         self.left = list(reversed(layers.indices))  # not taken yet, highest first
 
     def none_late(self, layers: Sequence[int]) -> None:
-        """Checks that no gradient reached a layer of ``layers`` after it was taken.
-
-        Raises:
-            ModelError: one did (a layer whose graph has nodes made on another thread).
-        """
+        """Raises ModelError if a gradient reached a layer of ``layers`` once taken (a
+        layer whose graph has nodes made on another thread)."""
         for i in layers:
-            if i not in self.left and any(
-                p.grad is not None for p in self.layers.layers[i].parameters()
-            ):
+            params = self.layers.layers[i].parameters()
+            if i not in self.left and any(p.grad is not None for p in params):
                 raise ModelError(
                     f"a gradient reached layer {i} after the layer below it began its backward "
                     "(a node of its graph made on another thread?)"

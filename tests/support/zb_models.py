@@ -217,3 +217,48 @@ class AddBias(nn.Module):
 def in_place(width: int = 8) -> nn.Sequential:
     """Linear, a layer that changes its input in place, Linear."""
     return nn.Sequential(nn.Linear(width, width), AddBias(width), nn.Linear(width, width))
+
+
+class Threaded(nn.Module):
+    """A Linear whose weight's transform is made on a helper thread (a node with another
+    thread's sequence number: autograd runs it after the layer below began)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(w))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.w.copy_(torch.eye(self.w.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        out: list[torch.Tensor] = []
+        helper = threading.Thread(target=lambda: out.append(self.w * 2))
+        helper.start()
+        helper.join()
+        return x @ out[0]
+
+
+def threaded(width: int = 8) -> nn.Sequential:
+    """Linear, a layer with a node made on another thread, Linear."""
+    return nn.Sequential(nn.Linear(width, width), Threaded(width), nn.Linear(width, width))
+
+
+class ClampInput(nn.Module):
+    """Clamps its input in place where autograd does not record it, then a Linear."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x.clamp_(-0.5, 0.5)
+        return self.lin(x)
+
+
+def clamped(width: int = 8) -> nn.Sequential:
+    """Linear, a layer clamping its input in place without autograd, Linear."""
+    return nn.Sequential(nn.Linear(width, width), ClampInput(width), nn.Linear(width, width))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticpipe.errors import UserCodeError
+from elasticpipe.errors import ModelError, StepAborted, UserCodeError
 from elasticpipe.stage_server.devicetime import Slowdown
 from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.training.job import JobConfig
@@ -48,16 +48,23 @@ def _run(model: str, n: int, linked: bool, input_grad: bool) -> tuple[list, list
 @pytest.mark.parametrize("input_grad", [False, True])
 @pytest.mark.parametrize(
     ("model", "n"),
-    [("odd", 11), ("unreached", 7), ("independent_only", 3), ("gradless_between", 3)],
+    [
+        ("odd", 11),
+        ("unreached", 7),
+        ("independent_only", 3),
+        ("gradless_between", 3),
+        ("clamped", 3),
+    ],
 )
 def test_linked_layers_give_the_bits_of_layers_run_one_by_one(
     model: str, n: int, input_grad: bool
 ) -> None:
     """Awkward layers (frozen, reused, unused, int ids between layers, batch norm, dropout,
     an output that does not depend on the input, a float between layers without a
-    gradient): every gradient, the missing ones included, the input gradients and the
-    order the layers are told done are equal (gradients bit for bit: same kernels, same
-    order; only where autograd's pass stops differs)."""
+    gradient, an input clamped in place without autograd): every gradient, the missing
+    ones included, the input gradients and the order the layers are told done are equal
+    (gradients bit for bit: same kernels, same order; only where autograd's pass stops
+    differs)."""
     linked, linked_in, linked_told = _run(model, n, True, input_grad)
     alone, alone_in, alone_told = _run(model, n, False, input_grad)
     assert linked_told == alone_told == list(reversed(range(n)))
@@ -114,3 +121,48 @@ def test_layers_under_autocast_are_not_linked() -> None:
     layers.build(0, 5)
     _, stash = layers.forward(torch.randn(4, 16), True, True, micro_batch=0)
     assert stash is not None and not any(stash.linked)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("error", [ValueError("no such node"), StepAborted("aborted")])
+def test_what_the_hooks_own_work_raises_is_not_the_users(error: Exception) -> None:
+    """The run's last backward takes each layer's gradients in a hook (a reduction may
+    start there): what that raises comes out as it is, as one by one, not as the user's
+    error naming a layer."""
+    layers = _slice("unreached", 7)
+    layers.begin_grads(1)
+    y, stash = layers.forward(torch.randn(4, 8), True, True, micro_batch=0)
+    assert stash is not None and all(stash.linked[1:])
+
+    def done(i: int) -> None:
+        if i == 3:  # taken in the hook on layer 3's input
+            raise error
+
+    g = torch.ones_like(y) if isinstance(y, torch.Tensor) else torch.ones_like(y[0])
+    with pytest.raises(type(error), match=str(error)) as raised:
+        layers.backward(stash, g, micro_batch=0, done=done)
+    assert type(raised.value) is type(error)  # (UserCodeError is a ValueError too)
+
+
+@pytest.mark.timeout(30)
+def test_a_gradient_arriving_after_its_layer_was_taken_is_refused() -> None:
+    """A layer whose graph has a node made on another thread: autograd runs that node
+    after the layer below began, so its gradient would come after the layer was taken
+    into the sums (with a reduction waiting: ``done``). Refused, naming the layer; the
+    same run without ``done`` (gradients taken at the end) is exact."""
+    layers = _slice("threaded", 3)
+    layers.begin_grads(1)
+    y, stash = layers.forward(torch.randn(4, 8), True, True, micro_batch=0)
+    assert stash is not None and all(stash.linked[1:])
+    with pytest.raises(ModelError, match="layer 1 after the layer below"):
+        layers.backward(stash, torch.ones_like(y), micro_batch=0, done=lambda i: None)
+    grads = []
+    for split in (False, True):
+        layers = _slice("threaded", 3)
+        layers.begin_grads(1)
+        y, stash = layers.forward(torch.ones(4, 8), True, True, micro_batch=0, split=split)
+        assert stash is not None
+        layers.backward(stash, torch.ones_like(y), micro_batch=0)
+        layers.finish_backward()
+        grads.append([p.grad for i in layers.indices for p in layers.layers[i].parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
