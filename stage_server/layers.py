@@ -349,12 +349,11 @@ class LayerSlice(SliceState):
             raise ValueError(f"a stash of {len(stash.pairs)} layers for layers {self.indices}")
         if split and any(stash.linked):
             raise ValueError("a backward split into B and W needs a forward with split=True")
-        linked = stash.linked or [False] * len(stash.pairs)
         at = len(stash.pairs) - 1  # the next layer's place in the slice, top down
         while at >= 0:
             i, (xs, kept) = self.indices[at], stash.pairs[at]
             low = at  # the lowest layer linked to this one: one autograd pass runs to it
-            while low > 0 and linked[low]:
+            while low > 0 and stash.linked[low]:
                 low -= 1
             top, at = at, at - 1
             finished.above(i)

@@ -199,19 +199,11 @@ def gradless_between(width: int = 8) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, width), Positive(), nn.Linear(width, width))
 
 
-class AddBias(nn.Module):
+class AddBias(Bias):
     """Adds its bias to its input in place."""
 
-    def __init__(self, w: int) -> None:
-        super().__init__()
-        self.b = nn.Parameter(torch.linspace(-1, 1, w))
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.b.copy_(torch.linspace(-1, 1, self.b.numel()))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.add_(self.b)
+        return x.add_(self.p)
 
 
 def in_place(width: int = 8) -> nn.Sequential:
