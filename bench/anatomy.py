@@ -180,7 +180,7 @@ def main() -> int:
             rows[f"{p}: F+B(+W) busy"].append(busy)
             rows[f"{p}: recv waits (in window)"].append(waits)
             rows[f"{p}: window - busy - waits"].append(last - first - busy - waits)
-            rows[f"{p}: send spans (link thread)"].append(sends)
+            rows[f"{p}: send spans (writes; to the answer if queued)"].append(sends)
             commits = [s for s in t.spans if s.step == step and s.kind == stage_pb2.SPAN_COMMIT]
             if commits:
                 rows[f"{p}: optimizer step (commit span)"].append(commits[-1].duration_ns / 1e6)

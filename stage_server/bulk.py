@@ -207,12 +207,13 @@ class BulkListener:
         limit = servicer.stage.config.max_tensor_bytes
         try:
             msg = bulk.parse_header(bulk.recv_bytes(conn, n, deadline))
-            declared = bundle.declared_bytes(msg.header, limit)
-            if declared != nbytes:
+            declared = bundle.declared(msg.header, limit)  # checked once, here
+            total = sum(int(m.nbytes) for m in declared[1])
+            if total != nbytes:
                 raise InvalidRequest(
-                    f"bulk frame announces {nbytes} bytes but its header declares {declared}"
+                    f"bulk frame announces {nbytes} bytes but its header declares {total}"
                 )
-            slot, admitted = servicer.admit_data(msg.slot, msg.header, declared)
+            slot, admitted = servicer.admit_data(msg.slot, msg.header, total)
         except ElasticPipeError as exc:
             if eager:
                 bulk.drain(conn, nbytes, deadline)  # bounded by EAGER_BYTES; nothing kept
@@ -222,7 +223,7 @@ class BulkListener:
         try:
             if not eager:
                 conn.sendall(bulk.GO)
-            value = bulk.receive_value(conn, head, limit, deadline)
+            value = bulk.receive_value(conn, declared, deadline)
         except BaseException:
             admitted.mailbox.release(admitted.reservation)
             raise

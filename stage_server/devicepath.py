@@ -140,9 +140,10 @@ def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class Sink(Protocol):
-    """Where ``send`` delivers: a ``Link`` (its ``put``)."""
+    """Where ``send`` delivers: a ``Link`` (its ``put``; ``answer_here``: the calling thread
+    reads the answer itself, ``Link.collect``)."""
 
-    def put(self, msg: Any) -> None: ...
+    def put(self, msg: Any, answer_here: bool = False) -> None: ...
 
 
 class DevicePath(Protocol):
@@ -178,8 +179,9 @@ class PlainPath:
         return structure.to_device(value, torch.device("cpu"))
 
     def send(self, sink: Sink, value: Value, make: Callable[[Value], Any]) -> None:
-        """Puts ``make(value)`` on ``sink`` now."""
-        sink.put(make(value))
+        """Puts ``make(value)`` on ``sink`` now, its answer left to this thread (the
+        executor's: it collects the answers as it goes, and flushes at the run's end)."""
+        sink.put(make(value), answer_here=True)
 
     def drain(self, deadline: float) -> None:
         """Nothing is ever pending."""

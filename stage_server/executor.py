@@ -32,6 +32,9 @@ from elasticpipe.wire import compress, structure
 from elasticpipe.wire.structure import Value
 
 FLUSH_SLICE_S = 0.1
+# How often a wait for a tensor reads the answers to this thread's sends (``Link.collect``):
+# a refused send then fails the run within this, not at the run's deadline.
+ANSWER_POLL_S = 0.02
 STASH_COUNT_EVERY = 16  # runs of one kind between two counts of their stashed bytes
 
 
@@ -154,10 +157,15 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
     losses: dict[int, torch.Tensor] = {}
     started = time.perf_counter()
     path = ctx.path or PlainPath(ctx.device)
+    # the chain's links only: a reduction under way sends to the other replicas' holders
+    placement = ctx.placement
+    chain = [ctx.links[a] for a in (placement.prev, placement.next) if a in ctx.links]
     try:
-        _run_ops(ops, ctx, path, result, losses)
+        _run_ops(ops, ctx, path, chain, result, losses)
     except BaseException:
         path.abandon()  # a link may still read the run's buffers: none is reused
+        for link in chain:
+            link.leave_answers()  # this thread reads no more of them
         raise
     path.finish()
     ctx.layers.settle_timings()  # the run's CUDA-event timings: one wait
@@ -170,10 +178,12 @@ def _run_ops(
     ops: Sequence[Op],
     ctx: RunContext,
     path: DevicePath,
+    chain: Sequence[Link],
     result: StepResult,
     losses: dict[int, torch.Tensor],
 ) -> None:
-    """The ops of ``execute`` (``losses`` by micro-batch, read once at the end)."""
+    """The ops of ``execute`` (``chain``: the links to the neighbours; ``losses`` by
+    micro-batch, read once at the end)."""
     placement, mailbox, run = ctx.placement, ctx.mailbox, ctx.run
     first, last = placement.index == 0, placement.index == placement.num_stages - 1
     stashes: dict[int, Stash] = {}
@@ -199,10 +209,10 @@ def _run_ops(
             raise failure
         if op.kind is OpKind.FORWARD:
             w0 = now()
-            x = path.to_device(mailbox.take(run, Slot.INPUT, i, ctx.deadline))
+            x = path.to_device(_take(ctx, chain, Slot.INPUT, i))
             if not first:
                 x = compress.decode_value(x, wire_dtype)  # on the device: half the bytes copied
-            target = mailbox.take(run, Slot.TARGET, i, ctx.deadline) if last and ctx.train else None
+            target = _take(ctx, chain, Slot.TARGET, i) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
             if ctx.stash_meter is not None:
@@ -259,7 +269,7 @@ def _run_ops(
             if last:
                 grad = loss_grads.pop(i)
             else:
-                taken = path.to_device(mailbox.take(run, Slot.GRAD, i, ctx.deadline))
+                taken = path.to_device(_take(ctx, chain, Slot.GRAD, i))
                 grad = compress.decode_value(taken, wire_dtype)
             t0 = now()
             if not last:
@@ -292,9 +302,23 @@ def _run_ops(
             if inputs != ctx.stash_meter.inputs:  # a count of other shapes: the next counts
                 ctx.stash_meter.forget()
     path.drain(ctx.deadline)  # every device->host copy done and handed to its link
-    # the chain's links only: a reduction under way sends to the other replicas' holders
-    chain = [ctx.links[a] for a in (placement.prev, placement.next) if a in ctx.links]
     flush(chain, mailbox, run, ctx.deadline)
+
+
+def _take(ctx: RunContext, chain: Sequence[Link], slot: Slot, micro_batch: int) -> Any:
+    """``Mailbox.take`` that reads, while it waits, the answers to this thread's sends on
+    ``chain`` (``Link.collect``): a refused send fails the run now, not at its deadline."""
+    while True:
+        until = min(ctx.deadline, time.monotonic() + ANSWER_POLL_S) if chain else ctx.deadline
+        try:
+            return ctx.mailbox.take(ctx.run, slot, micro_batch, until)
+        except DeadlineExceeded:
+            # the run's own deadline, or its failure (which may be a DeadlineExceeded too:
+            # a send that timed out), ends the wait; only the slice's end goes on
+            if until >= ctx.deadline or ctx.mailbox.failure(ctx.run) is not None:
+                raise
+        for link in chain:
+            link.collect()
 
 
 def flush(links: Iterable[Link], mailbox: Mailbox, run: int, deadline: float) -> None:
@@ -304,10 +328,13 @@ def flush(links: Iterable[Link], mailbox: Mailbox, run: int, deadline: float) ->
         ElasticPipeError: the run failed meanwhile (an abort, a peer's failure, a send
             that failed), or sends were still pending at ``deadline``.
     """
+    links = list(links)
     for link in links:
-        # Waits for the sends in slices, so that an abort (a recovery preempting the run)
-        # or a peer's failure ends the wait at once.
+        # Waits for the sends in slices, so that an abort (a recovery preempting the run),
+        # a peer's failure or a refusal on another link (``collect``) ends the wait at once.
         while not link.flush(min(FLUSH_SLICE_S, max(0.0, deadline - time.monotonic()))):
+            for other in links:
+                other.collect()
             if (failure := mailbox.failure(run)) is not None:
                 raise failure
             if time.monotonic() >= deadline:

@@ -141,22 +141,27 @@ class StageServicer:
         """Checks the declared tensor(s) (unless ``nbytes`` says it was done), the caller,
         the secret's length, the epoch, the run and the room left, and reserves the room,
         before anything is allocated (every data path comes here: ``Deliver``, the
-        streams, the bulk channel)."""
+        streams, the bulk channel); and the assembler of the bytes to come."""
         limit = self.stage.config.max_tensor_bytes
         if nbytes is None:
             nbytes = bundle.declared_bytes(header, limit)
+        return bundle.assembler(header, limit), self._reserve(header, nbytes, slot)
+
+    def _reserve(self, header: stage_pb2.DataHeader, nbytes: int, slot: Slot) -> Admitted:
+        """``_admit``'s checks past the declared tensors, which the caller checked and
+        counted (``nbytes``), and the room reserved."""
         self.gate.check(f"data of run {header.run}")
         bounds.run_secret(header.secret, "DataHeader.secret")  # held as a key: never unbounded
-        admitted = self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes, slot)
-        return bundle.assembler(header, limit), admitted
+        return self.stage.admit(header.epoch, header.run, header.micro_batch, nbytes, slot)
 
     def admit_data(
-        self, slot: int, header: stage_pb2.DataHeader, nbytes: int | None = None
+        self, slot: int, header: stage_pb2.DataHeader, nbytes: int
     ) -> tuple[Slot, Admitted]:
-        """``_admit`` for a bulk message (``nbytes``: its declared bytes, already checked):
-        its slot checked too; the room reserved."""
+        """``_admit`` for a bulk message whose declared tensors its caller checked
+        (``bundle.declared``) and counted (``nbytes``): its slot checked too; the room
+        reserved."""
         kind = _slot(slot)
-        return kind, self._admit(header, nbytes, kind)[1]
+        return kind, self._reserve(header, nbytes, kind)
 
     def _receive(
         self,

@@ -51,6 +51,7 @@ covers the whole message on both ends.
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import socket
@@ -67,8 +68,8 @@ from elasticpipe.errors import BY_REASON, ElasticPipeError, InvalidRequest, Stag
 from elasticpipe.logs import get_logger
 from elasticpipe.security.tls import TLS
 from elasticpipe.transport import rpc, serving
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
-from elasticpipe.wire import bundle, codec, structure
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from elasticpipe.wire import codec, structure
 from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
@@ -320,8 +321,9 @@ def connect(
 class BulkSender:
     """One sender's bulk connection to one stage, opened on first use. ``send`` is called
     one at a time (a ``Link``'s thread, or ``StageClients`` under its lock); a ``Link`` also
-    writes from its executor's thread (``write_eager``) while its own thread reads the
-    answers (``read_answer``), never at the same time as a ``send``."""
+    writes from its executor's thread (``write_eager``) while the answers are read
+    (``answer_waiting``, ``read_answer``, in order, one thread at a time: the link's, or
+    the writer's for what it wrote whole), never at the same time as a ``send``."""
 
     def __init__(self, stub: stage_pb2_grpc.StageServiceStub, address: str, tls: TLS | None):
         self._stub = stub
@@ -428,9 +430,10 @@ class BulkSender:
     ) -> tuple[float, bool] | None:
         """Writes one eager message on the open connection now, from the caller's thread,
         without waiting for the network: what the socket's buffer does not take now is
-        left for ``finish``, on the thread that reads the answers (``read_answer``, in
-        order). A plain TCP socket only (a TLS socket is not safe to write and read from
-        two threads), at most ``DIRECT_BYTES``, and never before the connection is open.
+        left for ``finish``, on the link's thread, which then reads its answer
+        (``read_answer``; the answers are read in order). A plain TCP socket only (a TLS
+        socket is not safe to write and read from two threads), at most ``DIRECT_BYTES``,
+        and never before the connection is open.
 
         Returns:
             The message's deadline, and whether part of it is left for ``finish``; None
@@ -515,6 +518,20 @@ class BulkSender:
             with self._count:
                 self._unanswered -= 1
 
+    def answer_waiting(self, timeout: float = 0.0) -> bool:
+        """Whether an answer (or the connection's end) is there to read, after waiting up
+        to ``timeout`` seconds; True without a connection, or after an answer could not be
+        read (``read_answer`` then says so at once)."""
+        sock = self._sock
+        if sock is None or self._lost:
+            return True
+        try:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+        except (OSError, ValueError):  # closed meanwhile (``close``): read_answer says so
+            return True
+
     def _fall_back(self, why: str) -> None:
         self.close()
         self._grpc_until = time.monotonic() + FALLBACK_S
@@ -525,14 +542,17 @@ class BulkSender:
 
 
 def receive_value(
-    sock: socket.socket, head: stage_pb2.DataHeader, limit: int, deadline: float
+    sock: socket.socket,
+    declared: tuple[structure.Structure | None, list[tensor_pb2.TensorMeta]],
+    deadline: float,
 ) -> Value:
-    """Reads a checked header's bytes straight into the tensors they make, in declaration
-    order (exactly what ``bundle.declared_bytes`` counted and the mailbox reserved)."""
-    shape, metas = bundle.declared(head, limit)
+    """Reads a header's bytes straight into the tensors they make, in declaration order:
+    exactly what ``declared`` (``bundle.declared``: checked) counts and the mailbox
+    reserved."""
+    shape, metas = declared
     tensors = []
     for meta in metas:
-        tensor = torch.empty(tuple(meta.shape), dtype=codec.check_meta(meta, limit))
+        tensor = torch.empty(tuple(meta.shape), dtype=codec.checked_dtype(meta))
         if tensor.numel():
             recv_exactly(sock, tensor.reshape(-1).view(torch.uint8).numpy().data, deadline)
         tensors.append(tensor)

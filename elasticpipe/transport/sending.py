@@ -150,6 +150,12 @@ class Sender:
         assert self._bulk is not None
         self._bulk.read_answer(deadline)
 
+    def answer_waiting(self, timeout: float = 0.0) -> bool:
+        """Whether ``read_answer`` can read without waiting, after up to ``timeout``
+        seconds (``bulk.BulkSender.answer_waiting``)."""
+        assert self._bulk is not None
+        return self._bulk.answer_waiting(timeout)
+
     def close(self) -> None:
         """Closes the bulk connection, if any (the gRPC channel is the caller's)."""
         if self._bulk is not None:

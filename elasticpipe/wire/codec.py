@@ -113,6 +113,11 @@ def from_proto(
     return assembler.finish()
 
 
+def checked_dtype(meta: tensor_pb2.TensorMeta) -> torch.dtype:
+    """The dtype of a tensor ``check_meta`` checked."""
+    return _FROM_WIRE[meta.dtype]
+
+
 def check_meta(meta: tensor_pb2.TensorMeta, max_bytes: int) -> torch.dtype:
     """Validates a declared tensor before anything is allocated for it.
 
@@ -129,8 +134,7 @@ def check_meta(meta: tensor_pb2.TensorMeta, max_bytes: int) -> torch.dtype:
         raise InvalidRequest(f"tensor shape has {len(shape)} dimensions (at most {MAX_DIMS})")
     if any(d < 0 for d in shape):
         raise InvalidRequest(f"tensor shape {shape} has a negative dimension")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if expected != meta.nbytes:
         raise InvalidRequest(
             f"tensor of dtype {_name(dtype)} and shape {shape} needs {expected} bytes, "

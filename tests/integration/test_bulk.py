@@ -5,13 +5,16 @@ eager or waits for GO, and no sequence of bytes a peer can send takes a stage do
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from elasticpipe.errors import InvalidRequest, StaleEpoch, TooLarge
+from elasticpipe.errors import DeadlineExceeded, InvalidRequest, StaleEpoch, TooLarge
 from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.stage_server import executor
 from elasticpipe.stage_server.links import Link
+from elasticpipe.stage_server.mailbox import Mailbox, Slot
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.transport import bulk, rpc, sending
@@ -252,6 +255,87 @@ def test_a_links_direct_writes_arrive_whatever_is_queued_between_them(
     assert link.flush(10) and len(failures) == 2
     _consume(stub, 10, sent[1])
     link.close()
+
+
+def test_answers_the_writer_reads_come_in_order_and_a_refusal_fails_its_run(
+    stage: StageServer,
+) -> None:
+    """Direct writes whose answers their writer reads (``put(answer_here=True)``, the
+    executor's): nobody reads an answer for the writer before it collects; mixed with
+    writes the link's thread answers (another thread's) and with a queued message, every
+    tensor arrives intact; in a batch of answers read at once, a refusal fails exactly its
+    own run; an answer read long after its deadline is no failure; and a refusal fails
+    the run within ``ANSWER_POLL_S`` of a wait for a tensor (``executor._take``), not at
+    the run's deadline."""
+    failures: list[tuple[int, Exception]] = []
+    mailbox = Mailbox(1 << 20)
+
+    def failed(run: int, exc: Exception) -> None:
+        failures.append((run, exc))
+        mailbox.fail(run, exc)  # as the stage does (``Stage._send_failed``)
+
+    link = Link(stage.address, failed, timeout=10)
+    stub = stage_pb2_grpc.StageServiceStub(rpc.channel(stage.address))
+    sent = {run: torch.rand(1024) for run in range(1, 8)}
+    link.put(_forward(1, sent[1]), answer_here=True)  # queued: it opens the connection
+    assert link.flush(10) and not failures
+    link.put(_forward(2, sent[2]), answer_here=True)
+    assert link._sender.answer_waiting(10)  # its answer has come, and stays for the writer
+    time.sleep(0.1)
+    assert [w.msg.run for w in link._unread] == [2]
+    link.put(_forward(3, sent[3]))  # another thread's: the link's thread reads 2's first
+    link.put(_forward(4, sent[4]), answer_here=True)
+    link.put(_forward(5, torch.rand(HUGE // 4)), answer_here=True)  # queued behind them
+    link.put(_forward(6, sent[6]), answer_here=True)
+    assert link.flush(30) and not failures and not link._unread
+    for run in (1, 2, 3, 4, 6):
+        _consume(stub, run, sent[run])
+
+    link.put(_forward(10, sent[7]), answer_here=True)
+    link.put(_forward(11, sent[7], epoch=EPOCH - 1), answer_here=True)  # refused
+    link.put(_forward(12, sent[7]), answer_here=True)
+    assert link._sender.answer_waiting(10)
+    time.sleep(0.2)  # the three answers wait together; one flush reads them
+    assert link.flush(10)
+    assert [(r, type(e)) for r, e in failures] == [(11, StaleEpoch)]
+    _consume(stub, 10, sent[7])
+    _consume(stub, 12, sent[7])
+
+    late = Link(stage.address, failed, timeout=0.5)
+    late.put(_forward(13, sent[1]))  # opens its connection (runs stay within the stage's
+    # window of early data: at most EARLY_RUNS past the newest run it started)
+    assert late.flush(10)
+    late.put(_forward(14, sent[1]), answer_here=True)
+    time.sleep(1.0)  # read long after the message's 0.5 s deadline: it came in time
+    assert late.flush(10) and len(failures) == 1
+    _consume(stub, 14, sent[1])
+    late.close()
+
+    link.put(_forward(15, sent[1], epoch=EPOCH - 1), answer_here=True)  # refused too
+    mailbox.expect(15, SECRET)
+    ctx = SimpleNamespace(mailbox=mailbox, run=15, deadline=time.monotonic() + 60)
+    started = time.monotonic()
+    with pytest.raises(StaleEpoch):  # waiting for a gradient that will never come
+        executor._take(ctx, [link], Slot.GRAD, 0)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 10
+    assert failures[-1][0] == 15
+    link.put(_forward(16, sent[1]), answer_here=True)  # the connection goes on
+    assert link.flush(10) and len(failures) == 2
+    _consume(stub, 16, sent[1])
+    link.close()
+
+
+def test_a_wait_for_a_tensor_ends_at_once_when_the_run_failed_by_a_deadline() -> None:
+    """A run failed with a DeadlineExceeded (a send that timed out) ends ``executor._take``
+    at once: its 20 ms slices of waiting tell their own end from the run's failure."""
+    mailbox = Mailbox(1 << 20)
+    mailbox.expect(5, SECRET)
+    mailbox.fail(5, DeadlineExceeded("a send to stage-1 timed out"))
+    ctx = SimpleNamespace(mailbox=mailbox, run=5, deadline=time.monotonic() + 60)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="timed out"):
+        executor._take(ctx, [SimpleNamespace(collect=lambda: None)], Slot.INPUT, 0)  # type: ignore[list-item]
+    assert time.monotonic() - started < 5
 
 
 def test_a_stage_without_a_bulk_channel_gets_everything_over_grpc() -> None:

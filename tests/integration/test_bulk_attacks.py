@@ -163,7 +163,7 @@ def test_a_bundle_is_received_without_extra_copies() -> None:
     )
     tracemalloc.start()
     feeder.start()
-    got = bulk.receive_value(b, head, 1 << 30, time.monotonic() + 30)
+    got = bulk.receive_value(b, bundle.declared(head, 1 << 30), time.monotonic() + 30)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     feeder.join()

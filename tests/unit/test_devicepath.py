@@ -139,11 +139,11 @@ def test_the_cpu_path_pins_and_copies_nothing() -> None:
     sent: list[object] = []
 
     class Sink:
-        def put(self, msg: object) -> None:
-            sent.append(msg)
+        def put(self, msg: object, answer_here: bool = False) -> None:
+            sent.append((msg, answer_here))
 
     path.send(Sink(), x, lambda v: ("msg", v))
-    assert sent == [("msg", x)]
+    assert sent == [(("msg", x), True)]  # the executor's thread reads the answer
     path.drain(time.monotonic())
     path.finish()
     path.abandon()
@@ -287,7 +287,7 @@ class Collect:
     def __init__(self) -> None:
         self.got: list[object] = []
 
-    def put(self, msg: object) -> None:
+    def put(self, msg: object, answer_here: bool = False) -> None:
         self.got.append(msg)
 
 
