@@ -17,10 +17,15 @@ overhead, so that even empty tensors count) before anything is allocated for it,
 number of entries is capped; concurrent streams cannot overcommit. Early data has caps of
 its own inside those (``EARLY_ENTRIES`` messages, ``EARLY_HELD_RUNS`` runs, a quarter of the
 bytes -- or one message, however large, when nothing else is held early): when they are
-reached the newest arrival displaces the early data of the furthest run first, oldest
-first, and is dropped itself only when its own run is the furthest ahead. So data for runs
-that never come can neither stay for good nor keep out the job's own: the runs started
-here have the rest of the room, and the next run's early data displaces a stranger's.
+reached the newest arrival displaces the early data of the runs further ahead than its
+own, furthest first, oldest first, then its own run's oldest while that came under another
+secret (so a flood that came first gives way to the run's data), and never a message that
+came under its own secret (it would be lost unseen, and the run would wait for it until its
+deadline): when nothing may give way, the arrival is refused with ``TooLarge``, so that
+its sender fails at once. So data for runs that never come can neither stay for good nor
+keep out the job's own: the runs started here have the rest of the room, and the next
+run's early data displaces a stranger's. (A stranger's flood that comes *after* a run's
+first data can still displace it, unseen, as before: the run then waits for its deadline.)
 
 Only the run's own data is ever taken. Every message carries its run's secret (random, one
 per run, chosen by the client and told to the stage in ``RunStep``: see ``expect``); a
@@ -150,14 +155,16 @@ class Mailbox:
     ) -> bool:
         """Delivers a message into room reserved for it (reserved now if not given); drops
         it if its run is already over, or is known here under another secret, or is early
-        and outside the window or the early caps (see the module docstring).
+        and outside the window (see the module docstring).
 
         Returns:
-            False if the message was dropped for its secret, or as early data that may not
-            be held (counted in ``refused``).
+            False if the message was dropped for its secret, or as early data outside the
+            window (counted in ``refused``).
 
         Raises:
-            TooLarge: no reservation was given and no room is left.
+            TooLarge: no reservation was given and no room is left; or the message is early
+                and nothing held early may give way to it (``_room_early``; the room
+                reserved is given back, the message counted in ``refused``).
         """
         held = reservation or self.reserve(nbytes)
         with self._cond:
@@ -174,12 +181,14 @@ class Mailbox:
             key = (slot, micro_batch, secret)
             if known is None:
                 why = self._outside_window(run)
-                if why is None and not self._room_early(run, key, held.nbytes):
-                    why = "early data of the run furthest ahead, with the early caps reached"
                 if why is not None:
                     self._give_back(held)
                     self._refuse(run, 1, why)
                     return False
+                if not self._room_early(run, key, held.nbytes):
+                    self._give_back(held)
+                    self._refuse(run, 1, "early data with the early caps full")
+                    raise TooLarge(self._early_full(run))
             replaced = self._items.get(run, {}).pop(key, None)
             copies = 1
             if replaced is not None:  # a re-sent message replaces the first copy
@@ -210,8 +219,9 @@ class Mailbox:
 
     def _room_early(self, run: int, key: Key, nbytes: int) -> bool:
         """Makes room in the early caps for a message of ``run``, displacing the early data
-        of the runs furthest ahead (oldest first), never a nearer run's; False if the
-        message itself is of the run furthest ahead and no room can be made."""
+        of the runs furthest ahead (oldest first), never a nearer run's, and of its own run
+        only while the oldest held came under another secret (a stranger's, if this one
+        is the run's: a flood that came first gives way); False if no room can be made so."""
         max_bytes, max_entries = self._early_max
         box = self._items.get(run, {})
         again = box.get(key)  # a re-sent message frees its first copy
@@ -232,12 +242,23 @@ class Mailbox:
             if furthest < run:
                 return False
             victims = self._items[furthest]
-            oldest = next((k for k in victims if (furthest, k) != (run, key)), None)
-            if oldest is None:
-                return False  # only its own first copy is as far ahead
+            oldest = next(iter(victims))
+            if furthest == run and hmac.compare_digest(oldest[2], key[2]):
+                # Never its own sender's data (the same secret): that message would be lost
+                # unseen, and the run would wait for it until its deadline.
+                return False
             _, displaced, copies = victims.pop(oldest)
             self._forget(furthest, displaced)
             self._refuse(furthest, copies, "early data displaced by data of a nearer run")
+
+    def _early_full(self, run: int) -> str:
+        """Why an early message of ``run`` is refused: the early caps are full."""
+        max_bytes, max_entries = self._early_max
+        return (
+            f"early data of run {run} (arrived before its RunStep) refused: the data held "
+            f"early fills its caps ({max_bytes} bytes, 1/{EARLY_SHARE} of the mailbox's; "
+            f"{max_entries} messages; {EARLY_HELD_RUNS} runs), and none of it may give way"
+        )
 
     def _forget(self, run: int, nbytes: int) -> None:
         """Gives back a held message's room (in the early caps too, if early); drops the

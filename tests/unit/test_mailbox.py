@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -421,7 +422,8 @@ def test_a_flood_for_a_generation_not_run_yet_never_keeps_out_the_jobs_data() ->
     box = Mailbox(1 << 30, entry_overhead=0)
     for n in range(EARLY_ENTRIES + 1000):
         run = GENERATION + 10**6 + n % (2 * EARLY_HELD_RUNS)
-        box.put(run, Slot.INPUT, n // (2 * EARLY_HELD_RUNS), "x", 1, secret=OTHER)
+        with contextlib.suppress(TooLarge):  # the caps full of its own run's or nearer
+            box.put(run, Slot.INPUT, n // (2 * EARLY_HELD_RUNS), "x", 1, secret=OTHER)
     assert box.usage()[1] <= EARLY_ENTRIES
     real = GENERATION + 7
     assert box.put(real, Slot.INPUT, 0, "real", 1, secret=SECRET)
@@ -436,15 +438,51 @@ def test_a_flood_for_a_generation_not_run_yet_never_keeps_out_the_jobs_data() ->
 
 def test_early_bytes_are_capped_and_a_nearer_run_displaces_a_further_one() -> None:
     """Early data holds at most a quarter of the bytes (or one message when alone); a
-    message of a nearer run displaces a further run's, one of the furthest run is dropped."""
+    message of a nearer run displaces a further run's, one of the furthest run is refused
+    with TooLarge (its room given back)."""
     box = Mailbox(4000, entry_overhead=0)
     assert box.put(GENERATION + 90, Slot.INPUT, 0, "far", 900, secret=OTHER)
-    assert not box.put(GENERATION + 95, Slot.INPUT, 0, "further", 500, secret=OTHER)
+    with pytest.raises(TooLarge, match="early data of run"):
+        box.put(GENERATION + 95, Slot.INPUT, 0, "further", 500, secret=OTHER)
+    assert box.usage() == (900, 1)
     assert box.put(GENERATION + 1, Slot.INPUT, 0, "real", 500, secret=SECRET)
     assert box.usage() == (500, 1)
-    assert box.refused == 2
+    assert box.refused == 2  # "further", refused, and "far", displaced
     box.expect(GENERATION + 1, SECRET)
     assert box.take(GENERATION + 1, Slot.INPUT, 0, time.monotonic() + PATIENT) == "real"
+
+
+def test_a_runs_own_early_data_is_never_displaced_by_its_later_data() -> None:
+    """The early caps full of one run's data (its inputs came before its RunStep): the
+    next message of that run is refused with TooLarge naming the caps -- its sender fails
+    the run at once -- and none of the run's held messages is lost; once the run starts,
+    its data is no longer early and the rest comes in."""
+    box = Mailbox(4000, entry_overhead=0)  # early caps: 1000 bytes
+    run = GENERATION + 1
+    for mb in range(4):
+        assert box.put(run, Slot.INPUT, mb, f"x{mb}", 250, secret=SECRET)
+    with pytest.raises(TooLarge, match=r"early data of run .* caps \(1000 bytes"):
+        box.put(run, Slot.INPUT, 4, "x4", 250, secret=SECRET)
+    assert box.usage() == (1000, 4) and box.refused == 1
+    box.expect(run, SECRET)
+    assert box.put(run, Slot.INPUT, 4, "x4", 250, secret=SECRET)
+    for mb in range(5):
+        assert box.take(run, Slot.INPUT, mb, time.monotonic() + PATIENT) == f"x{mb}"
+
+
+def test_a_stranger_who_fills_the_early_caps_first_gives_way_to_the_runs_data() -> None:
+    """A stranger's messages for the next run, sent before any of the run's (run ids are
+    predictable), give way to the run's own, oldest first: they cannot fail the run."""
+    box = Mailbox(4000, entry_overhead=0)  # early caps: 1000 bytes
+    run = GENERATION + 1
+    for mb in range(10):
+        assert box.put(run, Slot.INPUT, mb, "junk", 100, secret=OTHER)
+    for mb in range(4):
+        assert box.put(run, Slot.INPUT, mb, f"x{mb}", 250, secret=SECRET)
+    assert box.usage() == (1000, 4) and box.refused == 10
+    box.expect(run, SECRET)
+    for mb in range(4):
+        assert box.take(run, Slot.INPUT, mb, time.monotonic() + PATIENT) == f"x{mb}"
 
 
 def test_a_take_waiting_when_its_run_is_closed_ends_at_once() -> None:
