@@ -163,9 +163,9 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
     try:
         _run_ops(ops, ctx, path, chain, result, losses)
     except BaseException:
-        path.abandon()  # a link may still read the run's buffers: none is reused
         for link in chain:
             link.leave_answers()  # this thread reads no more of them
+        path.abandon()  # a link may still read the run's buffers: none is reused
         raise
     path.finish()
     ctx.layers.settle_timings()  # the run's CUDA-event timings: one wait
@@ -186,6 +186,8 @@ def _run_ops(
     micro-batch, read once at the end)."""
     placement, mailbox, run = ctx.placement, ctx.mailbox, ctx.run
     first, last = placement.index == 0, placement.index == placement.num_stages - 1
+    # only the plain path's sends leave their answers to this thread (``_take`` reads them)
+    owed = chain if isinstance(path, PlainPath) else []
     stashes: dict[int, Stash] = {}
     held: dict[int, int] = {}  # bytes each live stash holds, counted once (``Stash.nbytes``)
     count: bool | None = None  # whether this run counts them: decided at its first forward
@@ -209,10 +211,10 @@ def _run_ops(
             raise failure
         if op.kind is OpKind.FORWARD:
             w0 = now()
-            x = path.to_device(_take(ctx, chain, Slot.INPUT, i))
+            x = path.to_device(_take(ctx, owed, Slot.INPUT, i))
             if not first:
                 x = compress.decode_value(x, wire_dtype)  # on the device: half the bytes copied
-            target = _take(ctx, chain, Slot.TARGET, i) if last and ctx.train else None
+            target = _take(ctx, owed, Slot.TARGET, i) if last and ctx.train else None
             t0 = now()
             span(SpanKind.RECV_WAIT, i, w0, t0)
             if ctx.stash_meter is not None:
@@ -269,7 +271,7 @@ def _run_ops(
             if last:
                 grad = loss_grads.pop(i)
             else:
-                taken = path.to_device(_take(ctx, chain, Slot.GRAD, i))
+                taken = path.to_device(_take(ctx, owed, Slot.GRAD, i))
                 grad = compress.decode_value(taken, wire_dtype)
             t0 = now()
             if not last:
@@ -313,9 +315,11 @@ def _take(ctx: RunContext, chain: Sequence[Link], slot: Slot, micro_batch: int) 
         try:
             return ctx.mailbox.take(ctx.run, slot, micro_batch, until)
         except DeadlineExceeded:
-            # the run's own deadline, or its failure (which may be a DeadlineExceeded too:
-            # a send that timed out), ends the wait; only the slice's end goes on
-            if until >= ctx.deadline or ctx.mailbox.failure(ctx.run) is not None:
+            # the run's failure (a DeadlineExceeded too, for a send that timed out) or its
+            # own deadline ends the wait; only the slice's end goes on
+            if (failure := ctx.mailbox.failure(ctx.run)) is not None:
+                raise failure from None
+            if until >= ctx.deadline:
                 raise
         for link in chain:
             link.collect()

@@ -37,7 +37,7 @@ from elasticpipe.wire import structure
 
 log = get_logger(__name__)
 
-READ_ANSWER_S = 10.0  # to read an answer that is there (an error's body may follow it)
+READ_ANSWER_S = 1.0  # at least, to read an answer that has come (an error's body follows)
 
 
 class Link:
@@ -145,9 +145,12 @@ class Link:
 
     def leave_answers(self) -> None:
         """The writer will not read the answers it owes (its run failed): the link's thread
-        reads them, so that their tensors go now and a refusal is still reported."""
-        if self._unread:
-            self._queue.put(_OWED)
+        reads them, up to the last written now, so that their tensors go and a refusal is
+        still reported."""
+        with self._wire:
+            last = self._unread[-1] if self._unread else None
+        if last is not None and last.here:
+            self._queue.put(_Owed(last))
 
     def close(self) -> None:
         """Stops the sender thread and closes the channel."""
@@ -165,8 +168,12 @@ class Link:
         while (item := self._queue.get()) is not None:
             if isinstance(item, _Owed):
                 with self._reading:
-                    while self._unread and self._unread[0].here:
-                        self._answer(self._unread[0])
+                    if any(w is item.last for w in self._unread):  # not read meanwhile
+                        while self._unread and self._unread[0].here:
+                            head = self._unread[0]
+                            self._answer(head)
+                            if head is item.last:
+                                break
                 continue
             if isinstance(item, _Written):
                 with self._reading:
@@ -205,8 +212,10 @@ class Link:
             if item.partial and not self._finished(item):
                 self._resend(item.msg)
             elif self._sender.answer_waiting(0.0):
-                # come in time or not, it has come: a writer may read it long after
-                self._sender.read_answer(time.monotonic() + READ_ANSWER_S)
+                # come in time or not, it has come (a writer may read it long after): what
+                # may follow it (an error's body) gets the rest of its time, or a little
+                now = time.monotonic()
+                self._sender.read_answer(max(item.deadline, now + READ_ANSWER_S))
             else:
                 self._sender.read_answer(item.deadline)
         except ElasticPipeError as exc:
@@ -280,11 +289,11 @@ class Link:
         return True
 
 
-class _Owed:
-    """Queued by ``leave_answers``: the link's thread reads the answers the writer owes."""
+class _Owed(NamedTuple):
+    """Queued by ``leave_answers``: the link's thread reads the answers the writer owes,
+    through ``last``."""
 
-
-_OWED = _Owed()
+    last: _Written
 
 
 class _Written(NamedTuple):

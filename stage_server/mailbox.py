@@ -249,7 +249,8 @@ class Mailbox:
                 return False
             _, displaced, copies = victims.pop(oldest)
             self._forget(furthest, displaced)
-            self._refuse(furthest, copies, "early data displaced by data of a nearer run")
+            why = "of a nearer run" if furthest > run else "of its run under another secret"
+            self._refuse(furthest, copies, f"early data displaced by data {why}")
 
     def _early_full(self, run: int) -> str:
         """Why an early message of ``run`` is refused: the early caps are full."""

@@ -367,6 +367,11 @@ class Stage(EpochChanges, SnapshotCopies):
 
         Returns:
             False if it was dropped for its secret.
+
+        Raises:
+            InvalidRequest: targets without a loss scale in (0, 1], or not one tensor.
+            TooLarge: early data (before its RunStep) that nothing held early may give way
+                to (``Mailbox.put``).
         """
         try:
             if slot is Slot.TARGET and not (loss_scale > 0.0 and loss_scale <= 1.0):

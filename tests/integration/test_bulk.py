@@ -322,6 +322,17 @@ def test_answers_the_writer_reads_come_in_order_and_a_refusal_fails_its_run(
     link.put(_forward(16, sent[1]), answer_here=True)  # the connection goes on
     assert link.flush(10) and len(failures) == 2
     _consume(stub, 16, sent[1])
+
+    # A run that failed leaves the answers it owes to the link's thread (``leave_answers``):
+    # read without the writer, a refusal among them still reported.
+    link.put(_forward(17, sent[1]), answer_here=True)
+    link.put(_forward(18, sent[1], epoch=EPOCH - 1), answer_here=True)
+    link.leave_answers()
+    until = time.monotonic() + 10
+    while link._unread and time.monotonic() < until:
+        time.sleep(0.01)
+    assert not link._unread and [r for r, _ in failures] == [11, 15, 18]
+    assert link.flush(1)
     link.close()
 
 
