@@ -208,12 +208,11 @@ class BulkListener:
         try:
             msg = bulk.parse_header(bulk.recv_bytes(conn, n, deadline))
             declared = bundle.declared(msg.header, limit)  # checked once, here
-            total = sum(int(m.nbytes) for m in declared[1])
-            if total != nbytes:
+            if declared.nbytes != nbytes:
                 raise InvalidRequest(
-                    f"bulk frame announces {nbytes} bytes but its header declares {total}"
+                    f"bulk frame announces {nbytes} bytes but its header declares {declared.nbytes}"
                 )
-            slot, admitted = servicer.admit_data(msg.slot, msg.header, total)
+            slot, admitted = servicer.admit_data(msg.slot, msg.header, declared.nbytes)
         except ElasticPipeError as exc:
             if eager:
                 bulk.drain(conn, nbytes, deadline)  # bounded by EAGER_BYTES; nothing kept

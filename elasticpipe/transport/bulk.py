@@ -68,8 +68,8 @@ from elasticpipe.errors import BY_REASON, ElasticPipeError, InvalidRequest, Stag
 from elasticpipe.logs import get_logger
 from elasticpipe.security.tls import TLS
 from elasticpipe.transport import rpc, serving
-from elasticpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
-from elasticpipe.wire import codec, structure
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.wire import bundle, codec, structure
 from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
@@ -541,21 +541,16 @@ class BulkSender:
 # ---- the receiving end ------------------------------------------------------------------
 
 
-def receive_value(
-    sock: socket.socket,
-    declared: tuple[structure.Structure | None, list[tensor_pb2.TensorMeta]],
-    deadline: float,
-) -> Value:
-    """Reads a header's bytes straight into the tensors they make, in declaration order:
-    exactly what ``declared`` (``bundle.declared``: checked) counts and the mailbox
-    reserved."""
-    shape, metas = declared
+def receive_value(sock: socket.socket, declared: bundle.Declared, deadline: float) -> Value:
+    """Reads a header's bytes straight into the tensors ``declared`` (checked) makes, in
+    declaration order: exactly the ``declared.nbytes`` the mailbox reserved."""
     tensors = []
-    for meta in metas:
+    for meta in declared.metas:
         tensor = torch.empty(tuple(meta.shape), dtype=codec.checked_dtype(meta))
         if tensor.numel():
             recv_exactly(sock, tensor.reshape(-1).view(torch.uint8).numpy().data, deadline)
         tensors.append(tensor)
+    shape = declared.shape
     return tensors[0] if shape is None else structure.unflatten(tensors, shape)
 
 

@@ -14,7 +14,7 @@ byte (``assembler``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -56,20 +56,30 @@ def chunks(value: Value, chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterat
         yield from codec.tensor_chunks(t, chunk_bytes)[1]
 
 
-def declared(
-    head: stage_pb2.DataHeader, max_bytes: int
-) -> tuple[Structure | None, list[tensor_pb2.TensorMeta]]:
-    """The tensors ``head`` declares, checked, and their structure (None: one tensor in
-    ``meta``; with a ``structure``, ``meta`` is ignored everywhere).
+class Declared(NamedTuple):
+    """The tensors a header declares, checked (``declared``)."""
+
+    shape: Structure | None  # None: one tensor, in ``meta``
+    metas: list[tensor_pb2.TensorMeta]
+
+    @property
+    def nbytes(self) -> int:
+        """Their bytes, in all."""
+        return sum(int(m.nbytes) for m in self.metas)
+
+
+def declared(head: stage_pb2.DataHeader, max_bytes: int) -> Declared:
+    """The tensors ``head`` declares, checked, and their structure (with a ``structure``,
+    ``meta`` is ignored everywhere).
 
     Raises:
         InvalidRequest / TooLarge: as ``assembler``.
     """
     if not head.structure:
         codec.check_meta(head.meta, max_bytes)
-        return None, [head.meta]
+        return Declared(None, [head.meta])
     shape, _ = _check_parts(head, max_bytes)
-    return shape, list(head.parts)
+    return Declared(shape, list(head.parts))
 
 
 def declared_bytes(head: stage_pb2.DataHeader, max_bytes: int) -> int:
@@ -78,7 +88,7 @@ def declared_bytes(head: stage_pb2.DataHeader, max_bytes: int) -> int:
     Raises:
         InvalidRequest / TooLarge: as ``assembler``.
     """
-    return sum(int(m.nbytes) for m in declared(head, max_bytes)[1])
+    return declared(head, max_bytes).nbytes
 
 
 def _check_parts(head: stage_pb2.DataHeader, max_bytes: int) -> tuple[Structure, int]:
