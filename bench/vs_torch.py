@@ -3,10 +3,13 @@
 For each configuration both pipelines train the same model, built from the same seed
 (``elasticpipe.models.build``), cut at the same layer boundaries, with the same schedule,
 micro-batches, loss (cross-entropy), optimizer (SGD) and batches; one intra-op thread per
-stage process on both sides. The plain baseline is one process computing every layer at one
-thread, micro-batch by micro-batch, as the pipelines do. Rounds alternate between the three
-(each round times ``--steps`` steps after ``--warmup``), so the host's load drifts into all
-alike; the figures are medians over rounds.
+stage process on both sides, and each stage process bound to cores of its own on both
+sides, stage (rank) k to the k-th share of the CPUs this process may use, around again once
+all are given (``LocalCluster``'s ``bind_cpus``; ``--unbound``: neither side binds). The
+plain process and the clients stay unbound. The plain baseline is one process computing
+every layer at one thread, micro-batch by micro-batch, as the pipelines do. Rounds
+alternate between the three (each round times ``--steps`` steps after ``--warmup``), so the
+host's load drifts into all alike; the figures are medians over rounds.
 
 Per configuration it prints ms/step of each system, ElasticPipe's ratio to torch's (the
 goal: <= 1.10), and each system's CPU seconds per step (all its processes) beyond the plain
@@ -44,6 +47,7 @@ from shared.cpu import process_cpu_s, stage_pids  # bench/shared/, beside this s
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.stage_server.cpus import available, bind, share, spread
 
 LR = 0.01
 
@@ -148,11 +152,20 @@ def plain(
 
 
 def _torch_rank(
-    rank: int, config: Config, data: list[Any], warmup: int, port: int, out: Any
+    rank: int,
+    config: Config,
+    data: list[Any],
+    warmup: int,
+    port: int,
+    out: Any,
+    cpus: list[int],
 ) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    each = share(config.stages, 1, len(cpus))
+    if cpus and each:  # as LocalCluster binds stage ``rank``
+        bind(spread(rank, each, cpus))
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=config.stages)
@@ -188,13 +201,15 @@ def _torch_rank(
 
 
 def torch_pipelining(
-    config: Config, data: list[Any], warmup: int, port: int
+    config: Config, data: list[Any], warmup: int, port: int, bound: bool = True
 ) -> tuple[list[float], float, float]:
-    """(step seconds, CPU seconds per step over all ranks, first loss) of torch's pipeline."""
+    """(step seconds, CPU seconds per step over all ranks, first loss) of torch's pipeline
+    (``bound``: each rank bound to a core, as ``LocalCluster`` binds its stages)."""
+    cpus = sorted(available() or ()) if bound else []
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_torch_rank, args=(r, config, data, warmup, port, out))
+        ctx.Process(target=_torch_rank, args=(r, config, data, warmup, port, out, cpus))
         for r in range(config.stages)
     ]
     for p in procs:
@@ -257,6 +272,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per round")
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--quick", action="store_true", help="one small case, 1 round of 1 step")
+    parser.add_argument(
+        "--unbound", action="store_true", help="no stage process bound to a core, on either side"
+    )
     args = parser.parse_args()
     configs = [c for c in CONFIGS if not args.only or c.name in args.only.split(",")]
     if args.quick:
@@ -272,7 +290,12 @@ def main() -> int:
         rows: dict[str, list[float]] = {"elasticpipe": [], "torch": [], "plain": []}
         cpus: dict[str, list[float]] = {"elasticpipe": [], "torch": [], "plain": []}
         firsts: dict[str, float] = {}
-        with LocalCluster(stages=config.stages, state=":memory:", auto_rebalance=False) as cluster:
+        with LocalCluster(
+            stages=config.stages,
+            state=":memory:",
+            auto_rebalance=False,
+            bind_cpus=not args.unbound,
+        ) as cluster:
             for r in range(args.rounds):
                 order = ["elasticpipe", "torch", "plain"]
                 order = order[r % 3 :] + order[: r % 3]
@@ -281,7 +304,9 @@ def main() -> int:
                         times, cpu, first = elastic_pipe(cluster, config, data, args.warmup)
                     elif system == "torch":
                         port += 1
-                        times, cpu, first = torch_pipelining(config, data, args.warmup, port)
+                        times, cpu, first = torch_pipelining(
+                            config, data, args.warmup, port, not args.unbound
+                        )
                     else:
                         times, cpu, first = plain(config, data, args.warmup)
                     rows[system].append(statistics.median(times))
@@ -316,6 +341,7 @@ def main() -> int:
                 "rounds": args.rounds,
                 "steps": args.steps,
                 "load_after": round(os.getloadavg()[0], 2),
+                "bound": not args.unbound and available() is not None,
             }
         )
     )

@@ -155,8 +155,24 @@ def _memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _cpu_list(text: str) -> frozenset[int]:
+    from elasticpipe.stage_server.cpus import parse_cpus
+
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     """Runs a stage server until SIGTERM/SIGINT."""
+    if args.cpus is not None:
+        from elasticpipe.stage_server.cpus import bind
+
+        try:
+            bind(args.cpus)
+        except ValueError as exc:
+            raise SystemExit(f"--cpus: {exc}") from None
     import torch
 
     from elasticpipe.stage_server import memory
@@ -166,6 +182,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
     threads = os.environ.get(ENV_TORCH_THREADS)
     if threads:
         torch.set_num_threads(int(threads))
+    elif args.cpus is not None and "OMP_NUM_THREADS" not in os.environ:
+        # torch sizes its pool by the host's cores, not the bound ones (until torch 2.14)
+        torch.set_num_threads(len(args.cpus))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this host")
     config = StageConfig(
@@ -358,6 +377,16 @@ def stage_arguments(st: argparse.ArgumentParser) -> None:
     )
     st.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
     st.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    st.add_argument(
+        "--cpus",
+        type=_cpu_list,
+        default=None,
+        metavar="LIST",
+        help="bind this process to these CPUs, e.g. 0-3,8 (Linux; default: any), and run "
+        "as many torch threads (unless $OMP_NUM_THREADS says otherwise): for a host that runs "
+        "several stages, or keeps cores for other work; a stage's compute thread then wakes "
+        "where its caches are",
+    )
     st.add_argument("--name", default=None, help="stable name of this host (default: stage-PID)")
     st.add_argument(
         "--allow-models",

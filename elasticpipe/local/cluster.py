@@ -31,6 +31,7 @@ from elasticpipe.client.admin import ADMIN_TIMEOUT_S, Admin, Status
 from elasticpipe.errors import CoordinatorUnavailable, DeadlineExceeded, StageUnavailable
 from elasticpipe.local import forkserver
 from elasticpipe.security.tls import TLS, init_ca, issue
+from elasticpipe.stage_server.cpus import available, format_cpus, share, spread
 
 Process = subprocess.Popen[bytes] | forkserver.Forked  # (forked: ELASTICPIPE_FORK_SERVER=1)
 
@@ -92,6 +93,7 @@ class LocalCluster:
         commit_lease_s: float | None = None,
         allow_models: Sequence[str] = (),
         coordinators: int = 1,
+        bind_cpus: bool = True,
     ):
         """Describes the cluster; ``start`` (or ``with``) launches it.
 
@@ -123,6 +125,13 @@ class LocalCluster:
             coordinators: coordinator processes on the one store (more than one needs an
                 etcd ``state``: one leads, the others stand by). They are named
                 "coordinator", "coordinator-1", ...; ``coordinator`` lists every address.
+            bind_cpus: bind each stage "stage-K" to its own CPUs (``elasticpipe stage
+                --cpus``): an equal part of those this process may use, at least
+                ``threads_per_stage``, stage 0 the first, stage 1 the next, around again
+                once all are given (``stage_server.cpus.share`` and ``spread``); not where
+                the stages cannot be spread evenly (3 on 2 CPUs), a stage's flags name
+                ``--cpus`` themselves, or the platform cannot bind (not Linux). The
+                coordinators and the client stay unbound.
         """
         if coordinators > 1 and not (state or "").startswith("etcd://"):
             raise ValueError(f"{coordinators} coordinators need an etcd:// state, not {state!r}")
@@ -156,6 +165,9 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._threads = threads_per_stage
+        cpus = sorted(available() or ()) if bind_cpus else []
+        self._cpus_each = share(stages, threads_per_stage, len(cpus)) if cpus else None
+        self._cpus = cpus if self._cpus_each else []  # to spread the stages over; [] unbound
         self.coordinator = ""  # every coordinator's address, comma-separated
         self.coordinator_addresses: dict[str, str] = {}  # process name -> address
         self.stage_addresses: list[str] = []
@@ -304,9 +316,19 @@ class LocalCluster:
                 *self._stage_args,
                 *own,
                 *extra,
+                *self._cpu_flags(name, [*self._stage_args, *own, *extra]),
             ],
             env,
         )
+
+    def _cpu_flags(self, name: str, flags: Sequence[str]) -> list[str]:
+        """``--cpus`` for stage ``name`` ("stage-K": its spread share of the CPUs), unless
+        the cluster binds none, ``flags`` bind it already, or the name numbers no stage."""
+        number = name.removeprefix("stage-")
+        bound = any(f.startswith("--cpu") for f in flags)  # (argparse: --cpu is --cpus)
+        if not self._cpus or not self._cpus_each or bound or not number.isdecimal():
+            return []
+        return ["--cpus", format_cpus(spread(int(number), self._cpus_each, self._cpus))]
 
     def add_stage(
         self, name: str, extra: Sequence[str] = (), env: Mapping[str, str] | None = None

@@ -17,6 +17,8 @@ child, which
 * takes ``env`` as its whole environment (its ``PYTHONPATH`` into ``sys.path`` too),
   ``cwd`` as its directory, ``/dev/null`` as its input and the file ``log`` (appended to)
   as its output and error,
+* keeps the server's CPU affinity (the client's when it started the server), which a
+  stage's ``--cpus`` narrows (``stage_server.cpus``),
 * and runs ``elasticpipe *argv`` as ``python -m elasticpipe`` runs it, ending with its
   exit code.
 

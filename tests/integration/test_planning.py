@@ -29,7 +29,10 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
     Two stages, not three, and micro-batches of 128 rows: two cores run three stage
     processes unevenly (two of them shared a core for a whole run), and a tiny layer's CPU
     time is much of it reloading caches another process evicted; with three stages two
-    equally fast ones measured up to 40% apart for a whole run."""
+    equally fast ones measured up to 40% apart for a whole run. Unbound (``bind_cpus``):
+    bound, each stage measures only its own core, and in one full-suite run the slow stage's
+    reports halved midway while the fast one's did not (ratio 0.29); unbound, both sample
+    both cores."""
     with (
         LocalCluster(
             stages=2,
@@ -37,6 +40,7 @@ def test_a_2x_slower_host_gets_the_planned_share_and_is_measured_2x_slower() -> 
             state=":memory:",
             auto_rebalance=False,
             heartbeat_s=0.3,
+            bind_cpus=False,
         ) as cluster,
         Pipeline(
             coordinator=cluster.coordinator,
