@@ -160,6 +160,9 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
     # the chain's links only: a reduction under way sends to the other replicas' holders
     placement = ctx.placement
     chain = [ctx.links[a] for a in (placement.prev, placement.next) if a in ctx.links]
+    # the gradients of a backward join the sums after its input gradients left (an emulated
+    # slow device's sums stay within its device time: ``Slowdown``)
+    ctx.layers.defer_takes = ctx.train and ctx.layers.slowdown.factor == 1.0
     try:
         _run_ops(ops, ctx, path, chain, result, losses)
     except BaseException:
@@ -167,6 +170,8 @@ def execute(ops: Sequence[Op], ctx: RunContext) -> StepResult:
             link.leave_answers()  # this thread reads no more of them
         path.abandon()  # a link may still read the run's buffers: none is reused
         raise
+    finally:
+        ctx.layers.defer_takes = False
     path.finish()
     ctx.layers.settle_timings()  # the run's CUDA-event timings: one wait
     result.losses = losses_to_floats([losses[i] for i in sorted(losses)])
@@ -293,6 +298,12 @@ def _run_ops(
                     compress.encode_value(structure.detached(grad_in), wire_dtype),
                     _message("Backward", ctx, i),
                 )
+            t2 = now()
+            ctx.layers.take_owed()  # this backward's gradients into the sums, once sent on
+            took = (now() - t2) / 1e9  # (the backward's, though after its span and send)
+            result.compute_s += took
+            result.backward_s[i] += took
+            result.op_seconds[-1] = ("backward", result.backward_s[i])
             if split and count:  # what W needs is held on: the gradients kept for it
                 held[i] = stash.nbytes()
                 result.peak_stashed_bytes = max(result.peak_stashed_bytes, sum(held.values()))

@@ -413,10 +413,8 @@ class LayerSlice(SliceState):
                 for x in xs
                 if x.is_floating_point()
             ]
-        stash.pairs.clear()
-        stash.linked.clear()
-        stash.seeds.clear()
-        stash.shapes.clear()
+        for part in (stash.pairs, stash.linked, stash.seeds, stash.shapes):
+            part.clear()
         if not split:  # with ZB-H1 the weight gradients come with W
             finished.above(None)
         else:
@@ -504,14 +502,15 @@ class LayerSlice(SliceState):
     ) -> None:
         """ZB-H1's W: computes the weight gradients ``backward(split=True)`` left in
         ``stash``, in the order B met the layers (the order a whole backward computes them
-        in), adds them to the run's tree sums, and frees the graphs. ``done`` (the run's
-        last W here): told of every layer once all are summed, highest first (a layer's
-        gradients may come from B and from W, so they are whole only at the end).
+        in), adds them to the run's tree sums (at once: W sends nothing), and frees the
+        graphs. ``done`` (the run's last W here): told of every layer once all are summed,
+        highest first (a layer's gradients come from B and from W: whole only at the end).
 
         Raises:
             UserCodeError: a layer's backward raised.
         """
         self.slowdown.begin()
+        self.take_owed()  # (W writes .grad)
         work, stash.weights = stash.weights, []
         for w in work:
             _, seconds = self._autograd(
@@ -522,6 +521,7 @@ class LayerSlice(SliceState):
         for param, g in early:  # (a parameter's gradient comes from B or from W, not both)
             param.grad = g
         self.took_grads(micro_batch)
+        self.take_owed()
         if done is not None:
             for i in reversed(self.indices):
                 done(i)
@@ -548,11 +548,12 @@ class LayerSlice(SliceState):
 class _Finished:
     """A backward's layers whose gradients are whole: taken into the run's sums as the
     backward goes down the layers, each told to ``done``; or, without ``done`` (every
-    micro-batch but a run's last), all at once at its end."""
+    micro-batch but a run's last), all at once at its end (or, ``defer_takes``, later)."""
 
     def __init__(self, layers: LayerSlice, micro_batch: int, done: Callable[[int], None] | None):
         self.layers, self.micro_batch, self.done = layers, micro_batch, done
         self.left = list(reversed(layers.indices))  # not taken yet, highest first
+        layers.take_owed()  # (a backward starts from no gradient in .grad)
 
     def none_late(self, layers: Sequence[int]) -> None:
         """Raises ModelError if a gradient reached a layer of ``layers`` once taken (a

@@ -108,6 +108,11 @@ class SliceState:
         # in a training run: each layer's micro-batch gradients, summed in the canonical tree
         self._grad_sums: dict[int, TreeSum[Grads]] | None = None
         self._grad_params: dict[int, list[nn.Parameter]] = {}
+        # ``defer_takes``: a whole slice's ``took_grads`` leaves the gradients in ``.grad``
+        # (``_owed``: that micro-batch) until ``take_owed``, so that a stage sends a
+        # backward's input gradients on before it adds its own to the sums (the executor)
+        self.defer_takes = False
+        self._owed: int | None = None
 
     # ---- building ---------------------------------------------------------------------
 
@@ -238,6 +243,7 @@ class SliceState:
             ValueError: no run is begun, or a micro-batch of the share never finished its
                 backward (naming it).
         """
+        self.take_owed()
         sums = self._grad_sums
         if sums is None:
             raise ValueError("no training run is begun (begin_grads) on this slice")
@@ -271,21 +277,45 @@ class SliceState:
         none. Outside a run begun with ``begin_grads`` (profiling), gradients stay in
         ``.grad``.
 
+        With ``defer_takes``, a whole slice's are left in ``.grad`` for ``take_owed``.
+
         Raises:
-            ValueError: ``micro_batch`` was taken already in this run, or is outside it.
+            ValueError: ``micro_batch`` was taken already in this run, or is outside it
+                (deferred: from ``take_owed``).
         """
         if self._grad_sums is None:
             return
+        self.take_owed()  # (the gradients in .grad are one micro-batch's)
+        if layers is None and self.defer_takes:
+            self._owed = micro_batch
+        else:
+            self._take(micro_batch, layers)
+
+    def _take(self, micro_batch: int, layers: Iterable[int] | None) -> None:
         sums = self._grad_sums
+        if sums is None:
+            return
         for i in sums if layers is None else [i for i in layers if i in sums]:
             acc, params = sums[i], self._grad_params[i]
             acc.add(micro_batch, [p.grad for p in params])
             for p in params:
                 p.grad = None
 
+    def take_owed(self) -> None:
+        """Takes the gradients a deferred ``took_grads`` left in ``.grad`` into the sums
+        (before anything else writes ``.grad``: the next backward, the run's end).
+
+        Raises:
+            ValueError: as ``took_grads``.
+        """
+        owed, self._owed = self._owed, None
+        if owed is not None:
+            self._take(owed, None)
+
     def held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """In a training run, the gradients in ``.grad`` now, taken out of it (ZB-H1 keeps
         those B wrote until W); none outside a run."""
+        self.take_owed()
         held: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self._grad_sums is not None:
             for params in self._grad_params.values():
@@ -305,6 +335,7 @@ class SliceState:
         Raises:
             ValueError: a micro-batch of the run never finished its backward (naming it).
         """
+        self.take_owed()
         sums, self._grad_sums = self._grad_sums, None
         if sums is not None:  # (a share's sums were taken and reduced: installed already)
             self.install_grads({i: acc.result() for i, acc in sums.items()})
@@ -339,7 +370,7 @@ class SliceState:
 
     def zero_grad(self) -> None:
         """Discards accumulated gradients (an aborted step)."""
-        self._grad_sums = None
+        self._grad_sums, self._owed = None, None
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
 

@@ -166,3 +166,59 @@ def test_a_gradient_arriving_after_its_layer_was_taken_is_refused() -> None:
         layers.finish_backward()
         grads.append([p.grad for i in layers.indices for p in layers.layers[i].parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def _alone(model: str, n: int, k: int) -> list[torch.Tensor | None]:
+    """Micro-batch ``k``'s gradients alone: one backward outside a run (they stay in
+    ``.grad``), as ``_deferred`` runs it."""
+    layers = _slice(model, n)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+    y, stash = layers.forward(x, True, True, micro_batch=k, step=2)
+    assert stash is not None
+    layers.backward(stash, torch.ones_like(y), micro_batch=k)
+    return [p.grad for i in layers.indices for p in layers.layers[i].parameters()]
+
+
+def _equal(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("take_each", [False, True])
+def test_deferred_takes_give_the_bits_of_takes_in_the_backward(take_each: bool) -> None:
+    """``defer_takes`` (the executor: a backward's gradients join the sums after its input
+    gradients were sent): each whole-slice ``took_grads`` leaves them in ``.grad`` until
+    ``take_owed``. Taken after each backward, or only by the next backward and the run's
+    end (the guards), what a backward leaves in ``.grad`` is its micro-batch's gradients
+    alone (not added to the last one's), the sums of 4 micro-batches have the bits of a run
+    that takes inside the backward, and a micro-batch taken twice is still refused."""
+    n, runs = 11, 4
+    taken = _slice("odd", n)
+    taken.begin_grads(runs)
+    layers = _slice("odd", n)
+    layers.begin_grads(runs)
+    layers.defer_takes = True
+    for k in range(runs):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+        for run in (taken, layers):
+            y, stash = run.forward(x, True, True, micro_batch=k, step=2)
+            assert stash is not None
+            run.backward(stash, torch.ones_like(y), micro_batch=k)
+        left = [p.grad for i in layers.indices for p in layers.layers[i].parameters()]
+        assert _equal(left, _alone("odd", n, k)), k
+        if take_each:
+            layers.take_owed()
+            assert all(
+                p.grad is None for i in layers.indices for p in layers.layers[i].parameters()
+            )
+    layers.took_grads(1)  # (deferred: refused when taken)
+    with pytest.raises(ValueError, match="overlaps"):
+        layers.take_owed()
+    taken.finish_backward()
+    layers.finish_backward()
+    expected = [p.grad for i in taken.indices for p in taken.layers[i].parameters()]
+    assert _equal([p.grad for i in layers.indices for p in layers.layers[i].parameters()], expected)
