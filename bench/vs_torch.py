@@ -47,7 +47,7 @@ from shared.cpu import process_cpu_s, stage_pids  # bench/shared/, beside this s
 from elasticpipe import models
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.cluster import LocalCluster
-from elasticpipe.stage_server.cpus import available, bind, share, spread
+from elasticpipe.stage_server.cpus import available, bind, stage_cpus
 
 LR = 0.01
 
@@ -163,9 +163,9 @@ def _torch_rank(
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    each = share(config.stages, 1, len(cpus))
-    if cpus and each:  # as LocalCluster binds stage ``rank``
-        bind(spread(rank, each, cpus))
+    own = stage_cpus(rank, config.stages, 1, cpus)
+    if own:  # as LocalCluster binds stage ``rank``
+        bind(own)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=config.stages)

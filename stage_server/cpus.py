@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Collection, Sequence
 
-__all__ = ["available", "bind", "format_cpus", "parse_cpus", "share", "spread"]
+__all__ = ["available", "bind", "format_cpus", "parse_cpus", "share", "spread", "stage_cpus"]
 
 
 MAX_CPU = 1 << 16  # above any CPU number a kernel gives (Linux's NR_CPUS is at most 8192)
@@ -116,3 +116,13 @@ def spread(index: int, per_stage: int, cpus: Sequence[int]) -> frozenset[int]:
         raise ValueError("no CPU to spread the stages over")
     n = min(max(1, per_stage), len(cpus))
     return frozenset(cpus[(index * n + k) % len(cpus)] for k in range(n))
+
+
+def stage_cpus(
+    index: int, stages: int, per_stage: int, cpus: Sequence[int]
+) -> frozenset[int] | None:
+    """The CPUs stage ``index`` of ``stages`` on one host is bound to (``share``, then
+    ``spread`` over ``cpus``); None where they stay unbound (no CPU given, or the stages
+    cannot be spread evenly)."""
+    each = share(stages, per_stage, len(cpus)) if cpus else None
+    return spread(index, each, cpus) if each else None

@@ -520,8 +520,7 @@ class LayerSlice(SliceState):
         early, stash.early = stash.early, []
         for param, g in early:  # (a parameter's gradient comes from B or from W, not both)
             param.grad = g
-        self.took_grads(micro_batch)
-        self.take_owed()
+        self._take(micro_batch, None)  # (not deferred: W sends nothing)
         if done is not None:
             for i in reversed(self.indices):
                 done(i)

@@ -292,6 +292,7 @@ class SliceState:
             self._take(micro_batch, layers)
 
     def _take(self, micro_batch: int, layers: Iterable[int] | None) -> None:
+        """``took_grads`` now, never deferred (``layers`` None: the whole slice)."""
         sums = self._grad_sums
         if sums is None:
             return

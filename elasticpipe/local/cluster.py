@@ -31,7 +31,7 @@ from elasticpipe.client.admin import ADMIN_TIMEOUT_S, Admin, Status
 from elasticpipe.errors import CoordinatorUnavailable, DeadlineExceeded, StageUnavailable
 from elasticpipe.local import forkserver
 from elasticpipe.security.tls import TLS, init_ca, issue
-from elasticpipe.stage_server.cpus import available, format_cpus, share, spread
+from elasticpipe.stage_server.cpus import available, format_cpus, stage_cpus
 
 Process = subprocess.Popen[bytes] | forkserver.Forked  # (forked: ELASTICPIPE_FORK_SERVER=1)
 
@@ -128,7 +128,7 @@ class LocalCluster:
             bind_cpus: bind each stage "stage-K" to its own CPUs (``elasticpipe stage
                 --cpus``): an equal part of those this process may use, at least
                 ``threads_per_stage``, stage 0 the first, stage 1 the next, around again
-                once all are given (``stage_server.cpus.share`` and ``spread``); not where
+                once all are given (``stage_server.cpus.stage_cpus``); not where
                 the stages cannot be spread evenly (3 on 2 CPUs), a stage's flags name
                 ``--cpus`` themselves, or the platform cannot bind (not Linux). The
                 coordinators and the client stay unbound.
@@ -165,9 +165,7 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._threads = threads_per_stage
-        cpus = sorted(available() or ()) if bind_cpus else []
-        self._cpus_each = share(stages, threads_per_stage, len(cpus)) if cpus else None
-        self._cpus = cpus if self._cpus_each else []  # to spread the stages over; [] unbound
+        self._cpus = sorted(available() or ()) if bind_cpus else []  # to bind stages to
         self.coordinator = ""  # every coordinator's address, comma-separated
         self.coordinator_addresses: dict[str, str] = {}  # process name -> address
         self.stage_addresses: list[str] = []
@@ -326,9 +324,10 @@ class LocalCluster:
         the cluster binds none, ``flags`` bind it already, or the name numbers no stage."""
         number = name.removeprefix("stage-")
         bound = any(f.startswith("--cpu") for f in flags)  # (argparse: --cpu is --cpus)
-        if not self._cpus or not self._cpus_each or bound or not number.isdecimal():
+        if bound or not number.isdecimal():
             return []
-        return ["--cpus", format_cpus(spread(int(number), self._cpus_each, self._cpus))]
+        cpus = stage_cpus(int(number), self.num_stages, self._threads, self._cpus)
+        return ["--cpus", format_cpus(cpus)] if cpus else []
 
     def add_stage(
         self, name: str, extra: Sequence[str] = (), env: Mapping[str, str] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticpipe.stage_server.cpus import format_cpus, parse_cpus, share, spread
+from elasticpipe.stage_server.cpus import format_cpus, parse_cpus, share, spread, stage_cpus
 
 
 @pytest.mark.timeout(10)
@@ -75,3 +75,11 @@ def test_stages_share_the_cpus_evenly_or_are_left_unbound(
     stages: int, per_stage: int, cpus: int, each: int | None
 ) -> None:
     assert share(stages, per_stage, cpus) == each
+
+
+@pytest.mark.timeout(10)
+def test_a_stage_gets_its_spread_share_or_none() -> None:
+    assert [stage_cpus(k, 4, 1, [0, 1]) for k in range(4)] == [{0}, {1}, {0}, {1}]
+    assert stage_cpus(1, 2, 1, list(range(8))) == {4, 5, 6, 7}
+    assert stage_cpus(0, 3, 1, [0, 1]) is None  # uneven: unbound
+    assert stage_cpus(0, 2, 1, []) is None  # nothing to bind to
