@@ -1,8 +1,9 @@
 """Driving one run of a step through the chain: inputs in, targets to the end, reports back.
 
 The client starts every stage's ``RunStep`` at once (gRPC futures: no thread per stage, so
-chains of any length work), streams the micro-batches' inputs to the first stage and their
-targets to the last from one feeder thread, and waits. The stages pass activations and
+chains of any length work) and waits. Small inputs and targets (``INLINE_BYTES`` in all)
+travel in the first and the last stage's RunStep; larger ones stream from one feeder
+thread, a message per micro-batch. The stages pass activations and
 gradients among themselves. On the first failure anywhere the client aborts the run on
 every stage, so no stage is left waiting for data that will never come; the error it
 raises is the root cause, not the aborts it triggered.
@@ -13,12 +14,14 @@ from __future__ import annotations
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from elasticpipe.errors import (
     DeadlineExceeded,
@@ -34,10 +37,11 @@ from elasticpipe.partition import Partition
 from elasticpipe.security import bounds
 from elasticpipe.security.tls import TLS
 from elasticpipe.training.clipping import NO_CLIP, GradClip
-from elasticpipe.transport import rpc
-from elasticpipe.transport.sending import Outgoing, Sender
+from elasticpipe.transport import bulk_calls, rpc
+from elasticpipe.transport.bulk_calls import BulkCaller
+from elasticpipe.transport.sending import Outgoing, Sender, data_message
 from elasticpipe.v1 import stage_pb2
-from elasticpipe.wire import bundle, codec
+from elasticpipe.wire import bundle, codec, structure
 from elasticpipe.wire.structure import Value
 
 log = get_logger(__name__)
@@ -45,6 +49,9 @@ log = get_logger(__name__)
 _SCHEDULE = {"gpipe": stage_pb2.GPIPE, "1f1b": stage_pb2.ONE_F_ONE_B, "zb-h1": stage_pb2.ZB_H1}
 ABORT_TIMEOUT_S = 15.0
 COMMIT_TIMEOUT_S = 30.0
+# A chain's inputs, or its targets, of at most this many bytes in all travel in its RunSteps
+# (``RunStepRequest.inline``); larger ones go on the data path, a message per micro-batch.
+INLINE_BYTES = 256 << 10
 
 
 class StageClients(rpc.StagePool):
@@ -55,6 +62,7 @@ class StageClients(rpc.StagePool):
     def __init__(self, tls: TLS | None = None):
         super().__init__(tls=tls)
         self._senders: dict[str, tuple[threading.Lock, Sender]] = {}
+        self._callers: dict[str, BulkCaller] = {}
 
     def send(self, address: str, msg: Outgoing, timeout: float) -> None:
         """Sends one message to ``address`` (``transport.Sender.send``)."""
@@ -70,13 +78,66 @@ class StageClients(rpc.StagePool):
         with lock:
             sender.send(msg, timeout)
 
+    def commit_each(
+        self, addresses: Sequence[str], request: stage_pb2.CommitStepRequest, timeout: float
+    ) -> list[Any | ElasticPipeError]:
+        """``CommitStep`` on every stage at once, over each one's bulk channel where it has
+        one (``bulk_calls``: every call written, then every answer read), else over gRPC.
+
+        Returns:
+            In order, each reply, or the error of that stage.
+        """
+        deadline = time.monotonic() + timeout
+        body = request.SerializeToString()
+        out: dict[str, Any] = {}
+        started: list[BulkCaller] = []
+        try:
+            for address in addresses:
+                caller = self._caller(address)
+                caller.lock.acquire()
+                try:
+                    if caller.start(bulk_calls.COMMIT, body, deadline):
+                        started.append(caller)
+                        continue
+                except ElasticPipeError as exc:
+                    out[address] = exc
+                caller.lock.release()
+            for caller in started:
+                try:
+                    reply = caller.finish(deadline)
+                    out[caller.address] = stage_pb2.CommitStepResponse.FromString(reply)
+                except ElasticPipeError as exc:
+                    out[caller.address] = exc
+                except DecodeError as exc:
+                    out[caller.address] = StageUnavailable(f"{caller.address}: {exc}")
+        finally:
+            for caller in started:
+                caller.lock.release()
+        rest = [a for a in addresses if a not in out]
+        if rest:
+            replies = self.each([(a, request) for a in rest], "CommitStep", timeout)
+            out.update(zip(rest, replies, strict=True))
+        return [out[a] for a in addresses]
+
+    def _caller(self, address: str) -> BulkCaller:
+        stub = self.stub(address)
+        with self._lock:
+            caller = self._callers.get(address)
+            if caller is None:
+                caller = self._callers[address] = BulkCaller(stub, address, self.tls)
+            return caller
+
     def close(self) -> None:
         """Closes every bulk connection and channel."""
         with self._lock:
             senders, self._senders = list(self._senders.values()), {}
+            callers, self._callers = list(self._callers.values()), {}
         for lock, sender in senders:
             with lock:
                 sender.close()
+        for caller in callers:
+            with caller.lock:
+                caller.close()
         super().close()
 
 
@@ -212,17 +273,14 @@ def _run(
     done: queue.Queue[tuple[str, Any]] = queue.Queue()
     everyone = [a for chain in chains for a in chain.partition.addresses]
 
-    def feed(chain: Chain) -> None:
-        partition, addresses = chain.partition, chain.partition.addresses
+    def feed(chain: Chain, inputs: list[Outgoing], targets: list[Outgoing]) -> None:
+        addresses = chain.partition.addresses
         try:
-            for i, x in enumerate(chain.inputs):
-                epoch = partition.epoch
-                forward = Outgoing("Forward", epoch, run_id, step, i, x, secret=secret)
-                clients.send(addresses[0], forward, timeout)
-                if chain.targets is not None:
-                    y, scale = chain.targets[i], chain.scales[i]
-                    target = Outgoing("Targets", epoch, run_id, step, i, y, scale, secret)
-                    clients.send(addresses[-1], target, timeout)
+            for i in range(max(len(inputs), len(targets))):
+                if i < len(inputs):
+                    clients.send(addresses[0], inputs[i], timeout)
+                if i < len(targets):
+                    clients.send(addresses[-1], targets[i], timeout)
         except ElasticPipeError as exc:
             done.put(("client", exc))
             return
@@ -231,7 +289,10 @@ def _run(
     def on_done(address: str) -> Any:
         return lambda future: done.put((address, future))
 
+    feeds: list[tuple[Chain, list[Outgoing], list[Outgoing]]] = []
     for chain in chains:
+        inputs, targets = _data(chain, run_id, step, secret)
+        first, last = _carried(inputs), _carried(targets)
         request = stage_pb2.RunStepRequest(
             epoch=chain.partition.epoch,
             run=run_id,
@@ -246,15 +307,25 @@ def _run(
             shares=shares,
             reduce_generation=generation,
         )
-        for address in chain.partition.addresses:
-            future = clients.stub(address).RunStep.future(request, timeout=timeout + 5.0)
+        addresses = chain.partition.addresses
+        for k, address in enumerate(addresses):
+            carried = (first if k == 0 else []) + (last if k == len(addresses) - 1 else [])
+            own = request
+            if carried:
+                own = stage_pb2.RunStepRequest()
+                own.CopyFrom(request)
+                own.inline.extend(carried)
+            future = clients.stub(address).RunStep.future(own, timeout=timeout + 5.0)
             future.add_done_callback(on_done(address))
-    for chain in chains:
-        threading.Thread(target=feed, args=(chain,), name=f"feed-{run_id}", daemon=True).start()
+        rest = ([] if first else inputs, [] if last else targets)
+        if rest[0] or rest[1]:
+            feeds.append((chain, *rest))
+    for fed in feeds:
+        threading.Thread(target=feed, args=fed, name=f"feed-{run_id}", daemon=True).start()
 
     reports: dict[str, stage_pb2.StepReport] = {}
     errors: list[ElasticPipeError] = []
-    for _ in range(len(everyone) + len(chains)):
+    for _ in range(len(everyone) + len(feeds)):
         address, outcome = done.get()
         error: ElasticPipeError | None = None
         if address == "client":
@@ -272,6 +343,32 @@ def _run(
         root = [e for e in errors if not isinstance(e, StepAborted)] or errors
         raise root[0]
     return [[reports[a] for a in chain.partition.addresses] for chain in chains]
+
+
+def _data(
+    chain: Chain, run_id: int, step: int, secret: bytes
+) -> tuple[list[Outgoing], list[Outgoing]]:
+    """A chain's inputs (to its first stage) and targets (to its last) as data messages."""
+    epoch = chain.partition.epoch
+    inputs = [
+        Outgoing("Forward", epoch, run_id, step, i, x, secret=secret)
+        for i, x in enumerate(chain.inputs)
+    ]
+    if chain.targets is None:
+        return inputs, []
+    targets = [
+        Outgoing("Targets", epoch, run_id, step, i, chain.targets[i], chain.scales[i], secret)
+        for i in range(len(chain.inputs))
+    ]
+    return inputs, targets
+
+
+def _carried(messages: list[Outgoing]) -> list[stage_pb2.DataMessage]:
+    """``messages`` as a RunStep carries them (``RunStepRequest.inline``) when they are
+    small (``INLINE_BYTES`` in all), else none: they go on the data path, one at a time."""
+    if not messages or sum(structure.nbytes(m.tensor) for m in messages) > INLINE_BYTES:
+        return []
+    return [data_message(m) for m in messages]
 
 
 def _all(
@@ -317,7 +414,11 @@ def commit(
     request = stage_pb2.CommitStepRequest(
         epoch=partition.epoch, run=run_id, step=step, client=client, clip=clip.to_proto()
     )
-    failed = _all(clients, partition.addresses, "CommitStep", request, COMMIT_TIMEOUT_S)
+    addresses = partition.addresses
+    results = clients.commit_each(addresses, request, COMMIT_TIMEOUT_S)
+    failed = {
+        a: r for a, r in zip(addresses, results, strict=True) if isinstance(r, ElasticPipeError)
+    }
     retry = [a for a, e in failed.items() if isinstance(e, StageUnavailable | DeadlineExceeded)]
     if retry:
         failed = {a: e for a, e in failed.items() if a not in retry}

@@ -25,12 +25,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from google.protobuf.message import DecodeError
+
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, PermissionDenied, TooLarge
 from elasticpipe.logs import get_logger
 from elasticpipe.security import authz
 from elasticpipe.security.tls import TLS, identity_of
 from elasticpipe.training.job import json_object
-from elasticpipe.transport import bulk, bulk_layers, serving
+from elasticpipe.transport import bulk, bulk_calls, bulk_layers, serving
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import bundle, layer_state, structure
 
@@ -196,6 +198,8 @@ class BulkListener:
             raise InvalidRequest(f"bulk header of {n} bytes (at most {bulk.MAX_HEADER_BYTES})")
         if kind == bulk_layers.LAYERS:
             return self._take_layers(conn, n, nbytes, deadline)
+        if kind == bulk_calls.COMMIT:
+            return self._commit(conn, n, deadline)
         if kind not in (bulk.EAGER, bulk.RENDEZVOUS):
             raise InvalidRequest(f"bulk message of unknown kind {kind!r}")
         eager = kind == bulk.EAGER
@@ -242,6 +246,29 @@ class BulkListener:
         if accepted:
             servicer.stage.metrics.bulk_received_bytes.inc(structure.nbytes(value))
         conn.sendall(bulk.OK)
+        return True
+
+    def _commit(self, conn: socket.socket, n: int, deadline: float) -> bool:
+        """A ``CommitStep`` (``bulk_calls``): the caller's role checked as gRPC checks it,
+        then the gRPC handler's checks and commit; answered with its reply or an error."""
+        body = bulk.recv_bytes(conn, n, deadline)
+        try:
+            authz.permit("StageService/CommitStep")
+            try:
+                request = stage_pb2.CommitStepRequest.FromString(body)
+            except DecodeError as exc:
+                raise InvalidRequest(
+                    f"malformed CommitStepRequest on the bulk channel: {exc}"
+                ) from exc
+            reply = self._servicer.commit(request).SerializeToString()
+        except ElasticPipeError as exc:
+            bulk.send_error(conn, exc)
+            return True
+        except Exception as exc:  # a bug: logged, answered as gRPC's INTERNAL, and closed
+            log.error("bulk_commit_failed", error=repr(exc), exc_info=exc)
+            bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk commit: {exc!r}"))
+            return False
+        conn.sendall(bulk.OK + bulk.U32.pack(len(reply)) + reply)
         return True
 
     def _take_layers(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:

@@ -11,7 +11,7 @@ import grpc
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.partition import Placement
 from elasticpipe.security import bounds
-from elasticpipe.stage_server import callers
+from elasticpipe.stage_server import callers, inline
 from elasticpipe.stage_server.bulk import BulkListener
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.mailbox import Slot
@@ -262,6 +262,7 @@ class StageServicer:
         self.gate.check(f"RunStep of run {req.run}", req.client)
         bounds.run_secret(req.secret)
         previous = [Decision(d.run, d.step, d.commit, _clip(d.clip)) for d in req.previous]
+        carried = inline.decode(req, self.stage.config.max_tensor_bytes)
         result = self.stage.run_step(
             req.epoch,
             req.run,
@@ -275,6 +276,7 @@ class StageServicer:
             secret=req.secret,
             shares=_shares(req.shares),
             generation=req.reduce_generation,
+            inline=carried,
         )
         return stage_pb2.StepReport(
             run=result.run,
@@ -309,6 +311,10 @@ class StageServicer:
     def CommitStep(
         self, req: stage_pb2.CommitStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.CommitStepResponse:
+        return self.commit(req)
+
+    def commit(self, req: stage_pb2.CommitStepRequest) -> stage_pb2.CommitStepResponse:
+        """``CommitStep``, over gRPC or the bulk channel (``bulk_calls``)."""
         self.gate.check(f"CommitStep of run {req.run}", req.client, coordinator_may=True)
         bounds.epoch(req.epoch, self.stage.epoch)
         bounds.run(req.run)

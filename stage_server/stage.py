@@ -60,6 +60,8 @@ from elasticpipe.stage_server.devicetime import Slowdown
 from elasticpipe.stage_server.epochs import EpochChanges
 from elasticpipe.stage_server.executor import RunContext, StashMeter, StepResult, execute
 from elasticpipe.stage_server.faults import Fault, Faults
+from elasticpipe.stage_server.inline import Inline
+from elasticpipe.stage_server.inline import deliver as deliver_inline
 from elasticpipe.stage_server.layers import LayerSlice
 from elasticpipe.stage_server.links import Link
 from elasticpipe.stage_server.mailbox import Mailbox, Reservation, Slot
@@ -408,12 +410,13 @@ class Stage(EpochChanges, SnapshotCopies):
         secret: bytes,
         shares: Sequence[int] = (),
         generation: int = 0,
+        inline: Sequence[Inline] = (),
     ) -> StepResult:
         """Runs this stage's ops of one step (or inference pass) and reports; it takes
-        only data that carries the run's ``secret``. With replicas, ``shares`` are every
-        replica's micro-batches: this one runs its share, then reduces its gradients with
-        the other replicas' holders (``reducing``; with collectives, on the process groups
-        of ``generation``)."""
+        only data that carries the run's ``secret``, and ``inline`` (the inputs and targets
+        its RunStep carried). With replicas, ``shares`` are every replica's micro-batches:
+        this one runs its share, then reduces its gradients with the other replicas'
+        holders (``reducing``; with collectives, on the process groups of ``generation``)."""
         if micro_batches < 1:
             raise InvalidRequest(f"micro_batches must be >= 1 (got {micro_batches})")
         with self._cond:
@@ -467,6 +470,7 @@ class Stage(EpochChanges, SnapshotCopies):
         )
         reductions: reducing.Reductions | None = None
         try:
+            deliver_inline(self, epoch, run, secret, inline)
             if replicated:  # each group's reduction starts once its last backward is done
                 ids = reducing.RunIds(placement.epoch, run, step, secret, ctx.deadline)
                 reductions = reducing.Reductions(

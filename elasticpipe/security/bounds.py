@@ -9,6 +9,7 @@ field                                       bound
 RunStep micro_batches                       1 .. 4096
 RunStep / step timeouts (timeout_s)         (0, 3600] seconds
 RunStep previous (decisions carried)        at most 16
+RunStep inline (inputs and targets)         at most 8,192 entries, 4 MiB of tensors
 run ids (RunStep, data, AbortStep)          generation (run >> 40) of the calling
                                             client, at most 16 generations past the
                                             stage's fence for data arriving first
@@ -54,6 +55,7 @@ from elasticpipe.errors import InvalidRequest
 RUN_ID_BITS = 40  # a run id is (client generation << 40) + n
 RUN_SECRET_BYTES = 16  # a run's secret (RunStepRequest.secret): random, never guessed
 MAX_MICRO_BATCHES = 4096
+MAX_INLINE_BYTES = 4 << 20  # a RunStep's inline inputs and targets (``RunStepRequest.inline``)
 MAX_TIMEOUT_S = 3600.0
 MAX_WAIT_S = 600.0
 MAX_LONG_POLL_S = 60.0

@@ -4,7 +4,8 @@ grpcio moves a tensor through four Python-level copies and HTTP/2 framing, each 
 fresh memory, which tops out near 1 GB/s on loopback; a socket that sends straight from the
 tensor's memory and receives straight into the new tensor's runs at the transport's speed
 (``bench/transfer.py`` measures both against gloo and raw TCP). So every tensor of the data
-path travels here, and control and errors stay on gRPC.
+path travels here, and so does a step's commit (``bulk_calls``); other control stays on
+gRPC.
 
 The channel is negotiated over gRPC and keeps gRPC's checks:
 

@@ -71,6 +71,13 @@ _SLOTS = {
 }
 
 
+def data_message(msg: Outgoing) -> stage_pb2.DataMessage:
+    """``msg`` whole, as one ``DataMessage`` (as a RunStep carries its inline data)."""
+    head = header(msg, None)
+    bundle.describe(head, msg.tensor)
+    return stage_pb2.DataMessage(slot=_SLOTS[msg.method], header=head, data=bundle.data(msg.tensor))
+
+
 def send(
     stub: stage_pb2_grpc.StageServiceStub,
     address: str,

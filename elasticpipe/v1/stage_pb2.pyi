@@ -427,6 +427,7 @@ class RunStepRequest(_message.Message):
     SECRET_FIELD_NUMBER: _builtins.int
     SHARES_FIELD_NUMBER: _builtins.int
     REDUCE_GENERATION_FIELD_NUMBER: _builtins.int
+    INLINE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     run: _builtins.int
     step: _builtins.int
@@ -459,6 +460,15 @@ class RunStepRequest(_message.Message):
         of the shares before it). Empty: one pipeline runs all micro_batches.
         """
 
+    @_builtins.property
+    def inline(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataMessage]:
+        """A run's small inputs (to its first stage) and targets (to its last), carried in the
+        RunStep itself instead of one data message each: DataMessages of slot INPUT or TARGET
+        whose headers are the ones the data path would carry (this run's epoch, run, step and
+        secret). The stage checks and delivers them as it does data, once the run has begun.
+        At most MAX_INLINE_BYTES (elasticpipe/security/bounds.py) of tensor bytes in all.
+        """
+
     def __init__(
         self,
         *,
@@ -474,10 +484,11 @@ class RunStepRequest(_message.Message):
         secret: _builtins.bytes = ...,
         shares: _abc.Iterable[_builtins.int] | None = ...,
         reduce_generation: _builtins.int = ...,
+        inline: _abc.Iterable[Global___DataMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "reduce_generation", b"reduce_generation", "run", b"run", "schedule", b"schedule", "secret", b"secret", "shares", b"shares", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "epoch", b"epoch", "inline", b"inline", "micro_batches", b"micro_batches", "mode", b"mode", "previous", b"previous", "reduce_generation", b"reduce_generation", "run", b"run", "schedule", b"schedule", "secret", b"secret", "shares", b"shares", "step", b"step", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from elasticpipe.client import driver
 from elasticpipe.errors import DeadlineExceeded, InvalidRequest, StaleEpoch, TooLarge
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.stage_server import executor
@@ -37,10 +38,11 @@ STRANGER = bytes(16)  # a 16-byte run secret, not the run's (every data header c
 
 
 def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
-    """Two stage processes whose inputs, activations, gradients and targets all travel
-    over the bulk channel: losses and weights equal LocalPipeline's bit for bit, and the
-    stages' metrics count every one of those bytes as received in bulk (stage 0: the
-    client's inputs and stage 1's gradients; stage 1: the activations and the targets)."""
+    """Two stage processes whose inputs, activations and gradients all travel over the
+    bulk channel: losses and weights equal LocalPipeline's bit for bit, and the stages'
+    metrics count every one of those bytes as received in bulk (stage 0: the client's
+    inputs and stage 1's gradients; stage 1: the activations -- the targets, 8 KiB a step,
+    ride in its RunSteps: ``driver.INLINE_BYTES``)."""
     kwargs = {"sizes": [640, 640, 640, 8]}
     rows, micro_batches, steps = 1024, 2, 3
     g = torch.Generator().manual_seed(0)
@@ -60,10 +62,8 @@ def test_training_over_the_bulk_channel_equals_plain_pytorch() -> None:
             both.assert_same_weights()
             addresses = list(both.pipe.partition.addresses)
         per_message = rows // micro_batches * 640 * 4
-        targets = rows // micro_batches * 8  # int64 class ids
-        for address, nbytes in zip(
-            addresses, (2 * per_message, per_message + targets), strict=True
-        ):
+        assert rows * 8 <= driver.INLINE_BYTES < rows * 640 * 4  # int64 class ids, inputs
+        for address, nbytes in zip(addresses, (2 * per_message, per_message), strict=True):
             samples = scrape(c.metrics_url(c.name_of(address)))
             got_bulk = value(samples, "elasticpipe_stage_bulk_received_bytes_total")
             assert got_bulk == steps * micro_batches * nbytes, address

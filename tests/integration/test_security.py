@@ -346,6 +346,26 @@ def test_init_state_streams_over_the_mutual_tls_bulk_channel_and_only_from_a_cli
     sock.close()
 
 
+def test_a_commit_on_the_bulk_channel_is_taken_only_from_its_roles(cluster: LocalCluster) -> None:
+    """A stage's certificate may open a bulk channel, but a ``CommitStep`` written on it is
+    refused as over gRPC, naming the role and the RPC (the client's commits travel there:
+    the training tests above)."""
+    from elasticpipe.errors import PermissionDenied
+    from elasticpipe.transport import bulk_calls
+
+    address = cluster.stage_addresses[0]
+    peer = cluster.tls_of("bulk-committer", "stage")
+    assert peer is not None
+    caller = bulk_calls.BulkCaller(_stage(address, peer), address, peer)
+    request = stage_pb2.CommitStepRequest(epoch=1, run=1, step=1).SerializeToString()
+    try:
+        assert caller.start(bulk_calls.COMMIT, request, time.monotonic() + 10)
+        with pytest.raises(PermissionDenied, match=r"'stage'.*CommitStep"):
+            caller.finish(time.monotonic() + 10)
+    finally:
+        caller.close()
+
+
 def test_reduction_pieces_are_taken_only_from_stages(cluster: LocalCluster) -> None:
     """A gradient reduction's piece comes only from a stage's certificate: a client's
     ``Reduce`` stream is refused by the role table, and the job holder's own REDUCE piece,

@@ -1,0 +1,102 @@
+"""A step's commit on the bulk channel (``transport.bulk_calls``): the client's commits go
+there when the stages have one, train exactly as over gRPC, and a stage answers a bad or
+refused call with the error gRPC would give, its connection still of use."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from elasticpipe.client import driver
+from elasticpipe.errors import InvalidRequest
+from elasticpipe.local.cluster import LocalCluster
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.transport import bulk, bulk_calls, rpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.support import bulk_stage, clusters, jobs
+from tests.support.bulk_stage import connect_bulk, open_bulk
+
+stage = bulk_stage.stage  # the fixture: one in-process stage holding a job
+
+pytestmark = pytest.mark.timeout(120)
+
+KWARGS = {"sizes": [8, 12, 12, 4]}
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with clusters.quiet(2) as c:
+        yield c
+
+
+def _train(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, bulk_commits: bool
+) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
+    """Trains a fresh job, its commits on the bulk channel or (``bulk_commits`` False: as
+    to a stage without one) over gRPC; the losses, the weights, and the methods the
+    client called over gRPC on several stages at once."""
+    fanned: list[str] = []
+    each = driver.StageClients.each
+
+    def counted(self: driver.StageClients, pairs: Any, method: str, timeout: float) -> Any:
+        fanned.append(method)
+        return each(self, pairs, method, timeout)
+
+    g = torch.Generator().manual_seed(0)
+    with monkeypatch.context() as patch:
+        patch.setattr(driver.StageClients, "each", counted)
+        if not bulk_commits:
+            patch.setattr(bulk_calls.BulkCaller, "start", lambda *_: False)
+        with jobs.mlp(
+            cluster.coordinator, **KWARGS, optimizer="adam", micro_batches=2, stages=2
+        ) as pipe:
+            batches = [
+                (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
+                for _ in range(STEPS)
+            ]
+            losses = [pipe.train_step(x, y) for x, y in batches]
+            return losses, pipe.state_dict(), fanned
+
+
+def test_commits_travel_on_the_bulk_channel_and_train_as_over_grpc(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_bulk = _train(cluster, monkeypatch, bulk_commits=True)
+    on_grpc = _train(cluster, monkeypatch, bulk_commits=False)
+    assert "CommitStep" not in on_bulk[2], on_bulk[2]
+    assert on_grpc[2].count("CommitStep") == STEPS  # the same client code, over gRPC
+    assert on_bulk[0] == on_grpc[0]
+    assert all(torch.equal(on_bulk[1][k], v) for k, v in on_grpc[1].items())
+
+
+def _call(sock: Any, body: bytes) -> bytes:
+    sock.sendall(bulk.FRAME.pack(len(body), bulk_calls.COMMIT, 0) + body)
+    return bulk.recv_bytes(sock, 1, time.monotonic() + 10)
+
+
+def test_a_bad_commit_gets_grpcs_error_and_the_connection_goes_on(stage: StageServer) -> None:
+    """Malformed bytes are ``InvalidRequest`` naming the message; a commit of a run the
+    stage never ran gets the error gRPC's ``CommitStep`` gives, on the same connection."""
+    request = stage_pb2.CommitStepRequest(epoch=bulk_stage.EPOCH, run=5, step=1)
+    with rpc.channel(stage.address) as chan:
+        stub = stage_pb2_grpc.StageServiceStub(chan)
+        with pytest.raises(grpc.RpcError) as over_grpc:
+            stub.CommitStep(request, timeout=10)
+        expected = rpc.translate(over_grpc.value, stage.address)
+        sock = connect_bulk(*open_bulk(stub))
+    with sock:
+        assert sock.recv(1) == bulk.OK
+        assert _call(sock, b"\xff\xff\xff") == bulk.ERR
+        error = bulk.read_error(sock, stage.address)
+        assert isinstance(error, InvalidRequest), error
+        assert "malformed CommitStepRequest" in str(error)
+        assert _call(sock, request.SerializeToString()) == bulk.ERR
+        error = bulk.read_error(sock, stage.address)
+        assert type(error) is type(expected), (error, expected)
+        assert str(expected).split(" (")[0] in str(error), (error, expected)
