@@ -1,17 +1,17 @@
 """Driving one run of a step through the chain: inputs in, targets to the end, reports back.
 
-The client starts every stage's ``RunStep`` at once (gRPC futures: no thread per stage, so
-chains of any length work) and waits. Small inputs and targets (``INLINE_BYTES`` in all)
-travel in the first and the last stage's RunStep; larger ones stream from one feeder
-thread, a message per micro-batch. The stages pass activations and
-gradients among themselves. On the first failure anywhere the client aborts the run on
-every stage, so no stage is left waiting for data that will never come; the error it
-raises is the root cause, not the aborts it triggered.
+The client starts every stage's ``RunStep`` at once -- written on the stage's bulk channel
+(``transport.bulk_calls``; each answer read when it comes, ``outcomes``), or as a gRPC
+future where it has none: no thread per stage, so chains of any length work -- and waits.
+Small inputs and targets (``INLINE_BYTES`` in all) travel in the first and the last stage's
+RunStep; larger ones stream from one feeder thread, a message per micro-batch. The stages
+pass activations and gradients among themselves. On the first failure anywhere the client
+aborts the run on every stage, so no stage is left waiting for data that will never come;
+the error it raises is the root cause, not the aborts it triggered.
 """
 
 from __future__ import annotations
 
-import queue
 import secrets
 import threading
 import time
@@ -23,6 +23,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from elasticpipe.client.outcomes import Outcomes
 from elasticpipe.errors import (
     DeadlineExceeded,
     ElasticPipeError,
@@ -37,7 +38,7 @@ from elasticpipe.partition import Partition
 from elasticpipe.security import bounds
 from elasticpipe.security.tls import TLS
 from elasticpipe.training.clipping import NO_CLIP, GradClip
-from elasticpipe.transport import bulk_calls, rpc
+from elasticpipe.transport import bulk, bulk_calls, rpc
 from elasticpipe.transport.bulk_calls import BulkCaller
 from elasticpipe.transport.sending import Outgoing, Sender, data_message
 from elasticpipe.v1 import stage_pb2
@@ -55,9 +56,10 @@ INLINE_BYTES = 256 << 10
 
 
 class StageClients(rpc.StagePool):
-    """The client's channels to the stages, and a sender per stage for inputs and targets
+    """The client's channels to the stages, a sender per stage for inputs and targets
     (large ones over the bulk channel, ``elasticpipe.transport.bulk``), used by one send at a
-    time."""
+    time, and a bulk connection per stage for its RunSteps and commits (``bulk_calls``),
+    used by one call at a time."""
 
     def __init__(self, tls: TLS | None = None):
         super().__init__(tls=tls)
@@ -93,31 +95,59 @@ class StageClients(rpc.StagePool):
         started: list[BulkCaller] = []
         try:
             for address in addresses:
-                caller = self._caller(address)
-                caller.lock.acquire()
-                try:
-                    if caller.start(bulk_calls.COMMIT, body, deadline):
-                        started.append(caller)
-                        continue
-                except ElasticPipeError as exc:
-                    out[address] = exc
-                caller.lock.release()
-            for caller in started:
+                caller = self._start(address, bulk_calls.COMMIT, body, deadline, out)
+                if caller is not None:
+                    started.append(caller)
+            while started:
+                caller = started[0]
                 try:
                     reply = caller.finish(deadline)
                     out[caller.address] = stage_pb2.CommitStepResponse.FromString(reply)
                 except ElasticPipeError as exc:
                     out[caller.address] = exc
                 except DecodeError as exc:
+                    caller.close()
                     out[caller.address] = StageUnavailable(f"{caller.address}: {exc}")
+                started.pop(0)
+                caller.lock.release()
         finally:
-            for caller in started:
+            for caller in started:  # (interrupted) their answers unread: of no more use
+                caller.close()
                 caller.lock.release()
         rest = [a for a in addresses if a not in out]
         if rest:
             replies = self.each([(a, request) for a in rest], "CommitStep", timeout)
             out.update(zip(rest, replies, strict=True))
         return [out[a] for a in addresses]
+
+    def start_call(
+        self, address: str, kind: bytes, request: Any, deadline: float
+    ) -> BulkCaller | None:
+        """Writes ``request`` (a RunStep's) on ``address``'s bulk channel and returns its
+        caller, locked until its answer is read (``Outcomes``); None when it must go over
+        gRPC (no channel, too large a request, or it could not be written)."""
+        body = request.SerializeToString()
+        if len(body) > bulk.MAX_HEADER_BYTES:
+            return None
+        return self._start(address, kind, body, deadline, {})
+
+    def _start(
+        self, address: str, kind: bytes, body: bytes, deadline: float, refused: dict[str, Any]
+    ) -> BulkCaller | None:
+        """``address``'s caller with ``body`` written, locked; None, unlocked, when the call
+        must go over gRPC (``refused[address]``: the error, where ``OpenBulk`` refused as
+        gRPC would the call)."""
+        caller = self._caller(address)
+        caller.lock.acquire()
+        written = False
+        try:
+            written = caller.start(kind, body, deadline)
+        except ElasticPipeError as exc:
+            refused[address] = exc
+        finally:
+            if not written:
+                caller.lock.release()
+        return caller if written else None
 
     def _caller(self, address: str) -> BulkCaller:
         stub = self.stub(address)
@@ -266,83 +296,90 @@ def _run(
     secret: bytes,
     generation: int = 0,
 ) -> list[list[stage_pb2.StepReport]]:
-    """Starts every chain's RunSteps at once (gRPC futures), feeds each chain from a
-    thread of its own, and waits; the first failure aborts the run on every stage."""
+    """Starts every chain's RunSteps at once (each on its stage's bulk channel, else as a
+    gRPC future), feeds each chain that needs it from a thread of its own, and waits
+    (``Outcomes``); the first failure aborts the run on every stage."""
     if schedule not in _SCHEDULE:
         raise InvalidRequest(f"unknown schedule {schedule!r}")
-    done: queue.Queue[tuple[str, Any]] = queue.Queue()
     everyone = [a for chain in chains for a in chain.partition.addresses]
+    with Outcomes(time.monotonic() + timeout + 5.0) as outcomes:  # the gRPC futures' deadline
 
-    def feed(chain: Chain, inputs: list[Outgoing], targets: list[Outgoing]) -> None:
-        addresses = chain.partition.addresses
-        try:
-            for i in range(max(len(inputs), len(targets))):
-                if i < len(inputs):
-                    clients.send(addresses[0], inputs[i], timeout)
-                if i < len(targets):
-                    clients.send(addresses[-1], targets[i], timeout)
-        except ElasticPipeError as exc:
-            done.put(("client", exc))
-            return
-        done.put(("client", None))
-
-    def on_done(address: str) -> Any:
-        return lambda future: done.put((address, future))
-
-    feeds: list[tuple[Chain, list[Outgoing], list[Outgoing]]] = []
-    for chain in chains:
-        inputs, targets = _data(chain, run_id, step, secret)
-        first, last = _carried(inputs), _carried(targets)
-        request = stage_pb2.RunStepRequest(
-            epoch=chain.partition.epoch,
-            run=run_id,
-            step=step,
-            micro_batches=len(chain.inputs),
-            schedule=_SCHEDULE[schedule],
-            mode=stage_pb2.TRAIN if chain.targets is not None else stage_pb2.INFER,
-            timeout_s=timeout,
-            client=client,
-            previous=previous,
-            secret=secret,
-            shares=shares,
-            reduce_generation=generation,
-        )
-        addresses = chain.partition.addresses
-        for k, address in enumerate(addresses):
-            carried = (first if k == 0 else []) + (last if k == len(addresses) - 1 else [])
-            own = request
-            if carried:
-                own = stage_pb2.RunStepRequest()
-                own.CopyFrom(request)
-                own.inline.extend(carried)
-            future = clients.stub(address).RunStep.future(own, timeout=timeout + 5.0)
-            future.add_done_callback(on_done(address))
-        rest = ([] if first else inputs, [] if last else targets)
-        if rest[0] or rest[1]:
-            feeds.append((chain, *rest))
-    for fed in feeds:
-        threading.Thread(target=feed, args=fed, name=f"feed-{run_id}", daemon=True).start()
-
-    reports: dict[str, stage_pb2.StepReport] = {}
-    errors: list[ElasticPipeError] = []
-    for _ in range(len(everyone) + len(feeds)):
-        address, outcome = done.get()
-        error: ElasticPipeError | None = None
-        if address == "client":
-            error = outcome
-        else:
+        def feed(chain: Chain, inputs: list[Outgoing], targets: list[Outgoing]) -> None:
+            addresses = chain.partition.addresses
             try:
-                reports[address] = outcome.result()
-            except grpc.RpcError as exc:
-                error = rpc.translate(exc, address)
-        if error is not None:
-            if not errors:
-                abort(clients, everyone, run_id, f"{address} failed: {error}", client)
-            errors.append(error)
-    if errors:
-        root = [e for e in errors if not isinstance(e, StepAborted)] or errors
-        raise root[0]
-    return [[reports[a] for a in chain.partition.addresses] for chain in chains]
+                for i in range(max(len(inputs), len(targets))):
+                    if i < len(inputs):
+                        clients.send(addresses[0], inputs[i], timeout)
+                    if i < len(targets):
+                        clients.send(addresses[-1], targets[i], timeout)
+            except ElasticPipeError as exc:
+                outcomes.post("client", exc)
+                return
+            outcomes.post("client", None)
+
+        def on_done(address: str) -> Any:
+            return lambda future: outcomes.post(address, future)
+
+        feeds: list[tuple[Chain, list[Outgoing], list[Outgoing]]] = []
+        data = [_data(chain, run_id, step, secret) for chain in chains]
+        carried = [(_carried(inputs), _carried(targets)) for inputs, targets in data]
+        for chain, (inputs, targets), (first, last) in zip(chains, data, carried, strict=True):
+            request = stage_pb2.RunStepRequest(
+                epoch=chain.partition.epoch,
+                run=run_id,
+                step=step,
+                micro_batches=len(chain.inputs),
+                schedule=_SCHEDULE[schedule],
+                mode=stage_pb2.TRAIN if chain.targets is not None else stage_pb2.INFER,
+                timeout_s=timeout,
+                client=client,
+                previous=previous,
+                secret=secret,
+                shares=shares,
+                reduce_generation=generation,
+            )
+            addresses = chain.partition.addresses
+            for k, address in enumerate(addresses):
+                inline = (first if k == 0 else []) + (last if k == len(addresses) - 1 else [])
+                own = request
+                if inline:
+                    own = stage_pb2.RunStepRequest()
+                    own.CopyFrom(request)
+                    own.inline.extend(inline)
+                caller = clients.start_call(address, bulk_calls.RUN, own, outcomes.deadline)
+                if caller is not None:
+                    outcomes.expect(address, caller)
+                    continue
+                future = clients.stub(address).RunStep.future(own, timeout=timeout + 5.0)
+                future.add_done_callback(on_done(address))
+            rest = ([] if first else inputs, [] if last else targets)
+            if rest[0] or rest[1]:
+                feeds.append((chain, *rest))
+        for fed in feeds:
+            threading.Thread(target=feed, args=fed, name=f"feed-{run_id}", daemon=True).start()
+
+        reports: dict[str, stage_pb2.StepReport] = {}
+        errors: list[ElasticPipeError] = []
+        for _ in range(len(everyone) + len(feeds)):
+            address, outcome = outcomes.next()
+            error: ElasticPipeError | None = None
+            if address == "client":
+                error = outcome
+            else:
+                try:
+                    reports[address] = outcome.result()
+                except grpc.RpcError as exc:
+                    error = rpc.translate(exc, address)
+                except ElasticPipeError as exc:  # (a RunStep on the bulk channel)
+                    error = exc
+            if error is not None:
+                if not errors:
+                    abort(clients, everyone, run_id, f"{address} failed: {error}", client)
+                errors.append(error)
+        if errors:
+            root = [e for e in errors if not isinstance(e, StepAborted)] or errors
+            raise root[0]
+        return [[reports[a] for a in chain.partition.addresses] for chain in chains]
 
 
 def _data(

@@ -198,8 +198,10 @@ class BulkListener:
             raise InvalidRequest(f"bulk header of {n} bytes (at most {bulk.MAX_HEADER_BYTES})")
         if kind == bulk_layers.LAYERS:
             return self._take_layers(conn, n, nbytes, deadline)
-        if kind == bulk_calls.COMMIT:
-            return self._commit(conn, n, deadline)
+        if kind in bulk_calls.CALLS:
+            if nbytes:
+                raise InvalidRequest(f"a bulk call announcing {nbytes} payload bytes (none)")
+            return self._call(conn, kind, n, deadline)
         if kind not in (bulk.EAGER, bulk.RENDEZVOUS):
             raise InvalidRequest(f"bulk message of unknown kind {kind!r}")
         eager = kind == bulk.EAGER
@@ -248,26 +250,35 @@ class BulkListener:
         conn.sendall(bulk.OK)
         return True
 
-    def _commit(self, conn: socket.socket, n: int, deadline: float) -> bool:
-        """A ``CommitStep`` (``bulk_calls``): the caller's role checked as gRPC checks it,
-        then the gRPC handler's checks and commit; answered with its reply or an error."""
+    def _call(self, conn: socket.socket, kind: bytes, n: int, deadline: float) -> bool:
+        """A ``RunStep`` or ``CommitStep`` (``bulk_calls``): the caller's role checked as
+        gRPC checks it, then the gRPC handler's checks and work (a RunStep's whole run, on
+        this connection's thread); answered with its reply or an error frame."""
+        method, parse = bulk_calls.CALLS[kind]
         body = bulk.recv_bytes(conn, n, deadline)
+        servicer = self._servicer
         try:
-            authz.permit("StageService/CommitStep")
+            authz.permit(f"StageService/{method}")
             try:
-                request = stage_pb2.CommitStepRequest.FromString(body)
+                request = parse(body)
             except DecodeError as exc:
-                raise InvalidRequest(
-                    f"malformed CommitStepRequest on the bulk channel: {exc}"
-                ) from exc
-            reply = self._servicer.commit(request).SerializeToString()
+                raise InvalidRequest(f"malformed {method} request on the bulk channel") from exc
+            if kind == bulk_calls.RUN:
+                reply = servicer.run_step(request, None).SerializeToString()
+            else:
+                reply = servicer.commit(request).SerializeToString()
         except ElasticPipeError as exc:
+            metrics = servicer.stage.metrics.rpc_errors  # as gRPC's interceptor counts them
+            metrics.labels(method=f"StageService/{method}", code=exc.code.name).inc()
+            conn.settimeout(READ_TIMEOUT_S)  # (a run may have outlasted the read's deadline)
             bulk.send_error(conn, exc)
             return True
         except Exception as exc:  # a bug: logged, answered as gRPC's INTERNAL, and closed
-            log.error("bulk_commit_failed", error=repr(exc), exc_info=exc)
-            bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk commit: {exc!r}"))
+            log.error("bulk_call_failed", method=method, error=repr(exc), exc_info=exc)
+            conn.settimeout(READ_TIMEOUT_S)
+            bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk {method}: {exc!r}"))
             return False
+        conn.settimeout(READ_TIMEOUT_S)
         conn.sendall(bulk.OK + bulk.U32.pack(len(reply)) + reply)
         return True
 

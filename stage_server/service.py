@@ -249,6 +249,13 @@ class StageServicer:
     def RunStep(
         self, req: stage_pb2.RunStepRequest, ctx: grpc.ServicerContext
     ) -> stage_pb2.StepReport:
+        return self.run_step(req, ctx.time_remaining())
+
+    def run_step(
+        self, req: stage_pb2.RunStepRequest, remaining: float | None
+    ) -> stage_pb2.StepReport:
+        """``RunStep``, over gRPC or the bulk channel (``bulk_calls``); ``remaining``:
+        the seconds left of the call's own deadline, if it has one."""
         if req.mode not in (stage_pb2.TRAIN, stage_pb2.INFER):
             raise InvalidRequest(f"unknown run mode {req.mode}")
         train = req.mode == stage_pb2.TRAIN
@@ -256,7 +263,6 @@ class StageServicer:
             raise InvalidRequest(f"unknown schedule {req.schedule}")
         bounds.number(req.timeout_s, "timeout_s", 0, bounds.MAX_TIMEOUT_S, lo_open=True)
         bounds.number(req.micro_batches, "micro_batches", 1, bounds.MAX_MICRO_BATCHES)
-        remaining = ctx.time_remaining()
         timeout = min(req.timeout_s, remaining) if remaining is not None else req.timeout_s
         bounds.count(req.previous, "previous", bounds.MAX_DECISIONS)
         self.gate.check(f"RunStep of run {req.run}", req.client)

@@ -1,26 +1,30 @@
-"""A step's commit on the bulk channel: one small write and one read per stage, where a
-gRPC unary call costs the client a polling thread and several thread hops each time.
+"""A step's RunSteps and commit on the bulk channel: one small write and one read per
+stage, where a gRPC unary call costs the client a polling thread and several thread hops.
 
-On a loaded 2-core host, a ``CommitStep`` fan-out over gRPC took 2.2-3.8 ms of a step
-(``bench/anatomy.py``'s "commit"): grpcio starts a thread per channel for a burst of
-future calls, and the reply crosses the server's and the client's polling threads. A
-bulk message's round trip under the same load takes 0.2-0.4 ms.
+On a loaded 2-core host a ``CommitStep`` fan-out over gRPC took 2.2-3.8 ms of a step
+(``bench/anatomy.py``'s "commit"), and a RunStep reached its stage 1.3 ms after the client
+sent it: grpcio starts a thread per channel for each burst of future calls, and a request
+and its reply cross the server's and the client's polling threads. A bulk message's round
+trip under the same load takes 0.2-0.4 ms.
 
-On its own connection to each stage (``connect``: ``OpenBulk``'s one-time token, and with
-TLS the same mutual handshake as for data), the client writes::
+On its own connection to each stage (``bulk.connect``: ``OpenBulk``'s one-time token, and
+with TLS the same mutual handshake as for data), the client writes::
 
-    u32 length, b"C", u64 0, CommitStepRequest
+    u32 length, b"S" (RunStepRequest) or b"C" (CommitStepRequest), u64 0, the request
 
-and the stage -- which checks the caller's role against ``CommitStep``'s row
-(``authz.permit``) and then runs exactly the gRPC handler's checks and commit -- answers::
+and the stage -- which checks the caller's role against the method's row
+(``authz.permit``) and then does exactly what its gRPC handler does (a RunStep's whole
+run, on that connection's thread) -- answers::
 
-    OK, u32 length, CommitStepResponse        or an error frame (``bulk.send_error``)
+    OK, u32 length, the reply (StepReport, CommitStepResponse)    or an error frame
 
-The calls to every stage are written first and their answers read after, so the stages
-commit at once. A stage without a bulk channel, or whose call could not be written whole,
-is asked over gRPC instead (nothing was delivered); once written, a connection that breaks
-before the answer makes the call ``StageUnavailable``, which the client asks once more
-over gRPC (``CommitStep`` is idempotent).
+A RunStep's answer is read when it comes (``client.outcomes``); a commit's calls to every
+stage are written first and their answers read after. A stage without a bulk channel, a
+request over ``bulk.MAX_HEADER_BYTES``, or a call that could not be written whole goes over
+gRPC instead (nothing was delivered); once written, a connection that breaks before the
+answer makes the call ``StageUnavailable`` (a commit is then asked once more over gRPC:
+``CommitStep`` is idempotent), and one whose answer misses the call's deadline
+``DeadlineExceeded`` (the connection is closed).
 """
 
 from __future__ import annotations
@@ -28,17 +32,23 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from elasticpipe.errors import ElasticPipeError, StageUnavailable
 from elasticpipe.logs import get_logger
 from elasticpipe.security.tls import TLS
-from elasticpipe.transport import bulk
-from elasticpipe.v1 import stage_pb2_grpc
+from elasticpipe.transport import bulk, rpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = get_logger(__name__)
 
-COMMIT = b"C"  # a frame's kind: a CommitStepRequest
-MAX_REPLY_BYTES = 1 << 16  # a CommitStepResponse is a few bytes
+RUN, COMMIT = b"S", b"C"  # a frame's kind: a RunStepRequest, a CommitStepRequest
+CALLS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
+    RUN: ("RunStep", stage_pb2.RunStepRequest.FromString),
+    COMMIT: ("CommitStep", stage_pb2.CommitStepRequest.FromString),
+}
+MAX_REPLY_BYTES = rpc.MAX_MESSAGE_BYTES  # as gRPC receives (a StepReport's timings)
 
 
 class BulkCaller:
@@ -51,7 +61,13 @@ class BulkCaller:
         self._tls = tls
         self._sock: socket.socket | None = None
         self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
+        self._answered = False  # the open connection has answered a call
         self.lock = threading.Lock()
+
+    @property
+    def connection(self) -> socket.socket | None:
+        """The open connection, if any (a call's answer is read from it)."""
+        return self._sock
 
     def start(self, kind: bytes, request: bytes, deadline: float) -> bool:
         """Writes one call; False when it must go over gRPC (no channel now, or it broke
@@ -83,7 +99,7 @@ class BulkCaller:
             return False
         return True
 
-    def finish(self, deadline: float) -> bytes:
+    def finish(self, deadline: float, max_bytes: int = MAX_REPLY_BYTES) -> bytes:
         """The reply to the call ``start`` wrote.
 
         Raises:
@@ -101,20 +117,27 @@ class BulkCaller:
             if answer != bulk.OK:
                 raise ConnectionError(f"unexpected bulk answer {answer!r}")
             (n,) = bulk.U32.unpack(bulk.recv_bytes(sock, bulk.U32.size, deadline))
-            if n > MAX_REPLY_BYTES:
-                raise ConnectionError(f"a bulk reply of {n} bytes")
-            return bulk.recv_bytes(sock, n, deadline)
+            if n > max_bytes:
+                raise ConnectionError(f"a bulk reply of {n} bytes (at most {max_bytes})")
+            reply = bulk.recv_bytes(sock, n, deadline)
         except ElasticPipeError:
+            self._answered = True
             raise  # the stage's refusal (some are OSErrors too): the connection is fine
         except (OSError, ConnectionError) as exc:
-            self.close()
+            if self._answered or isinstance(exc, TimeoutError):
+                self.close()
+            else:  # a stage that takes no calls here (an older one closes): gRPC for a while
+                self._fall_back(f"its bulk channel answered no call: {exc}")
             raise StageUnavailable(f"bulk channel to {self.address}: {exc}") from exc
+        self._answered = True
+        return reply
 
     def close(self) -> None:
         """Closes the connection (the next call opens another)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._answered = False
 
     def _fall_back(self, why: str) -> None:
         self.close()

@@ -1,6 +1,7 @@
-"""A step's commit on the bulk channel (``transport.bulk_calls``): the client's commits go
-there when the stages have one, train exactly as over gRPC, and a stage answers a bad or
-refused call with the error gRPC would give, its connection still of use."""
+"""A step's RunSteps and commit on the bulk channel (``transport.bulk_calls``): the client
+calls there when the stages have one, trains exactly as over gRPC (and over gRPC against
+stages without one), and a stage answers a bad or refused call with the error gRPC would
+give, its connection still of use."""
 
 from __future__ import annotations
 
@@ -36,22 +37,45 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def _train(
-    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, bulk_commits: bool
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, bulk_calls_on: bool = True
 ) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
-    """Trains a fresh job, its commits on the bulk channel or (``bulk_commits`` False: as
-    to a stage without one) over gRPC; the losses, the weights, and the methods the
-    client called over gRPC on several stages at once."""
-    fanned: list[str] = []
-    each = driver.StageClients.each
+    """Trains a fresh job, its RunSteps and commits on the bulk channel or (``bulk_calls_on``
+    False: as to a stage without one) over gRPC; the losses, the weights, and the calls the
+    client made: ``RunStep`` gRPC futures, gRPC fan-outs by method, bulk RunSteps."""
+    called: list[str] = []
+    each, stub_of, start_call = (
+        driver.StageClients.each,
+        driver.StageClients.stub,
+        driver.StageClients.start_call,
+    )
 
     def counted(self: driver.StageClients, pairs: Any, method: str, timeout: float) -> Any:
-        fanned.append(method)
+        called.append(method)
         return each(self, pairs, method, timeout)
+
+    def stub(self: driver.StageClients, address: str) -> Any:
+        real = stub_of(self, address)
+
+        class Counted:
+            def __getattr__(self, name: str) -> Any:
+                if name == "RunStep":
+                    called.append("RunStep")
+                return getattr(real, name)
+
+        return Counted()
+
+    def started(self: driver.StageClients, *args: Any) -> Any:
+        caller = start_call(self, *args)
+        if caller is not None:
+            called.append("bulk RunStep")
+        return caller
 
     g = torch.Generator().manual_seed(0)
     with monkeypatch.context() as patch:
         patch.setattr(driver.StageClients, "each", counted)
-        if not bulk_commits:
+        patch.setattr(driver.StageClients, "start_call", started)
+        patch.setattr(driver.StageClients, "stub", stub)
+        if not bulk_calls_on:
             patch.setattr(bulk_calls.BulkCaller, "start", lambda *_: False)
         with jobs.mlp(
             cluster.coordinator, **KWARGS, optimizer="adam", micro_batches=2, stages=2
@@ -61,18 +85,36 @@ def _train(
                 for _ in range(STEPS)
             ]
             losses = [pipe.train_step(x, y) for x, y in batches]
-            return losses, pipe.state_dict(), fanned
+            return losses, pipe.state_dict(), called
 
 
-def test_commits_travel_on_the_bulk_channel_and_train_as_over_grpc(
+def _same(a: tuple[list[float], dict[str, torch.Tensor], list[str]], b: Any) -> None:
+    assert a[0] == b[0]
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], v) for k, v in b[1].items())
+
+
+def test_run_steps_and_commits_travel_on_the_bulk_channel_and_train_as_over_grpc(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    on_bulk = _train(cluster, monkeypatch, bulk_commits=True)
-    on_grpc = _train(cluster, monkeypatch, bulk_commits=False)
-    assert "CommitStep" not in on_bulk[2], on_bulk[2]
+    on_bulk = _train(cluster, monkeypatch)
+    on_grpc = _train(cluster, monkeypatch, bulk_calls_on=False)
+    assert "CommitStep" not in on_bulk[2] and "RunStep" not in on_bulk[2], on_bulk[2]
+    assert on_bulk[2].count("bulk RunStep") == 2 * STEPS
     assert on_grpc[2].count("CommitStep") == STEPS  # the same client code, over gRPC
-    assert on_bulk[0] == on_grpc[0]
-    assert all(torch.equal(on_bulk[1][k], v) for k, v in on_grpc[1].items())
+    assert on_grpc[2].count("RunStep") == 2 * STEPS and "bulk RunStep" not in on_grpc[2]
+    _same(on_bulk, on_grpc)
+
+
+def test_stages_without_a_bulk_channel_are_called_over_grpc(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against stages started with ``--no-bulk`` (``OpenBulk`` answers no port) every call
+    goes over gRPC, and trains alike."""
+    with clusters.quiet(2, stage_args=["--no-bulk"]) as no_bulk:
+        on_grpc = _train(no_bulk, monkeypatch)
+    assert on_grpc[2].count("RunStep") == 2 * STEPS and "bulk RunStep" not in on_grpc[2]
+    assert on_grpc[2].count("CommitStep") == STEPS
+    _same(_train(cluster, monkeypatch), on_grpc)
 
 
 def _call(sock: Any, body: bytes) -> bytes:
@@ -95,7 +137,7 @@ def test_a_bad_commit_gets_grpcs_error_and_the_connection_goes_on(stage: StageSe
         assert _call(sock, b"\xff\xff\xff") == bulk.ERR
         error = bulk.read_error(sock, stage.address)
         assert isinstance(error, InvalidRequest), error
-        assert "malformed CommitStepRequest" in str(error)
+        assert "malformed CommitStep request" in str(error)
         assert _call(sock, request.SerializeToString()) == bulk.ERR
         error = bulk.read_error(sock, stage.address)
         assert type(error) is type(expected), (error, expected)

@@ -43,7 +43,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(
-    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, inline_bytes: int
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, inline_bytes: int, stages: int = 2
 ) -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor, list[str]]:
     """Trains a fresh job with ``driver.INLINE_BYTES`` at ``inline_bytes``; the losses, the
     weights, a prediction, and the method of every data message the client sent."""
@@ -62,7 +62,7 @@ def _train(
             **KWARGS,
             optimizer_kwargs={"lr": 0.05},
             micro_batches=MICRO_BATCHES,
-            stages=2,
+            stages=stages,
         ) as pipe:
             losses = [pipe.train_step(x, y) for x, y in _batches()]
             predicted = pipe.predict(_batches()[0][0])
@@ -89,6 +89,17 @@ def test_small_data_rides_in_the_run_steps_and_trains_bit_for_bit_alike(
     assert INPUT_BYTES + TARGET_BYTES <= driver.INLINE_BYTES
 
 
+def test_a_one_stage_chain_takes_inputs_and_targets_in_one_run_step(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first stage is the last: its RunSteps carry both, and train as the data path."""
+    inline = _train(cluster, monkeypatch, driver.INLINE_BYTES, stages=1)
+    none = _train(cluster, monkeypatch, 0, stages=1)
+    assert inline[3] == [] and len(none[3]) == 2 * MICRO_BATCHES * STEPS + MICRO_BATCHES
+    assert none[0] == inline[0] and torch.equal(none[2], inline[2])
+    assert all(torch.equal(none[1][k], v) for k, v in inline[1].items())
+
+
 def _run_step(address: str, request: stage_pb2.RunStepRequest) -> grpc.RpcError:
     with rpc.channel(address) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
@@ -101,7 +112,8 @@ def test_inline_data_of_another_run_is_refused_and_training_goes_on(
     cluster: LocalCluster,
 ) -> None:
     """A RunStep carrying data under another secret, or a gradient, is refused as invalid
-    (naming what is wrong) before any run begins; the stage then trains as before."""
+    (naming what is wrong) before any run begins, and the stages then train as before; one
+    whose target's loss scale is out of range fails its run, naming the scale."""
     with jobs.mlp(cluster.coordinator, **KWARGS, micro_batches=MICRO_BATCHES, stages=2) as pipe:
         x, y = _batches()[0]
         pipe.train_step(x, y)
@@ -131,3 +143,13 @@ def test_inline_data_of_another_run_is_refused_and_training_goes_on(
         assert math.isfinite(loss) and any(  # a real step: the weights moved
             not torch.equal(before[k], v) for k, v in pipe.state_dict().items()
         )
+        # checked once the run has begun, as data is: a target's loss scale in (0, 1] (the
+        # run, far ahead of the client's, begins and fails: the last thing this job does)
+        last = pipe.partition.addresses[-1]
+        target = data_message(Outgoing("Targets", epoch, run, 3, 0, y[:4], 1.5, secret))
+        request.step = 3
+        del request.inline[:]
+        request.inline.append(target)
+        error = _run_step(last, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "loss_scale in (0, 1] (got 1.5)" in str(error.details()), error.details()

@@ -1,0 +1,134 @@
+"""What a run's waiter hears, as it comes: each stage's ``RunStep`` outcome and each
+feeder's.
+
+A RunStep sent over gRPC (a future) and a feeder thread post theirs (``post``); a RunStep
+written on a stage's bulk channel (``transport.bulk_calls``) is answered on that socket,
+which the waiter reads itself when the answer arrives -- no thread between the stage's
+reply and the client (``next`` waits on those sockets and on a wake-up socket that
+``post`` writes to).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import selectors
+import socket
+import time
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StageUnavailable
+from elasticpipe.transport.bulk_calls import BulkCaller
+from elasticpipe.v1 import stage_pb2
+
+
+class Answered:
+    """A RunStep's outcome read from its bulk channel: ``result`` as a gRPC future's."""
+
+    def __init__(
+        self, reply: stage_pb2.StepReport | None = None, error: ElasticPipeError | None = None
+    ):
+        self._reply, self._error = reply, error
+
+    def result(self) -> stage_pb2.StepReport:
+        """The stage's report, or its error raised."""
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        return self._reply
+
+
+class Outcomes:
+    """A run's outcomes, in the order they arrive (``next``); RunSteps written on bulk
+    channels (``expect``) are read by the caller of ``next``, each by ``deadline`` (a
+    ``time.monotonic()`` value). Holds each such ``BulkCaller``'s lock until its answer is
+    read, or until ``close`` (which closes those connections: their answers never came)."""
+
+    def __init__(self, deadline: float):
+        self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._pending: dict[int, tuple[str, BulkCaller, socket.socket]] = {}
+        self.deadline = deadline
+
+    def post(self, address: str, outcome: Any) -> None:
+        """An outcome from another thread: a gRPC future (``"address"``) or a feeder's
+        error or None (``"client"``)."""
+        self._queue.put((address, outcome))
+        with contextlib.suppress(OSError):  # closed: the waiter is gone
+            self._wake_w.send(b"\0")
+
+    def expect(self, address: str, caller: BulkCaller) -> None:
+        """A RunStep ``caller`` wrote (holding its lock), to be answered on its socket."""
+        sock = caller.connection
+        assert sock is not None
+        self._selector.register(sock, selectors.EVENT_READ, address)
+        self._pending[sock.fileno()] = (address, caller, sock)
+
+    def next(self) -> tuple[str, Any]:
+        """The next outcome: (address, an object whose ``result()`` gives the report or
+        raises) or ("client", a feeder's error or None)."""
+        while True:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if not self._pending:
+                return self._queue.get()  # gRPC futures and feeders always post
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                fd = next(iter(self._pending))
+                address, caller = self._drop(fd)
+                caller.close()  # its answer may yet come: the connection is of no more use
+                caller.lock.release()
+                return address, Answered(error=DeadlineExceeded(f"RunStep on {address}"))
+            for key, _ in self._selector.select(left):
+                if key.fileobj is self._wake_r:
+                    self._drain()
+                else:
+                    self._read(key.fd)
+
+    def _read(self, fd: int) -> None:
+        address, caller = self._drop(fd)
+        try:
+            outcome = Answered(stage_pb2.StepReport.FromString(caller.finish(self.deadline)))
+        except ElasticPipeError as exc:
+            outcome = Answered(error=exc)
+        except DecodeError:
+            caller.close()
+            outcome = Answered(error=StageUnavailable(f"a malformed report from {address}"))
+        finally:
+            caller.lock.release()
+        self._queue.put((address, outcome))
+
+    def _drop(self, fd: int) -> tuple[str, BulkCaller]:
+        address, caller, sock = self._pending.pop(fd)
+        self._selector.unregister(sock)
+        return address, caller
+
+    def _drain(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def __enter__(self) -> Outcomes:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Ends the wait: a RunStep still unanswered leaves its connection closed."""
+        for fd in list(self._pending):
+            _, caller = self._drop(fd)
+            caller.close()
+            caller.lock.release()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
