@@ -443,6 +443,8 @@ class FakeStage(EpochChange):
             self.fence = max(self.fence, req.client)
             self.phase, self.active_run, self.active_step = "running", req.run, req.step
             self.active_client = req.client
+            for msg in req.inline:  # inputs and targets the RunStep carries (small ones)
+                self.inbox.setdefault((req.run, msg.slot), set()).add(msg.header.micro_batch)
             placement = self.placement
             assert placement is not None
             wanted = []

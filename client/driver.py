@@ -375,6 +375,7 @@ def _run(
             if error is not None:
                 if not errors:
                     abort(clients, everyone, run_id, f"{address} failed: {error}", client)
+                    outcomes.shorten(ABORT_TIMEOUT_S)
                 errors.append(error)
         if errors:
             root = [e for e in errors if not isinstance(e, StepAborted)] or errors

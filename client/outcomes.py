@@ -14,12 +14,14 @@ import contextlib
 import queue
 import selectors
 import socket
+import threading
 import time
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from elasticpipe.errors import DeadlineExceeded, ElasticPipeError, StageUnavailable
+from elasticpipe.transport import bulk_calls
 from elasticpipe.transport.bulk_calls import BulkCaller
 from elasticpipe.v1 import stage_pb2
 
@@ -53,14 +55,26 @@ class Outcomes:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._pending: dict[int, tuple[str, BulkCaller, socket.socket]] = {}
+        self._closing = threading.Lock()  # ``close`` against a late ``post``
+        self._closed = False
+        self._shortened = False
         self.deadline = deadline
 
     def post(self, address: str, outcome: Any) -> None:
         """An outcome from another thread: a gRPC future (``"address"``) or a feeder's
         error or None (``"client"``)."""
         self._queue.put((address, outcome))
-        with contextlib.suppress(OSError):  # closed: the waiter is gone
-            self._wake_w.send(b"\0")
+        with self._closing:
+            if not self._closed:
+                with contextlib.suppress(OSError):  # (a full buffer: a wake-up is pending)
+                    self._wake_w.send(b"\0")
+
+    def shorten(self, seconds: float) -> None:
+        """Waits at most ``seconds`` more for the RunSteps on bulk channels: the run
+        failed and was aborted, so a stage that answers nothing by then is taken as gone
+        (over gRPC, its channel's keepalive would have ended such a call)."""
+        self.deadline = min(self.deadline, time.monotonic() + seconds)
+        self._shortened = True
 
     def expect(self, address: str, caller: BulkCaller) -> None:
         """A RunStep ``caller`` wrote (holding its lock), to be answered on its socket."""
@@ -85,7 +99,11 @@ class Outcomes:
                 address, caller = self._drop(fd)
                 caller.close()  # its answer may yet come: the connection is of no more use
                 caller.lock.release()
-                return address, Answered(error=DeadlineExceeded(f"RunStep on {address}"))
+                if self._shortened:  # as a gRPC channel's keepalive ends a call to it
+                    gone = StageUnavailable(f"{address} answered nothing after the abort")
+                    return address, Answered(error=gone)
+                late = DeadlineExceeded(f"no answer to the RunStep on {address} by its deadline")
+                return address, Answered(error=late)
             for key, _ in self._selector.select(left):
                 if key.fileobj is self._wake_r:
                     self._drain()
@@ -95,7 +113,8 @@ class Outcomes:
     def _read(self, fd: int) -> None:
         address, caller = self._drop(fd)
         try:
-            outcome = Answered(stage_pb2.StepReport.FromString(caller.finish(self.deadline)))
+            answer = caller.finish(time.monotonic() + bulk_calls.READ_S)  # (it is readable)
+            outcome = Answered(stage_pb2.StepReport.FromString(answer))
         except ElasticPipeError as exc:
             outcome = Answered(error=exc)
         except DecodeError:
@@ -129,6 +148,8 @@ class Outcomes:
             _, caller = self._drop(fd)
             caller.close()
             caller.lock.release()
-        self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        with self._closing:
+            self._closed = True
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()

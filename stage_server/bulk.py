@@ -25,8 +25,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from google.protobuf.message import DecodeError
-
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, PermissionDenied, TooLarge
 from elasticpipe.logs import get_logger
 from elasticpipe.security import authz
@@ -139,7 +137,7 @@ class BulkListener:
         if self._tls is not None:
             conn = self._tls.wrap_socket(conn, server_side=True)
         hello = bulk.recv_bytes(conn, len(bulk.MAGIC) + bulk.TOKEN_BYTES, deadline)
-        if not hello.startswith(bulk.MAGIC):
+        if not hello.startswith((bulk.MAGIC, bulk.MAGIC_CALLS)):  # (the same length)
             raise InvalidRequest("not a bulk connection")
         with self._lock:
             grant = self._grants.pop(hello[len(bulk.MAGIC) :], None)
@@ -261,26 +259,31 @@ class BulkListener:
             authz.permit(f"StageService/{method}")
             try:
                 request = parse(body)
-            except DecodeError as exc:
+            except Exception as exc:  # as gRPC's deserializer: whatever the parser raises
                 raise InvalidRequest(f"malformed {method} request on the bulk channel") from exc
             if kind == bulk_calls.RUN:
                 reply = servicer.run_step(request, None).SerializeToString()
             else:
                 reply = servicer.commit(request).SerializeToString()
         except ElasticPipeError as exc:
-            metrics = servicer.stage.metrics.rpc_errors  # as gRPC's interceptor counts them
-            metrics.labels(method=f"StageService/{method}", code=exc.code.name).inc()
+            self._count(method, exc.code.name)
             conn.settimeout(READ_TIMEOUT_S)  # (a run may have outlasted the read's deadline)
             bulk.send_error(conn, exc)
             return True
         except Exception as exc:  # a bug: logged, answered as gRPC's INTERNAL, and closed
             log.error("bulk_call_failed", method=method, error=repr(exc), exc_info=exc)
+            self._count(method, "INTERNAL")
             conn.settimeout(READ_TIMEOUT_S)
             bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk {method}: {exc!r}"))
             return False
         conn.settimeout(READ_TIMEOUT_S)
         conn.sendall(bulk.OK + bulk.U32.pack(len(reply)) + reply)
         return True
+
+    def _count(self, method: str, code: str) -> None:
+        """A refused call, counted as gRPC's interceptor counts one (``rpc_errors``)."""
+        errors = self._servicer.stage.metrics.rpc_errors
+        errors.labels(method=f"StageService/{method}", code=code).inc()
 
     def _take_layers(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:
         """Takes a load's layers (``bulk_layers``), checked and staged as ``RestoreLayers``

@@ -76,6 +76,7 @@ from elasticpipe.wire.structure import Value
 log = get_logger(__name__)
 
 MAGIC = b"EPBULK2\n"  # 2: the framed protocol (an older stage closes: gRPC then)
+MAGIC_CALLS = b"EPBULK3\n"  # 3: also RunStep and CommitStep calls (``bulk_calls``)
 TOKEN_BYTES = 32
 TOKEN_TTL_S = 30.0
 MAX_HEADER_BYTES = 1 << 20  # a DataHeader of a bundle of many tensors stays far below
@@ -278,9 +279,14 @@ class NoChannel(Exception):
 
 
 def connect(
-    stub: stage_pb2_grpc.StageServiceStub, address: str, tls: TLS | None, deadline: float
+    stub: stage_pb2_grpc.StageServiceStub,
+    address: str,
+    tls: TLS | None,
+    deadline: float,
+    magic: bytes = MAGIC,
 ) -> socket.socket:
-    """A new bulk connection to the stage at ``address`` (``OpenBulk``, then the handshake).
+    """A new bulk connection to the stage at ``address`` (``OpenBulk``, then the handshake
+    opened with ``magic``: ``MAGIC``, or ``MAGIC_CALLS`` for a stage that takes calls).
 
     Raises:
         NoChannel: the stage offers none now, or it could not be reached or opened.
@@ -307,7 +313,7 @@ def connect(
         keepalive(sock)
         if tls is not None:
             sock = client_context(tls).wrap_socket(sock, server_hostname=host)
-        send_all(sock, MAGIC + reply.token, deadline)
+        send_all(sock, magic + reply.token, deadline)
         if recv_bytes(sock, 1, deadline) != OK:
             raise NoChannel("the stage refused the bulk connection")
     except (OSError, ConnectionError) as exc:

@@ -7,8 +7,10 @@ sent it: grpcio starts a thread per channel for each burst of future calls, and 
 and its reply cross the server's and the client's polling threads. A bulk message's round
 trip under the same load takes 0.2-0.4 ms.
 
-On its own connection to each stage (``bulk.connect``: ``OpenBulk``'s one-time token, and
-with TLS the same mutual handshake as for data), the client writes::
+On its own connection to each stage (``bulk.connect`` opened with ``bulk.MAGIC_CALLS``,
+which an older stage refuses, so that it is called over gRPC: ``OpenBulk``'s one-time token,
+and with TLS the same mutual handshake as for data; at most ``CONNECT_S`` to open), the
+client writes::
 
     u32 length, b"S" (RunStepRequest) or b"C" (CommitStepRequest), u64 0, the request
 
@@ -21,10 +23,11 @@ run, on that connection's thread) -- answers::
 A RunStep's answer is read when it comes (``client.outcomes``); a commit's calls to every
 stage are written first and their answers read after. A stage without a bulk channel, a
 request over ``bulk.MAX_HEADER_BYTES``, or a call that could not be written whole goes over
-gRPC instead (nothing was delivered); once written, a connection that breaks before the
-answer makes the call ``StageUnavailable`` (a commit is then asked once more over gRPC:
-``CommitStep`` is idempotent), and one whose answer misses the call's deadline
-``DeadlineExceeded`` (the connection is closed).
+gRPC instead (nothing was delivered); once written, a connection that breaks, or an answer
+that does not come by the call's deadline (or ``READ_S`` after its first byte), makes the
+call ``StageUnavailable`` and closes the connection (a commit is then asked once more over
+gRPC: ``CommitStep`` is idempotent). While a run waits, a stage that stops answering is
+found by the others' failures or by the coordinator (``client.outcomes``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ CALLS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
     COMMIT: ("CommitStep", stage_pb2.CommitStepRequest.FromString),
 }
 MAX_REPLY_BYTES = rpc.MAX_MESSAGE_BYTES  # as gRPC receives (a StepReport's timings)
+CONNECT_S = 10.0  # opening a connection (OpenBulk and the handshake), whatever the call's deadline
+READ_S = 30.0  # an answer, once its first byte came (a stage writes it at once)
 
 
 class BulkCaller:
@@ -61,7 +66,6 @@ class BulkCaller:
         self._tls = tls
         self._sock: socket.socket | None = None
         self._grpc_until = 0.0  # time.monotonic(): gRPC only until then
-        self._answered = False  # the open connection has answered a call
         self.lock = threading.Lock()
 
     @property
@@ -82,8 +86,9 @@ class BulkCaller:
             self.close()  # the stage closed it while it idled
         fresh = self._sock is None
         try:
+            connect_by = min(deadline, time.monotonic() + CONNECT_S)  # (on the caller's thread)
             sock = self._sock = self._sock or bulk.connect(
-                self._stub, self.address, self._tls, deadline
+                self._stub, self.address, self._tls, connect_by, bulk.MAGIC_CALLS
             )
             bulk.send_all(sock, bulk.FRAME.pack(len(request), kind, 0) + request, deadline)
         except bulk.NoChannel as exc:
@@ -112,6 +117,7 @@ class BulkCaller:
             if sock is None:
                 raise ConnectionError("the connection was closed")
             answer = bulk.recv_bytes(sock, 1, deadline)
+            deadline = time.monotonic() + READ_S  # the rest, once the first byte came
             if answer == bulk.ERR:
                 raise bulk.read_error(sock, self.address, deadline)
             if answer != bulk.OK:
@@ -121,15 +127,10 @@ class BulkCaller:
                 raise ConnectionError(f"a bulk reply of {n} bytes (at most {max_bytes})")
             reply = bulk.recv_bytes(sock, n, deadline)
         except ElasticPipeError:
-            self._answered = True
             raise  # the stage's refusal (some are OSErrors too): the connection is fine
         except (OSError, ConnectionError) as exc:
-            if self._answered or isinstance(exc, TimeoutError):
-                self.close()
-            else:  # a stage that takes no calls here (an older one closes): gRPC for a while
-                self._fall_back(f"its bulk channel answered no call: {exc}")
+            self.close()
             raise StageUnavailable(f"bulk channel to {self.address}: {exc}") from exc
-        self._answered = True
         return reply
 
     def close(self) -> None:
@@ -137,7 +138,6 @@ class BulkCaller:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._answered = False
 
     def _fall_back(self, why: str) -> None:
         self.close()

@@ -142,3 +142,43 @@ def test_a_bad_commit_gets_grpcs_error_and_the_connection_goes_on(stage: StageSe
         error = bulk.read_error(sock, stage.address)
         assert type(error) is type(expected), (error, expected)
         assert str(expected).split(" (")[0] in str(error), (error, expected)
+
+
+def test_a_refused_run_step_gets_grpcs_error_and_a_bad_frame_closes(stage: StageServer) -> None:
+    """A RunStep of a stale epoch is refused on the bulk channel with gRPC's error kind
+    (counted as gRPC counts it), the connection still of use; a call frame announcing
+    payload bytes is malformed and closes the connection."""
+    request = stage_pb2.RunStepRequest(
+        epoch=bulk_stage.EPOCH - 1,
+        run=1,
+        step=1,
+        micro_batches=1,
+        mode=stage_pb2.INFER,
+        timeout_s=5,
+        secret=bytes(range(16)),
+    )
+    with rpc.channel(stage.address) as chan:
+        stub = stage_pb2_grpc.StageServiceStub(chan)
+        with pytest.raises(grpc.RpcError) as over_grpc:
+            stub.RunStep(request, timeout=10)
+        expected = rpc.translate(over_grpc.value, stage.address)
+        sock = connect_bulk(*open_bulk(stub))
+    errors = stage.stage.metrics.rpc_errors.labels(
+        method="StageService/RunStep", code="FAILED_PRECONDITION"
+    )
+    counted = errors._value.get()
+    body = request.SerializeToString()
+    with sock:
+        assert sock.recv(1) == bulk.OK
+        for _ in range(2):  # the same connection answers again
+            sock.sendall(bulk.FRAME.pack(len(body), bulk_calls.RUN, 0) + body)
+            assert bulk.recv_bytes(sock, 1, time.monotonic() + 10) == bulk.ERR
+            error = bulk.read_error(sock, stage.address)
+            assert type(error) is type(expected) and "epoch" in str(error), (error, expected)
+        assert errors._value.get() == counted + 2
+        sock.sendall(bulk.FRAME.pack(len(body), bulk_calls.RUN, 1) + body)
+        try:
+            answered = sock.recv(1)
+        except ConnectionResetError:  # (closed with the body unread)
+            answered = b""
+        assert answered == b"", answered  # closed, nothing answered

@@ -346,10 +346,12 @@ def test_init_state_streams_over_the_mutual_tls_bulk_channel_and_only_from_a_cli
     sock.close()
 
 
-def test_a_commit_on_the_bulk_channel_is_taken_only_from_its_roles(cluster: LocalCluster) -> None:
-    """A stage's certificate may open a bulk channel, but a ``CommitStep`` written on it is
-    refused as over gRPC, naming the role and the RPC (the client's commits travel there:
-    the training tests above)."""
+def test_step_calls_on_the_bulk_channel_are_taken_only_from_their_roles(
+    cluster: LocalCluster,
+) -> None:
+    """A stage's certificate may open a bulk channel, but a ``CommitStep`` or ``RunStep``
+    written on it is refused as over gRPC, naming the role and the RPC (the client's calls
+    travel there: the training tests above)."""
     from elasticpipe.errors import PermissionDenied
     from elasticpipe.transport import bulk_calls
 
@@ -357,11 +359,16 @@ def test_a_commit_on_the_bulk_channel_is_taken_only_from_its_roles(cluster: Loca
     peer = cluster.tls_of("bulk-committer", "stage")
     assert peer is not None
     caller = bulk_calls.BulkCaller(_stage(address, peer), address, peer)
-    request = stage_pb2.CommitStepRequest(epoch=1, run=1, step=1).SerializeToString()
+    commit = stage_pb2.CommitStepRequest(epoch=1, run=1, step=1)
+    run = stage_pb2.RunStepRequest(epoch=1, run=1, step=1, micro_batches=1, timeout_s=5)
     try:
-        assert caller.start(bulk_calls.COMMIT, request, time.monotonic() + 10)
-        with pytest.raises(PermissionDenied, match=r"'stage'.*CommitStep"):
-            caller.finish(time.monotonic() + 10)
+        for kind, request, method in (
+            (bulk_calls.COMMIT, commit, "CommitStep"),
+            (bulk_calls.RUN, run, "RunStep"),
+        ):
+            assert caller.start(kind, request.SerializeToString(), time.monotonic() + 10)
+            with pytest.raises(PermissionDenied, match=rf"'stage'.*{method}"):
+                caller.finish(time.monotonic() + 10)
     finally:
         caller.close()
 
