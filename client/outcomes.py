@@ -52,6 +52,7 @@ class Outcomes:
         self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._pending: dict[int, tuple[str, BulkCaller, socket.socket]] = {}
@@ -95,6 +96,8 @@ class Outcomes:
                 return self._queue.get()  # gRPC futures and feeders always post
             left = self.deadline - time.monotonic()
             if left <= 0:
+                if self._ready(0):  # answers already here are read, not thrown away
+                    continue
                 fd = next(iter(self._pending))
                 address, caller = self._drop(fd)
                 caller.close()  # its answer may yet come: the connection is of no more use
@@ -104,11 +107,17 @@ class Outcomes:
                     return address, Answered(error=gone)
                 late = DeadlineExceeded(f"no answer to the RunStep on {address} by its deadline")
                 return address, Answered(error=late)
-            for key, _ in self._selector.select(left):
-                if key.fileobj is self._wake_r:
-                    self._drain()
-                else:
-                    self._read(key.fd)
+            self._ready(left)
+
+    def _ready(self, timeout: float) -> bool:
+        """Reads what is ready within ``timeout`` seconds; whether anything was."""
+        events = self._selector.select(timeout)
+        for key, _ in events:
+            if key.fileobj is self._wake_r:
+                self._drain()
+            else:
+                self._read(key.fd)
+        return bool(events)
 
     def _read(self, fd: int) -> None:
         address, caller = self._drop(fd)

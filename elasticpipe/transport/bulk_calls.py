@@ -23,11 +23,13 @@ run, on that connection's thread) -- answers::
 A RunStep's answer is read when it comes (``client.outcomes``); a commit's calls to every
 stage are written first and their answers read after. A stage without a bulk channel, a
 request over ``bulk.MAX_HEADER_BYTES``, or a call that could not be written whole goes over
-gRPC instead (nothing was delivered); once written, a connection that breaks, or an answer
-that does not come by the call's deadline (or ``READ_S`` after its first byte), makes the
+gRPC instead (nothing was delivered); once written, a connection that breaks, or a commit's
+answer that does not come by its deadline (or ``READ_S`` after its first byte), makes the
 call ``StageUnavailable`` and closes the connection (a commit is then asked once more over
-gRPC: ``CommitStep`` is idempotent). While a run waits, a stage that stops answering is
-found by the others' failures or by the coordinator (``client.outcomes``).
+gRPC: ``CommitStep`` is idempotent). A RunStep's answer that misses the run's deadline is
+``DeadlineExceeded``; while a run waits, a stage that stops answering is found by the
+others' failures or by the coordinator, and once the run is aborted it has 15 s more
+(``client.outcomes``).
 """
 
 from __future__ import annotations

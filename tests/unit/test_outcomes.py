@@ -104,3 +104,18 @@ def test_a_connection_that_ends_before_the_answer_is_stage_unavailable(
         with pytest.raises(StageUnavailable):
             answered.result()
     assert caller.connection is None and not caller.lock.locked()
+
+
+def test_an_answer_already_here_at_the_deadline_is_read_not_dropped(
+    called: tuple[BulkCaller, socket.socket],
+) -> None:
+    caller, stage = called
+    report = stage_pb2.StepReport(run=7).SerializeToString()
+    with Outcomes(time.monotonic() + 60) as outcomes:
+        outcomes.expect("stage-a", caller)
+        stage.sendall(bulk.OK + bulk.U32.pack(len(report)) + report)
+        time.sleep(0.05)  # (the answer is in the socket's buffer)
+        outcomes.shorten(0)
+        _, answered = outcomes.next()
+        assert answered.result().run == 7
+        assert caller.connection is not None and not caller.lock.locked()
