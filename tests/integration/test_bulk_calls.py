@@ -5,6 +5,7 @@ give, its connection still of use."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -70,7 +71,6 @@ def _train(
             called.append("bulk RunStep")
         return caller
 
-    g = torch.Generator().manual_seed(0)
     with monkeypatch.context() as patch:
         patch.setattr(driver.StageClients, "each", counted)
         patch.setattr(driver.StageClients, "start_call", started)
@@ -80,11 +80,7 @@ def _train(
         with jobs.mlp(
             cluster.coordinator, **KWARGS, optimizer="adam", micro_batches=2, stages=2
         ) as pipe:
-            batches = [
-                (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
-                for _ in range(STEPS)
-            ]
-            losses = [pipe.train_step(x, y) for x, y in batches]
+            losses = [pipe.train_step(x, y) for x, y in jobs.mlp_batches(STEPS)]
             return losses, pipe.state_dict(), called
 
 
@@ -122,18 +118,26 @@ def _call(sock: Any, body: bytes) -> bytes:
     return bulk.recv_bytes(sock, 1, time.monotonic() + 10)
 
 
+def _over_grpc_then_bulk(
+    stage: StageServer, method: str, request: Any
+) -> tuple[Exception, socket.socket]:
+    """The error ``method`` gets over gRPC for ``request``, and a bulk connection to the
+    stage past its handshake."""
+    with rpc.channel(stage.address) as chan:
+        stub = stage_pb2_grpc.StageServiceStub(chan)
+        with pytest.raises(grpc.RpcError) as over_grpc:
+            getattr(stub, method)(request, timeout=10)
+        sock = connect_bulk(*open_bulk(stub))
+    assert sock.recv(1) == bulk.OK
+    return rpc.translate(over_grpc.value, stage.address), sock
+
+
 def test_a_bad_commit_gets_grpcs_error_and_the_connection_goes_on(stage: StageServer) -> None:
     """Malformed bytes are ``InvalidRequest`` naming the message; a commit of a run the
     stage never ran gets the error gRPC's ``CommitStep`` gives, on the same connection."""
     request = stage_pb2.CommitStepRequest(epoch=bulk_stage.EPOCH, run=5, step=1)
-    with rpc.channel(stage.address) as chan:
-        stub = stage_pb2_grpc.StageServiceStub(chan)
-        with pytest.raises(grpc.RpcError) as over_grpc:
-            stub.CommitStep(request, timeout=10)
-        expected = rpc.translate(over_grpc.value, stage.address)
-        sock = connect_bulk(*open_bulk(stub))
+    expected, sock = _over_grpc_then_bulk(stage, "CommitStep", request)
     with sock:
-        assert sock.recv(1) == bulk.OK
         assert _call(sock, b"\xff\xff\xff") == bulk.ERR
         error = bulk.read_error(sock, stage.address)
         assert isinstance(error, InvalidRequest), error
@@ -157,19 +161,13 @@ def test_a_refused_run_step_gets_grpcs_error_and_a_bad_frame_closes(stage: Stage
         timeout_s=5,
         secret=bytes(range(16)),
     )
-    with rpc.channel(stage.address) as chan:
-        stub = stage_pb2_grpc.StageServiceStub(chan)
-        with pytest.raises(grpc.RpcError) as over_grpc:
-            stub.RunStep(request, timeout=10)
-        expected = rpc.translate(over_grpc.value, stage.address)
-        sock = connect_bulk(*open_bulk(stub))
+    expected, sock = _over_grpc_then_bulk(stage, "RunStep", request)
     errors = stage.stage.metrics.rpc_errors.labels(
         method="StageService/RunStep", code="FAILED_PRECONDITION"
     )
     counted = errors._value.get()
     body = request.SerializeToString()
     with sock:
-        assert sock.recv(1) == bulk.OK
         for _ in range(2):  # the same connection answers again
             sock.sendall(bulk.FRAME.pack(len(body), bulk_calls.RUN, 0) + body)
             assert bulk.recv_bytes(sock, 1, time.monotonic() + 10) == bulk.ERR

@@ -34,14 +34,6 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
-        for _ in range(STEPS)
-    ]
-
-
 def _train(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, inline_bytes: int, stages: int = 2
 ) -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor, list[str]]:
@@ -64,8 +56,8 @@ def _train(
             micro_batches=MICRO_BATCHES,
             stages=stages,
         ) as pipe:
-            losses = [pipe.train_step(x, y) for x, y in _batches()]
-            predicted = pipe.predict(_batches()[0][0])
+            losses = [pipe.train_step(x, y) for x, y in jobs.mlp_batches(STEPS)]
+            predicted = pipe.predict(jobs.mlp_batches(STEPS)[0][0])
             return losses, pipe.state_dict(), predicted, sent
 
 
@@ -115,7 +107,7 @@ def test_inline_data_of_another_run_is_refused_and_training_goes_on(
     (naming what is wrong) before any run begins, and the stages then train as before; one
     whose target's loss scale is out of range fails its run, naming the scale."""
     with jobs.mlp(cluster.coordinator, **KWARGS, micro_batches=MICRO_BATCHES, stages=2) as pipe:
-        x, y = _batches()[0]
+        x, y = jobs.mlp_batches(STEPS)[0]
         pipe.train_step(x, y)
         address = pipe.partition.addresses[0]
         epoch, secret = pipe.partition.epoch, bytes(range(16))

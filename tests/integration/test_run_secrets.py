@@ -41,14 +41,6 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))
-        for _ in range(STEPS)
-    ]
-
-
 def _empty(slot: int, epoch: int, run: int, micro_batch: int) -> stage_pb2.DataMessage:
     """A zero-byte message for ``slot`` of a guessed run, as a stranger sends it."""
     tensor = torch.zeros(0, dtype=torch.int64) if slot == stage_pb2.TARGET else torch.zeros(0, 12)
@@ -112,7 +104,7 @@ def _train(cluster: LocalCluster, flood: bool) -> tuple[list[float], dict[str, t
     first step (the three at once: each flood costs seconds on a loaded machine)."""
     losses = []
     with _pipeline(cluster) as pipe:
-        for step, (x, y) in enumerate(_batches()):
+        for step, (x, y) in enumerate(jobs.mlp_batches(STEPS)):
             losses.append(pipe.train_step(x, y))
             if flood and step == 0:
                 with ThreadPoolExecutor(len(pipe.partition.addresses)) as pool:
@@ -210,7 +202,7 @@ def test_a_flood_for_far_runs_is_dropped_at_once_and_training_goes_on(
     want_losses, _ = _train(cluster, flood=False)
     losses = []
     with _pipeline(cluster) as pipe:
-        for step, (x, y) in enumerate(_batches()):
+        for step, (x, y) in enumerate(jobs.mlp_batches(STEPS)):
             losses.append(pipe.train_step(x, y))
             if step:
                 continue

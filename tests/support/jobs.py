@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from elasticpipe.client.pipeline import Pipeline
 from elasticpipe.local.reference import LocalPipeline
 
@@ -31,3 +33,12 @@ def local_mlp(*, sizes: Sequence[int], **options: Any) -> LocalPipeline:
 
 def _kwargs(sizes: Sequence[int]) -> dict[str, Any]:
     return {"sizes": list(sizes)}
+
+
+def mlp_batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` mini-batches of 8 samples of 8 features and class ids in [0, 4), drawn from
+    ``seed``: the data of an MLP of ``sizes=[8, ..., 4]``."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)
+    ]
