@@ -10,7 +10,7 @@ chain's next stage (``_push_copy``); the peer checks and keeps it (``check_copy_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from elasticpipe.errors import NotReady
 from elasticpipe.partition import Placement
@@ -70,15 +70,20 @@ class SnapshotCopies:
         )
 
     def _push_copy(
-        self, peer: str, capture: Capture, blobs: Sequence[tuple[int, PackedLayer]]
-    ) -> None:
-        transfers.push_snapshot(
+        self,
+        peer: str,
+        capture: Capture,
+        blobs: Sequence[tuple[int, PackedLayer]],
+        superseded: Callable[[], bool],
+    ) -> bool:
+        return transfers.push_snapshot(
             self._peers,
             peer,
             capture,
             blobs,
             SNAPSHOT_PUSH_TIMEOUT_S,
             self.config.transfer_chunk_bytes,
+            superseded,
         )
 
     def check_copy_source(self, job_id: str, source: str) -> range:

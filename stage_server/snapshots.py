@@ -183,11 +183,18 @@ class Capture:
     epoch: int = 0  # the epoch it was taken in
 
 
-Pusher = Callable[[str, Capture, Sequence[tuple[int, PackedLayer]]], None]
+# (peer, capture, its packed layers, superseded) -> whether the peer kept the copy (False:
+# given up because ``superseded()``, a newer capture waiting)
+Pusher = Callable[[str, Capture, Sequence[tuple[int, PackedLayer]], Callable[[], bool]], bool]
 
 
 class Snapshotter:
-    """Packs captures and pushes their copies, one at a time, on its own thread."""
+    """Packs captures and pushes their copies, one at a time, on its own thread.
+
+    A push that its peer keeps refusing (a peer that left the chain at an epoch change:
+    a leave's) is given up as soon as a newer capture waits: the newer copy replaces it,
+    and must not wait behind its retries (the leave waits for it).
+    """
 
     def __init__(self, store: SnapshotStore, push: Pusher, before_push: Callable[[], None]):
         self._store = store
@@ -225,6 +232,11 @@ class Snapshotter:
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
+    def _superseded(self) -> bool:
+        """Whether a newer capture waits (or the thread is closing)."""
+        with self._cond:
+            return self._waiting is not None or self._closed
+
     def _next(self) -> Capture | None:
         with self._cond:
             self._busy = False
@@ -247,8 +259,11 @@ class Snapshotter:
                     capture.job_id, capture.step, blobs, capture.generation, capture.epoch
                 )
                 self._before_push()
-                if kept and capture.peer:
-                    self._push(capture.peer, capture, sorted(blobs.items()))
+                pushing = kept and capture.peer
+                if pushing and not self._push(
+                    capture.peer, capture, sorted(blobs.items()), self._superseded
+                ):
+                    log.info("snapshot_copy_superseded", step=capture.step, peer=capture.peer)
             except ElasticPipeError as exc:
                 log.warning(
                     "snapshot_copy_failed",

@@ -8,9 +8,8 @@ leaves the old epoch in force.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -92,8 +91,15 @@ def push_snapshot(
     blobs: Sequence[tuple[int, PackedLayer]],
     timeout: float,
     chunk_bytes: int,
-) -> None:
-    """Sends a snapshot's packed layers to the stage that keeps its copy.
+    superseded: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Sends a snapshot's packed layers to the stage that keeps its copy, retrying while
+    the peer is not ready or not reachable, unless ``superseded()`` (a newer snapshot waits:
+    its copy replaces this one's, and a peer that left the chain at an epoch change would
+    refuse this one to the last retry, holding the newer copy up for seconds).
+
+    Returns:
+        True once the peer kept the copy; False when it was given up as superseded.
 
     Raises:
         ElasticPipeError: the peer refused or could not be reached.
@@ -110,15 +116,18 @@ def push_snapshot(
 
     deadline = time.monotonic() + timeout
     unreachable = 0
-    for attempt in itertools.count():
+    attempt = 0
+    while True:
         try:
             rpc.call(address, pool.encoded(address, "PushSnapshot"), messages(), timeout=timeout)
-            return
+            return True
         except (NotReady, StageUnavailable) as exc:
             # The peer may not have taken the job (or the chain) yet: at a job's start every
             # stage is assigned at once, and step 0's copy can arrive first. Or it could not
             # be reached: at a long chain's start every stage connects to its peer at once,
             # and a connection can time out on a loaded host (a few tries: it may be dead).
+            if superseded():
+                return False
             unreachable += isinstance(exc, StageUnavailable)
             delay = UNREACHABLE_PAUSE_S if unreachable else min(0.02 * (attempt + 1), 0.5)
             if (
@@ -128,3 +137,4 @@ def push_snapshot(
             ):
                 raise
             time.sleep(delay)
+            attempt += 1

@@ -1,19 +1,21 @@
 """A snapshot copy over real gRPC: pushed with its kept digest and no chunk CRCs, received
-on a low-priority thread, kept exact; a copy whose bytes changed on the way is refused."""
+on a low-priority thread, kept exact; a copy whose bytes changed on the way is refused; a
+copy its peer keeps refusing gives way to a newer snapshot's."""
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
 
-from elasticpipe.errors import TransferError
+from elasticpipe.errors import NotReady, TransferError
 from elasticpipe.stage_server import transfers
-from elasticpipe.stage_server.snapshots import Capture, receive_copy
+from elasticpipe.stage_server.snapshots import Capture, SnapshotStore, Snapshotter, receive_copy
 from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import layer_state
@@ -27,6 +29,7 @@ class Keeper(stage_pb2_grpc.StageServiceServicer):
 
     def __init__(self) -> None:
         self.kept: dict[int, PackedLayer] = {}
+        self.steps: list[int] = []
         self.priorities: set[int] = set()
 
     def PushSnapshot(
@@ -34,6 +37,7 @@ class Keeper(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.Ack:
         first = next(chunks)
         assert first.source == "me"
+        self.steps.append(first.step)
 
         def pieces() -> Iterator[stage_pb2.LayerChunk]:
             for message in chunks:
@@ -97,3 +101,53 @@ def test_a_copy_whose_bytes_changed_after_sealing_is_refused(
     with pytest.raises(TransferError, match="layer 5: digest mismatch"):
         push(layers)
     assert keeper.kept == {}
+
+
+class Refuser(stage_pb2_grpc.StageServiceServicer):
+    """A peer that has just left the chain: it refuses every copy as not ready."""
+
+    def __init__(self) -> None:
+        self.refusals = 0
+
+    def PushSnapshot(
+        self, chunks: Iterator[stage_pb2.SnapshotChunk], context: Any
+    ) -> stage_pb2.Ack:
+        self.refusals += 1
+        raise NotReady("snapshot copy from 'me', which is not in the chain []")
+
+
+def test_a_copy_its_peer_keeps_refusing_gives_way_to_a_newer_snapshot() -> None:
+    """A leave's epoch change, as it failed one full-suite run in two: step 3's copy goes to
+    the stage that has just left the chain, which refuses it (not ready) to the last of
+    ``PUSH_RETRIES``, about 14 s of pauses; the new epoch's first snapshot (step 4, to the
+    new peer) is queued meanwhile, and the leave waits for its copy. The older push gives up
+    at its next refusal, so the newer copy is kept well within those 14 s (5 s allowed)."""
+    refuser, keeper = Refuser(), Keeper()
+    descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
+    servers = [serving.start_server("127.0.0.1:0", [(descriptor, s)]) for s in (refuser, keeper)]
+    pool = rpc.StagePool()
+
+    def push(
+        peer: str,
+        capture: Capture,
+        blobs: Sequence[tuple[int, PackedLayer]],
+        superseded: Callable[[], bool],
+    ) -> bool:
+        return transfers.push_snapshot(pool, peer, capture, blobs, 60.0, 4096, superseded)
+
+    snapshotter = Snapshotter(SnapshotStore(), push, lambda: None)
+    states = {4: {"model": {"w": torch.randn(30, 7)}}}
+    try:
+        snapshotter.submit(Capture("j", 3, "me", states, servers[0].address, generation=0))
+        deadline = time.monotonic() + 10
+        while refuser.refusals < 2:  # refused, and retrying
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        snapshotter.submit(Capture("j", 4, "me", states, servers[1].address, generation=0))
+        assert snapshotter.flush(5.0)
+        assert keeper.steps == [4] and sorted(keeper.kept) == [4]
+    finally:
+        snapshotter.close()
+        pool.close()
+        for server in servers:
+            server.stop(grace=0.1)

@@ -14,6 +14,8 @@ once (its flags named here), exposed as fixtures by ``tests/integration/conftest
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from elasticpipe.client.admin import Move
@@ -45,9 +47,21 @@ def fast(stages: int, **options: Any) -> LocalCluster:
 
 def failing(stages: int = 4, **options: Any) -> LocalCluster:
     """``stages`` stages that accept injected faults (a commit lease of 5 s) and a coordinator
-    with fast heartbeats; the processes' logs are kept in $ELASTICPIPE_TEST_LOGS if set."""
-    options.setdefault("log_dir", os.environ.get("ELASTICPIPE_TEST_LOGS"))
+    with fast heartbeats; the processes' logs are kept under $ELASTICPIPE_TEST_LOGS if set."""
+    options.setdefault("log_dir", kept_logs())
     return fast(stages, **FAULTS, **options)
+
+
+def kept_logs() -> str | None:
+    """A folder of its own under $ELASTICPIPE_TEST_LOGS for one cluster's logs (None when
+    unset): a cluster's processes reuse their names, and ``wait_for_log`` must read only its
+    own cluster's lines. It is named after the test module that made the cluster."""
+    root = os.environ.get("ELASTICPIPE_TEST_LOGS")
+    if not root:
+        return None
+    current = os.environ.get("PYTEST_CURRENT_TEST", "cluster").split("::")[0]
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{Path(current).stem}-", dir=root)
 
 
 def set_partition(cluster: LocalCluster, boundaries: list[int]) -> Move:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -82,10 +82,16 @@ def test_the_snapshotter_packs_stores_and_pushes_off_the_critical_path() -> None
     pushed: list[tuple[str, int, list[int]]] = []
     fail = threading.Event()
 
-    def push(peer: str, capture: Capture, blobs: Sequence[tuple[int, PackedLayer]]) -> None:
+    def push(
+        peer: str,
+        capture: Capture,
+        blobs: Sequence[tuple[int, PackedLayer]],
+        superseded: Callable[[], bool],
+    ) -> bool:
         if fail.is_set():
             raise StageUnavailable("peer gone")
         pushed.append((peer, capture.step, [layer for layer, _ in blobs]))
+        return True
 
     snapper = Snapshotter(store, push, lambda: None)
     try:
