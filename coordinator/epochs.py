@@ -443,21 +443,32 @@ def outcome(cluster: Cluster, epoch: int) -> str:
 
 
 COPIES_WAIT_S = 10.0
+# A stage that left the chain (a leave, a drain) took its copies of its predecessor's
+# snapshots along: it may exit only once the new epoch's first snapshot is copied, and a
+# loaded host may take longer for that (the copies travel at the lowest CPU priority).
+# Within a stage's default --drain-timeout (60 s).
+LEFT_COPIES_WAIT_S = 30.0
 
 
-def wait_for_copies(cluster: Cluster, partition: Partition, job: JobConfig, step: int) -> bool:
+def wait_for_copies(
+    cluster: Cluster,
+    partition: Partition,
+    job: JobConfig,
+    step: int,
+    timeout: float = COPIES_WAIT_S,
+) -> bool:
     """Waits until the snapshot of ``step`` (taken when a job starts, at the first step of
     every epoch, or when a client attaches) has its copies everywhere, so that a failure
     right after can recover.
 
     Returns:
-        Whether the copies arrived within ``COPIES_WAIT_S`` (else a warning is logged).
+        Whether the copies arrived within ``timeout`` (else a warning is logged).
     """
     if not job.snapshot_every:
         return True
     need = 2 if partition.num_stages > 1 else 1
     probe = stage_pb2.StatsRequest()
-    deadline = time.monotonic() + COPIES_WAIT_S
+    deadline = time.monotonic() + timeout
     while True:
         results = cluster.pool.each([(a, probe) for a in partition.addresses], "GetStats", 5.0)
         held = {
@@ -469,7 +480,7 @@ def wait_for_copies(cluster: Cluster, partition: Partition, job: JobConfig, step
         if copies.newest_step(found, partition.num_layers, held, need, at_most=step) == step:
             return True
         if time.monotonic() > deadline:
-            log.warning("snapshot_copies_late", step=step, waited_s=COPIES_WAIT_S)
+            log.warning("snapshot_copies_late", step=step, waited_s=timeout)
             return False
         time.sleep(0.05)
 

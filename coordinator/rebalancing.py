@@ -325,7 +325,9 @@ class Rebalancer(ReplicaPolicy):
             if set(current.stage_ids) - set(new.stage_ids):
                 # A stage left the chain with its copies of its predecessor's snapshots:
                 # it may exit only once the new epoch's first snapshot is copied.
-                epochs.wait_for_copies(self.c, new, job, result.committed_step)
+                epochs.wait_for_copies(
+                    self.c, new, job, result.committed_step, epochs.LEFT_COPIES_WAIT_S
+                )
             self.c.last_move, self.c.last_pause = time.monotonic(), result.pause_s
             for sid in new.stage_ids:  # speeds of moved-into stages are re-measured from now
                 member = self.c.members.by_id(sid)
