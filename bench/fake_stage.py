@@ -365,7 +365,8 @@ class FakeStage(EpochChange):
                     yield stage_pb2.SnapshotChunk(chunk=chunk)
 
         unreachable = 0
-        for attempt in range(transfers.PUSH_RETRIES):  # as transfers.push_snapshot
+        for attempt in range(transfers.PUSH_RETRIES):  # retried as transfers.push_snapshot (a
+            # thread per capture here: nothing queues behind a push, so none is given up)
             try:
                 rpc.call(peer, self.pool.stub(peer).PushSnapshot, messages(), timeout=60.0)
                 return

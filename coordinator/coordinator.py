@@ -273,7 +273,9 @@ class Coordinator:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                outcome = self.rebalancer.drain(stage_id, f"{member.row.name} is leaving")
+                outcome = self.rebalancer.drain(
+                    stage_id, f"{member.row.name} is leaving", leave_by=deadline
+                )
             except NotLeader:  # this coordinator was deposed: the stage asks the leader
                 raise
             except NotReady:

@@ -446,7 +446,7 @@ COPIES_WAIT_S = 10.0
 # A stage that left the chain (a leave, a drain) took its copies of its predecessor's
 # snapshots along: it may exit only once the new epoch's first snapshot is copied, and a
 # loaded host may take longer for that (the copies travel at the lowest CPU priority).
-# Within a stage's default --drain-timeout (60 s).
+# A leaving stage's own deadline (its --drain-timeout) ends the wait sooner.
 LEFT_COPIES_WAIT_S = 30.0
 
 
@@ -458,8 +458,10 @@ def wait_for_copies(
     timeout: float = COPIES_WAIT_S,
 ) -> bool:
     """Waits until the snapshot of ``step`` (taken when a job starts, at the first step of
-    every epoch, or when a client attaches) has its copies everywhere, so that a failure
-    right after can recover.
+    every epoch, or when a client attaches), or a later one, has its copies everywhere, so
+    that a failure right after can recover. A stage of ``partition`` declared dead ends
+    the wait: its copies will not come, and recovery (which waits for the move's lock)
+    must not wait for them either.
 
     Returns:
         Whether the copies arrived within ``timeout`` (else a warning is logged).
@@ -477,10 +479,17 @@ def wait_for_copies(
             if not isinstance(r, ElasticPipeError)
         }
         found = copies.copies_by_step(held, job.job_id)
-        if copies.newest_step(found, partition.num_layers, held, need, at_most=step) == step:
+        newest = copies.newest_step(found, partition.num_layers, held, need)
+        if newest is not None and newest >= step:
             return True
-        if time.monotonic() > deadline:
-            log.warning("snapshot_copies_late", step=step, waited_s=timeout)
+        dead = [
+            sid
+            for sid in partition.stage_ids
+            if (m := cluster.members.by_id(sid)) is None or m.row.dead
+        ]
+        if dead or time.monotonic() > deadline:
+            why = f"{cluster.names(dead)} declared dead" if dead else "late"
+            log.warning("snapshot_copies_late", step=step, waited_s=timeout, why=why)
             return False
         time.sleep(0.05)
 

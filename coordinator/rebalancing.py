@@ -264,8 +264,13 @@ class Rebalancer(ReplicaPolicy):
         reason: str,
         gain: float,
         kind: str = "move",
+        leave_by: float | None = None,
     ) -> MoveOutcome:
         """Moves to ``boundaries`` over ``stages`` through a two-phase epoch change.
+
+        A stage taken out of the chain may exit once the new epoch's first snapshot is
+        copied: the move waits for that up to ``epochs.LEFT_COPIES_WAIT_S``, and no later
+        than ``leave_by`` (a ``time.monotonic`` deadline: a leaving stage's own).
 
         Raises:
             InvalidRequest: the target partition loses a layer, repeats a stage, or names a
@@ -325,9 +330,10 @@ class Rebalancer(ReplicaPolicy):
             if set(current.stage_ids) - set(new.stage_ids):
                 # A stage left the chain with its copies of its predecessor's snapshots:
                 # it may exit only once the new epoch's first snapshot is copied.
-                epochs.wait_for_copies(
-                    self.c, new, job, result.committed_step, epochs.LEFT_COPIES_WAIT_S
-                )
+                wait = epochs.LEFT_COPIES_WAIT_S
+                if leave_by is not None:
+                    wait = max(0.0, min(wait, leave_by - time.monotonic()))
+                epochs.wait_for_copies(self.c, new, job, result.committed_step, wait)
             self.c.last_move, self.c.last_pause = time.monotonic(), result.pause_s
             for sid in new.stage_ids:  # speeds of moved-into stages are re-measured from now
                 member = self.c.members.by_id(sid)
@@ -429,9 +435,10 @@ class Rebalancer(ReplicaPolicy):
             return MoveOutcome(False, current, "the layout is already that one")
         return MoveOutcome(True, new, reason, 0.0, result.bytes_moved, result.pause_s, new)
 
-    def drain(self, key: str, reason: str = "") -> MoveOutcome:
+    def drain(self, key: str, reason: str = "", leave_by: float | None = None) -> MoveOutcome:
         """Moves every layer off a stage and keeps it out of the chain (a job of several
-        replicas: its replica is mended without it, ``replica_changes.drain``)."""
+        replicas: its replica is mended without it, ``replica_changes.drain``); a leaving
+        stage's deadline is ``leave_by`` (``move``)."""
         member = self._member(key)
         _, current = self.c.require_job()
         with self.c.move_lock:  # (whether it runs replicas is asked under the lock)
@@ -449,7 +456,7 @@ class Rebalancer(ReplicaPolicy):
         stages = tuple(s for s in current.stages if s.stage_id != member.row.stage_id)
         if not stages:
             raise InvalidRequest(f"cannot drain {member.row.name}: it is the only stage")
-        outcome = self.replan(stages, reason or f"drain {member.row.name}")
+        outcome = self.replan(stages, reason or f"drain {member.row.name}", leave_by)
         self.c.members.set_drained(member.row.stage_id, True)
         return outcome
 
@@ -473,12 +480,14 @@ class Rebalancer(ReplicaPolicy):
         stages = tuple(refs[s] for s in order if s in chain_ids)
         return self.replan(stages, f"undrain {member.row.name}")
 
-    def replan(self, stages: Sequence[StageRef], reason: str) -> MoveOutcome:
-        """Moves to the optimal partition over ``stages``."""
+    def replan(
+        self, stages: Sequence[StageRef], reason: str, leave_by: float | None = None
+    ) -> MoveOutcome:
+        """Moves to the optimal partition over ``stages`` (``leave_by``: ``move``)."""
         speeds = self.c.speeds([s.stage_id for s in stages])
         stage_ids = [s.stage_id for s in stages]
         best = plan(self.c.costs(), speeds, *self.c.links(len(speeds)), *self.c.memory(stage_ids))
-        return self.move(stages, best.boundaries, reason, 0.0)
+        return self.move(stages, best.boundaries, reason, 0.0, leave_by=leave_by)
 
     def set_auto(self, enabled: bool) -> str:
         """Turns automatic rebalancing on or off (persisted)."""

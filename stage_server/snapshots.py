@@ -192,8 +192,9 @@ class Snapshotter:
     """Packs captures and pushes their copies, one at a time, on its own thread.
 
     A push that its peer keeps refusing (a peer that left the chain at an epoch change:
-    a leave's) is given up as soon as a newer capture waits: the newer copy replaces it,
-    and must not wait behind its retries (the leave waits for it).
+    a leave's) is given up as soon as a newer capture waits (``snapshot_copy_given_up``):
+    the newer copy replaces it, and must not wait behind its retries (the leave waits for
+    it).
     """
 
     def __init__(self, store: SnapshotStore, push: Pusher, before_push: Callable[[], None]):
@@ -221,12 +222,13 @@ class Snapshotter:
             self._cond.notify_all()
 
     def flush(self, timeout: float) -> bool:
-        """Waits until every queued capture is stored and pushed (or failed)."""
+        """Waits until every queued capture is stored and pushed (or failed, or given up)."""
         with self._cond:
             return self._cond.wait_for(lambda: self._waiting is None and not self._busy, timeout)
 
     def close(self) -> None:
-        """Stops the thread after the capture in progress."""
+        """Stops the thread after the capture in progress (a push its peer refuses stops
+        retrying at the next refusal)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -259,11 +261,22 @@ class Snapshotter:
                     capture.job_id, capture.step, blobs, capture.generation, capture.epoch
                 )
                 self._before_push()
-                pushing = kept and capture.peer
-                if pushing and not self._push(
-                    capture.peer, capture, sorted(blobs.items()), self._superseded
+                if (
+                    kept
+                    and bool(capture.peer)
+                    and not self._push(
+                        capture.peer, capture, sorted(blobs.items()), self._superseded
+                    )
                 ):
-                    log.info("snapshot_copy_superseded", step=capture.step, peer=capture.peer)
+                    with self._cond:
+                        newer = self._waiting.step if self._waiting is not None else None
+                    log.info(
+                        "snapshot_copy_given_up",
+                        step=capture.step,
+                        peer=capture.peer,
+                        why="the stage is closing" if newer is None else "a newer one waits",
+                        newer=newer,
+                    )
             except ElasticPipeError as exc:
                 log.warning(
                     "snapshot_copy_failed",

@@ -4,9 +4,8 @@ copy's push tries a few times, then gives up on a peer that stays unreachable.""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -33,23 +32,6 @@ class Stats(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.Ack:
         self.pushed.extend(c.source for c in chunks if c.source)
         return stage_pb2.Ack()
-
-
-def serve_later(
-    port: int, delay: float, servicer: Stats | None = None
-) -> tuple[threading.Thread, list[serving.RunningServer]]:
-    started: list[serving.RunningServer] = []
-
-    def run() -> None:
-        threading.Event().wait(delay)
-        descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
-        started.append(
-            serving.start_server(f"127.0.0.1:{port}", [(descriptor, servicer or Stats())])
-        )
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, started
 
 
 class UpAfterFirstTry(rpc.StagePool):
@@ -91,22 +73,28 @@ def test_a_stage_up_before_the_retry_is_reached(retry: bool) -> None:
             server.stop(grace=0.1)
 
 
-def push(pool: rpc.StagePool, port: int) -> None:
+def push(pool: rpc.StagePool, port: int, after_a_refusal: Callable[[], bool] = bool) -> None:
     capture = Capture(job_id="j", step=0, source="me", states={}, peer="", generation=0)
-    transfers.push_snapshot(pool, f"127.0.0.1:{port}", capture, [], 10.0, 1 << 20)
+    transfers.push_snapshot(pool, f"127.0.0.1:{port}", capture, [], 10.0, 1 << 20, after_a_refusal)
 
 
 @pytest.mark.timeout(30)
 def test_a_snapshot_copy_reaches_a_peer_up_after_the_first_try() -> None:
     port = free_port()
     servicer = Stats()
-    thread, started = serve_later(port, 0.03, servicer)  # within the retries' pauses
+    started: list[serving.RunningServer] = []
+
+    def start_the_peer() -> bool:  # asked after each failed try, before the pause
+        if not started:
+            descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
+            started.append(serving.start_server(f"127.0.0.1:{port}", [(descriptor, servicer)]))
+        return False  # (nothing newer waits: the push goes on)
+
     pool = rpc.StagePool()
     try:
-        push(pool, port)
-        assert servicer.pushed == ["me"]
+        push(pool, port, start_the_peer)
+        assert servicer.pushed == ["me"] and started
     finally:
-        thread.join()
         pool.close()
         for server in started:
             server.stop(grace=0.1)

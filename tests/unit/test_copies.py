@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any, cast
+
 import pytest
 
+from elasticpipe.coordinator import epochs
 from elasticpipe.coordinator.copies import copies_by_step, missing_layers, newest_step
 from elasticpipe.v1 import stage_pb2
 
@@ -41,3 +45,47 @@ def test_other_jobs_and_later_steps_are_ignored() -> None:
     found = copies_by_step(HOLDINGS, "j")
     assert 30 not in found
     assert newest_step(found, 4, {"a", "b"}, at_most=15) == 10
+
+
+class _Stages:
+    """What ``wait_for_copies`` asks of a cluster: each stage's holdings (``GetStats``), the
+    members (``dead`` ones as the membership declared them) and their names."""
+
+    def __init__(self, holdings: dict[str, list[stage_pb2.SnapshotHolding]], dead: set[str]):
+        self.holdings, self.dead, self.calls = holdings, dead, 0
+        self.pool, self.members = self, self
+
+    def each(self, calls: list[tuple[str, Any]], method: str, timeout: float) -> list[Any]:
+        self.calls += 1
+        return [stage_pb2.StageStats(snapshots=self.holdings[a]) for a, _ in calls]
+
+    def by_id(self, stage_id: str) -> Any:
+        return SimpleNamespace(row=SimpleNamespace(dead=stage_id in self.dead))
+
+    def names(self, stage_ids: list[str]) -> list[str]:
+        return list(stage_ids)
+
+
+def _wait(stages: _Stages, step: int) -> bool:
+    partition = SimpleNamespace(
+        addresses=["a", "b"], stage_ids=["a", "b"], num_stages=2, num_layers=4
+    )
+    job = SimpleNamespace(job_id="j", snapshot_every=10)
+    return epochs.wait_for_copies(
+        cast(Any, stages), cast(Any, partition), cast(Any, job), step, 5.0
+    )
+
+
+def test_a_later_complete_snapshot_ends_the_wait_for_an_epochs_first() -> None:
+    """The epoch's first snapshot (step 10) was given up for step 20's, whose copies are
+    complete: the wait ends at once (it waited out its timeout for exactly step 10)."""
+    both = [held(20, [0, 1]), held(20, [2, 3])]
+    stages = _Stages({"a": both, "b": list(both)}, set())
+    assert _wait(stages, 10) and stages.calls == 1
+
+
+def test_a_dead_stage_of_the_chain_ends_the_wait_for_copies() -> None:
+    """Copies to a stage declared dead never come: the wait gives up at its first look,
+    not after its timeout (recovery waits for the move's lock meanwhile)."""
+    stages = _Stages({"a": [held(10, [0, 1])], "b": []}, {"b"})
+    assert not _wait(stages, 10) and stages.calls == 1
