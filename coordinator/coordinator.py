@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 
 from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator.concurrency import run_loop
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.jobs import Jobs
 from elasticpipe.coordinator.membership import Heard, Member, Membership, Probe, holder_alive
 from elasticpipe.coordinator.planning.estimates import Timing
-from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer, run_loop
+from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer
 from elasticpipe.coordinator.recovery import Recovery
 from elasticpipe.coordinator.state import Cluster
 from elasticpipe.coordinator.store import Store

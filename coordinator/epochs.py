@@ -494,6 +494,26 @@ def wait_for_copies(
         time.sleep(0.05)
 
 
+def wait_if_one_left(
+    cluster: Cluster,
+    old: Partition,
+    new: Partition,
+    job: JobConfig,
+    step: int,
+    leave_by: float | None = None,
+) -> None:
+    """A stage that left the chain took its copies of its predecessor's snapshots along: it
+    may exit only once the new epoch's first snapshot (``step``) is copied. Waits for that
+    up to ``LEFT_COPIES_WAIT_S``, and no later than ``leave_by`` (a ``time.monotonic``
+    deadline: a leaving stage's own); nothing to wait for when no stage left."""
+    if not set(old.stage_ids) - set(new.stage_ids):
+        return
+    wait = LEFT_COPIES_WAIT_S
+    if leave_by is not None:
+        wait = max(0.0, min(wait, leave_by - time.monotonic()))
+    wait_for_copies(cluster, new, job, step, wait)
+
+
 def check_no_change_in_progress(cluster: Cluster) -> None:
     """Raises NotReady while an epoch change (a checkpoint load, say) is in progress."""
     record = cluster.store.get(CHANGE_KEY)

@@ -11,7 +11,6 @@ two-phase epoch change.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -266,11 +265,8 @@ class Rebalancer(ReplicaPolicy):
         kind: str = "move",
         leave_by: float | None = None,
     ) -> MoveOutcome:
-        """Moves to ``boundaries`` over ``stages`` through a two-phase epoch change.
-
-        A stage taken out of the chain may exit once the new epoch's first snapshot is
-        copied: the move waits for that up to ``epochs.LEFT_COPIES_WAIT_S``, and no later
-        than ``leave_by`` (a ``time.monotonic`` deadline: a leaving stage's own).
+        """Moves to ``boundaries`` over ``stages`` through a two-phase epoch change; one
+        taken out of the chain may exit once it returns (``epochs.wait_if_one_left``).
 
         Raises:
             InvalidRequest: the target partition loses a layer, repeats a stage, or names a
@@ -327,13 +323,7 @@ class Rebalancer(ReplicaPolicy):
             result: MoveResult = epochs.change_epoch(
                 self.c, job, Change(kind, reason, current, new), self._pause, history
             )
-            if set(current.stage_ids) - set(new.stage_ids):
-                # A stage left the chain with its copies of its predecessor's snapshots:
-                # it may exit only once the new epoch's first snapshot is copied.
-                wait = epochs.LEFT_COPIES_WAIT_S
-                if leave_by is not None:
-                    wait = max(0.0, min(wait, leave_by - time.monotonic()))
-                epochs.wait_for_copies(self.c, new, job, result.committed_step, wait)
+            epochs.wait_if_one_left(self.c, current, new, job, result.committed_step, leave_by)
             self.c.last_move, self.c.last_pause = time.monotonic(), result.pause_s
             for sid in new.stage_ids:  # speeds of moved-into stages are re-measured from now
                 member = self.c.members.by_id(sid)
@@ -592,20 +582,3 @@ class Rebalancer(ReplicaPolicy):
             if not any(t[3] > 0 for t in member.timings.values()):
                 return False
         return True
-
-
-def run_loop(stop: threading.Event, interval: float, fn: object, name: str) -> threading.Thread:
-    """Calls ``fn()`` every ``interval`` seconds on a daemon thread until ``stop`` is set;
-    a failure of one call is logged and the loop goes on."""
-    assert callable(fn)
-
-    def loop() -> None:
-        while not stop.wait(interval):
-            try:
-                fn()
-            except Exception as exc:  # the loop must outlive any one failed attempt
-                log.warning(f"{name}_failed", error=str(exc))
-
-    thread = threading.Thread(target=loop, name=name, daemon=True)
-    thread.start()
-    return thread
