@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from elasticpipe import models
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
-from tests.support.clusters import revive
+from tests.support.clusters import revive, revive_exited
 from tests.support.faults import FaultPlan
 from tests.support.numerics import reference_step
 from tests.support.scenario import (
@@ -41,6 +42,15 @@ from tests.support.scenario import (
 def cluster(failing4: LocalCluster) -> LocalCluster:
     """Three chain stages and a spare that accept injected faults."""
     return failing4
+
+
+@pytest.fixture(autouse=True)
+def no_cascade(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that failed before reviving the stages it killed, brings them back: one
+    failure then fails one test, not every test after it for want of stages."""
+    yield
+    if "cluster" in request.fixturenames:
+        revive_exited(request.getfixturevalue("cluster"))
 
 
 def _resume_and_check(cluster: LocalCluster, kill_first: bool = False) -> list[str]:

@@ -8,7 +8,9 @@ once (its flags named here), exposed as fixtures by ``tests/integration/conftest
 - ``failing(n)``: n stages that accept injected faults, with a short commit lease, and a
   coordinator with fast heartbeats that declares a silent stage dead after 2 s;
 - ``set_partition``: a move of a cluster's job, as an operator asks for it;
-- ``revive``: a killed stage of ``failing`` back under its name (a new incarnation).
+- ``revive``: a killed stage of ``failing`` back under its name (a new incarnation);
+  ``revive_exited``: every stage process that exited (after a test that failed before its
+  own ``revive``, so that the next tests of the module do not fail for want of stages).
 """
 
 from __future__ import annotations
@@ -76,3 +78,14 @@ def revive(cluster: LocalCluster, *names: str) -> None:
     incarnation, then a spare)."""
     for name in names:
         cluster.add_stage(name)
+
+
+def revive_exited(cluster: LocalCluster) -> list[str]:
+    """Brings back every stage process of ``cluster`` that has exited; returns their names."""
+    exited = [
+        name
+        for name, proc in cluster.procs.items()
+        if name not in cluster.coordinator_names and proc.poll() is not None
+    ]
+    revive(cluster, *exited)
+    return exited
