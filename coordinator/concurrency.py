@@ -1,20 +1,15 @@
-"""Calls to many stages, one host at a time per host but many hosts at once; the
-coordinator's background loops."""
+"""Calls to many stages, one host at a time per host but many hosts at once."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import TypeVar
 
 from elasticpipe.errors import ElasticPipeError
-from elasticpipe.logs import get_logger
 from elasticpipe.transport.serving import split_address
 
 T = TypeVar("T")
-
-log = get_logger(__name__)
 
 
 def by_host(addresses: Sequence[str], call: Callable[[str], T], hosts_at_once: int) -> list[T]:
@@ -50,20 +45,3 @@ def by_host(addresses: Sequence[str], call: Callable[[str], T], hosts_at_once: i
     if failures:
         raise failures[min(failures)]
     return [results[i] for i in range(len(addresses))]
-
-
-def run_loop(stop: threading.Event, interval: float, fn: object, name: str) -> threading.Thread:
-    """Calls ``fn()`` every ``interval`` seconds on a daemon thread until ``stop`` is set;
-    a failure of one call is logged and the loop goes on."""
-    assert callable(fn)
-
-    def loop() -> None:
-        while not stop.wait(interval):
-            try:
-                fn()
-            except Exception as exc:  # the loop must outlive any one failed attempt
-                log.warning(f"{name}_failed", error=str(exc))
-
-    thread = threading.Thread(target=loop, name=name, daemon=True)
-    thread.start()
-    return thread

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 
 from elasticpipe.coordinator import epochs
-from elasticpipe.coordinator.concurrency import run_loop
 from elasticpipe.coordinator.config import CoordinatorConfig
 from elasticpipe.coordinator.jobs import Jobs
+from elasticpipe.coordinator.loops import run_loop
 from elasticpipe.coordinator.membership import Heard, Member, Membership, Probe, holder_alive
 from elasticpipe.coordinator.planning.estimates import Timing
 from elasticpipe.coordinator.rebalancing import MoveOutcome, Rebalancer
@@ -285,9 +285,22 @@ class Coordinator:
                 time.sleep(0.5)
                 continue
             if stage_id not in self.cluster.job_stage_ids():  # the move went through
+                self._stay_for_recovery(deadline)
                 self.cluster.members.mark_left(stage_id)
                 log.info("stage_left", stage=member.row.name, stage_id=stage_id, moved=True)
             return outcome
+
+    def _stay_for_recovery(self, deadline: float) -> None:
+        """Holds a leaving stage (its layers moved off) while a stage of the chain is dead,
+        up to ``deadline``: until the new epoch's snapshots are copied, the leaving stage's
+        copies of its old neighbour's snapshots may be the last ones, and recovery, which
+        runs once the move released its lock, reads them from it while it lives."""
+        while (
+            not self.cluster.failure
+            and self.recovery.dead_in_chain()
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
 
     def profile_job(self, job_id: str, client: int, sample: Value) -> None:
         """Profiles a job set up without a sample, then moves to the partition the

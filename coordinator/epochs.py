@@ -461,7 +461,7 @@ def wait_for_copies(
     every epoch, or when a client attaches), or a later one, has its copies everywhere, so
     that a failure right after can recover. A stage of ``partition`` declared dead ends
     the wait: its copies will not come, and recovery (which waits for the move's lock)
-    must not wait for them either.
+    must not wait for them either (a leaving stage stays for it: ``Coordinator.leave``).
 
     Returns:
         Whether the copies arrived within ``timeout`` (else a warning is logged).
@@ -470,9 +470,11 @@ def wait_for_copies(
         return True
     need = 2 if partition.num_stages > 1 else 1
     probe = stage_pb2.StatsRequest()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
-        results = cluster.pool.each([(a, probe) for a in partition.addresses], "GetStats", 5.0)
+        poll_s = min(5.0, max(0.1, deadline - time.monotonic()))
+        results = cluster.pool.each([(a, probe) for a in partition.addresses], "GetStats", poll_s)
         held = {
             sid: list(r.snapshots)
             for sid, r in zip(partition.stage_ids, results, strict=True)
@@ -489,7 +491,8 @@ def wait_for_copies(
         ]
         if dead or time.monotonic() > deadline:
             why = f"{cluster.names(dead)} declared dead" if dead else "late"
-            log.warning("snapshot_copies_late", step=step, waited_s=timeout, why=why)
+            waited = round(time.monotonic() - started, 3)
+            log.warning("snapshot_copies_late", step=step, waited_s=waited, why=why)
             return False
         time.sleep(0.05)
 

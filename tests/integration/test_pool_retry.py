@@ -75,7 +75,9 @@ def test_a_stage_up_before_the_retry_is_reached(retry: bool) -> None:
 
 def push(pool: rpc.StagePool, port: int, after_a_refusal: Callable[[], bool] = bool) -> None:
     capture = Capture(job_id="j", step=0, source="me", states={}, peer="", generation=0)
-    transfers.push_snapshot(pool, f"127.0.0.1:{port}", capture, [], 10.0, 1 << 20, after_a_refusal)
+    transfers.push_snapshot(
+        pool, f"127.0.0.1:{port}", capture, [], 10.0, 1 << 20, superseded=after_a_refusal
+    )
 
 
 @pytest.mark.timeout(30)

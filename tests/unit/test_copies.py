@@ -1,13 +1,16 @@
-"""Tests of snapshot-copy accounting: which steps are safe, which recoverable."""
+"""Tests of snapshot-copy accounting (which steps are safe, which recoverable) and of the
+waits for copies around a leave."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
 from elasticpipe.coordinator import epochs
+from elasticpipe.coordinator.coordinator import Coordinator
 from elasticpipe.coordinator.copies import copies_by_step, missing_layers, newest_step
 from elasticpipe.v1 import stage_pb2
 
@@ -89,3 +92,29 @@ def test_a_dead_stage_of_the_chain_ends_the_wait_for_copies() -> None:
     not after its timeout (recovery waits for the move's lock meanwhile)."""
     stages = _Stages({"a": [held(10, [0, 1])], "b": []}, {"b"})
     assert not _wait(stages, 10) and stages.calls == 1
+
+
+class _Recovering:
+    """What ``Coordinator._stay_for_recovery`` reads: the job's failure, and the chain's
+    dead stages (one until ``recovered_after`` looks, then none)."""
+
+    def __init__(self, recovered_after: int | None):
+        self.cluster, self.recovery = SimpleNamespace(failure=""), self
+        self.looks, self.recovered_after = 0, recovered_after
+
+    def dead_in_chain(self) -> list[str]:
+        self.looks += 1
+        done = self.recovered_after is not None and self.looks > self.recovered_after
+        return [] if done else ["stage-0"]
+
+
+def test_a_leaving_stage_stays_until_a_dead_neighbour_is_recovered() -> None:
+    """Its copies of the dead stage's snapshots may be the last: it stays while the chain has
+    a dead stage, until recovery replaced it, or until its own deadline."""
+    recovering = _Recovering(recovered_after=3)
+    Coordinator._stay_for_recovery(cast(Any, recovering), time.monotonic() + 30)
+    assert recovering.looks == 4
+    stuck = _Recovering(recovered_after=None)
+    started = time.monotonic()
+    Coordinator._stay_for_recovery(cast(Any, stuck), started + 0.3)
+    assert 0.3 <= time.monotonic() - started < 5
