@@ -377,6 +377,19 @@ def test_a_rollback_epoch_resets_the_step_and_snapshots_it() -> None:
     m.begin_run(2, R(9), 3, 1, True, [])
 
 
+def test_a_stage_joining_the_chain_drops_snapshots_after_the_step_it_joins_at() -> None:
+    """A stage back in the chain at step 3 (it held no layers before this epoch) may still
+    hold snapshots of a history that rolled back without it: those after step 3 go, the
+    step it joins at is snapshotted."""
+    m = machine(snapshot_every=2)
+    m.freeze(2, 60.0, now=0.0)
+    m.prepared(2, 3, now=0.0, lease_s=60.0, joining=True)
+    effects = m.commit_epoch(2)
+    assert kinds(effects) == [Do.INSTALL_STAGED, Do.RESET_RUNS, Do.PRUNE_SNAPSHOTS, Do.SNAPSHOT]
+    assert effects[2] == Effect(Do.PRUNE_SNAPSHOTS, step=3)
+    assert effects[3] == Effect(Do.SNAPSHOT, step=3)
+
+
 def test_preempt_ends_the_active_run_for_a_recovery() -> None:
     """A recovery's freeze first ends whatever run is active (awaiting or running)."""
     m = machine()
