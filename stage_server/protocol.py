@@ -585,9 +585,7 @@ class StepMachine:
                     Do.PRUNE_SNAPSHOTS, step=frozen.committed_step, everything=frozen.new_history
                 )
             )
-        elif frozen.joining or joined:
-            # Nothing it holds after the step it joins at is this history's: it was out of
-            # the chain (or of the job) when another history rolled back without it.
+        elif frozen.joining or joined:  # what it holds after the step is another history's
             effects.append(Effect(Do.PRUNE_SNAPSHOTS, step=frozen.committed_step))
         # Every epoch starts with a snapshot of its first step, copied along the new chain: a
         # stage that left took its copies of its predecessor's snapshots with it.
