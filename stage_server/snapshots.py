@@ -239,6 +239,17 @@ class Snapshotter:
         with self._cond:
             return self._waiting is not None or self._closed
 
+    def _log_given_up(self, capture: Capture) -> None:
+        with self._cond:
+            newer = self._waiting.step if self._waiting is not None else None
+        log.info(
+            "snapshot_copy_given_up",
+            step=capture.step,
+            peer=capture.peer,
+            why="the stage is closing" if newer is None else "a newer one waits",
+            newer=newer,
+        )
+
     def _next(self) -> Capture | None:
         with self._cond:
             self._busy = False
@@ -261,22 +272,12 @@ class Snapshotter:
                     capture.job_id, capture.step, blobs, capture.generation, capture.epoch
                 )
                 self._before_push()
-                if (
-                    kept
-                    and bool(capture.peer)
-                    and not self._push(
+                if kept and capture.peer:
+                    pushed = self._push(
                         capture.peer, capture, sorted(blobs.items()), self._superseded
                     )
-                ):
-                    with self._cond:
-                        newer = self._waiting.step if self._waiting is not None else None
-                    log.info(
-                        "snapshot_copy_given_up",
-                        step=capture.step,
-                        peer=capture.peer,
-                        why="the stage is closing" if newer is None else "a newer one waits",
-                        newer=newer,
-                    )
+                    if not pushed:
+                        self._log_given_up(capture)
             except ElasticPipeError as exc:
                 log.warning(
                     "snapshot_copy_failed",

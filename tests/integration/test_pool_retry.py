@@ -15,7 +15,7 @@ from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.snapshots import Capture
 from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
-from tests.support.servers import free_port
+from tests.support.servers import free_port, serve_stage
 
 
 class Stats(stage_pb2_grpc.StageServiceServicer):
@@ -48,9 +48,7 @@ class UpAfterFirstTry(rpc.StagePool):
     def each(self, address_requests: Any, method: str, timeout: float) -> list[Any]:
         out = super().each(address_requests, method, timeout)
         if not self.started:
-            descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
-            address = f"127.0.0.1:{self.port}"
-            self.started.append(serving.start_server(address, [(descriptor, Stats())]))
+            self.started.append(serve_stage(Stats(), f"127.0.0.1:{self.port}"))
         return out
 
 
@@ -88,8 +86,7 @@ def test_a_snapshot_copy_reaches_a_peer_up_after_the_first_try() -> None:
 
     def start_the_peer() -> bool:  # asked after each failed try, before the pause
         if not started:
-            descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
-            started.append(serving.start_server(f"127.0.0.1:{port}", [(descriptor, servicer)]))
+            started.append(serve_stage(servicer, f"127.0.0.1:{port}"))
         return False  # (nothing newer waits: the push goes on)
 
     pool = rpc.StagePool()

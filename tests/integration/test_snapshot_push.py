@@ -16,10 +16,11 @@ import torch
 from elasticpipe.errors import NotReady, TransferError
 from elasticpipe.stage_server import transfers
 from elasticpipe.stage_server.snapshots import Capture, SnapshotStore, Snapshotter, receive_copy
-from elasticpipe.transport import rpc, serving
+from elasticpipe.transport import rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import layer_state
 from elasticpipe.wire.layer_state import PackedLayer
+from tests.support.servers import serve_stage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -52,8 +53,7 @@ class Keeper(stage_pb2_grpc.StageServiceServicer):
 def pushing() -> Iterator[tuple[Keeper, Callable[[list[tuple[int, PackedLayer]]], None]]]:
     """A keeping server on a free loopback port, and a push of layers to it."""
     keeper = Keeper()
-    descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
-    server = serving.start_server("127.0.0.1:0", [(descriptor, keeper)])
+    server = serve_stage(keeper)
     pool = rpc.StagePool()
     capture = Capture(job_id="j", step=10, source="me", states={}, peer="", generation=0)
 
@@ -124,8 +124,7 @@ def test_a_copy_its_peer_keeps_refusing_gives_way_to_a_newer_snapshot() -> None:
     at its next refusal, so the newer copy is kept well within those 14 s (10 s allowed:
     the copies travel at the lowest CPU priority), and the older is not tried again."""
     refuser, keeper = Refuser(), Keeper()
-    descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
-    servers = [serving.start_server("127.0.0.1:0", [(descriptor, s)]) for s in (refuser, keeper)]
+    servers = [serve_stage(refuser), serve_stage(keeper)]
     pool = rpc.StagePool()
 
     def push(

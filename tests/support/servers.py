@@ -1,5 +1,6 @@
 """In-process stage servers for the tests that run a ``CoordinatorServer`` in the test process:
-started, registered with the coordinator, and stopped, spelled once."""
+started, registered with the coordinator, and stopped, spelled once; and a bare
+``StageService`` of a test's own servicer (``serve_stage``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ from elasticpipe.partition import Partition
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training.job import JobConfig
-from elasticpipe.transport import rpc
+from elasticpipe.transport import rpc, serving
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 
-__all__ = ["assign_by_hand", "free_port", "stage_servers", "unregistered_stage_servers"]
+__all__ = [
+    "assign_by_hand",
+    "free_port",
+    "serve_stage",
+    "stage_servers",
+    "unregistered_stage_servers",
+]
 
 
 @contextlib.contextmanager
@@ -69,3 +76,11 @@ def stage_servers(
     finally:
         for server in servers:
             server.stop()
+
+
+def serve_stage(
+    servicer: stage_pb2_grpc.StageServiceServicer, address: str = "127.0.0.1:0"
+) -> serving.RunningServer:
+    """A gRPC server of ``StageService`` answered by ``servicer`` (a test's stand-in peer)."""
+    descriptor = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
+    return serving.start_server(address, [(descriptor, servicer)])
