@@ -44,6 +44,8 @@ COMMIT_ATTEMPTS = 4
 FREEZE_TIMEOUT_S = 60.0
 TRANSFER_TIMEOUT_S = 120.0
 CHANGE_KEY = "epoch_change"
+# A job's epochs read to find a load at step 0 (a few starts, moves and recoveries).
+HISTORY_SCAN = 10_000
 
 Pause = Callable[[str], None]  # a test hook: blocks at "before_commit_point" and the like
 
@@ -70,6 +72,8 @@ class Change:
             (``old`` and ``new`` are their replica 0); None: a job of one pipeline.
         sources: with layouts, what each stage (by id) pulls: (layer, address of a live
             holder at the cut, in any replica).
+        fresh: recovery of a job whose init_state never loaded: every layer is built anew
+            (``unloaded``), from no snapshot.
     """
 
     kind: str
@@ -84,6 +88,7 @@ class Change:
     old_layout: Layout | None = None
     new_layout: Layout | None = None
     sources: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    fresh: bool = False
 
     @property
     def old_addresses(self) -> tuple[str, ...]:
@@ -197,6 +202,24 @@ def freeze(cluster: Cluster, change: Change, lease_s: float | None = None) -> li
     return [int(r.committed_step) for r in replies]
 
 
+def awaits_weights(cluster: Cluster, job: JobConfig, step: int) -> bool:
+    """Whether ``job``'s layers still wait for its ``init_state``: its weights are
+    external, and neither a step nor a load (a ``restore`` epoch) ever committed."""
+    if not job.external_weights or step:
+        return False
+    history = cluster.store.epochs(limit=HISTORY_SCAN, job_id=job.job_id)
+    return not any(row.kind == "restore" for row in history)
+
+
+def unloaded(cluster: Cluster, job: JobConfig, live: Iterable[str]) -> bool:
+    """``awaits_weights`` at the newest step the ``live`` stages committed. Such a job's
+    layers are empty until the client's load, so its stages keep no snapshot of them
+    (Assign takes none), and a recovery builds them anew (``Change.fresh``)."""
+    alive = set(live)
+    steps = [m.committed_step for m in cluster.members.members() if m.row.stage_id in alive]
+    return awaits_weights(cluster, job, max(steps, default=0))
+
+
 def prepare(
     cluster: Cluster, job: JobConfig, change: Change, cut: int, lease_s: float | None = None
 ) -> int:
@@ -252,6 +275,7 @@ def prepare(
                     rollback=rollback and not change.restored_by_client,
                     restored_by_client=change.restored_by_client,
                     lease_s=lease_s or cluster.freeze_lease_s,
+                    fresh=change.fresh,
                 ),
             )
         )

@@ -394,7 +394,11 @@ class Jobs(Loads):
                 member.speed = None
             self.c.last_move = time.monotonic()
             laps.lap("assign")
-            for chain in layout.replicas if layout is not None else (partition,):
+            # Layers built empty for the client's init_state have no snapshot to wait for:
+            # the load replaces them (and waits for its own copies); a recovery before it
+            # builds them anew (``epochs.unloaded``).
+            chains = layout.replicas if layout is not None else (partition,)
+            for chain in () if job.external_weights else chains:
                 self.wait_for_copies(chain, job, 0)
             laps.lap("copies")
             client = self._issue(holder)

@@ -35,8 +35,6 @@ log = get_logger("elasticpipe.coordinator.jobs")
 
 RESTORE_LEASE_S = 600.0
 ABANDONED_KEPT = 16  # abandoned loads whose reason an EndRestore can still be told
-# A job's epochs read to find a load at step 0 (a few starts, moves and recoveries).
-HISTORY_SCAN = 10_000
 
 
 class Loads(Leases):
@@ -49,12 +47,8 @@ class Loads(Leases):
         self._abandoned: dict[int, str] = {}  # loads abandoned here, by epoch: why
 
     def awaits_weights(self, job: JobConfig, step: int) -> bool:
-        """Whether ``job``'s layers still wait for its ``init_state``: its weights are
-        external, and neither a step nor a load (a ``restore`` epoch) ever committed."""
-        if not job.external_weights or step:
-            return False
-        history = self.c.store.epochs(limit=HISTORY_SCAN, job_id=job.job_id)
-        return not any(row.kind == "restore" for row in history)
+        """See ``epochs.awaits_weights``."""
+        return epochs.awaits_weights(self.c, job, step)
 
     def wait_for_copies(self, partition: Partition, job: JobConfig, step: int) -> bool:
         """Waits until the snapshot of ``step`` has its copies everywhere (see

@@ -204,6 +204,9 @@ class Recovery:
         live = {m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)}
         found = copies.copies_by_step(self._holdings(live, old.restore_epoch), job.job_id)
         step = copies.newest_step(found, old.num_layers, live)
+        fresh = step is None and epochs.unloaded(self.c, job, live)
+        if fresh:  # empty layers awaiting the client's init_state: no copies are kept
+            step = 0
         if step is None:
             missing, why = copies.lost(
                 found,
@@ -227,7 +230,7 @@ class Recovery:
             key=lambda m: m.row.stage_id not in in_chain,
         )
         addresses = {m.row.stage_id: m.row.address for m in by_preference}
-        held = copies.holders_at(found, step, old.num_layers, addresses)
+        held = {} if fresh else copies.holders_at(found, step, old.num_layers, addresses)
         holders = {layer: addresses[sid] for layer, sid in held.items()}
         speeds = self.c.speeds([r.stage_id for r in chain])
         if len(chain) > old.num_layers:
@@ -248,7 +251,12 @@ class Recovery:
             restore_epoch=epoch,
         ).validate(old.num_layers)
         how = f"replaced {', '.join(replaced)}" if replaced else f"shrank to {len(chain)} stages"
-        reason = f"stage {', '.join(lost_names)} died; {how}; rolled back to step {step}"
+        back = (
+            "layers built anew: init_state not loaded yet"
+            if fresh
+            else f"rolled back to step {step}"
+        )
+        reason = f"stage {', '.join(lost_names)} died; {how}; {back}"
         change = Change(
             "recovery",
             reason,
@@ -258,6 +266,7 @@ class Recovery:
             holders=holders,
             abort_running=True,
             gone=frozenset(r.address for r in old.stages if r.stage_id in dead_ids),
+            fresh=fresh,
         )
         started = time.perf_counter()
         detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)

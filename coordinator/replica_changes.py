@@ -104,13 +104,14 @@ def recover(
     died = f"stage {', '.join(cluster.names(sorted(dead_ids)))} died: {'; '.join(said)}"
     step: int | None = None
     holders: dict[int, str] = {}
+    fresh = False
     try:
         sources = _sources(layout, relaid.replicas, live)
     except InvalidRequest:  # a layer with no live holder left: from the snapshots
         rolled = _rolled_back(cluster, layout, relaid, live, holdings, dead_ids)
         if rolled is None:
             return None
-        (step, holders), sources = rolled, {}
+        (step, holders, fresh), sources = rolled, {}
         epoch = cluster.store.reserve_epoch()
         new_layout = Layout(
             tuple(
@@ -119,7 +120,8 @@ def recover(
             ),
             relaid.shares,
         )
-        reason = f"{died}; a layer had no live holder left: rolled back to step {step}"
+        back = "built anew: init_state not loaded yet" if fresh else f"rolled back to step {step}"
+        reason = f"{died}; a layer had no live holder left: {back}"
     else:
         new_layout = _at_epoch(relaid, cluster.store.reserve_epoch())
         reason = f"{died}; no rollback, shares {list(new_layout.shares)}"
@@ -135,6 +137,7 @@ def recover(
         old_layout=layout,
         new_layout=new_layout,
         sources=sources,
+        fresh=fresh,
     )
     started = time.perf_counter()
     detected = min((m.dead_at for m in dead if m.dead_at), default=0.0)
@@ -182,15 +185,18 @@ def _rolled_back(
     live: set[str],
     holdings: Holdings,
     dead: set[str],
-) -> tuple[int, dict[int, str]] | None:
+) -> tuple[int, dict[int, str], bool] | None:
     """The newest snapshot step with a live copy of every layer (in any replica: every
-    replica's copies of a step hold the same bytes), and a live holder of each layer's
-    copy (one of ``new``'s stages first). None when some layer has no live copy (the job
-    is failed, naming the layers)."""
+    replica's copies of a step hold the same bytes), a live holder of each layer's copy
+    (one of ``new``'s stages first), and False; or step 0, no holders and True for a job
+    whose init_state never loaded (``epochs.unloaded``: its layers are built anew). None
+    when some layer has no live copy (the job is failed, naming the layers)."""
     job = cluster.job
     assert job is not None
     found = copies.copies_by_step(holdings(live, old.replicas[0].restore_epoch), job.job_id)
     step = copies.newest_step(found, old.num_layers, live)
+    if step is None and epochs.unloaded(cluster, job, live):
+        return 0, {}, True
     if step is None:
         missing, why = copies.lost(
             found, old.num_layers, live, job.snapshot_every, range(old.num_layers)
@@ -204,7 +210,7 @@ def _rolled_back(
     addresses = {m.row.stage_id: m.row.address for m in cluster.members.members()}
     by_preference = sorted(live, key=lambda sid: (sid not in mine, sid))
     held = copies.holders_at(found, step, old.num_layers, by_preference)
-    return step, {layer: addresses[sid] for layer, sid in held.items()}
+    return step, {layer: addresses[sid] for layer, sid in held.items()}, False
 
 
 def drain(

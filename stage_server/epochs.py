@@ -110,12 +110,14 @@ class EpochChanges:
         restored_by_client: bool,
         lease_s: float,
         timeout: float,
+        fresh: bool = False,
     ) -> tuple[int, float]:
         """Gathers what this stage will own in ``new_epoch`` and holds it aside.
 
         A migration pulls the incoming layers' live state from their owners (at
         ``source_epoch``); a rollback builds every owned layer from the snapshot of
-        ``committed_step`` (held here or pulled from ``incoming``'s holders); a restore
+        ``committed_step`` (held here or pulled from ``incoming``'s holders), or, ``fresh``,
+        new and empty (a job whose init_state never loaded keeps no snapshot); a restore
         takes what ``RestoreLayers`` staged.
 
         Returns:
@@ -140,6 +142,13 @@ class EpochChanges:
                 raise NotReady(f"no checkpoint was streamed here for epoch {new_epoch}")
             staged = dict(restoring[1])
             received = sum(restoring[2].values())  # what the client streamed here
+        elif fresh:
+            if not (rollback and job.external_weights and committed_step == 0):
+                raise InvalidRequest(
+                    f"epoch {new_epoch}: only a rollback to step 0 of a job whose weights "
+                    "are external (init_state) builds its layers fresh"
+                )
+            staged = dict(target.fresh_layers(placement.lo, placement.hi, draw=False))
         else:
             sources = dict(incoming)
             wanted = list(placement.layers) if rollback else [layer for layer, _ in incoming]

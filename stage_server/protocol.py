@@ -41,8 +41,8 @@ expiry asks the coordinator for the outcome (``Do.ASK_EPOCH``) and keeps waiting
 only the coordinator's store knows whether the commit point passed. An epoch that rolls
 back (recovery from a snapshot, a checkpoint load) also sets the committed step.
 
-Snapshots: the committed state is snapshotted at step 0, at every multiple of
-``snapshot_every``, and at the first step of every new epoch (``Do.SNAPSHOT``).
+Snapshots: the committed state is snapshotted at step 0 (but for layers awaiting their
+init_state), at every multiple of ``snapshot_every``, and at every new epoch's first step.
 """
 
 from __future__ import annotations
@@ -245,8 +245,8 @@ class StepMachine:
 
     # ---- job -----------------------------------------------------------------------
 
-    def assign(self, epoch: int, snapshot_every: int) -> list[Effect]:
-        """A job starts (or restarts) here at step 0 in ``epoch``; whatever ran is void."""
+    def assign(self, epoch: int, snapshot_every: int, empty: bool = False) -> list[Effect]:
+        """A job starts here at step 0 in ``epoch``, voiding what ran (``empty``: no snapshot)."""
         effects = self.preempt()
         self.has_job, self.snapshot_every = True, snapshot_every
         self.epoch, self.committed_step, self.committed_run = epoch, 0, 0
@@ -255,7 +255,7 @@ class StepMachine:
             *effects,
             Effect(Do.RESET_RUNS),
             Effect(Do.PRUNE_SNAPSHOTS, everything=True),
-            Effect(Do.SNAPSHOT, step=0),
+            *([] if empty else [Effect(Do.SNAPSHOT, step=0)]),
         ]
 
     def drop_job(self) -> list[Effect]:

@@ -411,6 +411,7 @@ class StageServicer:
                 req.restored_by_client,
                 _lease(req.lease_s or 60.0, "lease_s"),
                 max(0.1, remaining - 0.5),
+                req.fresh,
             )
         return stage_pb2.PrepareEpochResponse(
             committed_step=self.stage.committed_step, bytes_received=received, transfer_s=seconds

@@ -119,6 +119,14 @@ class SliceState:
     def build(self, lo: int, hi: int, draw: bool = True) -> None:
         """Builds layers [lo, hi) fresh from the job's factory (new job); ``draw``: see
         ``models.prepare_layer``."""
+        self.layers, self.optimizers, self.schedulers, self.scales = {}, {}, {}, {}
+        self.timings = {}
+        for index, built in self.fresh_layers(lo, hi, draw).items():
+            self.install(index, built)
+
+    def fresh_layers(self, lo: int, hi: int, draw: bool = True) -> dict[int, Built]:
+        """Layers [lo, hi) as a new job starts them (``build``), not installed: a rollback
+        stages them for a job whose init_state never loaded (``Stage.prepare_epoch``)."""
         built = models.build_layers(
             self.job.model,
             self.job.seed,
@@ -130,15 +138,12 @@ class SliceState:
             external=self.job.external_weights,
             draw=draw,
         )
-        self.layers = {lo + k: layer.train() for k, layer in enumerate(built)}
-        self.optimizers = {
-            i: opt for i, layer in self.layers.items() if (opt := self._optimizer(layer))
-        }
-        self.schedulers = {
-            i: sched for i, opt in self.optimizers.items() if (sched := self._scheduler(opt))
-        }
-        self.timings = {i: LayerTiming() for i in self.layers}
-        self.scales = {i: s for i in self.layers if (s := self._initial_scale()) is not None}
+        fresh = {}
+        for index, layer in enumerate(built, start=lo):
+            optimizer = self._optimizer(layer.train())
+            scheduler = self._scheduler(optimizer) if optimizer is not None else None
+            fresh[index] = Built(layer, optimizer, scheduler, self._initial_scale())
+        return fresh
 
     def _initial_scale(self) -> loss_scaling.LossScale | None:
         """A new layer's loss scale: ``init_scale`` with fp16, else none."""

@@ -250,7 +250,9 @@ class Stage(EpochChanges, SnapshotCopies):
             self.job, self.slice = job, new_slice
             self._staged, self._restoring = None, None
             self._set_placement(placement)
-            self._apply(self.machine.assign(placement.epoch, job.snapshot_every))
+            self._apply(
+                self.machine.assign(placement.epoch, job.snapshot_every, job.external_weights)
+            )
         log.info(
             "job_assigned",
             job=job.job_id,

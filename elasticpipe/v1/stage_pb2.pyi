@@ -1109,6 +1109,7 @@ class PrepareEpochRequest(_message.Message):
     ROLLBACK_FIELD_NUMBER: _builtins.int
     RESTORED_BY_CLIENT_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
+    FRESH_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """the new epoch"""
     timeout_s: _builtins.float
@@ -1122,6 +1123,11 @@ class PrepareEpochRequest(_message.Message):
     """every owned layer was staged by RestoreLayers (a load)"""
     lease_s: _builtins.float
     """how long to hold the prepared state before asking"""
+    fresh: _builtins.bool
+    """With rollback to step 0 of a job whose weights are external (init_state) and were never
+    loaded: every owned layer is built new, as Assign builds it (such a job keeps no
+    snapshot of its empty layers; the client's load replaces them all).
+    """
     @_builtins.property
     def assignment(self) -> Global___Assignment:
         """this stage's place in the new epoch"""
@@ -1145,10 +1151,11 @@ class PrepareEpochRequest(_message.Message):
         rollback: _builtins.bool = ...,
         restored_by_client: _builtins.bool = ...,
         lease_s: _builtins.float = ...,
+        fresh: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "committed_step", b"committed_step", "epoch", b"epoch", "incoming", b"incoming", "job", b"job", "lease_s", b"lease_s", "restored_by_client", b"restored_by_client", "rollback", b"rollback", "source_epoch", b"source_epoch", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "committed_step", b"committed_step", "epoch", b"epoch", "fresh", b"fresh", "incoming", b"incoming", "job", b"job", "lease_s", b"lease_s", "restored_by_client", b"restored_by_client", "rollback", b"rollback", "source_epoch", b"source_epoch", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from elasticpipe import models
+from elasticpipe.client.session import Session
 from elasticpipe.errors import InvalidRequest
 from elasticpipe.local.cluster import LocalCluster
 from elasticpipe.training.objectives import make_optimizer
@@ -237,6 +238,46 @@ def test_a_script_killed_before_its_init_state_streamed_resumes_from_init_state(
     with pipeline(cluster, resume=True, init_state=init) as pipe:
         losses = [pipe.train_step(*batch(step)) for step in (1, 2, 3)]
         state = pipe.state_dict()
+    want = [reference_step(model, optimizer, "cross_entropy", *batch(step)) for step in (1, 2, 3)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_lost_before_init_state_streamed_is_built_anew(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job set up for its init_state keeps no snapshot of its empty layers (the set-up
+    neither takes nor waits for one). A chain stage SIGKILLed between the set-up and the
+    load: the recovery builds its layers anew on the spare instead of failing the job for
+    want of a copy, and the load then trains as single-process training from those
+    weights does."""
+    model = models.build("mlp", seed=7, **KWARGS)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    load = Session._apply_init
+    killed: list[str] = []
+
+    def kill_then_load(session: Session) -> None:
+        partition = session._partition
+        assert partition is not None
+        killed.append(cluster.name_of(partition.addresses[1]))
+        cluster.kill(killed[0])
+        deadline = time.monotonic() + 60
+        while not any(r.kind == "recovery" for r in history(cluster)):
+            assert time.monotonic() < deadline, "no recovery within 60 s"
+            time.sleep(0.1)
+        load(session)
+
+    monkeypatch.setattr(Session, "_apply_init", kill_then_load)
+    with pipeline(cluster, init_state=init) as pipe:
+        losses = [pipe.train_step(*batch(step)) for step in (1, 2, 3)]
+        state = pipe.state_dict()
+    recoveries = [r for r in history(cluster) if r.kind == "recovery"]
+    assert [r.restored_step for r in recoveries] == [0]
+    assert "built anew" in recoveries[0].reason, recoveries[0].reason
+    revive(cluster, *killed)
+    optimizer = make_optimizer("adam", model.parameters(), ADAM)
     want = [reference_step(model, optimizer, "cross_entropy", *batch(step)) for step in (1, 2, 3)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
     for key, value in model.state_dict().items():

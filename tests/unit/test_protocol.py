@@ -65,6 +65,14 @@ def test_assign_resets_and_snapshots_step_zero() -> None:
     assert effects[-1].step == 0
 
 
+def test_assign_of_layers_awaiting_init_state_snapshots_nothing() -> None:
+    """Empty layers (init_state follows) are not snapshotted: the load replaces them all."""
+    m = StepMachine("s0")
+    effects = m.assign(epoch=3, snapshot_every=10, empty=True)
+    assert (m.epoch, m.committed_step, m.phase) == (3, 0, Phase.IDLE)
+    assert kinds(effects) == [Do.RESET_RUNS, Do.PRUNE_SNAPSHOTS]
+
+
 def test_a_training_run_goes_running_awaiting_idle() -> None:
     """begin -> RUNNING, finish -> AWAITING_COMMIT with a lease, commit -> IDLE at step+1
     with one optimizer step and the run closed."""

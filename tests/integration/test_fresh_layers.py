@@ -1,0 +1,93 @@
+"""A rollback that builds its layers anew (``PrepareEpochRequest.fresh``): only for step 0
+of a job whose weights are external and were never loaded, whose layers are empty and so
+never snapshotted (``tests/integration/test_recovery_regressions.py`` has the recovery
+that sends it). One in-process stage, spoken to over gRPC as the coordinator would."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from elasticpipe.partition import Placement
+from elasticpipe.stage_server.server import StageServer
+from elasticpipe.stage_server.stage import StageConfig
+from elasticpipe.training.job import JobConfig
+from elasticpipe.transport import rpc
+from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+EPOCH = 3
+
+
+@contextmanager
+def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
+    """A stage assigned layers [0, 2) of ``job`` (an MLP: a Linear and a ReLU) at ``EPOCH``."""
+    with (
+        StageServer(StageConfig(name="fresh-test"), "127.0.0.1:1") as server,
+        rpc.channel(server.address) as chan,
+    ):
+        stub = stage_pb2_grpc.StageServiceStub(chan)
+        placement = Placement(epoch=EPOCH, index=0, num_stages=2, lo=0, hi=2)
+        stub.Assign(
+            stage_pb2.AssignRequest(job=job.to_proto(), assignment=placement.to_proto()),
+            timeout=30,
+        )
+        yield stub
+
+
+def _prepare_fresh(stub: stage_pb2_grpc.StageServiceStub, job: JobConfig, step: int) -> None:
+    stub.Freeze(stage_pb2.EpochRequest(epoch=EPOCH + 1, lease_s=60), timeout=10)
+    placement = Placement(epoch=EPOCH + 1, index=0, num_stages=2, lo=0, hi=2)
+    stub.PrepareEpoch(
+        stage_pb2.PrepareEpochRequest(
+            epoch=EPOCH + 1,
+            assignment=placement.to_proto(),
+            job=job.to_proto(),
+            committed_step=step,
+            rollback=True,
+            fresh=True,
+            timeout_s=30,
+            lease_s=60,
+        ),
+        timeout=30,
+    )
+
+
+def _job(external: bool) -> JobConfig:
+    return JobConfig(
+        model="mlp",
+        model_kwargs={"sizes": [4, 4, 4]},
+        optimizer="sgd",
+        optimizer_kwargs={"lr": 0.1},
+        external_weights=external,
+    )
+
+
+@pytest.mark.parametrize("external, step", [(False, 0), (True, 2)])
+def test_fresh_layers_are_refused_where_a_snapshot_must_be_restored(
+    external: bool, step: int
+) -> None:
+    """A job drawn from its seed, or a rollback past step 0, has state to restore: building
+    its layers anew would lose it, so the stage refuses, naming why, and keeps its epoch."""
+    job = _job(external)
+    with _stage(job) as stub:
+        with pytest.raises(grpc.RpcError) as refused:
+            _prepare_fresh(stub, job, step)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "builds its layers fresh" in str(refused.value.details())
+        assert stub.GetStats(stage_pb2.StatsRequest(), timeout=10).epoch == EPOCH
+
+
+def test_fresh_layers_of_a_job_awaiting_its_init_state_commit() -> None:
+    """Step 0 of an init_state job: the layers are built as Assign builds them, and the
+    epoch commits with the stage owning them."""
+    job = _job(external=True)
+    with _stage(job) as stub:
+        _prepare_fresh(stub, job, 0)
+        stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
+        stats = stub.GetStats(stage_pb2.StatsRequest(), timeout=10)
+        assert (stats.epoch, stats.layer_lo, stats.layer_hi) == (EPOCH + 1, 0, 2)
