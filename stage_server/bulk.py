@@ -22,6 +22,7 @@ import ssl
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ from elasticpipe.errors import ElasticPipeError, InvalidRequest, PermissionDenie
 from elasticpipe.logs import get_logger
 from elasticpipe.security import authz
 from elasticpipe.security.tls import TLS, identity_of
+from elasticpipe.stage_server import callers
+from elasticpipe.stage_server.snapshots import lower_priority_here
 from elasticpipe.training.job import json_object
 from elasticpipe.transport import bulk, bulk_calls, bulk_layers, serving
 from elasticpipe.v1 import stage_pb2
@@ -194,8 +197,8 @@ class BulkListener:
         n, kind, nbytes = bulk.FRAME.unpack(prefix)
         if n > bulk.MAX_HEADER_BYTES:
             raise InvalidRequest(f"bulk header of {n} bytes (at most {bulk.MAX_HEADER_BYTES})")
-        if kind == bulk_layers.LAYERS:
-            return self._take_layers(conn, n, nbytes, deadline)
+        if kind in (bulk_layers.LAYERS, bulk_layers.COPY):
+            return self._take_layers(conn, kind, n, nbytes, deadline)
         if kind in bulk_calls.CALLS:
             if nbytes:
                 raise InvalidRequest(f"a bulk call announcing {nbytes} payload bytes (none)")
@@ -285,13 +288,18 @@ class BulkListener:
         errors = self._servicer.stage.metrics.rpc_errors
         errors.labels(method=f"StageService/{method}", code=code).inc()
 
-    def _take_layers(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:
-        """Takes a load's layers (``bulk_layers``), checked and staged as ``RestoreLayers``
-        checks and stages them; False (the connection closes) after an error within it.
-        Each piece of a layer's bytes has ``READ_TIMEOUT_S`` (as each message of a gRPC
-        stream has), not the whole layer. Anything unexpected is logged and answered as
-        gRPC's ``INTERNAL`` would be."""
+    def _take_layers(
+        self, conn: socket.socket, kind: bytes, n: int, count: int, deadline: float
+    ) -> bool:
+        """Takes a load's layers or a snapshot copy (``bulk_layers``), checked and staged
+        or kept as ``RestoreLayers`` or ``PushSnapshot`` checks and keeps them; False (the
+        connection closes) after an error within it, and after a copy. Each piece of a
+        layer's bytes has ``READ_TIMEOUT_S`` (as each message of a gRPC stream has), not
+        the whole layer. Anything unexpected is logged and answered as gRPC's ``INTERNAL``
+        would be."""
         try:
+            if kind == bulk_layers.COPY:
+                return self._copy(conn, n, count, deadline)
             return self._layers(conn, n, count, deadline)
         except (OSError, ConnectionError, ElasticPipeError):
             raise
@@ -315,8 +323,74 @@ class BulkListener:
             bulk.send_error(conn, exc)
             return False
         conn.sendall(bulk.GO)
-        limits = (stage.config.max_tensor_bytes, stage.config.max_layer_bytes)
         taken: list[int] = []
+
+        def start(layer: int) -> layer_state.Destination:
+            stage.check_restored_layer(layer)
+            return stage.restore_into(layer, builder=builder)
+
+        def done(got: layer_state.Received) -> None:
+            stage.stage_restored(first.epoch, got, builder, overrides)
+            taken.append(got.layer)
+
+        if not self._each_layer(conn, count, start, done):
+            return False
+        answer = stage_pb2.RestoreResponse(layers=taken).SerializeToString()
+        conn.sendall(bulk.OK + bulk.U32.pack(len(answer)) + answer)
+        return True
+
+    def _copy(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:
+        """A snapshot copy, received at the lowest CPU priority (this thread ends with the
+        connection, which ends with the copy) and kept as ``PushSnapshot`` keeps one."""
+        stage = self._servicer.stage
+        body = bulk.recv_bytes(conn, n, deadline)
+        try:
+            authz.permit("StageService/PushSnapshot")
+            first = bulk_layers.parse_copy_first(body)
+            bulk_layers.read_frame_count(count)
+            generation = stage.snapshots.generation
+            layers = stage.check_copy_source(first.job_id, first.source)  # before any layer
+            check = callers.in_source_range(layers, first.source, stage.frozen)
+        except ElasticPipeError as exc:
+            bulk.send_error(conn, exc)
+            return False
+        lower_priority_here()
+        conn.sendall(bulk.GO)
+        blobs: dict[int, layer_state.PackedLayer] = {}
+
+        def start(layer: int) -> layer_state.Destination:
+            check(layer)
+            return layer_state.Destination()
+
+        def done(got: layer_state.Received) -> None:
+            blobs[got.layer] = got.packed
+
+        if not self._each_layer(conn, count, start, done):
+            return False
+        try:
+            stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
+        except ElasticPipeError as exc:
+            bulk.send_error(conn, exc)
+            return False
+        answer = stage_pb2.Ack().SerializeToString()
+        conn.sendall(bulk.OK + bulk.U32.pack(len(answer)) + answer)
+        return False
+
+    def _each_layer(
+        self,
+        conn: socket.socket,
+        count: int,
+        start: Callable[[int], layer_state.Destination],
+        done: Callable[[layer_state.Received], None],
+    ) -> bool:
+        """Reads ``count`` layers: each header checked and its tensors placed (``start``,
+        given the layer), answered ``GO``, its bytes read into them, its digest checked,
+        then handed to ``done``. False after the first refusal (its error frame sent)."""
+        limits = (
+            self._servicer.stage.config.max_tensor_bytes,
+            self._servicer.stage.config.max_layer_bytes,
+        )
+        seen: set[int] = set()
 
         def read_into(view: memoryview) -> None:
             bulk.recv_exactly(conn, view, _read_deadline())
@@ -328,10 +402,9 @@ class BulkListener:
                     raise TooLarge(f"a bulk layer header of {size} bytes")
                 head = bulk.recv_bytes(conn, size, _read_deadline())
                 piece = bulk_layers.parse_layer_header(head)
-                if piece.layer in taken:
+                if piece.layer in seen:
                     raise InvalidRequest(f"layer {piece.layer} sent twice")
-                stage.check_restored_layer(piece.layer)
-                into = stage.restore_into(piece.layer, builder=builder)
+                into = start(piece.layer)
                 opened = layer_state.open_layer(piece.layer, piece.header, limits, into)
             except ElasticPipeError as exc:
                 bulk.send_error(conn, exc)
@@ -340,13 +413,11 @@ class BulkListener:
             opened.fill(read_into)
             digest = bulk.recv_bytes(conn, bulk_layers.DIGEST_BYTES, _read_deadline())
             try:
-                stage.stage_restored(first.epoch, opened.finish(digest), builder, overrides)
+                done(opened.finish(digest))
             except ElasticPipeError as exc:
                 bulk.send_error(conn, exc)
                 return False
-            taken.append(piece.layer)
-        answer = stage_pb2.RestoreResponse(layers=taken).SerializeToString()
-        conn.sendall(bulk.OK + bulk.U32.pack(len(answer)) + answer)
+            seen.add(piece.layer)
         return True
 
 

@@ -1,9 +1,12 @@
 """Layer state between stages: pulling a layer (migration, recovery), pushing a snapshot copy.
 
-Both travel as ``LayerChunk`` streams, tensor by tensor (see ``elasticpipe.wire.layer_state``:
-CRC-32 per chunk, a BLAKE3 digest per layer): a puller accepts a layer only whole and intact, so
-a transfer cut short or corrupted fails the epoch change that asked for it, which then
-leaves the old epoch in force.
+A pull travels as a ``LayerChunk`` stream, tensor by tensor (see
+``elasticpipe.wire.layer_state``: CRC-32 per chunk, a BLAKE3 digest per layer): a puller
+accepts a layer only whole and intact, so a transfer cut short or corrupted fails the epoch
+change that asked for it, which then leaves the old epoch in force. A snapshot copy goes
+over the peer's bulk channel (``transport.bulk_layers``: straight from the sealed tensors'
+memory into the kept ones, each layer under the digest it was sealed with), else as such a
+stream over gRPC.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from elasticpipe.errors import NotReady, StageUnavailable, TransferError
+from elasticpipe.errors import ElasticPipeError, NotReady, StageUnavailable, TransferError
+from elasticpipe.logs import get_logger
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.snapshots import Capture, lower_priority_here
-from elasticpipe.transport import rpc
+from elasticpipe.transport import bulk, bulk_layers, rpc
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import layer_state
 from elasticpipe.wire.layer_state import Destination, PackedLayer, Received
+
+log = get_logger(__name__)
 
 PUSH_RETRIES = 40
 UNREACHABLE_RETRIES = 2  # of those, at most this many after the peer could not be reached,
@@ -117,8 +123,16 @@ def push_snapshot(
     deadline = time.monotonic() + timeout
     unreachable = 0
     attempt = 0
+    over_bulk = True
     while True:
         try:
+            if over_bulk:
+                try:
+                    _push_over_bulk(pool, address, capture, blobs, deadline)
+                    return True
+                except bulk.NoChannel as exc:  # a stage without it: gRPC from now on
+                    log.debug("snapshot_copy_over_grpc", peer=address, why=str(exc))
+                    over_bulk = False
             rpc.call(address, pool.encoded(address, "PushSnapshot"), messages(), timeout=timeout)
             return True
         except (NotReady, StageUnavailable) as exc:
@@ -138,3 +152,28 @@ def push_snapshot(
                 raise
             time.sleep(delay)
             attempt += 1
+
+
+def _push_over_bulk(
+    pool: rpc.StagePool,
+    address: str,
+    capture: Capture,
+    blobs: Sequence[tuple[int, PackedLayer]],
+    deadline: float,
+) -> None:
+    """One try of a snapshot copy on a bulk connection of its own (``bulk_layers.send_copy``).
+
+    Raises:
+        bulk.NoChannel: the peer has no bulk channel, or no copies on it (nothing was kept).
+        ElasticPipeError: the peer refused the copy, or the connection broke
+            (``StageUnavailable``).
+    """
+    sock = bulk.connect(pool.stub(address), address, pool.tls, deadline)
+    first = stage_pb2.SnapshotChunk(job_id=capture.job_id, step=capture.step, source=capture.source)
+    try:
+        with sock:
+            bulk_layers.send_copy(sock, address, first, blobs, deadline)
+    except (ElasticPipeError, bulk.NoChannel):
+        raise
+    except (OSError, ConnectionError) as exc:  # (TimeoutError too)
+        raise StageUnavailable(f"snapshot copy to {address}: {exc}") from exc

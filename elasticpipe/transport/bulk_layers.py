@@ -25,6 +25,13 @@ An error after a layer's bytes (a digest mismatch) takes the place of the next `
 of the final ``OK``. The receiver closes the connection after any error in a stream; the
 checks are ``RestoreLayers``' own (``StageServicer.RestoreLayers``), so a layer accepted
 here is staged exactly as one that came over gRPC.
+
+A snapshot copy (``PushSnapshot``'s, from the stage whose snapshot it is to the one that
+keeps it) is the same stream with kind ``COPY``: its first message is the
+``SnapshotChunk`` naming the job, the step and the source (no chunk), its answer an
+``Ack``, and its checks ``PushSnapshot``'s. The sealed layers go with the digests they
+were sealed with. The copy is the connection's last message: its receiving thread ran at
+the lowest CPU priority (as gRPC's copies are received), and closes it after the answer.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from elasticpipe.transport.bulk import (
 from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import codec, layer_state
 
+COPY = b"P"  # a frame's kind: a snapshot copy's layers follow (PushSnapshot's; the last)
 LAYERS = b"B"  # a frame's kind: a load's layers follow, each with its BLAKE3 digest
 # (earlier releases sent kind "L", with SHA-256: a stage of either closes on the other's kind,
 # and the load goes over gRPC, where the digest's field number differs too)
@@ -58,13 +66,16 @@ MAX_HEADER_BYTES = layer_state.MAX_HEADER_BYTES + (1 << 20)  # a layer's header 
 MAX_ANSWER_BYTES = 1 << 20
 
 __all__ = [
+    "COPY",
     "DIGEST_BYTES",
     "LAYERS",
     "PIECE_BYTES",
     "header_frame",
+    "parse_copy_first",
     "parse_first",
     "parse_layer_header",
     "read_frame_count",
+    "send_copy",
     "send_layers",
 ]
 
@@ -99,17 +110,55 @@ def send_layers(
             would), or the connection broke (``StageUnavailable``).
         Exception: ``read``'s own.
     """
+    answer = _stream(sock, address, LAYERS, first, owned, read, stop.is_set, deadline)
+    return None if answer is None else stage_pb2.RestoreResponse.FromString(answer)
+
+
+def send_copy(
+    sock: socket.socket,
+    address: str,
+    first: stage_pb2.SnapshotChunk,
+    blobs: Sequence[tuple[int, layer_state.PackedLayer]],
+    deadline: float,
+) -> None:
+    """Streams a snapshot copy's sealed layers on a new bulk connection (its last message).
+
+    Raises:
+        NoChannel: the stage closed the connection before it answered the first frame (a
+            stage without kind ``COPY``: push the copy over gRPC).
+        ElasticPipeError: the stage refused the copy or a layer (as ``PushSnapshot``
+            would), or the connection broke (``StageUnavailable``).
+    """
+    held = dict(blobs)
+    answer = _stream(
+        sock, address, COPY, first, [i for i, _ in blobs], held.get, lambda: False, deadline
+    )
+    assert answer is not None  # (nothing stops it)
+    stage_pb2.Ack.FromString(answer)
+
+
+def _stream(
+    sock: socket.socket,
+    address: str,
+    kind: bytes,
+    first: stage_pb2.RestoreChunk | stage_pb2.SnapshotChunk,
+    layers: Sequence[int],
+    read: Callable[[int], layer_state.PackedLayer | None],
+    stopped: Callable[[], bool],
+    deadline: float,
+) -> bytes | None:
+    """The stream of ``kind``: its first message, each layer, then the answer's bytes."""
     body = first.SerializeToString()
     try:
-        send_all(sock, FRAME.pack(len(body), LAYERS, len(owned)) + body, deadline)
+        send_all(sock, FRAME.pack(len(body), kind, len(layers)) + body, deadline)
         _expect(sock, GO, address, deadline)
     except ElasticPipeError:
         raise  # the stage's refusal (some kinds are OSErrors too)
-    except ConnectionError as exc:  # closed without an answer: a stage without kind B
-        raise NoChannel(f"the stage closed the bulk load unanswered: {exc}") from exc
-    for layer in owned:
+    except ConnectionError as exc:  # closed without an answer: a stage without this kind
+        raise NoChannel(f"the stage closed the bulk stream unanswered: {exc}") from exc
+    for layer in layers:
         packed = read(layer)
-        if packed is None or stop.is_set():
+        if packed is None or stopped():
             return None
         hasher = None if packed.digest else layer_state.new_hasher(packed.state)
         send_all(sock, header_frame(layer, packed), deadline)
@@ -117,7 +166,7 @@ def send_layers(
         for tensor in packed.tensors:
             raw = layer_state.bytes_of(tensor)
             for start in range(0, len(raw), PIECE_BYTES):
-                if stop.is_set():
+                if stopped():
                     return None
                 piece = raw[start : start + PIECE_BYTES]
                 if hasher is not None:
@@ -127,8 +176,8 @@ def send_layers(
     _expect(sock, OK, address, deadline)
     (n,) = U32.unpack(recv_bytes(sock, U32.size, deadline))
     if n > MAX_ANSWER_BYTES:
-        raise StageUnavailable(f"a bulk load's answer of {n} bytes from {address}")
-    return stage_pb2.RestoreResponse.FromString(recv_bytes(sock, n, deadline))
+        raise StageUnavailable(f"a bulk answer of {n} bytes from {address}")
+    return recv_bytes(sock, n, deadline)
 
 
 def header_frame(layer: int, packed: layer_state.PackedLayer) -> bytes:
@@ -168,6 +217,22 @@ def parse_first(body: bytes) -> stage_pb2.RestoreChunk:
         raise InvalidRequest(f"malformed bulk load header ({len(body)} bytes)") from exc
     if first.HasField("chunk"):
         raise InvalidRequest("a bulk load's first message must not carry a chunk")
+    return first
+
+
+def parse_copy_first(body: bytes) -> stage_pb2.SnapshotChunk:
+    """A copy's first message: its job, step and source, no chunk.
+
+    Raises:
+        InvalidRequest: not a SnapshotChunk, one that carries a chunk, or no source.
+    """
+    first = stage_pb2.SnapshotChunk()
+    try:
+        first.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError
+        raise InvalidRequest(f"malformed bulk snapshot copy header ({len(body)} bytes)") from exc
+    if first.HasField("chunk") or not first.source:
+        raise InvalidRequest("a snapshot stream must start with its job, step and source")
     return first
 
 

@@ -22,7 +22,7 @@ from elasticpipe.transport import bulk, bulk_layers, rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
 from elasticpipe.wire import layer_state
 from tests.support import bulk_stage
-from tests.support.bulk_stage import EPOCH, connect_bulk, open_bulk
+from tests.support.bulk_stage import EPOCH, connect_bulk, open_bulk, refused
 
 stage = bulk_stage.stage  # the fixture: one in-process stage owning layer 1 (a ReLU)
 
@@ -102,14 +102,6 @@ def _begin(sock: Any, epoch: int, count: int, body: bytes | None = None) -> byte
     return bytes(sock.recv(1))
 
 
-def _refused(sock: Any, kind: type[Exception], match: str) -> None:
-    error = bulk.read_error(sock, "stage")
-    assert isinstance(error, kind), error
-    assert match in str(error), error
-    assert sock.recv(1) == b""  # the stream ended: the stage closed the connection
-    sock.close()
-
-
 def test_a_bulk_load_is_refused_as_restore_layers_is_and_the_stage_survives(
     stage: StageServer,
 ) -> None:
@@ -123,30 +115,30 @@ def test_a_bulk_load_is_refused_as_restore_layers_is_and_the_stage_survives(
 
     sock = _open(stub)
     assert _begin(sock, EPOCH + 1, 1) == bulk.ERR  # not frozen for a load
-    _refused(sock, NotReady, "")
+    refused(sock, NotReady, "")
 
     stub.Freeze(stage_pb2.EpochRequest(epoch=EPOCH + 1, lease_s=60), timeout=10)
 
     sock = _open(stub)
     assert _begin(sock, EPOCH + 1, 1, body=b"\xff\xff\xff") == bulk.ERR
-    _refused(sock, InvalidRequest, "malformed bulk load header")
+    refused(sock, InvalidRequest, "malformed bulk load header")
 
     sock = _open(stub)
     assert _begin(sock, EPOCH + 1, bulk_layers.MAX_LAYERS + 1) == bulk.ERR
-    _refused(sock, InvalidRequest, "layers (at most")
+    refused(sock, InvalidRequest, "layers (at most")
 
     sock = _open(stub)
     assert _begin(sock, EPOCH + 1, 1) == bulk.GO
     sock.sendall(bulk_layers.header_frame(0, relu))
     assert sock.recv(1) == bulk.ERR
-    _refused(sock, NotReady, "does not own layer 0")
+    refused(sock, NotReady, "does not own layer 0")
 
     sock = _open(stub)
     assert _begin(sock, EPOCH + 1, 1) == bulk.GO
     unlike = layer_state.pack({"index": 1, "model": {"weight": torch.ones(3)}})
     sock.sendall(bulk_layers.header_frame(1, unlike))
     assert sock.recv(1) == bulk.ERR
-    _refused(sock, InvalidRequest, "")
+    refused(sock, InvalidRequest, "")
 
     sock = _open(stub)
     assert _begin(sock, EPOCH + 1, 1) == bulk.GO
@@ -154,7 +146,7 @@ def test_a_bulk_load_is_refused_as_restore_layers_is_and_the_stage_survives(
     assert sock.recv(1) == bulk.GO
     sock.sendall(bytes(bulk_layers.DIGEST_BYTES))  # not the layer's digest
     assert sock.recv(1) == bulk.ERR
-    _refused(sock, TransferError, "digest mismatch")
+    refused(sock, TransferError, "digest mismatch")
 
     sock = _open(stub)  # an earlier release's load (kind L, SHA-256): closed unanswered
     body = stage_pb2.RestoreChunk(epoch=EPOCH + 1).SerializeToString()

@@ -1,6 +1,7 @@
-"""A snapshot copy over real gRPC: pushed with its kept digest and no chunk CRCs, received
-on a low-priority thread, kept exact; a copy whose bytes changed on the way is refused; a
-copy its peer keeps refusing gives way to a newer snapshot's."""
+"""A snapshot copy over real gRPC, to a peer without a bulk channel: pushed with its kept
+digest and no chunk CRCs, received on a low-priority thread, kept exact; a copy whose bytes
+changed on the way is refused; a copy its peer keeps refusing gives way to a newer
+snapshot's. (``test_bulk_copies.py``: the same over the bulk channel.)"""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ from tests.support.servers import serve_stage
 pytestmark = pytest.mark.timeout(30)
 
 
-class Keeper(stage_pb2_grpc.StageServiceServicer):
+class NoBulk(stage_pb2_grpc.StageServiceServicer):
+    """A stage without a bulk channel (``--no-bulk``): its copies come over gRPC."""
+
+    def OpenBulk(self, request: stage_pb2.OpenBulkRequest, context: Any) -> stage_pb2.OpenBulkReply:
+        return stage_pb2.OpenBulkReply()  # no port
+
+
+class Keeper(NoBulk):
     """A StageService's PushSnapshot as the stage's: ``receive_copy``, then kept."""
 
     def __init__(self) -> None:
@@ -103,7 +111,7 @@ def test_a_copy_whose_bytes_changed_after_sealing_is_refused(
     assert keeper.kept == {}
 
 
-class Refuser(stage_pb2_grpc.StageServiceServicer):
+class Refuser(NoBulk):
     """A peer that has just left the chain: it refuses every copy as not ready."""
 
     def __init__(self) -> None:

@@ -49,3 +49,13 @@ def connect_bulk(port: int, token: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.sendall(bulk.MAGIC + token)
     return sock
+
+
+def refused(sock: socket.socket, kind: type[Exception], match: str) -> None:
+    """Reads the error frame a refused bulk stream got (its kind, a message holding
+    ``match``), then checks that the stage closed the connection with it."""
+    error = bulk.read_error(sock, "stage")
+    assert isinstance(error, kind), error
+    assert match in str(error), error
+    assert sock.recv(1) == b""  # the stream ended: the stage closed the connection
+    sock.close()
