@@ -99,6 +99,14 @@ KEYS: dict[str, set[str]] = {
         "overhead_ms_per_step",
     },
     "scale.py": {"max_stages", "plan_ms", "migration_s", "step_fanout_s", "exponents", "sizes"},
+    "copy_transport.py": {
+        "bulk_wall_ms",
+        "grpc_wall_ms",
+        "bulk_cpu_ms",
+        "grpc_cpu_ms",
+        "grpc_over_bulk_wall",
+        "grpc_over_bulk_cpu",
+    },
     "snapshot_cost.py": {
         "crc+digest_1mib_total_ms",
         "digest-once_1mib_total_ms",
