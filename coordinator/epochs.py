@@ -211,13 +211,14 @@ def awaits_weights(cluster: Cluster, job: JobConfig, step: int) -> bool:
     return not any(row.kind == "restore" for row in history)
 
 
-def unloaded(cluster: Cluster, job: JobConfig, live: Iterable[str]) -> bool:
-    """``awaits_weights`` at the newest step the ``live`` stages committed. Such a job's
-    layers are empty until the client's load, so its stages keep no snapshot of them
-    (Assign takes none), and a recovery builds them anew (``Change.fresh``)."""
-    alive = set(live)
-    steps = [m.committed_step for m in cluster.members.members() if m.row.stage_id in alive]
-    return awaits_weights(cluster, job, max(steps, default=0))
+def unloaded(cluster: Cluster, job: JobConfig) -> bool:
+    """Whether ``job``'s layers are still the empty ones its start built for the client's
+    load (``awaits_weights``: the job's history holds no load). Assign snapshots none of
+    them, so a recovery before the load finds no copy and builds them anew
+    (``Change.fresh``). Decided from the history alone (heartbeats' steps lag, and a spare
+    reports its last job's); the freeze then checks that no stage of the chain committed a
+    step (``change_epoch``)."""
+    return awaits_weights(cluster, job, 0)
 
 
 def prepare(
@@ -361,6 +362,11 @@ def change_epoch(
         pause("after_freeze")
         old_chain = set(change.old_addresses)
         cut_steps = tuple(s for a, s in zip(involved, steps, strict=True) if a in old_chain)
+        if change.fresh and any(cut_steps):
+            raise TransferError(
+                f"the layers were to be built anew (no load committed), but the stages of "
+                f"epoch {change.old.epoch} committed steps {sorted(set(cut_steps))}"
+            )
         if change.rollback_step is not None:
             cut = change.rollback_step
         else:

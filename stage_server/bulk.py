@@ -31,7 +31,7 @@ from elasticpipe.logs import get_logger
 from elasticpipe.security import authz
 from elasticpipe.security.tls import TLS, identity_of
 from elasticpipe.stage_server import callers
-from elasticpipe.stage_server.snapshots import lower_priority_here
+from elasticpipe.stage_server.snapshots import at_lowest_priority
 from elasticpipe.training.job import json_object
 from elasticpipe.transport import bulk, bulk_calls, bulk_layers, serving
 from elasticpipe.v1 import stage_pb2
@@ -304,8 +304,9 @@ class BulkListener:
         except (OSError, ConnectionError, ElasticPipeError):
             raise
         except Exception as exc:  # a bug, or memory: logged, and the stream ends with it
-            log.error("bulk_load_failed", error=repr(exc), exc_info=exc)
-            bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk load: {exc!r}"))
+            what = "copy" if kind == bulk_layers.COPY else "load"
+            log.error(f"bulk_{what}_failed", error=repr(exc), exc_info=exc)
+            bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk {what}: {exc!r}"))
             return False
 
     def _layers(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:
@@ -340,8 +341,8 @@ class BulkListener:
         return True
 
     def _copy(self, conn: socket.socket, n: int, count: int, deadline: float) -> bool:
-        """A snapshot copy, received at the lowest CPU priority (this thread ends with the
-        connection, which ends with the copy) and kept as ``PushSnapshot`` keeps one."""
+        """A snapshot copy, checked and kept as ``PushSnapshot`` keeps one, its layers
+        received on a thread at the lowest CPU priority (``at_lowest_priority``)."""
         stage = self._servicer.stage
         body = bulk.recv_bytes(conn, n, deadline)
         try:
@@ -354,7 +355,6 @@ class BulkListener:
         except ElasticPipeError as exc:
             bulk.send_error(conn, exc)
             return False
-        lower_priority_here()
         conn.sendall(bulk.GO)
         blobs: dict[int, layer_state.PackedLayer] = {}
 
@@ -365,7 +365,9 @@ class BulkListener:
         def done(got: layer_state.Received) -> None:
             blobs[got.layer] = got.packed
 
-        if not self._each_layer(conn, count, start, done):
+        # read and hashed at the lowest priority; kept at this thread's own, under the
+        # stage's lock (where the deferred optimizer step may run on the thread holding it)
+        if not at_lowest_priority(lambda: self._each_layer(conn, count, start, done)):
             return False
         try:
             stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)

@@ -128,6 +128,9 @@ class EpochChanges:
             # The transfers may outlast the freeze lease: hold it for as long as they may take.
             self.machine.extend(new_epoch, timeout + EXTEND_MARGIN_S, time.monotonic())
             same_job = self.job is not None and self.job.job_id == job.job_id
+            if fresh:
+                rolls_back = rollback and not restored_by_client
+                self._check_fresh(new_epoch, job, committed_step, rolls_back, same_job)
             joining = not (same_job and self.placement is not None and self.placement.in_chain)
             keep = self.slice if same_job and not (rollback or restored_by_client) else None
             restoring = self._restoring
@@ -143,11 +146,6 @@ class EpochChanges:
             staged = dict(restoring[1])
             received = sum(restoring[2].values())  # what the client streamed here
         elif fresh:
-            if not (rollback and job.external_weights and committed_step == 0):
-                raise InvalidRequest(
-                    f"epoch {new_epoch}: only a rollback to step 0 of a job whose weights "
-                    "are external (init_state) builds its layers fresh"
-                )
             staged = dict(target.fresh_layers(placement.lo, placement.hi, draw=False))
         else:
             sources = dict(incoming)
@@ -192,6 +190,25 @@ class EpochChanges:
             )
             self._staged = _Staged(new_epoch, placement, job, staged, new_slice)
         return received, time.perf_counter() - started
+
+    def _check_fresh(
+        self, epoch: int, job: JobConfig, step: int, rollback: bool, same_job: bool
+    ) -> None:
+        """Refuses to build layers anew (``fresh``) unless the change rolls back to step 0
+        of a job whose weights are external and that this stage never committed a step of
+        (lock held): layers with state to keep are never replaced by empty ones.
+
+        Raises:
+            InvalidRequest: naming what has state.
+        """
+        done = self.machine.committed_step if same_job else 0
+        if rollback and job.external_weights and step == 0 and done == 0:
+            return
+        why = f"this stage committed step {done} of it" if done else "its state is restored"
+        raise InvalidRequest(
+            f"epoch {epoch}: layers are built anew only at a rollback to step 0 of a job whose "
+            f"weights (init_state) never loaded; {why}"
+        )
 
     def _fetch(
         self,

@@ -34,7 +34,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from elasticpipe.errors import ElasticPipeError, InvalidRequest, NotReady
 from elasticpipe.logs import get_logger
@@ -42,6 +42,7 @@ from elasticpipe.v1 import stage_pb2
 from elasticpipe.wire import layer_state
 from elasticpipe.wire.layer_state import PackedLayer
 
+T = TypeVar("T")
 log = get_logger(__name__)
 
 DEFAULT_KEEP = 2
@@ -299,13 +300,26 @@ def receive_copy(
     Raises:
         whatever ``layer_state.receive`` raises, or reading ``pieces`` raises.
     """
-    result: dict[int, PackedLayer] = {}
+    return at_lowest_priority(
+        lambda: {got.layer: got.packed for got in layer_state.receive(pieces, *limits)}
+    )
+
+
+def at_lowest_priority(work: Callable[[], T]) -> T:
+    """``work()`` on a thread of its own at the lowest CPU priority, joined: the caller's
+    thread keeps its own priority for what it does next (a copy is kept under the stage's
+    lock, where the deferred optimizer step may run on whichever thread holds it).
+
+    Raises:
+        whatever ``work`` raises.
+    """
+    result: list[T] = []
     failure: list[BaseException] = []
 
     def run() -> None:
         _lower_priority()
         try:
-            result.update((got.layer, got.packed) for got in layer_state.receive(pieces, *limits))
+            result.append(work())
         except BaseException as exc:  # handed to the caller
             failure.append(exc)
 
@@ -314,7 +328,7 @@ def receive_copy(
     thread.join()
     if failure:
         raise failure[0]
-    return result
+    return result[0]
 
 
 def lower_priority_here() -> None:

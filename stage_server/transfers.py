@@ -133,7 +133,11 @@ def push_snapshot(
                 except bulk.NoChannel as exc:  # a stage without it: gRPC from now on
                     log.debug("snapshot_copy_over_grpc", peer=address, why=str(exc))
                     over_bulk = False
-            rpc.call(address, pool.encoded(address, "PushSnapshot"), messages(), timeout=timeout)
+                except StageUnavailable:  # broken on the way: the next try goes over gRPC
+                    over_bulk = False
+                    raise
+            left = max(0.1, deadline - time.monotonic())
+            rpc.call(address, pool.encoded(address, "PushSnapshot"), messages(), timeout=left)
             return True
         except (NotReady, StageUnavailable) as exc:
             # The peer may not have taken the job (or the chain) yet: at a job's start every

@@ -133,8 +133,10 @@ def send_copy(
     answer = _stream(
         sock, address, COPY, first, [i for i, _ in blobs], held.get, lambda: False, deadline
     )
-    assert answer is not None  # (nothing stops it)
-    stage_pb2.Ack.FromString(answer)
+    try:
+        stage_pb2.Ack.FromString(answer or b"")
+    except Exception as exc:  # protobuf's DecodeError
+        raise StageUnavailable(f"a malformed answer to a snapshot copy from {address}") from exc
 
 
 def _stream(
@@ -152,9 +154,9 @@ def _stream(
     try:
         send_all(sock, FRAME.pack(len(body), kind, len(layers)) + body, deadline)
         _expect(sock, GO, address, deadline)
-    except ElasticPipeError:
-        raise  # the stage's refusal (some kinds are OSErrors too)
-    except ConnectionError as exc:  # closed without an answer: a stage without this kind
+    except (ElasticPipeError, TimeoutError):
+        raise  # the stage's refusal (some kinds are OSErrors too), or the deadline
+    except OSError as exc:  # closed without an answer (TLS: an EOF): a stage without this kind
         raise NoChannel(f"the stage closed the bulk stream unanswered: {exc}") from exc
     for layer in layers:
         packed = read(layer)

@@ -84,17 +84,28 @@ def test_a_copy_over_the_bulk_channel_is_kept_exact_at_low_priority(
     keeper: StageServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The push goes over the bulk channel only (its gRPC path would fail the test), the
-    stage keeps the layer's bytes under its digest, on a thread at the lowest priority."""
+    stage keeps the layer's bytes under its digest; the bytes are received on a thread at
+    the lowest priority, and kept (under the stage's lock, where a deferred optimizer step
+    may run) at the connection thread's own."""
     packed = _layer0()
     stage = keeper.stage
-    priorities: list[int] = []
-    keep = stage.keep_copy
+    priorities: dict[str, list[int]] = {"received": [], "kept": []}
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    keep, allocate = stage.keep_copy, layer_state.Destination.allocate
 
     def keep_copy(*args: Any) -> None:
-        priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        priorities["kept"].append(priority())
         keep(*args)
 
+    def allocated(self: Any, *args: Any) -> torch.Tensor:
+        priorities["received"].append(priority())
+        return allocate(self, *args)
+
     monkeypatch.setattr(stage, "keep_copy", keep_copy)
+    monkeypatch.setattr(layer_state.Destination, "allocate", allocated)
     pool = rpc.StagePool()
 
     def no_grpc(*args: Any) -> Any:
@@ -107,7 +118,8 @@ def test_a_copy_over_the_bulk_channel_is_kept_exact_at_low_priority(
     assert kept is not None and kept.digest == packed.digest
     for got, want in zip(kept.tensors, packed.tensors, strict=True):
         assert torch.equal(got, want)
-    assert priorities == [snapshots.SNAPSHOT_NICE]
+    assert set(priorities["received"]) == {snapshots.SNAPSHOT_NICE}
+    assert priorities["kept"] == [os.getpriority(os.PRIO_PROCESS, 0)]  # the process's own
 
 
 def test_a_bulk_copy_is_refused_as_push_snapshot_is_and_the_stage_survives(

@@ -39,7 +39,9 @@ def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
         yield stub
 
 
-def _prepare_fresh(stub: stage_pb2_grpc.StageServiceStub, job: JobConfig, step: int) -> None:
+def _prepare_fresh(
+    stub: stage_pb2_grpc.StageServiceStub, job: JobConfig, step: int, rollback: bool = True
+) -> None:
     stub.Freeze(stage_pb2.EpochRequest(epoch=EPOCH + 1, lease_s=60), timeout=10)
     placement = Placement(epoch=EPOCH + 1, index=0, num_stages=2, lo=0, hi=2)
     stub.PrepareEpoch(
@@ -48,7 +50,7 @@ def _prepare_fresh(stub: stage_pb2_grpc.StageServiceStub, job: JobConfig, step: 
             assignment=placement.to_proto(),
             job=job.to_proto(),
             committed_step=step,
-            rollback=True,
+            rollback=rollback,
             fresh=True,
             timeout_s=30,
             lease_s=60,
@@ -67,18 +69,21 @@ def _job(external: bool) -> JobConfig:
     )
 
 
-@pytest.mark.parametrize("external, step", [(False, 0), (True, 2)])
+@pytest.mark.parametrize(
+    "external, step, rollback", [(False, 0, True), (True, 2, True), (True, 0, False)]
+)
 def test_fresh_layers_are_refused_where_a_snapshot_must_be_restored(
-    external: bool, step: int
+    external: bool, step: int, rollback: bool
 ) -> None:
-    """A job drawn from its seed, or a rollback past step 0, has state to restore: building
-    its layers anew would lose it, so the stage refuses, naming why, and keeps its epoch."""
+    """A job drawn from its seed, a rollback past step 0, or a move (no rollback) has state
+    to keep: building its layers anew would lose it, so the stage refuses, naming why, and
+    keeps its epoch."""
     job = _job(external)
     with _stage(job) as stub:
         with pytest.raises(grpc.RpcError) as refused:
-            _prepare_fresh(stub, job, step)
+            _prepare_fresh(stub, job, step, rollback)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "builds its layers fresh" in str(refused.value.details())
+        assert "built anew only at a rollback to step 0" in str(refused.value.details())
         assert stub.GetStats(stage_pb2.StatsRequest(), timeout=10).epoch == EPOCH
 
 
