@@ -117,7 +117,7 @@ class EpochChanges:
         A migration pulls the incoming layers' live state from their owners (at
         ``source_epoch``); a rollback builds every owned layer from the snapshot of
         ``committed_step`` (held here or pulled from ``incoming``'s holders), or, ``fresh``,
-        new and empty (a job whose init_state never loaded keeps no snapshot); a restore
+        new and empty (Assign snapshots none of the empty layers awaiting init_state); a restore
         takes what ``RestoreLayers`` staged.
 
         Returns:

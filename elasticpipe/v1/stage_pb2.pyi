@@ -1125,8 +1125,8 @@ class PrepareEpochRequest(_message.Message):
     """how long to hold the prepared state before asking"""
     fresh: _builtins.bool
     """With rollback to step 0 of a job whose weights are external (init_state) and were never
-    loaded: every owned layer is built new, as Assign builds it (such a job keeps no
-    snapshot of its empty layers; the client's load replaces them all).
+    loaded: every owned layer is built new, as Assign builds it (Assign snapshots none of
+    such a job's empty layers; the client's load replaces them all).
     """
     @_builtins.property
     def assignment(self) -> Global___Assignment:
