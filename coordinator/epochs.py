@@ -208,17 +208,25 @@ def awaits_weights(cluster: Cluster, job: JobConfig, step: int) -> bool:
     if not job.external_weights or step:
         return False
     history = cluster.store.epochs(limit=HISTORY_SCAN, job_id=job.job_id)
+    if len(history) >= HISTORY_SCAN and not any(row.kind == "start" for row in history):
+        return False  # the rows read do not reach back to the start: a load may lie before
     return not any(row.kind == "restore" for row in history)
 
 
-def unloaded(cluster: Cluster, job: JobConfig) -> bool:
+def unloaded(cluster: Cluster, job: JobConfig, chain: Iterable[str], since_epoch: int) -> bool:
     """Whether ``job``'s layers are still the empty ones its start built for the client's
-    load (``awaits_weights``: the job's history holds no load). Assign snapshots none of
-    them, so a recovery before the load finds no copy and builds them anew
-    (``Change.fresh``). Decided from the history alone (heartbeats' steps lag, and a spare
-    reports its last job's); the freeze then checks that no stage of the chain committed a
-    step (``change_epoch``)."""
-    return awaits_weights(cluster, job, 0)
+    load: its history holds no load (``awaits_weights``), and no stage of its ``chain``,
+    dead or alive, last reported a committed step of this history (``since_epoch`` on: a
+    heartbeat from before the job's start, or a spare's, reports another job's). Assign
+    snapshots none of those layers, so a recovery before the load finds no copy and builds
+    them anew (``Change.fresh``); a trained job without copies fails as it always did."""
+    ids = set(chain)
+    trained = any(
+        m.committed_step > 0 and m.epoch >= since_epoch
+        for m in cluster.members.members()
+        if m.row.stage_id in ids
+    )
+    return not trained and awaits_weights(cluster, job, 0)
 
 
 def prepare(

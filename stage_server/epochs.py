@@ -61,6 +61,7 @@ class _Staged:
     job: JobConfig
     layers: Layers
     new_slice: LayerSlice | None  # replaces the whole slice (joining, rollback, restore)
+    loaded: bool = False  # a load's (the client streamed the layers)
 
 
 class EpochChanges:
@@ -83,6 +84,8 @@ class EpochChanges:
     _staged: _Staged | None
     # A load in progress: its epoch, the layers built so far, and the bytes each came in.
     _restoring: tuple[int, Layers, dict[int, int]] | None
+    # The job whose load (a restore epoch) committed here: its layers are never built anew.
+    loaded_job: str | None = None
 
     def freeze(self, new_epoch: int, timeout: float, lease_s: float, abort_running: bool) -> int:
         """Waits for the step boundary (or ends the run in flight), then holds it."""
@@ -188,23 +191,30 @@ class EpochChanges:
                     joining=joining,
                 )
             )
-            self._staged = _Staged(new_epoch, placement, job, staged, new_slice)
+            self._staged = _Staged(
+                new_epoch, placement, job, staged, new_slice, loaded=restored_by_client
+            )
         return received, time.perf_counter() - started
 
     def _check_fresh(
         self, epoch: int, job: JobConfig, step: int, rollback: bool, same_job: bool
     ) -> None:
         """Refuses to build layers anew (``fresh``) unless the change rolls back to step 0
-        of a job whose weights are external and that this stage never committed a step of
-        (lock held): layers with state to keep are never replaced by empty ones.
+        of a job whose weights are external and that this stage neither loaded nor
+        committed a step of (lock held): layers with state are never replaced by empty ones.
 
         Raises:
-            InvalidRequest: naming what has state.
+            InvalidRequest: naming why.
         """
         done = self.machine.committed_step if same_job else 0
-        if rollback and job.external_weights and step == 0 and done == 0:
+        if not (rollback and job.external_weights and step == 0):
+            why = "it is not a rollback to step 0 of a job whose weights are external"
+        elif done:
+            why = f"this stage committed step {done} of the job"
+        elif same_job and self.loaded_job == job.job_id:
+            why = "this stage loaded the job's init_state"
+        else:
             return
-        why = f"this stage committed step {done} of it" if done else "its state is restored"
         raise InvalidRequest(
             f"epoch {epoch}: layers are built anew only at a rollback to step 0 of a job whose "
             f"weights (init_state) never loaded; {why}"
@@ -284,6 +294,8 @@ class EpochChanges:
             staged = self._staged
             every = staged.job.snapshot_every if staged is not None else None
             self._apply(self.machine.commit_epoch(new_epoch, every))
+            if staged is not None and staged.loaded and self.machine.epoch == staged.epoch:
+                self.loaded_job = staged.job.job_id
             return self.machine.epoch
 
     def abort_epoch(self, new_epoch: int) -> int:

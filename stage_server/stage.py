@@ -248,7 +248,7 @@ class Stage(EpochChanges, SnapshotCopies):
             reducing.refuse_running_stats({i: new_slice.layers[i] for i in placement.layers})
         with self._cond:
             self.job, self.slice = job, new_slice
-            self._staged, self._restoring = None, None
+            self._staged, self._restoring, self.loaded_job = None, None, None
             self._set_placement(placement)
             self._apply(
                 self.machine.assign(placement.epoch, job.snapshot_every, job.external_weights)

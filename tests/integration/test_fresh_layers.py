@@ -5,18 +5,22 @@ that sends it). One in-process stage, spoken to over gRPC as the coordinator wou
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
 import pytest
+import torch
 
 from elasticpipe.partition import Placement
 from elasticpipe.stage_server.server import StageServer
 from elasticpipe.stage_server.stage import StageConfig
 from elasticpipe.training.job import JobConfig
-from elasticpipe.transport import rpc
+from elasticpipe.transport import bulk, bulk_layers, rpc
 from elasticpipe.v1 import stage_pb2, stage_pb2_grpc
+from elasticpipe.wire import layer_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,13 +44,17 @@ def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
 
 
 def _prepare_fresh(
-    stub: stage_pb2_grpc.StageServiceStub, job: JobConfig, step: int, rollback: bool = True
+    stub: stage_pb2_grpc.StageServiceStub,
+    job: JobConfig,
+    step: int,
+    rollback: bool = True,
+    epoch: int = EPOCH + 1,
 ) -> None:
-    stub.Freeze(stage_pb2.EpochRequest(epoch=EPOCH + 1, lease_s=60), timeout=10)
-    placement = Placement(epoch=EPOCH + 1, index=0, num_stages=2, lo=0, hi=2)
+    stub.Freeze(stage_pb2.EpochRequest(epoch=epoch, lease_s=60), timeout=10)
+    placement = Placement(epoch=epoch, index=0, num_stages=2, lo=0, hi=2)
     stub.PrepareEpoch(
         stage_pb2.PrepareEpochRequest(
-            epoch=EPOCH + 1,
+            epoch=epoch,
             assignment=placement.to_proto(),
             job=job.to_proto(),
             committed_step=step,
@@ -96,3 +104,48 @@ def test_fresh_layers_of_a_job_awaiting_its_init_state_commit() -> None:
         stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
         stats = stub.GetStats(stage_pb2.StatsRequest(), timeout=10)
         assert (stats.epoch, stats.layer_lo, stats.layer_hi) == (EPOCH + 1, 0, 2)
+
+
+def test_fresh_layers_are_refused_once_the_init_state_loaded() -> None:
+    """A stage whose load of the job's init_state committed (step 0 still) refuses to build
+    its layers anew: they hold the weights the client streamed."""
+    job = _job(external=True)
+    with _stage(job) as stub:
+        stub.Freeze(stage_pb2.EpochRequest(epoch=EPOCH + 1, lease_s=60), timeout=10)
+        reply = stub.OpenBulk(stage_pb2.OpenBulkRequest(), timeout=10)
+        assert reply.port
+        layers = {
+            0: layer_state.pack(
+                {"index": 0, "model": {"weight": torch.ones(4, 4), "bias": torch.ones(4)}}
+            ),
+            1: layer_state.pack({"index": 1, "model": {}}),
+        }
+        deadline = time.monotonic() + 10
+        with bulk.connect(stub, "127.0.0.1:1", None, deadline) as sock:
+            answer = bulk_layers.send_layers(
+                sock,
+                "stage",
+                stage_pb2.RestoreChunk(epoch=EPOCH + 1),
+                [0, 1],
+                layers.get,
+                threading.Event(),
+                deadline,
+            )
+        assert answer is not None and sorted(answer.layers) == [0, 1]
+        placement = Placement(epoch=EPOCH + 1, index=0, num_stages=2, lo=0, hi=2)
+        stub.PrepareEpoch(
+            stage_pb2.PrepareEpochRequest(
+                epoch=EPOCH + 1,
+                assignment=placement.to_proto(),
+                job=job.to_proto(),
+                restored_by_client=True,
+                timeout_s=30,
+                lease_s=60,
+            ),
+            timeout=30,
+        )
+        stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            _prepare_fresh(stub, job, 0, epoch=EPOCH + 2)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "loaded the job's init_state" in str(refused.value.details())

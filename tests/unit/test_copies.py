@@ -118,3 +118,41 @@ def test_a_leaving_stage_stays_until_a_dead_neighbour_is_recovered() -> None:
     started = time.monotonic()
     Coordinator._stay_for_recovery(cast(Any, stuck), started + 0.3)
     assert 0.3 <= time.monotonic() - started < 5
+
+
+class _History:
+    """What ``epochs.unloaded`` reads: the job's epoch history (newest first, as many rows
+    as asked for) and the members' last reports (stage id, epoch, committed step)."""
+
+    def __init__(self, kinds: list[str], reports: list[tuple[str, int, int]]):
+        self.kinds, self.store = kinds, self
+        reported = [
+            SimpleNamespace(row=SimpleNamespace(stage_id=sid), epoch=e, committed_step=step)
+            for sid, e, step in reports
+        ]
+        self.members = SimpleNamespace(members=lambda: reported)
+
+    def epochs(self, limit: int, job_id: str) -> list[Any]:
+        return [SimpleNamespace(kind=k) for k in self.kinds[:limit]]
+
+
+def _unloaded(kinds: list[str], reports: list[tuple[str, int, int]], external: bool = True) -> bool:
+    job = SimpleNamespace(job_id="j", external_weights=external)
+    return epochs.unloaded(cast(Any, _History(kinds, reports)), cast(Any, job), ["a", "b"], 5)
+
+
+def test_only_an_init_state_job_never_loaded_nor_trained_is_built_anew() -> None:
+    """Built anew: external weights, no load in the history, and no stage of the chain
+    reporting a step of this history. A spare's or an older heartbeat's step (another
+    job's, before the job's epoch 5) does not count; a chain stage's does, dead or alive."""
+    assert _unloaded(["start"], [("a", 5, 0), ("b", 6, 0), ("spare", 9, 1000), ("a", 4, 7)])
+    assert not _unloaded(["start"], [], external=False)
+    assert not _unloaded(["restore", "start"], [])
+    assert not _unloaded(["start"], [("b", 6, 3)])
+
+
+def test_a_history_longer_than_its_scan_counts_as_loaded() -> None:
+    """When the rows read do not reach back to the job's start, a load may lie before
+    them: the layers are taken as loaded, never rebuilt empty."""
+    assert not _unloaded(["move"] * epochs.HISTORY_SCAN + ["start"], [])
+    assert _unloaded(["move"] * (epochs.HISTORY_SCAN - 1) + ["start"], [])
