@@ -30,8 +30,9 @@ A snapshot copy (``PushSnapshot``'s, from the stage whose snapshot it is to the 
 keeps it) is the same stream with kind ``COPY``: its first message is the
 ``SnapshotChunk`` naming the job, the step and the source (no chunk), its answer an
 ``Ack``, and its checks ``PushSnapshot``'s. The sealed layers go with the digests they
-were sealed with. The copy is the connection's last message: its receiving thread ran at
-the lowest CPU priority (as gRPC's copies are received), and closes it after the answer.
+were sealed with. The copy is the connection's last message: the stage reads its layers
+on a helper thread at the lowest CPU priority (as it receives a gRPC copy), keeps the copy
+on the connection's own thread, and closes the connection after the answer.
 """
 
 from __future__ import annotations
