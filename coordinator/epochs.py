@@ -205,28 +205,38 @@ def freeze(cluster: Cluster, change: Change, lease_s: float | None = None) -> li
 def awaits_weights(cluster: Cluster, job: JobConfig, step: int) -> bool:
     """Whether ``job``'s layers still wait for its ``init_state``: its weights are
     external, and neither a step nor a load (a ``restore`` epoch) ever committed."""
-    if not job.external_weights or step:
-        return False
-    history = cluster.store.epochs(limit=HISTORY_SCAN, job_id=job.job_id)
-    if len(history) >= HISTORY_SCAN and not any(row.kind == "start" for row in history):
-        return False  # the rows read do not reach back to the start: a load may lie before
-    return not any(row.kind == "restore" for row in history)
+    return not step and _start_unloaded(cluster, job) is not None
 
 
-def unloaded(cluster: Cluster, job: JobConfig, chain: Iterable[str], since_epoch: int) -> bool:
+def unloaded(cluster: Cluster, job: JobConfig, chain: Iterable[str]) -> bool:
     """Whether ``job``'s layers are still the empty ones its start built for the client's
     load: its history holds no load (``awaits_weights``), and no stage of its ``chain``,
-    dead or alive, last reported a committed step of this history (``since_epoch`` on: a
-    heartbeat from before the job's start, or a spare's, reports another job's). Assign
-    snapshots none of those layers, so a recovery before the load finds no copy and builds
-    them anew (``Change.fresh``); a trained job without copies fails as it always did."""
+    dead or alive, reported a committed step since the job's start (an older report, a
+    heartbeat not yet sent since, is of another job). Assign snapshots none of those
+    layers, so a recovery before the load finds no copy and builds them anew
+    (``Change.fresh``); a trained job without copies fails as it always did."""
+    start = _start_unloaded(cluster, job)
+    if start is None:
+        return False
     ids = set(chain)
-    trained = any(
-        m.committed_step > 0 and m.epoch >= since_epoch
+    return not any(
+        m.committed_step > 0 and m.epoch >= start
         for m in cluster.members.members()
         if m.row.stage_id in ids
     )
-    return not trained and awaits_weights(cluster, job, 0)
+
+
+def _start_unloaded(cluster: Cluster, job: JobConfig) -> int | None:
+    """The epoch ``job`` started at, if its weights are external and its history holds
+    no load; else None (also when the rows read do not reach back to its start: a load
+    may lie before them)."""
+    if not job.external_weights:
+        return None
+    history = cluster.store.epochs(limit=HISTORY_SCAN, job_id=job.job_id)
+    starts = [row.epoch for row in history if row.kind == "start"]
+    if not starts or any(row.kind == "restore" for row in history):
+        return None
+    return min(starts)
 
 
 def prepare(

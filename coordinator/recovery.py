@@ -204,7 +204,7 @@ class Recovery:
         live = {m.row.stage_id for m in self.c.members.members() if self.c.members.alive(m)}
         found = copies.copies_by_step(self._holdings(live, old.restore_epoch), job.job_id)
         step = copies.newest_step(found, old.num_layers, live)
-        fresh = step is None and epochs.unloaded(self.c, job, old.stage_ids, old.restore_epoch)
+        fresh = step is None and epochs.unloaded(self.c, job, old.stage_ids)
         if fresh:  # empty layers awaiting the client's init_state: no copies are kept
             step = 0
         if step is None:

@@ -195,7 +195,7 @@ def _rolled_back(
     assert job is not None
     found = copies.copies_by_step(holdings(live, old.replicas[0].restore_epoch), job.job_id)
     step = copies.newest_step(found, old.num_layers, live)
-    if step is None and epochs.unloaded(cluster, job, old.stage_ids, old.replicas[0].restore_epoch):
+    if step is None and epochs.unloaded(cluster, job, old.stage_ids):
         return 0, {}, True
     if step is None:
         missing, why = copies.lost(

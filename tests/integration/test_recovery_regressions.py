@@ -265,6 +265,8 @@ def test_a_stage_lost_before_init_state_streamed_is_built_anew(
         cluster.kill(killed[0])
         deadline = time.monotonic() + 60
         while not any(r.kind == "recovery" for r in history(cluster)):
+            failure = cluster.status().job_failure
+            assert not failure, f"the job failed instead: {failure}"
             assert time.monotonic() < deadline, "no recovery within 60 s"
             time.sleep(0.1)
         load(session)

@@ -133,18 +133,19 @@ class _History:
         self.members = SimpleNamespace(members=lambda: reported)
 
     def epochs(self, limit: int, job_id: str) -> list[Any]:
-        return [SimpleNamespace(kind=k) for k in self.kinds[:limit]]
+        newest = len(self.kinds) + 4  # the start row, the oldest, is epoch 5
+        return [SimpleNamespace(kind=k, epoch=newest - n) for n, k in enumerate(self.kinds)][:limit]
 
 
 def _unloaded(kinds: list[str], reports: list[tuple[str, int, int]], external: bool = True) -> bool:
     job = SimpleNamespace(job_id="j", external_weights=external)
-    return epochs.unloaded(cast(Any, _History(kinds, reports)), cast(Any, job), ["a", "b"], 5)
+    return epochs.unloaded(cast(Any, _History(kinds, reports)), cast(Any, job), ["a", "b"])
 
 
 def test_only_an_init_state_job_never_loaded_nor_trained_is_built_anew() -> None:
     """Built anew: external weights, no load in the history, and no stage of the chain
-    reporting a step of this history. A spare's or an older heartbeat's step (another
-    job's, before the job's epoch 5) does not count; a chain stage's does, dead or alive."""
+    reporting a step since the job's start (epoch 5). A spare's step, or a report from
+    before the start (another job's), does not count; a chain stage's does, dead or alive."""
     assert _unloaded(["start"], [("a", 5, 0), ("b", 6, 0), ("spare", 9, 1000), ("a", 4, 7)])
     assert not _unloaded(["start"], [], external=False)
     assert not _unloaded(["restore", "start"], [])
