@@ -223,7 +223,7 @@ class BulkListener:
         except ElasticPipeError as exc:
             if eager:
                 bulk.drain(conn, nbytes, deadline)  # bounded by EAGER_BYTES; nothing kept
-            bulk.send_error(conn, exc)  # nothing reserved, nothing more to read
+            self._refuse(conn, "Deliver", exc)  # nothing reserved, nothing more to read
             return True
         head = msg.header
         try:
@@ -244,7 +244,7 @@ class BulkListener:
                 secret=head.secret,
             )
         except ElasticPipeError as exc:
-            bulk.send_error(conn, exc)
+            self._refuse(conn, "Deliver", exc)
             return True
         if accepted:
             servicer.stage.metrics.bulk_received_bytes.inc(structure.nbytes(value))
@@ -288,6 +288,12 @@ class BulkListener:
         errors = self._servicer.stage.metrics.rpc_errors
         errors.labels(method=f"StageService/{method}", code=code).inc()
 
+    def _refuse(self, conn: socket.socket, method: str, exc: ElasticPipeError) -> None:
+        """Answers a refusal with its error frame, counted as the gRPC ``method`` it
+        stands for (``Deliver`` for a data message) would be."""
+        self._count(method, exc.code.name)
+        bulk.send_error(conn, exc)
+
     def _take_layers(
         self, conn: socket.socket, kind: bytes, n: int, count: int, deadline: float
     ) -> bool:
@@ -306,6 +312,7 @@ class BulkListener:
         except Exception as exc:  # a bug, or memory: logged, and the stream ends with it
             what = "copy" if kind == bulk_layers.COPY else "load"
             log.error(f"bulk_{what}_failed", error=repr(exc), exc_info=exc)
+            self._count("PushSnapshot" if kind == bulk_layers.COPY else "RestoreLayers", "INTERNAL")
             bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk {what}: {exc!r}"))
             return False
 
@@ -321,7 +328,7 @@ class BulkListener:
             builder = stage.check_restore(first.epoch)  # before a single layer is read
             overrides = json_object(first.optimizer_overrides_json, "optimizer_overrides_json")
         except ElasticPipeError as exc:
-            bulk.send_error(conn, exc)
+            self._refuse(conn, "RestoreLayers", exc)
             return False
         conn.sendall(bulk.GO)
         taken: list[int] = []
@@ -334,7 +341,7 @@ class BulkListener:
             stage.stage_restored(first.epoch, got, builder, overrides)
             taken.append(got.layer)
 
-        if not self._each_layer(conn, count, start, done):
+        if not self._each_layer(conn, "RestoreLayers", count, start, done):
             return False
         answer = stage_pb2.RestoreResponse(layers=taken).SerializeToString()
         conn.sendall(bulk.OK + bulk.U32.pack(len(answer)) + answer)
@@ -353,7 +360,7 @@ class BulkListener:
             layers = stage.check_copy_source(first.job_id, first.source)  # before any layer
             check = callers.in_source_range(layers, first.source, stage.frozen)
         except ElasticPipeError as exc:
-            bulk.send_error(conn, exc)
+            self._refuse(conn, "PushSnapshot", exc)
             return False
         conn.sendall(bulk.GO)
         blobs: dict[int, layer_state.PackedLayer] = {}
@@ -367,12 +374,14 @@ class BulkListener:
 
         # read and hashed at the lowest priority; kept at this thread's own, under the
         # stage's lock (where the deferred optimizer step may run on the thread holding it)
-        if not at_lowest_priority(lambda: self._each_layer(conn, count, start, done)):
+        if not at_lowest_priority(
+            lambda: self._each_layer(conn, "PushSnapshot", count, start, done)
+        ):
             return False
         try:
             stage.keep_copy(first.job_id, first.step, first.source, blobs, generation)
         except ElasticPipeError as exc:
-            bulk.send_error(conn, exc)
+            self._refuse(conn, "PushSnapshot", exc)
             return False
         answer = stage_pb2.Ack().SerializeToString()
         conn.sendall(bulk.OK + bulk.U32.pack(len(answer)) + answer)
@@ -381,13 +390,15 @@ class BulkListener:
     def _each_layer(
         self,
         conn: socket.socket,
+        method: str,
         count: int,
         start: Callable[[int], layer_state.Destination],
         done: Callable[[layer_state.Received], None],
     ) -> bool:
         """Reads ``count`` layers: each header checked and its tensors placed (``start``,
         given the layer), answered ``GO``, its bytes read into them, its digest checked,
-        then handed to ``done``. False after the first refusal (its error frame sent)."""
+        then handed to ``done``. False after the first refusal (its error frame sent, counted
+        as ``method``'s)."""
         limits = (
             self._servicer.stage.config.max_tensor_bytes,
             self._servicer.stage.config.max_layer_bytes,
@@ -409,7 +420,7 @@ class BulkListener:
                 into = start(piece.layer)
                 opened = layer_state.open_layer(piece.layer, piece.header, limits, into)
             except ElasticPipeError as exc:
-                bulk.send_error(conn, exc)
+                self._refuse(conn, method, exc)
                 return False
             conn.sendall(bulk.GO)
             opened.fill(read_into)
@@ -417,7 +428,7 @@ class BulkListener:
             try:
                 done(opened.finish(digest))
             except ElasticPipeError as exc:
-                bulk.send_error(conn, exc)
+                self._refuse(conn, method, exc)
                 return False
             seen.add(piece.layer)
         return True

@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from elasticpipe.errors import ElasticPipeError, NotReady, StageUnavailable, TransferError
+from elasticpipe.errors import (
+    DeadlineExceeded,
+    ElasticPipeError,
+    NotReady,
+    StageUnavailable,
+    TransferError,
+)
 from elasticpipe.logs import get_logger
 from elasticpipe.stage_server.faults import Fault
 from elasticpipe.stage_server.snapshots import Capture, lower_priority_here
@@ -136,7 +142,9 @@ def push_snapshot(
                 except StageUnavailable:  # broken on the way: the next try goes over gRPC
                     over_bulk = False
                     raise
-            left = max(0.1, deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            if left <= 0:  # (the bulk tries took it all)
+                raise DeadlineExceeded(f"snapshot copy to {address}: {timeout:.0f} s passed")
             rpc.call(address, pool.encoded(address, "PushSnapshot"), messages(), timeout=left)
             return True
         except (NotReady, StageUnavailable) as exc:

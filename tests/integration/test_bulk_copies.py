@@ -130,6 +130,10 @@ def test_a_bulk_copy_is_refused_as_push_snapshot_is_and_the_stage_survives(
     refused with ``PushSnapshot``'s error, ends its stream, and keeps nothing."""
     packed = _layer0()
     deadline = time.monotonic() + 10
+    invalid = keeper.stage.metrics.rpc_errors.labels(
+        method="StageService/PushSnapshot", code="INVALID_ARGUMENT"
+    )
+    counted = invalid._value.get()
 
     def begin(first: bytes, count: int = 1) -> Any:
         sock = _open(keeper)
@@ -174,6 +178,8 @@ def test_a_bulk_copy_is_refused_as_push_snapshot_is_and_the_stage_survives(
     sock.close()
 
     assert keeper.stage.snapshots.get(JOB.job_id, STEP, 0) is None
+    # counted as gRPC counts PushSnapshot's refusals: four of them were invalid requests
+    assert invalid._value.get() == counted + 4
     sock = _open(keeper)
     bulk_layers.send_copy(sock, "keeper", _first(), [(0, packed)], deadline)
     assert sock.recv(1) == b""  # a copy is its connection's last message
