@@ -397,9 +397,9 @@ class Jobs(Loads):
             # Layers built empty for the client's init_state have no snapshot to wait for:
             # the load replaces them (and waits for its own copies); a recovery before it
             # builds them anew (``epochs.unloaded``).
-            chains = layout.replicas if layout is not None else (partition,)
-            for chain in () if job.external_weights else chains:
-                self.wait_for_copies(chain, job, 0)
+            if not job.external_weights:
+                for chain in layout.replicas if layout is not None else (partition,):
+                    self.wait_for_copies(chain, job, 0)
             laps.lap("copies")
             client = self._issue(holder)
             # the stages (of every replica) follow the new client only

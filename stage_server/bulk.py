@@ -310,9 +310,10 @@ class BulkListener:
         except (OSError, ConnectionError, ElasticPipeError):
             raise
         except Exception as exc:  # a bug, or memory: logged, and the stream ends with it
-            what = "copy" if kind == bulk_layers.COPY else "load"
+            copy = kind == bulk_layers.COPY
+            what, method = ("copy", "PushSnapshot") if copy else ("load", "RestoreLayers")
             log.error(f"bulk_{what}_failed", error=repr(exc), exc_info=exc)
-            self._count("PushSnapshot" if kind == bulk_layers.COPY else "RestoreLayers", "INTERNAL")
+            self._count(method, "INTERNAL")
             bulk.send_error(conn, ElasticPipeError(f"internal error in a bulk {what}: {exc!r}"))
             return False
 

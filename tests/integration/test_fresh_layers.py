@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 import pytest
@@ -27,6 +28,11 @@ pytestmark = pytest.mark.timeout(60)
 EPOCH = 3
 
 
+def _placement(epoch: int) -> stage_pb2.Assignment:
+    """Layers [0, 2) of a 2-stage chain at ``epoch``."""
+    return Placement(epoch=epoch, index=0, num_stages=2, lo=0, hi=2).to_proto()
+
+
 @contextmanager
 def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
     """A stage assigned layers [0, 2) of ``job`` (an MLP: a Linear and a ReLU) at ``EPOCH``."""
@@ -35,12 +41,26 @@ def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
         rpc.channel(server.address) as chan,
     ):
         stub = stage_pb2_grpc.StageServiceStub(chan)
-        placement = Placement(epoch=EPOCH, index=0, num_stages=2, lo=0, hi=2)
         stub.Assign(
-            stage_pb2.AssignRequest(job=job.to_proto(), assignment=placement.to_proto()),
+            stage_pb2.AssignRequest(job=job.to_proto(), assignment=_placement(EPOCH)),
             timeout=30,
         )
         yield stub
+
+
+def _prepare(
+    stub: stage_pb2_grpc.StageServiceStub, job: JobConfig, epoch: int, **fields: Any
+) -> None:
+    """``PrepareEpoch`` of ``epoch`` with ``fields`` (the coordinator froze the stage)."""
+    request = stage_pb2.PrepareEpochRequest(
+        epoch=epoch,
+        assignment=_placement(epoch),
+        job=job.to_proto(),
+        timeout_s=30,
+        lease_s=60,
+        **fields,
+    )
+    stub.PrepareEpoch(request, timeout=30)
 
 
 def _prepare_fresh(
@@ -51,20 +71,7 @@ def _prepare_fresh(
     epoch: int = EPOCH + 1,
 ) -> None:
     stub.Freeze(stage_pb2.EpochRequest(epoch=epoch, lease_s=60), timeout=10)
-    placement = Placement(epoch=epoch, index=0, num_stages=2, lo=0, hi=2)
-    stub.PrepareEpoch(
-        stage_pb2.PrepareEpochRequest(
-            epoch=epoch,
-            assignment=placement.to_proto(),
-            job=job.to_proto(),
-            committed_step=step,
-            rollback=rollback,
-            fresh=True,
-            timeout_s=30,
-            lease_s=60,
-        ),
-        timeout=30,
-    )
+    _prepare(stub, job, epoch, committed_step=step, rollback=rollback, fresh=True)
 
 
 def _job(external: bool) -> JobConfig:
@@ -132,18 +139,7 @@ def test_fresh_layers_are_refused_once_the_init_state_loaded() -> None:
                 deadline,
             )
         assert answer is not None and sorted(answer.layers) == [0, 1]
-        placement = Placement(epoch=EPOCH + 1, index=0, num_stages=2, lo=0, hi=2)
-        stub.PrepareEpoch(
-            stage_pb2.PrepareEpochRequest(
-                epoch=EPOCH + 1,
-                assignment=placement.to_proto(),
-                job=job.to_proto(),
-                restored_by_client=True,
-                timeout_s=30,
-                lease_s=60,
-            ),
-            timeout=30,
-        )
+        _prepare(stub, job, EPOCH + 1, restored_by_client=True)
         stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
             _prepare_fresh(stub, job, 0, epoch=EPOCH + 2)
