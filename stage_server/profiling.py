@@ -24,9 +24,10 @@ What is measured per layer, for one micro-batch (the sample):
   runs put some layers of a uniform MLP at 4x the others on a loaded host); a stage
   timing with ``--timer fastest`` asks for more (``Stage.profile``). A layer stops sooner
   once its timed runs (two at least) took ``LAYER_BUDGET_S`` of real time, or after one
-  when it alone took ``LONG_RUN_S`` (a GPT-2-sized head, about a second a run on one
-  core; the warm-up, which carries one-time costs, never decides). Such a layer's delays
-  are small next to it, and profiling a model stays a small share of its first step;
+  when it alone took ``LONG_RUN_S`` (a GPT-2-sized head, about half a second a run on
+  one core of the 2-core Xeon; the warm-up, which carries one-time costs, never decides).
+  Such a layer's delays are small next to it (its three runs in a row there were 0.48,
+  0.49 and 0.49 s), and profiling a model stays a small share of its first step;
 * ``output_bytes``: the activation it sends on;
 * ``stash_bytes``: what a stage keeps for its backward while the micro-batch is in flight:
   its input and output and every tensor autograd saves, each storage counted once;
@@ -36,8 +37,8 @@ What is measured per layer, for one micro-batch (the sample):
 
 At GPT-2 small's size (162M parameters, AdamW, a micro-batch of 4 x 63 tokens, one
 thread), the profile took 10.9 s before alike layers were skipped and the optimizer's state
-was measured on the meta device, and takes 3.4 s (``bench/first_step.py`` shows it within
-the first step).
+was measured on the meta device, 3.0 s with two timed runs of its head, and 2.5 s with one
+(``bench/first_step.py`` shows it within the first step).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from elasticpipe.wire.structure import Value
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 LAYER_BUDGET_S = 0.25  # timed runs (two at least) that took this long in all: they do
-LONG_RUN_S = 1.0  # a first timed run this long: it does
+LONG_RUN_S = 0.4  # a first timed run this long: it does
 
 __all__ = ["alike_key", "profile_layers", "tensor_bytes"]
 

@@ -118,7 +118,7 @@ def test_a_layer_whose_runs_take_long_is_timed_fewer_times(
 ) -> None:
     """Every repeat for quick layers; fewer once the timed runs took ``LAYER_BUDGET_S`` of
     real time in all: two at 0.14 s a run, four at 0.07 s (0.21 s after three); one when
-    the first took ``LONG_RUN_S`` (1.2 s)."""
+    the first took at least ``LONG_RUN_S`` (1.2 s)."""
     job = JobConfig(model="mlp", model_kwargs={"sizes": [8, 8]}, optimizer="sgd", loss="mse")
     timings = profile_layers(
         job, torch.randn(4, 8), torch.device("cpu"), _RealWork(sleep_s), ("mlp",), repeats
