@@ -203,10 +203,15 @@ class Jobs(Loads):
         snapshot). Under ``move_lock``, with every stage settled and idle. Not for a job
         of several replicas (no rollback of one is built yet).
 
+        A job whose layers still wait for their ``init_state`` (a script resumed between
+        its set-up and its load) has nothing to snapshot: its layers are the empty ones the
+        load replaces, and a stage lost before the load has them built anew
+        (``epochs.unloaded``).
+
         Returns:
             The partition in force, and whether the snapshot of ``step`` is safe.
         """
-        if not job.snapshot_every or self.c.replicas > 1:
+        if not job.snapshot_every or self.c.replicas > 1 or self.awaits_weights(job, step):
             return partition, False
         # The job's history for this client starts here: no rollback goes further back,
         # and snapshots of stages that missed this epoch are of an older history.

@@ -226,7 +226,8 @@ def test_a_script_killed_before_its_init_state_streamed_resumes_from_init_state(
     """The script SIGKILLed once its job was set up, before init_state streamed: the
     stages hold no step of it yet, so a script resumed without init_state is refused,
     naming it, and one resumed with it streams it, and trains as single-process training
-    from those weights does."""
+    from those weights does. Neither attach snapshots the empty layers the load replaces
+    (no attach epoch before the load)."""
     kill_script_at(script(cluster, INIT_SCRIPT), tmp_path / "script.log", os.environ, "set_up")
     with pipeline(cluster, resume=True) as pipe:
         for _ in range(2):  # and again: the refusal holds, the lease was given back
@@ -238,6 +239,8 @@ def test_a_script_killed_before_its_init_state_streamed_resumes_from_init_state(
     with pipeline(cluster, resume=True, init_state=init) as pipe:
         losses = [pipe.train_step(*batch(step)) for step in (1, 2, 3)]
         state = pipe.state_dict()
+    kinds = [r.kind for r in history(cluster)]
+    assert "restore" in kinds and "attach" not in kinds[: kinds.index("restore")], kinds
     want = [reference_step(model, optimizer, "cross_entropy", *batch(step)) for step in (1, 2, 3)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
     for key, value in model.state_dict().items():
