@@ -1,7 +1,9 @@
-"""A rollback that builds its layers anew (``PrepareEpochRequest.fresh``): only for step 0
-of a job whose weights are external and were never loaded, whose layers are empty and so
-never snapshotted (``tests/integration/test_recovery_regressions.py`` has the recovery
-that sends it). One in-process stage, spoken to over gRPC as the coordinator would."""
+"""The empty layers a job whose weights are external starts with: a rollback that builds
+them anew (``PrepareEpochRequest.fresh``), only for step 0 of such a job never loaded, whose
+layers are empty and so never snapshotted (``tests/integration/test_recovery_regressions.py``
+has the recovery that sends it); and its ``init_state`` load, written straight into them.
+One in-process stage, spoken to over gRPC and its bulk channel as the coordinator and the
+client would."""
 
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ def _placement(epoch: int) -> stage_pb2.Assignment:
 
 
 @contextmanager
-def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
-    """A stage assigned layers [0, 2) of ``job`` (an MLP: a Linear and a ReLU) at ``EPOCH``."""
+def _server(job: JobConfig) -> Iterator[tuple[StageServer, stage_pb2_grpc.StageServiceStub]]:
+    """A stage assigned layers [0, 2) of ``job`` (an MLP: a Linear and a ReLU) at ``EPOCH``,
+    and a stub to it."""
     with (
         StageServer(StageConfig(name="fresh-test"), "127.0.0.1:1") as server,
         rpc.channel(server.address) as chan,
@@ -45,7 +48,39 @@ def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
             stage_pb2.AssignRequest(job=job.to_proto(), assignment=_placement(EPOCH)),
             timeout=30,
         )
+        yield server, stub
+
+
+@contextmanager
+def _stage(job: JobConfig) -> Iterator[stage_pb2_grpc.StageServiceStub]:
+    """``_server``'s stub."""
+    with _server(job) as (_, stub):
         yield stub
+
+
+def _load(stub: stage_pb2_grpc.StageServiceStub, job: JobConfig, epoch: int, value: float) -> None:
+    """Streams layers [0, 2) with every weight ``value`` over the stage's bulk channel, as a
+    client's load of ``epoch`` does, and prepares the epoch (not committed)."""
+    stub.Freeze(stage_pb2.EpochRequest(epoch=epoch, lease_s=60), timeout=10)
+    layers = {
+        0: layer_state.pack(
+            {"index": 0, "model": {"weight": torch.full((4, 4), value), "bias": torch.ones(4)}}
+        ),
+        1: layer_state.pack({"index": 1, "model": {}}),
+    }
+    deadline = time.monotonic() + 10
+    with bulk.connect(stub, "127.0.0.1:1", None, deadline) as sock:
+        answer = bulk_layers.send_layers(
+            sock,
+            "stage",
+            stage_pb2.RestoreChunk(epoch=epoch),
+            [0, 1],
+            layers.get,
+            threading.Event(),
+            deadline,
+        )
+    assert answer is not None and sorted(answer.layers) == [0, 1]
+    _prepare(stub, job, epoch, restored_by_client=True)
 
 
 def _prepare(
@@ -118,30 +153,32 @@ def test_fresh_layers_are_refused_once_the_init_state_loaded() -> None:
     its layers anew: they hold the weights the client streamed."""
     job = _job(external=True)
     with _stage(job) as stub:
-        stub.Freeze(stage_pb2.EpochRequest(epoch=EPOCH + 1, lease_s=60), timeout=10)
-        reply = stub.OpenBulk(stage_pb2.OpenBulkRequest(), timeout=10)
-        assert reply.port
-        layers = {
-            0: layer_state.pack(
-                {"index": 0, "model": {"weight": torch.ones(4, 4), "bias": torch.ones(4)}}
-            ),
-            1: layer_state.pack({"index": 1, "model": {}}),
-        }
-        deadline = time.monotonic() + 10
-        with bulk.connect(stub, "127.0.0.1:1", None, deadline) as sock:
-            answer = bulk_layers.send_layers(
-                sock,
-                "stage",
-                stage_pb2.RestoreChunk(epoch=EPOCH + 1),
-                [0, 1],
-                layers.get,
-                threading.Event(),
-                deadline,
-            )
-        assert answer is not None and sorted(answer.layers) == [0, 1]
-        _prepare(stub, job, EPOCH + 1, restored_by_client=True)
+        _load(stub, job, EPOCH + 1, 1.0)
         stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
             _prepare_fresh(stub, job, 0, epoch=EPOCH + 2)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "loaded the job's init_state" in str(refused.value.details())
+
+
+def test_an_init_state_load_writes_into_the_empty_layers_and_a_later_load_stages_its_own() -> None:
+    """The load of a job awaiting its init_state streams the weights straight into the empty
+    layers in use (their memory, mapped at Assign: no second copy of the weights). Once
+    loaded, a load (a checkpoint) goes into layers of its own until its epoch commits, so
+    that one that fails leaves the weights in use as they were."""
+    job = _job(external=True)
+    with _server(job) as (server, stub):
+        assert server.stage.slice is not None
+        empty = server.stage.slice.layers[0].weight
+        _load(stub, job, EPOCH + 1, 2.0)
+        assert torch.equal(empty, torch.full((4, 4), 2.0))  # written where it lies
+        stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
+        live = server.stage.slice.layers[0].weight
+        assert live.data_ptr() == empty.data_ptr()
+
+        _load(stub, job, EPOCH + 2, 3.0)
+        assert torch.equal(live, torch.full((4, 4), 2.0))  # staged apart: in use unchanged
+        stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 2), timeout=10)
+        loaded = server.stage.slice.layers[0].weight
+        assert loaded.data_ptr() != live.data_ptr()
+        assert torch.equal(loaded, torch.full((4, 4), 3.0))
