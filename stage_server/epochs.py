@@ -21,6 +21,7 @@ machine and layers, and carry out their effects through ``Stage._apply``.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ class EpochChanges:
     _restoring: tuple[int, Layers, dict[int, int]] | None
     # The job whose load (a restore epoch) committed here: its layers are never built anew.
     loaded_job: str | None = None
+    # Layers built empty for a job's init_state (at Assign, or anew by a ``fresh``
+    # rollback) that no load has written into yet: the first load's may (``restore_into``).
+    _empty: weakref.WeakSet[nn.Module]
 
     def freeze(self, new_epoch: int, timeout: float, lease_s: float, abort_running: bool) -> int:
         """Waits for the step boundary (or ends the run in flight), then holds it."""
@@ -152,6 +156,8 @@ class EpochChanges:
             received = sum(restoring[2].values())  # what the client streamed here
         elif fresh:
             staged = dict(target.fresh_layers(placement.lo, placement.hi, draw=False))
+            with self._cond:
+                self._empty.update(built.module for built in staged.values())
         else:
             sources = dict(incoming)
             wanted = list(placement.layers) if rollback else [layer for layer, _ in incoming]
@@ -392,31 +398,21 @@ class EpochChanges:
         """Where a checkpointed layer's tensors go, on its header (after
         ``check_restored_layer``), before any of it is allocated: a new layer of
         ``builder``'s, so that the layer in use stays as it is if the load fails. Except
-        where that layer is one of the empty ones a job's start builds for its
-        ``init_state`` (``_unloaded_layer``): nothing in it is worth keeping, and the load
-        writes straight into its memory, mapped and zeroed at ``Assign``, instead of into
-        a second copy of the weights (for a GPT-2 small, 649 MB more at the load's peak,
-        every page of it faulted in as the weights stream)."""
+        where that layer is one of the empty ones built for the job's ``init_state`` that
+        no load has written into yet (``_empty``): nothing in it is worth keeping, and the
+        load writes straight into its memory, mapped and zeroed when it was built, instead
+        of into a second copy of the weights (for a GPT-2 small, 649 MB more at the load's
+        peak, every page of it faulted in as the weights stream). Only the first load
+        does: a later one (after that one failed) stages apart, so that a stale stream of
+        the first, still writing, writes into no layer that trains."""
         with self._cond:
-            live = self._unloaded_layer(index, builder.job)
+            live = self.slice.layers.get(index) if self.slice is not None else None
+            mine = self.job is not None and builder.job.job_id == self.job.job_id
+            if live is None or not mine or live not in self._empty:
+                live = None
+            else:
+                self._empty.discard(live)
         return IntoModule(live if live is not None else builder.new_layer(index), f"layer {index}")
-
-    def _unloaded_layer(self, index: int, job: JobConfig) -> nn.Module | None:
-        """Layer ``index`` in use, if it is one of the empty layers ``job``'s start built
-        for its ``init_state``: the job's weights are external, and this stage neither
-        loaded them nor committed a step of the job (lock held). A load that fails
-        half-way leaves it half-written, which nothing reads: the job trains only once a
-        load committed, and the next load, strict, overwrites every weight."""
-        if (
-            self.job is None
-            or self.slice is None
-            or job.job_id != self.job.job_id
-            or not job.external_weights
-            or self.machine.committed_step
-            or self.loaded_job == job.job_id
-        ):
-            return None
-        return self.slice.layers.get(index)
 
     def stage_restored(
         self,

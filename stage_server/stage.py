@@ -25,11 +25,13 @@ from __future__ import annotations
 import hmac
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch._dynamo  # see the module's docstring
+from torch import nn
 
 from elasticpipe import models
 from elasticpipe.errors import (
@@ -150,6 +152,7 @@ class Stage(EpochChanges, SnapshotCopies):
         self._outputs: tuple[int, bytes, dict[int, Value]] = (0, b"", {})
         self._staged = None  # what an epoch change holds aside (``EpochChanges``)
         self._restoring = None  # a load in progress
+        self._empty: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # (``EpochChanges``)
         self._questions: list[Effect] = []
         self._snapshotter = Snapshotter(
             self.snapshots, self._push_copy, lambda: self.faults.point("snapshot")
@@ -249,6 +252,9 @@ class Stage(EpochChanges, SnapshotCopies):
         with self._cond:
             self.job, self.slice = job, new_slice
             self._staged, self._restoring, self.loaded_job = None, None, None
+            # the layers an init_state load may write into where they lie (``restore_into``)
+            empty = new_slice.layers.values() if job.external_weights else ()
+            self._empty = weakref.WeakSet(empty)
             self._set_placement(placement)
             self._apply(
                 self.machine.assign(placement.epoch, job.snapshot_every, job.external_weights)

@@ -182,3 +182,48 @@ def test_an_init_state_load_writes_into_the_empty_layers_and_a_later_load_stages
         loaded = server.stage.slice.layers[0].weight
         assert loaded.data_ptr() != live.data_ptr()
         assert torch.equal(loaded, torch.full((4, 4), 3.0))
+
+
+def test_a_failed_init_state_load_leaves_the_next_load_to_layers_of_its_own() -> None:
+    """Only the first load writes into the empty layers: once it is abandoned (its
+    writer may still be at it), the next load stages layers apart, and its commit
+    installs them."""
+    job = _job(external=True)
+    with _server(job) as (server, stub):
+        assert server.stage.slice is not None
+        first = server.stage.slice.layers[0].weight
+        _load(stub, job, EPOCH + 1, 2.0)
+        stub.AbortEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
+        _load(stub, job, EPOCH + 2, 3.0)
+        assert torch.equal(first, torch.full((4, 4), 2.0))  # the first load's, untouched
+        stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 2), timeout=10)
+        loaded = server.stage.slice.layers[0].weight
+        assert loaded.data_ptr() != first.data_ptr()
+        assert torch.equal(loaded, torch.full((4, 4), 3.0))
+
+
+def test_layers_a_stage_took_over_by_a_move_at_step_0_are_not_taken_for_empty() -> None:
+    """A stage that joins after the init_state load, taking the loaded layers over by a
+    move while the job is still at step 0, holds weights: a later load that is abandoned
+    leaves them as they were."""
+    job = _job(external=True)
+    with _server(job) as (holder, stub):
+        _load(stub, job, EPOCH + 1, 2.0)
+        stub.CommitEpoch(stage_pb2.EpochRequest(epoch=EPOCH + 1), timeout=10)
+        with (
+            StageServer(StageConfig(name="spare"), "127.0.0.1:1") as spare,
+            rpc.channel(spare.address) as chan,
+        ):
+            to_spare = stage_pb2_grpc.StageServiceStub(chan)
+            moved = EPOCH + 2
+            to_spare.Freeze(stage_pb2.EpochRequest(epoch=moved, lease_s=60), timeout=10)
+            sources = [stage_pb2.LayerSource(layer=i, address=holder.address) for i in (0, 1)]
+            _prepare(to_spare, job, moved, source_epoch=EPOCH + 1, incoming=sources)
+            to_spare.CommitEpoch(stage_pb2.EpochRequest(epoch=moved), timeout=10)
+            assert spare.stage.slice is not None
+            weight = spare.stage.slice.layers[0].weight
+            assert torch.equal(weight, torch.full((4, 4), 2.0))
+            _load(to_spare, job, moved + 1, 3.0)
+            to_spare.AbortEpoch(stage_pb2.EpochRequest(epoch=moved + 1), timeout=10)
+            assert spare.stage.slice.layers[0].weight is weight
+            assert torch.equal(weight, torch.full((4, 4), 2.0))

@@ -104,12 +104,13 @@ class _RealWork(Slowdown):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("sleep_s", "repeats", "samples"),
-    [(0.0, 5, 5), (0.0, 32, 32), (0.07, 5, 2), (0.035, 32, 4), (0.6, 5, 1)],
+    [(0.0, 5, 5), (0.0, 32, 32), (0.07, 5, 2), (0.035, 32, 4), (0.25, 5, 1), (0.6, 5, 1)],
     ids=[
         "fast: every repeat",
         "fast: every one of many",
         "over the budget: two",
         "over the budget after four",
+        "a half-second run: one",
         "a long run: one",
     ],
 )
@@ -118,7 +119,7 @@ def test_a_layer_whose_runs_take_long_is_timed_fewer_times(
 ) -> None:
     """Every repeat for quick layers; fewer once the timed runs took ``LAYER_BUDGET_S`` of
     real time in all: two at 0.14 s a run, four at 0.07 s (0.21 s after three); one when
-    the first took at least ``LONG_RUN_S`` (1.2 s)."""
+    the first took at least ``LONG_RUN_S`` (0.5 s and 1.2 s a run)."""
     job = JobConfig(model="mlp", model_kwargs={"sizes": [8, 8]}, optimizer="sgd", loss="mse")
     timings = profile_layers(
         job, torch.randn(4, 8), torch.device("cpu"), _RealWork(sleep_s), ("mlp",), repeats
