@@ -439,7 +439,10 @@ class StageServicer:
         for layer, packed in self.stage.export_layers(
             req.epoch, list(req.layers), req.include_optimizer, snapshot
         ):
-            yield from layer_state.messages(layer, packed, self.stage.config.transfer_chunk_bytes)
+            # no CRC-32 per chunk: the layer's digest checks it whole (as a snapshot copy's)
+            yield from layer_state.messages(
+                layer, packed, self.stage.config.transfer_chunk_bytes, checked_chunks=False
+            )
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: grpc.ServicerContext

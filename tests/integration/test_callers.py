@@ -277,7 +277,12 @@ def test_exports_and_restores_refuse_bad_layers_first(cluster: LocalCluster) -> 
             grpc.StatusCode.INVALID_ARGUMENT,
             "layers [0] asked for more than once",
         )
-        assert list(first.ExportLayers(stage_pb2.ExportLayersRequest(layers=[0]), timeout=10))
+        exported = list(first.ExportLayers(stage_pb2.ExportLayersRequest(layers=[0]), timeout=10))
+        # no CRC-32 per chunk: the layer's digest is the one checksum, and it holds
+        assert exported[0].header.unchecked_chunks
+        assert exported[-1].digest and not any(c.crc32 for c in exported if c.data)
+        (got,) = layer_state.receive(iter(exported), 1 << 30, 1 << 30)
+        assert got.layer == 0 and got.packed.tensors
 
         coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(
             rpc.channel(cluster.coordinator, cluster.client_tls)
