@@ -99,6 +99,16 @@ KEYS: dict[str, set[str]] = {
         "overhead_ms_per_step",
     },
     "scale.py": {"max_stages", "plan_ms", "migration_s", "step_fanout_s", "exponents", "sizes"},
+    "move_pause.py": {
+        "data_path_gbps",
+        "pause_ms_1",
+        "goal_ms_1",
+        "pause_ms_3",
+        "goal_ms_3",
+        "move_gbps",
+        "move_vs_data_path",
+        "worst_pause_vs_goal",
+    },
     "copy_transport.py": {
         "bulk_wall_ms",
         "grpc_wall_ms",
