@@ -170,7 +170,7 @@ class EpochChange:
         if missing:
             raise NotReady(f"stage {self.name} does not hold layers {missing}")
         for layer in req.layers:
-            yield from layer_state.messages(layer, BLOB)
+            yield from layer_state.messages(layer, BLOB, checked_chunks=False)  # as a stage's
 
     def RestoreLayers(
         self, chunks: Iterator[stage_pb2.RestoreChunk], ctx: Any

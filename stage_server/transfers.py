@@ -1,7 +1,7 @@
 """Layer state between stages: pulling a layer (migration, recovery), pushing a snapshot copy.
 
 A pull travels as a ``LayerChunk`` stream, tensor by tensor (see
-``elasticpipe.wire.layer_state``: CRC-32 per chunk, a BLAKE3 digest per layer): a puller
+``elasticpipe.wire.layer_state``: a BLAKE3 digest per layer, no CRC-32 per chunk): a puller
 accepts a layer only whole and intact, so a transfer cut short or corrupted fails the epoch
 change that asked for it, which then leaves the old epoch in force. A snapshot copy goes
 over the peer's bulk channel (``transport.bulk_layers``: straight from the sealed tensors'

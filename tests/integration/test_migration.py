@@ -145,8 +145,8 @@ def test_training_is_exact_across_migrations(
 def test_failed_transfer_keeps_the_old_epoch_and_training_exact(
     cluster: LocalCluster, admin: Admin, fault: int
 ) -> None:
-    """A transfer whose chunk fails its checksum, or that is cancelled midway, aborts the
-    change: the epoch and partition stay, every layer stays usable, results stay exact."""
+    """A transfer whose data fails its layer's digest, or that is cancelled midway, aborts
+    the change: the epoch and partition stay, every layer stays usable, results stay exact."""
 
     def between(step: int, pipe: Pipeline) -> None:
         if step != 3:
