@@ -180,7 +180,8 @@ class Jobs(Loads):
             client = self._issue(holder)
             # fences every older client, on every replica's stages
             step = self.settle(self.c.job_layout() or partition, client, holder)
-            partition, safe = self._snapshot_at(job, partition, step, holder)
+            awaiting = self.awaits_weights(job, step)  # (reads the job's history)
+            partition, safe = self._snapshot_at(job, partition, step, holder, awaiting)
             self._grant(job.job_id, lease_s, holder, client, request, created=not resumed)
         log.info("client_attached", job=job.job_id, client=holder, step=step)
         return Attached(
@@ -191,11 +192,11 @@ class Jobs(Loads):
             resumed,
             step if safe else self.safe_step(),
             self.c.profile is not None,
-            self.awaits_weights(job, step),
+            awaiting,
         )
 
     def _snapshot_at(
-        self, job: JobConfig, partition: Partition, step: int, holder: str
+        self, job: JobConfig, partition: Partition, step: int, holder: str, awaiting: bool
     ) -> tuple[Partition, bool]:
         """Snapshots every stage at ``step`` (the attach point) and waits for the copies:
         a new client holds no mini-batch before it, so a rollback must never go further
@@ -203,15 +204,15 @@ class Jobs(Loads):
         snapshot). Under ``move_lock``, with every stage settled and idle. Not for a job
         of several replicas (no rollback of one is built yet).
 
-        A job whose layers still wait for their ``init_state`` (a script resumed between
-        its set-up and its load) has nothing to snapshot: its layers are the empty ones the
-        load replaces, and a stage lost before the load has them built anew
+        A job whose layers still wait for their ``init_state`` (``awaiting``: a script
+        resumed between its set-up and its load) has nothing to snapshot: its layers are the
+        empty ones the load replaces, and a stage lost before the load has them built anew
         (``epochs.unloaded``).
 
         Returns:
             The partition in force, and whether the snapshot of ``step`` is safe.
         """
-        if not job.snapshot_every or self.c.replicas > 1 or self.awaits_weights(job, step):
+        if not job.snapshot_every or self.c.replicas > 1 or awaiting:
             return partition, False
         # The job's history for this client starts here: no rollback goes further back,
         # and snapshots of stages that missed this epoch are of an older history.

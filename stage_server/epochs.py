@@ -408,11 +408,10 @@ class EpochChanges:
         with self._cond:
             live = self.slice.layers.get(index) if self.slice is not None else None
             mine = self.job is not None and builder.job.job_id == self.job.job_id
-            if live is None or not mine or live not in self._empty:
-                live = None
-            else:
-                self._empty.discard(live)
-        return IntoModule(live if live is not None else builder.new_layer(index), f"layer {index}")
+            if mine and live is not None and live in self._empty:
+                self._empty.discard(live)  # the first load's: no other writes into it
+                return IntoModule(live, f"layer {index}")
+        return IntoModule(builder.new_layer(index), f"layer {index}")
 
     def stage_restored(
         self,
